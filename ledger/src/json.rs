@@ -1,0 +1,118 @@
+//! `JsonText`: JSON kept as the exact text it arrived as, so numbers and key order survive.
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::ser::Serializer;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use std::fmt;
+
+/// Valid JSON held as its exact text.
+///
+/// Binary encodings (the history's msgpack) store it as a string; human-readable ones (the JSON
+/// views) embed it verbatim. Keeping text instead of a parsed value is what makes
+/// `9007199254740993` and key order survive every round trip.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JsonText(String);
+
+impl JsonText {
+    /// Checks that `text` is one JSON value and keeps it byte for byte.
+    pub fn parse(text: impl Into<String>) -> crate::Result<Self> {
+        let text = text.into();
+        serde_json::from_str::<&RawValue>(&text).map_err(|e| crate::Error::InvalidJson {
+            reason: e.to_string(),
+        })?;
+        Ok(JsonText(text))
+    }
+
+    /// Compact JSON of a value.
+    pub fn from_value(value: &serde_json::Value) -> Self {
+        // Serializing a `Value` cannot fail: its map keys are strings.
+        JsonText(serde_json::to_string(value).unwrap_or_else(|_| "null".to_owned()))
+    }
+
+    /// The exact text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Parses into a `serde_json::Value` (numbers beyond f64/u64/i64 may lose precision there).
+    pub fn to_value(&self) -> crate::Result<serde_json::Value> {
+        serde_json::from_str(&self.0).map_err(|e| crate::Error::InvalidJson {
+            reason: e.to_string(),
+        })
+    }
+}
+
+impl fmt::Debug for JsonText {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "JsonText({})", self.0)
+    }
+}
+
+impl fmt::Display for JsonText {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Serialize for JsonText {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        if serializer.is_human_readable() {
+            match serde_json::from_str::<&RawValue>(&self.0) {
+                Ok(raw) => raw.serialize(serializer),
+                Err(_) => serializer.serialize_str(&self.0),
+            }
+        } else {
+            serializer.serialize_str(&self.0)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for JsonText {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        if deserializer.is_human_readable() {
+            let raw = Box::<RawValue>::deserialize(deserializer)?;
+            Ok(JsonText(raw.get().to_owned()))
+        } else {
+            struct TextVisitor;
+            impl Visitor<'_> for TextVisitor {
+                type Value = JsonText;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a string holding JSON text")
+                }
+                fn visit_str<E: de::Error>(self, v: &str) -> Result<JsonText, E> {
+                    JsonText::parse(v).map_err(E::custom)
+                }
+                fn visit_string<E: de::Error>(self, v: String) -> Result<JsonText, E> {
+                    JsonText::parse(v).map_err(E::custom)
+                }
+            }
+            deserializer.deserialize_str(TextVisitor)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn big_numbers_and_key_order_survive_json_and_msgpack() {
+        let text = r#"{"z":9007199254740993,"a":[1.0000000000000000001,{"y":1,"b":2}]}"#;
+        let json = JsonText::parse(text).unwrap();
+        let via_json: JsonText =
+            serde_json::from_str(&serde_json::to_string(&json).unwrap()).unwrap();
+        assert_eq!(via_json.as_str(), text);
+        let bytes = rmp_serde::to_vec_named(&json).unwrap();
+        let via_msgpack: JsonText = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(via_msgpack.as_str(), text);
+    }
+
+    #[test]
+    fn invalid_json_is_rejected_with_position() {
+        let err = JsonText::parse("{\"a\":").unwrap_err();
+        assert!(
+            matches!(err, crate::Error::InvalidJson { ref reason } if reason.contains("line 1"))
+        );
+    }
+}

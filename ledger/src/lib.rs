@@ -1,0 +1,20 @@
+//! Pure transcript model: canonical messages and parts, the canonical model response, validation
+//! and the tool-result projection. No IO, no clock, no randomness, no hash-map iteration.
+
+mod error;
+mod json;
+mod projection;
+mod request;
+mod response;
+mod transcript;
+mod validate;
+
+pub use error::{Error, Result, Violation};
+pub use json::JsonText;
+pub use projection::{project_tool_result, PREVIEW_BYTES, TRANSCRIPT_RESULT_LIMIT_BYTES};
+pub use request::{Delta, ModelSpec, ToolSpec};
+pub use response::{ModelResponse, StopReason, Usage};
+pub use transcript::{
+    Message, Part, Provenance, Role, ToolResult, ToolResultContent, ToolUse, Transcript,
+};
+pub use validate::{validate_response, validate_transcript};

@@ -1,0 +1,232 @@
+//! The canonical transcript: messages of ordered parts, exactly as a provider must get them back.
+
+use crate::json::JsonText;
+use crate::projection::project_tool_result;
+use crate::response::ModelResponse;
+use serde::{Deserialize, Serialize};
+
+/// Who speaks a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Instructions ahead of the conversation.
+    System,
+    /// The person, and tool results.
+    User,
+    /// The model.
+    Assistant,
+}
+
+impl Role {
+    /// The role's wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        }
+    }
+}
+
+/// Which provider and model produced an assistant message.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Provenance {
+    /// Provider family, e.g. `anthropic`, `scripted`.
+    pub provider: String,
+    /// Model name as the provider spells it.
+    pub model: String,
+}
+
+/// A tool call the model made.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ToolUse {
+    /// The provider's call id; results refer to it.
+    pub id: String,
+    /// Tool name.
+    pub name: String,
+    /// The arguments as the exact JSON text the model produced (it may even be invalid JSON).
+    pub arguments: String,
+    /// A per-call provider signature, when the provider issues one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<String>,
+}
+
+/// The content of a tool result.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolResultContent {
+    /// A JSON value, kept as its exact text.
+    Json(JsonText),
+    /// Plain text.
+    Text(String),
+}
+
+impl ToolResultContent {
+    /// The canonical JSON text of this content: the JSON itself, or the text as a JSON string.
+    pub fn canonical_json(&self) -> String {
+        match self {
+            ToolResultContent::Json(json) => json.as_str().to_owned(),
+            ToolResultContent::Text(text) => {
+                serde_json::to_string(text).unwrap_or_else(|_| String::from("\"\""))
+            }
+        }
+    }
+}
+
+/// The answer to one tool_use.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ToolResult {
+    /// The id of the tool_use this answers.
+    pub tool_use_id: String,
+    /// What the tool returned (or the error text).
+    pub content: ToolResultContent,
+    /// Whether the content describes a failure.
+    pub is_error: bool,
+}
+
+/// One block of a message, in provider order.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Part {
+    /// Visible text.
+    Text {
+        /// The text; never empty.
+        text: String,
+    },
+    /// Reasoning with the provider's signature. Kept byte-exact and in position.
+    Thinking {
+        /// Reasoning text; may be empty when the provider omits it.
+        text: String,
+        /// The provider's signature; required.
+        signature: String,
+    },
+    /// Reasoning the provider encrypted; sent back as is.
+    RedactedThinking {
+        /// Opaque data.
+        data: String,
+    },
+    /// A tool call.
+    ToolUse(ToolUse),
+    /// A tool call's answer.
+    ToolResult(ToolResult),
+    /// An image, by reference to its data.
+    Image {
+        /// MIME type, e.g. `image/png`.
+        media_type: String,
+        /// Where the bytes are: a content hash or URI.
+        data_ref: String,
+    },
+}
+
+impl Part {
+    /// The part kind's name, for errors and views.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Part::Text { .. } => "text",
+            Part::Thinking { .. } => "thinking",
+            Part::RedactedThinking { .. } => "redacted_thinking",
+            Part::ToolUse(_) => "tool_use",
+            Part::ToolResult(_) => "tool_result",
+            Part::Image { .. } => "image",
+        }
+    }
+
+    /// Whether this part is reasoning (thinking or redacted thinking).
+    pub fn is_reasoning(&self) -> bool {
+        matches!(self, Part::Thinking { .. } | Part::RedactedThinking { .. })
+    }
+}
+
+/// One message.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Message {
+    /// Who speaks.
+    pub role: Role,
+    /// Ordered parts.
+    pub parts: Vec<Part>,
+    /// For assistant messages: which provider and model produced it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provenance: Option<Provenance>,
+}
+
+/// An ordered list of messages; the state a provider request is rendered from.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Transcript {
+    /// The messages, oldest first.
+    pub messages: Vec<Message>,
+}
+
+impl Transcript {
+    /// An empty transcript.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends a system message.
+    pub fn push_system(&mut self, text: impl Into<String>) {
+        self.messages.push(Message {
+            role: Role::System,
+            parts: vec![Part::Text { text: text.into() }],
+            provenance: None,
+        });
+    }
+
+    /// Appends a user message of text.
+    pub fn push_user_text(&mut self, text: impl Into<String>) {
+        self.messages.push(Message {
+            role: Role::User,
+            parts: vec![Part::Text { text: text.into() }],
+            provenance: None,
+        });
+    }
+
+    /// Appends a model response as an assistant message, parts in provider order.
+    pub fn push_response(&mut self, response: &ModelResponse) {
+        self.messages.push(Message {
+            role: Role::Assistant,
+            parts: response.parts.clone(),
+            provenance: Some(Provenance {
+                provider: response.provider.clone(),
+                model: response.model.clone(),
+            }),
+        });
+    }
+
+    /// Appends one user message of tool results, in the order given, each projected to the
+    /// transcript size limit.
+    pub fn push_tool_results(&mut self, results: impl IntoIterator<Item = ToolResult>) {
+        let parts: Vec<Part> = results
+            .into_iter()
+            .map(|r| Part::ToolResult(project_tool_result(r)))
+            .collect();
+        if parts.is_empty() {
+            return;
+        }
+        self.messages.push(Message {
+            role: Role::User,
+            parts,
+            provenance: None,
+        });
+    }
+
+    /// The tool_uses of the last message when it is an assistant message, in declaration order.
+    pub fn trailing_tool_uses(&self) -> Vec<&ToolUse> {
+        match self.messages.last() {
+            Some(m) if m.role == Role::Assistant => m
+                .parts
+                .iter()
+                .filter_map(|p| match p {
+                    Part::ToolUse(t) => Some(t),
+                    _ => None,
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// The canonical JSON bytes of the transcript: deterministic, compact, struct-ordered.
+    pub fn canonical_json(&self) -> Vec<u8> {
+        // Serializing plain data with string keys cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}

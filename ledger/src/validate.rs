@@ -1,0 +1,232 @@
+//! Transcript and response validation as pure functions: the first broken rule, with its place.
+
+use crate::error::{Error, Result, Violation};
+use crate::response::{ModelResponse, StopReason};
+use crate::transcript::{Message, Part, Role, Transcript};
+use std::collections::BTreeSet;
+
+fn at(message: usize, part: Option<usize>, violation: Violation) -> Error {
+    Error::InvalidTranscript {
+        message,
+        part,
+        violation,
+    }
+}
+
+/// Checks that a transcript can be sent to a provider as it is.
+///
+/// Rules: system messages only first; no empty messages or text parts; thinking and redacted
+/// thinking only in assistant messages, thinking always signed, and an assistant message never
+/// ends on reasoning; tool_use ids and names non-empty, ids unique; every tool_use answered by
+/// exactly one tool_result in the next message, which is a user message that starts with those
+/// results in tool_use declaration order; tool_results appear nowhere else.
+pub fn validate_transcript(transcript: &Transcript) -> Result<()> {
+    let mut seen_ids = BTreeSet::new();
+    let mut seen_non_system = false;
+    let messages = &transcript.messages;
+    for (mi, message) in messages.iter().enumerate() {
+        if message.parts.is_empty() {
+            return Err(at(mi, None, Violation::EmptyMessage));
+        }
+        match message.role {
+            Role::System if seen_non_system => return Err(at(mi, None, Violation::SystemNotFirst)),
+            Role::System => {}
+            _ => seen_non_system = true,
+        }
+        check_parts(mi, message)?;
+        // Results at the start of this message answer the previous assistant message's tool_uses.
+        let expected: Vec<&str> = match mi.checked_sub(1).map(|p| &messages[p]) {
+            Some(prev) if prev.role == Role::Assistant => prev
+                .parts
+                .iter()
+                .filter_map(|p| match p {
+                    Part::ToolUse(t) => Some(t.id.as_str()),
+                    _ => None,
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        if !expected.is_empty() && message.role != Role::User {
+            return Err(at(mi, None, Violation::ToolResultsNotNext));
+        }
+        check_results(mi, message, &expected)?;
+        for (pi, part) in message.parts.iter().enumerate() {
+            if let Part::ToolUse(t) = part {
+                if !seen_ids.insert(t.id.as_str()) {
+                    return Err(at(
+                        mi,
+                        Some(pi),
+                        Violation::DuplicateToolUseId { id: t.id.clone() },
+                    ));
+                }
+            }
+        }
+    }
+    // A trailing assistant message with tool_uses has no results yet.
+    if let Some(last) = messages.last() {
+        if last.role == Role::Assistant {
+            if let Some((pi, Part::ToolUse(t))) = last
+                .parts
+                .iter()
+                .enumerate()
+                .find(|(_, p)| matches!(p, Part::ToolUse(_)))
+            {
+                return Err(at(
+                    messages.len() - 1,
+                    Some(pi),
+                    Violation::MissingToolResult {
+                        tool_use_id: t.id.clone(),
+                    },
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_parts(mi: usize, message: &Message) -> Result<()> {
+    for (pi, part) in message.parts.iter().enumerate() {
+        let allowed = match part {
+            Part::Text { .. } | Part::Image { .. } => true,
+            Part::Thinking { .. } | Part::RedactedThinking { .. } | Part::ToolUse(_) => {
+                message.role == Role::Assistant
+            }
+            Part::ToolResult(_) => message.role == Role::User,
+        };
+        if !allowed {
+            return Err(at(
+                mi,
+                Some(pi),
+                Violation::PartNotAllowedInRole {
+                    part_kind: part.kind(),
+                    role: message.role.as_str(),
+                },
+            ));
+        }
+        check_part(part).map_err(|v| at(mi, Some(pi), v))?;
+    }
+    if message.role == Role::Assistant {
+        if let Some(last) = message.parts.last() {
+            if last.is_reasoning() {
+                return Err(at(
+                    mi,
+                    Some(message.parts.len() - 1),
+                    Violation::AssistantEndsOnThinking,
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Rules that concern one part alone.
+fn check_part(part: &Part) -> std::result::Result<(), Violation> {
+    match part {
+        Part::Text { text } if text.is_empty() => Err(Violation::EmptyText),
+        Part::Thinking { signature, .. } if signature.is_empty() => {
+            Err(Violation::ThinkingWithoutSignature)
+        }
+        Part::RedactedThinking { data } if data.is_empty() => Err(Violation::EmptyRedactedThinking),
+        Part::ToolUse(t) if t.id.is_empty() => Err(Violation::EmptyToolUseId),
+        Part::ToolUse(t) if t.name.is_empty() => Err(Violation::EmptyToolName),
+        Part::ToolResult(r) if r.tool_use_id.is_empty() => Err(Violation::EmptyToolUseId),
+        _ => Ok(()),
+    }
+}
+
+fn check_results(mi: usize, message: &Message, expected: &[&str]) -> Result<()> {
+    let mut next = 0;
+    let mut other_seen = false;
+    for (pi, part) in message.parts.iter().enumerate() {
+        let Part::ToolResult(result) = part else {
+            if next < expected.len() {
+                return Err(at(
+                    mi,
+                    Some(pi),
+                    Violation::MissingToolResult {
+                        tool_use_id: expected[next].to_owned(),
+                    },
+                ));
+            }
+            other_seen = true;
+            continue;
+        };
+        if other_seen {
+            return Err(at(mi, Some(pi), Violation::ToolResultAfterOtherContent));
+        }
+        let id = result.tool_use_id.as_str();
+        match expected.get(next) {
+            Some(want) if *want == id => next += 1,
+            Some(want) if expected[next..].contains(&id) => {
+                return Err(at(
+                    mi,
+                    Some(pi),
+                    Violation::ToolResultOutOfOrder {
+                        expected: (*want).to_owned(),
+                        found: id.to_owned(),
+                    },
+                ))
+            }
+            _ => {
+                return Err(at(
+                    mi,
+                    Some(pi),
+                    Violation::UnexpectedToolResult {
+                        tool_use_id: id.to_owned(),
+                    },
+                ))
+            }
+        }
+    }
+    if let Some(missing) = expected.get(next) {
+        return Err(at(
+            mi,
+            None,
+            Violation::MissingToolResult {
+                tool_use_id: (*missing).to_owned(),
+            },
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a model response before it is committed: not empty, only assistant parts, every part
+/// well-formed, unique tool_use ids, not ending on reasoning, no tool_use cut by `max_tokens`.
+pub fn validate_response(response: &ModelResponse) -> Result<()> {
+    let bad = |part, violation| Error::InvalidResponse { part, violation };
+    if response.parts.is_empty() {
+        return Err(bad(None, Violation::EmptyResponse));
+    }
+    let mut ids = BTreeSet::new();
+    for (pi, part) in response.parts.iter().enumerate() {
+        if let Part::ToolResult(_) = part {
+            return Err(bad(
+                Some(pi),
+                Violation::PartNotAllowedInRole {
+                    part_kind: "tool_result",
+                    role: "assistant",
+                },
+            ));
+        }
+        check_part(part).map_err(|v| bad(Some(pi), v))?;
+        if let Part::ToolUse(t) = part {
+            if !ids.insert(t.id.as_str()) {
+                return Err(bad(
+                    Some(pi),
+                    Violation::DuplicateToolUseId { id: t.id.clone() },
+                ));
+            }
+        }
+    }
+    let last = response.parts.len() - 1;
+    match &response.parts[last] {
+        p if p.is_reasoning() => Err(bad(Some(last), Violation::AssistantEndsOnThinking)),
+        Part::ToolUse(t) if response.stop_reason == StopReason::MaxTokens => Err(bad(
+            Some(last),
+            Violation::TruncatedToolUse {
+                tool_use_id: t.id.clone(),
+            },
+        )),
+        _ => Ok(()),
+    }
+}
