@@ -15,13 +15,19 @@ use std::fmt;
 pub struct JsonText(String);
 
 impl JsonText {
-    /// Checks that `text` is one JSON value and keeps it byte for byte.
+    /// Checks that `text` is one JSON value and keeps it byte for byte, less any whitespace
+    /// around the value (a JSON view embeds the raw value and cannot keep it, so keeping it here
+    /// would make the JSON and msgpack encodings disagree).
     pub fn parse(text: impl Into<String>) -> crate::Result<Self> {
         let text = text.into();
-        serde_json::from_str::<&RawValue>(&text).map_err(|e| crate::Error::InvalidJson {
-            reason: e.to_string(),
-        })?;
-        Ok(JsonText(text))
+        let raw =
+            serde_json::from_str::<&RawValue>(&text).map_err(|e| crate::Error::InvalidJson {
+                reason: e.to_string(),
+            })?;
+        if raw.get().len() == text.len() {
+            return Ok(JsonText(text));
+        }
+        Ok(JsonText(raw.get().to_owned()))
     }
 
     /// Compact JSON of a value.

@@ -1,0 +1,244 @@
+//! The tool boundary: one call as the runtime hands it over, what a tool returns, the `Tool`
+//! trait, and the registry that finds tools by name.
+
+use crate::error::{Error, Result};
+use crate::tools::{Calculator, ReadFile};
+use async_trait::async_trait;
+use cairn_ledger::{JsonText, ToolResultContent, ToolSpec};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// One tool call, as the model made it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// The tool_use id the result must answer.
+    pub tool_use_id: String,
+    /// The tool's name.
+    pub name: String,
+    /// The arguments as the exact JSON text the model produced; it may be invalid.
+    pub arguments: String,
+    /// Stable across retries and replays of this call, so tools with side effects can
+    /// deduplicate them.
+    pub idempotency_key: String,
+}
+
+impl ToolCall {
+    /// Parses the arguments into a tool's input type.
+    ///
+    /// Text that is not JSON, a missing field, an unknown field or a wrong type becomes
+    /// [`Error::InvalidArguments`] naming the tool, what is wrong and where.
+    pub fn parse_arguments<T: DeserializeOwned>(&self) -> Result<T> {
+        serde_json::from_str(&self.arguments).map_err(|e| {
+            let what = match e.classify() {
+                serde_json::error::Category::Data => "arguments do not match the input schema",
+                serde_json::error::Category::Eof => "arguments are incomplete JSON",
+                _ => "arguments are not valid JSON",
+            };
+            Error::InvalidArguments {
+                tool: self.name.clone(),
+                reason: format!("{what}: {e}"),
+            }
+        })
+    }
+}
+
+/// What a tool returns. A failure the model should see and recover from (a division by zero, a
+/// missing file) is an output with `is_error`, not an `Err`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ToolOutput {
+    /// The result content.
+    pub content: ToolResultContent,
+    /// Whether the content describes a failure.
+    pub is_error: bool,
+}
+
+impl ToolOutput {
+    /// A successful plain-text result.
+    pub fn text(text: impl Into<String>) -> Self {
+        ToolOutput {
+            content: ToolResultContent::Text(text.into()),
+            is_error: false,
+        }
+    }
+
+    /// A successful JSON result.
+    pub fn json(json: JsonText) -> Self {
+        ToolOutput {
+            content: ToolResultContent::Json(json),
+            is_error: false,
+        }
+    }
+
+    /// A failure the model sees as text.
+    pub fn error(message: impl Into<String>) -> Self {
+        ToolOutput {
+            content: ToolResultContent::Text(message.into()),
+            is_error: true,
+        }
+    }
+}
+
+/// A tool the model can call.
+#[async_trait]
+pub trait Tool: Send + Sync {
+    /// The tool as the model sees it; `spec().name` is its registry key.
+    fn spec(&self) -> ToolSpec;
+
+    /// Runs one call. Bad arguments are [`Error::InvalidArguments`]; failures the model should
+    /// see are `Ok` outputs with `is_error`; `Err` otherwise means the tool itself broke.
+    async fn call(&self, call: &ToolCall) -> Result<ToolOutput>;
+}
+
+/// The tools of a session, by name.
+#[derive(Clone, Default)]
+pub struct ToolRegistry {
+    tools: BTreeMap<String, Arc<dyn Tool>>,
+}
+
+impl ToolRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The built-in tools: `calculator`, and `read_file` confined to `working_dir`.
+    pub fn builtin(working_dir: impl Into<PathBuf>) -> Self {
+        Self::new()
+            .with(Calculator::new())
+            .with(ReadFile::new(working_dir))
+    }
+
+    /// Adds a tool, builder style; a tool of the same name is replaced.
+    pub fn with(mut self, tool: impl Tool + 'static) -> Self {
+        self.register(Arc::new(tool));
+        self
+    }
+
+    /// Adds a tool; a tool of the same name is replaced.
+    pub fn register(&mut self, tool: Arc<dyn Tool>) {
+        self.tools.insert(tool.spec().name, tool);
+    }
+
+    /// The tool of this name.
+    pub fn get(&self, name: &str) -> Option<Arc<dyn Tool>> {
+        self.tools.get(name).cloned()
+    }
+
+    /// The tool specs, sorted by name.
+    pub fn specs(&self) -> Vec<ToolSpec> {
+        self.tools.values().map(|t| t.spec()).collect()
+    }
+
+    /// The tool names, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.tools.keys().map(String::as_str).collect()
+    }
+
+    /// How many tools are registered.
+    pub fn len(&self) -> usize {
+        self.tools.len()
+    }
+
+    /// Whether no tool is registered.
+    pub fn is_empty(&self) -> bool {
+        self.tools.is_empty()
+    }
+
+    /// Runs a call on the tool it names; [`Error::UnknownTool`] when there is none.
+    pub async fn call(&self, call: &ToolCall) -> Result<ToolOutput> {
+        let tool = self.get(&call.name).ok_or_else(|| Error::UnknownTool {
+            name: call.name.clone(),
+        })?;
+        tool.call(call).await
+    }
+}
+
+impl fmt::Debug for ToolRegistry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ToolRegistry")
+            .field("tools", &self.names())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Echo(&'static str);
+
+    #[async_trait]
+    impl Tool for Echo {
+        fn spec(&self) -> ToolSpec {
+            ToolSpec {
+                name: self.0.to_owned(),
+                description: "echoes".into(),
+                input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
+            }
+        }
+        async fn call(&self, call: &ToolCall) -> Result<ToolOutput> {
+            Ok(ToolOutput::text(call.arguments.clone()))
+        }
+    }
+
+    fn call(name: &str, arguments: &str) -> ToolCall {
+        ToolCall {
+            tool_use_id: "toolu_1".into(),
+            name: name.into(),
+            arguments: arguments.into(),
+            idempotency_key: "s/1/1/toolu_1".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn registry_finds_tools_and_sorts_specs() {
+        let registry = ToolRegistry::new().with(Echo("zeta")).with(Echo("alpha"));
+        let names: Vec<String> = registry.specs().into_iter().map(|s| s.name).collect();
+        assert_eq!(names, ["alpha", "zeta"]);
+        assert!(registry.get("alpha").is_some() && registry.get("beta").is_none());
+        let out = registry.call(&call("zeta", "{\"x\":1}")).await.unwrap();
+        assert_eq!(out, ToolOutput::text("{\"x\":1}"));
+        let err = registry.call(&call("beta", "{}")).await.unwrap_err();
+        assert!(matches!(err, Error::UnknownTool { ref name } if name == "beta"));
+    }
+
+    #[test]
+    fn builtin_has_calculator_and_read_file() {
+        let registry = ToolRegistry::builtin("/tmp");
+        assert_eq!(registry.names(), ["calculator", "read_file"]);
+        assert_eq!(format!("{registry:?}"), r#"ToolRegistry { tools: ["calculator", "read_file"] }"#);
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    #[allow(dead_code)]
+    struct Input {
+        path: String,
+    }
+
+    #[test]
+    fn bad_arguments_say_what_is_wrong() {
+        let cases = [
+            ("not json", "not valid JSON"),
+            ("{\"path\": ", "incomplete JSON"),
+            ("{}", "missing field `path`"),
+            ("{\"path\": 3}", "invalid type: integer `3`, expected a string"),
+            ("{\"path\": \"a\", \"mode\": 1}", "unknown field `mode`"),
+        ];
+        for (arguments, expected) in cases {
+            let err = call("read_file", arguments)
+                .parse_arguments::<Input>()
+                .unwrap_err();
+            let Error::InvalidArguments { tool, reason } = &err else {
+                panic!("expected InvalidArguments for {arguments:?}, got {err:?}")
+            };
+            assert_eq!(tool, "read_file");
+            assert!(reason.contains(expected), "{arguments:?}: {reason}");
+            assert!(reason.contains("line 1 column"), "{arguments:?}: {reason}");
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! The runtime's one error type.
+
+/// Result alias for runtime operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Errors of the runtime: codec, workflow, stores, engine.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A stored record fails its checksum or does not decode.
+    #[error("corrupt record in session {session_id:?} at seq {seq}: {reason}")]
+    CorruptRecord {
+        /// Session of the record.
+        session_id: String,
+        /// Seq of the record.
+        seq: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A record written by a newer cairn.
+    #[error("session {session_id:?} seq {seq}: unknown event schema version {version} (this build reads up to {max})", max = crate::event::SCHEMA_VERSION)]
+    UnknownSchemaVersion {
+        /// Session of the record.
+        session_id: String,
+        /// Seq of the record.
+        seq: u64,
+        /// The version found.
+        version: u16,
+    },
+    /// An event could not be encoded.
+    #[error("cannot encode event {seq} of session {session_id:?}: {reason}")]
+    Encode {
+        /// Session.
+        session_id: String,
+        /// Seq.
+        seq: u64,
+        /// Why.
+        reason: String,
+    },
+    /// Optimistic concurrency: someone else appended first.
+    #[error("append conflict on session {session_id:?}: expected next seq {expected}, store has {actual}")]
+    Conflict {
+        /// Session.
+        session_id: String,
+        /// The next seq the caller expected.
+        expected: u64,
+        /// The store's next seq.
+        actual: u64,
+    },
+    /// A task completion from a lease that is no longer current (expired, or re-leased).
+    #[error("lease lost on task {task}: {reason}")]
+    LeaseLost {
+        /// The task, as `session/seq`.
+        task: String,
+        /// Why the lease is not current.
+        reason: String,
+    },
+    /// No session of that id.
+    #[error("unknown session {session_id:?}")]
+    UnknownSession {
+        /// The id asked for.
+        session_id: String,
+    },
+    /// A session id with characters the stores cannot key on.
+    #[error("invalid session id {session_id:?}: use 1-128 characters of [A-Za-z0-9._-]")]
+    InvalidSessionId {
+        /// The id given.
+        session_id: String,
+    },
+    /// An event the workflow cannot accept in its current state.
+    #[error("session {session_id:?} seq {seq}: event rejected: {reason}")]
+    InvalidEvent {
+        /// Session.
+        session_id: String,
+        /// Seq the event has or would have.
+        seq: u64,
+        /// Why.
+        reason: String,
+    },
+    /// Replaying the history with this code does not give the recorded decisions.
+    #[error("nondeterminism in session {session_id:?} at seq {seq}: the workflow expected {expected}, the history has {found}")]
+    Nondeterminism {
+        /// Session.
+        session_id: String,
+        /// Seq of the first divergent event.
+        seq: u64,
+        /// What the current code decided.
+        expected: String,
+        /// What the history records.
+        found: String,
+    },
+    /// The ledger rejected a transcript or response.
+    #[error(transparent)]
+    Ledger(#[from] cairn_ledger::Error),
+    /// The store's backend failed (IO, a full disk, a poisoned database).
+    #[error("store error: {reason}")]
+    Store {
+        /// What failed.
+        reason: String,
+    },
+    /// The store could not be opened.
+    #[error("cannot open store at {path}: {reason}")]
+    StoreOpen {
+        /// Where.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// The engine is shutting down.
+    #[error("the engine is shut down")]
+    Shutdown,
+}
+
+impl Error {
+    /// Whether the error is caused by a stale or duplicate activity report, which callers may
+    /// drop: the history already holds the truth.
+    pub fn is_stale_report(&self) -> bool {
+        matches!(self, Error::LeaseLost { .. } | Error::InvalidEvent { .. })
+    }
+}

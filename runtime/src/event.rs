@@ -1,0 +1,358 @@
+//! History events: the append-only facts a session is folded from, each in a versioned envelope.
+//!
+//! Persisted format contract: enum variant names and field names are the wire tags (msgpack maps
+//! with named fields, externally tagged enums). Never rename or reuse one; add new fields with
+//! `#[serde(default)]`; bump [`SCHEMA_VERSION`] only with a decoder for the old version.
+
+use cairn_ledger::{ModelResponse, ModelSpec, ToolResultContent, ToolSpec, Usage};
+use serde::{Deserialize, Serialize};
+
+/// The schema version this code writes. Decoders accept every version up to it.
+pub const SCHEMA_VERSION: u16 = 1;
+
+/// One event with its envelope.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventEnvelope {
+    /// Schema version of the event body.
+    pub schema_version: u16,
+    /// The event kind's tag (equal to the body's variant name); readable without the body.
+    pub kind: String,
+    /// The session the event belongs to.
+    pub session_id: String,
+    /// Position in the session's history, from 1, without gaps.
+    pub seq: u64,
+    /// Milliseconds since the Unix epoch, recorded by the engine when it appended the event.
+    pub recorded_at_ms: u64,
+    /// The event itself.
+    pub event: Event,
+}
+
+impl EventEnvelope {
+    /// Wraps an event at `seq`, stamping the current schema version and kind tag.
+    pub fn new(session_id: &str, seq: u64, recorded_at_ms: u64, event: Event) -> Self {
+        EventEnvelope {
+            schema_version: SCHEMA_VERSION,
+            kind: event.kind().to_owned(),
+            session_id: session_id.to_owned(),
+            seq,
+            recorded_at_ms,
+            event,
+        }
+    }
+}
+
+/// Everything that can happen to a session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Event {
+    /// The session exists, with its model, tools and limits.
+    SessionStarted(SessionStarted),
+    /// A person's message; starts turn `turn`.
+    UserMessage {
+        /// Turn number, from 1.
+        turn: u32,
+        /// The message text.
+        text: String,
+        /// A model for this turn only, instead of the session's.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        model: Option<ModelSpec>,
+    },
+    /// A model call was scheduled (its task enqueued in the same append).
+    ModelCallScheduled {
+        /// Turn number.
+        turn: u32,
+        /// Model call index within the turn, from 0.
+        round: u32,
+        /// Attempt, from 1; a retry is a new attempt.
+        attempt: u32,
+        /// Earliest start, in epoch milliseconds (a retry's backoff).
+        not_before_ms: u64,
+    },
+    /// A model call returned a valid response; the only response committed for its slot.
+    ModelCallCompleted {
+        /// Turn number.
+        turn: u32,
+        /// Round.
+        round: u32,
+        /// Attempt that produced it.
+        attempt: u32,
+        /// The canonical response.
+        response: ModelResponse,
+    },
+    /// A model call attempt failed.
+    ModelCallFailed {
+        /// Turn number.
+        turn: u32,
+        /// Round.
+        round: u32,
+        /// The failed attempt.
+        attempt: u32,
+        /// What went wrong.
+        failure: ActivityFailure,
+    },
+    /// A tool call was scheduled (its task enqueued in the same append).
+    ToolCallScheduled {
+        /// Turn number.
+        turn: u32,
+        /// The tool_use this call answers.
+        tool_use_id: String,
+        /// Tool name.
+        name: String,
+        /// Attempt, from 1.
+        attempt: u32,
+        /// Earliest start, in epoch milliseconds.
+        not_before_ms: u64,
+    },
+    /// A tool call returned (possibly an `is_error` result the tool chose to give).
+    ToolCallCompleted {
+        /// Turn number.
+        turn: u32,
+        /// The tool_use answered.
+        tool_use_id: String,
+        /// Attempt that produced it.
+        attempt: u32,
+        /// The full result (the transcript may carry a projection of it).
+        content: ToolResultContent,
+        /// Whether the content describes a failure.
+        is_error: bool,
+    },
+    /// A tool call attempt failed.
+    ToolCallFailed {
+        /// Turn number.
+        turn: u32,
+        /// The tool_use concerned.
+        tool_use_id: String,
+        /// The failed attempt.
+        attempt: u32,
+        /// What went wrong.
+        failure: ActivityFailure,
+    },
+    /// The model ended the turn.
+    TurnCompleted {
+        /// Turn number.
+        turn: u32,
+        /// Usage of every model call attempt of the turn.
+        usage: Usage,
+    },
+    /// The turn could not finish.
+    TurnFailed {
+        /// Turn number.
+        turn: u32,
+        /// Why, for people.
+        reason: String,
+    },
+    /// The session was cancelled; it takes no further turns.
+    SessionCancelled {
+        /// Why, for people.
+        reason: String,
+    },
+}
+
+impl Event {
+    /// The kind tag, as written in envelopes and JSON views.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Event::SessionStarted(_) => "session_started",
+            Event::UserMessage { .. } => "user_message",
+            Event::ModelCallScheduled { .. } => "model_call_scheduled",
+            Event::ModelCallCompleted { .. } => "model_call_completed",
+            Event::ModelCallFailed { .. } => "model_call_failed",
+            Event::ToolCallScheduled { .. } => "tool_call_scheduled",
+            Event::ToolCallCompleted { .. } => "tool_call_completed",
+            Event::ToolCallFailed { .. } => "tool_call_failed",
+            Event::TurnCompleted { .. } => "turn_completed",
+            Event::TurnFailed { .. } => "turn_failed",
+            Event::SessionCancelled { .. } => "session_cancelled",
+        }
+    }
+
+    /// Whether the event records a workflow decision (a command) rather than an input.
+    pub fn is_command(&self) -> bool {
+        matches!(
+            self,
+            Event::ModelCallScheduled { .. }
+                | Event::ToolCallScheduled { .. }
+                | Event::TurnCompleted { .. }
+                | Event::TurnFailed { .. }
+        )
+    }
+}
+
+/// How a session was started.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionStarted {
+    /// The default model.
+    pub model: ModelSpec,
+    /// The tools the model may call.
+    pub tools: Vec<ToolSpec>,
+    /// A system prompt, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_prompt: Option<String>,
+    /// Turn limits.
+    pub limits: Limits,
+    /// Retry policy of model calls.
+    pub model_retry: RetryPolicy,
+    /// Retry policy of tool calls.
+    pub tool_retry: RetryPolicy,
+}
+
+/// Limits of a turn.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Model calls per turn at most; a turn that needs more fails.
+    pub max_rounds: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_rounds: 16 }
+    }
+}
+
+/// A class of activity failure, for retry decisions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// A passing fault: connection reset, 5xx, stream ended early.
+    Transient,
+    /// The provider asked us to slow down (429).
+    RateLimited,
+    /// The provider is overloaded (529).
+    Overloaded,
+    /// The attempt ran past its timeout, or its lease expired.
+    Timeout,
+    /// The request itself is wrong (400-class, invalid tool arguments); retrying cannot help.
+    InvalidRequest,
+    /// The provider answered, but the response failed validation.
+    InvalidResponse,
+    /// Credentials were refused.
+    Auth,
+    /// A tool reported failure.
+    ToolFailed,
+    /// The activity was cancelled.
+    Cancelled,
+    /// A bug or an unexpected state on our side.
+    Internal,
+}
+
+impl ErrorClass {
+    /// The snake_case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorClass::Transient => "transient",
+            ErrorClass::RateLimited => "rate_limited",
+            ErrorClass::Overloaded => "overloaded",
+            ErrorClass::Timeout => "timeout",
+            ErrorClass::InvalidRequest => "invalid_request",
+            ErrorClass::InvalidResponse => "invalid_response",
+            ErrorClass::Auth => "auth",
+            ErrorClass::ToolFailed => "tool_failed",
+            ErrorClass::Cancelled => "cancelled",
+            ErrorClass::Internal => "internal",
+        }
+    }
+}
+
+/// A failed activity attempt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActivityFailure {
+    /// The class that drives the retry decision.
+    pub class: ErrorClass,
+    /// The error, for people.
+    pub message: String,
+    /// Usage the failed attempt consumed, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// When and how often an activity is retried.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RetryPolicy {
+    /// Delay before the second attempt.
+    pub initial_interval_ms: u64,
+    /// Each further delay is the previous one times this.
+    pub backoff_coefficient: f64,
+    /// Delays never exceed this.
+    pub maximum_interval_ms: u64,
+    /// Attempts at most, counting the first; 0 means unlimited.
+    pub maximum_attempts: u32,
+    /// Classes that are never retried.
+    pub non_retryable: Vec<ErrorClass>,
+    /// How long one attempt may run before it is failed as timed out.
+    pub start_to_close_timeout_ms: u64,
+}
+
+impl RetryPolicy {
+    /// Defaults for model calls: 1s, ×2, ≤60s, 5 attempts, 10 min per attempt.
+    pub fn model_default() -> Self {
+        RetryPolicy {
+            initial_interval_ms: 1_000,
+            backoff_coefficient: 2.0,
+            maximum_interval_ms: 60_000,
+            maximum_attempts: 5,
+            non_retryable: vec![
+                ErrorClass::InvalidRequest,
+                ErrorClass::Auth,
+                ErrorClass::Cancelled,
+            ],
+            start_to_close_timeout_ms: 600_000,
+        }
+    }
+
+    /// Defaults for tool calls: 1s, ×2, ≤30s, 3 attempts, 5 min per attempt.
+    pub fn tool_default() -> Self {
+        RetryPolicy {
+            initial_interval_ms: 1_000,
+            backoff_coefficient: 2.0,
+            maximum_interval_ms: 30_000,
+            maximum_attempts: 3,
+            non_retryable: vec![
+                ErrorClass::InvalidRequest,
+                ErrorClass::Auth,
+                ErrorClass::Cancelled,
+            ],
+            start_to_close_timeout_ms: 300_000,
+        }
+    }
+
+    /// The delay before attempt `failed_attempt + 1`, or `None` when the failure is final.
+    /// Pure: the same inputs give the same answer on every replay.
+    pub fn next_delay_ms(&self, failed_attempt: u32, class: ErrorClass) -> Option<u64> {
+        if self.non_retryable.contains(&class) {
+            return None;
+        }
+        if self.maximum_attempts != 0 && failed_attempt >= self.maximum_attempts {
+            return None;
+        }
+        let exponent = failed_attempt.saturating_sub(1).min(64) as i32;
+        let delay = self.initial_interval_ms as f64 * self.backoff_coefficient.powi(exponent);
+        let capped = if delay.is_finite() {
+            delay.min(self.maximum_interval_ms as f64)
+        } else {
+            self.maximum_interval_ms as f64
+        };
+        Some(capped.max(0.0) as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_caps_and_stops() {
+        let p = RetryPolicy {
+            initial_interval_ms: 100,
+            backoff_coefficient: 2.0,
+            maximum_interval_ms: 350,
+            maximum_attempts: 4,
+            non_retryable: vec![ErrorClass::InvalidRequest],
+            start_to_close_timeout_ms: 1000,
+        };
+        assert_eq!(p.next_delay_ms(1, ErrorClass::Transient), Some(100));
+        assert_eq!(p.next_delay_ms(2, ErrorClass::Transient), Some(200));
+        assert_eq!(p.next_delay_ms(3, ErrorClass::Transient), Some(350));
+        assert_eq!(p.next_delay_ms(4, ErrorClass::Transient), None);
+        assert_eq!(p.next_delay_ms(1, ErrorClass::InvalidRequest), None);
+    }
+}

@@ -1,0 +1,1 @@
+//! The sled store (embedded default): see the module docs once implemented.

@@ -1,0 +1,879 @@
+//! The agent turn as a pure, deterministic state machine: `apply(state, event) -> commands`.
+//!
+//! Inputs (a user message, an activity result, a cancellation) yield commands; each command is
+//! recorded as the event that follows its input, and applying that event checks it matches the
+//! command the code expects. Live runs and replays go through this same path, so a history that
+//! the current code would not produce is caught as [`Error::Nondeterminism`] naming the event.
+//! No IO, no clock (time comes from the event envelope), no randomness.
+
+use crate::error::{Error, Result};
+use crate::event::{ActivityFailure, Event, EventEnvelope, RetryPolicy, SessionStarted};
+use cairn_ledger::{
+    validate_response, ModelResponse, ModelSpec, Part, StopReason, ToolResult, ToolResultContent,
+    ToolUse, Transcript, Usage,
+};
+use std::collections::{BTreeSet, VecDeque};
+
+/// A decision of the workflow; the engine records it as an event before anything runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Command {
+    /// Call the model.
+    ScheduleModelCall {
+        /// Turn.
+        turn: u32,
+        /// Round.
+        round: u32,
+        /// Attempt.
+        attempt: u32,
+        /// Earliest start.
+        not_before_ms: u64,
+    },
+    /// Run a tool.
+    ScheduleToolCall {
+        /// Turn.
+        turn: u32,
+        /// The tool_use to answer.
+        tool_use_id: String,
+        /// Tool name.
+        name: String,
+        /// Attempt.
+        attempt: u32,
+        /// Earliest start.
+        not_before_ms: u64,
+    },
+    /// End the turn successfully.
+    CompleteTurn {
+        /// Turn.
+        turn: u32,
+        /// Usage of all model call attempts of the turn.
+        usage: Usage,
+    },
+    /// End the turn as failed.
+    FailTurn {
+        /// Turn.
+        turn: u32,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl Command {
+    /// The event that records this command.
+    pub fn into_event(self) -> Event {
+        match self {
+            Command::ScheduleModelCall {
+                turn,
+                round,
+                attempt,
+                not_before_ms,
+            } => Event::ModelCallScheduled {
+                turn,
+                round,
+                attempt,
+                not_before_ms,
+            },
+            Command::ScheduleToolCall {
+                turn,
+                tool_use_id,
+                name,
+                attempt,
+                not_before_ms,
+            } => Event::ToolCallScheduled {
+                turn,
+                tool_use_id,
+                name,
+                attempt,
+                not_before_ms,
+            },
+            Command::CompleteTurn { turn, usage } => Event::TurnCompleted { turn, usage },
+            Command::FailTurn { turn, reason } => Event::TurnFailed { turn, reason },
+        }
+    }
+}
+
+/// How the last finished turn ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TurnOutcome {
+    /// The model ended the turn; `answer` is the final message's text.
+    Completed {
+        /// Turn.
+        turn: u32,
+        /// Final visible text.
+        answer: String,
+    },
+    /// The turn failed.
+    Failed {
+        /// Turn.
+        turn: u32,
+        /// Why.
+        reason: String,
+    },
+    /// The session was cancelled during or after the turn.
+    Cancelled {
+        /// Turn.
+        turn: u32,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl TurnOutcome {
+    /// The turn this outcome is about.
+    pub fn turn(&self) -> u32 {
+        match self {
+            TurnOutcome::Completed { turn, .. }
+            | TurnOutcome::Failed { turn, .. }
+            | TurnOutcome::Cancelled { turn, .. } => *turn,
+        }
+    }
+}
+
+/// A model call slot waiting for its result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelSlot {
+    /// Current attempt.
+    pub attempt: u32,
+    /// Seq of the `ModelCallScheduled` event, once recorded; the task is keyed by it.
+    pub scheduled_seq: Option<u64>,
+}
+
+/// Where one tool call stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolSlotState {
+    /// Never scheduled (the turn fails before it would be).
+    Unscheduled,
+    /// Scheduled; waiting for its result.
+    Scheduled {
+        /// Current attempt.
+        attempt: u32,
+        /// Seq of the `ToolCallScheduled` event, once recorded.
+        scheduled_seq: Option<u64>,
+    },
+    /// Answered.
+    Done(ToolResult),
+}
+
+/// One tool call of the current round.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolSlot {
+    /// The call.
+    pub tool_use: ToolUse,
+    /// Its state.
+    pub state: ToolSlotState,
+}
+
+/// What an active turn is waiting for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Phase {
+    /// A model call.
+    Model(ModelSlot),
+    /// Tool calls, in declaration order.
+    Tools(Vec<ToolSlot>),
+    /// Its end, decided but not yet recorded.
+    Ending,
+}
+
+/// The turn in progress.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ActiveTurn {
+    /// Turn number.
+    pub turn: u32,
+    /// Current round (model call index).
+    pub round: u32,
+    /// The model of this turn.
+    pub model: ModelSpec,
+    /// What it waits for.
+    pub phase: Phase,
+    /// Usage of the turn's model call attempts so far.
+    pub usage: Usage,
+}
+
+/// Which activity a scheduled task runs, resolved from the workflow state.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScheduledActivity {
+    /// A model call.
+    Model {
+        /// Turn.
+        turn: u32,
+        /// Round.
+        round: u32,
+        /// Attempt.
+        attempt: u32,
+        /// The model.
+        model: ModelSpec,
+    },
+    /// A tool call.
+    Tool {
+        /// Turn.
+        turn: u32,
+        /// Attempt.
+        attempt: u32,
+        /// The call.
+        tool_use: ToolUse,
+    },
+}
+
+/// A session's folded state: the ledger and the turn machine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionState {
+    /// Session id.
+    pub session_id: String,
+    /// The seq the next event gets.
+    pub next_seq: u64,
+    /// How the session was started; `None` before its first event.
+    pub started: Option<SessionStarted>,
+    /// The transcript (the ledger).
+    pub transcript: Transcript,
+    /// Turns started so far.
+    pub turns_started: u32,
+    /// The turn in progress.
+    pub active: Option<ActiveTurn>,
+    /// How the last finished turn ended.
+    pub last_outcome: Option<TurnOutcome>,
+    /// Whether the session was cancelled.
+    pub cancelled: bool,
+    /// Usage of every model call attempt of the session.
+    pub usage: Usage,
+    tool_use_ids: BTreeSet<String>,
+    expected: VecDeque<Command>,
+}
+
+impl SessionState {
+    /// The state of a session with no events.
+    pub fn new(session_id: impl Into<String>) -> Self {
+        SessionState {
+            session_id: session_id.into(),
+            next_seq: 1,
+            started: None,
+            transcript: Transcript::new(),
+            turns_started: 0,
+            active: None,
+            last_outcome: None,
+            cancelled: false,
+            usage: Usage::default(),
+            tool_use_ids: BTreeSet::new(),
+            expected: VecDeque::new(),
+        }
+    }
+
+    /// Folds a whole history, checking determinism on the way.
+    pub fn fold<'a>(
+        session_id: &str,
+        events: impl IntoIterator<Item = &'a EventEnvelope>,
+    ) -> Result<Self> {
+        let mut state = SessionState::new(session_id);
+        for envelope in events {
+            state.apply(envelope)?;
+        }
+        state.finish_replay()?;
+        Ok(state)
+    }
+
+    /// After the last event of a history: every decided command must have been recorded.
+    pub fn finish_replay(&self) -> Result<()> {
+        match self.expected.front() {
+            None => Ok(()),
+            Some(command) => Err(Error::Nondeterminism {
+                session_id: self.session_id.clone(),
+                seq: self.next_seq,
+                expected: format!("{command:?}"),
+                found: "the end of the history".to_owned(),
+            }),
+        }
+    }
+
+    /// Whether a turn is in progress.
+    pub fn is_running(&self) -> bool {
+        self.active.is_some()
+    }
+
+    /// Resolves the activity a task scheduled at `scheduled_seq` runs, if it is still wanted.
+    pub fn scheduled_activity(&self, scheduled_seq: u64) -> Option<ScheduledActivity> {
+        let active = self.active.as_ref()?;
+        match &active.phase {
+            Phase::Model(slot) if slot.scheduled_seq == Some(scheduled_seq) => {
+                Some(ScheduledActivity::Model {
+                    turn: active.turn,
+                    round: active.round,
+                    attempt: slot.attempt,
+                    model: active.model.clone(),
+                })
+            }
+            Phase::Tools(slots) => slots.iter().find_map(|slot| match slot.state {
+                ToolSlotState::Scheduled {
+                    attempt,
+                    scheduled_seq: Some(seq),
+                } if seq == scheduled_seq => Some(ScheduledActivity::Tool {
+                    turn: active.turn,
+                    attempt,
+                    tool_use: slot.tool_use.clone(),
+                }),
+                _ => None,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The scheduled seqs of every activity the active turn still waits for.
+    pub fn outstanding_tasks(&self) -> Vec<u64> {
+        let Some(active) = &self.active else {
+            return Vec::new();
+        };
+        match &active.phase {
+            Phase::Model(slot) => slot.scheduled_seq.into_iter().collect(),
+            Phase::Tools(slots) => slots
+                .iter()
+                .filter_map(|s| match s.state {
+                    ToolSlotState::Scheduled { scheduled_seq, .. } => scheduled_seq,
+                    _ => None,
+                })
+                .collect(),
+            Phase::Ending => Vec::new(),
+        }
+    }
+
+    fn invalid(&self, seq: u64, reason: impl Into<String>) -> Error {
+        Error::InvalidEvent {
+            session_id: self.session_id.clone(),
+            seq,
+            reason: reason.into(),
+        }
+    }
+
+    /// Applies one event. Input events return the commands they cause; command events are
+    /// checked against the commands decided before them. On error the state is unchanged.
+    pub fn apply(&mut self, envelope: &EventEnvelope) -> Result<Vec<Command>> {
+        let seq = envelope.seq;
+        if seq != self.next_seq {
+            return Err(self.invalid(seq, format!("expected seq {}", self.next_seq)));
+        }
+        if envelope.session_id != self.session_id {
+            return Err(self.invalid(seq, format!("event of session {:?}", envelope.session_id)));
+        }
+        let event = &envelope.event;
+        if event.is_command() {
+            self.apply_command_event(seq, event)?;
+            self.next_seq += 1;
+            return Ok(Vec::new());
+        }
+        if let Some(expected) = self.expected.front() {
+            return Err(Error::Nondeterminism {
+                session_id: self.session_id.clone(),
+                seq,
+                expected: format!("{expected:?}"),
+                found: format!("{event:?}"),
+            });
+        }
+        let now = envelope.recorded_at_ms;
+        let commands = self.apply_input(seq, now, event)?;
+        self.expected.extend(commands.iter().cloned());
+        self.next_seq += 1;
+        Ok(commands)
+    }
+
+    fn apply_command_event(&mut self, seq: u64, event: &Event) -> Result<()> {
+        let Some(expected) = self.expected.front() else {
+            return Err(Error::Nondeterminism {
+                session_id: self.session_id.clone(),
+                seq,
+                expected: "no command".to_owned(),
+                found: format!("{event:?}"),
+            });
+        };
+        if &expected.clone().into_event() != event {
+            return Err(Error::Nondeterminism {
+                session_id: self.session_id.clone(),
+                seq,
+                expected: format!("{expected:?}"),
+                found: format!("{event:?}"),
+            });
+        }
+        self.expected.pop_front();
+        let active = self.active.as_mut().ok_or_else(|| Error::InvalidEvent {
+            session_id: self.session_id.clone(),
+            seq,
+            reason: "command event without an active turn".to_owned(),
+        })?;
+        match event {
+            Event::ModelCallScheduled { .. } => {
+                if let Phase::Model(slot) = &mut active.phase {
+                    slot.scheduled_seq = Some(seq);
+                }
+            }
+            Event::ToolCallScheduled { tool_use_id, .. } => {
+                if let Phase::Tools(slots) = &mut active.phase {
+                    for slot in slots.iter_mut() {
+                        if &slot.tool_use.id == tool_use_id {
+                            if let ToolSlotState::Scheduled { scheduled_seq, .. } = &mut slot.state
+                            {
+                                *scheduled_seq = Some(seq);
+                            }
+                        }
+                    }
+                }
+            }
+            Event::TurnCompleted { turn, .. } => {
+                let answer = self
+                    .transcript
+                    .messages
+                    .last()
+                    .map(|m| {
+                        m.parts
+                            .iter()
+                            .filter_map(|p| match p {
+                                Part::Text { text } => Some(text.as_str()),
+                                _ => None,
+                            })
+                            .collect::<String>()
+                    })
+                    .unwrap_or_default();
+                self.last_outcome = Some(TurnOutcome::Completed {
+                    turn: *turn,
+                    answer,
+                });
+                self.active = None;
+            }
+            Event::TurnFailed { turn, reason } => {
+                let turn = *turn;
+                let reason = reason.clone();
+                self.close_open_tool_uses(&format!("turn failed: {reason}"));
+                self.last_outcome = Some(TurnOutcome::Failed { turn, reason });
+                self.active = None;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn apply_input(&mut self, seq: u64, now: u64, event: &Event) -> Result<Vec<Command>> {
+        if self.started.is_none() && !matches!(event, Event::SessionStarted(_)) {
+            return Err(self.invalid(seq, "the first event must be session_started"));
+        }
+        match event {
+            Event::SessionStarted(started) => {
+                if self.started.is_some() {
+                    return Err(self.invalid(seq, "session already started"));
+                }
+                if let Some(prompt) = &started.system_prompt {
+                    self.transcript.push_system(prompt.clone());
+                }
+                self.started = Some(started.clone());
+                Ok(Vec::new())
+            }
+            Event::UserMessage { turn, text, model } => {
+                if self.cancelled {
+                    return Err(self.invalid(seq, "session is cancelled"));
+                }
+                if self.active.is_some() {
+                    return Err(self.invalid(seq, "a turn is already running"));
+                }
+                if *turn != self.turns_started + 1 {
+                    return Err(self.invalid(
+                        seq,
+                        format!(
+                            "turn {turn} out of order (next is {})",
+                            self.turns_started + 1
+                        ),
+                    ));
+                }
+                if text.is_empty() {
+                    return Err(self.invalid(seq, "empty user message"));
+                }
+                let model = match model {
+                    Some(m) => m.clone(),
+                    None => self.started_ref()?.model.clone(),
+                };
+                self.transcript.push_user_text(text.clone());
+                self.turns_started = *turn;
+                self.active = Some(ActiveTurn {
+                    turn: *turn,
+                    round: 0,
+                    model,
+                    phase: Phase::Model(ModelSlot {
+                        attempt: 1,
+                        scheduled_seq: None,
+                    }),
+                    usage: Usage::default(),
+                });
+                Ok(vec![Command::ScheduleModelCall {
+                    turn: *turn,
+                    round: 0,
+                    attempt: 1,
+                    not_before_ms: now,
+                }])
+            }
+            Event::ModelCallCompleted {
+                turn,
+                round,
+                attempt,
+                response,
+            } => {
+                self.check_model_slot(seq, *turn, *round, *attempt)?;
+                validate_response(response)
+                    .map_err(|e| self.invalid(seq, format!("response rejected: {e}")))?;
+                if let Some(dup) = response
+                    .tool_uses()
+                    .find(|t| self.tool_use_ids.contains(&t.id))
+                {
+                    return Err(self.invalid(
+                        seq,
+                        format!("tool_use id {:?} was already used in this session", dup.id),
+                    ));
+                }
+                Ok(self.on_model_response(now, response))
+            }
+            Event::ModelCallFailed {
+                turn,
+                round,
+                attempt,
+                failure,
+            } => {
+                self.check_model_slot(seq, *turn, *round, *attempt)?;
+                let policy = self.started_ref()?.model_retry.clone();
+                Ok(self.on_model_failure(now, &policy, *attempt, failure))
+            }
+            Event::ToolCallCompleted {
+                turn,
+                tool_use_id,
+                attempt,
+                content,
+                is_error,
+            } => {
+                self.check_tool_slot(seq, *turn, tool_use_id, *attempt)?;
+                let result = ToolResult {
+                    tool_use_id: tool_use_id.clone(),
+                    content: content.clone(),
+                    is_error: *is_error,
+                };
+                Ok(self.on_tool_done(now, tool_use_id, result))
+            }
+            Event::ToolCallFailed {
+                turn,
+                tool_use_id,
+                attempt,
+                failure,
+            } => {
+                self.check_tool_slot(seq, *turn, tool_use_id, *attempt)?;
+                let policy = self.started_ref()?.tool_retry.clone();
+                match policy.next_delay_ms(*attempt, failure.class) {
+                    Some(delay) => {
+                        let turn = *turn;
+                        let name = self.set_tool_attempt(tool_use_id, attempt + 1);
+                        Ok(vec![Command::ScheduleToolCall {
+                            turn,
+                            tool_use_id: tool_use_id.clone(),
+                            name,
+                            attempt: attempt + 1,
+                            not_before_ms: now.saturating_add(delay),
+                        }])
+                    }
+                    None => {
+                        let result = ToolResult {
+                            tool_use_id: tool_use_id.clone(),
+                            content: ToolResultContent::Text(format!(
+                                "tool failed after {attempt} attempt(s): {}: {}",
+                                failure.class.as_str(),
+                                failure.message
+                            )),
+                            is_error: true,
+                        };
+                        Ok(self.on_tool_done(now, tool_use_id, result))
+                    }
+                }
+            }
+            Event::SessionCancelled { reason } => {
+                if self.cancelled {
+                    return Err(self.invalid(seq, "session already cancelled"));
+                }
+                if let Some(active) = &self.active {
+                    let turn = active.turn;
+                    self.close_open_tool_uses(&format!("cancelled: {reason}"));
+                    self.last_outcome = Some(TurnOutcome::Cancelled {
+                        turn,
+                        reason: reason.clone(),
+                    });
+                    self.active = None;
+                }
+                self.cancelled = true;
+                Ok(Vec::new())
+            }
+            Event::ModelCallScheduled { .. }
+            | Event::ToolCallScheduled { .. }
+            | Event::TurnCompleted { .. }
+            | Event::TurnFailed { .. } => Err(self.invalid(seq, "command event as input")),
+        }
+    }
+
+    fn started_ref(&self) -> Result<&SessionStarted> {
+        self.started.as_ref().ok_or_else(|| Error::InvalidEvent {
+            session_id: self.session_id.clone(),
+            seq: self.next_seq,
+            reason: "session not started".to_owned(),
+        })
+    }
+
+    fn check_model_slot(&self, seq: u64, turn: u32, round: u32, attempt: u32) -> Result<()> {
+        match &self.active {
+            Some(a) if a.turn == turn && a.round == round => match &a.phase {
+                Phase::Model(slot) if slot.attempt == attempt && slot.scheduled_seq.is_some() => {
+                    Ok(())
+                }
+                _ => Err(self.invalid(
+                    seq,
+                    format!(
+                        "no model call of turn {turn} round {round} attempt {attempt} is waiting"
+                    ),
+                )),
+            },
+            _ => Err(self.invalid(
+                seq,
+                format!("turn {turn} round {round} is not the active model call"),
+            )),
+        }
+    }
+
+    fn check_tool_slot(&self, seq: u64, turn: u32, tool_use_id: &str, attempt: u32) -> Result<()> {
+        let waiting = match &self.active {
+            Some(a) if a.turn == turn => match &a.phase {
+                Phase::Tools(slots) => slots.iter().any(|s| {
+                    s.tool_use.id == tool_use_id
+                        && matches!(s.state, ToolSlotState::Scheduled { attempt: a, scheduled_seq: Some(_) } if a == attempt)
+                }),
+                _ => false,
+            },
+            _ => false,
+        };
+        if waiting {
+            Ok(())
+        } else {
+            Err(self.invalid(
+                seq,
+                format!("no tool call {tool_use_id:?} of turn {turn} attempt {attempt} is waiting"),
+            ))
+        }
+    }
+
+    fn on_model_response(&mut self, now: u64, response: &ModelResponse) -> Vec<Command> {
+        let Some(active) = self.active.as_mut() else {
+            return Vec::new();
+        };
+        active.usage.add(&response.usage);
+        self.usage.add(&response.usage);
+        self.transcript.push_response(response);
+        for t in response.tool_uses() {
+            self.tool_use_ids.insert(t.id.clone());
+        }
+        let turn = active.turn;
+        let tool_uses: Vec<ToolUse> = response.tool_uses().cloned().collect();
+        if tool_uses.is_empty() {
+            if response.stop_reason == StopReason::PauseTurn {
+                return self.next_round(now);
+            }
+            let usage = active.usage;
+            active.phase = Phase::Ending;
+            return vec![Command::CompleteTurn { turn, usage }];
+        }
+        let max_rounds = self.started.as_ref().map_or(1, |s| s.limits.max_rounds);
+        let tool_names: BTreeSet<&str> = self
+            .started
+            .as_ref()
+            .map(|s| s.tools.iter().map(|t| t.name.as_str()).collect())
+            .unwrap_or_default();
+        let over_limit = active.round + 1 >= max_rounds;
+        let mut commands = Vec::new();
+        let mut slots = Vec::with_capacity(tool_uses.len());
+        for tool_use in tool_uses {
+            let immediate_error = if !tool_names.contains(tool_use.name.as_str()) {
+                Some(format!(
+                    "unknown tool {:?}; available tools: {}",
+                    tool_use.name,
+                    tool_names.iter().copied().collect::<Vec<_>>().join(", ")
+                ))
+            } else {
+                serde_json::from_str::<serde::de::IgnoredAny>(&tool_use.arguments)
+                    .err()
+                    .map(|e| format!("invalid tool arguments (not JSON): {e}"))
+            };
+            let state = match immediate_error {
+                Some(message) => ToolSlotState::Done(ToolResult {
+                    tool_use_id: tool_use.id.clone(),
+                    content: ToolResultContent::Text(message),
+                    is_error: true,
+                }),
+                None if over_limit => ToolSlotState::Unscheduled,
+                None => {
+                    commands.push(Command::ScheduleToolCall {
+                        turn,
+                        tool_use_id: tool_use.id.clone(),
+                        name: tool_use.name.clone(),
+                        attempt: 1,
+                        not_before_ms: now,
+                    });
+                    ToolSlotState::Scheduled {
+                        attempt: 1,
+                        scheduled_seq: None,
+                    }
+                }
+            };
+            slots.push(ToolSlot { tool_use, state });
+        }
+        active.phase = Phase::Tools(slots);
+        if over_limit {
+            // The unscheduled calls are closed with is_error results when TurnFailed applies.
+            return vec![Command::FailTurn {
+                turn,
+                reason: format!("the model asked for tools after {max_rounds} rounds (max_rounds)"),
+            }];
+        }
+        if commands.is_empty() {
+            // Every call was answered at once (unknown tools, invalid arguments).
+            return self.results_complete(now);
+        }
+        commands
+    }
+
+    fn on_model_failure(
+        &mut self,
+        now: u64,
+        policy: &RetryPolicy,
+        attempt: u32,
+        failure: &ActivityFailure,
+    ) -> Vec<Command> {
+        let Some(active) = self.active.as_mut() else {
+            return Vec::new();
+        };
+        if let Some(usage) = &failure.usage {
+            active.usage.add(usage);
+            self.usage.add(usage);
+        }
+        let turn = active.turn;
+        match policy.next_delay_ms(attempt, failure.class) {
+            Some(delay) => {
+                active.phase = Phase::Model(ModelSlot {
+                    attempt: attempt + 1,
+                    scheduled_seq: None,
+                });
+                vec![Command::ScheduleModelCall {
+                    turn,
+                    round: active.round,
+                    attempt: attempt + 1,
+                    not_before_ms: now.saturating_add(delay),
+                }]
+            }
+            None => {
+                active.phase = Phase::Ending;
+                vec![Command::FailTurn {
+                    turn,
+                    reason: format!(
+                        "model call failed after {attempt} attempt(s): {}: {}",
+                        failure.class.as_str(),
+                        failure.message
+                    ),
+                }]
+            }
+        }
+    }
+
+    fn set_tool_attempt(&mut self, tool_use_id: &str, attempt: u32) -> String {
+        if let Some(ActiveTurn {
+            phase: Phase::Tools(slots),
+            ..
+        }) = self.active.as_mut()
+        {
+            for slot in slots.iter_mut() {
+                if slot.tool_use.id == tool_use_id {
+                    slot.state = ToolSlotState::Scheduled {
+                        attempt,
+                        scheduled_seq: None,
+                    };
+                    return slot.tool_use.name.clone();
+                }
+            }
+        }
+        String::new()
+    }
+
+    fn on_tool_done(&mut self, now: u64, tool_use_id: &str, result: ToolResult) -> Vec<Command> {
+        if let Some(ActiveTurn {
+            phase: Phase::Tools(slots),
+            ..
+        }) = self.active.as_mut()
+        {
+            for slot in slots.iter_mut() {
+                if slot.tool_use.id == tool_use_id {
+                    slot.state = ToolSlotState::Done(result);
+                    break;
+                }
+            }
+            if slots
+                .iter()
+                .all(|s| matches!(s.state, ToolSlotState::Done(_)))
+            {
+                return self.results_complete(now);
+            }
+        }
+        Vec::new()
+    }
+
+    /// All results are in: the tool_result message (declaration order), then the next round.
+    fn results_complete(&mut self, now: u64) -> Vec<Command> {
+        let Some(active) = self.active.as_mut() else {
+            return Vec::new();
+        };
+        if let Phase::Tools(slots) = std::mem::replace(&mut active.phase, Phase::Ending) {
+            let results = slots.into_iter().filter_map(|s| match s.state {
+                ToolSlotState::Done(r) => Some(r),
+                _ => None,
+            });
+            self.transcript.push_tool_results(results);
+        }
+        self.next_round(now)
+    }
+
+    fn next_round(&mut self, now: u64) -> Vec<Command> {
+        let max_rounds = self.started.as_ref().map_or(1, |s| s.limits.max_rounds);
+        let Some(active) = self.active.as_mut() else {
+            return Vec::new();
+        };
+        let turn = active.turn;
+        if active.round + 1 >= max_rounds {
+            active.phase = Phase::Ending;
+            return vec![Command::FailTurn {
+                turn,
+                reason: format!("the turn needs more than {max_rounds} model calls (max_rounds)"),
+            }];
+        }
+        active.round += 1;
+        active.phase = Phase::Model(ModelSlot {
+            attempt: 1,
+            scheduled_seq: None,
+        });
+        vec![Command::ScheduleModelCall {
+            turn,
+            round: active.round,
+            attempt: 1,
+            not_before_ms: now,
+        }]
+    }
+
+    /// Answers every unanswered tool_use of the active round so the transcript stays valid.
+    fn close_open_tool_uses(&mut self, why: &str) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        if let Phase::Tools(slots) = std::mem::replace(&mut active.phase, Phase::Ending) {
+            let results: Vec<ToolResult> = slots
+                .into_iter()
+                .map(|s| match s.state {
+                    ToolSlotState::Done(r) => r,
+                    _ => ToolResult {
+                        tool_use_id: s.tool_use.id,
+                        content: ToolResultContent::Text(why.to_owned()),
+                        is_error: true,
+                    },
+                })
+                .collect();
+            self.transcript.push_tool_results(results);
+        }
+    }
+}
