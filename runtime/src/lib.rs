@@ -1,17 +1,26 @@
 //! The runtime: history events and their codec, the pure workflow state machine, the `Store`
 //! trait with memory and sled backends, the engine (append, then dispatch), the client, replay.
 
+pub mod clock;
 pub mod codec;
+pub mod engine;
 pub mod error;
 pub mod event;
+pub mod replay;
 pub mod store;
 pub mod workflow;
 
+#[cfg(test)]
+mod workflow_tests;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use engine::{ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, ResumeReport};
 pub use error::{Error, Result};
 pub use event::{
     ActivityFailure, ErrorClass, Event, EventEnvelope, Limits, RetryPolicy, SessionStarted,
     SCHEMA_VERSION,
 };
+pub use replay::{replay, Replay};
 pub use store::memory::MemoryStore;
 pub use store::{
     AppendRequest, Lease, NewTask, SessionInfo, SessionStatus, Store, Task, TaskId, TaskKind,

@@ -1,0 +1,655 @@
+//! The engine: applies inputs to a session's workflow, appends the input and the resulting
+//! command events (and their tasks) in one atomic, durable store append, then wakes workers.
+//!
+//! Folded session state is cached; a miss (or any failed append) reloads it from the history.
+
+use crate::clock::Clock;
+use crate::error::{Error, Result};
+use crate::event::{ActivityFailure, Event, EventEnvelope, SessionStarted};
+use crate::store::{AppendRequest, Lease, NewTask, SessionStatus, Store, TaskId, TaskKind};
+use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
+use cairn_ledger::{
+    Delta, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, ToolUse, Transcript,
+};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::sync::{broadcast, watch, Notify};
+use tracing::{debug, info_span, Instrument};
+
+/// Identifies one activity attempt, so that consumers can tell a retry's stream from the first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActivityRef {
+    /// Session.
+    pub session_id: String,
+    /// Turn.
+    pub turn: u32,
+    /// `model:ROUND` or `tool:TOOL_USE_ID`.
+    pub activity: String,
+    /// Activity attempt.
+    pub attempt: u32,
+}
+
+/// A streamed fragment with its origin. Presentation only: never recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeltaEvent {
+    /// Where it comes from.
+    pub origin: ActivityRef,
+    /// The fragment.
+    pub delta: Delta,
+}
+
+/// What a leased task asks a worker to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ActivityInput {
+    /// Call a model with the transcript as it stands.
+    Model {
+        /// Origin, for deltas and logs.
+        origin: ActivityRef,
+        /// Round within the turn.
+        round: u32,
+        /// The model.
+        model: ModelSpec,
+        /// The transcript to send.
+        transcript: Transcript,
+        /// Tools offered.
+        tools: Vec<ToolSpec>,
+        /// Start-to-close timeout of one attempt.
+        timeout_ms: u64,
+    },
+    /// Run a tool.
+    Tool {
+        /// Origin.
+        origin: ActivityRef,
+        /// The call.
+        tool_use: ToolUse,
+        /// Stable across attempts: `session/tool_use_id`.
+        idempotency_key: String,
+        /// Start-to-close timeout of one attempt.
+        timeout_ms: u64,
+    },
+}
+
+/// What a worker reports for a leased task.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ActivityReport {
+    /// The model answered.
+    ModelCompleted(ModelResponse),
+    /// The tool returned.
+    ToolCompleted {
+        /// Result content.
+        content: ToolResultContent,
+        /// Whether it is an error result.
+        is_error: bool,
+    },
+    /// The attempt failed.
+    Failed(ActivityFailure),
+}
+
+/// What `resume` found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResumeReport {
+    /// Sessions with a turn in progress.
+    pub running_sessions: Vec<String>,
+    /// Outstanding activity tasks across them.
+    pub outstanding_tasks: usize,
+    /// Tasks that were missing from the queue and were enqueued again.
+    pub requeued_tasks: usize,
+}
+
+type SessionSlot = Arc<tokio::sync::Mutex<Option<SessionState>>>;
+
+struct Inner {
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    sessions: Mutex<HashMap<String, SessionSlot>>,
+    outcomes: Mutex<HashMap<String, watch::Sender<Option<TurnOutcome>>>>,
+    tasks_ready: Notify,
+    deltas: broadcast::Sender<DeltaEvent>,
+    id_counter: AtomicU64,
+    cache_capacity: usize,
+}
+
+/// The engine handle; cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+impl Engine {
+    /// An engine over a store, reading time from `clock`.
+    pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
+        let (deltas, _) = broadcast::channel(4096);
+        Engine {
+            inner: Arc::new(Inner {
+                store,
+                clock,
+                sessions: Mutex::new(HashMap::new()),
+                outcomes: Mutex::new(HashMap::new()),
+                tasks_ready: Notify::new(),
+                deltas,
+                id_counter: AtomicU64::new(0),
+                cache_capacity: 10_000,
+            }),
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+
+    /// The clock.
+    pub fn now_ms(&self) -> u64 {
+        self.inner.clock.now_ms()
+    }
+
+    /// Completes when tasks may have been enqueued. Create it (and `enable` it) before leasing,
+    /// so an enqueue between an empty lease and the wait is not missed.
+    pub fn tasks_ready(&self) -> tokio::sync::futures::Notified<'_> {
+        self.inner.tasks_ready.notified()
+    }
+
+    /// Subscribes to the live deltas of every running model call.
+    pub fn subscribe_deltas(&self) -> broadcast::Receiver<DeltaEvent> {
+        self.inner.deltas.subscribe()
+    }
+
+    /// Publishes a delta to subscribers (workers call this while a model streams).
+    pub fn publish_delta(&self, event: DeltaEvent) {
+        // No subscriber is fine: deltas are presentation only.
+        let _ = self.inner.deltas.send(event);
+    }
+
+    /// Starts a session; `session_id` is generated when `None`.
+    pub async fn start_session(
+        &self,
+        session_id: Option<String>,
+        started: SessionStarted,
+    ) -> Result<String> {
+        let session_id = match session_id {
+            Some(id) => id,
+            None => self.new_session_id(),
+        };
+        crate::store::check_session_id(&session_id)?;
+        self.submit(&session_id, Event::SessionStarted(started), None)
+            .await?;
+        Ok(session_id)
+    }
+
+    fn new_session_id(&self) -> String {
+        let n = self.inner.id_counter.fetch_add(1, Ordering::Relaxed);
+        format!("s{:x}-{:x}-{n}", self.now_ms(), std::process::id())
+    }
+
+    /// Sends a user message, starting the next turn; returns its number.
+    pub async fn send_message(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+    ) -> Result<u32> {
+        let turn = {
+            let slot = self.slot(session_id);
+            let mut guard = slot.lock().await;
+            let state = self.loaded(session_id, &mut guard).await?;
+            state.turns_started + 1
+        };
+        self.submit(
+            session_id,
+            Event::UserMessage {
+                turn,
+                text: text.to_owned(),
+                model,
+            },
+            None,
+        )
+        .await?;
+        Ok(turn)
+    }
+
+    /// Cancels a session: the running turn's open tool calls are closed with error results.
+    pub async fn cancel(&self, session_id: &str, reason: &str) -> Result<()> {
+        self.submit(
+            session_id,
+            Event::SessionCancelled {
+                reason: reason.to_owned(),
+            },
+            None,
+        )
+        .await
+    }
+
+    /// Waits until turn `turn` has an outcome.
+    pub async fn wait_turn(&self, session_id: &str, turn: u32) -> Result<TurnOutcome> {
+        let mut rx = self.outcome_sender(session_id).subscribe();
+        {
+            let slot = self.slot(session_id);
+            let mut guard = slot.lock().await;
+            let state = self.loaded(session_id, &mut guard).await?;
+            if let Some(outcome) = outcome_for(state, turn) {
+                return Ok(outcome);
+            }
+        }
+        loop {
+            if let Some(outcome) = rx.borrow_and_update().as_ref() {
+                if outcome.turn() >= turn {
+                    return Ok(outcome.clone());
+                }
+            }
+            if rx.changed().await.is_err() {
+                return Err(Error::Shutdown);
+            }
+        }
+    }
+
+    /// The folded state of a session (a clone of the cached one).
+    pub async fn state(&self, session_id: &str) -> Result<SessionState> {
+        let slot = self.slot(session_id);
+        let mut guard = slot.lock().await;
+        Ok(self.loaded(session_id, &mut guard).await?.clone())
+    }
+
+    /// What a leased task should run; `None` when the workflow no longer wants it (the task is
+    /// then removed from the queue).
+    pub async fn activity(&self, lease: &Lease) -> Result<Option<ActivityInput>> {
+        let session_id = &lease.id.session_id;
+        let slot = self.slot(session_id);
+        let mut guard = slot.lock().await;
+        let state = self.loaded(session_id, &mut guard).await?;
+        let Some(started) = state.started.as_ref() else {
+            return Ok(None);
+        };
+        let input = match state.scheduled_activity(lease.id.scheduled_seq) {
+            Some(ScheduledActivity::Model {
+                turn,
+                round,
+                attempt,
+                model,
+            }) => Some(ActivityInput::Model {
+                origin: ActivityRef {
+                    session_id: session_id.clone(),
+                    turn,
+                    activity: format!("model:{round}"),
+                    attempt,
+                },
+                round,
+                model,
+                transcript: state.transcript.clone(),
+                tools: started.tools.clone(),
+                timeout_ms: started.model_retry.start_to_close_timeout_ms,
+            }),
+            Some(ScheduledActivity::Tool {
+                turn,
+                attempt,
+                tool_use,
+            }) => Some(ActivityInput::Tool {
+                origin: ActivityRef {
+                    session_id: session_id.clone(),
+                    turn,
+                    activity: format!("tool:{}", tool_use.id),
+                    attempt,
+                },
+                idempotency_key: format!("{session_id}/{}", tool_use.id),
+                tool_use,
+                timeout_ms: started.tool_retry.start_to_close_timeout_ms,
+            }),
+            None => None,
+        };
+        drop(guard);
+        if input.is_none() {
+            self.discard_task(lease).await?;
+        }
+        Ok(input)
+    }
+
+    async fn discard_task(&self, lease: &Lease) -> Result<()> {
+        let session_id = &lease.id.session_id;
+        let slot = self.slot(session_id);
+        let mut guard = slot.lock().await;
+        let state = self.loaded(session_id, &mut guard).await?;
+        let request = AppendRequest {
+            session_id: session_id.clone(),
+            expected_next_seq: state.next_seq,
+            events: Vec::new(),
+            status: status_of(state),
+            enqueue: Vec::new(),
+            complete: Some((lease.id.clone(), lease.lease_attempt)),
+            cancel: Vec::new(),
+            now_ms: self.now_ms(),
+        };
+        match self.inner.store.append(request).await {
+            Ok(()) | Err(Error::LeaseLost { .. }) => Ok(()),
+            Err(e) => {
+                *guard = None;
+                Err(e)
+            }
+        }
+    }
+
+    /// Records a worker's report for a leased task. A stale report (the lease lapsed, or the
+    /// workflow already moved on) is an error the worker may drop: the history is unchanged.
+    pub async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()> {
+        let session_id = &lease.id.session_id;
+        let activity = {
+            let slot = self.slot(session_id);
+            let mut guard = slot.lock().await;
+            let state = self.loaded(session_id, &mut guard).await?;
+            state.scheduled_activity(lease.id.scheduled_seq)
+        };
+        let Some(activity) = activity else {
+            self.discard_task(lease).await?;
+            return Err(Error::InvalidEvent {
+                session_id: session_id.clone(),
+                seq: lease.id.scheduled_seq,
+                reason: "the workflow no longer waits for this task".to_owned(),
+            });
+        };
+        let event = match (activity, report) {
+            (
+                ScheduledActivity::Model {
+                    turn,
+                    round,
+                    attempt,
+                    ..
+                },
+                ActivityReport::ModelCompleted(response),
+            ) => Event::ModelCallCompleted {
+                turn,
+                round,
+                attempt,
+                response,
+            },
+            (
+                ScheduledActivity::Model {
+                    turn,
+                    round,
+                    attempt,
+                    ..
+                },
+                ActivityReport::Failed(failure),
+            ) => Event::ModelCallFailed {
+                turn,
+                round,
+                attempt,
+                failure,
+            },
+            (
+                ScheduledActivity::Tool {
+                    turn,
+                    attempt,
+                    tool_use,
+                },
+                ActivityReport::ToolCompleted { content, is_error },
+            ) => Event::ToolCallCompleted {
+                turn,
+                tool_use_id: tool_use.id,
+                attempt,
+                content,
+                is_error,
+            },
+            (
+                ScheduledActivity::Tool {
+                    turn,
+                    attempt,
+                    tool_use,
+                },
+                ActivityReport::Failed(failure),
+            ) => Event::ToolCallFailed {
+                turn,
+                tool_use_id: tool_use.id,
+                attempt,
+                failure,
+            },
+            (activity, report) => {
+                return Err(Error::InvalidEvent {
+                    session_id: session_id.clone(),
+                    seq: lease.id.scheduled_seq,
+                    reason: format!("report {report:?} does not fit activity {activity:?}"),
+                })
+            }
+        };
+        self.submit(
+            session_id,
+            event,
+            Some((lease.id.clone(), lease.lease_attempt)),
+        )
+        .await
+    }
+
+    /// Finds every session with a turn in progress, loads it, and makes sure each of its
+    /// outstanding activities has a queued task (they normally do: tasks are written with their
+    /// events). Expired leases need nothing here: leasing picks them up again.
+    pub async fn resume(&self) -> Result<ResumeReport> {
+        let mut report = ResumeReport::default();
+        let queued: BTreeSet<TaskId> = self
+            .inner
+            .store
+            .list_tasks()
+            .await?
+            .into_iter()
+            .map(|t| t.id)
+            .collect();
+        for info in self.inner.store.list_sessions().await? {
+            if info.status != SessionStatus::Running {
+                continue;
+            }
+            let session_id = info.session_id;
+            let slot = self.slot(&session_id);
+            let mut guard = slot.lock().await;
+            let state = self.loaded(&session_id, &mut guard).await?;
+            let mut missing = Vec::new();
+            for seq in state.outstanding_tasks() {
+                report.outstanding_tasks += 1;
+                let id = TaskId {
+                    session_id: session_id.clone(),
+                    scheduled_seq: seq,
+                };
+                if !queued.contains(&id) {
+                    let kind = match state.scheduled_activity(seq) {
+                        Some(ScheduledActivity::Tool { .. }) => TaskKind::Tool,
+                        _ => TaskKind::Model,
+                    };
+                    missing.push(NewTask {
+                        id,
+                        kind,
+                        visible_at_ms: 0,
+                    });
+                }
+            }
+            if !missing.is_empty() {
+                report.requeued_tasks += missing.len();
+                let request = AppendRequest {
+                    session_id: session_id.clone(),
+                    expected_next_seq: state.next_seq,
+                    events: Vec::new(),
+                    status: status_of(state),
+                    enqueue: missing,
+                    complete: None,
+                    cancel: Vec::new(),
+                    now_ms: self.now_ms(),
+                };
+                if let Err(e) = self.inner.store.append(request).await {
+                    *guard = None;
+                    return Err(e);
+                }
+            }
+            report.running_sessions.push(session_id);
+        }
+        self.inner.tasks_ready.notify_waiters();
+        Ok(report)
+    }
+
+    fn slot(&self, session_id: &str) -> SessionSlot {
+        let mut sessions = match self.inner.sessions.lock() {
+            Ok(s) => s,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if let Some(slot) = sessions.get(session_id) {
+            return slot.clone();
+        }
+        if sessions.len() >= self.inner.cache_capacity {
+            // Drop idle entries nobody holds; they reload from the history on the next miss.
+            sessions.retain(|_, slot| Arc::strong_count(slot) > 1);
+        }
+        let slot: SessionSlot = Arc::new(tokio::sync::Mutex::new(None));
+        sessions.insert(session_id.to_owned(), slot.clone());
+        slot
+    }
+
+    fn outcome_sender(&self, session_id: &str) -> watch::Sender<Option<TurnOutcome>> {
+        let mut outcomes = match self.inner.outcomes.lock() {
+            Ok(o) => o,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        outcomes
+            .entry(session_id.to_owned())
+            .or_insert_with(|| watch::channel(None).0)
+            .clone()
+    }
+
+    async fn loaded<'a>(
+        &self,
+        session_id: &str,
+        guard: &'a mut Option<SessionState>,
+    ) -> Result<&'a mut SessionState> {
+        if guard.is_none() {
+            let events = self.inner.store.read_history(session_id, 1, None).await?;
+            let state = SessionState::fold(session_id, &events)?;
+            *guard = Some(state);
+        }
+        guard.as_mut().ok_or_else(|| Error::UnknownSession {
+            session_id: session_id.to_owned(),
+        })
+    }
+
+    /// Applies an input and its commands, appends them atomically, updates the cache.
+    async fn submit(
+        &self,
+        session_id: &str,
+        input: Event,
+        complete: Option<(TaskId, u32)>,
+    ) -> Result<()> {
+        let span = info_span!("session", session_id = %session_id, event = input.kind());
+        async move {
+            let slot = self.slot(session_id);
+            let mut guard = slot.lock().await;
+            let is_start = matches!(input, Event::SessionStarted(_));
+            if is_start {
+                *guard = Some(SessionState::new(session_id));
+            }
+            let state = match self.loaded(session_id, &mut guard).await {
+                Ok(state) => state,
+                Err(e) => {
+                    *guard = None;
+                    return Err(e);
+                }
+            };
+            let now = self.now_ms();
+            let first_seq = state.next_seq;
+            let before: BTreeSet<u64> = state.outstanding_tasks().into_iter().collect();
+            let input = EventEnvelope::new(session_id, first_seq, now, input);
+            let commands = match state.apply(&input) {
+                Ok(commands) => commands,
+                Err(e) => {
+                    if is_start {
+                        *guard = None;
+                    }
+                    return Err(e);
+                }
+            };
+            let mut events = vec![input];
+            let mut enqueue = Vec::new();
+            for command in commands {
+                let envelope =
+                    EventEnvelope::new(session_id, state.next_seq, now, command.into_event());
+                if let Err(e) = state.apply(&envelope) {
+                    *guard = None;
+                    return Err(e);
+                }
+                match &envelope.event {
+                    Event::ModelCallScheduled { not_before_ms, .. }
+                    | Event::ToolCallScheduled { not_before_ms, .. } => enqueue.push(NewTask {
+                        id: TaskId {
+                            session_id: session_id.to_owned(),
+                            scheduled_seq: envelope.seq,
+                        },
+                        kind: if matches!(envelope.event, Event::ModelCallScheduled { .. }) {
+                            TaskKind::Model
+                        } else {
+                            TaskKind::Tool
+                        },
+                        visible_at_ms: *not_before_ms,
+                    }),
+                    _ => {}
+                }
+                events.push(envelope);
+            }
+            let after: BTreeSet<u64> = state.outstanding_tasks().into_iter().collect();
+            let completed_seq = complete.as_ref().map(|(id, _)| id.scheduled_seq);
+            let cancel = before
+                .difference(&after)
+                .filter(|seq| Some(**seq) != completed_seq)
+                .map(|seq| TaskId {
+                    session_id: session_id.to_owned(),
+                    scheduled_seq: *seq,
+                })
+                .collect();
+            let outcome = state.last_outcome.clone();
+            let request = AppendRequest {
+                session_id: session_id.to_owned(),
+                expected_next_seq: first_seq,
+                events,
+                status: status_of(state),
+                enqueue,
+                complete,
+                cancel,
+                now_ms: now,
+            };
+            let has_tasks = !request.enqueue.is_empty();
+            debug!(
+                events = request.events.len(),
+                tasks = request.enqueue.len(),
+                "append"
+            );
+            if let Err(e) = self.inner.store.append(request).await {
+                *guard = None;
+                return Err(e);
+            }
+            drop(guard);
+            if has_tasks {
+                self.inner.tasks_ready.notify_waiters();
+            }
+            if let Some(outcome) = outcome {
+                self.outcome_sender(session_id).send_if_modified(|current| {
+                    if current.as_ref() != Some(&outcome) {
+                        *current = Some(outcome);
+                        true
+                    } else {
+                        false
+                    }
+                });
+            }
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+fn status_of(state: &SessionState) -> SessionStatus {
+    if state.cancelled {
+        SessionStatus::Cancelled
+    } else if state.is_running() {
+        SessionStatus::Running
+    } else {
+        SessionStatus::Idle
+    }
+}
+
+fn outcome_for(state: &SessionState, turn: u32) -> Option<TurnOutcome> {
+    match &state.last_outcome {
+        Some(o) if o.turn() >= turn => Some(o.clone()),
+        _ => None,
+    }
+}

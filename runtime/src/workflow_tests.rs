@@ -1,0 +1,582 @@
+//! Workflow scenarios, each run live (inputs applied as the engine would) and then as a full
+//! replay of the recorded history: the commands and the ledger bytes must match.
+
+use crate::error::Error;
+use crate::event::*;
+use crate::replay::replay;
+use crate::workflow::{Command, SessionState, TurnOutcome};
+use cairn_ledger::*;
+
+const SID: &str = "wf-test";
+
+/// Drives a session like the engine: apply the input, record the commands as events.
+struct Live {
+    state: SessionState,
+    events: Vec<EventEnvelope>,
+    commands: Vec<(u64, Command)>,
+    now: u64,
+}
+
+impl Live {
+    fn new(started: SessionStarted) -> Self {
+        let mut live = Live {
+            state: SessionState::new(SID),
+            events: Vec::new(),
+            commands: Vec::new(),
+            now: 1_000,
+        };
+        live.input(Event::SessionStarted(started));
+        live
+    }
+
+    fn try_input(&mut self, event: Event) -> Result<Vec<Command>, Error> {
+        self.now += 10;
+        let input = EventEnvelope::new(SID, self.state.next_seq, self.now, event);
+        let commands = self.state.apply(&input)?;
+        let seq = input.seq;
+        self.events.push(input);
+        for c in &commands {
+            self.commands.push((seq, c.clone()));
+            let e = EventEnvelope::new(SID, self.state.next_seq, self.now, c.clone().into_event());
+            assert!(self.state.apply(&e).unwrap().is_empty());
+            self.events.push(e);
+        }
+        Ok(commands)
+    }
+
+    fn input(&mut self, event: Event) -> Vec<Command> {
+        self.try_input(event).unwrap()
+    }
+
+    /// The full replay must reproduce every command and the same ledger bytes.
+    fn check_replay(&self) {
+        let replayed = replay(SID, &self.events).unwrap();
+        assert_eq!(replayed.commands, self.commands);
+        assert_eq!(
+            replayed.state.transcript.canonical_json(),
+            self.state.transcript.canonical_json()
+        );
+        assert_eq!(replayed.state, self.state);
+        validate_transcript(&self.state.transcript).unwrap();
+    }
+}
+
+fn started(max_rounds: u32) -> SessionStarted {
+    SessionStarted {
+        model: ModelSpec::parse("scripted:test.json").unwrap(),
+        tools: vec![
+            ToolSpec {
+                name: "calculator".into(),
+                description: "math".into(),
+                input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
+            },
+            ToolSpec {
+                name: "read_file".into(),
+                description: "files".into(),
+                input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
+            },
+        ],
+        system_prompt: Some("be brief".into()),
+        limits: Limits { max_rounds },
+        model_retry: RetryPolicy {
+            initial_interval_ms: 100,
+            backoff_coefficient: 2.0,
+            maximum_interval_ms: 1000,
+            maximum_attempts: 2,
+            non_retryable: vec![ErrorClass::InvalidRequest],
+            start_to_close_timeout_ms: 5000,
+        },
+        tool_retry: RetryPolicy {
+            maximum_attempts: 2,
+            ..RetryPolicy::tool_default()
+        },
+    }
+}
+
+fn tool_use(id: &str, name: &str, args: &str) -> Part {
+    Part::ToolUse(ToolUse {
+        id: id.into(),
+        name: name.into(),
+        arguments: args.into(),
+        signature: None,
+    })
+}
+
+fn response(parts: Vec<Part>, stop: StopReason) -> ModelResponse {
+    ModelResponse {
+        provider: "scripted".into(),
+        model: "test".into(),
+        parts,
+        stop_reason_raw: format!("{stop:?}"),
+        stop_reason: stop,
+        usage: Usage {
+            input_tokens: 10,
+            output_tokens: 5,
+            ..Usage::default()
+        },
+    }
+}
+
+fn thinking(text: &str) -> Part {
+    Part::Thinking {
+        text: text.into(),
+        signature: format!("sig-{text}"),
+    }
+}
+
+fn text(t: &str) -> Part {
+    Part::Text { text: t.into() }
+}
+
+fn user(turn: u32, t: &str) -> Event {
+    Event::UserMessage {
+        turn,
+        text: t.into(),
+        model: None,
+    }
+}
+
+fn model_done(turn: u32, round: u32, attempt: u32, r: ModelResponse) -> Event {
+    Event::ModelCallCompleted {
+        turn,
+        round,
+        attempt,
+        response: r,
+    }
+}
+
+fn tool_done(turn: u32, id: &str, attempt: u32, content: &str) -> Event {
+    Event::ToolCallCompleted {
+        turn,
+        tool_use_id: id.into(),
+        attempt,
+        content: ToolResultContent::Json(JsonText::parse(content).unwrap()),
+        is_error: false,
+    }
+}
+
+fn failed(class: ErrorClass) -> ActivityFailure {
+    ActivityFailure {
+        class,
+        message: "boom".into(),
+        usage: None,
+    }
+}
+
+#[test]
+fn a_turn_with_two_parallel_tools_finishing_out_of_order() {
+    let mut live = Live::new(started(8));
+    let c = live.input(user(1, "what is (17+25)*3?"));
+    assert!(matches!(
+        c[..],
+        [Command::ScheduleModelCall {
+            turn: 1,
+            round: 0,
+            attempt: 1,
+            ..
+        }]
+    ));
+    let c = live.input(model_done(
+        1,
+        0,
+        1,
+        response(
+            vec![
+                thinking("plan"),
+                text("Using tools."),
+                tool_use("t1", "calculator", r#"{"expression":"(17+25)*3"}"#),
+                thinking("between"),
+                tool_use("t2", "read_file", r#"{"path":"notes.txt"}"#),
+            ],
+            StopReason::ToolUse,
+        ),
+    ));
+    assert_eq!(c.len(), 2);
+    assert!(matches!(&c[0], Command::ScheduleToolCall { tool_use_id, .. } if tool_use_id == "t1"));
+    assert!(matches!(&c[1], Command::ScheduleToolCall { tool_use_id, .. } if tool_use_id == "t2"));
+    // t2 finishes first; nothing happens until t1 is in.
+    assert!(live.input(tool_done(1, "t2", 1, r#""notes""#)).is_empty());
+    let c = live.input(tool_done(1, "t1", 1, r#"{"value":126}"#));
+    assert!(matches!(
+        c[..],
+        [Command::ScheduleModelCall {
+            round: 1,
+            attempt: 1,
+            ..
+        }]
+    ));
+    // Results are in declaration order, whatever the completion order.
+    let results = &live.state.transcript.messages.last().unwrap().parts;
+    assert!(matches!(&results[0], Part::ToolResult(r) if r.tool_use_id == "t1"));
+    assert!(matches!(&results[1], Part::ToolResult(r) if r.tool_use_id == "t2"));
+    let c = live.input(model_done(
+        1,
+        1,
+        1,
+        response(
+            vec![thinking("done"), text("It is 126.")],
+            StopReason::EndTurn,
+        ),
+    ));
+    assert!(
+        matches!(c[..], [Command::CompleteTurn { turn: 1, usage }] if usage.input_tokens == 20)
+    );
+    assert_eq!(
+        live.state.last_outcome,
+        Some(TurnOutcome::Completed {
+            turn: 1,
+            answer: "It is 126.".into()
+        })
+    );
+    assert!(!live.state.is_running());
+    // Thinking stays byte-exact and in place (interleaved, not hoisted).
+    let assistant = &live.state.transcript.messages[2];
+    assert_eq!(assistant.parts[3], thinking("between"));
+    live.check_replay();
+}
+
+#[test]
+fn unknown_tools_and_invalid_arguments_become_error_results_at_once() {
+    let mut live = Live::new(started(8));
+    live.input(user(1, "go"));
+    let c = live.input(model_done(
+        1,
+        0,
+        1,
+        response(
+            vec![
+                tool_use("a", "no_such_tool", "{}"),
+                tool_use("b", "calculator", "{not json"),
+            ],
+            StopReason::ToolUse,
+        ),
+    ));
+    assert!(matches!(
+        c[..],
+        [Command::ScheduleModelCall { round: 1, .. }]
+    ));
+    let results = &live.state.transcript.messages.last().unwrap().parts;
+    let Part::ToolResult(a) = &results[0] else {
+        panic!()
+    };
+    assert!(a.is_error);
+    assert!(
+        matches!(&a.content, ToolResultContent::Text(t) if t.contains("unknown tool \"no_such_tool\""))
+    );
+    let Part::ToolResult(b) = &results[1] else {
+        panic!()
+    };
+    assert!(b.is_error);
+    assert!(
+        matches!(&b.content, ToolResultContent::Text(t) if t.contains("invalid tool arguments"))
+    );
+    live.input(model_done(
+        1,
+        1,
+        1,
+        response(vec![text("sorry")], StopReason::EndTurn),
+    ));
+    live.check_replay();
+}
+
+#[test]
+fn tool_failures_retry_then_become_an_error_result() {
+    let mut live = Live::new(started(8));
+    live.input(user(1, "go"));
+    live.input(model_done(
+        1,
+        0,
+        1,
+        response(vec![tool_use("t", "calculator", "{}")], StopReason::ToolUse),
+    ));
+    let c = live.input(Event::ToolCallFailed {
+        turn: 1,
+        tool_use_id: "t".into(),
+        attempt: 1,
+        failure: failed(ErrorClass::Transient),
+    });
+    let now = live.now;
+    assert!(
+        matches!(&c[..], [Command::ScheduleToolCall { attempt: 2, not_before_ms, .. }] if *not_before_ms == now + 1000)
+    );
+    // A late report of attempt 1 is rejected and changes nothing.
+    let before = live.state.clone();
+    let err = live.try_input(tool_done(1, "t", 1, "1")).unwrap_err();
+    assert!(matches!(err, Error::InvalidEvent { .. }), "{err}");
+    assert_eq!(live.state, before);
+    let c = live.input(Event::ToolCallFailed {
+        turn: 1,
+        tool_use_id: "t".into(),
+        attempt: 2,
+        failure: failed(ErrorClass::Transient),
+    });
+    assert!(matches!(
+        c[..],
+        [Command::ScheduleModelCall { round: 1, .. }]
+    ));
+    let Part::ToolResult(r) = &live.state.transcript.messages.last().unwrap().parts[0] else {
+        panic!()
+    };
+    assert!(r.is_error);
+    assert!(
+        matches!(&r.content, ToolResultContent::Text(t) if t.starts_with("tool failed after 2 attempt(s): transient"))
+    );
+    live.input(model_done(
+        1,
+        1,
+        1,
+        response(vec![text("ok")], StopReason::EndTurn),
+    ));
+    live.check_replay();
+}
+
+#[test]
+fn a_model_call_that_keeps_failing_fails_the_turn_and_the_next_turn_works() {
+    let mut live = Live::new(started(8));
+    live.input(user(1, "go"));
+    let c = live.input(Event::ModelCallFailed {
+        turn: 1,
+        round: 0,
+        attempt: 1,
+        failure: ActivityFailure {
+            usage: Some(Usage {
+                input_tokens: 7,
+                ..Usage::default()
+            }),
+            ..failed(ErrorClass::Overloaded)
+        },
+    });
+    assert!(matches!(
+        c[..],
+        [Command::ScheduleModelCall { attempt: 2, .. }]
+    ));
+    let c = live.input(Event::ModelCallFailed {
+        turn: 1,
+        round: 0,
+        attempt: 2,
+        failure: failed(ErrorClass::Overloaded),
+    });
+    assert!(
+        matches!(&c[..], [Command::FailTurn { turn: 1, reason }] if reason.contains("after 2 attempt(s): overloaded"))
+    );
+    assert!(matches!(
+        live.state.last_outcome,
+        Some(TurnOutcome::Failed { turn: 1, .. })
+    ));
+    assert_eq!(
+        live.state.usage.input_tokens, 7,
+        "usage of failed attempts counts"
+    );
+    // A non-retryable class fails at once.
+    live.input(user(2, "again"));
+    let c = live.input(Event::ModelCallFailed {
+        turn: 2,
+        round: 0,
+        attempt: 1,
+        failure: failed(ErrorClass::InvalidRequest),
+    });
+    assert!(matches!(c[..], [Command::FailTurn { turn: 2, .. }]));
+    live.input(user(3, "third"));
+    live.input(model_done(
+        3,
+        0,
+        1,
+        response(vec![text("fine")], StopReason::EndTurn),
+    ));
+    live.check_replay();
+}
+
+#[test]
+fn max_rounds_fails_the_turn_and_closes_open_tool_uses() {
+    let mut live = Live::new(started(2));
+    live.input(user(1, "loop"));
+    live.input(model_done(
+        1,
+        0,
+        1,
+        response(vec![tool_use("a", "calculator", "{}")], StopReason::ToolUse),
+    ));
+    live.input(tool_done(1, "a", 1, "1"));
+    let c = live.input(model_done(
+        1,
+        1,
+        1,
+        response(vec![tool_use("b", "calculator", "{}")], StopReason::ToolUse),
+    ));
+    assert!(matches!(&c[..], [Command::FailTurn { reason, .. }] if reason.contains("max_rounds")));
+    let Part::ToolResult(r) = &live.state.transcript.messages.last().unwrap().parts[0] else {
+        panic!()
+    };
+    assert!(r.is_error && r.tool_use_id == "b");
+    // The transcript is valid for the next turn.
+    live.input(user(2, "next"));
+    live.input(model_done(
+        2,
+        0,
+        1,
+        response(vec![text("ok")], StopReason::EndTurn),
+    ));
+    live.check_replay();
+}
+
+#[test]
+fn cancellation_closes_unanswered_tool_uses_and_ends_the_session() {
+    let mut live = Live::new(started(8));
+    live.input(user(1, "go"));
+    live.input(model_done(
+        1,
+        0,
+        1,
+        response(
+            vec![
+                tool_use("a", "calculator", "{}"),
+                tool_use("b", "read_file", "{}"),
+            ],
+            StopReason::ToolUse,
+        ),
+    ));
+    live.input(tool_done(1, "a", 1, "1"));
+    assert!(live
+        .input(Event::SessionCancelled {
+            reason: "user".into()
+        })
+        .is_empty());
+    assert!(live.state.cancelled);
+    let parts = &live.state.transcript.messages.last().unwrap().parts;
+    assert!(matches!(&parts[0], Part::ToolResult(r) if !r.is_error));
+    assert!(
+        matches!(&parts[1], Part::ToolResult(r) if r.is_error && matches!(&r.content, ToolResultContent::Text(t) if t == "cancelled: user"))
+    );
+    assert!(live.try_input(user(2, "more")).is_err());
+    live.check_replay();
+}
+
+#[test]
+fn oversized_tool_results_are_projected_in_the_ledger_but_kept_whole_in_history() {
+    let mut live = Live::new(started(8));
+    live.input(user(1, "read"));
+    live.input(model_done(
+        1,
+        0,
+        1,
+        response(
+            vec![tool_use("big", "read_file", "{}")],
+            StopReason::ToolUse,
+        ),
+    ));
+    let big = "x".repeat(100_000);
+    live.input(Event::ToolCallCompleted {
+        turn: 1,
+        tool_use_id: "big".into(),
+        attempt: 1,
+        content: ToolResultContent::Text(big.clone()),
+        is_error: false,
+    });
+    let Part::ToolResult(r) = &live.state.transcript.messages.last().unwrap().parts[0] else {
+        panic!()
+    };
+    assert!(
+        matches!(&r.content, ToolResultContent::Json(j) if j.as_str().starts_with(r#"{"omitted":true"#))
+    );
+    assert!(live.events.iter().any(|e| matches!(&e.event, Event::ToolCallCompleted { content: ToolResultContent::Text(t), .. } if *t == big)));
+    live.input(model_done(
+        1,
+        1,
+        1,
+        response(vec![text("ok")], StopReason::EndTurn),
+    ));
+    live.check_replay();
+}
+
+#[test]
+fn invalid_inputs_are_rejected_without_changing_state() {
+    let mut live = Live::new(started(8));
+    let before = live.state.clone();
+    for bad in [
+        user(2, "skips turn 1"),
+        model_done(1, 0, 1, response(vec![text("x")], StopReason::EndTurn)),
+        tool_done(1, "nope", 1, "1"),
+    ] {
+        assert!(matches!(
+            live.try_input(bad),
+            Err(Error::InvalidEvent { .. })
+        ));
+        assert_eq!(live.state, before);
+    }
+    live.input(user(1, "go"));
+    // A response that breaks the ledger's rules is rejected, not committed.
+    let bad = response(vec![text("x"), thinking("last")], StopReason::EndTurn);
+    let err = live.try_input(model_done(1, 0, 1, bad)).unwrap_err();
+    assert!(
+        err.to_string().contains("ends on a thinking block"),
+        "{err}"
+    );
+    live.input(model_done(
+        1,
+        0,
+        1,
+        response(vec![text("ok")], StopReason::EndTurn),
+    ));
+    live.check_replay();
+}
+
+#[test]
+fn replaying_a_history_the_code_would_not_produce_names_the_event() {
+    let mut live = Live::new(started(8));
+    live.input(user(1, "go"));
+    live.input(model_done(
+        1,
+        0,
+        1,
+        response(
+            vec![
+                tool_use("a", "calculator", "{}"),
+                tool_use("b", "read_file", "{}"),
+            ],
+            StopReason::ToolUse,
+        ),
+    ));
+    // Swap the two recorded schedule events: a different decision order.
+    let mut tampered = live.events.clone();
+    let (i, j) = (4, 5);
+    assert!(matches!(tampered[i].event, Event::ToolCallScheduled { .. }));
+    let (ei, ej) = (tampered[i].event.clone(), tampered[j].event.clone());
+    tampered[i].event = ej;
+    tampered[j].event = ei;
+    match replay(SID, &tampered) {
+        Err(Error::Nondeterminism {
+            seq,
+            expected,
+            found,
+            ..
+        }) => {
+            assert_eq!(seq, 5);
+            assert!(
+                expected.contains("\"a\"") && found.contains("\"b\""),
+                "{expected} / {found}"
+            );
+        }
+        other => panic!("expected nondeterminism, got {other:?}"),
+    }
+    // A missing decision at the end is divergence too.
+    let truncated = &live.events[..live.events.len() - 1];
+    assert!(matches!(
+        replay(SID, truncated),
+        Err(Error::Nondeterminism { seq: 6, .. })
+    ));
+    // An extra decision the code never makes.
+    let mut extra = live.events.clone();
+    extra.push(EventEnvelope::new(
+        SID,
+        7,
+        live.now,
+        Event::TurnFailed {
+            turn: 1,
+            reason: "x".into(),
+        },
+    ));
+    assert!(matches!(
+        replay(SID, &extra),
+        Err(Error::Nondeterminism { seq: 7, .. })
+    ));
+}
