@@ -324,6 +324,9 @@ mod tests {
             call_index: 2,
         };
         let text = e.to_string();
-        assert!(text.contains("demo.json") && text.contains("2 responses"), "{text}");
+        assert!(
+            text.contains("demo.json") && text.contains("2 responses"),
+            "{text}"
+        );
     }
 }

@@ -1,1 +1,16 @@
-//! placeholder
+//! The edges of cairn: model providers and tools behind one activity boundary, each failure
+//! classified so the runtime can retry without knowing who failed.
+
+#![warn(missing_docs)]
+
+mod error;
+mod model;
+mod scripted;
+mod tool;
+mod tools;
+
+pub use error::{Error, ErrorKind, Result};
+pub use model::{CallContext, DeltaSink, ModelProvider, ModelRequest, NoDeltas};
+pub use scripted::{Script, ScriptedProvider, DEMO_SCRIPT};
+pub use tool::{Tool, ToolCall, ToolOutput, ToolRegistry};
+pub use tools::{Calculator, ReadFile};

@@ -20,7 +20,7 @@ pub struct CallContext {
 }
 
 /// Everything one model call needs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelRequest {
     /// Where the call sits in its session.
     pub context: CallContext,

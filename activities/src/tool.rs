@@ -210,7 +210,10 @@ mod tests {
     fn builtin_has_calculator_and_read_file() {
         let registry = ToolRegistry::builtin("/tmp");
         assert_eq!(registry.names(), ["calculator", "read_file"]);
-        assert_eq!(format!("{registry:?}"), r#"ToolRegistry { tools: ["calculator", "read_file"] }"#);
+        assert_eq!(
+            format!("{registry:?}"),
+            r#"ToolRegistry { tools: ["calculator", "read_file"] }"#
+        );
     }
 
     #[derive(Debug, Deserialize)]
@@ -226,7 +229,10 @@ mod tests {
             ("not json", "not valid JSON"),
             ("{\"path\": ", "incomplete JSON"),
             ("{}", "missing field `path`"),
-            ("{\"path\": 3}", "invalid type: integer `3`, expected a string"),
+            (
+                "{\"path\": 3}",
+                "invalid type: integer `3`, expected a string",
+            ),
             ("{\"path\": \"a\", \"mode\": 1}", "unknown field `mode`"),
         ];
         for (arguments, expected) in cases {
