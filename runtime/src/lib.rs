@@ -1,6 +1,7 @@
 //! The runtime: history events and their codec, the pure workflow state machine, the `Store`
 //! trait with memory and sled backends, the engine (append, then dispatch), the client, replay.
 
+pub mod client;
 pub mod clock;
 pub mod codec;
 pub mod engine;
@@ -13,6 +14,7 @@ pub mod workflow;
 #[cfg(test)]
 mod workflow_tests;
 
+pub use client::{Client, SessionOptions};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, ResumeReport};
 pub use error::{Error, Result};

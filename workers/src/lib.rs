@@ -1,1 +1,25 @@
-//! placeholder
+//! Worker pools: lease due tasks from the store, run their activities under timeouts with
+//! lease heartbeats, and report results to the engine. Shutdown stops leasing and drains.
+
+// Workers are the impure edge: they wait on timers (poll intervals, heartbeats, timeouts).
+#![allow(clippy::disallowed_methods)]
+
+mod models;
+mod pool;
+
+pub use models::{ModelResolver, StandardModels};
+pub use pool::{Activities, WorkerConfig, WorkerPool};
+
+/// The workers' one error type.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The runtime failed.
+    #[error(transparent)]
+    Runtime(#[from] cairn_runtime::Error),
+    /// An activity could not be set up.
+    #[error(transparent)]
+    Activity(#[from] cairn_activities::Error),
+}
+
+/// Result alias for workers.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

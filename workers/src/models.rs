@@ -1,0 +1,63 @@
+//! Model resolution: from a `ModelSpec` to the provider that serves it.
+
+use cairn_activities::{Error, ErrorKind, ModelProvider, ScriptedProvider};
+use cairn_ledger::ModelSpec;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+/// Finds the provider for a model spec.
+pub trait ModelResolver: Send + Sync + 'static {
+    /// The provider serving `spec`, or an error the turn fails with.
+    fn resolve(&self, spec: &ModelSpec) -> Result<Arc<dyn ModelProvider>, Error>;
+}
+
+/// The providers this build knows: `scripted:FILE` (loaded once per file).
+/// Relative script paths are resolved against `script_dir` (the current directory by default).
+#[derive(Default)]
+pub struct StandardModels {
+    scripts: Mutex<BTreeMap<String, Arc<ScriptedProvider>>>,
+    script_dir: Option<PathBuf>,
+}
+
+impl StandardModels {
+    /// A resolver with an empty script cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A resolver that reads relative script paths from `dir`.
+    pub fn with_script_dir(dir: impl Into<PathBuf>) -> Self {
+        StandardModels {
+            scripts: Mutex::default(),
+            script_dir: Some(dir.into()),
+        }
+    }
+}
+
+impl ModelResolver for StandardModels {
+    fn resolve(&self, spec: &ModelSpec) -> Result<Arc<dyn ModelProvider>, Error> {
+        match spec.provider.as_str() {
+            "scripted" => {
+                let mut scripts = match self.scripts.lock() {
+                    Ok(s) => s,
+                    Err(poisoned) => poisoned.into_inner(),
+                };
+                if let Some(p) = scripts.get(&spec.model) {
+                    return Ok(p.clone());
+                }
+                let path = match &self.script_dir {
+                    Some(dir) => dir.join(&spec.model),
+                    None => PathBuf::from(&spec.model),
+                };
+                let provider = Arc::new(ScriptedProvider::from_file(path)?);
+                scripts.insert(spec.model.clone(), provider.clone());
+                Ok(provider)
+            }
+            other => Err(Error::Provider {
+                kind: ErrorKind::InvalidRequest,
+                message: format!("unknown model provider {other:?} (this build knows: scripted)"),
+            }),
+        }
+    }
+}
