@@ -1,1 +1,230 @@
-fn main() {}
+//! Engine benchmarks: folding a 10,000-event history, and one state transition (an activity
+//! completion recorded → the next task enqueued) on the memory store and on durable sled.
+
+use cairn_ledger::*;
+use cairn_runtime::store::sled::SledStore;
+use cairn_runtime::*;
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use std::sync::Arc;
+
+fn started() -> SessionStarted {
+    SessionStarted {
+        model: ModelSpec::parse("scripted:bench.json").unwrap(),
+        tools: vec![ToolSpec {
+            name: "calculator".into(),
+            description: "math".into(),
+            input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
+        }],
+        system_prompt: Some("bench".into()),
+        limits: Limits { max_rounds: 8 },
+        model_retry: RetryPolicy::model_default(),
+        tool_retry: RetryPolicy::tool_default(),
+    }
+}
+
+fn response(parts: Vec<Part>) -> ModelResponse {
+    let stop = if parts.iter().any(|p| matches!(p, Part::ToolUse(_))) {
+        StopReason::ToolUse
+    } else {
+        StopReason::EndTurn
+    };
+    ModelResponse {
+        provider: "scripted".into(),
+        model: "bench".into(),
+        parts,
+        stop_reason_raw: "x".into(),
+        stop_reason: stop,
+        usage: Usage::default(),
+    }
+}
+
+fn tool_call_response(turn: u32, n: usize) -> ModelResponse {
+    let mut parts = vec![
+        Part::Thinking {
+            text: "thinking about which tools to call ".repeat(4),
+            signature: "c2lnbmF0dXJl".repeat(8),
+        },
+        Part::Text {
+            text: "Let me check.".into(),
+        },
+    ];
+    for i in 0..n {
+        parts.push(Part::ToolUse(ToolUse {
+            id: format!("toolu_{turn}_{i}"),
+            name: "calculator".into(),
+            arguments: r#"{"expression":"(17 + 25) * 3"}"#.into(),
+            signature: None,
+        }));
+    }
+    response(parts)
+}
+
+/// A history of complete turns (model → two parallel tools → model), about `events` long.
+fn history(events: usize) -> Vec<EventEnvelope> {
+    let sid = "bench";
+    let mut state = SessionState::new(sid);
+    let mut out = Vec::new();
+    let push = |state: &mut SessionState, out: &mut Vec<EventEnvelope>, event: Event| {
+        let input = EventEnvelope::new(sid, state.next_seq, 1_000, event);
+        let commands = state.apply(&input).unwrap();
+        out.push(input);
+        for c in commands {
+            let e = EventEnvelope::new(sid, state.next_seq, 1_000, c.into_event());
+            state.apply(&e).unwrap();
+            out.push(e);
+        }
+    };
+    push(&mut state, &mut out, Event::SessionStarted(started()));
+    let mut turn = 0;
+    while out.len() < events {
+        turn += 1;
+        push(
+            &mut state,
+            &mut out,
+            Event::UserMessage {
+                turn,
+                text: "what is (17+25)*3?".into(),
+                model: None,
+            },
+        );
+        push(
+            &mut state,
+            &mut out,
+            Event::ModelCallCompleted {
+                turn,
+                round: 0,
+                attempt: 1,
+                response: tool_call_response(turn, 2),
+            },
+        );
+        for i in 0..2 {
+            push(
+                &mut state,
+                &mut out,
+                Event::ToolCallCompleted {
+                    turn,
+                    tool_use_id: format!("toolu_{turn}_{i}"),
+                    attempt: 1,
+                    content: ToolResultContent::Json(JsonText::parse(r#"{"value":126}"#).unwrap()),
+                    is_error: false,
+                },
+            );
+        }
+        push(
+            &mut state,
+            &mut out,
+            Event::ModelCallCompleted {
+                turn,
+                round: 1,
+                attempt: 1,
+                response: response(vec![Part::Text {
+                    text: "It is 126.".into(),
+                }]),
+            },
+        );
+    }
+    out
+}
+
+fn fold(c: &mut Criterion) {
+    let events = history(10_000);
+    let records: Vec<Vec<u8>> = events.iter().map(|e| codec::encode(e).unwrap()).collect();
+    let mut group = c.benchmark_group("fold");
+    group.throughput(Throughput::Elements(events.len() as u64));
+    group.bench_function("10k_events", |b| {
+        b.iter(|| SessionState::fold("bench", &events).unwrap())
+    });
+    group.bench_function("10k_records_decode_and_fold", |b| {
+        b.iter(|| {
+            let decoded: Vec<EventEnvelope> = records
+                .iter()
+                .enumerate()
+                .map(|(i, r)| codec::decode("bench", i as u64 + 1, r).unwrap())
+                .collect();
+            SessionState::fold("bench", &decoded).unwrap()
+        })
+    });
+    group.finish();
+}
+
+/// Two transitions per iteration: model completion → tool task; tool completion → model task.
+async fn two_transitions(engine: &Engine, turn_round: &mut u32) {
+    let store = engine.store();
+    let lease = store
+        .lease_tasks(engine.now_ms(), 60_000, 1)
+        .await
+        .unwrap()
+        .remove(0);
+    *turn_round += 1;
+    let id = *turn_round;
+    let mut r = tool_call_response(id, 1);
+    if let Part::ToolUse(t) = &mut r.parts[2] {
+        t.id = format!("toolu_{id}");
+    }
+    engine
+        .report(&lease, ActivityReport::ModelCompleted(r))
+        .await
+        .unwrap();
+    let lease = store
+        .lease_tasks(engine.now_ms(), 60_000, 1)
+        .await
+        .unwrap()
+        .remove(0);
+    engine
+        .report(
+            &lease,
+            ActivityReport::ToolCompleted {
+                content: ToolResultContent::Json(JsonText::parse(r#"{"value":126}"#).unwrap()),
+                is_error: false,
+            },
+        )
+        .await
+        .unwrap();
+}
+
+fn transition(c: &mut Criterion) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut group = c.benchmark_group("state_transition");
+    group.throughput(Throughput::Elements(2));
+    // Round counts grow within a session; start a fresh session per sample so max_rounds and
+    // transcript size stay bounded.
+    for (name, durable) in [("memory", false), ("sled_durable", true)] {
+        group.bench_function(format!("{name}_completion_to_next_task"), |b| {
+            b.to_async(&rt).iter_custom(|iters| async move {
+                let dir = tempfile::tempdir().unwrap();
+                let store: Arc<dyn Store> = if durable {
+                    Arc::new(SledStore::open(dir.path()).unwrap())
+                } else {
+                    Arc::new(MemoryStore::new())
+                };
+                let mut total = std::time::Duration::ZERO;
+                let mut done = 0;
+                let mut session = 0;
+                while done < iters {
+                    session += 1;
+                    let engine = Engine::new(store.clone(), Arc::new(ManualClock::new(1_000)));
+                    let sid = engine
+                        .start_session(Some(format!("t{session}")), started())
+                        .await
+                        .unwrap();
+                    engine.send_message(&sid, "go", None).await.unwrap();
+                    let mut n = 0;
+                    // max_rounds 8: at most 7 tool rounds per turn.
+                    let batch = (iters - done).min(6);
+                    #[allow(clippy::disallowed_methods)] // benchmarks time themselves
+                    let start = std::time::Instant::now();
+                    for _ in 0..batch {
+                        two_transitions(&engine, &mut n).await;
+                    }
+                    total += start.elapsed();
+                    done += batch;
+                }
+                total
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, fold, transition);
+criterion_main!(benches);

@@ -1,1 +1,588 @@
-fn main() {}
+//! The `cairn` command line: run the offline demo, run turns, inspect and replay histories.
+
+use anyhow::{bail, Context};
+use cairn::demo::{DEMO_NOTES, DEMO_PROMPT, DEMO_SCRIPT};
+use cairn::host::Host;
+use cairn_activities::ScriptedProvider;
+use cairn_ledger::{Delta, ModelSpec};
+use cairn_runtime::{replay, Error as RuntimeError, Event, SessionOptions, TurnOutcome};
+use clap::{Parser, Subcommand};
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "cairn",
+    version,
+    about = "A durable-workflow runtime for LLM agents"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a complete offline session (scripted model, two parallel tool calls) on a sled store.
+    Demo {
+        /// Store directory (default: a new temporary directory, kept for inspection).
+        #[arg(long)]
+        data: Option<PathBuf>,
+    },
+    /// Start (or continue) a session and run one turn.
+    Run {
+        /// Store directory (created if missing).
+        #[arg(long)]
+        data: PathBuf,
+        /// The model, as PROVIDER:MODEL, e.g. scripted:script.json.
+        #[arg(long)]
+        model: String,
+        /// Continue this session, or start it with this id.
+        #[arg(long)]
+        session: Option<String>,
+        /// A system prompt for a new session.
+        #[arg(long)]
+        system: Option<String>,
+        /// Model calls per turn at most.
+        #[arg(long, default_value_t = 16)]
+        max_rounds: u32,
+        /// The directory read_file may read (default: the current directory).
+        #[arg(long)]
+        workdir: Option<PathBuf>,
+        /// Do not print thinking while it streams.
+        #[arg(long)]
+        hide_thinking: bool,
+        /// The user message.
+        prompt: String,
+    },
+    /// List sessions.
+    Sessions {
+        /// Store directory.
+        #[arg(long)]
+        data: PathBuf,
+    },
+    /// Print a session's events, one per line.
+    History {
+        /// Store directory.
+        #[arg(long)]
+        data: PathBuf,
+        /// Session id.
+        session: String,
+        /// One JSON object per event (the documented form).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a session's transcript (the ledger) as canonical JSON.
+    Transcript {
+        /// Store directory.
+        #[arg(long)]
+        data: PathBuf,
+        /// Session id.
+        session: String,
+    },
+    /// Re-fold a history with this code and check determinism (exit 1 on divergence).
+    Replay {
+        /// Store directory.
+        #[arg(long)]
+        data: PathBuf,
+        /// Session id.
+        session: String,
+    },
+    /// Continue every session whose turn was interrupted.
+    Resume {
+        /// Store directory.
+        #[arg(long)]
+        data: PathBuf,
+        /// The directory read_file may read (default: the current directory).
+        #[arg(long)]
+        workdir: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Demo { data } => demo(data).await,
+        Command::Run {
+            data,
+            model,
+            session,
+            system,
+            max_rounds,
+            workdir,
+            hide_thinking,
+            prompt,
+        } => {
+            let model = parse_model(&model)?;
+            let workdir = workdir_or_cwd(workdir)?;
+            let mut host = Host::open(&data, true, workdir)?;
+            host.start_workers();
+            let session_id = match session {
+                Some(id) if session_exists(&host, &id).await? => id,
+                requested => {
+                    let mut options = SessionOptions::new(model.clone(), host.tools.specs());
+                    options.session_id = requested;
+                    options.system_prompt = system;
+                    options.limits.max_rounds = max_rounds;
+                    host.client.start_session(options).await?
+                }
+            };
+            let state = host.client.engine().state(&session_id).await?;
+            let turn_model = match &state.started {
+                Some(s) if s.model != model => Some(model),
+                _ => None,
+            };
+            let outcome = run_turn(&host, &session_id, &prompt, turn_model, !hide_thinking).await?;
+            eprintln!("session {session_id}");
+            host.shutdown().await;
+            Ok(outcome_code(&outcome))
+        }
+        Command::Sessions { data } => {
+            let host = Host::open(&data, false, PathBuf::from("."))?;
+            let sessions = host.client.sessions().await?;
+            if sessions.is_empty() {
+                println!("no sessions");
+            }
+            for s in sessions {
+                println!(
+                    "{:<40} {:<10} {:>6} events",
+                    s.session_id,
+                    s.status.as_str(),
+                    s.events
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::History {
+            data,
+            session,
+            json,
+        } => {
+            let host = Host::open(&data, false, PathBuf::from("."))?;
+            let events = host.client.history(&session).await?;
+            let mut out = std::io::stdout().lock();
+            let first_ms = events.first().map_or(0, |e| e.recorded_at_ms);
+            for e in &events {
+                if json {
+                    writeln!(out, "{}", serde_json::to_string(e)?)?;
+                } else {
+                    let elapsed = e.recorded_at_ms.saturating_sub(first_ms);
+                    writeln!(
+                        out,
+                        "{:>5}  +{:>4}.{:03}s  {:<22} {}",
+                        e.seq,
+                        elapsed / 1000,
+                        elapsed % 1000,
+                        e.kind,
+                        summarize(&e.event)
+                    )?;
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Transcript { data, session } => {
+            let host = Host::open(&data, false, PathBuf::from("."))?;
+            let transcript = host.client.transcript(&session).await?;
+            let mut out = std::io::stdout().lock();
+            out.write_all(&transcript.canonical_json())?;
+            writeln!(out)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Replay { data, session } => {
+            let host = Host::open(&data, false, PathBuf::from("."))?;
+            let events = host.client.history(&session).await?;
+            match replay(&session, &events) {
+                Ok(replayed) => {
+                    let bytes = replayed.state.transcript.canonical_json();
+                    println!(
+                        "ok: {} events of session {session} replay deterministically ({} commands, ledger {} bytes)",
+                        events.len(),
+                        replayed.commands.len(),
+                        bytes.len()
+                    );
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(
+                    e @ (RuntimeError::Nondeterminism { .. } | RuntimeError::InvalidEvent { .. }),
+                ) => {
+                    println!("divergence: {e}");
+                    Ok(ExitCode::from(1))
+                }
+                Err(e) => Err(e.into()),
+            }
+        }
+        Command::Resume { data, workdir } => {
+            let workdir = workdir_or_cwd(workdir)?;
+            let mut host = Host::open(&data, false, workdir)?;
+            let report = host.client.engine().resume().await?;
+            if report.running_sessions.is_empty() {
+                println!("nothing to resume");
+                return Ok(ExitCode::SUCCESS);
+            }
+            println!(
+                "resuming {} session(s), {} outstanding activit{}{}",
+                report.running_sessions.len(),
+                report.outstanding_tasks,
+                if report.outstanding_tasks == 1 {
+                    "y"
+                } else {
+                    "ies"
+                },
+                if report.requeued_tasks > 0 {
+                    format!(" ({} re-enqueued)", report.requeued_tasks)
+                } else {
+                    String::new()
+                }
+            );
+            host.start_workers();
+            let mut code = ExitCode::SUCCESS;
+            for session_id in &report.running_sessions {
+                let turn = host.client.engine().state(session_id).await?.turns_started;
+                let outcome = host.client.wait_turn(session_id, turn).await?;
+                println!("{session_id}: {}", describe(&outcome));
+                if !matches!(outcome, TurnOutcome::Completed { .. }) {
+                    code = ExitCode::from(1);
+                }
+            }
+            host.shutdown().await;
+            Ok(code)
+        }
+    }
+}
+
+fn parse_model(text: &str) -> anyhow::Result<ModelSpec> {
+    let Some(spec) = ModelSpec::parse(text) else {
+        bail!("invalid --model {text:?}: expected PROVIDER:MODEL, e.g. scripted:script.json");
+    };
+    match spec.provider.as_str() {
+        "scripted" => {
+            // Check the script now, so a malformed one is one clear error, not a failed turn.
+            ScriptedProvider::from_file(&spec.model)?;
+            let absolute = std::path::absolute(&spec.model)
+                .with_context(|| format!("cannot resolve {}", spec.model))?;
+            Ok(ModelSpec {
+                model: absolute.display().to_string(),
+                ..spec
+            })
+        }
+        other => bail!("unknown model provider {other:?} (this build knows: scripted)"),
+    }
+}
+
+fn workdir_or_cwd(workdir: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    match workdir {
+        Some(w) => Ok(w),
+        None => std::env::current_dir().context("cannot read the current directory"),
+    }
+}
+
+async fn session_exists(host: &Host, session_id: &str) -> anyhow::Result<bool> {
+    match host.client.engine().state(session_id).await {
+        Ok(_) => Ok(true),
+        Err(RuntimeError::UnknownSession { .. }) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Sends the prompt and prints the answer as it streams.
+async fn run_turn(
+    host: &Host,
+    session_id: &str,
+    prompt: &str,
+    model: Option<ModelSpec>,
+    show_thinking: bool,
+) -> anyhow::Result<TurnOutcome> {
+    let mut deltas = host.client.subscribe_deltas();
+    let printer_session = session_id.to_owned();
+    let dim = std::io::stdout().is_terminal();
+    let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
+    let printer = tokio::spawn(async move {
+        use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+        let mut last_origin = None;
+        let mut in_thinking = false;
+        let mut draining = false;
+        loop {
+            // Once the turn is over every delta is already queued: drain them, then stop.
+            let event = if draining {
+                match deltas.try_recv() {
+                    Ok(event) => event,
+                    Err(TryRecvError::Lagged(_)) => continue,
+                    Err(_) => break,
+                }
+            } else {
+                tokio::select! {
+                    received = deltas.recv() => match received {
+                        Ok(event) => event,
+                        Err(RecvError::Lagged(_)) => continue,
+                        Err(RecvError::Closed) => break,
+                    },
+                    _ = &mut done_rx => {
+                        draining = true;
+                        continue;
+                    }
+                }
+            };
+            if event.origin.session_id != printer_session {
+                continue;
+            }
+            let mut out = std::io::stdout().lock();
+            let origin = (event.origin.activity.clone(), event.origin.attempt);
+            if last_origin.as_ref() != Some(&origin) {
+                if last_origin.is_some() {
+                    let _ = writeln!(out);
+                }
+                if origin.1 > 1 {
+                    let _ = writeln!(out, "[retry: attempt {}]", origin.1);
+                }
+                last_origin = Some(origin);
+            }
+            match event.delta {
+                Delta::Thinking(text) if show_thinking => {
+                    if !in_thinking {
+                        in_thinking = true;
+                        let _ = write!(out, "{}", if dim { "\x1b[2m" } else { "[thinking] " });
+                    }
+                    let _ = write!(out, "{text}");
+                }
+                Delta::Text(text) => {
+                    if in_thinking {
+                        in_thinking = false;
+                        let _ = write!(out, "{}", if dim { "\x1b[0m\n" } else { "\n" });
+                    }
+                    let _ = write!(out, "{text}");
+                }
+                _ => {}
+            }
+            let _ = out.flush();
+        }
+    });
+    let turn = match model {
+        Some(model) => {
+            host.client
+                .send_with_model(session_id, prompt, model)
+                .await?
+        }
+        None => host.client.send(session_id, prompt).await?,
+    };
+    let outcome = host.client.wait_turn(session_id, turn).await?;
+    let _ = done_tx.send(());
+    let _ = printer.await;
+    println!();
+    if !matches!(outcome, TurnOutcome::Completed { .. }) {
+        eprintln!("{}", describe(&outcome));
+    }
+    Ok(outcome)
+}
+
+fn outcome_code(outcome: &TurnOutcome) -> ExitCode {
+    match outcome {
+        TurnOutcome::Completed { .. } => ExitCode::SUCCESS,
+        _ => ExitCode::from(1),
+    }
+}
+
+fn describe(outcome: &TurnOutcome) -> String {
+    match outcome {
+        TurnOutcome::Completed { turn, answer } => {
+            format!("turn {turn} completed: {}", one_line(answer, 100))
+        }
+        TurnOutcome::Failed { turn, reason } => format!("turn {turn} failed: {reason}"),
+        TurnOutcome::Cancelled { turn, reason } => format!("turn {turn} cancelled: {reason}"),
+    }
+}
+
+fn one_line(text: &str, max: usize) -> String {
+    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if flat.chars().count() <= max {
+        flat
+    } else {
+        format!("{}…", flat.chars().take(max).collect::<String>())
+    }
+}
+
+fn summarize(event: &Event) -> String {
+    match event {
+        Event::SessionStarted(s) => format!(
+            "model={}:{} tools=[{}] max_rounds={}",
+            s.model.provider,
+            s.model.model,
+            s.tools
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            s.limits.max_rounds
+        ),
+        Event::UserMessage { turn, text, .. } => format!("turn={turn} {:?}", one_line(text, 60)),
+        Event::ModelCallScheduled {
+            turn,
+            round,
+            attempt,
+            ..
+        } => format!("turn={turn} round={round} attempt={attempt}"),
+        Event::ModelCallCompleted {
+            turn,
+            round,
+            attempt,
+            response,
+        } => format!(
+            "turn={turn} round={round} attempt={attempt} stop={} parts=[{}] tokens={}/{}",
+            response.stop_reason_raw,
+            response
+                .parts
+                .iter()
+                .map(|p| p.kind())
+                .collect::<Vec<_>>()
+                .join(","),
+            response.usage.input_tokens,
+            response.usage.output_tokens
+        ),
+        Event::ModelCallFailed {
+            turn,
+            round,
+            attempt,
+            failure,
+        } => format!(
+            "turn={turn} round={round} attempt={attempt} {}: {}",
+            failure.class.as_str(),
+            one_line(&failure.message, 60)
+        ),
+        Event::ToolCallScheduled {
+            turn,
+            tool_use_id,
+            name,
+            attempt,
+            ..
+        } => format!("turn={turn} {name} id={tool_use_id} attempt={attempt}"),
+        Event::ToolCallCompleted {
+            turn,
+            tool_use_id,
+            attempt,
+            content,
+            is_error,
+        } => format!(
+            "turn={turn} id={tool_use_id} attempt={attempt}{} {}",
+            if *is_error { " is_error" } else { "" },
+            one_line(&content.canonical_json(), 60)
+        ),
+        Event::ToolCallFailed {
+            turn,
+            tool_use_id,
+            attempt,
+            failure,
+        } => format!(
+            "turn={turn} id={tool_use_id} attempt={attempt} {}: {}",
+            failure.class.as_str(),
+            one_line(&failure.message, 60)
+        ),
+        Event::TurnCompleted { turn, usage } => format!(
+            "turn={turn} tokens={}/{}",
+            usage.input_tokens, usage.output_tokens
+        ),
+        Event::TurnFailed { turn, reason } => format!("turn={turn} {}", one_line(reason, 80)),
+        Event::SessionCancelled { reason } => one_line(reason, 80),
+    }
+}
+
+async fn demo(data: Option<PathBuf>) -> anyhow::Result<ExitCode> {
+    let data = match data {
+        Some(d) => d,
+        None => tempfile::Builder::new()
+            .prefix("cairn-demo-")
+            .tempdir()
+            .context("cannot create a temporary directory")?
+            .keep(),
+    };
+    std::fs::create_dir_all(&data).with_context(|| format!("cannot create {}", data.display()))?;
+    let workdir = data.join("work");
+    std::fs::create_dir_all(&workdir)?;
+    std::fs::write(workdir.join("notes.txt"), DEMO_NOTES)?;
+    let script = data.join("demo-script.json");
+    std::fs::write(&script, DEMO_SCRIPT)?;
+    let store_dir = data.join("store");
+    let mut host = Host::open(&store_dir, true, workdir)?;
+    host.start_workers();
+    let model = parse_model(&format!("scripted:{}", script.display()))?;
+    let options = SessionOptions {
+        system_prompt: Some("You are a concise assistant. Use tools when they help.".to_owned()),
+        ..SessionOptions::new(model, host.tools.specs())
+    };
+    let session_id = host.client.start_session(options).await?;
+    println!("> {DEMO_PROMPT}\n");
+    let outcome = run_turn(&host, &session_id, DEMO_PROMPT, None, true).await?;
+    let events = host.client.history(&session_id).await?;
+    let tool_calls = events
+        .iter()
+        .filter(|e| matches!(e.event, Event::ToolCallCompleted { .. }))
+        .count();
+    host.shutdown().await;
+    let size = dir_size(&store_dir);
+    println!("\n--- summary");
+    println!("session      {session_id}");
+    println!("outcome      {}", describe(&outcome));
+    println!(
+        "events       {} written durably ({} tool calls ran in parallel)",
+        events.len(),
+        tool_calls
+    );
+    println!(
+        "store        {} (sled, {} KiB on disk)",
+        store_dir.display(),
+        size / 1024
+    );
+    println!(
+        "inspect      cairn history --data {} {session_id}",
+        store_dir.display()
+    );
+    println!(
+        "             cairn transcript --data {} {session_id}",
+        store_dir.display()
+    );
+    println!(
+        "             cairn replay --data {} {session_id}",
+        store_dir.display()
+    );
+    Ok(outcome_code(&outcome))
+}
+
+fn dir_size(path: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(path) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_size(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}

@@ -1,1 +1,10 @@
+//! The integration test binary: one binary, one module per area.
 
+// Tests wait on real time (polling for a lease, child processes); the clock ban is for pure code.
+#![allow(clippy::disallowed_methods)]
+
+mod cli;
+mod engine;
+mod golden;
+mod store_crash;
+mod support;

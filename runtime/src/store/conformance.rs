@@ -1,1 +1,1173 @@
-//! The store conformance suite.
+//! The store conformance suite: the behaviour every [`Store`] backend must share with the
+//! reference [`MemoryStore`](super::memory::MemoryStore).
+//!
+//! Each check is a public async function that takes a fresh, empty store and panics, with a
+//! message saying what the contract requires, when the store disagrees. [`run_all`] runs them
+//! all given a factory of fresh stores and, for durable backends, a function that closes a
+//! store and opens it again from its files. The checks pass explicit `now_ms` values, so they
+//! never depend on the wall clock. Backends run them in their unit tests; other crates get the
+//! module with the `conformance` feature.
+
+use super::TaskKind;
+use super::{AppendRequest, Lease, NewTask, SessionInfo, SessionStatus, Store, Task, TaskId};
+use crate::error::Error;
+use crate::event::{ErrorClass, Event, EventEnvelope};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Runs every check, each on a store from `fresh`. With `reopen` (a function that drops a store
+/// and opens the same storage again), also checks that everything survives a reopen.
+///
+/// [`concurrent_appends`] spawns tokio tasks: call this from a multi-threaded runtime to make
+/// them really concurrent.
+pub async fn run_all<S: Store>(
+    mut fresh: impl FnMut() -> S,
+    reopen: Option<&mut dyn FnMut(S) -> S>,
+) {
+    append_read_round_trip(&fresh()).await;
+    conflict_on_wrong_expected_seq(&fresh()).await;
+    batch_with_wrong_seq_is_rejected(&fresh()).await;
+    unknown_and_invalid_sessions(&fresh()).await;
+    list_sessions_ordered_with_status(&fresh()).await;
+    empty_appends(&fresh()).await;
+    large_events_round_trip(&fresh()).await;
+    enqueue_and_lease(&fresh()).await;
+    reenqueue_replaces_task(&fresh()).await;
+    complete_with_current_lease(&fresh()).await;
+    complete_with_stale_attempt_writes_nothing(&fresh()).await;
+    complete_after_expiry_is_lost(&fresh()).await;
+    cancel_removes_tasks(&fresh()).await;
+    extend_lease(&fresh()).await;
+    concurrent_appends(Arc::new(fresh())).await;
+    if let Some(reopen) = reopen {
+        reopen_keeps_everything(fresh(), reopen).await;
+    }
+}
+
+/// A user message event (the payload is irrelevant to stores, only its round trip matters).
+pub fn message(session_id: &str, seq: u64, text: &str) -> EventEnvelope {
+    EventEnvelope::new(
+        session_id,
+        seq,
+        1_000 + seq,
+        Event::UserMessage {
+            turn: 1,
+            text: text.to_owned(),
+            model: None,
+        },
+    )
+}
+
+/// An append of `events` at `expected_next_seq`, status running, no task changes, at `now_ms`.
+pub fn append_request(
+    session_id: &str,
+    expected_next_seq: u64,
+    events: Vec<EventEnvelope>,
+    now_ms: u64,
+) -> AppendRequest {
+    AppendRequest {
+        session_id: session_id.to_owned(),
+        expected_next_seq,
+        events,
+        status: SessionStatus::Running,
+        enqueue: Vec::new(),
+        complete: None,
+        cancel: Vec::new(),
+        now_ms,
+    }
+}
+
+fn task_id(session_id: &str, scheduled_seq: u64) -> TaskId {
+    TaskId {
+        session_id: session_id.to_owned(),
+        scheduled_seq,
+    }
+}
+
+fn new_task(id: &TaskId, kind: TaskKind, visible_at_ms: u64) -> NewTask {
+    NewTask {
+        id: id.clone(),
+        kind,
+        visible_at_ms,
+    }
+}
+
+/// Appends and panics with `what` when the store refuses.
+async fn must_append(store: &dyn Store, request: AppendRequest, what: &str) {
+    if let Err(e) = store.append(request).await {
+        panic!("{what}: the append must succeed, got {e:?}");
+    }
+}
+
+async fn history(store: &dyn Store, session_id: &str) -> Vec<EventEnvelope> {
+    match store.read_history(session_id, 1, None).await {
+        Ok(events) => events,
+        Err(e) => panic!("reading the history of {session_id:?} must succeed, got {e:?}"),
+    }
+}
+
+async fn sessions(store: &dyn Store) -> Vec<SessionInfo> {
+    store
+        .list_sessions()
+        .await
+        .unwrap_or_else(|e| panic!("list_sessions must succeed, got {e:?}"))
+}
+
+async fn tasks(store: &dyn Store) -> Vec<Task> {
+    store
+        .list_tasks()
+        .await
+        .unwrap_or_else(|e| panic!("list_tasks must succeed, got {e:?}"))
+}
+
+async fn lease(store: &dyn Store, now_ms: u64, lease_ms: u64, max: usize) -> Vec<Lease> {
+    store
+        .lease_tasks(now_ms, lease_ms, max)
+        .await
+        .unwrap_or_else(|e| {
+            panic!("lease_tasks({now_ms}, {lease_ms}, {max}) must succeed, got {e:?}")
+        })
+}
+
+fn lease_ids(leases: &[Lease]) -> Vec<(TaskId, u32, u64)> {
+    leases
+        .iter()
+        .map(|l| (l.id.clone(), l.lease_attempt, l.expires_at_ms))
+        .collect()
+}
+
+fn session(session_id: &str, status: SessionStatus, events: u64, at: u64) -> SessionInfo {
+    SessionInfo {
+        session_id: session_id.to_owned(),
+        status,
+        events,
+        updated_at_ms: at,
+    }
+}
+
+/// Appended envelopes read back equal, in seq order; `from_seq` and `limit` select ranges.
+pub async fn append_read_round_trip(store: &dyn Store) {
+    let s = "round-trip";
+    let first = vec![
+        message(s, 1, "hello"),
+        EventEnvelope::new(
+            s,
+            2,
+            1_002,
+            Event::ModelCallScheduled {
+                turn: 1,
+                round: 0,
+                attempt: 1,
+                not_before_ms: 0,
+            },
+        ),
+        EventEnvelope::new(
+            s,
+            3,
+            1_003,
+            Event::ModelCallFailed {
+                turn: 1,
+                round: 0,
+                attempt: 1,
+                failure: crate::event::ActivityFailure {
+                    class: ErrorClass::Transient,
+                    message: "connection reset".to_owned(),
+                    usage: None,
+                },
+            },
+        ),
+    ];
+    must_append(
+        store,
+        append_request(s, 1, first.clone(), 10),
+        "first batch",
+    )
+    .await;
+    let second = vec![
+        message(s, 4, "ünïcödé ✓"),
+        EventEnvelope::new(
+            s,
+            5,
+            1_005,
+            Event::TurnFailed {
+                turn: 1,
+                reason: "gave up".to_owned(),
+            },
+        ),
+    ];
+    let mut request = append_request(s, 4, second.clone(), 20);
+    request.status = SessionStatus::Idle;
+    must_append(store, request, "second batch").await;
+
+    let all: Vec<EventEnvelope> = first.iter().chain(&second).cloned().collect();
+    assert_eq!(
+        history(store, s).await,
+        all,
+        "read_history(from 1) must return exactly the appended envelopes, in seq order"
+    );
+    let read = |from: u64, limit: Option<usize>| async move {
+        store
+            .read_history(s, from, limit)
+            .await
+            .unwrap_or_else(|e| panic!("read_history({from}, {limit:?}) failed: {e:?}"))
+    };
+    assert_eq!(read(0, None).await, all, "from_seq 0 reads from the start");
+    assert_eq!(
+        read(3, None).await,
+        all[2..].to_vec(),
+        "from_seq 3 starts at seq 3"
+    );
+    assert_eq!(
+        read(3, Some(2)).await,
+        all[2..4].to_vec(),
+        "limit 2 from seq 3 gives seqs 3 and 4"
+    );
+    assert_eq!(read(1, Some(0)).await, vec![], "limit 0 gives nothing");
+    assert_eq!(
+        read(5, Some(10)).await,
+        all[4..].to_vec(),
+        "a limit past the end stops at the end"
+    );
+    assert_eq!(
+        read(6, None).await,
+        vec![],
+        "from past the end gives nothing (not an error)"
+    );
+    assert_eq!(
+        read(u64::MAX, None).await,
+        vec![],
+        "from u64::MAX gives nothing"
+    );
+    assert_eq!(
+        sessions(store).await,
+        vec![session(s, SessionStatus::Idle, 5, 20)],
+        "the session lists with the last append's status, its event count and time"
+    );
+}
+
+/// A wrong `expected_next_seq` fails with `Conflict` naming both seqs, and writes nothing.
+pub async fn conflict_on_wrong_expected_seq(store: &dyn Store) {
+    let s = "conflict";
+    must_append(
+        store,
+        append_request(s, 1, vec![message(s, 1, "a"), message(s, 2, "b")], 10),
+        "first append",
+    )
+    .await;
+    for (expected, what) in [(2, "stale"), (5, "ahead"), (1, "from the start")] {
+        let mut request = append_request(s, expected, vec![message(s, expected, "x")], 99);
+        request.status = SessionStatus::Cancelled;
+        request.enqueue = vec![new_task(&task_id(s, expected), TaskKind::Tool, 0)];
+        match store.append(request).await {
+            Err(Error::Conflict {
+                session_id,
+                expected: e,
+                actual: 3,
+            }) if session_id == s && e == expected => {}
+            other => panic!(
+                "an append with a {what} expected_next_seq {expected} (the store is at 3) must \
+                 fail with Conflict {{ expected: {expected}, actual: 3 }}, got {other:?}"
+            ),
+        }
+    }
+    assert_eq!(
+        history(store, s).await.len(),
+        2,
+        "a conflicting append must write no event"
+    );
+    assert_eq!(
+        sessions(store).await,
+        vec![session(s, SessionStatus::Running, 2, 10)],
+        "a conflicting append must not change the session's status, count or time"
+    );
+    assert_eq!(
+        tasks(store).await,
+        vec![],
+        "a conflicting append must enqueue nothing"
+    );
+
+    match store
+        .append(append_request(
+            "fresh",
+            2,
+            vec![message("fresh", 2, "x")],
+            5,
+        ))
+        .await
+    {
+        Err(Error::Conflict {
+            expected: 2,
+            actual: 1,
+            ..
+        }) => {}
+        other => panic!("a new session's first append must expect seq 1, got {other:?}"),
+    }
+    assert!(
+        matches!(
+            store.read_history("fresh", 1, None).await,
+            Err(Error::UnknownSession { .. })
+        ),
+        "a rejected first append must not create the session"
+    );
+}
+
+/// A batch whose events do not carry consecutive seqs of the session is rejected whole.
+pub async fn batch_with_wrong_seq_is_rejected(store: &dyn Store) {
+    let s = "bad-batch";
+    let gap = vec![message(s, 1, "a"), message(s, 2, "b"), message(s, 4, "d")];
+    match store.append(append_request(s, 1, gap, 1)).await {
+        Err(Error::InvalidEvent { seq: 4, .. }) => {}
+        other => panic!(
+            "a batch with seq 4 at position 2 must fail with InvalidEvent at seq 4, got {other:?}"
+        ),
+    }
+    let foreign = vec![message(s, 1, "a"), message("other", 2, "b")];
+    match store.append(append_request(s, 1, foreign, 1)).await {
+        Err(Error::InvalidEvent { .. }) => {}
+        other => panic!(
+            "a batch holding another session's event must fail with InvalidEvent, got {other:?}"
+        ),
+    }
+    assert!(
+        matches!(
+            store.read_history(s, 1, None).await,
+            Err(Error::UnknownSession { .. })
+        ),
+        "rejected batches must write nothing"
+    );
+    assert_eq!(
+        sessions(store).await,
+        vec![],
+        "rejected batches must create no session"
+    );
+    must_append(
+        store,
+        append_request(s, 1, vec![message(s, 1, "a")], 2),
+        "a valid batch after the rejected ones",
+    )
+    .await;
+    assert_eq!(history(store, s).await.len(), 1);
+}
+
+/// Reading a session that has no events is `UnknownSession`; invalid ids cannot be appended.
+pub async fn unknown_and_invalid_sessions(store: &dyn Store) {
+    match store.read_history("nobody", 1, None).await {
+        Err(Error::UnknownSession { session_id }) if session_id == "nobody" => {}
+        other => panic!("reading a session never appended must fail with UnknownSession naming it, got {other:?}"),
+    }
+    assert!(
+        store.read_history("bad id\0", 1, None).await.is_err(),
+        "reading an invalid session id must fail"
+    );
+    for bad in [
+        "",
+        "has space",
+        "nul\0byte",
+        "slash/",
+        "x".repeat(129).as_str(),
+    ] {
+        match store.append(append_request(bad, 1, vec![], 1)).await {
+            Err(Error::InvalidSessionId { .. }) => {}
+            other => panic!("appending to the invalid session id {bad:?} must fail with InvalidSessionId, got {other:?}"),
+        }
+    }
+    assert_eq!(sessions(store).await, vec![]);
+}
+
+/// `list_sessions` orders by id and reports each session's last status, count and time.
+pub async fn list_sessions_ordered_with_status(store: &dyn Store) {
+    assert_eq!(
+        sessions(store).await,
+        vec![],
+        "a fresh store lists no session"
+    );
+    let writes = [
+        ("b", SessionStatus::Running, 2, 30),
+        ("a", SessionStatus::Idle, 1, 20),
+        ("c-2", SessionStatus::Cancelled, 3, 10),
+        ("c", SessionStatus::Running, 1, 40),
+        ("B", SessionStatus::Idle, 1, 50),
+    ];
+    for (s, status, n, at) in writes {
+        let events = (1..=n).map(|seq| message(s, seq, "m")).collect();
+        let mut request = append_request(s, 1, events, at);
+        request.status = status;
+        must_append(store, request, "listing setup").await;
+    }
+    let mut request = append_request("b", 3, vec![message("b", 3, "m")], 60);
+    request.status = SessionStatus::Idle;
+    must_append(store, request, "second append to b").await;
+    assert_eq!(
+        sessions(store).await,
+        vec![
+            session("B", SessionStatus::Idle, 1, 50),
+            session("a", SessionStatus::Idle, 1, 20),
+            session("b", SessionStatus::Idle, 3, 60),
+            session("c", SessionStatus::Running, 1, 40),
+            session("c-2", SessionStatus::Cancelled, 3, 10),
+        ],
+        "sessions must list in byte order of their ids, with the last append's status, event \
+         count and time"
+    );
+}
+
+/// Appends without events are allowed: they change tasks and, for an existing session, its
+/// status and time; on a session with no events they create no session.
+pub async fn empty_appends(store: &dyn Store) {
+    let s = "empty";
+    let t = task_id(s, 1);
+    let mut request = append_request(s, 1, vec![], 5);
+    request.enqueue = vec![new_task(&t, TaskKind::Model, 0)];
+    must_append(store, request, "an empty append to a new session").await;
+    assert_eq!(
+        sessions(store).await,
+        vec![],
+        "an empty append must not create a session"
+    );
+    assert!(matches!(
+        store.read_history(s, 1, None).await,
+        Err(Error::UnknownSession { .. })
+    ));
+    assert_eq!(tasks(store).await.len(), 1, "its task changes still apply");
+
+    must_append(
+        store,
+        append_request(s, 1, vec![message(s, 1, "a")], 10),
+        "first event",
+    )
+    .await;
+    let mut request = append_request(s, 2, vec![], 20);
+    request.status = SessionStatus::Idle;
+    request.cancel = vec![t];
+    must_append(store, request, "an empty append that cancels a task").await;
+    assert_eq!(
+        sessions(store).await,
+        vec![session(s, SessionStatus::Idle, 1, 20)],
+        "an empty append updates status and time, not the count"
+    );
+    assert_eq!(tasks(store).await, vec![]);
+    must_append(
+        store,
+        append_request(s, 2, vec![message(s, 2, "b")], 30),
+        "next seq is still 2",
+    )
+    .await;
+}
+
+/// Events of hundreds of kilobytes, alone and in big batches, round-trip.
+pub async fn large_events_round_trip(store: &dyn Store) {
+    let big = large_events_fixture();
+    for (s, events) in &big {
+        must_append(
+            store,
+            append_request(s, 1, events.clone(), 7),
+            "large events",
+        )
+        .await;
+    }
+    for (s, events) in &big {
+        assert_eq!(
+            &history(store, s).await,
+            events,
+            "large events of {s:?} must read back equal"
+        );
+    }
+}
+
+fn large_events_fixture() -> Vec<(String, Vec<EventEnvelope>)> {
+    let huge = "h".repeat(600 * 1024);
+    let many: Vec<EventEnvelope> = (1..=24)
+        .map(|seq| message("many", seq, &format!("{seq}:{}", "m".repeat(12 * 1024))))
+        .collect();
+    vec![
+        (
+            "huge".to_owned(),
+            vec![message("huge", 1, &huge), message("huge", 2, "small")],
+        ),
+        ("many".to_owned(), many),
+    ]
+}
+
+/// Tasks lease oldest first, not before `visible_at_ms`, at most `max`; a lease bumps the
+/// attempt and hides the task until it expires, after which it leases again.
+pub async fn enqueue_and_lease(store: &dyn Store) {
+    let s = "lease";
+    let (t1, t2, t3) = (task_id(s, 1), task_id(s, 2), task_id(s, 3));
+    let mut request = append_request(s, 1, vec![message(s, 1, "go")], 0);
+    request.enqueue = vec![
+        new_task(&t1, TaskKind::Model, 1_000),
+        new_task(&t2, TaskKind::Tool, 500),
+        new_task(&t3, TaskKind::Tool, 2_000),
+    ];
+    must_append(store, request, "enqueue three tasks").await;
+    assert_eq!(
+        tasks(store).await,
+        vec![
+            Task {
+                id: t1.clone(),
+                kind: TaskKind::Model,
+                visible_at_ms: 1_000,
+                lease_attempt: 0
+            },
+            Task {
+                id: t2.clone(),
+                kind: TaskKind::Tool,
+                visible_at_ms: 500,
+                lease_attempt: 0
+            },
+            Task {
+                id: t3.clone(),
+                kind: TaskKind::Tool,
+                visible_at_ms: 2_000,
+                lease_attempt: 0
+            },
+        ],
+        "list_tasks gives every queued task, ordered by id, unleased"
+    );
+    assert_eq!(
+        lease(store, 499, 100, 10).await,
+        vec![],
+        "nothing is visible before 500"
+    );
+    assert_eq!(
+        lease(store, 1_000, 100, 0).await,
+        vec![],
+        "max 0 leases nothing"
+    );
+    let first = lease(store, 1_000, 100, 1).await;
+    assert_eq!(
+        first,
+        vec![Lease { id: t2.clone(), kind: TaskKind::Tool, lease_attempt: 1, expires_at_ms: 1_100 }],
+        "max 1 leases only the oldest visible task (t2, visible at 500), attempt 1, until now + lease"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 1_000, 100, 10).await),
+        vec![(t1.clone(), 1, 1_100)],
+        "the leased t2 is invisible; t3 is not visible yet"
+    );
+    assert_eq!(
+        lease(store, 1_099, 100, 10).await,
+        vec![],
+        "leases hide tasks until expiry"
+    );
+    assert_eq!(
+        tasks(store)
+            .await
+            .iter()
+            .map(|t| (t.visible_at_ms, t.lease_attempt))
+            .collect::<Vec<_>>(),
+        vec![(1_100, 1), (1_100, 1), (2_000, 0)],
+        "a leased task's visible_at is its lease expiry"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 1_100, 50, 10).await),
+        vec![(t1.clone(), 2, 1_150), (t2.clone(), 2, 1_150)],
+        "expired leases lease again with attempt + 1; equal times order by id"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 5_000, 10, 10).await),
+        vec![
+            (t1.clone(), 3, 5_010),
+            (t2.clone(), 3, 5_010),
+            (t3.clone(), 1, 5_010)
+        ],
+        "oldest first: t1 and t2 (1150) before t3 (2000)"
+    );
+}
+
+/// Enqueueing a task id that is queued replaces it (no duplicate queue entry).
+pub async fn reenqueue_replaces_task(store: &dyn Store) {
+    let s = "reenqueue";
+    let t = task_id(s, 1);
+    let mut request = append_request(s, 1, vec![message(s, 1, "a")], 0);
+    request.enqueue = vec![new_task(&t, TaskKind::Model, 100)];
+    must_append(store, request, "enqueue").await;
+    let mut request = append_request(s, 2, vec![message(s, 2, "b")], 0);
+    request.enqueue = vec![new_task(&t, TaskKind::Tool, 50)];
+    must_append(store, request, "enqueue again").await;
+    assert_eq!(
+        tasks(store).await,
+        vec![Task {
+            id: t.clone(),
+            kind: TaskKind::Tool,
+            visible_at_ms: 50,
+            lease_attempt: 0
+        }],
+        "a re-enqueued task replaces the queued one"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 1_000, 10, 10).await),
+        vec![(t, 1, 1_010)],
+        "a re-enqueued task leases once, not once per enqueue"
+    );
+}
+
+/// Completing with the current lease succeeds and removes the task, with or without events.
+pub async fn complete_with_current_lease(store: &dyn Store) {
+    let s = "complete";
+    let (t1, t2) = (task_id(s, 1), task_id(s, 2));
+    let mut request = append_request(s, 1, vec![message(s, 1, "a")], 0);
+    request.enqueue = vec![new_task(&t1, TaskKind::Model, 0)];
+    must_append(store, request, "enqueue").await;
+    assert_eq!(
+        lease_ids(&lease(store, 10, 100, 10).await),
+        vec![(t1.clone(), 1, 110)]
+    );
+
+    let mut request = append_request(s, 2, vec![message(s, 2, "result")], 50);
+    request.complete = Some((t1.clone(), 1));
+    request.enqueue = vec![new_task(&t2, TaskKind::Tool, 0)];
+    must_append(store, request, "completing with the current lease").await;
+    assert_eq!(
+        tasks(store)
+            .await
+            .iter()
+            .map(|t| t.id.clone())
+            .collect::<Vec<_>>(),
+        vec![t2.clone()],
+        "the completed task is gone, the one enqueued with it is queued"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 60, 100, 10).await),
+        vec![(t2.clone(), 1, 160)]
+    );
+
+    let mut request = append_request(s, 3, vec![], 70);
+    request.status = SessionStatus::Idle;
+    request.complete = Some((t2, 1));
+    must_append(store, request, "completing with no events").await;
+    assert_eq!(tasks(store).await, vec![], "completed tasks are removed");
+    assert_eq!(
+        lease(store, 10_000, 100, 10).await,
+        vec![],
+        "completed tasks never lease again"
+    );
+    assert_eq!(history(store, s).await.len(), 2);
+    assert_eq!(
+        sessions(store).await,
+        vec![session(s, SessionStatus::Idle, 2, 70)]
+    );
+}
+
+/// Completing with a stale lease attempt (or an unknown task) is `LeaseLost` and writes
+/// nothing of the append: no event, no session change, no task change.
+pub async fn complete_with_stale_attempt_writes_nothing(store: &dyn Store) {
+    let s = "stale";
+    let (t, other) = (task_id(s, 1), task_id(s, 9));
+    let mut request = append_request(s, 1, vec![message(s, 1, "a")], 0);
+    request.enqueue = vec![new_task(&t, TaskKind::Tool, 0)];
+    must_append(store, request, "enqueue").await;
+    assert_eq!(
+        lease_ids(&lease(store, 10, 100, 10).await),
+        vec![(t.clone(), 1, 110)]
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 200, 100, 10).await),
+        vec![(t.clone(), 2, 300)],
+        "the expired lease is re-leased as attempt 2"
+    );
+
+    let mut request = append_request(s, 2, vec![message(s, 2, "late result")], 250);
+    request.status = SessionStatus::Idle;
+    request.complete = Some((t.clone(), 1));
+    request.enqueue = vec![new_task(&other, TaskKind::Model, 0)];
+    request.cancel = vec![t.clone()];
+    match store.append(request).await {
+        Err(Error::LeaseLost { task, .. }) if task == t.to_string() => {}
+        other => panic!("completing with the stale attempt 1 (current 2) must fail with LeaseLost naming {t}, got {other:?}"),
+    }
+    assert_eq!(
+        history(store, s).await.len(),
+        1,
+        "a LeaseLost append must write no event"
+    );
+    assert_eq!(
+        sessions(store).await,
+        vec![session(s, SessionStatus::Running, 1, 0)],
+        "a LeaseLost append must not change the session (seq, status, time)"
+    );
+    assert_eq!(
+        tasks(store).await,
+        vec![Task {
+            id: t.clone(),
+            kind: TaskKind::Tool,
+            visible_at_ms: 300,
+            lease_attempt: 2
+        }],
+        "a LeaseLost append must neither enqueue nor cancel"
+    );
+
+    let mut request = append_request(s, 2, vec![message(s, 2, "x")], 250);
+    request.complete = Some((task_id(s, 42), 1));
+    assert!(
+        matches!(store.append(request).await, Err(Error::LeaseLost { .. })),
+        "completing a task that does not exist is LeaseLost"
+    );
+
+    let mut request = append_request(s, 2, vec![message(s, 2, "result")], 250);
+    request.complete = Some((t.clone(), 2));
+    must_append(store, request, "completing with the current attempt 2").await;
+    assert_eq!(tasks(store).await, vec![]);
+
+    let mut request = append_request(s, 3, vec![message(s, 3, "again")], 260);
+    request.complete = Some((t, 2));
+    assert!(
+        matches!(store.append(request).await, Err(Error::LeaseLost { .. })),
+        "completing a completed task again is LeaseLost"
+    );
+    assert_eq!(history(store, s).await.len(), 2);
+}
+
+/// A lease is lost at its expiry: completing at `now_ms >= expires_at_ms` is `LeaseLost`.
+pub async fn complete_after_expiry_is_lost(store: &dyn Store) {
+    let s = "expiry";
+    let t = task_id(s, 1);
+    let mut request = append_request(s, 1, vec![message(s, 1, "a")], 0);
+    request.enqueue = vec![new_task(&t, TaskKind::Model, 0)];
+    must_append(store, request, "enqueue").await;
+    assert_eq!(
+        lease_ids(&lease(store, 10, 100, 10).await),
+        vec![(t.clone(), 1, 110)]
+    );
+    for now in [110, 5_000] {
+        let mut request = append_request(s, 2, vec![message(s, 2, "late")], now);
+        request.complete = Some((t.clone(), 1));
+        match store.append(request).await {
+            Err(Error::LeaseLost { .. }) => {}
+            other => panic!("completing at {now}, at or after the lease's expiry 110, must be LeaseLost, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        history(store, s).await.len(),
+        1,
+        "expired completions write nothing"
+    );
+    let mut request = append_request(s, 2, vec![message(s, 2, "in time")], 109);
+    request.complete = Some((t, 1));
+    must_append(store, request, "completing just before expiry").await;
+    assert_eq!(tasks(store).await, vec![]);
+}
+
+/// `cancel` drops tasks, leased or not, without a lease check; unknown ids are ignored.
+pub async fn cancel_removes_tasks(store: &dyn Store) {
+    let s = "cancel";
+    let (t1, t2, t3) = (task_id(s, 1), task_id(s, 2), task_id(s, 3));
+    let mut request = append_request(s, 1, vec![message(s, 1, "a")], 0);
+    request.enqueue = vec![
+        new_task(&t1, TaskKind::Model, 0),
+        new_task(&t2, TaskKind::Tool, 100),
+        new_task(&t3, TaskKind::Tool, 100),
+    ];
+    must_append(store, request, "enqueue").await;
+    assert_eq!(
+        lease_ids(&lease(store, 0, 1_000, 1).await),
+        vec![(t1.clone(), 1, 1_000)]
+    );
+    let mut request = append_request(s, 2, vec![message(s, 2, "cancelled")], 10);
+    request.status = SessionStatus::Cancelled;
+    request.cancel = vec![t1.clone(), t2.clone(), task_id(s, 77)];
+    must_append(
+        store,
+        request,
+        "cancel a leased, a queued and an unknown task",
+    )
+    .await;
+    assert_eq!(
+        tasks(store)
+            .await
+            .iter()
+            .map(|t| t.id.clone())
+            .collect::<Vec<_>>(),
+        vec![t3.clone()],
+        "cancelled tasks are removed"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 10_000, 10, 10).await),
+        vec![(t3, 1, 10_010)],
+        "cancelled tasks never lease again"
+    );
+    let mut request = append_request(s, 3, vec![], 20);
+    request.complete = Some((t1, 1));
+    assert!(
+        matches!(store.append(request).await, Err(Error::LeaseLost { .. })),
+        "completing a cancelled task is LeaseLost"
+    );
+}
+
+/// `extend_lease` moves the expiry of a current lease, and is `LeaseLost` for a stale attempt,
+/// an expired lease or a task that is gone.
+pub async fn extend_lease(store: &dyn Store) {
+    let s = "extend";
+    let t = task_id(s, 1);
+    let mut request = append_request(s, 1, vec![message(s, 1, "a")], 0);
+    request.enqueue = vec![new_task(&t, TaskKind::Tool, 0)];
+    must_append(store, request, "enqueue").await;
+    assert_eq!(
+        lease_ids(&lease(store, 0, 100, 10).await),
+        vec![(t.clone(), 1, 100)]
+    );
+    let extended = store
+        .extend_lease(&t, 1, 50, 100)
+        .await
+        .unwrap_or_else(|e| panic!("extending a current lease must succeed, got {e:?}"));
+    assert_eq!(extended, 150, "the new expiry is now + lease_ms");
+    assert_eq!(
+        tasks(store).await[0].visible_at_ms,
+        150,
+        "the task is hidden until the new expiry"
+    );
+    assert_eq!(
+        tasks(store).await[0].lease_attempt,
+        1,
+        "extending keeps the attempt"
+    );
+    assert_eq!(
+        lease(store, 120, 100, 10).await,
+        vec![],
+        "an extended lease is not leasable at its old expiry"
+    );
+    assert!(
+        matches!(
+            store.extend_lease(&t, 2, 60, 100).await,
+            Err(Error::LeaseLost { .. })
+        ),
+        "extending with an attempt that is not current is LeaseLost"
+    );
+    assert!(
+        matches!(
+            store.extend_lease(&t, 1, 150, 100).await,
+            Err(Error::LeaseLost { .. })
+        ),
+        "extending at the expiry is LeaseLost"
+    );
+    assert_eq!(
+        tasks(store).await[0].visible_at_ms,
+        150,
+        "failed extensions change nothing"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 150, 100, 10).await),
+        vec![(t.clone(), 2, 250)]
+    );
+    assert!(
+        matches!(
+            store.extend_lease(&t, 1, 160, 100).await,
+            Err(Error::LeaseLost { .. })
+        ),
+        "extending a lease that was re-leased is LeaseLost"
+    );
+    let mut request = append_request(s, 2, vec![message(s, 2, "done")], 200);
+    request.complete = Some((t.clone(), 2));
+    must_append(store, request, "complete").await;
+    assert!(
+        matches!(
+            store.extend_lease(&t, 2, 210, 100).await,
+            Err(Error::LeaseLost { .. })
+        ),
+        "extending the lease of a completed task is LeaseLost"
+    );
+    assert!(
+        matches!(
+            store.extend_lease(&task_id("nobody", 1), 1, 0, 1).await,
+            Err(Error::LeaseLost { .. })
+        ),
+        "extending an unknown task is LeaseLost"
+    );
+}
+
+/// Many tokio tasks append to many sessions at once, some racing on the same sessions with
+/// conflict-and-retry: every successful append lands, each session's seqs are 1..=n.
+pub async fn concurrent_appends(store: Arc<dyn Store>) {
+    const OWN_SESSIONS: usize = 12;
+    const OWN_APPENDS: u64 = 8;
+    const SHARED_SESSIONS: usize = 3;
+    const RACERS: usize = 4;
+    const RACER_APPENDS: usize = 4;
+
+    let mut handles = Vec::new();
+    for i in 0..OWN_SESSIONS {
+        let store = Arc::clone(&store);
+        handles.push(tokio::spawn(async move {
+            let s = format!("own-{i:02}");
+            let mut next = 1;
+            let mut landed = Vec::new();
+            for n in 0..OWN_APPENDS {
+                let size = 1 + (n as usize + i) % 3;
+                let events: Vec<EventEnvelope> = (0..size as u64)
+                    .map(|k| message(&s, next + k, &format!("{s} append {n} event {k}")))
+                    .collect();
+                let mut request = append_request(&s, next, events.clone(), n);
+                request.enqueue = vec![new_task(&task_id(&s, next), TaskKind::Model, n)];
+                if let Err(e) = store.append(request).await {
+                    panic!("append {n} to {s} (no contention) must succeed, got {e:?}");
+                }
+                next += size as u64;
+                landed.extend(events.into_iter().map(|e| (e.seq, e)));
+            }
+            (s, landed)
+        }));
+    }
+    for r in 0..SHARED_SESSIONS * RACERS {
+        let store = Arc::clone(&store);
+        handles.push(tokio::spawn(async move {
+            let s = format!("shared-{}", r % SHARED_SESSIONS);
+            let mut landed = Vec::new();
+            let mut tries = 0;
+            while landed.len() < RACER_APPENDS {
+                tries += 1;
+                assert!(
+                    tries < 10_000,
+                    "racer {r} on {s} could not land its appends"
+                );
+                let next = match store.read_history(&s, 1, None).await {
+                    Ok(events) => events.len() as u64 + 1,
+                    Err(Error::UnknownSession { .. }) => 1,
+                    Err(e) => panic!("reading {s} failed: {e:?}"),
+                };
+                let event = message(&s, next, &format!("racer {r} append {}", landed.len()));
+                match store
+                    .append(append_request(&s, next, vec![event.clone()], 1))
+                    .await
+                {
+                    Ok(()) => landed.push((next, event)),
+                    Err(Error::Conflict { .. }) => tokio::task::yield_now().await,
+                    Err(e) => {
+                        panic!("racer {r} on {s}: only Conflict may fail an append, got {e:?}")
+                    }
+                }
+            }
+            (s, landed)
+        }));
+    }
+    let mut expected: BTreeMap<String, BTreeMap<u64, EventEnvelope>> = BTreeMap::new();
+    for handle in handles {
+        let (s, landed) = handle
+            .await
+            .unwrap_or_else(|e| panic!("a writer task failed: {e}"));
+        let session = expected.entry(s.clone()).or_default();
+        for (seq, event) in landed {
+            if let Some(previous) = session.insert(seq, event) {
+                panic!("two appends to {s} both succeeded at seq {seq} (one was {previous:?})");
+            }
+        }
+    }
+    let listed = sessions(&*store).await;
+    assert_eq!(
+        listed.len(),
+        OWN_SESSIONS + SHARED_SESSIONS,
+        "every written session is listed"
+    );
+    for info in &listed {
+        let want = &expected[&info.session_id];
+        let got = history(&*store, &info.session_id).await;
+        let seqs: Vec<u64> = got.iter().map(|e| e.seq).collect();
+        assert_eq!(
+            seqs,
+            (1..=want.len() as u64).collect::<Vec<_>>(),
+            "session {} must hold seqs 1..=n without gaps",
+            info.session_id
+        );
+        assert_eq!(
+            info.events,
+            want.len() as u64,
+            "the listed count of {} matches",
+            info.session_id
+        );
+        for event in got {
+            assert_eq!(
+                Some(&event),
+                want.get(&event.seq),
+                "the event at seq {} of {} is the acknowledged one",
+                event.seq,
+                info.session_id
+            );
+        }
+    }
+    for i in 0..SHARED_SESSIONS {
+        assert_eq!(
+            expected[&format!("shared-{i}")].len(),
+            RACERS * RACER_APPENDS,
+            "every racer's appends landed on shared-{i}"
+        );
+    }
+    assert_eq!(
+        tasks(&*store).await.len(),
+        OWN_SESSIONS * OWN_APPENDS as usize,
+        "every enqueued task is queued"
+    );
+}
+
+/// Everything (histories, sessions, tasks with their lease state) survives closing and
+/// reopening the store, and work continues from it: seqs and lease attempts go on.
+pub async fn reopen_keeps_everything<S: Store>(store: S, reopen: &mut dyn FnMut(S) -> S) {
+    let (a, t1, t2) = ("keep-a", task_id("keep-a", 1), task_id("keep-a", 2));
+    let mut request = append_request(a, 1, vec![message(a, 1, "one"), message(a, 2, "two")], 10);
+    request.enqueue = vec![
+        new_task(&t1, TaskKind::Model, 0),
+        new_task(&t2, TaskKind::Tool, 500),
+    ];
+    must_append(&store, request, "session a").await;
+    let mut request = append_request("keep-b", 1, vec![message("keep-b", 1, "b")], 20);
+    request.status = SessionStatus::Cancelled;
+    must_append(&store, request, "session b").await;
+    for (s, events) in large_events_fixture() {
+        must_append(&store, append_request(&s, 1, events, 30), "large events").await;
+    }
+    assert_eq!(
+        lease_ids(&lease(&store, 100, 100, 1).await),
+        vec![(t1.clone(), 1, 200)]
+    );
+
+    let before = snapshot(&store).await;
+    let store = reopen(store);
+    let after = snapshot(&store).await;
+    assert!(
+        before == after,
+        "after a reopen, sessions, histories and tasks must be unchanged"
+    );
+
+    assert_eq!(
+        lease(&store, 150, 100, 10).await,
+        vec![],
+        "the lease taken before the reopen still hides t1"
+    );
+    assert_eq!(
+        lease_ids(&lease(&store, 200, 100, 10).await),
+        vec![(t1.clone(), 2, 300)],
+        "after its expiry t1 leases again with attempt 2: attempts survive the reopen"
+    );
+    let mut request = append_request(a, 3, vec![message(a, 3, "three")], 250);
+    request.complete = Some((t1, 2));
+    must_append(&store, request, "continuing a after the reopen at seq 3").await;
+    let expected_a = history(&store, a).await;
+    let store = reopen(store);
+    assert_eq!(
+        history(&store, a).await,
+        expected_a,
+        "the second reopen keeps the appends made after the first"
+    );
+    assert_eq!(
+        tasks(&store)
+            .await
+            .iter()
+            .map(|t| t.id.clone())
+            .collect::<Vec<_>>(),
+        vec![t2],
+        "t1, completed after the first reopen, stays gone"
+    );
+    match store
+        .append(append_request(a, 3, vec![message(a, 3, "dup")], 300))
+        .await
+    {
+        Err(Error::Conflict {
+            expected: 3,
+            actual: 4,
+            ..
+        }) => {}
+        other => panic!("after reopening, the next seq of {a} must be 4, got {other:?}"),
+    }
+}
+
+/// Everything a store holds, as the `Store` API shows it.
+async fn snapshot(store: &dyn Store) -> (Vec<SessionInfo>, Vec<Vec<EventEnvelope>>, Vec<Task>) {
+    let listed = sessions(store).await;
+    let mut histories = Vec::new();
+    for info in &listed {
+        histories.push(history(store, &info.session_id).await);
+    }
+    (listed, histories, tasks(store).await)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::memory::MemoryStore;
+    use crate::store::sled::SledStore;
+    use std::path::Path;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Fresh sled stores in subdirectories of `root`.
+    fn sled_factory(root: &Path) -> impl FnMut() -> SledStore + '_ {
+        let n = AtomicUsize::new(0);
+        move || {
+            let dir = root.join(format!("store-{}", n.fetch_add(1, Ordering::Relaxed)));
+            SledStore::open(&dir).unwrap_or_else(|e| panic!("opening a sled store failed: {e}"))
+        }
+    }
+
+    fn sled_reopen(store: SledStore) -> SledStore {
+        let dir = store.path().to_path_buf();
+        drop(store);
+        SledStore::open_existing(&dir)
+            .unwrap_or_else(|e| panic!("reopening the sled store failed: {e}"))
+    }
+
+    macro_rules! each_check {
+        ($($check:ident),* $(,)?) => {
+            mod memory {
+                use super::*;
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $check() {
+                        super::super::$check(&MemoryStore::new()).await;
+                    }
+                )*
+            }
+            mod sled {
+                use super::*;
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $check() {
+                        let root = tempfile::tempdir().expect("tempdir");
+                        super::super::$check(&sled_factory(root.path())()).await;
+                    }
+                )*
+            }
+        };
+    }
+
+    each_check!(
+        append_read_round_trip,
+        conflict_on_wrong_expected_seq,
+        batch_with_wrong_seq_is_rejected,
+        unknown_and_invalid_sessions,
+        list_sessions_ordered_with_status,
+        empty_appends,
+        large_events_round_trip,
+        enqueue_and_lease,
+        reenqueue_replaces_task,
+        complete_with_current_lease,
+        complete_with_stale_attempt_writes_nothing,
+        complete_after_expiry_is_lost,
+        cancel_removes_tasks,
+        extend_lease,
+    );
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn memory_concurrent_appends() {
+        concurrent_appends(Arc::new(MemoryStore::new())).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn sled_concurrent_appends() {
+        let root = tempfile::tempdir().expect("tempdir");
+        concurrent_appends(Arc::new(sled_factory(root.path())())).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sled_reopen_keeps_everything() {
+        let root = tempfile::tempdir().expect("tempdir");
+        reopen_keeps_everything(sled_factory(root.path())(), &mut sled_reopen).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn memory_run_all() {
+        run_all(MemoryStore::new, None).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn sled_run_all() {
+        let root = tempfile::tempdir().expect("tempdir");
+        run_all(sled_factory(root.path()), Some(&mut sled_reopen)).await;
+    }
+}

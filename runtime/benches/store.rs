@@ -1,0 +1,87 @@
+//! Durable append throughput of the sled store: every iteration, each of N sessions appends
+//! one event of about 300 bytes, all N at once, and waits until it is durable (flushed and
+//! fsynced). Throughput is in appends; group commit should make it grow with N.
+//!
+//! Run: `cargo bench -p cairn-runtime --bench store` (add `-- --measurement-time 5` for a
+//! quick run).
+
+use cairn_runtime::store::sled::SledStore;
+use cairn_runtime::{AppendRequest, Event, EventEnvelope, SessionStatus, Store};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// One ~300-byte event (its encoded record is about 300 bytes).
+fn event(session_id: &str, seq: u64) -> EventEnvelope {
+    EventEnvelope::new(
+        session_id,
+        seq,
+        1_700_000_000_000 + seq,
+        Event::UserMessage {
+            turn: 1,
+            text: "x".repeat(200),
+            model: None,
+        },
+    )
+}
+
+fn append(session_id: &str, seq: u64) -> AppendRequest {
+    AppendRequest {
+        session_id: session_id.to_owned(),
+        expected_next_seq: seq,
+        events: vec![event(session_id, seq)],
+        status: SessionStatus::Running,
+        enqueue: Vec::new(),
+        complete: None,
+        cancel: Vec::new(),
+        now_ms: 1_700_000_000_000 + seq,
+    }
+}
+
+fn durable_appends(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let record_len = cairn_runtime::codec::encode(&event("session-000", 1))
+        .expect("encode")
+        .len();
+    eprintln!("record size: {record_len} bytes");
+    let mut group = c.benchmark_group("sled_durable_append");
+    group.sample_size(20);
+    for sessions in [1usize, 16, 256] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(SledStore::open(dir.path()).expect("open the store"));
+        let names: Arc<Vec<String>> =
+            Arc::new((0..sessions).map(|i| format!("session-{i:03}")).collect());
+        let next: Arc<Vec<AtomicU64>> =
+            Arc::new((0..sessions).map(|_| AtomicU64::new(1)).collect());
+        group.throughput(Throughput::Elements(sessions as u64));
+        group.bench_with_input(BenchmarkId::new("sessions", sessions), &sessions, |b, _| {
+            b.to_async(&runtime).iter(|| {
+                let (store, names, next) =
+                    (Arc::clone(&store), Arc::clone(&names), Arc::clone(&next));
+                async move {
+                    let mut tasks = tokio::task::JoinSet::new();
+                    for i in 0..names.len() {
+                        let (store, names, next) =
+                            (Arc::clone(&store), Arc::clone(&names), Arc::clone(&next));
+                        tasks.spawn(async move {
+                            let seq = next[i].fetch_add(1, Ordering::Relaxed);
+                            store.append(append(&names[i], seq)).await.expect("append");
+                        });
+                    }
+                    while let Some(done) = tasks.join_next().await {
+                        done.expect("append task");
+                    }
+                }
+            });
+        });
+        drop(store);
+    }
+    group.finish();
+}
+
+criterion_group!(benches, durable_appends);
+criterion_main!(benches);

@@ -1,0 +1,65 @@
+//! An embedded host: a sled store, an engine and a worker pool in this process.
+
+use anyhow::Context;
+use cairn_activities::ToolRegistry;
+use cairn_runtime::store::sled::SledStore;
+use cairn_runtime::{Client, Engine, SystemClock};
+use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Everything a CLI command needs: store, engine, client and (optionally) workers.
+pub struct Host {
+    /// The store.
+    pub store: Arc<SledStore>,
+    /// A client of the engine.
+    pub client: Client,
+    /// The tools the workers run.
+    pub tools: Arc<ToolRegistry>,
+    workers: Option<WorkerPool>,
+}
+
+impl Host {
+    /// Opens (or, with `create`, creates) the store at `data`; tools work in `workdir`.
+    pub fn open(data: &Path, create: bool, workdir: PathBuf) -> anyhow::Result<Host> {
+        let store = if create {
+            SledStore::open(data)
+        } else {
+            SledStore::open_existing(data)
+        }
+        .with_context(|| format!("cannot open the store at {}", data.display()))?;
+        let store = Arc::new(store);
+        let engine = Engine::new(store.clone(), Arc::new(SystemClock));
+        Ok(Host {
+            store,
+            client: Client::new(engine),
+            tools: Arc::new(ToolRegistry::builtin(workdir)),
+            workers: None,
+        })
+    }
+
+    /// Starts the worker pool.
+    pub fn start_workers(&mut self) {
+        if self.workers.is_none() {
+            let activities = Activities {
+                models: Arc::new(StandardModels::new()),
+                tools: self.tools.clone(),
+            };
+            self.workers = Some(WorkerPool::start(
+                self.client.engine().clone(),
+                activities,
+                WorkerConfig {
+                    lease_ms: 5_000,
+                    ..WorkerConfig::default()
+                },
+            ));
+        }
+    }
+
+    /// Drains the workers.
+    pub async fn shutdown(mut self) {
+        if let Some(pool) = self.workers.take() {
+            pool.shutdown().await;
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! The `cairn` binary: the demo, a run, inspection commands, and clear errors.
+
+use crate::support::demo_files;
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn cairn(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .args(args)
+        .output()
+        .expect("run cairn")
+}
+
+fn text(out: &[u8]) -> String {
+    String::from_utf8_lossy(out).into_owned()
+}
+
+#[test]
+fn demo_runs_offline_and_its_store_can_be_inspected_and_replayed() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("demo");
+    let out = cairn(&["demo", "--data", data.to_str().unwrap()]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(
+        stdout.contains("126") && stdout.contains("Tuesday"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("events       11 written durably"),
+        "{stdout}"
+    );
+    let store = data.join("store");
+    let store = store.to_str().unwrap();
+    let sessions = cairn(&["sessions", "--data", store]);
+    let listing = text(&sessions.stdout);
+    let session = listing.split_whitespace().next().unwrap().to_owned();
+    assert!(
+        listing.contains("idle") && listing.contains("11 events"),
+        "{listing}"
+    );
+
+    let history = cairn(&["history", "--data", store, &session, "--json"]);
+    assert!(history.status.success());
+    let lines: Vec<serde_json::Value> = text(&history.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 11);
+    assert_eq!(lines[0]["kind"], "session_started");
+    assert_eq!(lines[0]["seq"], 1);
+    assert!(
+        lines[3]["event"]["model_call_completed"]["response"]["parts"][0]["thinking"]["signature"]
+            == "demo-signature-0001"
+    );
+
+    let plain = cairn(&["history", "--data", store, &session]);
+    assert!(text(&plain.stdout).contains("tool_call_completed"));
+
+    let transcript = cairn(&["transcript", "--data", store, &session]);
+    let ledger: serde_json::Value = serde_json::from_slice(&transcript.stdout).unwrap();
+    assert_eq!(ledger["messages"].as_array().unwrap().len(), 5);
+
+    let replay = cairn(&["replay", "--data", store, &session]);
+    assert!(replay.status.success(), "{}", text(&replay.stdout));
+    assert!(text(&replay.stdout).starts_with("ok: 11 events"));
+}
+
+#[test]
+fn run_starts_and_continues_a_session() {
+    let files = demo_files(
+        r#"{"responses": [
+            {"parts": [{"type": "text", "text": "first answer"}]},
+            {"parts": [{"type": "tool_use", "id": "c1", "name": "calculator", "input": {"expression": "6*7"}}]},
+            {"parts": [{"type": "text", "text": "it is 42"}]}
+        ]}"#,
+    );
+    let data = files.dir.path().join("store");
+    let data = data.to_str().unwrap();
+    let model = format!("scripted:{}", files.script.display());
+    let workdir = files.workdir.to_str().unwrap();
+    let first = cairn(&[
+        "run",
+        "--data",
+        data,
+        "--model",
+        &model,
+        "--session",
+        "chat",
+        "--workdir",
+        workdir,
+        "hello",
+    ]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    assert!(text(&first.stdout).contains("first answer"));
+    let second = cairn(&[
+        "run",
+        "--data",
+        data,
+        "--model",
+        &model,
+        "--session",
+        "chat",
+        "--workdir",
+        workdir,
+        "what is 6*7?",
+    ]);
+    assert!(second.status.success(), "{}", text(&second.stderr));
+    assert!(text(&second.stdout).contains("it is 42"));
+    let replay = cairn(&["replay", "--data", data, "chat"]);
+    assert!(replay.status.success());
+    let resume = cairn(&["resume", "--data", data]);
+    assert!(text(&resume.stdout).contains("nothing to resume"));
+}
+
+#[test]
+fn errors_a_person_can_act_on_are_one_clear_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope");
+    let out = cairn(&["sessions", "--data", missing.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.starts_with("error: cannot open the store at"), "{err}");
+    assert!(!err.contains("panicked"));
+
+    let files = demo_files(cairn::demo::DEMO_SCRIPT);
+    let data = files.dir.path().join("store");
+    let data = data.to_str().unwrap();
+    let model = format!("scripted:{}", files.script.display());
+    assert!(cairn(&[
+        "run",
+        "--data",
+        data,
+        "--model",
+        &model,
+        "--session",
+        "x",
+        "--workdir",
+        files.workdir.to_str().unwrap(),
+        "hi"
+    ])
+    .status
+    .success());
+    let out = cairn(&["history", "--data", data, "no-such-session"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("unknown session \"no-such-session\""),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let bad = files.dir.path().join("bad.json");
+    std::fs::write(&bad, "{\"responses\": [\n  {\"parts\": [}\n]}").unwrap();
+    let out = cairn(&[
+        "run",
+        "--data",
+        data,
+        "--model",
+        &format!("scripted:{}", bad.display()),
+        "hi",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("bad.json") && err.contains("line 2"), "{err}");
+    let _ = Path::new(".");
+}

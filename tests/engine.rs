@@ -1,0 +1,371 @@
+//! The engine with real workers: every scenario runs live, then its recorded history is replayed
+//! with the current code and must give the same ledger bytes.
+
+use crate::support::{demo_files, fast_retries, TestHost};
+use cairn_ledger::{validate_transcript, Part, ToolResultContent};
+use cairn_runtime::store::sled::SledStore;
+use cairn_runtime::*;
+use cairn_workers::WorkerConfig;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Replays the session's history and checks it folds to the engine's ledger, byte for byte.
+async fn assert_replays(client: &Client, session: &str) -> Vec<EventEnvelope> {
+    let history = client.history(session).await.unwrap();
+    let replayed = replay(session, &history).unwrap();
+    let live = client.transcript(session).await.unwrap();
+    assert_eq!(
+        replayed.state.transcript.canonical_json(),
+        live.canonical_json(),
+        "replay of {session} gives different ledger bytes"
+    );
+    validate_transcript(&live).unwrap();
+    history
+}
+
+fn kinds(history: &[EventEnvelope]) -> Vec<&str> {
+    history.iter().map(|e| e.kind.as_str()).collect()
+}
+
+fn fast_workers() -> WorkerConfig {
+    WorkerConfig {
+        concurrency: 8,
+        lease_ms: 2_000,
+        poll_interval_ms: 5,
+    }
+}
+
+#[tokio::test]
+async fn the_demo_turn_runs_on_the_memory_store_and_replays() {
+    let files = demo_files(cairn::demo::DEMO_SCRIPT);
+    let host = TestHost::start(
+        Arc::new(MemoryStore::new()),
+        Arc::new(SystemClock),
+        &files.workdir,
+        fast_workers(),
+    );
+    let session = host
+        .client
+        .start_session(host.session_options(&files.script, "demo-mem"))
+        .await
+        .unwrap();
+    let outcome = host.client.run_turn(&session, "go").await.unwrap();
+    let TurnOutcome::Completed { turn: 1, answer } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(
+        answer.contains("126") && answer.contains("Tuesday"),
+        "{answer}"
+    );
+    let history = assert_replays(&host.client, &session).await;
+    let k = kinds(&history);
+    assert_eq!(
+        &k[..5],
+        [
+            "session_started",
+            "user_message",
+            "model_call_scheduled",
+            "model_call_completed",
+            "tool_call_scheduled"
+        ]
+    );
+    assert_eq!(k.iter().filter(|k| **k == "tool_call_completed").count(), 2);
+    assert_eq!(k.last(), Some(&"turn_completed"));
+    // The tool results made it into the ledger in declaration order with real values.
+    let transcript = host.client.transcript(&session).await.unwrap();
+    let results = &transcript.messages[3].parts;
+    let Part::ToolResult(calc) = &results[0] else {
+        panic!()
+    };
+    assert_eq!(calc.tool_use_id, "toolu_demo_01");
+    assert!(matches!(&calc.content, ToolResultContent::Json(j) if j.as_str().contains("126")));
+    let Part::ToolResult(notes) = &results[1] else {
+        panic!()
+    };
+    assert!(matches!(&notes.content, ToolResultContent::Text(t) if t.contains("Tuesday")));
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn sessions_on_sled_survive_reopen_and_fold_to_the_same_bytes() {
+    let files = demo_files(cairn::demo::DEMO_SCRIPT);
+    let data = files.dir.path().join("store");
+    let (session, bytes) = {
+        let store = Arc::new(SledStore::open(&data).unwrap());
+        let host = TestHost::start(store, Arc::new(SystemClock), &files.workdir, fast_workers());
+        let mut ids = Vec::new();
+        for i in 0..8 {
+            let id = host
+                .client
+                .start_session(host.session_options(&files.script, &format!("sled-{i}")))
+                .await
+                .unwrap();
+            ids.push(id);
+        }
+        // Turns of many sessions in parallel.
+        let mut turns = Vec::new();
+        for id in &ids {
+            let client = host.client.clone();
+            let id = id.clone();
+            turns.push(tokio::spawn(
+                async move { client.run_turn(&id, "go").await },
+            ));
+        }
+        for t in turns {
+            assert!(matches!(
+                t.await.unwrap().unwrap(),
+                TurnOutcome::Completed { .. }
+            ));
+        }
+        for id in &ids {
+            assert_replays(&host.client, id).await;
+        }
+        let bytes = host
+            .client
+            .transcript(&ids[3])
+            .await
+            .unwrap()
+            .canonical_json();
+        host.shutdown().await;
+        (ids[3].clone(), bytes)
+    };
+    let store = Arc::new(SledStore::open_existing(&data).unwrap());
+    let sessions = store.list_sessions().await.unwrap();
+    assert_eq!(sessions.len(), 8);
+    assert!(sessions
+        .iter()
+        .all(|s| s.status == SessionStatus::Idle && s.events == 11));
+    let engine = Engine::new(store, Arc::new(SystemClock));
+    let reopened = engine.state(&session).await.unwrap();
+    assert_eq!(reopened.transcript.canonical_json(), bytes);
+}
+
+const FLAKY_SCRIPT: &str = r#"{
+  "responses": [
+    {"parts": [{"type": "tool_use", "id": "t1", "name": "calculator", "input": {"expression": "1/0"}},
+               {"type": "tool_use", "id": "t2", "name": "no_such_tool", "input": {}},
+               {"type": "tool_use", "id": "t3", "name": "calculator", "arguments": "{\"expression\": 5}"}],
+     "fail_attempts": 2},
+    {"parts": [{"type": "text", "text": "recovered"}]}
+  ]
+}"#;
+
+#[tokio::test]
+async fn model_retries_and_tool_errors_are_recorded_and_the_model_sees_them() {
+    let files = demo_files(FLAKY_SCRIPT);
+    let host = TestHost::start(
+        Arc::new(MemoryStore::new()),
+        Arc::new(SystemClock),
+        &files.workdir,
+        fast_workers(),
+    );
+    let mut options = host.session_options(&files.script, "flaky");
+    fast_retries(&mut options);
+    let session = host.client.start_session(options).await.unwrap();
+    let outcome = host.client.run_turn(&session, "go").await.unwrap();
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { answer, .. } if answer == "recovered"),
+        "{outcome:?}"
+    );
+    let history = assert_replays(&host.client, &session).await;
+    let failures: Vec<u32> = history
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ModelCallFailed {
+                attempt, failure, ..
+            } => {
+                assert_eq!(failure.class, ErrorClass::Transient);
+                Some(*attempt)
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failures, [1, 2]);
+    let transcript = host.client.transcript(&session).await.unwrap();
+    let results: Vec<_> = transcript.messages[3]
+        .parts
+        .iter()
+        .map(|p| match p {
+            Part::ToolResult(r) => (
+                r.tool_use_id.clone(),
+                r.is_error,
+                r.content.canonical_json(),
+            ),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(results.len(), 3);
+    // Division by zero: the tool's own is_error result.
+    assert!(
+        results[0].1 && results[0].2.contains("zero"),
+        "{:?}",
+        results[0]
+    );
+    // Unknown tool: answered at once, never scheduled.
+    assert!(
+        results[1].1 && results[1].2.contains("unknown tool"),
+        "{:?}",
+        results[1]
+    );
+    // Invalid arguments: non-retryable, one attempt, then an is_error result.
+    assert!(
+        results[2].1
+            && results[2]
+                .2
+                .contains("tool failed after 1 attempt(s): invalid_request"),
+        "{:?}",
+        results[2]
+    );
+    assert!(!history.iter().any(
+        |e| matches!(&e.event, Event::ToolCallScheduled { tool_use_id, .. } if tool_use_id == "t2")
+    ));
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_expired_lease_runs_again_and_the_stale_completion_is_rejected() {
+    let files = demo_files(cairn::demo::DEMO_SCRIPT);
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(store.clone(), clock.clone());
+    let client = Client::new(engine.clone());
+    let probe = TestHost {
+        client: client.clone(),
+        pool: None,
+        tools: Arc::new(cairn_activities::ToolRegistry::builtin(&files.workdir)),
+    };
+    let session = client
+        .start_session(probe.session_options(&files.script, "lease"))
+        .await
+        .unwrap();
+    client.send(&session, "go").await.unwrap();
+    // A worker leases the model task and dies.
+    let dead = store.lease_tasks(clock.now_ms(), 1_000, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].lease_attempt, 1);
+    // Nothing to lease while the lease holds.
+    assert!(store
+        .lease_tasks(clock.now_ms(), 1_000, 10)
+        .await
+        .unwrap()
+        .is_empty());
+    clock.advance(1_001);
+    let pool = cairn_workers::WorkerPool::start(
+        engine.clone(),
+        cairn_workers::Activities {
+            models: Arc::new(cairn_workers::StandardModels::new()),
+            tools: probe.tools.clone(),
+        },
+        WorkerConfig {
+            lease_ms: 60_000,
+            ..fast_workers()
+        },
+    );
+    let outcome = tokio::time::timeout(Duration::from_secs(10), client.wait_turn(&session, 1))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(outcome, TurnOutcome::Completed { .. }));
+    pool.shutdown().await;
+    // The dead worker comes back with its result: fenced off, history unchanged.
+    let before = client.history(&session).await.unwrap();
+    let response = match &before[3].event {
+        Event::ModelCallCompleted { response, .. } => response.clone(),
+        other => panic!("{other:?}"),
+    };
+    let err = engine
+        .report(&dead[0], ActivityReport::ModelCompleted(response))
+        .await
+        .unwrap_err();
+    assert!(err.is_stale_report(), "{err}");
+    assert_eq!(client.history(&session).await.unwrap(), before);
+    assert_replays(&client, &session).await;
+}
+
+#[tokio::test]
+async fn a_new_engine_resumes_an_interrupted_turn_from_the_log() {
+    let files = demo_files(cairn::demo::DEMO_SCRIPT);
+    let data = files.dir.path().join("store");
+    {
+        // An engine accepts the message, then goes away before any worker ran.
+        let store = Arc::new(SledStore::open(&data).unwrap());
+        let engine = Engine::new(store, Arc::new(SystemClock));
+        let client = Client::new(engine);
+        let probe = TestHost {
+            client: client.clone(),
+            pool: None,
+            tools: Arc::new(cairn_activities::ToolRegistry::builtin(&files.workdir)),
+        };
+        let session = client
+            .start_session(probe.session_options(&files.script, "resume-me"))
+            .await
+            .unwrap();
+        client.send(&session, "go").await.unwrap();
+    }
+    let store = Arc::new(SledStore::open_existing(&data).unwrap());
+    let host = TestHost::start(store, Arc::new(SystemClock), &files.workdir, fast_workers());
+    let report = host.client.engine().resume().await.unwrap();
+    assert_eq!(report.running_sessions, ["resume-me"]);
+    assert_eq!(report.outstanding_tasks, 1);
+    assert_eq!(
+        report.requeued_tasks, 0,
+        "the task was written with its event"
+    );
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(10),
+        host.client.wait_turn("resume-me", 1),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(matches!(outcome, TurnOutcome::Completed { .. }));
+    assert_replays(&host.client, "resume-me").await;
+    host.shutdown().await;
+}
+
+const SLOW_SCRIPT: &str = r#"{
+  "responses": [
+    {"parts": [{"type": "text", "text": "slow answer"}], "delay_ms": 300}
+  ]
+}"#;
+
+#[tokio::test]
+async fn shutdown_drains_running_activities() {
+    let files = demo_files(SLOW_SCRIPT);
+    let host = TestHost::start(
+        Arc::new(MemoryStore::new()),
+        Arc::new(SystemClock),
+        &files.workdir,
+        fast_workers(),
+    );
+    let session = host
+        .client
+        .start_session(host.session_options(&files.script, "drain"))
+        .await
+        .unwrap();
+    host.client.send(&session, "go").await.unwrap();
+    // Wait until the model task is leased (no longer visible), then shut down mid-call.
+    for _ in 0..200 {
+        let tasks = host.client.engine().store().list_tasks().await.unwrap();
+        if tasks.iter().any(|t| t.lease_attempt > 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let client = host.client.clone();
+    host.shutdown().await;
+    let history = client.history(&session).await.unwrap();
+    assert_eq!(
+        kinds(&history).last(),
+        Some(&"turn_completed"),
+        "{:?}",
+        kinds(&history)
+    );
+    assert!(client
+        .engine()
+        .store()
+        .list_tasks()
+        .await
+        .unwrap()
+        .is_empty());
+}

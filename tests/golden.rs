@@ -1,0 +1,287 @@
+//! Golden files: the encoded bytes of every event kind, and whole demo sessions as text.
+//! Regenerate with `CAIRN_BLESS=1 cargo test --test integration golden` — only for new files or
+//! an intended format change; old event files must keep decoding forever.
+
+use crate::support::{demo_files, TestHost};
+use cairn_ledger::*;
+use cairn_runtime::codec;
+use cairn_runtime::Error;
+use cairn_runtime::*;
+use cairn_workers::WorkerConfig;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+fn golden_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
+}
+
+fn bless() -> bool {
+    std::env::var_os("CAIRN_BLESS").is_some()
+}
+
+fn sample_events() -> Vec<Event> {
+    let usage = Usage {
+        input_tokens: 9007199254740993,
+        output_tokens: 2,
+        cache_read_tokens: 3,
+        cache_write_tokens: 4,
+        reasoning_tokens: 5,
+    };
+    let response = ModelResponse {
+        provider: "scripted".into(),
+        model: "golden".into(),
+        parts: vec![
+            Part::Thinking {
+                text: "think".into(),
+                signature: "sig".into(),
+            },
+            Part::RedactedThinking {
+                data: "opaque".into(),
+            },
+            Part::Text { text: "hi".into() },
+            Part::ToolUse(ToolUse {
+                id: "toolu_1".into(),
+                name: "calculator".into(),
+                arguments: r#"{"z":1,"a":9007199254740993}"#.into(),
+                signature: Some("call-sig".into()),
+            }),
+            Part::Image {
+                media_type: "image/png".into(),
+                data_ref: "sha256:00".into(),
+            },
+        ],
+        stop_reason_raw: "tool_use".into(),
+        stop_reason: StopReason::ToolUse,
+        usage,
+    };
+    let failure = ActivityFailure {
+        class: ErrorClass::RateLimited,
+        message: "slow down".into(),
+        usage: Some(usage),
+    };
+    vec![
+        Event::SessionStarted(SessionStarted {
+            model: ModelSpec {
+                provider: "scripted".into(),
+                model: "demo.json".into(),
+                max_tokens: Some(1024),
+                thinking_budget_tokens: Some(2048),
+            },
+            tools: vec![ToolSpec {
+                name: "calculator".into(),
+                description: "arithmetic".into(),
+                input_schema: JsonText::parse(r#"{"type":"object","required":["expression"]}"#)
+                    .unwrap(),
+            }],
+            system_prompt: Some("be brief".into()),
+            limits: Limits { max_rounds: 8 },
+            model_retry: RetryPolicy::model_default(),
+            tool_retry: RetryPolicy::tool_default(),
+        }),
+        Event::UserMessage {
+            turn: 1,
+            text: "hello".into(),
+            model: None,
+        },
+        Event::ModelCallScheduled {
+            turn: 1,
+            round: 0,
+            attempt: 1,
+            not_before_ms: 1_700_000_000_000,
+        },
+        Event::ModelCallCompleted {
+            turn: 1,
+            round: 0,
+            attempt: 1,
+            response,
+        },
+        Event::ModelCallFailed {
+            turn: 1,
+            round: 0,
+            attempt: 2,
+            failure: failure.clone(),
+        },
+        Event::ToolCallScheduled {
+            turn: 1,
+            tool_use_id: "toolu_1".into(),
+            name: "calculator".into(),
+            attempt: 1,
+            not_before_ms: 1_700_000_000_001,
+        },
+        Event::ToolCallCompleted {
+            turn: 1,
+            tool_use_id: "toolu_1".into(),
+            attempt: 1,
+            content: ToolResultContent::Json(
+                JsonText::parse(r#"{"value":9007199254740993,"b":[1,2]}"#).unwrap(),
+            ),
+            is_error: false,
+        },
+        Event::ToolCallFailed {
+            turn: 1,
+            tool_use_id: "toolu_1".into(),
+            attempt: 2,
+            failure: ActivityFailure {
+                class: ErrorClass::ToolFailed,
+                message: "disk".into(),
+                usage: None,
+            },
+        },
+        Event::TurnCompleted { turn: 1, usage },
+        Event::TurnFailed {
+            turn: 2,
+            reason: "max_rounds".into(),
+        },
+        Event::SessionCancelled {
+            reason: "user".into(),
+        },
+    ]
+}
+
+#[test]
+fn every_event_kind_has_golden_bytes_that_decode_and_reencode_identically() {
+    let dir = golden_dir().join("events");
+    let mut kinds = Vec::new();
+    for (i, event) in sample_events().into_iter().enumerate() {
+        let kind = event.kind();
+        kinds.push(kind);
+        let envelope = EventEnvelope::new("golden-session", i as u64 + 1, 1_700_000_000_000, event);
+        let path = dir.join(format!("v1-{kind}.bin"));
+        let bytes = codec::encode(&envelope).unwrap();
+        if bless() || !path.exists() {
+            std::fs::write(&path, &bytes).unwrap();
+        }
+        let stored = std::fs::read(&path).unwrap();
+        let decoded = codec::decode("golden-session", i as u64 + 1, &stored)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert_eq!(
+            decoded,
+            envelope,
+            "{} decodes to a different event",
+            path.display()
+        );
+        assert_eq!(
+            bytes,
+            stored,
+            "{}: the encoding of {kind} changed",
+            path.display()
+        );
+    }
+    // Every kind is covered: a new kind without a golden file fails here.
+    let mut found: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("v1-"))
+        .collect();
+    found.sort();
+    let mut expected: Vec<String> = kinds.iter().map(|k| format!("v1-{k}.bin")).collect();
+    expected.sort();
+    assert_eq!(found, expected);
+    assert_eq!(kinds.len(), 11);
+}
+
+#[test]
+fn corrupt_or_unknown_records_are_typed_errors() {
+    let envelope = EventEnvelope::new("s", 1, 5, Event::SessionCancelled { reason: "x".into() });
+    let good = codec::encode(&envelope).unwrap();
+    let mut flipped = good.clone();
+    let last = flipped.len() - 1;
+    flipped[last] ^= 0x40;
+    assert!(matches!(
+        codec::decode("s", 1, &flipped),
+        Err(Error::CorruptRecord { ref session_id, seq: 1, ref reason }) if session_id == "s" && reason.contains("checksum")
+    ));
+    assert!(matches!(
+        codec::decode("s", 1, &good[..3]),
+        Err(Error::CorruptRecord { ref reason, .. }) if reason.contains("truncated")
+    ));
+    // A record from a future schema version.
+    let mut future = envelope.clone();
+    future.schema_version = 99;
+    let bytes = codec::encode(&future).unwrap();
+    assert!(matches!(
+        codec::decode("s", 1, &bytes),
+        Err(Error::UnknownSchemaVersion {
+            version: 99,
+            seq: 1,
+            ..
+        })
+    ));
+    // A record stored under the wrong key.
+    assert!(matches!(
+        codec::decode("s", 2, &good),
+        Err(Error::CorruptRecord { seq: 2, .. })
+    ));
+}
+
+/// The demo session, run on the memory store with a frozen clock and one worker so that the
+/// history is the same on every run, compared as text with the checked-in files.
+#[tokio::test]
+async fn the_demo_session_matches_its_golden_history_and_transcript() {
+    let files = demo_files(cairn::demo::DEMO_SCRIPT);
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let store = Arc::new(MemoryStore::new());
+    let host = TestHost::start_with_models(
+        store.clone(),
+        clock,
+        &files.workdir,
+        WorkerConfig {
+            concurrency: 1,
+            ..WorkerConfig::default()
+        },
+        cairn_workers::StandardModels::with_script_dir(files.dir.path()),
+    );
+    let mut options = host.session_options(Path::new("script.json"), "golden-demo");
+    options.system_prompt = Some("You are a concise assistant. Use tools when they help.".into());
+    let session = host.client.start_session(options).await.unwrap();
+    let outcome = host
+        .client
+        .run_turn(&session, cairn::demo::DEMO_PROMPT)
+        .await
+        .unwrap();
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { answer, .. } if answer.contains("126") && answer.contains("Tuesday"))
+    );
+    let history = host.client.history(&session).await.unwrap();
+    let transcript = host.client.transcript(&session).await.unwrap();
+    host.shutdown().await;
+
+    let mut history_text = String::new();
+    for e in &history {
+        history_text.push_str(&serde_json::to_string(e).unwrap());
+        history_text.push('\n');
+    }
+    let transcript_text = String::from_utf8(transcript.canonical_json()).unwrap() + "\n";
+    check_text("sessions/demo.history.jsonl", &history_text);
+    check_text("sessions/demo.transcript.json", &transcript_text);
+
+    // The recorded history replays to the same ledger bytes.
+    let replayed = replay(&session, &history).unwrap();
+    assert_eq!(
+        replayed.state.transcript.canonical_json(),
+        transcript.canonical_json()
+    );
+    validate_transcript(&transcript).unwrap();
+}
+
+fn check_text(relative: &str, actual: &str) {
+    let path = golden_dir().join(relative);
+    if bless() || !path.exists() {
+        std::fs::write(&path, actual).unwrap();
+    }
+    let expected = std::fs::read_to_string(&path).unwrap();
+    if expected != actual {
+        let line = expected
+            .lines()
+            .zip(actual.lines())
+            .position(|(a, b)| a != b)
+            .map_or(expected.lines().count().min(actual.lines().count()), |i| i);
+        panic!(
+            "{} differs at line {} (run with CAIRN_BLESS=1 if the change is intended)\nexpected: {}\nactual:   {}",
+            path.display(),
+            line + 1,
+            expected.lines().nth(line).unwrap_or("<end>"),
+            actual.lines().nth(line).unwrap_or("<end>")
+        );
+    }
+}

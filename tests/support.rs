@@ -1,0 +1,94 @@
+//! Shared test helpers: an in-process host over any store, and the demo fixtures.
+
+use cairn_activities::ToolRegistry;
+use cairn_runtime::{Client, Clock, Engine, SessionOptions, Store};
+use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// A store, an engine and a worker pool, in this process.
+pub struct TestHost {
+    pub client: Client,
+    pub pool: Option<WorkerPool>,
+    pub tools: Arc<ToolRegistry>,
+}
+
+impl TestHost {
+    pub fn start(
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        workdir: &Path,
+        config: WorkerConfig,
+    ) -> TestHost {
+        Self::start_with_models(store, clock, workdir, config, StandardModels::new())
+    }
+
+    pub fn start_with_models(
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        workdir: &Path,
+        config: WorkerConfig,
+        models: StandardModels,
+    ) -> TestHost {
+        let engine = Engine::new(store, clock);
+        let tools = Arc::new(ToolRegistry::builtin(workdir));
+        let pool = WorkerPool::start(
+            engine.clone(),
+            Activities {
+                models: Arc::new(models),
+                tools: tools.clone(),
+            },
+            config,
+        );
+        TestHost {
+            client: Client::new(engine),
+            pool: Some(pool),
+            tools,
+        }
+    }
+
+    pub fn session_options(&self, script: &Path, session_id: &str) -> SessionOptions {
+        let model = cairn_ledger::ModelSpec::parse(&format!("scripted:{}", script.display()))
+            .expect("model spec");
+        SessionOptions {
+            session_id: Some(session_id.to_owned()),
+            system_prompt: Some("You are a concise assistant.".to_owned()),
+            ..SessionOptions::new(model, self.tools.specs())
+        }
+    }
+
+    pub async fn shutdown(mut self) {
+        if let Some(pool) = self.pool.take() {
+            pool.shutdown().await;
+        }
+    }
+}
+
+/// A directory holding the demo script (`script.json`) and the demo's `work/notes.txt`.
+pub struct DemoFiles {
+    pub dir: tempfile::TempDir,
+    pub script: PathBuf,
+    pub workdir: PathBuf,
+}
+
+pub fn demo_files(script: &str) -> DemoFiles {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let workdir = dir.path().join("work");
+    std::fs::create_dir_all(&workdir).expect("workdir");
+    std::fs::write(workdir.join("notes.txt"), cairn::demo::DEMO_NOTES).expect("notes");
+    let script_path = dir.path().join("script.json");
+    std::fs::write(&script_path, script).expect("script");
+    DemoFiles {
+        dir,
+        script: script_path,
+        workdir,
+    }
+}
+
+/// Fast retry policies so retry tests finish in milliseconds.
+pub fn fast_retries(options: &mut SessionOptions) {
+    for policy in [&mut options.model_retry, &mut options.tool_retry] {
+        policy.initial_interval_ms = 1;
+        policy.maximum_interval_ms = 5;
+    }
+}
