@@ -191,17 +191,19 @@ fn transition(c: &mut Criterion) {
     for (name, durable) in [("memory", false), ("sled_durable", true)] {
         group.bench_function(format!("{name}_completion_to_next_task"), |b| {
             b.to_async(&rt).iter_custom(|iters| async move {
-                let dir = tempfile::tempdir().unwrap();
-                let store: Arc<dyn Store> = if durable {
-                    Arc::new(SledStore::open(dir.path()).unwrap())
-                } else {
-                    Arc::new(MemoryStore::new())
-                };
                 let mut total = std::time::Duration::ZERO;
                 let mut done = 0;
                 let mut session = 0;
                 while done < iters {
                     session += 1;
+                    // A store per session: each leaves a model task queued, which the next
+                    // session's leases must not pick up.
+                    let dir = tempfile::tempdir().unwrap();
+                    let store: Arc<dyn Store> = if durable {
+                        Arc::new(SledStore::open(dir.path()).unwrap())
+                    } else {
+                        Arc::new(MemoryStore::new())
+                    };
                     let engine = Engine::new(store.clone(), Arc::new(ManualClock::new(1_000)));
                     let sid = engine
                         .start_session(Some(format!("t{session}")), started())

@@ -3,12 +3,14 @@
 
 #![warn(missing_docs)]
 
+mod context;
 mod error;
 mod model;
 mod scripted;
 mod tool;
 mod tools;
 
+pub use context::ActivityContext;
 pub use error::{Error, ErrorKind, Result};
 pub use model::{CallContext, DeltaSink, ModelProvider, ModelRequest, NoDeltas};
 pub use scripted::{Script, ScriptedProvider, DEMO_SCRIPT};

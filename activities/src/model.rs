@@ -1,6 +1,7 @@
 //! The model-provider boundary: what a call is asked with, where its live deltas go, and the
 //! trait every provider (scripted now, HTTP later) implements.
 
+use crate::context::ActivityContext;
 use crate::error::Result;
 use async_trait::async_trait;
 use cairn_ledger::{Delta, ModelResponse, ModelSpec, ToolSpec, Transcript};
@@ -73,7 +74,12 @@ pub trait ModelProvider: Send + Sync {
     fn provider(&self) -> &str;
 
     /// Runs one model call.
-    async fn call(&self, request: &ModelRequest, deltas: &dyn DeltaSink) -> Result<ModelResponse>;
+    async fn call(
+        &self,
+        request: &ModelRequest,
+        deltas: &dyn DeltaSink,
+        context: &ActivityContext,
+    ) -> Result<ModelResponse>;
 }
 
 #[cfg(test)]

@@ -74,6 +74,7 @@
 //! [`Delta::ToolArguments`] fragments; each part's chunks concatenate to its exact text.
 //! Redacted thinking emits nothing.
 
+use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{DeltaSink, ModelProvider, ModelRequest};
 use async_trait::async_trait;
@@ -214,7 +215,12 @@ impl ModelProvider for ScriptedProvider {
 
     // Activities are the impure edge: the scripted latency stands in for a real network call.
     #[allow(clippy::disallowed_methods)]
-    async fn call(&self, request: &ModelRequest, deltas: &dyn DeltaSink) -> Result<ModelResponse> {
+    async fn call(
+        &self,
+        request: &ModelRequest,
+        deltas: &dyn DeltaSink,
+        context: &ActivityContext,
+    ) -> Result<ModelResponse> {
         let script = &self.script;
         // The position in the script comes from the transcript alone, so restarts and replays
         // pick the same response.
@@ -240,7 +246,12 @@ impl ModelProvider for ScriptedProvider {
             "scripted model call"
         );
         if !step.delay.is_zero() {
-            tokio::time::sleep(step.delay).await;
+            tokio::select! {
+                _ = tokio::time::sleep(step.delay) => {}
+                _ = context.cancelled() => {
+                    return Err(Error::Cancelled { reason: "cancelled while waiting for the model".to_owned() });
+                }
+            }
         }
         // Attempts are 1-based; a caller that leaves the attempt at 0 means the first one.
         if request.context.attempt.max(1) <= step.fail_attempts {
@@ -1034,13 +1045,21 @@ mod tests {
         transcript.push_system("be brief");
         transcript.push_user_text("what is 2+2?");
         let first = provider
-            .call(&request(transcript.clone(), 1), &NoDeltas)
+            .call(
+                &request(transcript.clone(), 1),
+                &NoDeltas,
+                &ActivityContext::detached(),
+            )
             .await
             .unwrap();
         assert_eq!(&first, provider.script().response(0).unwrap());
         // The same transcript gets the same response: the provider keeps no state.
         let again = provider
-            .call(&request(transcript.clone(), 2), &NoDeltas)
+            .call(
+                &request(transcript.clone(), 2),
+                &NoDeltas,
+                &ActivityContext::detached(),
+            )
             .await
             .unwrap();
         assert_eq!(again, first);
@@ -1050,7 +1069,11 @@ mod tests {
         // A fresh provider, as in a new process, continues where the transcript is.
         let restarted = ScriptedProvider::from_json(EXAMPLE, "example.json").unwrap();
         let second = restarted
-            .call(&request(transcript.clone(), 1), &NoDeltas)
+            .call(
+                &request(transcript.clone(), 1),
+                &NoDeltas,
+                &ActivityContext::detached(),
+            )
             .await
             .unwrap();
         assert_eq!(second.text(), "Done: 4.");
@@ -1064,7 +1087,11 @@ mod tests {
         transcript.push_response(&second);
         transcript.push_user_text("and now?");
         let err = provider
-            .call(&request(transcript, 1), &NoDeltas)
+            .call(
+                &request(transcript, 1),
+                &NoDeltas,
+                &ActivityContext::detached(),
+            )
             .await
             .unwrap_err();
         assert!(
@@ -1087,7 +1114,11 @@ mod tests {
         let seen = Mutex::new(Vec::new());
         let sink = |d: Delta| seen.lock().unwrap().push(d);
         let response = provider
-            .call(&request(Transcript::new(), 1), &sink)
+            .call(
+                &request(Transcript::new(), 1),
+                &sink,
+                &ActivityContext::detached(),
+            )
             .await
             .unwrap();
         let deltas = seen.into_inner().unwrap();
@@ -1149,7 +1180,11 @@ mod tests {
         let provider = ScriptedProvider::from_json(text, "flaky.json").unwrap();
         for attempt in [1, 2] {
             let err = provider
-                .call(&request(Transcript::new(), attempt), &NoDeltas)
+                .call(
+                    &request(Transcript::new(), attempt),
+                    &NoDeltas,
+                    &ActivityContext::detached(),
+                )
                 .await
                 .unwrap_err();
             assert!(
@@ -1159,20 +1194,32 @@ mod tests {
             assert!(err.is_retryable_by_default());
         }
         let response = provider
-            .call(&request(Transcript::new(), 3), &NoDeltas)
+            .call(
+                &request(Transcript::new(), 3),
+                &NoDeltas,
+                &ActivityContext::detached(),
+            )
             .await
             .unwrap();
         assert_eq!(response.text(), "finally");
         // Attempt 0 counts as the first attempt, and never fails a response without failures.
         assert!(provider
-            .call(&request(Transcript::new(), 0), &NoDeltas)
+            .call(
+                &request(Transcript::new(), 0),
+                &NoDeltas,
+                &ActivityContext::detached()
+            )
             .await
             .is_err());
         let steady =
             ScriptedProvider::from_json(&text.replace(", \"fail_attempts\": 2", ""), "s.json")
                 .unwrap();
         assert!(steady
-            .call(&request(Transcript::new(), 0), &NoDeltas)
+            .call(
+                &request(Transcript::new(), 0),
+                &NoDeltas,
+                &ActivityContext::detached()
+            )
             .await
             .is_ok());
     }
@@ -1185,7 +1232,11 @@ mod tests {
         assert_eq!(provider.script().chunk_delay(), Duration::from_millis(10));
         let started = std::time::Instant::now();
         provider
-            .call(&request(Transcript::new(), 1), &NoDeltas)
+            .call(
+                &request(Transcript::new(), 1),
+                &NoDeltas,
+                &ActivityContext::detached(),
+            )
             .await
             .unwrap();
         // 40 ms before answering, then 10 ms between each of the three chunks.

@@ -1,6 +1,7 @@
 //! The tool boundary: one call as the runtime hands it over, what a tool returns, the `Tool`
 //! trait, and the registry that finds tools by name.
 
+use crate::context::ActivityContext;
 use crate::error::{Error, Result};
 use crate::tools::{Calculator, ReadFile};
 use async_trait::async_trait;
@@ -90,7 +91,7 @@ pub trait Tool: Send + Sync {
 
     /// Runs one call. Bad arguments are [`Error::InvalidArguments`]; failures the model should
     /// see are `Ok` outputs with `is_error`; `Err` otherwise means the tool itself broke.
-    async fn call(&self, call: &ToolCall) -> Result<ToolOutput>;
+    async fn call(&self, call: &ToolCall, context: &ActivityContext) -> Result<ToolOutput>;
 }
 
 /// The tools of a session, by name.
@@ -149,11 +150,11 @@ impl ToolRegistry {
     }
 
     /// Runs a call on the tool it names; [`Error::UnknownTool`] when there is none.
-    pub async fn call(&self, call: &ToolCall) -> Result<ToolOutput> {
+    pub async fn call(&self, call: &ToolCall, context: &ActivityContext) -> Result<ToolOutput> {
         let tool = self.get(&call.name).ok_or_else(|| Error::UnknownTool {
             name: call.name.clone(),
         })?;
-        tool.call(call).await
+        tool.call(call, context).await
     }
 }
 
@@ -180,7 +181,7 @@ mod tests {
                 input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
             }
         }
-        async fn call(&self, call: &ToolCall) -> Result<ToolOutput> {
+        async fn call(&self, call: &ToolCall, _context: &ActivityContext) -> Result<ToolOutput> {
             Ok(ToolOutput::text(call.arguments.clone()))
         }
     }
@@ -200,9 +201,15 @@ mod tests {
         let names: Vec<String> = registry.specs().into_iter().map(|s| s.name).collect();
         assert_eq!(names, ["alpha", "zeta"]);
         assert!(registry.get("alpha").is_some() && registry.get("beta").is_none());
-        let out = registry.call(&call("zeta", "{\"x\":1}")).await.unwrap();
+        let out = registry
+            .call(&call("zeta", "{\"x\":1}"), &ActivityContext::detached())
+            .await
+            .unwrap();
         assert_eq!(out, ToolOutput::text("{\"x\":1}"));
-        let err = registry.call(&call("beta", "{}")).await.unwrap_err();
+        let err = registry
+            .call(&call("beta", "{}"), &ActivityContext::detached())
+            .await
+            .unwrap_err();
         assert!(matches!(err, Error::UnknownTool { ref name } if name == "beta"));
     }
 

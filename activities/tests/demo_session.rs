@@ -2,8 +2,8 @@
 //! and the resulting transcript is valid.
 
 use cairn_activities::{
-    CallContext, DeltaSink, ErrorKind, ModelProvider, ModelRequest, NoDeltas, ScriptedProvider,
-    ToolCall, ToolRegistry, DEMO_SCRIPT,
+    ActivityContext, CallContext, DeltaSink, ErrorKind, ModelProvider, ModelRequest, NoDeltas,
+    ScriptedProvider, ToolCall, ToolRegistry, DEMO_SCRIPT,
 };
 use cairn_ledger::{
     validate_transcript, Delta, ModelSpec, ToolResult, ToolResultContent, Transcript,
@@ -41,7 +41,11 @@ async fn demo_script_runs_both_tools_and_answers() {
     let seen = Mutex::new(Vec::new());
     let sink = |d: Delta| seen.lock().unwrap().push(d);
     let first = provider
-        .call(&request(&transcript, &tools, 1), &sink as &dyn DeltaSink)
+        .call(
+            &request(&transcript, &tools, 1),
+            &sink as &dyn DeltaSink,
+            &ActivityContext::detached(),
+        )
         .await
         .unwrap();
     assert!(!seen.lock().unwrap().is_empty(), "the demo streams deltas");
@@ -54,7 +58,10 @@ async fn demo_script_runs_both_tools_and_answers() {
             arguments: tool_use.arguments.clone(),
             idempotency_key: format!("demo/1/1/{}", tool_use.id),
         };
-        let output = tools.call(&call).await.unwrap();
+        let output = tools
+            .call(&call, &ActivityContext::detached())
+            .await
+            .unwrap();
         assert!(!output.is_error, "{output:?}");
         results.push(ToolResult {
             tool_use_id: tool_use.id.clone(),
@@ -77,7 +84,11 @@ async fn demo_script_runs_both_tools_and_answers() {
     transcript.push_tool_results(results);
 
     let last = provider
-        .call(&request(&transcript, &tools, 2), &NoDeltas)
+        .call(
+            &request(&transcript, &tools, 2),
+            &NoDeltas,
+            &ActivityContext::detached(),
+        )
         .await
         .unwrap();
     assert!(last.text().contains("126") && last.text().contains("Tuesday"));
@@ -85,7 +96,11 @@ async fn demo_script_runs_both_tools_and_answers() {
     validate_transcript(&transcript).unwrap();
 
     let err = provider
-        .call(&request(&transcript, &tools, 3), &NoDeltas)
+        .call(
+            &request(&transcript, &tools, 3),
+            &NoDeltas,
+            &ActivityContext::detached(),
+        )
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidRequest);
@@ -99,7 +114,11 @@ async fn providers_are_usable_as_trait_objects() {
     let mut transcript = Transcript::new();
     transcript.push_user_text("hi");
     let response = provider
-        .call(&request(&transcript, &ToolRegistry::new(), 1), &NoDeltas)
+        .call(
+            &request(&transcript, &ToolRegistry::new(), 1),
+            &NoDeltas,
+            &ActivityContext::detached(),
+        )
         .await
         .unwrap();
     assert_eq!(response.tool_uses().count(), 2);

@@ -1,7 +1,9 @@
 //! The worker pool: one leasing loop feeding a bounded set of activity runs.
 
 use crate::models::ModelResolver;
-use cairn_activities::{CallContext, DeltaSink, ErrorKind, ModelRequest, ToolCall, ToolRegistry};
+use cairn_activities::{
+    ActivityContext, CallContext, DeltaSink, ErrorKind, ModelRequest, ToolCall, ToolRegistry,
+};
 use cairn_ledger::{validate_response, validate_transcript, Delta};
 use cairn_runtime::{
     ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, ErrorClass,
@@ -258,7 +260,8 @@ async fn run_activity(
                 tools,
             };
             let sink = EngineDeltas { engine, origin };
-            let call = provider.call(&request, &sink);
+            let context = ActivityContext::detached();
+            let call = provider.call(&request, &sink, &context);
             match tokio::time::timeout(Duration::from_millis(timeout_ms), call).await {
                 Ok(Ok(response)) => match validate_response(&response) {
                     Ok(()) => ActivityReport::ModelCompleted(response),
@@ -293,7 +296,12 @@ async fn run_activity(
                 arguments: tool_use.arguments,
                 idempotency_key,
             };
-            match tokio::time::timeout(Duration::from_millis(timeout_ms), tool.call(&call)).await {
+            match tokio::time::timeout(
+                Duration::from_millis(timeout_ms),
+                tool.call(&call, &ActivityContext::detached()),
+            )
+            .await
+            {
                 Ok(Ok(output)) => ActivityReport::ToolCompleted {
                     content: output.content,
                     is_error: output.is_error,

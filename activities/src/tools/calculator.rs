@@ -1,6 +1,7 @@
 //! The `calculator` tool: evaluates an arithmetic expression with a small recursive-descent
 //! parser, and reports syntax and arithmetic errors to the model with their position.
 
+use crate::context::ActivityContext;
 use crate::error::Result;
 use crate::tool::{Tool, ToolCall, ToolOutput};
 use async_trait::async_trait;
@@ -64,7 +65,7 @@ impl Tool for Calculator {
         }
     }
 
-    async fn call(&self, call: &ToolCall) -> Result<ToolOutput> {
+    async fn call(&self, call: &ToolCall, _context: &ActivityContext) -> Result<ToolOutput> {
         let input: CalculatorInput = call.parse_arguments()?;
         Ok(match evaluate(&input.expression) {
             Ok(value) => {
@@ -431,7 +432,10 @@ mod tests {
     #[tokio::test]
     async fn tool_returns_json_or_an_error_output() {
         let out = Calculator
-            .call(&call(r#"{"expression": "(17 + 25) * 3"}"#))
+            .call(
+                &call(r#"{"expression": "(17 + 25) * 3"}"#),
+                &ActivityContext::detached(),
+            )
             .await
             .unwrap();
         assert!(!out.is_error);
@@ -442,7 +446,10 @@ mod tests {
             )
         );
         let out = Calculator
-            .call(&call(r#"{"expression": "1/0"}"#))
+            .call(
+                &call(r#"{"expression": "1/0"}"#),
+                &ActivityContext::detached(),
+            )
             .await
             .unwrap();
         assert_eq!(
@@ -450,7 +457,7 @@ mod tests {
             ToolOutput::error(r#"cannot evaluate "1/0": division by zero at position 2"#)
         );
         let err = Calculator
-            .call(&call(r#"{"expr": "1"}"#))
+            .call(&call(r#"{"expr": "1"}"#), &ActivityContext::detached())
             .await
             .unwrap_err();
         assert!(

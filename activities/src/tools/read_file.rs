@@ -1,6 +1,7 @@
 //! The `read_file` tool: reads one file inside a working directory, refusing any path that
 //! escapes it (by `..`, an absolute path or a symlink).
 
+use crate::context::ActivityContext;
 use crate::error::{Error, Result};
 use crate::tool::{Tool, ToolCall, ToolOutput};
 use async_trait::async_trait;
@@ -142,7 +143,7 @@ impl Tool for ReadFile {
         }
     }
 
-    async fn call(&self, call: &ToolCall) -> Result<ToolOutput> {
+    async fn call(&self, call: &ToolCall, _context: &ActivityContext) -> Result<ToolOutput> {
         let input: ReadFileInput = call.parse_arguments()?;
         let requested = input.path.as_str();
         let path = match self.resolve(requested).await? {
@@ -241,7 +242,10 @@ mod tests {
         let (_dir, work) = setup();
         let tool = ReadFile::new(&work);
         for path in ["notes.txt", "./notes.txt", "sub/../notes.txt"] {
-            let out = tool.call(&call(path)).await.unwrap();
+            let out = tool
+                .call(&call(path), &ActivityContext::detached())
+                .await
+                .unwrap();
             assert_eq!(
                 out,
                 ToolOutput::text("the launch is on Tuesday.\n"),
@@ -249,7 +253,13 @@ mod tests {
             );
         }
         let absolute = work.join("sub/inner.txt");
-        let out = tool.call(&call(absolute.to_str().unwrap())).await.unwrap();
+        let out = tool
+            .call(
+                &call(absolute.to_str().unwrap()),
+                &ActivityContext::detached(),
+            )
+            .await
+            .unwrap();
         assert_eq!(out, ToolOutput::text("inner"));
     }
 
@@ -269,7 +279,10 @@ mod tests {
             "linkdir/secret.txt",
             "../does-not-exist.txt",
         ] {
-            let out = tool.call(&call(path)).await.unwrap();
+            let out = tool
+                .call(&call(path), &ActivityContext::detached())
+                .await
+                .unwrap();
             assert_error(&out, "escapes the working directory");
         }
     }
@@ -278,7 +291,10 @@ mod tests {
     async fn symlinks_inside_are_followed() {
         let (_dir, work) = setup();
         std::os::unix::fs::symlink(work.join("notes.txt"), work.join("alias.txt")).unwrap();
-        let out = ReadFile::new(&work).call(&call("alias.txt")).await.unwrap();
+        let out = ReadFile::new(&work)
+            .call(&call("alias.txt"), &ActivityContext::detached())
+            .await
+            .unwrap();
         assert_eq!(out, ToolOutput::text("the launch is on Tuesday.\n"));
     }
 
@@ -287,18 +303,36 @@ mod tests {
         let (_dir, work) = setup();
         let tool = ReadFile::new(&work);
         assert_error(
-            &tool.call(&call("nope.txt")).await.unwrap(),
+            &tool
+                .call(&call("nope.txt"), &ActivityContext::detached())
+                .await
+                .unwrap(),
             "no such file: \"nope.txt\"",
         );
-        assert_error(&tool.call(&call("sub")).await.unwrap(), "is a directory");
-        assert_error(&tool.call(&call("")).await.unwrap(), "the path is empty");
+        assert_error(
+            &tool
+                .call(&call("sub"), &ActivityContext::detached())
+                .await
+                .unwrap(),
+            "is a directory",
+        );
+        assert_error(
+            &tool
+                .call(&call(""), &ActivityContext::detached())
+                .await
+                .unwrap(),
+            "the path is empty",
+        );
     }
 
     #[tokio::test]
     async fn binary_content_is_base64_json() {
         let (_dir, work) = setup();
         std::fs::write(work.join("blob.bin"), [0xff, 0x00, 0xfe, b'a']).unwrap();
-        let out = ReadFile::new(&work).call(&call("blob.bin")).await.unwrap();
+        let out = ReadFile::new(&work)
+            .call(&call("blob.bin"), &ActivityContext::detached())
+            .await
+            .unwrap();
         assert_eq!(
             out,
             ToolOutput::json(
@@ -314,9 +348,15 @@ mod tests {
         std::fs::write(work.join("exact.txt"), "a".repeat(limit)).unwrap();
         std::fs::write(work.join("big.txt"), "a".repeat(limit + 1)).unwrap();
         let tool = ReadFile::new(&work);
-        let out = tool.call(&call("exact.txt")).await.unwrap();
+        let out = tool
+            .call(&call("exact.txt"), &ActivityContext::detached())
+            .await
+            .unwrap();
         assert!(!out.is_error);
-        let out = tool.call(&call("big.txt")).await.unwrap();
+        let out = tool
+            .call(&call("big.txt"), &ActivityContext::detached())
+            .await
+            .unwrap();
         assert_error(&out, "reads at most 1048576 bytes (1 MiB)");
     }
 
@@ -324,7 +364,10 @@ mod tests {
     async fn a_missing_working_directory_is_an_io_error() {
         let dir = tempfile::tempdir().unwrap();
         let tool = ReadFile::new(dir.path().join("absent"));
-        let err = tool.call(&call("notes.txt")).await.unwrap_err();
+        let err = tool
+            .call(&call("notes.txt"), &ActivityContext::detached())
+            .await
+            .unwrap_err();
         assert!(
             matches!(err, Error::Io { ref path, .. } if path.ends_with("absent")),
             "{err:?}"
@@ -337,7 +380,10 @@ mod tests {
         let (_dir, work) = setup();
         let mut bad = call("x");
         bad.arguments = r#"{"path": 7}"#.into();
-        let err = ReadFile::new(&work).call(&bad).await.unwrap_err();
+        let err = ReadFile::new(&work)
+            .call(&bad, &ActivityContext::detached())
+            .await
+            .unwrap_err();
         assert!(matches!(err, Error::InvalidArguments { ref tool, .. } if tool == NAME));
     }
 }

@@ -1,0 +1,82 @@
+//! The activity context: what a running attempt can ask of its runtime — heartbeats (with
+//! progress details the next attempt receives), cancellation, and which attempt it is.
+
+use cairn_ledger::JsonText;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+type HeartbeatFn = dyn Fn(Option<JsonText>) + Send + Sync;
+
+/// Handed to every activity attempt; cheap to clone.
+#[derive(Clone)]
+pub struct ActivityContext {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    attempt: u32,
+    previous_details: Option<JsonText>,
+    cancel: CancellationToken,
+    heartbeat: Box<HeartbeatFn>,
+}
+
+impl ActivityContext {
+    /// A context for `attempt`, with the details the previous attempt last heartbeated, a
+    /// cancellation token, and where heartbeats go.
+    pub fn new(
+        attempt: u32,
+        previous_details: Option<JsonText>,
+        cancel: CancellationToken,
+        heartbeat: impl Fn(Option<JsonText>) + Send + Sync + 'static,
+    ) -> Self {
+        ActivityContext {
+            inner: Arc::new(Inner {
+                attempt,
+                previous_details,
+                cancel,
+                heartbeat: Box::new(heartbeat),
+            }),
+        }
+    }
+
+    /// A context that is never cancelled and drops heartbeats (tests, one-off calls).
+    pub fn detached() -> Self {
+        Self::new(1, None, CancellationToken::new(), |_| {})
+    }
+
+    /// The attempt number, from 1.
+    pub fn attempt(&self) -> u32 {
+        self.inner.attempt
+    }
+
+    /// Progress details the previous attempt heartbeated last, to resume from.
+    pub fn previous_heartbeat_details(&self) -> Option<&JsonText> {
+        self.inner.previous_details.as_ref()
+    }
+
+    /// Reports liveness (and optionally progress). Long activities must call this more often
+    /// than their heartbeat timeout, or the attempt is failed as timed out.
+    pub fn heartbeat(&self, details: Option<JsonText>) {
+        (self.inner.heartbeat)(details);
+    }
+
+    /// Whether cancellation was requested.
+    pub fn is_cancelled(&self) -> bool {
+        self.inner.cancel.is_cancelled()
+    }
+
+    /// Completes when cancellation is requested; select on it to stop cooperatively.
+    pub async fn cancelled(&self) {
+        self.inner.cancel.cancelled().await;
+    }
+}
+
+impl std::fmt::Debug for ActivityContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ActivityContext")
+            .field("attempt", &self.inner.attempt)
+            .field("previous_details", &self.inner.previous_details)
+            .field("cancelled", &self.inner.cancel.is_cancelled())
+            .finish()
+    }
+}
