@@ -89,6 +89,67 @@ enum Command {
         /// Session id.
         session: String,
     },
+    /// Cancel a session (or only its running turn): open tool calls get error results.
+    Cancel {
+        /// Store directory.
+        #[arg(long)]
+        data: PathBuf,
+        /// Session id.
+        session: String,
+        /// Cancel only the running turn; the session takes further turns.
+        #[arg(long)]
+        turn: bool,
+        /// Why, recorded in the history.
+        #[arg(long, default_value = "cancelled from the command line")]
+        reason: String,
+    },
+    /// Chaos test: a child process runs many sessions and is killed with SIGKILL at random
+    /// moments, a new one resumes each time; then every promise of the log is checked and the
+    /// figures printed (exit 1 when a check fails).
+    Chaos {
+        /// SIGKILLs to deliver before the final run.
+        #[arg(long, default_value_t = 100)]
+        kills: usize,
+        /// Concurrent sessions.
+        #[arg(long, default_value_t = 20)]
+        sessions: usize,
+        /// Turns per session (more are added if the work ends before the kills do).
+        #[arg(long, default_value_t = 60)]
+        turns: usize,
+        /// Seed of the kill moments and the script (default: random, printed).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Kill most children between this many milliseconds after they are ready (opened the
+        /// store and resumed; one in five is killed during that instead)...
+        #[arg(long, default_value_t = 10)]
+        kill_min_ms: u64,
+        /// ...and this many.
+        #[arg(long, default_value_t = 150)]
+        kill_max_ms: u64,
+        /// Data directory (default: a new temporary directory, kept).
+        #[arg(long)]
+        data: Option<PathBuf>,
+    },
+    /// The process `cairn chaos` starts and kills.
+    #[command(hide = true)]
+    ChaosChild {
+        /// Data directory.
+        #[arg(long)]
+        data: PathBuf,
+        /// Sessions.
+        #[arg(long)]
+        sessions: usize,
+        /// Turns per session.
+        #[arg(long)]
+        turns: usize,
+    },
+    /// Check a store: every record decodes, histories are complete and replay, queued tasks
+    /// match their sessions (exit 0 when clean, 1 on any problem).
+    Fsck {
+        /// Store directory.
+        #[arg(long)]
+        data: PathBuf,
+    },
     /// Continue every session whose turn was interrupted.
     Resume {
         /// Store directory.
@@ -239,10 +300,64 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Err(e) => Err(e.into()),
             }
         }
+        Command::Cancel {
+            data,
+            session,
+            turn,
+            reason,
+        } => {
+            let host = Host::open(&data, false, PathBuf::from("."))?;
+            if turn {
+                let cancelled = host.client.engine().cancel_turn(&session, &reason).await?;
+                println!("cancelled turn {cancelled} of session {session}");
+            } else {
+                host.client.cancel(&session, &reason).await?;
+                println!("cancelled session {session}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Chaos {
+            kills,
+            sessions,
+            turns,
+            seed,
+            kill_min_ms,
+            kill_max_ms,
+            data,
+        } => {
+            chaos(
+                kills,
+                sessions,
+                turns,
+                seed,
+                (kill_min_ms, kill_max_ms),
+                data,
+            )
+            .await
+        }
+        Command::ChaosChild {
+            data,
+            sessions,
+            turns,
+        } => {
+            cairn::chaos::run_chaos_child(&data, sessions, turns).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Fsck { data } => {
+            let store = cairn_runtime::store::sled::SledStore::open_existing(&data)
+                .with_context(|| format!("cannot open the store at {}", data.display()))?;
+            let report = cairn_runtime::fsck::fsck(&store).await?;
+            print!("{report}");
+            Ok(if report.is_clean() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
         Command::Resume { data, workdir } => {
             let workdir = workdir_or_cwd(workdir)?;
             let mut host = Host::open(&data, false, workdir)?;
-            let report = host.client.engine().resume().await?;
+            let report = host.client.engine().resume(true).await?;
             if report.running_sessions.is_empty() {
                 println!("nothing to resume");
                 return Ok(ExitCode::SUCCESS);
@@ -262,6 +377,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     String::new()
                 }
             );
+            if report.reclaimed_leases > 0 {
+                println!(
+                    "released {} lease(s) held by the previous process",
+                    report.reclaimed_leases
+                );
+            }
             host.start_workers();
             let mut code = ExitCode::SUCCESS;
             for session_id in &report.running_sessions {
@@ -508,8 +629,65 @@ fn summarize(event: &Event) -> String {
             usage.input_tokens, usage.output_tokens
         ),
         Event::TurnFailed { turn, reason } => format!("turn={turn} {}", one_line(reason, 80)),
+        Event::TurnCancelled { turn, reason } => format!("turn={turn} {}", one_line(reason, 80)),
         Event::SessionCancelled { reason } => one_line(reason, 80),
     }
+}
+
+/// `cairn chaos`: runs the parent of the chaos test in a blocking thread and prints its report.
+async fn chaos(
+    kills: usize,
+    sessions: usize,
+    turns: usize,
+    seed: Option<u64>,
+    kill_after_ms: (u64, u64),
+    data: Option<PathBuf>,
+) -> anyhow::Result<ExitCode> {
+    let data = match data {
+        Some(d) => d,
+        None => tempfile::Builder::new()
+            .prefix("cairn-chaos-")
+            .tempdir()
+            .context("cannot create a temporary directory")?
+            .keep(),
+    };
+    let seed = match seed {
+        Some(seed) => seed,
+        None => chaos_seed(),
+    };
+    let config = cairn::chaos::ChaosConfig {
+        data: data.clone(),
+        sessions,
+        turns_per_session: turns,
+        kills,
+        seed,
+        kill_after_ms,
+    };
+    let exe = std::env::current_exe().context("cannot find this executable")?;
+    println!(
+        "chaos: {sessions} sessions x {turns} turns, {kills} SIGKILLs (most {}-{} ms after the child is ready), seed {seed}, data {}",
+        kill_after_ms.0,
+        kill_after_ms.1,
+        data.display()
+    );
+    let report = tokio::task::spawn_blocking(move || cairn::chaos::run_chaos(&config, &exe))
+        .await
+        .context("the chaos run panicked")??;
+    println!("{report}");
+    Ok(if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+// A seed for a run nobody gave one: the one place the CLI reads the clock for randomness.
+#[allow(clippy::disallowed_methods)]
+fn chaos_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ u64::from(std::process::id()).rotate_left(32)
 }
 
 async fn demo(data: Option<PathBuf>) -> anyhow::Result<ExitCode> {

@@ -304,7 +304,7 @@ async fn a_new_engine_resumes_an_interrupted_turn_from_the_log() {
     }
     let store = Arc::new(SledStore::open_existing(&data).unwrap());
     let host = TestHost::start(store, Arc::new(SystemClock), &files.workdir, fast_workers());
-    let report = host.client.engine().resume().await.unwrap();
+    let report = host.client.engine().resume(false).await.unwrap();
     assert_eq!(report.running_sessions, ["resume-me"]);
     assert_eq!(report.outstanding_tasks, 1);
     assert_eq!(

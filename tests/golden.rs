@@ -58,6 +58,8 @@ fn sample_events() -> Vec<Event> {
         class: ErrorClass::RateLimited,
         message: "slow down".into(),
         usage: Some(usage),
+        phase: None,
+        heartbeat_details: None,
     };
     vec![
         Event::SessionStarted(SessionStarted {
@@ -125,6 +127,8 @@ fn sample_events() -> Vec<Event> {
                 class: ErrorClass::ToolFailed,
                 message: "disk".into(),
                 usage: None,
+                phase: None,
+                heartbeat_details: None,
             },
         },
         Event::TurnCompleted { turn: 1, usage },
@@ -133,6 +137,11 @@ fn sample_events() -> Vec<Event> {
             reason: "max_rounds".into(),
         },
         Event::SessionCancelled {
+            reason: "user".into(),
+        },
+        // Kinds added later go last, so that older kinds keep their seqs in the golden files.
+        Event::TurnCancelled {
+            turn: 3,
             reason: "user".into(),
         },
     ]
@@ -177,7 +186,7 @@ fn every_event_kind_has_golden_bytes_that_decode_and_reencode_identically() {
     let mut expected: Vec<String> = kinds.iter().map(|k| format!("v1-{k}.bin")).collect();
     expected.sort();
     assert_eq!(found, expected);
-    assert_eq!(kinds.len(), 11);
+    assert_eq!(kinds.len(), 12);
 }
 
 #[test]

@@ -3,8 +3,11 @@
 // Tests wait on real time (polling for a lease, child processes); the clock ban is for pure code.
 #![allow(clippy::disallowed_methods)]
 
+mod chaos;
 mod cli;
 mod engine;
+mod faults;
 mod golden;
+mod lifecycle;
 mod store_crash;
 mod support;

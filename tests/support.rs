@@ -47,6 +47,23 @@ impl TestHost {
         }
     }
 
+    /// A host with the given activities (custom tools or model providers).
+    pub fn start_with_activities(
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        activities: Activities,
+        config: WorkerConfig,
+    ) -> TestHost {
+        let engine = Engine::new(store, clock);
+        let tools = activities.tools.clone();
+        let pool = WorkerPool::start(engine.clone(), activities, config);
+        TestHost {
+            client: Client::new(engine),
+            pool: Some(pool),
+            tools,
+        }
+    }
+
     pub fn session_options(&self, script: &Path, session_id: &str) -> SessionOptions {
         let model = cairn_ledger::ModelSpec::parse(&format!("scripted:{}", script.display()))
             .expect("model spec");

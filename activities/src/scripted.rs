@@ -28,6 +28,7 @@
 //!       "stop_reason": "tool_use",
 //!       "usage": {"input_tokens": 10, "output_tokens": 5},
 //!       "delay_ms": 0,
+//!       "jitter_ms": 0,
 //!       "fail_attempts": 0
 //!     }
 //!   ]
@@ -59,6 +60,9 @@
 //!   `cache_write_tokens`, `reasoning_tokens`, each defaulting to 0.
 //! - `delay_ms` (optional, default 0): sleep this long before answering (every attempt), to
 //!   add latency in chaos tests.
+//! - `jitter_ms` (optional, default 0): sleep up to this much longer, a pseudo-random extra in
+//!   `0..=jitter_ms` derived from a hash of `request.context` (session id, turn, round, attempt):
+//!   varied latency across sessions and attempts, yet the same for the same call (no randomness).
 //! - `fail_attempts` (optional, default 0): attempts `1..=fail_attempts` of this response
 //!   (`request.context.attempt`, 1-based) fail with a transient [`Error::Provider`], for retry
 //!   tests.
@@ -76,7 +80,7 @@
 
 use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
-use crate::model::{DeltaSink, ModelProvider, ModelRequest};
+use crate::model::{CallContext, DeltaSink, ModelProvider, ModelRequest};
 use async_trait::async_trait;
 use cairn_ledger::{Delta, ModelResponse, Part, Role, StopReason, ToolUse, Usage};
 use serde::de::IgnoredAny;
@@ -114,6 +118,7 @@ pub struct Script {
 struct Step {
     response: ModelResponse,
     delay: Duration,
+    jitter_ms: u64,
     fail_attempts: u32,
 }
 
@@ -245,9 +250,10 @@ impl ModelProvider for ScriptedProvider {
             script = %script.path,
             "scripted model call"
         );
-        if !step.delay.is_zero() {
+        let delay = step.delay + Duration::from_millis(jitter(&request.context, step.jitter_ms));
+        if !delay.is_zero() {
             tokio::select! {
-                _ = tokio::time::sleep(step.delay) => {}
+                _ = tokio::time::sleep(delay) => {}
                 _ = context.cancelled() => {
                     return Err(Error::Cancelled { reason: "cancelled while waiting for the model".to_owned() });
                 }
@@ -267,6 +273,29 @@ impl ModelProvider for ScriptedProvider {
         stream(&step.response, script.chunk_delay, deltas).await;
         Ok(step.response.clone())
     }
+}
+
+/// The extra latency of a call: a pseudo-random value in `0..=max_ms` from an FNV-1a hash of
+/// the call's context, so it varies across sessions, turns, rounds and attempts but is the same
+/// for the same call in any process.
+fn jitter(context: &CallContext, max_ms: u64) -> u64 {
+    if max_ms == 0 {
+        return 0;
+    }
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |bytes: &[u8]| {
+        for b in bytes {
+            hash ^= u64::from(*b);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    feed(context.session_id.as_bytes());
+    feed(&[0xff]);
+    feed(&context.turn.to_le_bytes());
+    feed(&context.round.to_le_bytes());
+    feed(&context.attempt.to_le_bytes());
+    // FNV's low bits mix poorly; fold the high half in before reducing.
+    (hash ^ (hash >> 32)) % (max_ms + 1)
 }
 
 /// Emits a response's deltas, pausing `chunk_delay` between consecutive ones.
@@ -367,6 +396,8 @@ struct RawResponse<'a> {
     usage: RawUsage,
     #[serde(default)]
     delay_ms: u64,
+    #[serde(default)]
+    jitter_ms: u64,
     #[serde(default)]
     fail_attempts: u32,
 }
@@ -558,6 +589,7 @@ impl<'t> Loader<'t> {
         Ok(Step {
             response: model_response,
             delay: Duration::from_millis(response.delay_ms),
+            jitter_ms: response.jitter_ms,
             fail_attempts: response.fail_attempts,
         })
     }
@@ -1244,6 +1276,72 @@ mod tests {
             started.elapsed() >= Duration::from_millis(60),
             "{:?}",
             started.elapsed()
+        );
+    }
+
+    fn context(session_id: &str, turn: u32, round: u32, attempt: u32) -> CallContext {
+        CallContext {
+            session_id: session_id.into(),
+            turn,
+            round,
+            attempt,
+        }
+    }
+
+    #[test]
+    fn jitter_is_bounded_deterministic_and_varied() {
+        assert_eq!(jitter(&context("s1", 1, 1, 1), 0), 0);
+        let mut seen = std::collections::BTreeSet::new();
+        for s in 0..20 {
+            for turn in 1..4 {
+                for round in 0..3 {
+                    for attempt in 1..3 {
+                        let c = context(&format!("chaos-{s:03}"), turn, round, attempt);
+                        let j = jitter(&c, 50);
+                        assert!(j <= 50, "{c:?}: {j}");
+                        assert_eq!(jitter(&c.clone(), 50), j, "the same call, the same jitter");
+                        seen.insert(j);
+                    }
+                }
+            }
+        }
+        // 360 calls over 51 possible values: a hash that ignored its inputs would give one.
+        assert!(seen.len() > 40, "{seen:?}");
+        // Each field of the context moves it.
+        let base = context("a", 1, 1, 1);
+        for other in [
+            context("b", 1, 1, 1),
+            context("a", 2, 1, 1),
+            context("a", 1, 2, 1),
+            context("a", 1, 1, 2),
+        ] {
+            let differs = (1..=1000).any(|max| jitter(&base, max) != jitter(&other, max));
+            assert!(differs, "{other:?} jitters like {base:?}");
+        }
+    }
+
+    #[tokio::test]
+    #[allow(clippy::disallowed_methods)] // measures the simulated latency
+    async fn jitter_adds_its_share_of_latency() {
+        let text = r#"{"responses": [{"parts": [{"type": "text", "text": "ok"}], "delay_ms": 5, "jitter_ms": 200}]}"#;
+        let provider = ScriptedProvider::from_json(text, "jitter.json").unwrap();
+        // A context whose jitter is large enough to measure.
+        let mut req = request(Transcript::new(), 1);
+        let extra = (1..100)
+            .map(|a| (a, jitter(&context("s1", 1, 1, a), 200)))
+            .find(|(_, j)| *j >= 60)
+            .expect("some attempt jitters by 60 ms or more");
+        req.context.attempt = extra.0;
+        let started = std::time::Instant::now();
+        provider
+            .call(&req, &NoDeltas, &ActivityContext::detached())
+            .await
+            .unwrap();
+        assert!(
+            started.elapsed() >= Duration::from_millis(5 + extra.1),
+            "{:?} < 5 + {} ms",
+            started.elapsed(),
+            extra.1
         );
     }
 

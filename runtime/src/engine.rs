@@ -9,7 +9,7 @@ use crate::event::{ActivityFailure, Event, EventEnvelope, SessionStarted};
 use crate::store::{AppendRequest, Lease, NewTask, SessionStatus, Store, TaskId, TaskKind};
 use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
 use cairn_ledger::{
-    Delta, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, ToolUse, Transcript,
+    Delta, JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, ToolUse, Transcript,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,6 +39,30 @@ pub struct DeltaEvent {
     pub delta: Delta,
 }
 
+/// The time limits of one activity attempt, from its retry policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActivityTimeouts {
+    /// When the attempt was due (epoch ms); schedule-to-start counts from here.
+    pub due_at_ms: u64,
+    /// Fail the attempt when it starts more than this long after it was due.
+    pub schedule_to_start_ms: Option<u64>,
+    /// Fail the attempt when it runs longer than this.
+    pub start_to_close_ms: u64,
+    /// Fail the attempt when it does not heartbeat for this long.
+    pub heartbeat_ms: Option<u64>,
+}
+
+impl ActivityTimeouts {
+    fn of(policy: &crate::event::RetryPolicy, due_at_ms: u64) -> Self {
+        ActivityTimeouts {
+            due_at_ms,
+            schedule_to_start_ms: policy.schedule_to_start_timeout_ms,
+            start_to_close_ms: policy.start_to_close_timeout_ms,
+            heartbeat_ms: policy.heartbeat_timeout_ms,
+        }
+    }
+}
+
 /// What a leased task asks a worker to do.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ActivityInput {
@@ -54,8 +78,10 @@ pub enum ActivityInput {
         transcript: Transcript,
         /// Tools offered.
         tools: Vec<ToolSpec>,
-        /// Start-to-close timeout of one attempt.
-        timeout_ms: u64,
+        /// Time limits.
+        timeouts: ActivityTimeouts,
+        /// Progress the previous attempt heartbeated last.
+        heartbeat_details: Option<JsonText>,
     },
     /// Run a tool.
     Tool {
@@ -65,8 +91,10 @@ pub enum ActivityInput {
         tool_use: ToolUse,
         /// Stable across attempts: `session/tool_use_id`.
         idempotency_key: String,
-        /// Start-to-close timeout of one attempt.
-        timeout_ms: u64,
+        /// Time limits.
+        timeouts: ActivityTimeouts,
+        /// Progress the previous attempt heartbeated last.
+        heartbeat_details: Option<JsonText>,
     },
 }
 
@@ -95,6 +123,8 @@ pub struct ResumeReport {
     pub outstanding_tasks: usize,
     /// Tasks that were missing from the queue and were enqueued again.
     pub requeued_tasks: usize,
+    /// Leases of a previous process released so their tasks run again at once (when asked to).
+    pub reclaimed_leases: usize,
 }
 
 type SessionSlot = Arc<tokio::sync::Mutex<Option<SessionState>>>;
@@ -106,6 +136,7 @@ struct Inner {
     outcomes: Mutex<HashMap<String, watch::Sender<Option<TurnOutcome>>>>,
     tasks_ready: Notify,
     deltas: broadcast::Sender<DeltaEvent>,
+    cancellations: broadcast::Sender<String>,
     id_counter: AtomicU64,
     cache_capacity: usize,
 }
@@ -120,6 +151,7 @@ impl Engine {
     /// An engine over a store, reading time from `clock`.
     pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
         let (deltas, _) = broadcast::channel(4096);
+        let (cancellations, _) = broadcast::channel(1024);
         Engine {
             inner: Arc::new(Inner {
                 store,
@@ -128,6 +160,7 @@ impl Engine {
                 outcomes: Mutex::new(HashMap::new()),
                 tasks_ready: Notify::new(),
                 deltas,
+                cancellations,
                 id_counter: AtomicU64::new(0),
                 cache_capacity: 10_000,
             }),
@@ -208,7 +241,8 @@ impl Engine {
         Ok(turn)
     }
 
-    /// Cancels a session: the running turn's open tool calls are closed with error results.
+    /// Cancels a session: the running turn's open tool calls are closed with error results,
+    /// running activities get a cancellation signal, and the session takes no more turns.
     pub async fn cancel(&self, session_id: &str, reason: &str) -> Result<()> {
         self.submit(
             session_id,
@@ -217,7 +251,44 @@ impl Engine {
             },
             None,
         )
-        .await
+        .await?;
+        let _ = self.inner.cancellations.send(session_id.to_owned());
+        Ok(())
+    }
+
+    /// Cancels the running turn only; returns its number. The session takes further turns.
+    pub async fn cancel_turn(&self, session_id: &str, reason: &str) -> Result<u32> {
+        let turn = {
+            let slot = self.slot(session_id);
+            let mut guard = slot.lock().await;
+            let state = self.loaded(session_id, &mut guard).await?;
+            match &state.active {
+                Some(active) => active.turn,
+                None => {
+                    return Err(Error::InvalidEvent {
+                        session_id: session_id.to_owned(),
+                        seq: state.next_seq,
+                        reason: "no turn is running".to_owned(),
+                    })
+                }
+            }
+        };
+        self.submit(
+            session_id,
+            Event::TurnCancelled {
+                turn,
+                reason: reason.to_owned(),
+            },
+            None,
+        )
+        .await?;
+        let _ = self.inner.cancellations.send(session_id.to_owned());
+        Ok(turn)
+    }
+
+    /// Session ids whose running activities should stop (workers subscribe).
+    pub fn subscribe_cancellations(&self) -> broadcast::Receiver<String> {
+        self.inner.cancellations.subscribe()
     }
 
     /// Waits until turn `turn` has an outcome.
@@ -266,6 +337,8 @@ impl Engine {
                 round,
                 attempt,
                 model,
+                not_before_ms,
+                heartbeat_details,
             }) => Some(ActivityInput::Model {
                 origin: ActivityRef {
                     session_id: session_id.clone(),
@@ -277,12 +350,15 @@ impl Engine {
                 model,
                 transcript: state.transcript.clone(),
                 tools: started.tools.clone(),
-                timeout_ms: started.model_retry.start_to_close_timeout_ms,
+                timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
+                heartbeat_details,
             }),
             Some(ScheduledActivity::Tool {
                 turn,
                 attempt,
                 tool_use,
+                not_before_ms,
+                heartbeat_details,
             }) => Some(ActivityInput::Tool {
                 origin: ActivityRef {
                     session_id: session_id.clone(),
@@ -292,7 +368,8 @@ impl Engine {
                 },
                 idempotency_key: format!("{session_id}/{}", tool_use.id),
                 tool_use,
-                timeout_ms: started.tool_retry.start_to_close_timeout_ms,
+                timeouts: ActivityTimeouts::of(&started.tool_retry, not_before_ms),
+                heartbeat_details,
             }),
             None => None,
         };
@@ -379,6 +456,7 @@ impl Engine {
                     turn,
                     attempt,
                     tool_use,
+                    ..
                 },
                 ActivityReport::ToolCompleted { content, is_error },
             ) => Event::ToolCallCompleted {
@@ -393,6 +471,7 @@ impl Engine {
                     turn,
                     attempt,
                     tool_use,
+                    ..
                 },
                 ActivityReport::Failed(failure),
             ) => Event::ToolCallFailed {
@@ -420,8 +499,17 @@ impl Engine {
     /// Finds every session with a turn in progress, loads it, and makes sure each of its
     /// outstanding activities has a queued task (they normally do: tasks are written with their
     /// events). Expired leases need nothing here: leasing picks them up again.
-    pub async fn resume(&self) -> Result<ResumeReport> {
+    ///
+    /// With `reclaim_leases`, first releases every lease in the store
+    /// ([`Store::release_leases`]), so tasks leased by workers of a dead process run again at
+    /// once rather than when their leases lapse. Only for a store no other process can hold
+    /// leases on (an embedded store the OS locks to this process, like sled); with a shared
+    /// store pass `false` and let leases lapse.
+    pub async fn resume(&self, reclaim_leases: bool) -> Result<ResumeReport> {
         let mut report = ResumeReport::default();
+        if reclaim_leases {
+            report.reclaimed_leases = self.inner.store.release_leases(self.now_ms()).await?;
+        }
         let queued: BTreeSet<TaskId> = self
             .inner
             .store

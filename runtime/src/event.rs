@@ -4,7 +4,7 @@
 //! with named fields, externally tagged enums). Never rename or reuse one; add new fields with
 //! `#[serde(default)]`; bump [`SCHEMA_VERSION`] only with a decoder for the old version.
 
-use cairn_ledger::{ModelResponse, ModelSpec, ToolResultContent, ToolSpec, Usage};
+use cairn_ledger::{JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, Usage};
 use serde::{Deserialize, Serialize};
 
 /// The schema version this code writes. Decoders accept every version up to it.
@@ -141,6 +141,13 @@ pub enum Event {
         /// Why, for people.
         reason: String,
     },
+    /// The running turn was cancelled; the session takes further turns.
+    TurnCancelled {
+        /// Turn number.
+        turn: u32,
+        /// Why, for people.
+        reason: String,
+    },
     /// The session was cancelled; it takes no further turns.
     SessionCancelled {
         /// Why, for people.
@@ -162,6 +169,7 @@ impl Event {
             Event::ToolCallFailed { .. } => "tool_call_failed",
             Event::TurnCompleted { .. } => "turn_completed",
             Event::TurnFailed { .. } => "turn_failed",
+            Event::TurnCancelled { .. } => "turn_cancelled",
             Event::SessionCancelled { .. } => "session_cancelled",
         }
     }
@@ -263,6 +271,38 @@ pub struct ActivityFailure {
     /// Usage the failed attempt consumed, when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// How far a model call got before it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<FailurePhase>,
+    /// The progress details the attempt heartbeated last; the next attempt receives them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat_details: Option<JsonText>,
+}
+
+impl ActivityFailure {
+    /// A failure of `class` with a message and nothing else known.
+    pub fn new(class: ErrorClass, message: impl Into<String>) -> Self {
+        ActivityFailure {
+            class,
+            message: message.into(),
+            usage: None,
+            phase: None,
+            heartbeat_details: None,
+        }
+    }
+}
+
+/// How far an attempt got before it failed: LLM calls are retried differently once output
+/// started streaming, and a response that arrived but failed validation is its own case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailurePhase {
+    /// Nothing was received: connection, request or early provider errors.
+    BeforeStream,
+    /// Output had started streaming when the attempt failed.
+    Streaming,
+    /// A complete response arrived but failed validation; it was not committed.
+    Validation,
 }
 
 /// When and how often an activity is retried.
@@ -280,6 +320,15 @@ pub struct RetryPolicy {
     pub non_retryable: Vec<ErrorClass>,
     /// How long one attempt may run before it is failed as timed out.
     pub start_to_close_timeout_ms: u64,
+    /// How long a scheduled attempt may wait for a worker before it is failed as timed out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule_to_start_timeout_ms: Option<u64>,
+    /// The overall deadline of all attempts, from the first schedule: no retry starts after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule_to_close_timeout_ms: Option<u64>,
+    /// A running attempt that does not heartbeat for this long is failed as timed out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat_timeout_ms: Option<u64>,
 }
 
 impl RetryPolicy {
@@ -296,6 +345,9 @@ impl RetryPolicy {
                 ErrorClass::Cancelled,
             ],
             start_to_close_timeout_ms: 600_000,
+            schedule_to_start_timeout_ms: None,
+            schedule_to_close_timeout_ms: None,
+            heartbeat_timeout_ms: None,
         }
     }
 
@@ -312,7 +364,34 @@ impl RetryPolicy {
                 ErrorClass::Cancelled,
             ],
             start_to_close_timeout_ms: 300_000,
+            schedule_to_start_timeout_ms: None,
+            schedule_to_close_timeout_ms: None,
+            heartbeat_timeout_ms: None,
         }
+    }
+
+    /// The retry decision after a failure at `now_ms` of an activity first scheduled at
+    /// `first_scheduled_ms`: the next attempt's start time, or why the failure is final.
+    /// Pure: the same inputs give the same answer on every replay.
+    pub fn decide(
+        &self,
+        failed_attempt: u32,
+        class: ErrorClass,
+        first_scheduled_ms: u64,
+        now_ms: u64,
+    ) -> Result<u64, String> {
+        let Some(delay) = self.next_delay_ms(failed_attempt, class) else {
+            return Err(format!("after {failed_attempt} attempt(s)"));
+        };
+        let next_start = now_ms.saturating_add(delay);
+        if let Some(limit) = self.schedule_to_close_timeout_ms {
+            if next_start > first_scheduled_ms.saturating_add(limit) {
+                return Err(format!(
+                    "after {failed_attempt} attempt(s) (its {limit} ms schedule-to-close deadline leaves no time for another)"
+                ));
+            }
+        }
+        Ok(next_start)
     }
 
     /// The delay before attempt `failed_attempt + 1`, or `None` when the failure is final.
@@ -348,6 +427,9 @@ mod tests {
             maximum_attempts: 4,
             non_retryable: vec![ErrorClass::InvalidRequest],
             start_to_close_timeout_ms: 1000,
+            schedule_to_start_timeout_ms: None,
+            schedule_to_close_timeout_ms: None,
+            heartbeat_timeout_ms: None,
         };
         assert_eq!(p.next_delay_ms(1, ErrorClass::Transient), Some(100));
         assert_eq!(p.next_delay_ms(2, ErrorClass::Transient), Some(200));

@@ -7,20 +7,27 @@ pub mod codec;
 pub mod engine;
 pub mod error;
 pub mod event;
+pub mod fsck;
 pub mod replay;
 pub mod store;
 pub mod workflow;
 
 #[cfg(test)]
+mod codec_props;
+#[cfg(test)]
+mod workflow_props;
+#[cfg(test)]
 mod workflow_tests;
 
 pub use client::{Client, SessionOptions};
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use engine::{ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, ResumeReport};
+pub use engine::{
+    ActivityInput, ActivityRef, ActivityReport, ActivityTimeouts, DeltaEvent, Engine, ResumeReport,
+};
 pub use error::{Error, Result};
 pub use event::{
-    ActivityFailure, ErrorClass, Event, EventEnvelope, Limits, RetryPolicy, SessionStarted,
-    SCHEMA_VERSION,
+    ActivityFailure, ErrorClass, Event, EventEnvelope, FailurePhase, Limits, RetryPolicy,
+    SessionStarted, SCHEMA_VERSION,
 };
 pub use replay::{replay, Replay};
 pub use store::memory::MemoryStore;

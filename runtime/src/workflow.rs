@@ -8,6 +8,7 @@
 
 use crate::error::{Error, Result};
 use crate::event::{ActivityFailure, Event, EventEnvelope, RetryPolicy, SessionStarted};
+use cairn_ledger::JsonText;
 use cairn_ledger::{
     validate_response, ModelResponse, ModelSpec, Part, StopReason, ToolResult, ToolResultContent,
     ToolUse, Transcript, Usage,
@@ -135,6 +136,12 @@ pub struct ModelSlot {
     pub attempt: u32,
     /// Seq of the `ModelCallScheduled` event, once recorded; the task is keyed by it.
     pub scheduled_seq: Option<u64>,
+    /// When the current attempt is due.
+    pub not_before_ms: u64,
+    /// When the first attempt was scheduled (the schedule-to-close deadline counts from it).
+    pub first_scheduled_ms: u64,
+    /// Progress details the previous attempt heartbeated last.
+    pub heartbeat_details: Option<JsonText>,
 }
 
 /// Where one tool call stands.
@@ -148,6 +155,12 @@ pub enum ToolSlotState {
         attempt: u32,
         /// Seq of the `ToolCallScheduled` event, once recorded.
         scheduled_seq: Option<u64>,
+        /// When the current attempt is due.
+        not_before_ms: u64,
+        /// When the first attempt was scheduled.
+        first_scheduled_ms: u64,
+        /// Progress details the previous attempt heartbeated last.
+        heartbeat_details: Option<JsonText>,
     },
     /// Answered.
     Done(ToolResult),
@@ -201,6 +214,10 @@ pub enum ScheduledActivity {
         attempt: u32,
         /// The model.
         model: ModelSpec,
+        /// When the attempt was due.
+        not_before_ms: u64,
+        /// Details the previous attempt heartbeated last.
+        heartbeat_details: Option<JsonText>,
     },
     /// A tool call.
     Tool {
@@ -210,6 +227,10 @@ pub enum ScheduledActivity {
         attempt: u32,
         /// The call.
         tool_use: ToolUse,
+        /// When the attempt was due.
+        not_before_ms: u64,
+        /// Details the previous attempt heartbeated last.
+        heartbeat_details: Option<JsonText>,
     },
 }
 
@@ -297,16 +318,23 @@ impl SessionState {
                     round: active.round,
                     attempt: slot.attempt,
                     model: active.model.clone(),
+                    not_before_ms: slot.not_before_ms,
+                    heartbeat_details: slot.heartbeat_details.clone(),
                 })
             }
-            Phase::Tools(slots) => slots.iter().find_map(|slot| match slot.state {
+            Phase::Tools(slots) => slots.iter().find_map(|slot| match &slot.state {
                 ToolSlotState::Scheduled {
                     attempt,
                     scheduled_seq: Some(seq),
-                } if seq == scheduled_seq => Some(ScheduledActivity::Tool {
+                    not_before_ms,
+                    heartbeat_details,
+                    ..
+                } if *seq == scheduled_seq => Some(ScheduledActivity::Tool {
                     turn: active.turn,
-                    attempt,
+                    attempt: *attempt,
                     tool_use: slot.tool_use.clone(),
+                    not_before_ms: *not_before_ms,
+                    heartbeat_details: heartbeat_details.clone(),
                 }),
                 _ => None,
             }),
@@ -492,6 +520,9 @@ impl SessionState {
                     phase: Phase::Model(ModelSlot {
                         attempt: 1,
                         scheduled_seq: None,
+                        not_before_ms: now,
+                        first_scheduled_ms: now,
+                        heartbeat_details: None,
                     }),
                     usage: Usage::default(),
                 });
@@ -555,23 +586,29 @@ impl SessionState {
             } => {
                 self.check_tool_slot(seq, *turn, tool_use_id, *attempt)?;
                 let policy = self.started_ref()?.tool_retry.clone();
-                match policy.next_delay_ms(*attempt, failure.class) {
-                    Some(delay) => {
+                let first_scheduled_ms = self.tool_first_scheduled(tool_use_id);
+                match policy.decide(*attempt, failure.class, first_scheduled_ms, now) {
+                    Ok(next_start) => {
                         let turn = *turn;
-                        let name = self.set_tool_attempt(tool_use_id, attempt + 1);
+                        let name = self.set_tool_attempt(
+                            tool_use_id,
+                            attempt + 1,
+                            next_start,
+                            failure.heartbeat_details.clone(),
+                        );
                         Ok(vec![Command::ScheduleToolCall {
                             turn,
                             tool_use_id: tool_use_id.clone(),
                             name,
                             attempt: attempt + 1,
-                            not_before_ms: now.saturating_add(delay),
+                            not_before_ms: next_start,
                         }])
                     }
-                    None => {
+                    Err(why) => {
                         let result = ToolResult {
                             tool_use_id: tool_use_id.clone(),
                             content: ToolResultContent::Text(format!(
-                                "tool failed after {attempt} attempt(s): {}: {}",
+                                "tool failed {why}: {}: {}",
                                 failure.class.as_str(),
                                 failure.message
                             )),
@@ -580,6 +617,19 @@ impl SessionState {
                         Ok(self.on_tool_done(now, tool_use_id, result))
                     }
                 }
+            }
+            Event::TurnCancelled { turn, reason } => {
+                match &self.active {
+                    Some(active) if active.turn == *turn => {}
+                    _ => return Err(self.invalid(seq, format!("turn {turn} is not running"))),
+                }
+                self.close_open_tool_uses(&format!("cancelled: {reason}"));
+                self.last_outcome = Some(TurnOutcome::Cancelled {
+                    turn: *turn,
+                    reason: reason.clone(),
+                });
+                self.active = None;
+                Ok(Vec::new())
             }
             Event::SessionCancelled { reason } => {
                 if self.cancelled {
@@ -637,7 +687,7 @@ impl SessionState {
             Some(a) if a.turn == turn => match &a.phase {
                 Phase::Tools(slots) => slots.iter().any(|s| {
                     s.tool_use.id == tool_use_id
-                        && matches!(s.state, ToolSlotState::Scheduled { attempt: a, scheduled_seq: Some(_) } if a == attempt)
+                        && matches!(s.state, ToolSlotState::Scheduled { attempt: a, scheduled_seq: Some(_), .. } if a == attempt)
                 }),
                 _ => false,
             },
@@ -712,6 +762,9 @@ impl SessionState {
                     ToolSlotState::Scheduled {
                         attempt: 1,
                         scheduled_seq: None,
+                        not_before_ms: now,
+                        first_scheduled_ms: now,
+                        heartbeat_details: None,
                     }
                 }
             };
@@ -747,25 +800,32 @@ impl SessionState {
             self.usage.add(usage);
         }
         let turn = active.turn;
-        match policy.next_delay_ms(attempt, failure.class) {
-            Some(delay) => {
+        let first_scheduled_ms = match &active.phase {
+            Phase::Model(slot) => slot.first_scheduled_ms,
+            _ => now,
+        };
+        match policy.decide(attempt, failure.class, first_scheduled_ms, now) {
+            Ok(next_start) => {
                 active.phase = Phase::Model(ModelSlot {
                     attempt: attempt + 1,
                     scheduled_seq: None,
+                    not_before_ms: next_start,
+                    first_scheduled_ms,
+                    heartbeat_details: failure.heartbeat_details.clone(),
                 });
                 vec![Command::ScheduleModelCall {
                     turn,
                     round: active.round,
                     attempt: attempt + 1,
-                    not_before_ms: now.saturating_add(delay),
+                    not_before_ms: next_start,
                 }]
             }
-            None => {
+            Err(why) => {
                 active.phase = Phase::Ending;
                 vec![Command::FailTurn {
                     turn,
                     reason: format!(
-                        "model call failed after {attempt} attempt(s): {}: {}",
+                        "model call failed {why}: {}: {}",
                         failure.class.as_str(),
                         failure.message
                     ),
@@ -774,7 +834,34 @@ impl SessionState {
         }
     }
 
-    fn set_tool_attempt(&mut self, tool_use_id: &str, attempt: u32) -> String {
+    fn tool_first_scheduled(&self, tool_use_id: &str) -> u64 {
+        if let Some(ActiveTurn {
+            phase: Phase::Tools(slots),
+            ..
+        }) = self.active.as_ref()
+        {
+            for slot in slots {
+                if let (
+                    true,
+                    ToolSlotState::Scheduled {
+                        first_scheduled_ms, ..
+                    },
+                ) = (slot.tool_use.id == tool_use_id, &slot.state)
+                {
+                    return *first_scheduled_ms;
+                }
+            }
+        }
+        0
+    }
+
+    fn set_tool_attempt(
+        &mut self,
+        tool_use_id: &str,
+        attempt: u32,
+        not_before_ms: u64,
+        heartbeat_details: Option<JsonText>,
+    ) -> String {
         if let Some(ActiveTurn {
             phase: Phase::Tools(slots),
             ..
@@ -782,9 +869,18 @@ impl SessionState {
         {
             for slot in slots.iter_mut() {
                 if slot.tool_use.id == tool_use_id {
+                    let first_scheduled_ms = match slot.state {
+                        ToolSlotState::Scheduled {
+                            first_scheduled_ms, ..
+                        } => first_scheduled_ms,
+                        _ => not_before_ms,
+                    };
                     slot.state = ToolSlotState::Scheduled {
                         attempt,
                         scheduled_seq: None,
+                        not_before_ms,
+                        first_scheduled_ms,
+                        heartbeat_details,
                     };
                     return slot.tool_use.name.clone();
                 }
@@ -847,6 +943,9 @@ impl SessionState {
         active.phase = Phase::Model(ModelSlot {
             attempt: 1,
             scheduled_seq: None,
+            not_before_ms: now,
+            first_scheduled_ms: now,
+            heartbeat_details: None,
         });
         vec![Command::ScheduleModelCall {
             turn,

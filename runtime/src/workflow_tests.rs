@@ -85,6 +85,7 @@ fn started(max_rounds: u32) -> SessionStarted {
             maximum_attempts: 2,
             non_retryable: vec![ErrorClass::InvalidRequest],
             start_to_close_timeout_ms: 5000,
+            ..RetryPolicy::model_default()
         },
         tool_retry: RetryPolicy {
             maximum_attempts: 2,
@@ -156,11 +157,7 @@ fn tool_done(turn: u32, id: &str, attempt: u32, content: &str) -> Event {
 }
 
 fn failed(class: ErrorClass) -> ActivityFailure {
-    ActivityFailure {
-        class,
-        message: "boom".into(),
-        usage: None,
-    }
+    ActivityFailure::new(class, "boom")
 }
 
 #[test]
@@ -579,4 +576,113 @@ fn replaying_a_history_the_code_would_not_produce_names_the_event() {
         replay(SID, &extra),
         Err(Error::Nondeterminism { seq: 7, .. })
     ));
+}
+
+#[test]
+fn a_cancelled_turn_closes_open_calls_and_the_session_goes_on() {
+    let mut live = Live::new(started(8));
+    live.input(user(1, "go"));
+    live.input(model_done(
+        1,
+        0,
+        1,
+        response(vec![tool_use("a", "calculator", "{}")], StopReason::ToolUse),
+    ));
+    assert!(live
+        .try_input(Event::TurnCancelled {
+            turn: 2,
+            reason: "x".into()
+        })
+        .is_err());
+    assert!(live
+        .input(Event::TurnCancelled {
+            turn: 1,
+            reason: "stop".into()
+        })
+        .is_empty());
+    assert_eq!(
+        live.state.last_outcome,
+        Some(TurnOutcome::Cancelled {
+            turn: 1,
+            reason: "stop".into()
+        })
+    );
+    assert!(!live.state.cancelled);
+    // The late result of the cancelled call is rejected.
+    assert!(live.try_input(tool_done(1, "a", 1, "1")).is_err());
+    live.input(user(2, "next"));
+    live.input(model_done(
+        2,
+        0,
+        1,
+        response(vec![text("ok")], StopReason::EndTurn),
+    ));
+    live.check_replay();
+}
+
+#[test]
+fn retries_carry_heartbeat_details_and_stop_at_the_schedule_to_close_deadline() {
+    let mut s = started(8);
+    s.tool_retry = RetryPolicy {
+        initial_interval_ms: 100,
+        backoff_coefficient: 1.0,
+        maximum_interval_ms: 100,
+        maximum_attempts: 0,
+        non_retryable: vec![],
+        start_to_close_timeout_ms: 1000,
+        schedule_to_start_timeout_ms: None,
+        schedule_to_close_timeout_ms: Some(150),
+        heartbeat_timeout_ms: Some(50),
+    };
+    let mut live = Live::new(s);
+    live.input(user(1, "go"));
+    live.input(model_done(
+        1,
+        0,
+        1,
+        response(vec![tool_use("a", "calculator", "{}")], StopReason::ToolUse),
+    ));
+    let scheduled_at = live.now;
+    let mut failure = ActivityFailure::new(ErrorClass::Timeout, "heartbeat timeout");
+    failure.heartbeat_details = Some(JsonText::parse(r#"{"step":3}"#).unwrap());
+    let c = live.input(Event::ToolCallFailed {
+        turn: 1,
+        tool_use_id: "a".into(),
+        attempt: 1,
+        failure,
+    });
+    assert!(
+        matches!(&c[..], [Command::ScheduleToolCall { attempt: 2, not_before_ms, .. }] if *not_before_ms == live.now + 100)
+    );
+    // The next attempt is handed the details.
+    let seq = live.events.last().unwrap().seq;
+    match live.state.scheduled_activity(seq) {
+        Some(crate::workflow::ScheduledActivity::Tool {
+            heartbeat_details, ..
+        }) => assert_eq!(heartbeat_details.unwrap().as_str(), r#"{"step":3}"#),
+        other => panic!("{other:?}"),
+    }
+    // Attempt 2 fails 120 ms after the first schedule: a retry would start past the deadline.
+    live.now = scheduled_at + 110;
+    let c = live.input(Event::ToolCallFailed {
+        turn: 1,
+        tool_use_id: "a".into(),
+        attempt: 2,
+        failure: failed(ErrorClass::Transient),
+    });
+    assert!(matches!(c[..], [Command::ScheduleModelCall { .. }]));
+    let Part::ToolResult(r) = &live.state.transcript.messages.last().unwrap().parts[0] else {
+        panic!()
+    };
+    assert!(
+        matches!(&r.content, ToolResultContent::Text(t) if t.contains("150 ms schedule-to-close deadline")),
+        "{r:?}"
+    );
+    live.input(model_done(
+        1,
+        1,
+        1,
+        response(vec![text("ok")], StopReason::EndTurn),
+    ));
+    live.check_replay();
 }

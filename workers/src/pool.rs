@@ -4,15 +4,19 @@ use crate::models::ModelResolver;
 use cairn_activities::{
     ActivityContext, CallContext, DeltaSink, ErrorKind, ModelRequest, ToolCall, ToolRegistry,
 };
-use cairn_ledger::{validate_response, validate_transcript, Delta};
+use cairn_ledger::{validate_response, validate_transcript, Delta, JsonText};
 use cairn_runtime::{
     ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, ErrorClass,
-    Lease,
+    FailurePhase, Lease,
 };
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::Duration;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, info_span, warn, Instrument};
 
 /// Pool settings.
@@ -70,6 +74,42 @@ impl WorkerPool {
     }
 }
 
+/// Running activities by session, so that a session's cancellation reaches them.
+#[derive(Default)]
+struct Running {
+    next_id: u64,
+    by_id: HashMap<u64, (String, CancellationToken)>,
+}
+
+type RunningRegistry = Arc<Mutex<Running>>;
+
+fn lock(running: &RunningRegistry) -> std::sync::MutexGuard<'_, Running> {
+    running
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Forwards the engine's cancellations to the tokens of that session's running activities.
+/// It runs until the pool has drained, so cancellations reach activities during shutdown too.
+async fn cancellation_listener(
+    mut cancellations: tokio::sync::broadcast::Receiver<String>,
+    running: RunningRegistry,
+) {
+    loop {
+        match cancellations.recv().await {
+            Ok(session_id) => {
+                for (session, token) in lock(&running).by_id.values() {
+                    if *session == session_id {
+                        token.cancel();
+                    }
+                }
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+        }
+    }
+}
+
 async fn lease_loop(
     engine: Engine,
     activities: Activities,
@@ -78,6 +118,11 @@ async fn lease_loop(
 ) {
     let permits = Arc::new(Semaphore::new(config.concurrency.max(1)));
     let mut running = JoinSet::new();
+    let registry: RunningRegistry = Arc::default();
+    let listener = tokio::spawn(cancellation_listener(
+        engine.subscribe_cancellations(),
+        registry.clone(),
+    ));
     let poll = Duration::from_millis(config.poll_interval_ms.max(1));
     loop {
         if *stop.borrow() {
@@ -121,18 +166,29 @@ async fn lease_loop(
             };
             let engine = engine.clone();
             let activities = activities.clone();
+            let registry = registry.clone();
             let lease_ms = config.lease_ms;
             running.spawn(async move {
-                run_task(&engine, &activities, lease, lease_ms).await;
+                run_task(&engine, &activities, &registry, lease, lease_ms).await;
                 drop(permit);
             });
         }
     }
     // Drain: let every running activity finish and report.
     while running.join_next().await.is_some() {}
+    listener.abort();
 }
 
-async fn run_task(engine: &Engine, activities: &Activities, lease: Lease, lease_ms: u64) {
+/// How long a cancelled activity may take to stop by itself before it is abandoned.
+const CANCEL_GRACE: Duration = Duration::from_secs(5);
+
+async fn run_task(
+    engine: &Engine,
+    activities: &Activities,
+    registry: &RunningRegistry,
+    lease: Lease,
+    lease_ms: u64,
+) {
     let input = match engine.activity(&lease).await {
         Ok(Some(input)) => input,
         Ok(None) => {
@@ -144,8 +200,13 @@ async fn run_task(engine: &Engine, activities: &Activities, lease: Lease, lease_
             return;
         }
     };
-    let origin = match &input {
-        ActivityInput::Model { origin, .. } | ActivityInput::Tool { origin, .. } => origin.clone(),
+    let (origin, timeouts) = match &input {
+        ActivityInput::Model {
+            origin, timeouts, ..
+        }
+        | ActivityInput::Tool {
+            origin, timeouts, ..
+        } => (origin.clone(), *timeouts),
     };
     let span = info_span!(
         "activity",
@@ -156,42 +217,126 @@ async fn run_task(engine: &Engine, activities: &Activities, lease: Lease, lease_
         lease_attempt = lease.lease_attempt
     );
     async {
-        let work = run_activity(engine, activities, input);
+        // Schedule-to-start: an attempt that waited too long for a worker is not started.
+        if let Some(limit) = timeouts.schedule_to_start_ms {
+            let waited = engine.now_ms().saturating_sub(timeouts.due_at_ms);
+            if waited > limit {
+                let report = failure(
+                    ErrorClass::Timeout,
+                    format!("schedule-to-start timeout: started {waited} ms after it was due (limit {limit} ms)"),
+                );
+                finish(engine, &lease, report).await;
+                return;
+            }
+        }
+        let token = CancellationToken::new();
+        let id = {
+            let mut running = lock(registry);
+            running.next_id += 1;
+            let id = running.next_id;
+            running
+                .by_id
+                .insert(id, (origin.session_id.clone(), token.clone()));
+            id
+        };
+        let beats = Arc::new(Mutex::new(Heartbeats {
+            last: tokio::time::Instant::now(),
+            details: None,
+        }));
+        let beats_in = beats.clone();
+        let previous = match &input {
+            ActivityInput::Model {
+                heartbeat_details, ..
+            }
+            | ActivityInput::Tool {
+                heartbeat_details, ..
+            } => heartbeat_details.clone(),
+        };
+        let context = ActivityContext::new(origin.attempt, previous, token.clone(), move |details| {
+            let mut b = beats_in.lock().unwrap_or_else(|p| p.into_inner());
+            b.last = tokio::time::Instant::now();
+            if details.is_some() {
+                b.details = details;
+            }
+        });
+        let work = run_activity(engine, activities, input, &context);
         tokio::pin!(work);
-        let heartbeat_every = Duration::from_millis((lease_ms / 3).max(1));
+        let renew_every = Duration::from_millis((lease_ms / 3).max(1));
+        let check_every = match timeouts.heartbeat_ms {
+            Some(ms) => Duration::from_millis((ms / 4).max(1)).min(renew_every),
+            None => renew_every,
+        };
+        let mut next_renewal = tokio::time::Instant::now() + renew_every;
+        let mut cancelled_at = None;
+        let mut lease_lost = false;
         let report = loop {
             tokio::select! {
-                report = &mut work => break Some(report),
-                _ = tokio::time::sleep(heartbeat_every) => {
-                    let extended = engine
-                        .store()
-                        .extend_lease(&lease.id, lease.lease_attempt, engine.now_ms(), lease_ms)
-                        .await;
-                    if let Err(e) = extended {
-                        // Another worker owns the task now; stop and let it run.
-                        warn!(error = %e, "lease lost while running; abandoning the attempt");
-                        break None;
+                report = &mut work => break (!lease_lost).then_some(report),
+                _ = tokio::time::sleep(check_every) => {
+                    let now = tokio::time::Instant::now();
+                    if let (Some(limit), None) = (timeouts.heartbeat_ms, cancelled_at) {
+                        let (last, details) = {
+                            let b = beats.lock().unwrap_or_else(|p| p.into_inner());
+                            (b.last, b.details.clone())
+                        };
+                        if now.duration_since(last) > Duration::from_millis(limit) {
+                            token.cancel();
+                            let mut report = ActivityFailure::new(
+                                ErrorClass::Timeout,
+                                format!("heartbeat timeout: no heartbeat for {limit} ms"),
+                            );
+                            report.heartbeat_details = details;
+                            break Some(ActivityReport::Failed(report));
+                        }
+                    }
+                    if token.is_cancelled() {
+                        let since = *cancelled_at.get_or_insert(now);
+                        if now.duration_since(since) > CANCEL_GRACE {
+                            warn!("cancelled activity did not stop within its grace period; abandoned");
+                            break (!lease_lost).then(|| failure(ErrorClass::Cancelled, "cancelled"));
+                        }
+                    }
+                    if now >= next_renewal && !lease_lost {
+                        next_renewal = now + renew_every;
+                        let extended = engine
+                            .store()
+                            .extend_lease(&lease.id, lease.lease_attempt, engine.now_ms(), lease_ms)
+                            .await;
+                        if let Err(e) = extended {
+                            // The task was cancelled, or another worker owns it now: ask the
+                            // activity to stop, and report nothing.
+                            debug!(error = %e, "lease lost while running; cancelling the attempt");
+                            lease_lost = true;
+                            token.cancel();
+                        }
                     }
                 }
             }
         };
-        let Some(report) = report else { return };
-        match engine.report(&lease, report).await {
-            Ok(()) => {}
-            Err(e) if e.is_stale_report() => debug!(error = %e, "stale report dropped"),
-            Err(e) => warn!(error = %e, "reporting the result failed; the task will run again"),
+        lock(registry).by_id.remove(&id);
+        if let Some(report) = report {
+            finish(engine, &lease, report).await;
         }
     }
     .instrument(span)
     .await
 }
 
+struct Heartbeats {
+    last: tokio::time::Instant,
+    details: Option<JsonText>,
+}
+
+async fn finish(engine: &Engine, lease: &Lease, report: ActivityReport) {
+    match engine.report(lease, report).await {
+        Ok(()) => {}
+        Err(e) if e.is_stale_report() => debug!(error = %e, "stale report dropped"),
+        Err(e) => warn!(error = %e, "reporting the result failed; the task will run again"),
+    }
+}
+
 fn failure(class: ErrorClass, message: impl Into<String>) -> ActivityReport {
-    ActivityReport::Failed(ActivityFailure {
-        class,
-        message: message.into(),
-        usage: None,
-    })
+    ActivityReport::Failed(ActivityFailure::new(class, message))
 }
 
 /// Maps an activity error kind onto the runtime's persisted error class.
@@ -210,13 +355,19 @@ pub(crate) fn class_of(kind: ErrorKind) -> ErrorClass {
     }
 }
 
+/// Publishes a model call's deltas, and remembers whether any arrived (the failure phase).
 struct EngineDeltas<'a> {
     engine: &'a Engine,
     origin: ActivityRef,
+    streamed: AtomicBool,
+    context: &'a ActivityContext,
 }
 
 impl DeltaSink for EngineDeltas<'_> {
     fn delta(&self, delta: Delta) {
+        self.streamed.store(true, Ordering::Relaxed);
+        // A streaming model is alive: deltas count as heartbeats.
+        self.context.heartbeat(None);
         self.engine.publish_delta(DeltaEvent {
             origin: self.origin.clone(),
             delta,
@@ -228,6 +379,7 @@ async fn run_activity(
     engine: &Engine,
     activities: &Activities,
     input: ActivityInput,
+    context: &ActivityContext,
 ) -> ActivityReport {
     match input {
         ActivityInput::Model {
@@ -236,7 +388,8 @@ async fn run_activity(
             model,
             transcript,
             tools,
-            timeout_ms,
+            timeouts,
+            ..
         } => {
             if let Err(e) = validate_transcript(&transcript) {
                 return failure(
@@ -259,29 +412,44 @@ async fn run_activity(
                 transcript,
                 tools,
             };
-            let sink = EngineDeltas { engine, origin };
-            let context = ActivityContext::detached();
-            let call = provider.call(&request, &sink, &context);
-            match tokio::time::timeout(Duration::from_millis(timeout_ms), call).await {
+            let sink = EngineDeltas {
+                engine,
+                origin,
+                streamed: AtomicBool::new(false),
+                context,
+            };
+            let call = provider.call(&request, &sink, context);
+            let limit = timeouts.start_to_close_ms;
+            let outcome = tokio::time::timeout(Duration::from_millis(limit), call).await;
+            let phase = if sink.streamed.load(Ordering::Relaxed) {
+                FailurePhase::Streaming
+            } else {
+                FailurePhase::BeforeStream
+            };
+            let mut failed = match outcome {
                 Ok(Ok(response)) => match validate_response(&response) {
-                    Ok(()) => ActivityReport::ModelCompleted(response),
-                    Err(e) => ActivityReport::Failed(ActivityFailure {
-                        class: ErrorClass::InvalidResponse,
-                        message: e.to_string(),
-                        usage: Some(response.usage),
-                    }),
+                    Ok(()) => return ActivityReport::ModelCompleted(response),
+                    Err(e) => {
+                        let mut f =
+                            ActivityFailure::new(ErrorClass::InvalidResponse, e.to_string());
+                        f.usage = Some(response.usage);
+                        f.phase = Some(FailurePhase::Validation);
+                        return ActivityReport::Failed(f);
+                    }
                 },
-                Ok(Err(e)) => failure(class_of(e.kind()), e.to_string()),
-                Err(_) => failure(
+                Ok(Err(e)) => ActivityFailure::new(class_of(e.kind()), e.to_string()),
+                Err(_) => ActivityFailure::new(
                     ErrorClass::Timeout,
-                    format!("model call exceeded its start-to-close timeout of {timeout_ms} ms"),
+                    format!("model call exceeded its start-to-close timeout of {limit} ms"),
                 ),
-            }
+            };
+            failed.phase = Some(phase);
+            ActivityReport::Failed(failed)
         }
         ActivityInput::Tool {
             tool_use,
             idempotency_key,
-            timeout_ms,
+            timeouts,
             ..
         } => {
             let Some(tool) = activities.tools.get(&tool_use.name) else {
@@ -296,11 +464,9 @@ async fn run_activity(
                 arguments: tool_use.arguments,
                 idempotency_key,
             };
-            match tokio::time::timeout(
-                Duration::from_millis(timeout_ms),
-                tool.call(&call, &ActivityContext::detached()),
-            )
-            .await
+            let limit = timeouts.start_to_close_ms;
+            match tokio::time::timeout(Duration::from_millis(limit), tool.call(&call, context))
+                .await
             {
                 Ok(Ok(output)) => ActivityReport::ToolCompleted {
                     content: output.content,
@@ -309,7 +475,7 @@ async fn run_activity(
                 Ok(Err(e)) => failure(class_of(e.kind()), e.to_string()),
                 Err(_) => failure(
                     ErrorClass::Timeout,
-                    format!("tool call exceeded its start-to-close timeout of {timeout_ms} ms"),
+                    format!("tool call exceeded its start-to-close timeout of {limit} ms"),
                 ),
             }
         }

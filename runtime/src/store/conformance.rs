@@ -38,6 +38,7 @@ pub async fn run_all<S: Store>(
     complete_after_expiry_is_lost(&fresh()).await;
     cancel_removes_tasks(&fresh()).await;
     extend_lease(&fresh()).await;
+    release_leases_keeps_attempts(&fresh()).await;
     concurrent_appends(Arc::new(fresh())).await;
     if let Some(reopen) = reopen {
         reopen_keeps_everything(fresh(), reopen).await;
@@ -169,11 +170,10 @@ pub async fn append_read_round_trip(store: &dyn Store) {
                 turn: 1,
                 round: 0,
                 attempt: 1,
-                failure: crate::event::ActivityFailure {
-                    class: ErrorClass::Transient,
-                    message: "connection reset".to_owned(),
-                    usage: None,
-                },
+                failure: crate::event::ActivityFailure::new(
+                    ErrorClass::Transient,
+                    "connection reset",
+                ),
             },
         ),
     ];
@@ -997,6 +997,96 @@ pub async fn concurrent_appends(store: Arc<dyn Store>) {
     );
 }
 
+/// `release_leases` makes leased tasks leasable now, keeps their lease attempts (so the next
+/// lease bumps them and the released leases are fenced off), and leaves tasks that are not
+/// leased (waiting for a backoff, or due) and lapsed leases alone.
+pub async fn release_leases_keeps_attempts(store: &dyn Store) {
+    let s = "release";
+    let (a, b, c, d) = (task_id(s, 1), task_id(s, 2), task_id(s, 3), task_id(s, 4));
+    let mut request = append_request(s, 1, (1..=4).map(|seq| message(s, seq, "x")).collect(), 10);
+    request.enqueue = vec![
+        new_task(&a, TaskKind::Model, 0),
+        new_task(&b, TaskKind::Tool, 0),
+        new_task(&c, TaskKind::Tool, 5_000),
+        new_task(&d, TaskKind::Tool, 0),
+    ];
+    must_append(store, request, "enqueueing four tasks").await;
+    assert_eq!(
+        store.release_leases(50).await.ok(),
+        Some(0),
+        "nothing is leased yet: nothing to release"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 100, 50, 1).await),
+        vec![(a.clone(), 1, 150)],
+        "a is leased first and will lapse at 150"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 200, 1_000, 10).await),
+        vec![
+            (b.clone(), 1, 1_200),
+            (d.clone(), 1, 1_200),
+            (a.clone(), 2, 1_200)
+        ],
+        "after a's lapse, b, d and a (oldest first) are leased until 1200"
+    );
+    match store.release_leases(300).await {
+        Ok(3) => {}
+        other => panic!("release_leases(300) must release a, b and d, got {other:?}"),
+    }
+    let listed: Vec<(TaskId, u64, u32)> = tasks(store)
+        .await
+        .into_iter()
+        .map(|t| (t.id, t.visible_at_ms, t.lease_attempt))
+        .collect();
+    assert_eq!(
+        listed,
+        vec![
+            (a.clone(), 300, 2),
+            (b.clone(), 300, 1),
+            (c.clone(), 5_000, 0),
+            (d.clone(), 300, 1)
+        ],
+        "released tasks are visible at now with their lease attempts; c, waiting, is untouched"
+    );
+    match store.extend_lease(&a, 2, 300, 1_000).await {
+        Err(Error::LeaseLost { .. }) => {}
+        other => panic!("a heartbeat of a released lease must be LeaseLost, got {other:?}"),
+    }
+    assert_eq!(
+        lease_ids(&lease(store, 300, 1_000, 10).await),
+        vec![
+            (a.clone(), 3, 1_300),
+            (b.clone(), 2, 1_300),
+            (d.clone(), 2, 1_300)
+        ],
+        "released tasks lease again at once, with their attempts bumped"
+    );
+    let mut stale = append_request(s, 5, vec![message(s, 5, "stale")], 400);
+    stale.complete = Some((a.clone(), 2));
+    match store.append(stale).await {
+        Err(Error::LeaseLost { .. }) => {}
+        other => panic!("a completion from a released lease must be LeaseLost, got {other:?}"),
+    }
+    let mut current = append_request(s, 5, vec![message(s, 5, "current")], 400);
+    current.complete = Some((a.clone(), 3));
+    must_append(store, current, "completing a with its new lease").await;
+    assert_eq!(
+        store.release_leases(2_000).await.ok(),
+        Some(0),
+        "lapsed leases are already leasable: nothing to release"
+    );
+    assert_eq!(
+        tasks(store)
+            .await
+            .into_iter()
+            .map(|t| (t.id, t.visible_at_ms, t.lease_attempt))
+            .collect::<Vec<_>>(),
+        vec![(b, 1_300, 2), (c, 5_000, 0), (d, 1_300, 2)],
+        "releasing nothing changes nothing"
+    );
+}
+
 /// Everything (histories, sessions, tasks with their lease state) survives closing and
 /// reopening the store, and work continues from it: seqs and lease attempts go on.
 pub async fn reopen_keeps_everything<S: Store>(store: S, reopen: &mut dyn FnMut(S) -> S) {
@@ -1141,6 +1231,7 @@ mod tests {
         complete_after_expiry_is_lost,
         cancel_removes_tasks,
         extend_lease,
+        release_leases_keeps_attempts,
     );
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -211,4 +211,19 @@ impl Store for MemoryStore {
     async fn list_tasks(&self) -> Result<Vec<Task>> {
         Ok(self.lock()?.tasks.values().cloned().collect())
     }
+
+    async fn release_leases(&self, now_ms: u64) -> Result<usize> {
+        let mut inner = self.lock()?;
+        let Inner { tasks, queue, .. } = &mut *inner;
+        let mut released = 0;
+        for task in tasks.values_mut() {
+            if task.lease_attempt > 0 && task.visible_at_ms > now_ms {
+                queue.remove(&(task.visible_at_ms, task.id.clone()));
+                task.visible_at_ms = now_ms;
+                queue.insert((now_ms, task.id.clone()));
+                released += 1;
+            }
+        }
+        Ok(released)
+    }
 }

@@ -12,6 +12,7 @@ use std::fmt;
 
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
+pub mod faulty;
 pub mod memory;
 pub mod sled;
 
@@ -170,6 +171,17 @@ pub trait Store: Send + Sync + 'static {
 
     /// Every queued task (leased or not), ordered by id.
     async fn list_tasks(&self) -> Result<Vec<Task>>;
+
+    /// Makes every currently leased task (`lease_attempt > 0` and `visible_at_ms > now_ms`)
+    /// leasable at `now_ms` again, without changing its lease attempt: the next lease bumps
+    /// it, so a completion or heartbeat from the released lease is still fenced off
+    /// (`LeaseLost`). Returns how many tasks it released. Durable like a lease.
+    ///
+    /// Only safe when no other process can hold leases on this store: an embedded store that
+    /// the OS locks to one process (like sled), reopened after that process died, so every
+    /// lease in it belongs to a dead worker. On a shared store a live worker elsewhere would
+    /// lose its lease; there, let leases lapse instead.
+    async fn release_leases(&self, now_ms: u64) -> Result<usize>;
 }
 
 /// Checks a session id is usable as a store key.

@@ -1,0 +1,179 @@
+//! Property tests of the record codec: decoding never panics on any bytes, every valid record
+//! round-trips, and every single-byte flip, truncation or extension of a valid record is
+//! detected as a `CorruptRecord` naming where it was read.
+
+use crate::codec::{decode, encode};
+use crate::error::Error;
+use crate::event::{ActivityFailure, ErrorClass, Event, EventEnvelope};
+use cairn_ledger::{ToolResultContent, Usage};
+use proptest::prelude::*;
+
+fn text() -> impl Strategy<Value = String> {
+    prop_oneof![
+        "[a-z ]{0,12}",
+        any::<String>(),
+        Just(String::new()),
+        "[\\x00-\\x7f]{0,300}",
+    ]
+}
+
+fn event() -> impl Strategy<Value = Event> {
+    let small = 0u32..4;
+    prop_oneof![
+        (small.clone(), text()).prop_map(|(turn, text)| Event::UserMessage {
+            turn,
+            text,
+            model: None
+        }),
+        (small.clone(), small.clone(), small.clone(), any::<u64>()).prop_map(
+            |(turn, round, attempt, not_before_ms)| Event::ModelCallScheduled {
+                turn,
+                round,
+                attempt,
+                not_before_ms
+            }
+        ),
+        (small.clone(), text(), text(), small.clone(), any::<u64>()).prop_map(
+            |(turn, tool_use_id, name, attempt, not_before_ms)| Event::ToolCallScheduled {
+                turn,
+                tool_use_id,
+                name,
+                attempt,
+                not_before_ms
+            }
+        ),
+        (small.clone(), text(), small.clone(), text(), any::<bool>()).prop_map(
+            |(turn, tool_use_id, attempt, content, is_error)| Event::ToolCallCompleted {
+                turn,
+                tool_use_id,
+                attempt,
+                content: ToolResultContent::Text(content),
+                is_error
+            }
+        ),
+        (small.clone(), small.clone(), small.clone(), text()).prop_map(
+            |(turn, round, attempt, message)| Event::ModelCallFailed {
+                turn,
+                round,
+                attempt,
+                failure: ActivityFailure::new(ErrorClass::Transient, message)
+            }
+        ),
+        (small.clone(), any::<u64>()).prop_map(|(turn, tokens)| Event::TurnCompleted {
+            turn,
+            usage: Usage {
+                input_tokens: tokens,
+                ..Usage::default()
+            }
+        }),
+        (small, text()).prop_map(|(turn, reason)| Event::TurnFailed { turn, reason }),
+        text().prop_map(|reason| Event::SessionCancelled { reason }),
+    ]
+}
+
+fn envelope() -> impl Strategy<Value = EventEnvelope> {
+    (
+        "[a-zA-Z0-9._-]{1,20}",
+        1u64..1_000_000,
+        any::<u64>(),
+        event(),
+    )
+        .prop_map(|(sid, seq, at, event)| EventEnvelope::new(&sid, seq, at, event))
+}
+
+/// The decoder's verdict must be a corrupt record at the place it was asked to read.
+fn assert_corrupt_at(result: crate::error::Result<EventEnvelope>, sid: &str, seq: u64) -> String {
+    match result {
+        Err(Error::CorruptRecord {
+            session_id,
+            seq: s,
+            reason,
+        }) => {
+            assert_eq!((session_id.as_str(), s), (sid, seq));
+            reason
+        }
+        other => panic!("expected CorruptRecord for {sid}/{seq}, got {other:?}"),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Any bytes: an error naming the place (or, impossibly rarely, a record), never a panic.
+    #[test]
+    fn decoding_random_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
+        match decode("s", 7, &bytes) {
+            Ok(_) => {}
+            Err(Error::CorruptRecord { session_id, seq, .. })
+            | Err(Error::UnknownSchemaVersion { session_id, seq, .. }) => {
+                prop_assert_eq!((session_id.as_str(), seq), ("s", 7));
+            }
+            Err(other) => prop_assert!(false, "unexpected error kind: {other:?}"),
+        }
+    }
+
+    /// Random bytes behind a valid header (format byte and the payload's own CRC) reach the
+    /// msgpack decoder: still never a panic.
+    #[test]
+    fn decoding_random_payloads_with_valid_checksums_never_panics(
+        payload in proptest::collection::vec(any::<u8>(), 0..600)
+    ) {
+        let mut record = vec![crate::codec::RECORD_FORMAT];
+        record.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+        record.extend_from_slice(&payload);
+        match decode("s", 7, &record) {
+            Ok(_) | Err(Error::CorruptRecord { .. }) | Err(Error::UnknownSchemaVersion { .. }) => {}
+            Err(other) => prop_assert!(false, "unexpected error kind: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn valid_records_round_trip(e in envelope()) {
+        let record = encode(&e).expect("encode");
+        prop_assert_eq!(decode(&e.session_id, e.seq, &record).expect("decode"), e);
+    }
+
+    /// CRC32 detects every error burst of up to 32 bits, so every single-byte change is caught:
+    /// in the format byte as an unknown format, anywhere else as a checksum mismatch.
+    #[test]
+    fn every_single_byte_flip_is_detected(
+        e in envelope(),
+        position in any::<prop::sample::Index>(),
+        mask in 1u8..=255,
+    ) {
+        let mut record = encode(&e).expect("encode");
+        let at = position.index(record.len());
+        record[at] ^= mask;
+        let reason = assert_corrupt_at(decode(&e.session_id, e.seq, &record), &e.session_id, e.seq);
+        if at == 0 {
+            prop_assert!(reason.contains("format"), "{}", reason);
+        } else {
+            prop_assert!(reason.contains("checksum"), "{}", reason);
+        }
+    }
+
+    /// A record cut short, or with bytes added, is corrupt.
+    #[test]
+    fn truncated_and_extended_records_are_detected(
+        e in envelope(),
+        cut in any::<prop::sample::Index>(),
+        extra in proptest::collection::vec(any::<u8>(), 1..16),
+    ) {
+        let record = encode(&e).expect("encode");
+        let short = &record[..cut.index(record.len())];
+        assert_corrupt_at(decode(&e.session_id, e.seq, short), &e.session_id, e.seq);
+        let mut long = record.clone();
+        long.extend_from_slice(&extra);
+        let reason = assert_corrupt_at(decode(&e.session_id, e.seq, &long), &e.session_id, e.seq);
+        prop_assert!(reason.contains("checksum"), "{}", reason);
+    }
+
+    /// A valid record read under another session or seq is corrupt, never taken for that event.
+    #[test]
+    fn a_record_read_in_the_wrong_place_is_detected(e in envelope(), other_seq in 1u64..1_000_000) {
+        prop_assume!(other_seq != e.seq);
+        let record = encode(&e).expect("encode");
+        let reason = assert_corrupt_at(decode(&e.session_id, other_seq, &record), &e.session_id, other_seq);
+        prop_assert!(reason.contains("belongs to"), "{}", reason);
+    }
+}

@@ -1,0 +1,1470 @@
+//! Chaos: many concurrent sessions run in a child process that is killed with SIGKILL at random
+//! moments and resumed by a new child each time; then everything the log promises is checked.
+//!
+//! # Parent and child
+//!
+//! [`run_chaos`] (the parent) writes a scripted model's script (`DATA/chaos-script.json`) and
+//! starts `cairn chaos-child --data DATA --sessions S --turns T` again and again. Each child
+//! opens the sled store (`DATA/store`; sled's file lock means one process at a time), resumes
+//! with `Engine::resume(true)` (releasing the leases its killed predecessor held, so their
+//! tasks run again at once), starts a worker pool, creates the sessions that do not exist yet
+//! (`chaos-000`, `chaos-001`, …) and drives each one: while it has completed fewer than `T`
+//! turns, send the next user message and wait for the turn.
+//!
+//! The parent kills it with SIGKILL, reaps it and starts the next. Four kills in five fall
+//! [`ChaosConfig::kill_after_ms`] after the child is ready — the parent estimates when from the
+//! previous children, since opening the store and resuming take longer as histories grow — and
+//! one in five at a random moment of the startup itself (sled recovering, the engine resuming).
+//! The moments are seeded. After the configured number of kills one last child runs, unkilled,
+//! to completion. If the sessions finish their turns while kills remain, the parent raises `T`
+//! (the script grows; its earlier responses stay as they were), so that every kill lands on
+//! work; the report says so.
+//!
+//! A child talks to the parent on stdout, one line each, each ended by a newline (a line cut by
+//! the kill is ignored):
+//!
+//! - `ready RUNNING OUTSTANDING REQUEUED RECLAIMED` — the store is open and `resume` is done.
+//! - `ack SESSION SEQ HASH` — the engine holds a state of SESSION folded from events `1..=SEQ`,
+//!   whose ledger has the fingerprint HASH (FNV-1a, hex, of its message count, part count and
+//!   last message). The engine changes its cached state only under the session's lock and
+//!   keeps it only when the append succeeded, so every state it shows was acknowledged by the
+//!   store. The child acks at every step of its drivers and samples all sessions every few
+//!   milliseconds (tool results arrive between steps).
+//! - `done` — every session has completed all its turns.
+//!
+//! # The side effect
+//!
+//! The only tool, `side_effect`, appends one line `{"key", "tool_use_id", "pid", "attempt"}` to
+//! `DATA/side-effects.jsonl` (one `write`, then `fdatasync`), works a few milliseconds and
+//! returns `{"key", "pid"}`. A kill after the line is written and before the result is recorded
+//! runs the call again after the resume, with the same idempotency key: that is the
+//! at-least-once contract of activities, and the file counts how often it happens.
+//!
+//! # The checks
+//!
+//! At the end `verify` opens the store and checks, per session: it is idle with all its turns
+//! completed (no failed or cancelled turn); its history replays with the current code; the
+//! ledger validates; every acknowledged state is there (events `1..=SEQ` exist and fold to a
+//! ledger with the acknowledged fingerprint, and no seq was acknowledged with two different
+//! ledgers); every tool_use has exactly one `tool_call_completed`, whose result carries its
+//! idempotency key; and the task queue is empty. In the side-effect file every line's key names
+//! its own tool_use (`SESSION/TOOL_USE_ID`), every tool_use ran, the recorded result is the one
+//! of its key's last run, and every earlier run was made by a process the parent killed: each
+//! repeat is explained by a kill. The repeats (lines − distinct keys) are counted.
+
+// Chaos is the impure edge: it waits on real time, reads clocks and kills processes at random
+// (seeded) moments; the clock and sleep ban is for pure code.
+#![allow(clippy::disallowed_methods)]
+
+use anyhow::{anyhow, bail, Context};
+use async_trait::async_trait;
+use cairn_activities::{ActivityContext, Tool, ToolCall, ToolOutput, ToolRegistry};
+use cairn_ledger::{validate_transcript, JsonText, ModelSpec, Part, Role, ToolSpec, Transcript};
+use cairn_runtime::store::sled::SledStore;
+use cairn_runtime::{
+    replay, Client, Engine, Error as RuntimeError, Event, SessionOptions, SessionState,
+    SessionStatus, Store, SystemClock, TurnOutcome,
+};
+use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
+use serde::Deserialize;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The tool every chaos session calls.
+pub const SIDE_EFFECT_TOOL: &str = "side_effect";
+/// The store, under the data directory.
+pub const STORE_DIR: &str = "store";
+/// The scripted model's script, under the data directory.
+pub const SCRIPT_FILE: &str = "chaos-script.json";
+/// The side-effect record, under the data directory.
+pub const SIDE_EFFECTS_FILE: &str = "side-effects.jsonl";
+
+/// Base latency of a scripted model response; each response adds a seeded 0–`MODEL_DELAY_SPREAD_MS`.
+const MODEL_DELAY_MS: u64 = 8;
+const MODEL_DELAY_SPREAD_MS: u64 = 12;
+/// The scripted provider's `jitter_ms`: per call (session, turn, round, attempt) extra latency.
+const MODEL_JITTER_MS: u64 = 25;
+/// One kill in this many falls at a random moment of the child's startup.
+const STARTUP_KILL_ONE_IN: u64 = 5;
+/// How long the side-effect tool works after writing its record.
+const TOOL_WORK_MS: u64 = 3;
+/// How often the child samples every session's state for acks, besides its turn boundaries.
+const ACK_POLL_MS: u64 = 15;
+/// The final, unkilled child must finish within this.
+const FINAL_RUN_TIMEOUT: Duration = Duration::from_secs(300);
+/// Lines of a failed child's stderr kept for the error.
+const STDERR_TAIL_LINES: usize = 30;
+
+/// What to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChaosConfig {
+    /// The data directory: store, script, side-effect file (created if missing).
+    pub data: PathBuf,
+    /// Concurrent sessions.
+    pub sessions: usize,
+    /// Turns each session completes. When the children finish every turn before the kills are
+    /// spent, the parent adds this many turns again (and says so in the report), so that every
+    /// kill lands on work in progress.
+    pub turns_per_session: usize,
+    /// SIGKILLs to deliver before the final run.
+    pub kills: usize,
+    /// Seeds the kill moments and the script (latencies, tool calls per round, rounds per turn).
+    pub seed: u64,
+    /// Most children are killed this many milliseconds (uniformly in the range, inclusive) after
+    /// they are ready, as estimated from the previous children's start-to-ready times (opening
+    /// the store and resuming take longer as histories grow). One in five is killed instead at
+    /// a uniformly random moment of its startup, while sled recovers or the engine resumes.
+    pub kill_after_ms: (u64, u64),
+}
+
+impl ChaosConfig {
+    /// 20 sessions × 60 turns, 100 kills, most 10–150 ms after the child is ready (the
+    /// `cairn chaos` defaults).
+    pub fn new(data: impl Into<PathBuf>, seed: u64) -> Self {
+        ChaosConfig {
+            data: data.into(),
+            sessions: 20,
+            turns_per_session: 60,
+            kills: 100,
+            seed,
+            kill_after_ms: (10, 150),
+        }
+    }
+}
+
+/// The figures of a chaos run and what verification found.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChaosReport {
+    /// The seed (rerun with it).
+    pub seed: u64,
+    /// Sessions.
+    pub sessions: usize,
+    /// Turns each session completed (the configured turns, plus any added; see
+    /// [`ChaosConfig::turns_per_session`]).
+    pub turns_per_session: usize,
+    /// How many times turns were added because the children finished early.
+    pub turn_extensions: usize,
+    /// SIGKILLs delivered.
+    pub kills: usize,
+    /// Of them, kills before the child reported `ready` (while opening the store or resuming).
+    pub kills_before_ready: usize,
+    /// Children started, the final one included; every one after the first resumed the store.
+    pub child_runs: usize,
+    /// Children that finished by themselves before the kill was due (the workload was done).
+    pub early_exits: usize,
+    /// Sessions with a turn in progress found by the resumes, summed over children.
+    pub resumed_sessions: usize,
+    /// Leases of killed children released by the resumes, summed.
+    pub released_leases: usize,
+    /// Tasks missing from the queue that resumes re-enqueued, summed (expected 0).
+    pub requeued_tasks: usize,
+    /// Mean time from starting a child to its `ready` (store open and resume done).
+    pub mean_ready_ms: f64,
+    /// Distinct acknowledged states (session, seq) checked against the final histories.
+    pub acked_states: usize,
+    /// Events in all histories.
+    pub events: usize,
+    /// Turns completed, all sessions.
+    pub turns_completed: usize,
+    /// Tool uses in all ledgers.
+    pub tool_uses: usize,
+    /// Tool runs recorded in the side-effect file.
+    pub tool_runs: usize,
+    /// Tool runs beyond the first of their key (`tool_runs` − distinct keys). Each must be a
+    /// run in a process that was then killed before its result was recorded.
+    pub repeated_tool_runs: usize,
+    /// Most repeated runs caused by one kill (runs a killed process made that ran again).
+    pub max_repeats_per_kill: usize,
+    /// Keys that ran more than once.
+    pub repeated_keys: usize,
+    /// Most runs of one key.
+    pub max_runs_per_key: usize,
+    /// Repeats whose runs were in the same process (a lapsed lease, not a kill).
+    pub same_process_repeats: usize,
+    /// Failed activity attempts recorded (`model_call_failed` + `tool_call_failed`), retried.
+    pub failed_attempts: usize,
+    /// Time spent in the kill phase.
+    pub kill_phase: Duration,
+    /// Time the final child took to finish the work.
+    pub final_run: Duration,
+    /// Time the whole run took, verification included.
+    pub wall_time: Duration,
+    /// Every violated promise; empty when verification passes.
+    pub problems: Vec<String>,
+}
+
+impl ChaosReport {
+    /// Whether every check passed.
+    pub fn passed(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+impl fmt::Display for ChaosReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "chaos run, seed {}: {} sessions x {} turns{}",
+            self.seed,
+            self.sessions,
+            self.turns_per_session,
+            if self.turn_extensions > 0 {
+                format!(
+                    " (turns raised {} time(s): the sessions finished before the kills)",
+                    self.turn_extensions
+                )
+            } else {
+                String::new()
+            }
+        )?;
+        writeln!(
+            f,
+            "  kills               {} SIGKILLs ({} before the child was ready), {} child runs, {} finished early",
+            self.kills, self.kills_before_ready, self.child_runs, self.early_exits
+        )?;
+        writeln!(
+            f,
+            "  resumes             {} interrupted sessions resumed, {} dead leases released, {} tasks re-enqueued; {:.0} ms mean start-to-ready",
+            self.resumed_sessions, self.released_leases, self.requeued_tasks, self.mean_ready_ms
+        )?;
+        writeln!(
+            f,
+            "  history             {} events, {} turns completed, {} acknowledged states all present",
+            self.events, self.turns_completed, self.acked_states
+        )?;
+        writeln!(
+            f,
+            "  tools               {} tool uses, each with exactly one recorded result; {} runs",
+            self.tool_uses, self.tool_runs
+        )?;
+        writeln!(
+            f,
+            "  repeated runs       {} ({:.1}% of runs; {:.1} per kill, at most {} for one kill; {} keys, at most {} runs of one key, {} within one process), each with its call's key",
+            self.repeated_tool_runs,
+            if self.tool_runs == 0 {
+                0.0
+            } else {
+                100.0 * self.repeated_tool_runs as f64 / self.tool_runs as f64
+            },
+            if self.kills == 0 {
+                0.0
+            } else {
+                self.repeated_tool_runs as f64 / self.kills as f64
+            },
+            self.max_repeats_per_kill,
+            self.repeated_keys,
+            self.max_runs_per_key,
+            self.same_process_repeats
+        )?;
+        writeln!(
+            f,
+            "  failed attempts     {} (retried)",
+            self.failed_attempts
+        )?;
+        writeln!(
+            f,
+            "  time                {:.1} s in all: {:.1} s killing, {:.1} s final run",
+            self.wall_time.as_secs_f64(),
+            self.kill_phase.as_secs_f64(),
+            self.final_run.as_secs_f64()
+        )?;
+        if self.problems.is_empty() {
+            write!(f, "  verdict             PASS: every session completed, every ledger validates, every acknowledged event is present")
+        } else {
+            writeln!(
+                f,
+                "  verdict             FAIL: {} problem(s)",
+                self.problems.len()
+            )?;
+            for (i, p) in self.problems.iter().enumerate() {
+                if i > 0 {
+                    writeln!(f)?;
+                }
+                write!(f, "    - {p}")?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The id of session `i`.
+pub fn session_id(i: usize) -> String {
+    format!("chaos-{i:03}")
+}
+
+// ---- The parent --------------------------------------------------------------------------------
+
+/// Runs the chaos test: kills `config.kills` children of `child_exe` (the `cairn` binary, run as
+/// `cairn chaos-child ...`), runs a last one to completion, then verifies the store. Returns the
+/// report (check [`ChaosReport::passed`]); `Err` when the harness itself cannot go on (a child
+/// failed by itself, or the final run did not finish).
+pub fn run_chaos(config: &ChaosConfig, child_exe: &Path) -> anyhow::Result<ChaosReport> {
+    let started = Instant::now();
+    if config.sessions == 0 || config.turns_per_session == 0 {
+        bail!("chaos needs at least one session and one turn");
+    }
+    if config.kill_after_ms.0 > config.kill_after_ms.1 {
+        bail!(
+            "kill range {}..{} ms is empty",
+            config.kill_after_ms.0,
+            config.kill_after_ms.1
+        );
+    }
+    std::fs::create_dir_all(&config.data)
+        .with_context(|| format!("cannot create {}", config.data.display()))?;
+    let mut rng = SplitMix64(config.seed);
+    let mut report = ChaosReport {
+        seed: config.seed,
+        sessions: config.sessions,
+        turns_per_session: config.turns_per_session,
+        ..ChaosReport::default()
+    };
+    write_script(&config.data, config.turns_per_session, config.seed)?;
+    let mut acks = Acks::default();
+    let mut ready_ms = Vec::new();
+    let mut killed_pids = BTreeSet::new();
+    let mut ready_estimate = Duration::ZERO;
+
+    while report.kills < config.kills {
+        let (lo, hi) = config.kill_after_ms;
+        let window = if rng.below(STARTUP_KILL_ONE_IN) == 0 {
+            ready_estimate.mul_f64(rng.below(1_001) as f64 / 1_000.0)
+        } else {
+            ready_estimate + Duration::from_millis(lo + rng.below(hi - lo + 1))
+        };
+        let run = run_child(config, child_exe, report.turns_per_session, Some(window))?;
+        report.child_runs += 1;
+        absorb(&mut report, &mut acks, &mut ready_ms, &run);
+        if let Some(ready) = &run.output.ready {
+            // An exponentially weighted mean: it follows the growth of the histories.
+            ready_estimate = ready_estimate.mul_f64(0.7) + ready.after.mul_f64(0.3);
+        }
+        match run.end {
+            End::Killed => {
+                killed_pids.insert(run.pid);
+                report.kills += 1;
+                if run.output.ready.is_none() {
+                    report.kills_before_ready += 1;
+                }
+            }
+            End::Exited(status) if status.success() && run.output.done => {
+                report.early_exits += 1;
+                // Everything is done before the kills are spent: give the sessions more turns,
+                // so that the remaining kills land on work: as many as the kills so far took per
+                // turn suggest, with a margin, but at most twice as many (later turns are slower:
+                // longer ledgers, longer resumes), and at least the configured turns again.
+                let so_far = report.turns_per_session;
+                let remaining = (config.kills - report.kills) as f64;
+                let estimate = if report.kills == 0 {
+                    so_far
+                } else {
+                    (1.25 * remaining * so_far as f64 / report.kills as f64).ceil() as usize
+                };
+                report.turns_per_session += estimate.min(so_far).max(config.turns_per_session);
+                report.turn_extensions += 1;
+                write_script(&config.data, report.turns_per_session, config.seed)?;
+            }
+            End::Exited(status) => bail!(
+                "chaos child {} exited by itself with {status} (seed {}); its stderr ends:\n{}",
+                report.child_runs,
+                config.seed,
+                run.stderr_tail
+            ),
+            End::TimedOut => unreachable!("only the final run has a timeout"),
+        }
+    }
+    report.kill_phase = started.elapsed();
+
+    let final_started = Instant::now();
+    let run = run_child(config, child_exe, report.turns_per_session, None)?;
+    report.child_runs += 1;
+    absorb(&mut report, &mut acks, &mut ready_ms, &run);
+    report.final_run = final_started.elapsed();
+    match run.end {
+        End::Exited(status) if status.success() && run.output.done => {}
+        End::TimedOut => bail!(
+            "the final chaos child did not finish within {} s (seed {}); its stderr ends:\n{}",
+            FINAL_RUN_TIMEOUT.as_secs(),
+            config.seed,
+            run.stderr_tail
+        ),
+        other => bail!(
+            "the final chaos child ended with {other:?} (seed {}); its stderr ends:\n{}",
+            config.seed,
+            run.stderr_tail
+        ),
+    }
+    report.mean_ready_ms = if ready_ms.is_empty() {
+        0.0
+    } else {
+        ready_ms.iter().sum::<f64>() / ready_ms.len() as f64
+    };
+
+    verify(config, &acks, &killed_pids, &mut report)?;
+    report.wall_time = started.elapsed();
+    Ok(report)
+}
+
+/// Acknowledged states: session → seq → ledger hash.
+#[derive(Debug, Default)]
+struct Acks {
+    states: BTreeMap<String, BTreeMap<u64, u64>>,
+    /// The same (session, seq) acknowledged with two different ledgers: an acknowledged event
+    /// was lost and its seq reused.
+    conflicts: Vec<String>,
+}
+
+impl Acks {
+    fn insert(&mut self, session: &str, seq: u64, hash: u64) {
+        let states = self.states.entry(session.to_owned()).or_default();
+        match states.insert(seq, hash) {
+            Some(previous) if previous != hash => self.conflicts.push(format!(
+                "{session} seq {seq} was acknowledged with ledger {previous:016x}, later with \
+                 {hash:016x}: an acknowledged event was lost and its seq reused"
+            )),
+            _ => {}
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.states.values().map(BTreeMap::len).sum()
+    }
+}
+
+fn absorb(report: &mut ChaosReport, acks: &mut Acks, ready_ms: &mut Vec<f64>, run: &ChildRun) {
+    for (session, seq, hash) in &run.output.acks {
+        acks.insert(session, *seq, *hash);
+    }
+    if let Some(ready) = &run.output.ready {
+        ready_ms.push(ready.after.as_secs_f64() * 1000.0);
+        report.resumed_sessions += ready.running;
+        report.requeued_tasks += ready.requeued;
+        report.released_leases += ready.released;
+    }
+}
+
+#[derive(Debug)]
+enum End {
+    /// Killed by us.
+    Killed,
+    /// Exited by itself.
+    Exited(ExitStatus),
+    /// Did not finish in time (and was killed).
+    TimedOut,
+}
+
+#[derive(Debug, Default)]
+struct Ready {
+    after: Duration,
+    running: usize,
+    requeued: usize,
+    released: usize,
+}
+
+#[derive(Debug, Default)]
+struct ChildOutput {
+    ready: Option<Ready>,
+    acks: Vec<(String, u64, u64)>,
+    done: bool,
+}
+
+struct ChildRun {
+    pid: u32,
+    end: End,
+    output: ChildOutput,
+    stderr_tail: String,
+}
+
+/// Starts a child; kills it after `kill_after` (or, without one, waits for it to finish).
+fn run_child(
+    config: &ChaosConfig,
+    exe: &Path,
+    turns: usize,
+    kill_after: Option<Duration>,
+) -> anyhow::Result<ChildRun> {
+    let spawned = Instant::now();
+    let mut child = Command::new(exe)
+        .arg("chaos-child")
+        .arg("--data")
+        .arg(&config.data)
+        .arg("--sessions")
+        .arg(config.sessions.to_string())
+        .arg("--turns")
+        .arg(turns.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot start {}", exe.display()))?;
+    let pid = child.id();
+    let stdout = child.stdout.take().context("child stdout")?;
+    let stderr = child.stderr.take().context("child stderr")?;
+    let reader = std::thread::spawn(move || read_child_output(stdout, spawned));
+    let errors = std::thread::spawn(move || tail(stderr, STDERR_TAIL_LINES));
+
+    let end = match kill_after {
+        Some(after) => {
+            std::thread::sleep(after.saturating_sub(spawned.elapsed()));
+            // SIGKILL on Unix. A child that already exited is a zombie until `wait`: the kill
+            // is then a no-op and `wait` reports its own exit.
+            let _ = child.kill();
+            let status = child.wait().context("cannot reap the chaos child")?;
+            if killed(&status) {
+                End::Killed
+            } else {
+                End::Exited(status)
+            }
+        }
+        None => wait_or_kill(&mut child, FINAL_RUN_TIMEOUT)?,
+    };
+    let output = reader
+        .join()
+        .map_err(|_| anyhow!("the child's stdout reader panicked"))?;
+    let stderr_tail = errors
+        .join()
+        .map_err(|_| anyhow!("the child's stderr reader panicked"))?;
+    Ok(ChildRun {
+        pid,
+        end,
+        output,
+        stderr_tail,
+    })
+}
+
+fn wait_or_kill(child: &mut Child, timeout: Duration) -> anyhow::Result<End> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().context("cannot poll the chaos child")? {
+            return Ok(End::Exited(status));
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(End::TimedOut);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[cfg(unix)]
+fn killed(status: &ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    const SIGKILL: i32 = 9;
+    status.signal() == Some(SIGKILL)
+}
+
+#[cfg(not(unix))]
+fn killed(status: &ExitStatus) -> bool {
+    !status.success()
+}
+
+/// Parses the child's protocol lines; a last line without its newline (cut by the kill) is
+/// dropped.
+fn read_child_output(stdout: impl Read, spawned: Instant) -> ChildOutput {
+    let mut output = ChildOutput::default();
+    let mut reader = BufReader::new(stdout);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        match reader.read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        if line.last() != Some(&b'\n') {
+            break;
+        }
+        let Ok(text) = std::str::from_utf8(&line[..line.len() - 1]) else {
+            continue;
+        };
+        let words: Vec<&str> = text.split(' ').collect();
+        match words.as_slice() {
+            ["ack", session, seq, hash] => {
+                if let (Ok(seq), Ok(hash)) = (seq.parse(), u64::from_str_radix(hash, 16)) {
+                    output.acks.push(((*session).to_owned(), seq, hash));
+                }
+            }
+            ["ready", running, _outstanding, requeued, released] => {
+                let n = |s: &str| s.parse::<usize>().unwrap_or(0);
+                output.ready = Some(Ready {
+                    after: spawned.elapsed(),
+                    running: n(running),
+                    requeued: n(requeued),
+                    released: n(released),
+                });
+            }
+            ["done"] => output.done = true,
+            _ => {}
+        }
+    }
+    output
+}
+
+/// The last `keep` lines of a stream.
+fn tail(stream: impl Read, keep: usize) -> String {
+    let mut lines = std::collections::VecDeque::new();
+    for line in BufReader::new(stream).lines() {
+        let Ok(line) = line else { break };
+        if lines.len() == keep {
+            lines.pop_front();
+        }
+        lines.push_back(line);
+    }
+    Vec::from(lines).join("\n")
+}
+
+/// A small seeded generator (SplitMix64) for kill moments and the script.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (n > 0), up to a negligible modulo bias.
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// FNV-1a, 64 bits, continuing from `hash`: the same in every process and build.
+fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
+    for b in bytes {
+        hash ^= u64::from(*b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
+/// A fingerprint of a ledger: FNV-1a of its message count, its part count and its last message
+/// (as JSON). Cheap enough to take at every acknowledged step of a long session (hashing the
+/// whole ledger each time is quadratic), and it changes with every event that changes the
+/// ledger; events that do not (a scheduled call) are pinned by their seq.
+fn ledger_fingerprint(transcript: &Transcript) -> u64 {
+    let parts: usize = transcript.messages.iter().map(|m| m.parts.len()).sum();
+    let mut hash = fnv1a(
+        0xcbf2_9ce4_8422_2325,
+        &(transcript.messages.len() as u64).to_le_bytes(),
+    );
+    hash = fnv1a(hash, &(parts as u64).to_le_bytes());
+    if let Some(last) = transcript.messages.last() {
+        hash = fnv1a(hash, &serde_json::to_vec(last).unwrap_or_default());
+    }
+    hash
+}
+
+// ---- The script --------------------------------------------------------------------------------
+
+/// The shape of turn `turn`: how many parallel tool calls each of its tool rounds makes (1–2
+/// rounds of 2–3 calls), then a final text. Seeded, and the same for every session.
+fn turn_shape(seed: u64, turn: usize) -> Vec<usize> {
+    let mut rng = SplitMix64(seed ^ (turn as u64).wrapping_mul(0xA24B_AED4_963E_E407));
+    let rounds = 1 + rng.below(2) as usize;
+    (0..rounds).map(|_| 2 + rng.below(2) as usize).collect()
+}
+
+/// The script for `turns` turns. The provider picks a response by the count of assistant
+/// messages in the transcript, so the script is every model call of every turn in order; the
+/// responses of turn `t` do not depend on how many turns follow, so adding turns keeps the
+/// earlier responses as they were.
+fn script_json(turns: usize, seed: u64) -> String {
+    let mut rng = SplitMix64(seed.rotate_left(17) ^ 0x5851_F42D_4C95_7F2D);
+    let mut responses = Vec::new();
+    for turn in 1..=turns {
+        for (round, calls) in turn_shape(seed, turn).into_iter().enumerate() {
+            let mut parts = vec![serde_json::json!({
+                "type": "thinking",
+                "text": format!("Turn {turn}, round {round}: {calls} side effects, in parallel."),
+                "signature": format!("sig-t{turn}-r{round}"),
+            })];
+            for k in 0..calls {
+                parts.push(serde_json::json!({
+                    "type": "tool_use",
+                    "id": format!("toolu_t{turn}_r{round}_{k}"),
+                    "name": SIDE_EFFECT_TOOL,
+                    "input": {"turn": turn, "round": round, "call": k},
+                }));
+            }
+            responses.push(serde_json::json!({
+                "parts": parts,
+                "usage": {"input_tokens": 100 + 10 * turn, "output_tokens": 20},
+                "delay_ms": MODEL_DELAY_MS + rng.below(MODEL_DELAY_SPREAD_MS + 1),
+                "jitter_ms": MODEL_JITTER_MS,
+            }));
+        }
+        responses.push(serde_json::json!({
+            "parts": [{"type": "text", "text": format!("Turn {turn} done.")}],
+            "usage": {"input_tokens": 120 + 10 * turn, "output_tokens": 5},
+            "delay_ms": MODEL_DELAY_MS + rng.below(MODEL_DELAY_SPREAD_MS + 1),
+            "jitter_ms": MODEL_JITTER_MS,
+        }));
+    }
+    serde_json::json!({"model": "scripted-chaos", "responses": responses}).to_string()
+}
+
+/// Writes the script atomically (a child may be reading it only when none is running, but a
+/// torn file after a crash of the parent would still be confusing).
+fn write_script(data: &Path, turns: usize, seed: u64) -> anyhow::Result<()> {
+    let path = data.join(SCRIPT_FILE);
+    let temporary = data.join(format!("{SCRIPT_FILE}.tmp"));
+    std::fs::write(&temporary, script_json(turns, seed))
+        .with_context(|| format!("cannot write {}", temporary.display()))?;
+    std::fs::rename(&temporary, &path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
+// ---- The side-effect tool ----------------------------------------------------------------------
+
+/// The chaos tool: records each run with its idempotency key in a file, then works briefly.
+#[derive(Debug, Clone)]
+pub struct SideEffect {
+    path: PathBuf,
+}
+
+impl SideEffect {
+    /// Records runs in `path` (appended to; created if missing).
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        SideEffect { path: path.into() }
+    }
+}
+
+/// One line of the side-effect file.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
+pub struct SideEffectRecord {
+    /// The call's idempotency key, `SESSION/TOOL_USE_ID`.
+    pub key: String,
+    /// The tool_use it answers.
+    pub tool_use_id: String,
+    /// The process that ran it.
+    pub pid: u32,
+    /// The activity attempt.
+    pub attempt: u32,
+}
+
+fn append_durably(path: &Path, line: &[u8]) -> std::io::Result<()> {
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    // One write: with O_APPEND a kill leaves either the whole line or none of it.
+    file.write_all(line)?;
+    file.sync_data()
+}
+
+#[async_trait]
+impl Tool for SideEffect {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec {
+            name: SIDE_EFFECT_TOOL.to_owned(),
+            description: "Performs an externally visible side effect (appends a record)."
+                .to_owned(),
+            input_schema: JsonText::from_value(&serde_json::json!({"type": "object"})),
+        }
+    }
+
+    async fn call(
+        &self,
+        call: &ToolCall,
+        context: &ActivityContext,
+    ) -> cairn_activities::Result<ToolOutput> {
+        let pid = std::process::id();
+        let record = SideEffectRecord {
+            key: call.idempotency_key.clone(),
+            tool_use_id: call.tool_use_id.clone(),
+            pid,
+            attempt: context.attempt(),
+        };
+        let mut line =
+            serde_json::to_vec(&record).map_err(|e| cairn_activities::Error::ToolFailed {
+                tool: SIDE_EFFECT_TOOL.to_owned(),
+                message: e.to_string(),
+            })?;
+        line.push(b'\n');
+        let path = self.path.clone();
+        let shown = path.display().to_string();
+        tokio::task::spawn_blocking(move || append_durably(&path, &line))
+            .await
+            .map_err(|e| cairn_activities::Error::ToolFailed {
+                tool: SIDE_EFFECT_TOOL.to_owned(),
+                message: format!("the writer task failed: {e}"),
+            })?
+            .map_err(|source| cairn_activities::Error::Io {
+                path: shown,
+                source,
+            })?;
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(TOOL_WORK_MS)) => {}
+            _ = context.cancelled() => {
+                return Err(cairn_activities::Error::Cancelled {
+                    reason: "cancelled after the side effect was recorded".to_owned(),
+                });
+            }
+        }
+        Ok(ToolOutput::json(JsonText::from_value(&serde_json::json!({
+            "key": call.idempotency_key,
+            "pid": pid,
+        }))))
+    }
+}
+
+// ---- The child ---------------------------------------------------------------------------------
+
+/// Prints an ack line for a session's state when its seq moved past the last one printed.
+#[derive(Default)]
+struct Acker {
+    printed: Mutex<HashMap<String, u64>>,
+}
+
+impl Acker {
+    fn ack(&self, session_id: &str, state: &SessionState) {
+        let seq = state.next_seq.saturating_sub(1);
+        let mut printed = match self.printed.lock() {
+            Ok(p) => p,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let last = printed.entry(session_id.to_owned()).or_insert(0);
+        if seq > *last {
+            *last = seq;
+            // Under the lock, so a session's acks leave in seq order.
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(
+                out,
+                "ack {session_id} {seq} {:016x}",
+                ledger_fingerprint(&state.transcript)
+            );
+            let _ = out.flush();
+        }
+    }
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// The child: opens the store, resumes, and drives `sessions` sessions to `turns` completed
+/// turns each; returns when they are all done. Run by `cairn chaos-child`.
+pub async fn run_chaos_child(data: &Path, sessions: usize, turns: usize) -> anyhow::Result<()> {
+    let store = Arc::new(
+        SledStore::open(data.join(STORE_DIR))
+            .with_context(|| format!("cannot open the store in {}", data.display()))?,
+    );
+    let engine = Engine::new(store.clone(), Arc::new(SystemClock));
+    // This process holds sled's lock: every lease in the store belongs to a killed child, so
+    // reclaim them rather than wait for them to lapse.
+    let resumed = engine.resume(true).await?;
+    say(&format!(
+        "ready {} {} {} {}",
+        resumed.running_sessions.len(),
+        resumed.outstanding_tasks,
+        resumed.requeued_tasks,
+        resumed.reclaimed_leases
+    ));
+
+    let tools = Arc::new(ToolRegistry::new().with(SideEffect::new(data.join(SIDE_EFFECTS_FILE))));
+    let pool = WorkerPool::start(
+        engine.clone(),
+        Activities {
+            models: Arc::new(StandardModels::new()),
+            tools: tools.clone(),
+        },
+        WorkerConfig {
+            lease_ms: 10_000,
+            poll_interval_ms: 20,
+            ..WorkerConfig::default()
+        },
+    );
+    let client = Client::new(engine.clone());
+    let script = std::path::absolute(data.join(SCRIPT_FILE)).context("the script's path")?;
+    let model = ModelSpec::parse(&format!("scripted:{}", script.display()))
+        .context("the script's model spec")?;
+    let ids: Vec<String> = (0..sessions).map(session_id).collect();
+    for id in &ids {
+        match engine.state(id).await {
+            Ok(_) => {}
+            Err(RuntimeError::UnknownSession { .. }) => {
+                let options = SessionOptions {
+                    session_id: Some(id.clone()),
+                    system_prompt: Some("You are a chaos test. Call side_effect.".to_owned()),
+                    ..SessionOptions::new(model.clone(), tools.specs())
+                };
+                client.start_session(options).await?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+
+    let acker = Arc::new(Acker::default());
+    let turns = u32::try_from(turns).context("too many turns")?;
+    let mut drivers = tokio::task::JoinSet::new();
+    for id in ids.clone() {
+        let engine = engine.clone();
+        let acker = acker.clone();
+        drivers.spawn(async move { drive(&engine, &id, turns, &acker).await });
+    }
+    let poller = {
+        let engine = engine.clone();
+        let acker = acker.clone();
+        tokio::spawn(async move {
+            loop {
+                for id in &ids {
+                    if let Ok(state) = engine.state(id).await {
+                        acker.ack(id, &state);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(ACK_POLL_MS)).await;
+            }
+        })
+    };
+    let mut result = Ok(());
+    while let Some(joined) = drivers.join_next().await {
+        match joined {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                result = Err(e);
+                break;
+            }
+            Err(e) => {
+                result = Err(anyhow!("a session driver panicked: {e}"));
+                break;
+            }
+        }
+    }
+    poller.abort();
+    result?;
+    say("done");
+    pool.shutdown().await;
+    Ok(())
+}
+
+/// Drives one session until it has completed `turns` turns.
+async fn drive(engine: &Engine, id: &str, turns: u32, acker: &Acker) -> anyhow::Result<()> {
+    loop {
+        let state = engine.state(id).await?;
+        acker.ack(id, &state);
+        if state.active.is_some() {
+            let outcome = engine.wait_turn(id, state.turns_started).await?;
+            if !matches!(outcome, TurnOutcome::Completed { .. }) {
+                bail!("{id}: turn {} ended {outcome:?}", state.turns_started);
+            }
+            continue;
+        }
+        match &state.last_outcome {
+            None | Some(TurnOutcome::Completed { .. }) => {}
+            Some(other) => bail!("{id}: turn {} ended {other:?}", other.turn()),
+        }
+        if state.turns_started >= turns {
+            return Ok(());
+        }
+        engine
+            .send_message(
+                id,
+                &format!("Chaos turn {}.", state.turns_started + 1),
+                None,
+            )
+            .await?;
+    }
+}
+
+// ---- Verification ------------------------------------------------------------------------------
+
+/// What verification gathers besides the report's figures.
+#[derive(Default)]
+struct Ledgers {
+    /// Every tool_use of every ledger by idempotency key (`SESSION/TOOL_USE_ID`), with the pid
+    /// in its one recorded result (the process whose run was recorded).
+    recorded: BTreeMap<String, Option<u32>>,
+}
+
+/// Checks the store and the side-effect file against the acks and the killed children; fills in
+/// the report's figures and problems. `Err` only when the store cannot be read at all.
+fn verify(
+    config: &ChaosConfig,
+    acks: &Acks,
+    killed_pids: &BTreeSet<u32>,
+    report: &mut ChaosReport,
+) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start a runtime for verification")?;
+    let store = SledStore::open_existing(config.data.join(STORE_DIR))
+        .context("the store does not open after the run")?;
+    report.problems.extend(acks.conflicts.iter().cloned());
+    report.acked_states = acks.len();
+    let mut ledgers = Ledgers::default();
+    runtime.block_on(async {
+        let listed: BTreeMap<String, SessionStatus> = store
+            .list_sessions()
+            .await?
+            .into_iter()
+            .map(|i| (i.session_id, i.status))
+            .collect();
+        for i in 0..config.sessions {
+            let id = session_id(i);
+            match listed.get(&id) {
+                None => {
+                    report.problems.push(format!("{id} does not exist"));
+                    continue;
+                }
+                Some(SessionStatus::Idle) => {}
+                Some(other) => report
+                    .problems
+                    .push(format!("{id} is {}, not idle", other.as_str())),
+            }
+            let history = store.read_history(&id, 1, None).await?;
+            check_session(&id, &history, acks.states.get(&id), report, &mut ledgers);
+        }
+        if listed.len() != config.sessions {
+            report.problems.push(format!(
+                "the store lists {} sessions, expected {}",
+                listed.len(),
+                config.sessions
+            ));
+        }
+        let tasks = store.list_tasks().await?;
+        if let Some(task) = tasks.first() {
+            report.problems.push(format!(
+                "{} task(s) are still queued after every turn completed, e.g. {}",
+                tasks.len(),
+                task.id
+            ));
+        }
+        anyhow::Ok(())
+    })?;
+    report.tool_uses = ledgers.recorded.len();
+    check_side_effects(
+        &config.data.join(SIDE_EFFECTS_FILE),
+        &ledgers,
+        killed_pids,
+        report,
+    )
+}
+
+/// One session: status of its turns, replay, ledger validation, acknowledged states, one
+/// recorded result per tool_use.
+fn check_session(
+    id: &str,
+    history: &[cairn_runtime::EventEnvelope],
+    acked: Option<&BTreeMap<u64, u64>>,
+    report: &mut ChaosReport,
+    ledgers: &mut Ledgers,
+) {
+    report.events += history.len();
+    let problems = &mut report.problems;
+    // Every acknowledged state: its events are there and fold to the acknowledged ledger.
+    let mut state = SessionState::new(id);
+    let acked = acked.cloned().unwrap_or_default();
+    for envelope in history {
+        if let Err(e) = state.apply(envelope) {
+            problems.push(format!("{id}: folding seq {} fails: {e}", envelope.seq));
+            return;
+        }
+        if let Some(hash) = acked.get(&envelope.seq) {
+            let found = ledger_fingerprint(&state.transcript);
+            if found != *hash {
+                problems.push(format!(
+                    "{id}: acknowledged state at seq {} had ledger {hash:016x}, the history \
+                     folds to {found:016x} there",
+                    envelope.seq
+                ));
+            }
+        }
+    }
+    if let Some((&seq, _)) = acked.range(history.len() as u64 + 1..).next() {
+        problems.push(format!(
+            "{id}: acknowledged event seq {seq} is missing; the history ends at seq {}",
+            history.len()
+        ));
+    }
+
+    let replayed = match replay(id, history) {
+        Ok(r) => r,
+        Err(e) => {
+            problems.push(format!("{id}: replay fails: {e}"));
+            return;
+        }
+    };
+    let transcript = &replayed.state.transcript;
+    if let Err(e) = validate_transcript(transcript) {
+        problems.push(format!("{id}: the ledger does not validate: {e}"));
+    }
+    if replayed.state.active.is_some() {
+        problems.push(format!("{id}: a turn is still running"));
+    }
+    let mut completed = 0;
+    let mut results: BTreeMap<&str, Vec<&cairn_ledger::ToolResultContent>> = BTreeMap::new();
+    for e in history {
+        match &e.event {
+            Event::TurnCompleted { .. } => completed += 1,
+            Event::TurnFailed { turn, reason } => {
+                problems.push(format!("{id}: turn {turn} failed: {reason}"))
+            }
+            Event::ModelCallFailed { .. } | Event::ToolCallFailed { .. } => {
+                report.failed_attempts += 1
+            }
+            Event::ToolCallCompleted {
+                tool_use_id,
+                content,
+                ..
+            } => results.entry(tool_use_id).or_default().push(content),
+            _ => {}
+        }
+    }
+    report.turns_completed += completed;
+    let turns = report.turns_per_session;
+    if completed != turns || replayed.state.turns_started as usize != turns {
+        problems.push(format!(
+            "{id}: {completed} turns completed of {} started, expected {turns}",
+            replayed.state.turns_started
+        ));
+    }
+    let mut in_ledger = BTreeSet::new();
+    for message in &transcript.messages {
+        if message.role != Role::Assistant {
+            continue;
+        }
+        for part in &message.parts {
+            if let Part::ToolUse(tool_use) = part {
+                in_ledger.insert(tool_use.id.as_str());
+            }
+        }
+    }
+    for tool_use_id in &in_ledger {
+        let key = format!("{id}/{tool_use_id}");
+        let pid = match results.get(tool_use_id).map(Vec::as_slice) {
+            Some([content]) => {
+                let result = ToolResultJson::parse(content);
+                match result {
+                    Some(r) if r.key == key => Some(r.pid),
+                    _ => {
+                        problems.push(format!(
+                            "{id}: the result of {tool_use_id} does not carry its key {key}: {}",
+                            content.canonical_json()
+                        ));
+                        None
+                    }
+                }
+            }
+            Some(many) => {
+                problems.push(format!(
+                    "{id}: tool_use {tool_use_id} has {} recorded results",
+                    many.len()
+                ));
+                None
+            }
+            None => {
+                problems.push(format!(
+                    "{id}: tool_use {tool_use_id} has no recorded result"
+                ));
+                None
+            }
+        };
+        ledgers.recorded.insert(key, pid);
+    }
+    for tool_use_id in results.keys() {
+        if !in_ledger.contains(tool_use_id) {
+            problems.push(format!(
+                "{id}: a result is recorded for {tool_use_id}, which is no tool_use of the ledger"
+            ));
+        }
+    }
+}
+
+/// The side-effect tool's result.
+#[derive(Deserialize)]
+struct ToolResultJson {
+    key: String,
+    pid: u32,
+}
+
+impl ToolResultJson {
+    fn parse(content: &cairn_ledger::ToolResultContent) -> Option<Self> {
+        match content {
+            cairn_ledger::ToolResultContent::Json(json) => serde_json::from_str(json.as_str()).ok(),
+            cairn_ledger::ToolResultContent::Text(_) => None,
+        }
+    }
+}
+
+/// The side-effect file against the ledgers: every run names a tool_use by its key; every
+/// tool_use ran; the recorded result is its last run's; every earlier run was cut short by a
+/// kill of the process that made it.
+fn check_side_effects(
+    path: &Path,
+    ledgers: &Ledgers,
+    killed_pids: &BTreeSet<u32>,
+    report: &mut ChaosReport,
+) -> anyhow::Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let shown = path.display();
+    let mut runs: BTreeMap<String, Vec<SideEffectRecord>> = BTreeMap::new();
+    for (n, line) in text.lines().enumerate() {
+        report.tool_runs += 1;
+        let record: SideEffectRecord = match serde_json::from_str(line) {
+            Ok(r) => r,
+            Err(e) => {
+                report.problems.push(format!(
+                    "{shown} line {}: not a record ({e}): {line:?}",
+                    n + 1
+                ));
+                continue;
+            }
+        };
+        let names_its_call = record
+            .key
+            .split_once('/')
+            .is_some_and(|(_, tool_use_id)| tool_use_id == record.tool_use_id);
+        if !names_its_call || !ledgers.recorded.contains_key(&record.key) {
+            report.problems.push(format!(
+                "{shown} line {}: key {:?} (tool_use {}) names no tool_use of the ledgers",
+                n + 1,
+                record.key,
+                record.tool_use_id
+            ));
+        }
+        runs.entry(record.key.clone()).or_default().push(record);
+    }
+    for key in ledgers.recorded.keys() {
+        if !runs.contains_key(key) {
+            report.problems.push(format!(
+                "tool_use {key} has a recorded result but never ran"
+            ));
+        }
+    }
+    let mut repeats_by_pid: BTreeMap<u32, usize> = BTreeMap::new();
+    for (key, records) in &runs {
+        report.max_runs_per_key = report.max_runs_per_key.max(records.len());
+        let Some((last, earlier)) = records.split_last() else {
+            continue;
+        };
+        if let Some(Some(recorded_pid)) = ledgers.recorded.get(key) {
+            if last.pid != *recorded_pid {
+                report.problems.push(format!(
+                    "the recorded result of {key} came from process {recorded_pid}, but its last \
+                     run was in process {}",
+                    last.pid
+                ));
+            }
+        }
+        if earlier.is_empty() {
+            continue;
+        }
+        report.repeated_keys += 1;
+        report.repeated_tool_runs += earlier.len();
+        let pids: BTreeSet<u32> = records.iter().map(|r| r.pid).collect();
+        report.same_process_repeats += records.len() - pids.len();
+        for run in earlier {
+            *repeats_by_pid.entry(run.pid).or_default() += 1;
+            if !killed_pids.contains(&run.pid) {
+                report.problems.push(format!(
+                    "{key} ran again after a run in process {}, which was not killed",
+                    run.pid
+                ));
+            }
+        }
+    }
+    report.max_repeats_per_kill = repeats_by_pid.values().copied().max().unwrap_or(0);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_script_loads_and_grows_without_changing_its_start() {
+        let two = script_json(2, 7);
+        let five = script_json(5, 7);
+        let short = cairn_activities::Script::from_json(&two, "two.json").unwrap();
+        let long = cairn_activities::Script::from_json(&five, "five.json").unwrap();
+        for i in 0..short.len() {
+            assert_eq!(short.response(i), long.response(i));
+        }
+        let calls: usize = (1..=5).map(|t| turn_shape(7, t).len() + 1).sum();
+        assert_eq!(long.len(), calls);
+        assert!((1..=20).all(|t| {
+            let shape = turn_shape(7, t);
+            (1..=2).contains(&shape.len()) && shape.iter().all(|c| (2..=3).contains(c))
+        }));
+    }
+
+    #[test]
+    fn child_lines_cut_by_a_kill_are_dropped() {
+        let text = "ready 3 4 0 2\nack chaos-000 5 00000000000000ff\nack chaos-001 7 00ab\ndone\nack chaos-000 9 1";
+        let output = read_child_output(text.as_bytes(), Instant::now());
+        assert_eq!(
+            output.acks,
+            [
+                ("chaos-000".to_owned(), 5, 0xff),
+                ("chaos-001".to_owned(), 7, 0xab)
+            ]
+        );
+        let ready = output.ready.unwrap();
+        assert_eq!((ready.running, ready.requeued, ready.released), (3, 0, 2));
+        assert!(output.done);
+    }
+
+    #[test]
+    fn conflicting_acks_are_problems() {
+        let mut acks = Acks::default();
+        acks.insert("s", 3, 1);
+        acks.insert("s", 3, 1);
+        assert!(acks.conflicts.is_empty());
+        acks.insert("s", 3, 2);
+        assert_eq!(acks.conflicts.len(), 1);
+        assert_eq!(acks.len(), 1);
+    }
+
+    fn record(key: &str, pid: u32) -> String {
+        let tool_use_id = key.split_once('/').map_or(key, |(_, t)| t);
+        format!(r#"{{"key":"{key}","tool_use_id":"{tool_use_id}","pid":{pid},"attempt":1}}"#)
+    }
+
+    /// Runs the side-effect check on `lines` against two recorded tool uses, with pid 10 killed.
+    fn side_effects(lines: &[String], recorded: &[(&str, u32)]) -> ChaosReport {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(SIDE_EFFECTS_FILE);
+        std::fs::write(
+            &path,
+            lines.iter().map(|l| format!("{l}\n")).collect::<String>(),
+        )
+        .unwrap();
+        let ledgers = Ledgers {
+            recorded: recorded
+                .iter()
+                .map(|(key, pid)| ((*key).to_owned(), Some(*pid)))
+                .collect(),
+        };
+        let mut report = ChaosReport::default();
+        check_side_effects(&path, &ledgers, &BTreeSet::from([10]), &mut report).unwrap();
+        report
+    }
+
+    #[test]
+    fn repeats_are_counted_and_must_be_explained_by_a_kill() {
+        let recorded = [("s/a", 11), ("s/b", 11)];
+        // a ran in the killed process 10, then again in 11, which recorded it: one repeat.
+        let ok = side_effects(
+            &[record("s/a", 10), record("s/b", 11), record("s/a", 11)],
+            &recorded,
+        );
+        assert!(ok.passed(), "{:?}", ok.problems);
+        assert_eq!(
+            (ok.tool_runs, ok.repeated_tool_runs, ok.repeated_keys),
+            (3, 1, 1)
+        );
+        assert_eq!((ok.max_runs_per_key, ok.max_repeats_per_kill), (2, 1));
+
+        // A repeat after a run in a process that was not killed.
+        let unexplained = side_effects(
+            &[record("s/a", 12), record("s/a", 11), record("s/b", 11)],
+            &recorded,
+        );
+        assert!(
+            unexplained.problems[0].contains("process 12, which was not killed"),
+            "{:?}",
+            unexplained.problems
+        );
+        // The recorded result is not from the last run.
+        let stale = side_effects(
+            &[record("s/a", 11), record("s/a", 10), record("s/b", 11)],
+            &recorded,
+        );
+        assert!(stale
+            .problems
+            .iter()
+            .any(|p| p.contains("came from process 11, but its last run was in process 10")));
+        // Twice in one process.
+        let twice = side_effects(
+            &[record("s/a", 11), record("s/a", 11), record("s/b", 11)],
+            &recorded,
+        );
+        assert_eq!(twice.same_process_repeats, 1);
+        // A key that names no tool_use, a tool_use that never ran, a torn line.
+        let wrong = side_effects(
+            &[
+                record("s/a", 11),
+                record("s/zzz", 11),
+                r#"{"key":"s/a","tool_use_id":"b","pid":11,"attempt":1}"#.to_owned(),
+                r#"{"key":"s/"#.to_owned(),
+            ],
+            &recorded,
+        );
+        let problems = wrong.problems.join("\n");
+        assert!(problems.contains(r#"key "s/zzz""#), "{problems}");
+        assert!(problems.contains(r#"key "s/a" (tool_use b)"#), "{problems}");
+        assert!(
+            problems.contains("tool_use s/b has a recorded result but never ran"),
+            "{problems}"
+        );
+        assert!(problems.contains("not a record"), "{problems}");
+    }
+
+    #[tokio::test]
+    async fn acknowledged_states_must_be_in_the_history_with_their_ledger() {
+        let engine = Engine::new(
+            Arc::new(cairn_runtime::MemoryStore::new()),
+            Arc::new(SystemClock),
+        );
+        let model = ModelSpec::parse("scripted:chaos.json").unwrap();
+        let client = Client::new(engine.clone());
+        let mut options = SessionOptions::new(model, vec![SideEffect::new("x").spec()]);
+        options.session_id = Some(session_id(0));
+        let id = client.start_session(options).await.unwrap();
+        let after_start = ledger_fingerprint(&engine.state(&id).await.unwrap().transcript);
+        engine.send_message(&id, "go", None).await.unwrap();
+        let state = engine.state(&id).await.unwrap();
+        let seq = state.next_seq - 1;
+        let history = client.history(&id).await.unwrap();
+        assert_eq!(history.len() as u64, seq);
+        assert_ne!(after_start, ledger_fingerprint(&state.transcript));
+
+        let check = |acked: &[(u64, u64)]| {
+            let acked: BTreeMap<u64, u64> = acked.iter().copied().collect();
+            let mut report = ChaosReport::default();
+            check_session(
+                &id,
+                &history,
+                Some(&acked),
+                &mut report,
+                &mut Ledgers::default(),
+            );
+            report.problems
+        };
+        let good = check(&[
+            (1, after_start),
+            (seq, ledger_fingerprint(&state.transcript)),
+        ]);
+        // The turn is still running and none completed: only those complaints.
+        assert!(
+            good.iter()
+                .all(|p| p.contains("still running") || p.contains("turns completed")),
+            "{good:?}"
+        );
+        let missing = check(&[(seq + 2, 0)]).join("\n");
+        assert!(
+            missing.contains(&format!("acknowledged event seq {} is missing", seq + 2)),
+            "{missing}"
+        );
+        let changed = check(&[(seq, after_start)]).join("\n");
+        assert!(
+            changed.contains(&format!("acknowledged state at seq {seq} had ledger")),
+            "{changed}"
+        );
+    }
+}
