@@ -114,6 +114,28 @@ pub enum Error {
         /// What the provider said, or what went wrong talking to it.
         message: String,
     },
+    /// An HTTP exchange with a provider failed (a status, or the transport).
+    #[error("{}{message}", status.map(|s| format!("HTTP {s}: ")).unwrap_or_default())]
+    Http {
+        /// The failure class.
+        kind: ErrorKind,
+        /// The HTTP status, when the provider answered.
+        status: Option<u16>,
+        /// The provider's message, or the transport error.
+        message: String,
+        /// The provider's `retry-after`, in milliseconds.
+        retry_after_ms: Option<u64>,
+    },
+    /// A provider's stream broke its protocol or ended early: an error, never a completion.
+    #[error("{provider} stream: {message}")]
+    Stream {
+        /// Provider family.
+        provider: String,
+        /// Transient for early ends; InvalidResponse for protocol violations.
+        kind: ErrorKind,
+        /// What is wrong, and where in the stream.
+        message: String,
+    },
     /// A provider answered, but its response breaks the canonical response rules.
     #[error("provider {provider} returned an invalid response: {source}")]
     InvalidResponse {
@@ -171,6 +193,7 @@ impl Error {
             | Error::InvalidArguments { .. }
             | Error::UnknownTool { .. } => ErrorKind::InvalidRequest,
             Error::Provider { kind, .. } => *kind,
+            Error::Http { kind, .. } | Error::Stream { kind, .. } => *kind,
             Error::InvalidResponse { .. } => ErrorKind::InvalidResponse,
             Error::ToolFailed { .. } => ErrorKind::ToolFailed,
             Error::Io { source, .. } => match source.kind() {
@@ -188,6 +211,14 @@ impl Error {
     /// [`ErrorKind::is_retryable_by_default`].
     pub fn is_retryable_by_default(&self) -> bool {
         self.kind().is_retryable_by_default()
+    }
+
+    /// How long the provider asked us to wait before retrying, when it said.
+    pub fn retry_after_ms(&self) -> Option<u64> {
+        match self {
+            Error::Http { retry_after_ms, .. } => *retry_after_ms,
+            _ => None,
+        }
     }
 }
 

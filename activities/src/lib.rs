@@ -6,6 +6,7 @@
 mod context;
 mod error;
 mod model;
+pub mod providers;
 mod scripted;
 mod tool;
 mod tools;
