@@ -93,7 +93,7 @@ pub fn transport_error(url: &str, e: &reqwest::Error) -> Error {
 /// `retry-after` in seconds (the HTTP-date form is not used by model providers).
 pub fn parse_retry_after(value: &str) -> Option<u64> {
     let seconds: f64 = value.trim().parse().ok()?;
-    (seconds.is_finite() && seconds >= 0.0).then(|| (seconds * 1000.0) as u64)
+    (seconds.is_finite() && seconds >= 0.0).then_some((seconds * 1000.0) as u64)
 }
 
 /// Classifies an HTTP error status with the provider's body (its message is extracted from the
