@@ -307,7 +307,7 @@ async fn stream(response: &ModelResponse, chunk_delay: Duration, sink: &dyn Delt
             Part::Text { text } => {
                 deltas.extend(word_chunks(text).map(|c| Delta::Text(c.to_owned())));
             }
-            Part::Thinking { text, .. } => {
+            Part::Thinking { text, .. } | Part::Reasoning { text } => {
                 deltas.extend(word_chunks(text).map(|c| Delta::Thinking(c.to_owned())));
             }
             Part::ToolUse(tool_use) => {
@@ -320,7 +320,10 @@ async fn stream(response: &ModelResponse, chunk_delay: Duration, sink: &dyn Delt
                     }),
                 );
             }
-            Part::RedactedThinking { .. } | Part::ToolResult(_) | Part::Image { .. } => {}
+            Part::RedactedThinking { .. }
+            | Part::ReasoningItem { .. }
+            | Part::ToolResult(_)
+            | Part::Image { .. } => {}
         }
     }
     for (i, delta) in deltas.into_iter().enumerate() {

@@ -105,6 +105,18 @@ pub enum Part {
         /// Opaque data.
         data: String,
     },
+    /// Unsigned reasoning text (OpenAI-compatible servers' `reasoning_content`): sent back only
+    /// to the provider family that produced it.
+    Reasoning {
+        /// The reasoning text.
+        text: String,
+    },
+    /// A provider's reasoning item kept raw (OpenAI Responses `reasoning` with
+    /// `encrypted_content`): sent back verbatim and in position.
+    ReasoningItem {
+        /// The item exactly as the provider produced it.
+        item: JsonText,
+    },
     /// A tool call.
     ToolUse(ToolUse),
     /// A tool call's answer.
@@ -125,6 +137,8 @@ impl Part {
             Part::Text { .. } => "text",
             Part::Thinking { .. } => "thinking",
             Part::RedactedThinking { .. } => "redacted_thinking",
+            Part::Reasoning { .. } => "reasoning",
+            Part::ReasoningItem { .. } => "reasoning_item",
             Part::ToolUse(_) => "tool_use",
             Part::ToolResult(_) => "tool_result",
             Part::Image { .. } => "image",
@@ -133,7 +147,13 @@ impl Part {
 
     /// Whether this part is reasoning (thinking or redacted thinking).
     pub fn is_reasoning(&self) -> bool {
-        matches!(self, Part::Thinking { .. } | Part::RedactedThinking { .. })
+        matches!(
+            self,
+            Part::Thinking { .. }
+                | Part::RedactedThinking { .. }
+                | Part::Reasoning { .. }
+                | Part::ReasoningItem { .. }
+        )
     }
 }
 

@@ -88,9 +88,11 @@ fn check_parts(mi: usize, message: &Message) -> Result<()> {
     for (pi, part) in message.parts.iter().enumerate() {
         let allowed = match part {
             Part::Text { .. } | Part::Image { .. } => true,
-            Part::Thinking { .. } | Part::RedactedThinking { .. } | Part::ToolUse(_) => {
-                message.role == Role::Assistant
-            }
+            Part::Thinking { .. }
+            | Part::RedactedThinking { .. }
+            | Part::Reasoning { .. }
+            | Part::ReasoningItem { .. }
+            | Part::ToolUse(_) => message.role == Role::Assistant,
             Part::ToolResult(_) => message.role == Role::User,
         };
         if !allowed {

@@ -15,6 +15,7 @@ pub mod openai_responses;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::ModelRequest;
+use cairn_ledger::{Part, Role, Transcript};
 
 /// A provider wire format a request can be rendered in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,5 +56,111 @@ pub fn render_request(format: RequestFormat, request: &ModelRequest) -> Result<s
         RequestFormat::OpenAiChat => openai_chat::render(request),
         RequestFormat::OpenAiResponses => openai_responses::render(request),
         RequestFormat::Bedrock => bedrock::render(request),
+    }
+}
+
+/// Index of the first message of the current turn: just after the last user message that
+/// carries text (a person's message, not only tool results). Messages from here on form the
+/// current tool loop.
+pub fn current_turn_start(transcript: &Transcript) -> usize {
+    transcript
+        .messages
+        .iter()
+        .rposition(|m| {
+            m.role == Role::User && m.parts.iter().any(|p| matches!(p, Part::Text { .. }))
+        })
+        .map_or(0, |i| i + 1)
+}
+
+/// The transcript as `family` may receive it: reasoning produced by another provider family is
+/// dropped from completed turns (it cannot be verified there); inside the current tool loop a
+/// message from another family is refused — a switch mid-loop would break the loop's reasoning.
+pub fn prepare_transcript(transcript: &Transcript, family: &str) -> Result<Transcript> {
+    let start = current_turn_start(transcript);
+    let mut out = Transcript::new();
+    for (index, message) in transcript.messages.iter().enumerate() {
+        let foreign = message
+            .provenance
+            .as_ref()
+            .is_some_and(|p| p.provider != family);
+        if !foreign {
+            out.messages.push(message.clone());
+            continue;
+        }
+        if index >= start {
+            return Err(Error::Provider {
+                kind: ErrorKind::InvalidRequest,
+                message: format!(
+                    "message {index} of the current tool loop came from provider {:?}; switching to {family:?} inside a tool loop is not possible — finish the turn first",
+                    message.provenance.as_ref().map_or("", |p| p.provider.as_str())
+                ),
+            });
+        }
+        let mut kept = message.clone();
+        kept.parts.retain(|p| !p.is_reasoning());
+        if !kept.parts.is_empty() {
+            out.messages.push(kept);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cairn_ledger::{ModelResponse, StopReason, ToolResult, ToolResultContent, ToolUse, Usage};
+
+    fn response(provider: &str, parts: Vec<Part>) -> ModelResponse {
+        ModelResponse {
+            provider: provider.into(),
+            model: "m".into(),
+            parts,
+            stop_reason_raw: "x".into(),
+            stop_reason: StopReason::EndTurn,
+            usage: Usage::default(),
+        }
+    }
+
+    fn thinking() -> Part {
+        Part::Thinking {
+            text: "t".into(),
+            signature: "s".into(),
+        }
+    }
+
+    #[test]
+    fn foreign_reasoning_is_dropped_from_completed_turns_and_refused_in_the_loop() {
+        let mut t = Transcript::new();
+        t.push_user_text("one");
+        t.push_response(&response(
+            "anthropic",
+            vec![thinking(), Part::Text { text: "a".into() }],
+        ));
+        t.push_user_text("two");
+        let prepared = prepare_transcript(&t, "openai").unwrap();
+        assert_eq!(
+            prepared.messages[1].parts,
+            vec![Part::Text { text: "a".into() }]
+        );
+        // Same family: untouched.
+        assert_eq!(prepare_transcript(&t, "anthropic").unwrap(), t);
+        // Inside a tool loop of another family: refused.
+        t.push_response(&response(
+            "anthropic",
+            vec![Part::ToolUse(ToolUse {
+                id: "x".into(),
+                name: "n".into(),
+                arguments: "{}".into(),
+                signature: None,
+            })],
+        ));
+        t.push_tool_results([ToolResult {
+            tool_use_id: "x".into(),
+            content: ToolResultContent::Text("r".into()),
+            is_error: false,
+        }]);
+        let err = prepare_transcript(&t, "openai").unwrap_err();
+        assert!(err.to_string().contains("inside a tool loop"), "{err}");
+        assert_eq!(err.kind(), ErrorKind::InvalidRequest);
     }
 }
