@@ -228,5 +228,75 @@ fn transition(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, fold, transition);
+criterion_group!(benches, fold, transition, turns);
 criterion_main!(benches);
+
+const TURN_SCRIPT: &str = r#"{"responses": [
+  {"parts": [
+    {"type": "tool_use", "id": "t1", "name": "calculator", "input": {"expression": "1+2"}},
+    {"type": "tool_use", "id": "t2", "name": "calculator", "input": {"expression": "3*4"}}]},
+  {"parts": [{"type": "text", "text": "3 and 12"}]}
+]}"#;
+
+/// Durable agent turns on sled: model call → two parallel tool calls → model call, every step
+/// recorded durably, `n` sessions at once, with an in-process worker pool.
+fn turns(c: &mut Criterion) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut group = c.benchmark_group("durable_turns");
+    group.sample_size(10);
+    for sessions in [1usize, 64, 256] {
+        group.throughput(Throughput::Elements(sessions as u64));
+        group.bench_function(format!("sled_{sessions}_sessions"), |b| {
+            b.to_async(&rt).iter_custom(|iters| async move {
+                let dir = tempfile::tempdir().unwrap();
+                let script = dir.path().join("turn.json");
+                std::fs::write(&script, TURN_SCRIPT).unwrap();
+                let store = Arc::new(SledStore::open(dir.path().join("store")).unwrap());
+                let engine = Engine::new(store, Arc::new(SystemClock));
+                let tools = cairn_activities::ToolRegistry::builtin(dir.path());
+                let pool = cairn_workers::WorkerPool::start(
+                    engine.clone(),
+                    cairn_workers::Activities {
+                        models: Arc::new(cairn_workers::StandardModels::new()),
+                        tools: Arc::new(tools.clone()),
+                    },
+                    cairn_workers::WorkerConfig {
+                        concurrency: 512,
+                        ..Default::default()
+                    },
+                );
+                let client = Client::new(engine);
+                let model = ModelSpec::parse(&format!("scripted:{}", script.display())).unwrap();
+                let mut total = std::time::Duration::ZERO;
+                for i in 0..iters {
+                    let mut ids = Vec::new();
+                    for s in 0..sessions {
+                        let mut o = SessionOptions::new(model.clone(), tools.specs());
+                        o.session_id = Some(format!("b{i}-{s}"));
+                        ids.push(client.start_session(o).await.unwrap());
+                    }
+                    #[allow(clippy::disallowed_methods)] // benchmarks time themselves
+                    let start = std::time::Instant::now();
+                    let runs: Vec<_> = ids
+                        .iter()
+                        .map(|id| {
+                            let client = client.clone();
+                            let id = id.clone();
+                            tokio::spawn(async move { client.run_turn(&id, "go").await })
+                        })
+                        .collect();
+                    for r in runs {
+                        assert!(matches!(
+                            r.await.unwrap().unwrap(),
+                            TurnOutcome::Completed { .. }
+                        ));
+                    }
+                    total += start.elapsed();
+                }
+                pool.shutdown().await;
+                total
+            })
+        });
+    }
+    group.finish();
+}

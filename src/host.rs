@@ -3,7 +3,7 @@
 use anyhow::Context;
 use cairn_activities::ToolRegistry;
 use cairn_runtime::store::sled::SledStore;
-use cairn_runtime::{Client, Engine, SystemClock};
+use cairn_runtime::{Client, Engine, ResumeReport, SystemClock};
 use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -38,7 +38,21 @@ impl Host {
         })
     }
 
-    /// Starts the worker pool.
+    /// Carries on every interrupted session (the store is locked to this process, so leases
+    /// left by a dead one are released at once), then starts the worker pool.
+    pub async fn start(&mut self) -> anyhow::Result<ResumeReport> {
+        let report = self.client.engine().resume(true).await?;
+        if !report.running_sessions.is_empty() {
+            tracing::info!(
+                sessions = report.running_sessions.len(),
+                "resuming interrupted sessions"
+            );
+        }
+        self.start_workers();
+        Ok(report)
+    }
+
+    /// Starts the worker pool (without resuming; see [`Host::start`]).
     pub fn start_workers(&mut self) {
         if self.workers.is_none() {
             let activities = Activities {

@@ -205,7 +205,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let model = parse_model(&model)?;
             let workdir = workdir_or_cwd(workdir)?;
             let mut host = Host::open(&data, true, workdir)?;
-            host.start_workers();
+            // Interrupted sessions of this store carry on too, in the background.
+            host.start().await?;
             let session_id = match session {
                 Some(id) if session_exists(&host, &id).await? => id,
                 requested => {
@@ -707,7 +708,7 @@ async fn demo(data: Option<PathBuf>) -> anyhow::Result<ExitCode> {
     std::fs::write(&script, DEMO_SCRIPT)?;
     let store_dir = data.join("store");
     let mut host = Host::open(&store_dir, true, workdir)?;
-    host.start_workers();
+    host.start().await?;
     let model = parse_model(&format!("scripted:{}", script.display()))?;
     let options = SessionOptions {
         system_prompt: Some("You are a concise assistant. Use tools when they help.".to_owned()),

@@ -165,3 +165,59 @@ fn errors_a_person_can_act_on_are_one_clear_line() {
     assert!(err.contains("bad.json") && err.contains("line 2"), "{err}");
     let _ = Path::new(".");
 }
+
+#[test]
+fn an_interrupted_session_is_cancelled_from_the_command_line_and_stays_valid() {
+    // A store whose session was interrupted mid-turn: the engine took the message, no worker ran.
+    let files = demo_files(cairn::demo::DEMO_SCRIPT);
+    let data = files.dir.path().join("store");
+    {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let store =
+                std::sync::Arc::new(cairn_runtime::store::sled::SledStore::open(&data).unwrap());
+            let engine =
+                cairn_runtime::Engine::new(store, std::sync::Arc::new(cairn_runtime::SystemClock));
+            let client = cairn_runtime::Client::new(engine);
+            let tools = cairn_activities::ToolRegistry::builtin(&files.workdir);
+            let model =
+                cairn_ledger::ModelSpec::parse(&format!("scripted:{}", files.script.display()))
+                    .unwrap();
+            let mut options = cairn_runtime::SessionOptions::new(model, tools.specs());
+            options.session_id = Some("stuck".into());
+            client.start_session(options).await.unwrap();
+            client.send("stuck", "go").await.unwrap();
+        });
+    }
+    let data = data.to_str().unwrap();
+    let listing = text(&cairn(&["sessions", "--data", data]).stdout);
+    assert!(listing.contains("running"), "{listing}");
+    let out = cairn(&[
+        "cancel", "--data", data, "stuck", "--turn", "--reason", "operator",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "cancelled turn 1 of session stuck"
+    );
+    let listing = text(&cairn(&["sessions", "--data", data]).stdout);
+    assert!(listing.contains("idle"), "{listing}");
+    let history = text(&cairn(&["history", "--data", data, "stuck"]).stdout);
+    assert!(
+        history.contains("turn_cancelled") && history.contains("operator"),
+        "{history}"
+    );
+    assert!(cairn(&["replay", "--data", data, "stuck"]).status.success());
+    assert!(cairn(&["fsck", "--data", data]).status.success());
+    // Cancelling again: no turn is running — a clear error, not a panic.
+    let again = cairn(&["cancel", "--data", data, "stuck", "--turn"]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        text(&again.stderr).contains("no turn is running"),
+        "{}",
+        text(&again.stderr)
+    );
+    // The whole session can still be cancelled.
+    assert!(cairn(&["cancel", "--data", data, "stuck"]).status.success());
+    assert!(text(&cairn(&["sessions", "--data", data]).stdout).contains("cancelled"));
+}

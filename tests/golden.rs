@@ -60,6 +60,7 @@ fn sample_events() -> Vec<Event> {
         usage: Some(usage),
         phase: None,
         heartbeat_details: None,
+        retry_after_ms: None,
     };
     vec![
         Event::SessionStarted(SessionStarted {
@@ -129,6 +130,7 @@ fn sample_events() -> Vec<Event> {
                 usage: None,
                 phase: None,
                 heartbeat_details: None,
+                retry_after_ms: None,
             },
         },
         Event::TurnCompleted { turn: 1, usage },

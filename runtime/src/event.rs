@@ -277,6 +277,10 @@ pub struct ActivityFailure {
     /// The progress details the attempt heartbeated last; the next attempt receives them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub heartbeat_details: Option<JsonText>,
+    /// How long the provider asked us to wait (`retry-after`), in milliseconds: the next
+    /// attempt starts no earlier, whatever the backoff says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
 }
 
 impl ActivityFailure {
@@ -288,6 +292,7 @@ impl ActivityFailure {
             usage: None,
             phase: None,
             heartbeat_details: None,
+            retry_after_ms: None,
         }
     }
 }
@@ -376,13 +381,15 @@ impl RetryPolicy {
     pub fn decide(
         &self,
         failed_attempt: u32,
-        class: ErrorClass,
+        failure: &ActivityFailure,
         first_scheduled_ms: u64,
         now_ms: u64,
     ) -> Result<u64, String> {
-        let Some(delay) = self.next_delay_ms(failed_attempt, class) else {
+        let class = failure.class;
+        let Some(backoff) = self.next_delay_ms(failed_attempt, class) else {
             return Err(format!("after {failed_attempt} attempt(s)"));
         };
+        let delay = backoff.max(failure.retry_after_ms.unwrap_or(0));
         let next_start = now_ms.saturating_add(delay);
         if let Some(limit) = self.schedule_to_close_timeout_ms {
             if next_start > first_scheduled_ms.saturating_add(limit) {
@@ -436,5 +443,23 @@ mod tests {
         assert_eq!(p.next_delay_ms(3, ErrorClass::Transient), Some(350));
         assert_eq!(p.next_delay_ms(4, ErrorClass::Transient), None);
         assert_eq!(p.next_delay_ms(1, ErrorClass::InvalidRequest), None);
+    }
+
+    #[test]
+    fn retry_after_outweighs_a_shorter_backoff() {
+        let p = RetryPolicy {
+            initial_interval_ms: 100,
+            ..RetryPolicy::model_default()
+        };
+        let mut f = ActivityFailure::new(ErrorClass::RateLimited, "429");
+        assert_eq!(p.decide(1, &f, 0, 1_000), Ok(1_100));
+        f.retry_after_ms = Some(3_000);
+        assert_eq!(p.decide(1, &f, 0, 1_000), Ok(4_000));
+        // Past the overall deadline, a long retry-after makes the failure final.
+        let bounded = RetryPolicy {
+            schedule_to_close_timeout_ms: Some(2_000),
+            ..p
+        };
+        assert!(bounded.decide(1, &f, 0, 1_000).is_err());
     }
 }

@@ -587,7 +587,7 @@ impl SessionState {
                 self.check_tool_slot(seq, *turn, tool_use_id, *attempt)?;
                 let policy = self.started_ref()?.tool_retry.clone();
                 let first_scheduled_ms = self.tool_first_scheduled(tool_use_id);
-                match policy.decide(*attempt, failure.class, first_scheduled_ms, now) {
+                match policy.decide(*attempt, failure, first_scheduled_ms, now) {
                     Ok(next_start) => {
                         let turn = *turn;
                         let name = self.set_tool_attempt(
@@ -804,7 +804,7 @@ impl SessionState {
             Phase::Model(slot) => slot.first_scheduled_ms,
             _ => now,
         };
-        match policy.decide(attempt, failure.class, first_scheduled_ms, now) {
+        match policy.decide(attempt, failure, first_scheduled_ms, now) {
             Ok(next_start) => {
                 active.phase = Phase::Model(ModelSlot {
                     attempt: attempt + 1,

@@ -1,6 +1,6 @@
 //! Model resolution: from a `ModelSpec` to the provider that serves it.
 
-use cairn_activities::{Error, ErrorKind, ModelProvider, ScriptedProvider};
+use cairn_activities::{providers, Error, ErrorKind, ModelProvider, ScriptedProvider};
 use cairn_ledger::ModelSpec;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -12,11 +12,14 @@ pub trait ModelResolver: Send + Sync + 'static {
     fn resolve(&self, spec: &ModelSpec) -> Result<Arc<dyn ModelProvider>, Error>;
 }
 
-/// The providers this build knows: `scripted:FILE` (loaded once per file).
+/// The providers this build knows: `scripted:FILE` (loaded once per file), and the HTTP
+/// providers `anthropic`, `openai` (Chat Completions and compatible servers),
+/// `openai-responses` and `bedrock`, configured from the environment.
 /// Relative script paths are resolved against `script_dir` (the current directory by default).
 #[derive(Default)]
 pub struct StandardModels {
     scripts: Mutex<BTreeMap<String, Arc<ScriptedProvider>>>,
+    http: Mutex<BTreeMap<String, Arc<dyn ModelProvider>>>,
     script_dir: Option<PathBuf>,
 }
 
@@ -30,6 +33,7 @@ impl StandardModels {
     pub fn with_script_dir(dir: impl Into<PathBuf>) -> Self {
         StandardModels {
             scripts: Mutex::default(),
+            http: Mutex::default(),
             script_dir: Some(dir.into()),
         }
     }
@@ -54,9 +58,31 @@ impl ModelResolver for StandardModels {
                 scripts.insert(spec.model.clone(), provider.clone());
                 Ok(provider)
             }
+            name @ ("anthropic" | "openai" | "openai-responses" | "bedrock") => {
+                let mut http = match self.http.lock() {
+                    Ok(h) => h,
+                    Err(poisoned) => poisoned.into_inner(),
+                };
+                if let Some(p) = http.get(name) {
+                    return Ok(p.clone());
+                }
+                // Keys, base URLs and regions come from the environment, once per provider.
+                let provider: Arc<dyn ModelProvider> = match name {
+                    "anthropic" => Arc::new(providers::anthropic::AnthropicProvider::from_env()?),
+                    "openai" => Arc::new(providers::openai_chat::OpenAiChatProvider::from_env()?),
+                    "openai-responses" => Arc::new(
+                        providers::openai_responses::OpenAiResponsesProvider::from_env()?,
+                    ),
+                    _ => Arc::new(providers::bedrock::BedrockProvider::from_env()?),
+                };
+                http.insert(name.to_owned(), provider.clone());
+                Ok(provider)
+            }
             other => Err(Error::Provider {
                 kind: ErrorKind::InvalidRequest,
-                message: format!("unknown model provider {other:?} (this build knows: scripted)"),
+                message: format!(
+                    "unknown model provider {other:?} (known: scripted, anthropic, openai, openai-responses, bedrock)"
+                ),
             }),
         }
     }

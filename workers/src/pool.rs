@@ -437,7 +437,11 @@ async fn run_activity(
                         return ActivityReport::Failed(f);
                     }
                 },
-                Ok(Err(e)) => ActivityFailure::new(class_of(e.kind()), e.to_string()),
+                Ok(Err(e)) => {
+                    let mut f = ActivityFailure::new(class_of(e.kind()), e.to_string());
+                    f.retry_after_ms = e.retry_after_ms();
+                    f
+                }
                 Err(_) => ActivityFailure::new(
                     ErrorClass::Timeout,
                     format!("model call exceeded its start-to-close timeout of {limit} ms"),
