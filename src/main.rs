@@ -3,7 +3,8 @@
 use anyhow::{bail, Context};
 use cairn::demo::{DEMO_NOTES, DEMO_PROMPT, DEMO_SCRIPT};
 use cairn::host::Host;
-use cairn_activities::ScriptedProvider;
+use cairn_activities::providers::{render_request, RequestFormat};
+use cairn_activities::{CallContext, ModelRequest, ScriptedProvider};
 use cairn_ledger::{Delta, ModelSpec};
 use cairn_runtime::{replay, Error as RuntimeError, Event, SessionOptions, TurnOutcome};
 use clap::{Parser, Subcommand};
@@ -80,6 +81,13 @@ enum Command {
         data: PathBuf,
         /// Session id.
         session: String,
+        /// Print instead the exact request body this provider would be sent next:
+        /// anthropic, openai-chat, openai-responses or bedrock.
+        #[arg(long = "as", value_name = "FORMAT")]
+        format: Option<String>,
+        /// The model name to render with (default: the session's model).
+        #[arg(long)]
+        model: Option<String>,
     },
     /// Re-fold a history with this code and check determinism (exit 1 on divergence).
     Replay {
@@ -270,12 +278,44 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Transcript { data, session } => {
+        Command::Transcript {
+            data,
+            session,
+            format,
+            model,
+        } => {
             let host = Host::open(&data, false, PathBuf::from("."))?;
-            let transcript = host.client.transcript(&session).await?;
+            let state = host.client.engine().state(&session).await?;
             let mut out = std::io::stdout().lock();
-            out.write_all(&transcript.canonical_json())?;
-            writeln!(out)?;
+            let Some(format) = format else {
+                out.write_all(&state.transcript.canonical_json())?;
+                writeln!(out)?;
+                return Ok(ExitCode::SUCCESS);
+            };
+            let format = RequestFormat::parse(&format)?;
+            let Some(started) = &state.started else {
+                bail!("session {session} has not started");
+            };
+            let mut spec = state
+                .active
+                .as_ref()
+                .map_or_else(|| started.model.clone(), |a| a.model.clone());
+            if let Some(model) = model {
+                spec.model = model;
+            }
+            let request = ModelRequest {
+                context: CallContext {
+                    session_id: session.clone(),
+                    turn: state.turns_started,
+                    round: state.active.as_ref().map_or(0, |a| a.round),
+                    attempt: 1,
+                },
+                model: spec,
+                transcript: state.transcript.clone(),
+                tools: started.tools.clone(),
+            };
+            let body = render_request(format, &request)?;
+            writeln!(out, "{}", serde_json::to_string_pretty(&body)?)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Replay { data, session } => {
@@ -415,7 +455,10 @@ fn parse_model(text: &str) -> anyhow::Result<ModelSpec> {
                 ..spec
             })
         }
-        other => bail!("unknown model provider {other:?} (this build knows: scripted)"),
+        "anthropic" | "openai" | "openai-responses" | "bedrock" => Ok(spec),
+        other => bail!(
+            "unknown model provider {other:?} (known: scripted, anthropic, openai, openai-responses, bedrock)"
+        ),
     }
 }
 

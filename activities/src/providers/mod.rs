@@ -63,6 +63,14 @@ pub fn render_request(format: RequestFormat, request: &ModelRequest) -> Result<s
 /// carries text (a person's message, not only tool results). Messages from here on form the
 /// current tool loop.
 pub fn current_turn_start(transcript: &Transcript) -> usize {
+    // A transcript that ends on an assistant message without tool calls ends a completed turn:
+    // there is no current tool loop.
+    if let Some(last) = transcript.messages.last() {
+        if last.role == Role::Assistant && !last.parts.iter().any(|p| matches!(p, Part::ToolUse(_)))
+        {
+            return transcript.messages.len();
+        }
+    }
     transcript
         .messages
         .iter()
@@ -162,5 +170,22 @@ mod tests {
         let err = prepare_transcript(&t, "openai").unwrap_err();
         assert!(err.to_string().contains("inside a tool loop"), "{err}");
         assert_eq!(err.kind(), ErrorKind::InvalidRequest);
+        // Once the turn is complete, the switch is fine and the foreign reasoning is dropped.
+        t.push_response(&response(
+            "anthropic",
+            vec![
+                thinking(),
+                Part::Text {
+                    text: "done".into(),
+                },
+            ],
+        ));
+        let prepared = prepare_transcript(&t, "openai").unwrap();
+        assert_eq!(
+            prepared.messages.last().unwrap().parts,
+            vec![Part::Text {
+                text: "done".into()
+            }]
+        );
     }
 }

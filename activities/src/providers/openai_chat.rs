@@ -147,7 +147,12 @@ impl OpenAiChatProvider {
     }
 }
 
-fn settings_from(api_key: Option<String>, base_url: Option<String>) -> Result<HttpSettings> {
+/// OpenAI settings from a key and a base URL (shared by Chat and Responses): the key may only be
+/// omitted for a base URL of a compatible server that needs none.
+pub(crate) fn settings_from(
+    api_key: Option<String>,
+    base_url: Option<String>,
+) -> Result<HttpSettings> {
     match (api_key, base_url) {
         (None, None) => Err(Error::Provider {
             kind: ErrorKind::Auth,

@@ -63,18 +63,8 @@ impl OpenAiResponsesProvider {
 }
 
 fn settings_from(key: Option<String>, base: Option<String>) -> Result<HttpSettings> {
-    match (key, base) {
-        (None, None) => Err(Error::Provider {
-            kind: ErrorKind::Auth,
-            message: format!(
-                "{PROVIDER}: OPENAI_API_KEY is not set (it may only be omitted when OPENAI_BASE_URL points at a server that needs no key)"
-            ),
-        }),
-        (key, base) => Ok(HttpSettings::new(
-            base.unwrap_or_else(|| DEFAULT_BASE_URL.to_owned()),
-            key,
-        )),
-    }
+    // Same environment as Chat Completions: one OpenAI key and base URL for both APIs.
+    super::openai_chat::settings_from(key, base)
 }
 
 // ---------------------------------------------------------------------------------------------
