@@ -1,8 +1,8 @@
 //! The activity context: what a running attempt can ask of its runtime — heartbeats (with
 //! progress details the next attempt receives), cancellation, and which attempt it is.
 
-use cairn_ledger::JsonText;
-use std::sync::Arc;
+use cairn_ledger::{JsonText, Usage};
+use std::sync::{Arc, Mutex};
 use tokio_util::sync::CancellationToken;
 
 type HeartbeatFn = dyn Fn(Option<JsonText>) + Send + Sync;
@@ -18,6 +18,7 @@ struct Inner {
     previous_details: Option<JsonText>,
     cancel: CancellationToken,
     heartbeat: Box<HeartbeatFn>,
+    usage: Mutex<Option<Usage>>,
 }
 
 impl ActivityContext {
@@ -35,6 +36,7 @@ impl ActivityContext {
                 previous_details,
                 cancel,
                 heartbeat: Box::new(heartbeat),
+                usage: Mutex::new(None),
             }),
         }
     }
@@ -58,6 +60,17 @@ impl ActivityContext {
     /// than their heartbeat timeout, or the attempt is failed as timed out.
     pub fn heartbeat(&self, details: Option<JsonText>) {
         (self.inner.heartbeat)(details);
+    }
+
+    /// Records the usage a model call has consumed so far (cumulative), so that an attempt that
+    /// fails mid-stream still has its usage recorded.
+    pub fn report_usage(&self, usage: Usage) {
+        *self.inner.usage.lock().unwrap_or_else(|p| p.into_inner()) = Some(usage);
+    }
+
+    /// The last usage reported by [`ActivityContext::report_usage`].
+    pub fn reported_usage(&self) -> Option<Usage> {
+        *self.inner.usage.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Whether cancellation was requested.

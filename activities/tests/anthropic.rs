@@ -809,3 +809,23 @@ fn the_parser_maps_aliased_ids_back() {
     let ids: Vec<&str> = response.tool_uses().map(|t| t.id.as_str()).collect();
     assert_eq!(ids, ["call.1"]);
 }
+
+#[tokio::test]
+async fn a_stream_that_breaks_after_message_start_still_reports_its_usage() {
+    let server = FakeServer::start().await;
+    server.push(Canned::sse(&sse(&[
+        message_start(json!({"input_tokens": 25, "output_tokens": 1})),
+        start(0, text_start()),
+        text_delta(0, "partial"),
+    ])));
+    let context = ActivityContext::detached();
+    let err = provider(&server)
+        .call(&first_request(), &NoDeltas, &context)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Transient, "{err}");
+    let usage = context
+        .reported_usage()
+        .expect("usage reported before the break");
+    assert_eq!(usage.input_tokens, 25);
+}

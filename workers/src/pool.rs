@@ -448,6 +448,8 @@ async fn run_activity(
                 ),
             };
             failed.phase = Some(phase);
+            // Tokens a broken attempt consumed still count.
+            failed.usage = context.reported_usage();
             ActivityReport::Failed(failed)
         }
         ActivityInput::Tool {

@@ -141,7 +141,10 @@ impl ModelProvider for AnthropicProvider {
                 }
             };
             context.heartbeat(None);
-            parser.feed(&event.event, &event.data, deltas)?;
+            let fed = parser.feed(&event.event, &event.data, deltas);
+            // Usage so far (message_start, message_delta) outlives a stream that breaks later.
+            context.report_usage(parser.usage());
+            fed?;
         }
         parser.finish()
     }
@@ -639,6 +642,11 @@ impl StreamParser {
                 Ok(())
             }
         }
+    }
+
+    /// The usage reported so far (cumulative).
+    pub fn usage(&self) -> Usage {
+        self.usage
     }
 
     /// The complete response, once `message_stop` was seen.
