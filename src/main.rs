@@ -54,6 +54,13 @@ enum Command {
         /// Do not print thinking while it streams.
         #[arg(long)]
         hide_thinking: bool,
+        /// Output token limit of each model call (default: the provider's).
+        #[arg(long)]
+        max_tokens: Option<u32>,
+        /// Enable extended thinking with this token budget (Anthropic and Bedrock need it
+        /// below --max-tokens; OpenAI Responses maps it to a reasoning effort).
+        #[arg(long)]
+        thinking_budget: Option<u32>,
         /// The user message.
         prompt: String,
     },
@@ -208,9 +215,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             max_rounds,
             workdir,
             hide_thinking,
+            max_tokens,
+            thinking_budget,
             prompt,
         } => {
-            let model = parse_model(&model)?;
+            let model = ModelSpec {
+                max_tokens,
+                thinking_budget_tokens: thinking_budget,
+                ..parse_model(&model)?
+            };
             let workdir = workdir_or_cwd(workdir)?;
             let mut host = Host::open(&data, true, workdir)?;
             // Interrupted sessions of this store carry on too, in the background.

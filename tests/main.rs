@@ -9,5 +9,6 @@ mod engine;
 mod faults;
 mod golden;
 mod lifecycle;
+mod providers;
 mod store_crash;
 mod support;
