@@ -78,7 +78,11 @@ fn sample_events() -> Vec<Event> {
             }],
             system_prompt: Some("be brief".into()),
             limits: Limits { max_rounds: 8 },
-            model_retry: RetryPolicy::model_default(),
+            // Pinned as written in v1 (before model calls got a default overall deadline).
+            model_retry: RetryPolicy {
+                schedule_to_close_timeout_ms: None,
+                ..RetryPolicy::model_default()
+            },
             tool_retry: RetryPolicy::tool_default(),
         }),
         Event::UserMessage {

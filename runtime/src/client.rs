@@ -106,6 +106,11 @@ impl Client {
         self.engine.cancel(session_id, reason).await
     }
 
+    /// Cancels the running turn only; the session takes further turns. Returns the turn.
+    pub async fn cancel_turn(&self, session_id: &str, reason: &str) -> Result<u32> {
+        self.engine.cancel_turn(session_id, reason).await
+    }
+
     /// Every event of a session.
     pub async fn history(&self, session_id: &str) -> Result<Vec<EventEnvelope>> {
         self.engine.store().read_history(session_id, 1, None).await

@@ -337,7 +337,8 @@ pub struct RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// Defaults for model calls: 1s, ×2, ≤60s, 5 attempts, 10 min per attempt.
+    /// Defaults for model calls: 1s, ×2, ≤60s, 5 attempts, 10 min per attempt, and 30 min for
+    /// all attempts together (no retry starts after that).
     pub fn model_default() -> Self {
         RetryPolicy {
             initial_interval_ms: 1_000,
@@ -351,7 +352,7 @@ impl RetryPolicy {
             ],
             start_to_close_timeout_ms: 600_000,
             schedule_to_start_timeout_ms: None,
-            schedule_to_close_timeout_ms: None,
+            schedule_to_close_timeout_ms: Some(1_800_000),
             heartbeat_timeout_ms: None,
         }
     }
