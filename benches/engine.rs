@@ -44,9 +44,7 @@ fn tool_call_response(turn: u32, n: usize) -> ModelResponse {
             text: "thinking about which tools to call ".repeat(4),
             signature: "c2lnbmF0dXJl".repeat(8),
         },
-        Part::Text {
-            text: "Let me check.".into(),
-        },
+        Part::text("Let me check."),
     ];
     for i in 0..n {
         parts.push(Part::ToolUse(ToolUse {
@@ -117,9 +115,7 @@ fn history(events: usize) -> Vec<EventEnvelope> {
                 turn,
                 round: 1,
                 attempt: 1,
-                response: response(vec![Part::Text {
-                    text: "It is 126.".into(),
-                }]),
+                response: response(vec![Part::text("It is 126.")]),
             },
         );
     }

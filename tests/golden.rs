@@ -38,7 +38,7 @@ fn sample_events() -> Vec<Event> {
             Part::RedactedThinking {
                 data: "opaque".into(),
             },
-            Part::Text { text: "hi".into() },
+            Part::text("hi"),
             Part::ToolUse(ToolUse {
                 id: "toolu_1".into(),
                 name: "calculator".into(),

@@ -98,7 +98,7 @@ fn call_tool(id: &str, name: &str) -> ModelStep {
 
 fn answer(text: &str) -> ModelStep {
     let text = text.to_owned();
-    Box::new(move |_, _| Ok(response(vec![Part::Text { text: text.clone() }])))
+    Box::new(move |_, _| Ok(response(vec![Part::text(text.clone())])))
 }
 
 /// A tool that waits until cancelled (or 30 s), heartbeating, and says whether it saw the signal.
@@ -485,15 +485,13 @@ async fn model_failures_record_how_far_the_call_got_and_the_usage_of_failed_atte
                 })
             }
             3 => Ok(response(vec![
-                Part::Text { text: "x".into() },
+                Part::text("x"),
                 Part::Thinking {
                     text: "t".into(),
                     signature: "s".into(),
                 },
             ])),
-            _ => Ok(response(vec![Part::Text {
-                text: "finally".into(),
-            }])),
+            _ => Ok(response(vec![Part::text("finally")])),
         }
     });
     let host = host_with(

@@ -304,7 +304,7 @@ async fn stream(response: &ModelResponse, chunk_delay: Duration, sink: &dyn Delt
     let mut deltas = Vec::new();
     for part in &response.parts {
         match part {
-            Part::Text { text } => {
+            Part::Text { text, .. } => {
                 deltas.extend(word_chunks(text).map(|c| Delta::Text(c.to_owned())));
             }
             Part::Thinking { text, .. } | Part::Reasoning { text } => {
@@ -603,7 +603,7 @@ impl<'t> Loader<'t> {
         Ok(match tag.kind {
             PartKind::Text => {
                 let p: TextPart = serde_json::from_str(source).map_err(parse_error)?;
-                Part::Text { text: p.text }
+                Part::text(p.text)
             }
             PartKind::Thinking => {
                 let p: ThinkingPart = serde_json::from_str(source).map_err(parse_error)?;
@@ -831,9 +831,7 @@ mod tests {
                 Part::RedactedThinking {
                     data: "opaque".into()
                 },
-                Part::Text {
-                    text: "I'll use tools.".into()
-                },
+                Part::text("I'll use tools."),
                 tool_use("toolu_01", "calculator", r#"{"expression":"2+2"}"#, None),
                 tool_use("toolu_02", "read_file", r#"{"path": "notes.txt"}"#, None),
                 tool_use(

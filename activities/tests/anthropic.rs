@@ -178,9 +178,7 @@ fn parallel_parts() -> Vec<Part> {
             text: "Two calls, in parallel.".into(),
             signature: "EqQBCgIYAhIM1gbcDa9GJwZA2b3hGgxBdjrkzLoky3dl1pkiMOYds==".into(),
         },
-        Part::Text {
-            text: "Let me compute.".into(),
-        },
+        Part::text("Let me compute."),
         Part::ToolUse(ToolUse {
             id: "toolu_01A".into(),
             name: "calc".into(),
@@ -294,9 +292,7 @@ async fn redacted_thinking_is_kept_in_position() {
                 text: "Visible part.".into(),
                 signature: "c2lnLTE=".into()
             },
-            Part::Text {
-                text: "Done.".into()
-            },
+            Part::text("Done."),
         ]
     );
     assert_eq!(response.stop_reason, StopReason::EndTurn);

@@ -124,9 +124,7 @@ fn history() -> Transcript {
     }]);
     t.push_response(&response(
         "openai",
-        vec![Part::Text {
-            text: "done".into(),
-        }],
+        vec![Part::text("done")],
         StopReason::EndTurn,
     ));
     t.push_user_text("second");
@@ -232,9 +230,7 @@ async fn a_tool_loop_streams_parses_and_renders_its_follow_up() {
                     text: "Let me think.".into(),
                     signature: "sig-A+/==".into(),
                 },
-                Part::Text {
-                    text: "Checking both.".into(),
-                },
+                Part::text("Checking both."),
                 Part::ToolUse(ToolUse {
                     id: "tooluse_A1".into(),
                     name: "calc".into(),

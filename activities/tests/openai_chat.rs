@@ -198,9 +198,7 @@ async fn text_and_two_parallel_tool_calls_with_fragmented_arguments_and_usage() 
             provider: PROVIDER.into(),
             model: "gpt-test-2025".into(),
             parts: vec![
-                Part::Text {
-                    text: "Let me check.".into()
-                },
+                Part::text("Let me check."),
                 tool_use("call_A", "get_weather", "{\"city\": \"Paris\"}"),
                 tool_use("call_B", "get_time", "{\"tz\":\"CET\"}"),
             ],
@@ -401,7 +399,7 @@ async fn reasoning_content_is_captured_as_reasoning() {
             Part::Reasoning {
                 text: "The user wants a number.".into()
             },
-            Part::Text { text: "42".into() },
+            Part::text("42"),
         ]
     );
     assert_eq!(
@@ -420,10 +418,7 @@ async fn reasoning_content_is_captured_as_reasoning() {
     ]);
     assert_eq!(
         parse_all(&vllm, context(1)).unwrap().parts,
-        vec![
-            Part::Reasoning { text: "hmm".into() },
-            Part::Text { text: "ok".into() }
-        ]
+        vec![Part::Reasoning { text: "hmm".into() }, Part::text("ok")]
     );
 }
 
@@ -514,9 +509,7 @@ async fn follow_up_request_sends_calls_back_exactly_with_one_tool_message_each()
                 content: ToolResultContent::Text("arguments are not valid JSON".into()),
                 is_error: true,
             }),
-            Part::Text {
-                text: "Also, be quick.".into(),
-            },
+            Part::text("Also, be quick."),
         ],
         provenance: None,
     });
@@ -583,9 +576,7 @@ fn deepseek_dialect_sends_empty_reasoning_content_for_foreign_tool_turns() {
     t.push_response(&ModelResponse {
         provider: "anthropic".into(),
         model: "claude".into(),
-        parts: vec![Part::Text {
-            text: "It is noon.".into(),
-        }],
+        parts: vec![Part::text("It is noon.")],
         stop_reason_raw: "end_turn".into(),
         stop_reason: StopReason::EndTurn,
         usage: Usage::default(),
@@ -787,7 +778,7 @@ async fn unknown_fields_and_extra_chunks_are_ignored_and_invalid_arguments_kept(
     assert_eq!(
         response.parts,
         vec![
-            Part::Text { text: "ok".into() },
+            Part::text("ok"),
             tool_use("call_J", "get_time", "{not json"),
         ]
     );

@@ -67,6 +67,7 @@ fn expected_response() -> ModelResponse {
             },
             Part::Text {
                 text: "Checking both.".into(),
+                item_id: Some("msg_1".into()),
             },
             Part::ToolUse(ToolUse {
                 id: "call_A".into(),
@@ -265,7 +266,9 @@ async fn follow_up_sends_the_reasoning_item_raw_and_in_order_with_one_output_per
         json!([
             {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris and Oslo?"}]},
             reasoning,
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking both."}]},
+            // The text goes back with its item id: the reasoning item is paired with it.
+            {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+             "content": [{"type": "output_text", "text": "Checking both.", "annotations": []}]},
             {"type": "function_call", "id": "fc_1", "call_id": "call_A", "name": "get_weather", "arguments": ARGS_1},
             {"type": "function_call", "id": "fc_2", "call_id": "call_B", "name": "get_weather", "arguments": ARGS_2},
             {"type": "function_call_output", "call_id": "call_A", "output": r#"{"temp_c":21,"big":9007199254740993}"#},
@@ -365,12 +368,7 @@ fn render_refuses_text_after_a_function_call_and_a_trailing_reasoning_item() {
     });
     let mut t = first_turn();
     t.push_response(&ModelResponse {
-        parts: vec![
-            call_a.clone(),
-            Part::Text {
-                text: "and then".into(),
-            },
-        ],
+        parts: vec![call_a.clone(), Part::text("and then")],
         ..expected_response()
     });
     let err = render(&request(t)).unwrap_err();
@@ -385,7 +383,7 @@ fn render_refuses_text_after_a_function_call_and_a_trailing_reasoning_item() {
     let mut t = first_turn();
     t.push_response(&ModelResponse {
         parts: vec![
-            Part::Text { text: "hi".into() },
+            Part::text("hi"),
             Part::ReasoningItem {
                 item: JsonText::parse(REASONING).unwrap(),
             },
@@ -411,7 +409,7 @@ fn render_refuses_text_after_a_function_call_and_a_trailing_reasoning_item() {
                 text: "t".into(),
                 signature: "sig".into(),
             },
-            Part::Text { text: "a".into() },
+            Part::text("a"),
         ],
         provenance: None,
     });
@@ -434,7 +432,7 @@ fn foreign_reasoning_of_completed_turns_is_dropped() {
                 text: "t".into(),
                 signature: "sig".into(),
             },
-            Part::Text { text: "a".into() },
+            Part::text("a"),
         ],
         stop_reason_raw: "end_turn".into(),
         stop_reason: StopReason::EndTurn,

@@ -81,7 +81,7 @@ impl ModelResponse {
     pub fn text(&self) -> String {
         let mut out = String::new();
         for part in &self.parts {
-            if let Part::Text { text } = part {
+            if let Part::Text { text, .. } = part {
                 out.push_str(text);
             }
         }

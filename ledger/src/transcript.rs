@@ -92,6 +92,10 @@ pub enum Part {
     Text {
         /// The text; never empty.
         text: String,
+        /// The provider's id of the output item that carried this text, when it must be sent
+        /// back (OpenAI Responses `msg_…` items, which a reasoning item is paired with).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        item_id: Option<String>,
     },
     /// Reasoning with the provider's signature. Kept byte-exact and in position.
     Thinking {
@@ -131,6 +135,14 @@ pub enum Part {
 }
 
 impl Part {
+    /// A text part.
+    pub fn text(text: impl Into<String>) -> Part {
+        Part::Text {
+            text: text.into(),
+            item_id: None,
+        }
+    }
+
     /// The part kind's name, for errors and views.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -186,7 +198,7 @@ impl Transcript {
     pub fn push_system(&mut self, text: impl Into<String>) {
         self.messages.push(Message {
             role: Role::System,
-            parts: vec![Part::Text { text: text.into() }],
+            parts: vec![Part::text(text)],
             provenance: None,
         });
     }
@@ -195,7 +207,7 @@ impl Transcript {
     pub fn push_user_text(&mut self, text: impl Into<String>) {
         self.messages.push(Message {
             role: Role::User,
-            parts: vec![Part::Text { text: text.into() }],
+            parts: vec![Part::text(text)],
             provenance: None,
         });
     }

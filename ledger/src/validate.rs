@@ -124,7 +124,7 @@ fn check_parts(mi: usize, message: &Message) -> Result<()> {
 /// Rules that concern one part alone.
 fn check_part(part: &Part) -> std::result::Result<(), Violation> {
     match part {
-        Part::Text { text } if text.is_empty() => Err(Violation::EmptyText),
+        Part::Text { text, .. } if text.is_empty() => Err(Violation::EmptyText),
         Part::Thinking { signature, .. } if signature.is_empty() => {
             Err(Violation::ThinkingWithoutSignature)
         }

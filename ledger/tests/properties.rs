@@ -105,7 +105,7 @@ fn arb_reasoning_or_text() -> impl Strategy<Value = Part> {
         (arb_string(0..8), arb_string(1..8))
             .prop_map(|(text, signature)| Part::Thinking { text, signature }),
         arb_string(1..8).prop_map(|data| Part::RedactedThinking { data }),
-        arb_string(1..8).prop_map(|text| Part::Text { text }),
+        arb_string(1..8).prop_map(Part::text),
     ]
 }
 
@@ -204,7 +204,7 @@ fn build(system: Option<String>, turns: Vec<TurnSpec>, id_style: &str) -> Transc
     if let Some(text) = system {
         messages.push(Message {
             role: Role::System,
-            parts: vec![Part::Text { text }],
+            parts: vec![Part::text(text)],
             provenance: None,
         });
     }
@@ -212,7 +212,7 @@ fn build(system: Option<String>, turns: Vec<TurnSpec>, id_style: &str) -> Transc
     for turn in turns {
         messages.push(Message {
             role: Role::User,
-            parts: vec![Part::Text { text: turn.user }],
+            parts: vec![Part::text(turn.user)],
             provenance: None,
         });
         for round in turn.rounds {
@@ -239,7 +239,7 @@ fn build(system: Option<String>, turns: Vec<TurnSpec>, id_style: &str) -> Transc
                 parts,
                 provenance: provenance(),
             });
-            results.extend(round.text_after_results.map(|text| Part::Text { text }));
+            results.extend(round.text_after_results.map(Part::text));
             messages.push(Message {
                 role: Role::User,
                 parts: results,
@@ -247,9 +247,7 @@ fn build(system: Option<String>, turns: Vec<TurnSpec>, id_style: &str) -> Transc
             });
         }
         let mut parts = turn.final_prefix;
-        parts.push(Part::Text {
-            text: turn.final_text,
-        });
+        parts.push(Part::text(turn.final_text));
         messages.push(Message {
             role: Role::Assistant,
             parts,
@@ -447,7 +445,7 @@ fn mutate(t: &mut Transcript, mutation: Mutation, [a, b, c]: [Index; 3]) -> Opti
         }
         Mutation::EmptyText => {
             let &(mi, pi) = a.get(&l.texts);
-            if let Part::Text { text } = &mut t.messages[mi].parts[pi] {
+            if let Part::Text { text, .. } = &mut t.messages[mi].parts[pi] {
                 text.clear();
             }
             Some(at(mi, Some(pi), Violation::EmptyText))
@@ -670,9 +668,7 @@ fn transcript_with_json(result: JsonText, arguments: &str) -> Transcript {
         messages: vec![
             Message {
                 role: Role::User,
-                parts: vec![Part::Text {
-                    text: "go".to_owned(),
-                }],
+                parts: vec![Part::text("go")],
                 provenance: None,
             },
             Message {

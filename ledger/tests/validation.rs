@@ -12,7 +12,7 @@ use cairn_ledger::{
 // ---------------------------------------------------------------------------------------------
 
 fn text(t: &str) -> Part {
-    Part::Text { text: t.to_owned() }
+    Part::text(t)
 }
 
 fn thinking(t: &str, signature: &str) -> Part {

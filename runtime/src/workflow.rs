@@ -449,7 +449,7 @@ impl SessionState {
                         m.parts
                             .iter()
                             .filter_map(|p| match p {
-                                Part::Text { text } => Some(text.as_str()),
+                                Part::Text { text, .. } => Some(text.as_str()),
                                 _ => None,
                             })
                             .collect::<String>()

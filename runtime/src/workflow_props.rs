@@ -76,7 +76,7 @@ fn tool_id() -> impl Strategy<Value = String> {
 fn part() -> impl Strategy<Value = Part> {
     prop_oneof![
         4 => prop::sample::select(vec!["hi", "done", "hi", ""])
-            .prop_map(|t| Part::Text { text: t.to_owned() }),
+            .prop_map(Part::text),
         1 => prop::sample::select(vec!["", "sig"]).prop_map(|s| Part::Thinking {
             text: "hmm".to_owned(),
             signature: s.to_owned(),

@@ -126,7 +126,7 @@ fn thinking(text: &str) -> Part {
 }
 
 fn text(t: &str) -> Part {
-    Part::Text { text: t.into() }
+    Part::text(t)
 }
 
 fn user(turn: u32, t: &str) -> Event {

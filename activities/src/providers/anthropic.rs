@@ -384,7 +384,7 @@ fn build_body<'a>(
         if message.role == Role::System {
             for (pi, part) in message.parts.iter().enumerate() {
                 match part {
-                    Part::Text { text } => system.push(Block::Text { text }),
+                    Part::Text { text, .. } => system.push(Block::Text { text }),
                     other => {
                         return Err(invalid(format!(
                             "message {mi} part {pi}: a system message can only hold text, found {}",
@@ -448,7 +448,7 @@ fn render_part<'a>(
     aliases: &mut IdAliases,
 ) -> Result<Option<Block<'a>>> {
     let block = match part {
-        Part::Text { text } => Block::Text { text },
+        Part::Text { text, .. } => Block::Text { text },
         Part::Thinking { text, signature } => Block::Thinking {
             thinking: text,
             signature,
@@ -667,7 +667,7 @@ impl StreamParser {
             match block.content {
                 // An empty text block carries nothing and cannot be a canonical part.
                 BlockContent::Text(text) if text.is_empty() => {}
-                BlockContent::Text(text) => parts.push(Part::Text { text }),
+                BlockContent::Text(text) => parts.push(Part::text(text)),
                 BlockContent::Thinking { text, signature } => {
                     parts.push(Part::Thinking { text, signature })
                 }
@@ -1107,11 +1107,7 @@ mod tests {
     #[test]
     fn toggling_thinking_inside_a_loop_is_refused_naming_message_and_part() {
         // Thinking produced, then disabled mid-loop.
-        let t = loop_transcript(vec![
-            Part::Text { text: "a".into() },
-            thinking(),
-            tool_use("t1", "{}"),
-        ]);
+        let t = loop_transcript(vec![Part::text("a"), thinking(), tool_use("t1", "{}")]);
         let err = render(&request(t, spec(None, None))).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidRequest);
         assert!(err.to_string().contains("message 1 part 1"), "{err}");
@@ -1137,9 +1133,7 @@ mod tests {
         t.push_response(&ModelResponse {
             stop_reason_raw: "end_turn".into(),
             stop_reason: StopReason::EndTurn,
-            ..response(vec![Part::Text {
-                text: "done".into(),
-            }])
+            ..response(vec![Part::text("done")])
         });
         t.push_user_text("next");
         render(&request(t, spec(None, None))).unwrap();

@@ -227,7 +227,7 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
         if message.role == Role::System {
             for (pi, part) in message.parts.iter().enumerate() {
                 match part {
-                    Part::Text { text } => system.push(SystemBlock { text }),
+                    Part::Text { text, .. } => system.push(SystemBlock { text }),
                     other => {
                         return Err(invalid_request(format!(
                             "bedrock: message {mi} part {pi}: a system message can only hold text, found {}",
@@ -242,7 +242,7 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
         for (pi, part) in message.parts.iter().enumerate() {
             let at = || format!("bedrock: message {mi} part {pi}");
             let block = match part {
-                Part::Text { text } => Block::Text(text),
+                Part::Text { text, .. } => Block::Text(text),
                 Part::Thinking { text, signature } => {
                     Block::ReasoningContent(Reasoning::ReasoningText { text, signature })
                 }
@@ -1046,7 +1046,7 @@ impl StreamParser {
             match block.state {
                 BlockState::Text(text) => {
                     if !text.is_empty() {
-                        parts.push(Part::Text { text });
+                        parts.push(Part::text(text));
                     }
                 }
                 BlockState::Reasoning {

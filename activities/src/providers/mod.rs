@@ -140,16 +140,10 @@ mod tests {
     fn foreign_reasoning_is_dropped_from_completed_turns_and_refused_in_the_loop() {
         let mut t = Transcript::new();
         t.push_user_text("one");
-        t.push_response(&response(
-            "anthropic",
-            vec![thinking(), Part::Text { text: "a".into() }],
-        ));
+        t.push_response(&response("anthropic", vec![thinking(), Part::text("a")]));
         t.push_user_text("two");
         let prepared = prepare_transcript(&t, "openai").unwrap();
-        assert_eq!(
-            prepared.messages[1].parts,
-            vec![Part::Text { text: "a".into() }]
-        );
+        assert_eq!(prepared.messages[1].parts, vec![Part::text("a")]);
         // Same family: untouched.
         assert_eq!(prepare_transcript(&t, "anthropic").unwrap(), t);
         // Inside a tool loop of another family: refused.
@@ -171,21 +165,11 @@ mod tests {
         assert!(err.to_string().contains("inside a tool loop"), "{err}");
         assert_eq!(err.kind(), ErrorKind::InvalidRequest);
         // Once the turn is complete, the switch is fine and the foreign reasoning is dropped.
-        t.push_response(&response(
-            "anthropic",
-            vec![
-                thinking(),
-                Part::Text {
-                    text: "done".into(),
-                },
-            ],
-        ));
+        t.push_response(&response("anthropic", vec![thinking(), Part::text("done")]));
         let prepared = prepare_transcript(&t, "openai").unwrap();
         assert_eq!(
             prepared.messages.last().unwrap().parts,
-            vec![Part::Text {
-                text: "done".into()
-            }]
+            vec![Part::text("done")]
         );
     }
 }

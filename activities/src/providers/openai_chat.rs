@@ -303,7 +303,7 @@ fn render_system(index: usize, message: &Message) -> Result<Value> {
     let mut texts = Vec::new();
     for (pi, part) in message.parts.iter().enumerate() {
         match part {
-            Part::Text { text } => texts.push(text.as_str()),
+            Part::Text { text, .. } => texts.push(text.as_str()),
             other => {
                 return Err(invalid(format!(
                     "message {index} part {pi}: a system message can only carry text, not {}",
@@ -346,7 +346,7 @@ fn render_user(
                 let id = aliases.wire_id(&result.tool_use_id, wire_id_ok, "call_cairn_");
                 out.push(json!({ "role": "tool", "tool_call_id": id, "content": text }));
             }
-            Part::Text { text } => content.push(json!({ "type": "text", "text": text })),
+            Part::Text { text, .. } => content.push(json!({ "type": "text", "text": text })),
             Part::Image {
                 media_type,
                 data_ref,
@@ -397,7 +397,7 @@ fn render_assistant(
     let mut calls = Vec::new();
     for (pi, part) in message.parts.iter().enumerate() {
         match part {
-            Part::Text { text: t } => text.push_str(t),
+            Part::Text { text: t, .. } => text.push_str(t),
             Part::Reasoning { text: r } => reasoning.get_or_insert_with(String::new).push_str(r),
             Part::ToolUse(call) => {
                 let id = aliases.wire_id(&call.id, wire_id_ok, "call_cairn_");
@@ -846,7 +846,7 @@ impl StreamParser {
             }
         }
         if !self.text.is_empty() {
-            parts.push(Part::Text { text: self.text });
+            parts.push(Part::text(self.text));
         }
         parts.extend(tool_uses.into_iter().map(Part::ToolUse));
         let response = ModelResponse {

@@ -207,7 +207,7 @@ fn not_sendable(mi: usize, pi: usize, part: &Part, role: Role) -> Error {
 fn render_system<'t>(mi: usize, message: &'t Message, out: &mut Vec<&'t str>) -> Result<()> {
     for (pi, part) in message.parts.iter().enumerate() {
         match part {
-            Part::Text { text } => out.push(text),
+            Part::Text { text, .. } => out.push(text),
             other => return Err(not_sendable(mi, pi, other, Role::System)),
         }
     }
@@ -226,7 +226,7 @@ fn render_user(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>) -> 
     };
     for (pi, part) in message.parts.iter().enumerate() {
         match part {
-            Part::Text { text } => content.push(json!({"type": "input_text", "text": text})),
+            Part::Text { text, .. } => content.push(json!({"type": "input_text", "text": text})),
             Part::Image { data_ref, .. }
                 if ["http://", "https://", "data:"]
                     .iter()
@@ -255,15 +255,38 @@ fn render_user(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>) -> 
 
 fn render_assistant(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>) -> Result<()> {
     let mut text: Vec<Value> = Vec::new();
-    let flush = |text: &mut Vec<Value>, input: &mut Vec<Box<RawValue>>, pi: usize| {
+    // The `msg_…` id of the output item the pending text came from: a reasoning item is paired
+    // with the item that follows it by that id, so it goes back with the text.
+    let mut text_id: Option<String> = None;
+    let flush = |text: &mut Vec<Value>,
+                 text_id: &mut Option<String>,
+                 input: &mut Vec<Box<RawValue>>,
+                 pi: usize| {
         if text.is_empty() {
             return Ok(());
         }
-        let item = json!({
-            "type": "message",
-            "role": "assistant",
-            "content": std::mem::take(text),
-        });
+        let content = std::mem::take(text);
+        let item = match text_id.take() {
+            // With its id, the item goes back in the output-message shape it came in.
+            Some(id) => json!({
+                "type": "message",
+                "id": id,
+                "role": "assistant",
+                "status": "completed",
+                "content": content
+                    .into_iter()
+                    .map(|mut c| {
+                        c["annotations"] = json!([]);
+                        c
+                    })
+                    .collect::<Vec<_>>(),
+            }),
+            None => json!({
+                "type": "message",
+                "role": "assistant",
+                "content": content,
+            }),
+        };
         input.push(raw(&item, mi, pi)?);
         Ok::<(), Error>(())
     };
@@ -271,7 +294,7 @@ fn render_assistant(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>
     let last = message.parts.len().saturating_sub(1);
     for (pi, part) in message.parts.iter().enumerate() {
         match part {
-            Part::Text { text: t } => {
+            Part::Text { text: t, item_id } => {
                 if let Some(call) = first_call {
                     return Err(invalid_request(format!(
                         "message {mi} (assistant) part {pi} (text) comes after the function_call at part {call}; \
@@ -279,10 +302,14 @@ fn render_assistant(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>
                          and reordering would change the conversation"
                     )));
                 }
+                if *item_id != text_id {
+                    flush(&mut text, &mut text_id, input, pi)?;
+                    text_id = item_id.clone();
+                }
                 text.push(json!({"type": "output_text", "text": t}));
             }
             Part::ReasoningItem { item } => {
-                flush(&mut text, input, pi)?;
+                flush(&mut text, &mut text_id, input, pi)?;
                 let id = reasoning_item_id(mi, pi, item)?;
                 if pi == last {
                     return Err(invalid_request(format!(
@@ -298,14 +325,14 @@ fn render_assistant(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>
                 input.push(verbatim);
             }
             Part::ToolUse(call) => {
-                flush(&mut text, input, pi)?;
+                flush(&mut text, &mut text_id, input, pi)?;
                 first_call.get_or_insert(pi);
                 input.push(raw(&function_call_item(call), mi, pi)?);
             }
             other => return Err(not_sendable(mi, pi, other, Role::Assistant)),
         }
     }
-    flush(&mut text, input, message.parts.len())
+    flush(&mut text, &mut text_id, input, message.parts.len())
 }
 
 /// The id of a raw reasoning item, after checking that it is one.
@@ -797,6 +824,7 @@ impl StreamParser {
                     if !text.is_empty() {
                         parts.push(Part::Text {
                             text: text.to_owned(),
+                            item_id: (!id.is_empty()).then(|| id.to_owned()),
                         });
                     }
                 }
@@ -950,7 +978,10 @@ impl StreamParser {
                         item.parts = Some(if text.is_empty() {
                             Vec::new()
                         } else {
-                            vec![Part::Text { text }]
+                            vec![Part::Text {
+                                text,
+                                item_id: Some(item.id.clone()).filter(|id| !id.is_empty()),
+                            }]
                         });
                     }
                 }
