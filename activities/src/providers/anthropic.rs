@@ -382,16 +382,8 @@ fn build_body<'a>(
     let mut messages = Vec::new();
     for (mi, message) in transcript.messages.iter().enumerate() {
         if message.role == Role::System {
-            for (pi, part) in message.parts.iter().enumerate() {
-                match part {
-                    Part::Text { text, .. } => system.push(Block::Text { text }),
-                    other => {
-                        return Err(invalid(format!(
-                            "message {mi} part {pi}: a system message can only hold text, found {}",
-                            other.kind()
-                        )))
-                    }
-                }
+            for text in super::system_texts(PROVIDER, mi, message)? {
+                system.push(Block::Text { text });
             }
             continue;
         }

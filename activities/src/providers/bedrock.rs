@@ -225,16 +225,8 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
     let mut has_tool_blocks = false;
     for (mi, message) in transcript.messages.iter().enumerate() {
         if message.role == Role::System {
-            for (pi, part) in message.parts.iter().enumerate() {
-                match part {
-                    Part::Text { text, .. } => system.push(SystemBlock { text }),
-                    other => {
-                        return Err(invalid_request(format!(
-                            "bedrock: message {mi} part {pi}: a system message can only hold text, found {}",
-                            other.kind()
-                        )))
-                    }
-                }
+            for text in super::system_texts(PROVIDER, mi, message)? {
+                system.push(SystemBlock { text });
             }
             continue;
         }

@@ -15,7 +15,7 @@ pub mod openai_responses;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::ModelRequest;
-use cairn_ledger::{Part, Role, Transcript};
+use cairn_ledger::{Message, Part, Role, Transcript};
 
 /// A provider wire format a request can be rendered in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +57,30 @@ pub fn render_request(format: RequestFormat, request: &ModelRequest) -> Result<s
         RequestFormat::OpenAiResponses => openai_responses::render(request),
         RequestFormat::Bedrock => bedrock::render(request),
     }
+}
+
+/// The texts of a system message: every provider takes system instructions as text only, so
+/// any other part is a typed, non-retryable error naming `provider`, the message and the part.
+pub fn system_texts<'m>(
+    provider: &str,
+    index: usize,
+    message: &'m Message,
+) -> Result<Vec<&'m str>> {
+    message
+        .parts
+        .iter()
+        .enumerate()
+        .map(|(pi, part)| match part {
+            Part::Text { text, .. } => Ok(text.as_str()),
+            other => Err(Error::Provider {
+                kind: ErrorKind::InvalidRequest,
+                message: format!(
+                    "{provider}: message {index} part {pi}: a system message can only hold text, found {}",
+                    other.kind()
+                ),
+            }),
+        })
+        .collect()
 }
 
 /// Index of the first message of the current turn: just after the last user message that
@@ -163,6 +187,19 @@ mod tests {
         }]);
         let err = prepare_transcript(&t, "openai").unwrap_err();
         assert!(err.to_string().contains("inside a tool loop"), "{err}");
+        let system = Message {
+            role: Role::System,
+            parts: vec![Part::text("a"), thinking()],
+            provenance: None,
+        };
+        let err = system_texts("p", 0, &system).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidRequest);
+        assert!(
+            err.to_string().contains(
+                "p: message 0 part 1: a system message can only hold text, found thinking"
+            ),
+            "{err}"
+        );
         assert_eq!(err.kind(), ErrorKind::InvalidRequest);
         // Once the turn is complete, the switch is fine and the foreign reasoning is dropped.
         t.push_response(&response("anthropic", vec![thinking(), Part::text("done")]));

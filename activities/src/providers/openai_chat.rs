@@ -300,18 +300,7 @@ pub fn render_with(request: &ModelRequest, options: &RenderOptions) -> Result<Va
 }
 
 fn render_system(index: usize, message: &Message) -> Result<Value> {
-    let mut texts = Vec::new();
-    for (pi, part) in message.parts.iter().enumerate() {
-        match part {
-            Part::Text { text, .. } => texts.push(text.as_str()),
-            other => {
-                return Err(invalid(format!(
-                    "message {index} part {pi}: a system message can only carry text, not {}",
-                    other.kind()
-                )))
-            }
-        }
-    }
+    let texts = super::system_texts(PROVIDER, index, message)?;
     let content = match texts.as_slice() {
         [one] => Value::from(*one),
         many => Value::Array(

@@ -205,12 +205,7 @@ fn not_sendable(mi: usize, pi: usize, part: &Part, role: Role) -> Error {
 }
 
 fn render_system<'t>(mi: usize, message: &'t Message, out: &mut Vec<&'t str>) -> Result<()> {
-    for (pi, part) in message.parts.iter().enumerate() {
-        match part {
-            Part::Text { text, .. } => out.push(text),
-            other => return Err(not_sendable(mi, pi, other, Role::System)),
-        }
-    }
+    out.extend(super::system_texts(PROVIDER, mi, message)?);
     Ok(())
 }
 
