@@ -60,10 +60,10 @@ use anyhow::{anyhow, bail, Context};
 use async_trait::async_trait;
 use cairn_activities::{ActivityContext, Tool, ToolCall, ToolOutput, ToolRegistry};
 use cairn_ledger::{validate_transcript, JsonText, ModelSpec, Part, Role, ToolSpec, Transcript};
-use cairn_runtime::store::sled::SledStore;
+use cairn_runtime::store::embedded::{self, OpenMode};
 use cairn_runtime::{
     replay, Client, Engine, Error as RuntimeError, Event, SessionOptions, SessionState,
-    SessionStatus, Store, SystemClock, TurnOutcome,
+    SessionStatus, SystemClock, TurnOutcome,
 };
 use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
 use serde::Deserialize;
@@ -855,10 +855,10 @@ fn say(line: &str) {
 /// The child: opens the store, resumes, and drives `sessions` sessions to `turns` completed
 /// turns each; returns when they are all done. Run by `cairn chaos-child`.
 pub async fn run_chaos_child(data: &Path, sessions: usize, turns: usize) -> anyhow::Result<()> {
-    let store = Arc::new(
-        SledStore::open(data.join(STORE_DIR))
-            .with_context(|| format!("cannot open the store in {}", data.display()))?,
-    );
+    let opened = embedded::open(&data.join(STORE_DIR), OpenMode::Create, None)
+        .await
+        .with_context(|| format!("cannot open the store in {}", data.display()))?;
+    let store = opened.store.clone();
     let engine = Engine::new(store.clone(), Arc::new(SystemClock));
     // This process holds sled's lock: every lease in the store belongs to a killed child, so
     // reclaim them rather than wait for them to lapse.
@@ -998,8 +998,19 @@ fn verify(
         .enable_all()
         .build()
         .context("cannot start a runtime for verification")?;
-    let store = SledStore::open_existing(config.data.join(STORE_DIR))
+    let opened = runtime
+        .block_on(embedded::open(
+            &config.data.join(STORE_DIR),
+            OpenMode::ReadOnly,
+            None,
+        ))
         .context("the store does not open after the run")?;
+    for loss in &opened.losses {
+        report
+            .problems
+            .push(format!("acknowledged events lost: {loss}"));
+    }
+    let store = opened.store.clone();
     report.problems.extend(acks.conflicts.iter().cloned());
     report.acked_states = acks.len();
     let mut ledgers = Ledgers::default();

@@ -1,9 +1,11 @@
-//! An embedded host: a sled store, an engine and a worker pool in this process.
+//! An embedded host: a store opened through `store::embedded`, an engine and a worker pool in
+//! this process.
 
 use anyhow::Context;
 use cairn_activities::ToolRegistry;
-use cairn_runtime::store::sled::SledStore;
-use cairn_runtime::{Client, Engine, ResumeReport, SystemClock};
+use cairn_runtime::store::embedded::{self, OpenMode, OpenedStore, StorageEngine};
+use cairn_runtime::store::marks::Loss;
+use cairn_runtime::{Client, Engine, ResumeReport, Store, SystemClock};
 use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -11,7 +13,9 @@ use std::sync::Arc;
 /// Everything a CLI command needs: store, engine, client and (optionally) workers.
 pub struct Host {
     /// The store.
-    pub store: Arc<SledStore>,
+    pub store: Arc<dyn Store>,
+    /// What opening the store found and did.
+    pub opened: OpenedStore,
     /// A client of the engine.
     pub client: Client,
     /// The tools the workers run.
@@ -20,18 +24,29 @@ pub struct Host {
 }
 
 impl Host {
-    /// Opens (or, with `create`, creates) the store at `data`; tools work in `workdir`.
-    pub fn open(data: &Path, create: bool, workdir: PathBuf) -> anyhow::Result<Host> {
-        let store = if create {
-            SledStore::open(data)
-        } else {
-            SledStore::open_existing(data)
+    /// Opens the store at `data` as `mode` says (see [`embedded::open`]); tools work in
+    /// `workdir`. What the open did, and any acknowledged events a read-only open found
+    /// missing, are printed on stderr.
+    pub async fn open(
+        data: &Path,
+        mode: OpenMode,
+        engine: Option<StorageEngine>,
+        workdir: PathBuf,
+    ) -> anyhow::Result<Host> {
+        let opened = embedded::open(data, mode, engine)
+            .await
+            .with_context(|| format!("cannot open the store at {}", data.display()))?;
+        for note in &opened.notes {
+            eprintln!("note: {note}");
         }
-        .with_context(|| format!("cannot open the store at {}", data.display()))?;
-        let store = Arc::new(store);
+        if !opened.losses.is_empty() {
+            eprintln!("warning: {}", describe_losses(&opened.losses));
+        }
+        let store = opened.store.clone();
         let engine = Engine::new(store.clone(), Arc::new(SystemClock));
         Ok(Host {
             store,
+            opened,
             client: Client::new(engine),
             tools: Arc::new(ToolRegistry::builtin(workdir)),
             workers: None,
@@ -76,4 +91,17 @@ impl Host {
             pool.shutdown().await;
         }
     }
+}
+
+/// A warning about acknowledged events a store no longer has.
+pub fn describe_losses(losses: &[Loss]) -> String {
+    format!(
+        "the store lost acknowledged events: {} (their sessions show what is left; `cairn fsck \
+         --repair` accepts the loss after copying the store's files away)",
+        losses
+            .iter()
+            .map(|l| l.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
 }

@@ -6,6 +6,7 @@ use cairn::host::Host;
 use cairn_activities::providers::{render_request, RequestFormat};
 use cairn_activities::{CallContext, ModelRequest, ScriptedProvider};
 use cairn_ledger::{Delta, ModelSpec};
+use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::{replay, Error as RuntimeError, Event, SessionOptions, TurnOutcome};
 use clap::{Parser, Subcommand};
 use std::io::{IsTerminal, Write};
@@ -30,12 +31,19 @@ enum Command {
         /// Store directory (default: a new temporary directory, kept for inspection).
         #[arg(long)]
         data: Option<PathBuf>,
+        /// Storage engine of a new store: sled (default) or fjall.
+        #[arg(long, value_parser = parse_engine)]
+        engine: Option<StorageEngine>,
     },
     /// Start (or continue) a session and run one turn.
     Run {
         /// Store directory (created if missing).
         #[arg(long)]
         data: PathBuf,
+        /// Storage engine of a new store: sled (default) or fjall; an existing store must
+        /// match.
+        #[arg(long, value_parser = parse_engine)]
+        engine: Option<StorageEngine>,
         /// The model, as PROVIDER:MODEL, e.g. scripted:script.json.
         #[arg(long)]
         model: String,
@@ -164,6 +172,11 @@ enum Command {
         /// Store directory.
         #[arg(long)]
         data: PathBuf,
+        /// Make a damaged store usable again: set aside leftovers, write back a damaged sled
+        /// `conf`, and accept acknowledged events the storage engine lost. Copies what it
+        /// changes into `set-aside/` first. Without it, fsck changes nothing.
+        #[arg(long)]
+        repair: bool,
     },
     /// Continue every session whose turn was interrupted.
     Resume {
@@ -206,9 +219,10 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Demo { data } => demo(data).await,
+        Command::Demo { data, engine } => demo(data, engine).await,
         Command::Run {
             data,
+            engine,
             model,
             session,
             system,
@@ -225,7 +239,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ..parse_model(&model)?
             };
             let workdir = workdir_or_cwd(workdir)?;
-            let mut host = Host::open(&data, true, workdir)?;
+            let mut host = Host::open(&data, OpenMode::Create, engine, workdir).await?;
             // Interrupted sessions of this store carry on too, in the background.
             host.start().await?;
             let session_id = match session {
@@ -249,7 +263,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(outcome_code(&outcome))
         }
         Command::Sessions { data } => {
-            let host = Host::open(&data, false, PathBuf::from("."))?;
+            let host = Host::open(&data, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
             let sessions = host.client.sessions().await?;
             if sessions.is_empty() {
                 println!("no sessions");
@@ -269,7 +283,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             session,
             json,
         } => {
-            let host = Host::open(&data, false, PathBuf::from("."))?;
+            let host = Host::open(&data, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
             let events = host.client.history(&session).await?;
             let mut out = std::io::stdout().lock();
             let first_ms = events.first().map_or(0, |e| e.recorded_at_ms);
@@ -297,7 +311,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             format,
             model,
         } => {
-            let host = Host::open(&data, false, PathBuf::from("."))?;
+            let host = Host::open(&data, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
             let state = host.client.engine().state(&session).await?;
             let mut out = std::io::stdout().lock();
             let Some(format) = format else {
@@ -332,7 +346,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Replay { data, session } => {
-            let host = Host::open(&data, false, PathBuf::from("."))?;
+            let host = Host::open(&data, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
             let events = host.client.history(&session).await?;
             match replay(&session, &events) {
                 Ok(replayed) => {
@@ -360,7 +374,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             turn,
             reason,
         } => {
-            let host = Host::open(&data, false, PathBuf::from("."))?;
+            let host = Host::open(&data, OpenMode::Existing, None, PathBuf::from(".")).await?;
             if turn {
                 let cancelled = host.client.engine().cancel_turn(&session, &reason).await?;
                 println!("cancelled turn {cancelled} of session {session}");
@@ -397,10 +411,22 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cairn::chaos::run_chaos_child(&data, sessions, turns).await?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Fsck { data } => {
-            let store = cairn_runtime::store::sled::SledStore::open_existing(&data)
+        Command::Fsck { data, repair } => {
+            let mode = if repair {
+                OpenMode::Repair
+            } else {
+                OpenMode::ReadOnly
+            };
+            let opened = embedded::open(&data, mode, None)
+                .await
                 .with_context(|| format!("cannot open the store at {}", data.display()))?;
-            let report = cairn_runtime::fsck::fsck(&store).await?;
+            for note in &opened.notes {
+                println!("{}: {note}", if repair { "repaired" } else { "note" });
+            }
+            let mut report = cairn_runtime::fsck::fsck(opened.store.as_ref()).await?;
+            if !repair {
+                report.add_losses(&opened.losses);
+            }
             print!("{report}");
             Ok(if report.is_clean() {
                 ExitCode::SUCCESS
@@ -410,7 +436,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Resume { data, workdir } => {
             let workdir = workdir_or_cwd(workdir)?;
-            let mut host = Host::open(&data, false, workdir)?;
+            let mut host = Host::open(&data, OpenMode::Existing, None, workdir).await?;
             let report = host.client.engine().resume(true).await?;
             if report.running_sessions.is_empty() {
                 println!("nothing to resume");
@@ -451,6 +477,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(code)
         }
     }
+}
+
+fn parse_engine(name: &str) -> Result<StorageEngine, String> {
+    StorageEngine::parse(name).ok_or_else(|| {
+        let known: Vec<&str> = StorageEngine::ALL.iter().map(|e| e.as_str()).collect();
+        format!("unknown engine {name:?} (known: {})", known.join(", "))
+    })
 }
 
 fn parse_model(text: &str) -> anyhow::Result<ModelSpec> {
@@ -747,7 +780,7 @@ fn chaos_seed() -> u64 {
     nanos ^ u64::from(std::process::id()).rotate_left(32)
 }
 
-async fn demo(data: Option<PathBuf>) -> anyhow::Result<ExitCode> {
+async fn demo(data: Option<PathBuf>, engine: Option<StorageEngine>) -> anyhow::Result<ExitCode> {
     let data = match data {
         Some(d) => d,
         None => tempfile::Builder::new()
@@ -763,7 +796,7 @@ async fn demo(data: Option<PathBuf>) -> anyhow::Result<ExitCode> {
     let script = data.join("demo-script.json");
     std::fs::write(&script, DEMO_SCRIPT)?;
     let store_dir = data.join("store");
-    let mut host = Host::open(&store_dir, true, workdir)?;
+    let mut host = Host::open(&store_dir, OpenMode::Create, engine, workdir).await?;
     host.start().await?;
     let model = parse_model(&format!("scripted:{}", script.display()))?;
     let options = SessionOptions {

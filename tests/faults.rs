@@ -5,7 +5,8 @@
 use crate::support::{demo_files, TestHost};
 use cairn_runtime::fsck::fsck;
 use cairn_runtime::store::faulty::{FaultyStore, DISK_FULL};
-use cairn_runtime::store::sled::{SledStore, HWM_FILE};
+use cairn_runtime::store::marks::MARKS_FILE;
+use cairn_runtime::store::sled::SledStore;
 use cairn_runtime::*;
 use cairn_workers::WorkerConfig;
 use std::path::{Path, PathBuf};
@@ -593,14 +594,15 @@ fn fsck_names_a_corrupt_record_and_exits_1() {
     );
 }
 
-/// A byte flipped in sled's log file: sled drops the damaged log message and everything after
-/// it without an error; the high-water mark turns that into a clear error instead of an
-/// emptier store.
+/// A byte flipped in sled's log file: sled would drop the damaged log message and everything
+/// after it without an error. Read-only commands name the loss by session and seq and change no
+/// byte; writable ones refuse and put the files back; `fsck --repair` accepts it after copying
+/// the files away.
 #[test]
-fn a_byte_flip_in_the_log_is_a_clear_error_not_an_emptier_store() {
+fn a_byte_flip_in_the_log_is_named_and_destroys_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let (store, session) = demo_store(&dir.path().join("demo"));
-    assert!(store.join(HWM_FILE).is_file());
+    assert!(store.join(MARKS_FILE).is_file());
     let db_path = store.join("db");
     let mut db = std::fs::read(&db_path).unwrap();
     // The demo's user prompt is recorded once in the log; damage its first copy.
@@ -611,15 +613,67 @@ fn a_byte_flip_in_the_log_is_a_clear_error_not_an_emptier_store() {
         .expect("the prompt is in the log");
     db[at] ^= 0x01;
     std::fs::write(&db_path, &db).unwrap();
-    let out = cairn(&["fsck", "--data", store.to_str().unwrap()]);
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{}{stderr}", text(&out.stdout));
+    let before = tree_bytes(&store);
+    let data = store.to_str().unwrap();
+
+    let out = cairn(&["fsck", "--data", data]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{}", text(&out.stderr));
     assert!(
-        stderr.contains("lost") && stderr.contains("acknowledged event"),
+        stdout.contains(&format!("session {session:?} seq ")) && stdout.contains("lost events"),
+        "{stdout}"
+    );
+    let sessions = cairn(&["sessions", "--data", data]);
+    assert!(
+        text(&sessions.stderr).contains("lost acknowledged events"),
+        "{}",
+        text(&sessions.stderr)
+    );
+    assert_eq!(
+        tree_bytes(&store),
+        before,
+        "read-only commands changed the store"
+    );
+
+    let resume = cairn(&["resume", "--data", data]);
+    assert_eq!(resume.status.code(), Some(1));
+    let stderr = text(&resume.stderr);
+    assert!(
+        stderr.contains("lost acknowledged events") && stderr.contains(&session),
         "{stderr}"
     );
-    // The error persists: a second look does not find an empty store that seems fine.
-    let sessions = cairn(&["sessions", "--data", store.to_str().unwrap()]);
-    assert_eq!(sessions.status.code(), Some(1));
-    assert!(!text(&sessions.stdout).contains(&session));
+    assert_eq!(
+        tree_bytes(&store),
+        before,
+        "a refused open changed the store"
+    );
+
+    let repair = cairn(&["fsck", "--repair", "--data", data]);
+    let stdout = text(&repair.stdout);
+    assert!(stdout.contains("repaired: accepted the loss"), "{stdout}");
+    assert!(store.join("set-aside").is_dir());
+    let after = cairn(&["fsck", "--data", data]);
+    assert!(
+        !text(&after.stdout).contains("lost events"),
+        "{}",
+        text(&after.stdout)
+    );
+}
+
+/// Every file under `dir` with its bytes.
+fn tree_bytes(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(at) = stack.pop() {
+        for entry in std::fs::read_dir(&at).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                out.push((path.display().to_string(), std::fs::read(&path).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
 }

@@ -105,6 +105,19 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// The store no longer has events it acknowledged (its engine lost them while recovering).
+    #[error(
+        "the store at {path} lost acknowledged events: {}; nothing was changed. `cairn fsck` \
+         shows what is readable; `cairn fsck --repair` accepts the loss (it copies the store's \
+         files away first)",
+        lost.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(", ")
+    )]
+    EventsLost {
+        /// Where.
+        path: String,
+        /// What is missing, by session and seq.
+        lost: Vec<crate::store::marks::Loss>,
+    },
     /// The engine is shutting down.
     #[error("the engine is shut down")]
     Shutdown,

@@ -36,6 +36,11 @@ pub enum ProblemKind {
     Task,
     /// An activity a running session waits for has no queued task (`resume` re-enqueues it).
     MissingTask,
+    /// Events the store acknowledged that its storage engine no longer has (per the
+    /// high-water marks).
+    Lost,
+    /// Records that cannot be read at all (the storage engine failed, not the record's check).
+    Unreadable,
 }
 
 impl ProblemKind {
@@ -49,6 +54,8 @@ impl ProblemKind {
             ProblemKind::Status => "status",
             ProblemKind::Task => "task",
             ProblemKind::MissingTask => "missing task",
+            ProblemKind::Lost => "lost events",
+            ProblemKind::Unreadable => "unreadable",
         }
     }
 }
@@ -93,6 +100,28 @@ impl FsckReport {
     /// Whether no problem was found.
     pub fn is_clean(&self) -> bool {
         self.problems.is_empty()
+    }
+
+    /// Adds acknowledged events the store lost (found when opening it) as problems.
+    pub fn add_losses(&mut self, losses: &[crate::store::marks::Loss]) {
+        for loss in losses {
+            self.problems.push(Problem {
+                session_id: loss
+                    .session_id
+                    .clone()
+                    .unwrap_or_else(|| "(unknown)".to_owned()),
+                seq: Some(loss.first_seq),
+                kind: ProblemKind::Lost,
+                what: format!(
+                    "acknowledged events {} lost: the storage engine dropped them while \
+                     recovering (`cairn fsck --repair` accepts the loss after copying the store \
+                     away)",
+                    loss
+                ),
+            });
+        }
+        self.problems
+            .sort_by(|a, b| a.session_id.cmp(&b.session_id));
     }
 
     /// The problems of one session.
@@ -359,7 +388,18 @@ async fn read_all(
             Err(e @ Error::UnknownSchemaVersion { seq, .. }) => {
                 (seq, ProblemKind::UnknownSchemaVersion, e.to_string())
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                // The storage engine itself failed (a missing blob, an IO error): nothing
+                // from here on can be told apart, so the rest of this session is unreadable,
+                // and the other sessions are still checked.
+                problem(
+                    Some(next),
+                    ProblemKind::Unreadable,
+                    format!("seqs {next}..={recorded} cannot be read: {e}"),
+                );
+                unreadable.extend(next..=recorded.max(next));
+                break;
+            }
         };
         let seq = seq.max(next);
         if seq > next {
@@ -379,11 +419,17 @@ async fn read_all(
                                 problem(Some(s), ProblemKind::CorruptRecord, e.to_string());
                                 unreadable.insert(s);
                             }
-                            Err(e) => return Err(e),
+                            Err(e) => {
+                                problem(Some(s), ProblemKind::Unreadable, e.to_string());
+                                unreadable.insert(s);
+                            }
                         }
                     }
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    problem(Some(next), ProblemKind::Unreadable, e.to_string());
+                    unreadable.extend(next..seq);
+                }
             }
         }
         problem(Some(seq), kind, what);

@@ -12,7 +12,9 @@ use std::fmt;
 
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
+pub mod embedded;
 pub mod faulty;
+pub mod marks;
 pub mod memory;
 pub mod sled;
 

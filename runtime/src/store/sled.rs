@@ -76,24 +76,14 @@
 //! refuses further writes until it is reopened: after a failed fsync the kernel may have
 //! dropped the dirty pages, so a later fsync that succeeds would prove nothing.
 //!
-//! # Detecting a lost log tail: the high-water mark
+//! # A lost log tail
 //!
 //! sled checksums every message of its log, but when one is damaged (a flipped bit on the disk,
 //! in `db` or in a blob) it takes it for a torn write at the end of the log: it recovers the log
-//! up to that message and drops it and everything after it, without an error. A store opened
-//! that way would be silently emptier, acknowledged events gone. To catch that, the writer
-//! thread keeps the number of events the store holds durably (the sum of the sessions' event
-//! counts, which only grows) in a small file, `cairn-hwm` in the store directory, written as a
-//! line with a CRC32, through a temporary file, `rename` and an fsync of the directory. It is
-//! updated after a successful flush, at most every [`HWM_INTERVAL`] (so it adds no fsync to each
-//! batch) and when the store closes, and it never counts an event before that event is durable.
-//! Opening totals the sessions' event counts again: fewer than the high-water mark means sled
-//! lost acknowledged events, and `open` fails with `Error::StoreOpen` saying how many, rather
-//! than serving the remains. (sled has already discarded the tail by then; restore the
-//! directory from a backup, or remove `cairn-hwm` to accept the loss.) A store without the file
-//! (new, or written before it existed) gets one when it is opened. Damage to the last writes
-//! before a crash can go unnoticed: the mark lags the acknowledged writes by up to the interval.
-//! Only events are counted; a lost lease or task change is not detected this way.
+//! up to that message and drops it and everything after it, without an error. This store does
+//! not try to notice: [`embedded`](super::embedded) opens stores through a copy and checks the
+//! per-session high-water marks of [`marks`](super::marks), so a loss is named and the store's
+//! files are left as they were.
 //!
 //! Reads can see a write whose batch is still being flushed (its writer has not been answered
 //! yet). Flushes are ordered, so a write that was acknowledged never depends on one that was
@@ -118,7 +108,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::SystemTime;
 use tokio::sync::oneshot;
 
 const EVENTS_TREE: &str = "events";
@@ -127,10 +117,6 @@ const TASKS_TREE: &str = "tasks";
 const QUEUE_TREE: &str = "queue";
 /// Writes in one batch at most, bounding the wait of the first one.
 const MAX_BATCH: usize = 512;
-/// The high-water mark file in the store directory (see the module docs).
-pub const HWM_FILE: &str = "cairn-hwm";
-/// The high-water mark is written at most this often.
-pub const HWM_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The sled database and its trees.
 #[derive(Clone)]
@@ -195,8 +181,8 @@ enum Write {
 
 /// A committed write's answer, held until its batch is durable.
 enum Pending {
-    /// An append, with the number of events it recorded.
-    Append(oneshot::Sender<Result<()>>, u64),
+    /// An append.
+    Append(oneshot::Sender<Result<()>>),
     Lease(oneshot::Sender<Result<Vec<Lease>>>, Vec<Lease>),
     Extend(oneshot::Sender<Result<u64>>, u64),
     Release(oneshot::Sender<Result<usize>>, usize),
@@ -212,7 +198,7 @@ impl Pending {
         };
         // A caller that stopped waiting dropped its receiver; nothing to do then.
         match self {
-            Pending::Append(reply, _) => {
+            Pending::Append(reply) => {
                 let _ = reply.send(synced.as_ref().map(|_| ()).map_err(error));
             }
             Pending::Lease(reply, leases) => {
@@ -373,38 +359,10 @@ impl SledStore {
             queue: tree(QUEUE_TREE)?,
             db: db.clone(),
         };
-        let total = stored_events(&handles).map_err(|e| open_error(dir, e))?;
-        let recorded = read_hwm(dir).map_err(|e| open_error(dir, e))?;
-        if let Some(recorded) = recorded.filter(|r| total < *r) {
-            return Err(open_error(
-                dir,
-                format!(
-                    "the store lost {} acknowledged event(s): {HWM_FILE} records {recorded} \
-                     durable events, sled recovered {total} (sled drops a damaged log and \
-                     everything after it without an error); restore the directory from a \
-                     backup, or remove {HWM_FILE} to accept the loss",
-                    recorded - total
-                ),
-            ));
-        }
         let mut syncer = Syncer::new(dir).map_err(|e| open_error(dir, e))?;
         syncer
             .sync_after_open(&db)
             .map_err(|e| open_error(dir, e))?;
-        let mut recorded = recorded;
-        if recorded != Some(total) {
-            // A new store, or one from before the mark (or whose mark lagged): mark it now.
-            // Best effort: a store on a full disk must still open for reading.
-            match write_hwm(dir, total) {
-                Ok(()) => recorded = Some(total),
-                Err(e) => tracing::warn!(
-                    store = %dir.display(),
-                    error = %e,
-                    "cannot write the high-water mark; will retry"
-                ),
-            }
-        }
-
         let shared = Arc::new(Shared::default());
         let (writes, queue) = mpsc::channel();
         let writer = Writer {
@@ -412,13 +370,6 @@ impl SledStore {
             handles: handles.clone(),
             syncer,
             shared: Arc::clone(&shared),
-            hwm: HighWater {
-                dir: dir.to_path_buf(),
-                total,
-                written: recorded,
-                last_write: None,
-                failures: 0,
-            },
         };
         let writer = std::thread::Builder::new()
             .name("cairn-sled-writer".to_owned())
@@ -504,26 +455,13 @@ struct Writer {
     handles: Handles,
     syncer: Syncer,
     shared: Arc<Shared>,
-    hwm: HighWater,
 }
 
 impl Writer {
     fn run(mut self, queue: &mpsc::Receiver<Write>) {
         loop {
-            // Wait for writes, but no longer than until the high-water mark is due.
-            let first = match self.hwm.due_in() {
-                None => match queue.recv() {
-                    Ok(write) => write,
-                    Err(_) => break,
-                },
-                Some(wait) => match queue.recv_timeout(wait) {
-                    Ok(write) => write,
-                    Err(mpsc::RecvTimeoutError::Timeout) => {
-                        self.hwm.write();
-                        continue;
-                    }
-                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
-                },
+            let Ok(first) = queue.recv() else {
+                break;
             };
             let mut batch = vec![first];
             while batch.len() < MAX_BATCH {
@@ -560,21 +498,9 @@ impl Writer {
             if let Err(reason) = &synced {
                 self.shared.failed().get_or_insert_with(|| reason.clone());
             }
-            let mut durable_events = 0;
             for p in pending {
-                if let (Pending::Append(_, events), Ok(())) = (&p, &synced) {
-                    durable_events += events;
-                }
                 p.answer(&synced, &self.path);
             }
-            self.hwm.total += durable_events;
-            if self.hwm.due_in() == Some(Duration::ZERO) {
-                self.hwm.write();
-            }
-        }
-        // Closing: record the final count.
-        if self.hwm.due_in().is_some() {
-            self.hwm.write();
         }
     }
 
@@ -608,14 +534,9 @@ impl Writer {
         let (prepared, replies): (Vec<PreparedAppend>, Vec<_>) = group.into_iter().unzip();
         match append_all(&self.handles, &prepared) {
             Ok(outcomes) => {
-                for ((reply, outcome), p) in replies.into_iter().zip(outcomes).zip(&prepared) {
-                    let events = if p.count > 0 {
-                        p.records.len() as u64
-                    } else {
-                        0
-                    };
+                for (reply, outcome) in replies.into_iter().zip(outcomes) {
                     match outcome {
-                        Ok(()) => pending.push(Pending::Append(reply, events)),
+                        Ok(()) => pending.push(Pending::Append(reply)),
                         Err(e) => {
                             let _ = reply.send(Err(e));
                         }
@@ -819,124 +740,6 @@ impl Writer {
         });
         self.txn_result("releasing leases", result)
     }
-}
-
-/// The high-water mark: events the store holds durably, and the file recording it.
-struct HighWater {
-    dir: PathBuf,
-    /// Events durable in the store (the sum of the sessions' event counts).
-    total: u64,
-    /// The count the file holds, if any.
-    written: Option<u64>,
-    /// When the file was last written (or tried) by this writer.
-    last_write: Option<Instant>,
-    /// Failed writes in a row; each doubles the wait before the next try (up to 64 times).
-    failures: u32,
-}
-
-impl HighWater {
-    /// How long until the file should be written; `None` when it is up to date.
-    #[allow(clippy::disallowed_methods)] // the writer thread is impure: it paces its writes
-    fn due_in(&self) -> Option<Duration> {
-        if self.written == Some(self.total) {
-            return None;
-        }
-        let interval = HWM_INTERVAL * (1 << self.failures.min(6));
-        Some(match self.last_write {
-            None => Duration::ZERO,
-            Some(at) => interval.saturating_sub(at.elapsed()),
-        })
-    }
-
-    /// Writes the file (temporary file, fsync, rename, fsync of the directory). A failure is
-    /// logged and retried later: the events are durable regardless, only the check weakens.
-    #[allow(clippy::disallowed_methods)] // see due_in
-    fn write(&mut self) {
-        self.last_write = Some(Instant::now());
-        match write_hwm(&self.dir, self.total) {
-            Ok(()) => {
-                self.written = Some(self.total);
-                self.failures = 0;
-            }
-            Err(e) => {
-                self.failures = self.failures.saturating_add(1);
-                tracing::warn!(
-                    store = %self.dir.display(),
-                    error = %e,
-                    "cannot write the high-water mark; will retry"
-                );
-            }
-        }
-    }
-}
-
-/// The line stored in the high-water mark file for `total` events.
-fn hwm_line(total: u64) -> String {
-    let body = format!("cairn-hwm v1 events={total}");
-    format!("{body} crc32={:08x}\n", crc32fast::hash(body.as_bytes()))
-}
-
-fn write_hwm(dir: &Path, total: u64) -> std::result::Result<(), String> {
-    use std::io::Write as _;
-    let tmp = dir.join(format!("{HWM_FILE}.tmp"));
-    let path = dir.join(HWM_FILE);
-    let mut file =
-        File::create(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
-    file.write_all(hwm_line(total).as_bytes())
-        .and_then(|()| file.sync_all())
-        .map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-    drop(file);
-    fs::rename(&tmp, &path)
-        .map_err(|e| format!("cannot rename {} to {}: {e}", tmp.display(), path.display()))?;
-    sync_dir(dir)
-}
-
-/// The count in the store's high-water mark file; `None` when there is none.
-fn read_hwm(dir: &Path) -> std::result::Result<Option<u64>, String> {
-    let path = dir.join(HWM_FILE);
-    let text = match fs::read(&path) {
-        Ok(bytes) => bytes,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
-    };
-    let damaged = || {
-        format!(
-            "the high-water mark file {} is damaged (the store's files may be damaged too); \
-             check the store, then remove the file to accept it as it is",
-            path.display()
-        )
-    };
-    let text = std::str::from_utf8(&text).map_err(|_| damaged())?;
-    let total = text
-        .trim_end()
-        .strip_prefix("cairn-hwm v1 events=")
-        .and_then(|rest| rest.split(' ').next())
-        .and_then(|n| n.parse::<u64>().ok())
-        .ok_or_else(damaged)?;
-    if hwm_line(total) != text {
-        return Err(damaged());
-    }
-    Ok(Some(total))
-}
-
-/// The events the store holds: the sum of the sessions' event counts. A session record that
-/// does not decode counts the session's stored event keys instead.
-fn stored_events(h: &Handles) -> std::result::Result<u64, String> {
-    let mut total = 0u64;
-    for item in h.sessions.iter() {
-        let (key, bytes) = item.map_err(|e| format!("cannot read the sessions tree: {e}"))?;
-        let sid = String::from_utf8_lossy(&key);
-        let events = match decode_info(&sid, &bytes) {
-            Ok(info) => info.events,
-            Err(_) => {
-                let mut prefix = key.to_vec();
-                prefix.push(0);
-                h.events.scan_prefix(prefix).keys().count() as u64
-            }
-        };
-        total = total.saturating_add(events);
-    }
-    Ok(total)
 }
 
 /// The files sled writes and this store fsyncs.
@@ -1544,174 +1347,6 @@ mod tests {
             }
             other => panic!("a misplaced record must be CorruptRecord, got {other:?}"),
         }
-    }
-
-    /// Appends one event at a time to each session (each its own log messages), with a marker
-    /// `MARK-<session>-<seq>-` in every event, and `big` bytes more in `big_at`'s event.
-    async fn write_marked(
-        store: &SledStore,
-        names: &[&str],
-        events: u64,
-        big_at: Option<(&str, u64, usize)>,
-    ) {
-        for s in names {
-            for seq in 1..=events {
-                let mut text = format!("MARK-{s}-{seq}-");
-                if let Some((bs, bseq, len)) = big_at {
-                    if (bs, bseq) == (*s, seq) {
-                        text.push_str(&"z".repeat(len));
-                    }
-                }
-                store
-                    .append(append_request(s, seq, vec![message(s, seq, &text)], 1))
-                    .await
-                    .expect("append");
-            }
-        }
-    }
-
-    fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-        haystack.windows(needle.len()).position(|w| w == needle)
-    }
-
-    fn hwm_of(dir: &Path) -> String {
-        fs::read_to_string(dir.join(HWM_FILE)).expect("the high-water mark file")
-    }
-
-    /// Opening must fail with StoreOpen saying acknowledged events were lost; returns the reason.
-    fn lost_events_error(dir: &Path) -> String {
-        match SledStore::open_existing(dir) {
-            Err(Error::StoreOpen { reason, .. }) => {
-                assert!(reason.contains("lost"), "{reason}");
-                reason
-            }
-            Err(other) => panic!("expected StoreOpen for lost events, got {other}"),
-            Ok(store) => {
-                let rt = tokio::runtime::Runtime::new().expect("runtime");
-                let listed = rt.block_on(store.list_sessions()).expect("list");
-                panic!("a store that lost acknowledged events opened silently: {listed:?}")
-            }
-        }
-    }
-
-    /// The byte-flip experiment, made a test: one flipped byte in an old log message of `db`
-    /// makes sled 0.34 drop that message and everything after it, silently. The high-water
-    /// mark turns that into an error naming how many events were lost, on every open, until
-    /// the file is removed (which then shows what sled made of the store).
-    #[tokio::test]
-    async fn a_byte_flip_in_the_log_is_caught_by_the_high_water_mark() {
-        let root = temp();
-        let dir = root.path().join("s");
-        let store = SledStore::open(&dir).expect("open");
-        write_marked(&store, &["a", "b", "c"], 20, None).await;
-        drop(store);
-        assert_eq!(
-            hwm_of(&dir),
-            hwm_line(60),
-            "closing records every acknowledged event"
-        );
-        let db = dir.join("db");
-        let mut bytes = fs::read(&db).expect("read db");
-        let at = find(&bytes, b"MARK-b-10-").expect("the record's marker is in the log");
-        bytes[at + 5] ^= 0x01;
-        fs::write(&db, &bytes).expect("write db");
-
-        let reason = lost_events_error(&dir);
-        assert!(reason.contains("records 60 durable events"), "{reason}");
-        assert!(reason.contains(HWM_FILE), "{reason}");
-        let again = lost_events_error(&dir);
-        assert_eq!(
-            again, reason,
-            "the same error on every open, never an emptier store"
-        );
-
-        // What sled recovered, once the loss is accepted: a prefix, without an error.
-        fs::remove_file(dir.join(HWM_FILE)).expect("remove");
-        let store = SledStore::open_existing(&dir).expect("opens once the loss is accepted");
-        let listed = store.list_sessions().await.expect("list");
-        let total: u64 = listed.iter().map(|i| i.events).sum();
-        assert!(
-            total < 60,
-            "sled dropped the log after the damage: {listed:?}"
-        );
-        assert!(
-            reason.contains(&format!("lost {} acknowledged", 60 - total)),
-            "the error counts the loss: {reason}"
-        );
-        assert_eq!(
-            store.read_history("a", 1, None).await.expect("a").len(),
-            20,
-            "a was written before the damaged message"
-        );
-    }
-
-    /// The same for a flipped byte in a blob (a large event sled keeps in its own file).
-    #[tokio::test]
-    async fn a_byte_flip_in_a_blob_is_caught_by_the_high_water_mark() {
-        let root = temp();
-        let dir = root.path().join("s");
-        let store = SledStore::open(&dir).expect("open");
-        write_marked(&store, &["a", "b"], 10, Some(("b", 5, 300 * 1024))).await;
-        drop(store);
-        assert_eq!(hwm_of(&dir), hwm_line(20));
-        let mut flipped = 0;
-        for entry in fs::read_dir(dir.join("blobs")).expect("blobs") {
-            let path = entry.expect("entry").path();
-            let mut bytes = fs::read(&path).expect("read blob");
-            if let Some(at) = find(&bytes, b"MARK-b-5-") {
-                bytes[at + 5] ^= 0x01;
-                fs::write(&path, &bytes).expect("write blob");
-                flipped += 1;
-                break;
-            }
-        }
-        assert_eq!(flipped, 1, "the large event is in a blob");
-        lost_events_error(&dir);
-    }
-
-    /// While the store is open and idle, the mark catches up within its interval; a damaged
-    /// mark file is a clear error too.
-    #[tokio::test]
-    #[allow(clippy::disallowed_methods)] // waits for the writer's pacing in real time
-    async fn the_high_water_mark_follows_appends_and_must_be_intact() {
-        let root = temp();
-        let dir = root.path().join("s");
-        let store = SledStore::open(&dir).expect("open");
-        assert_eq!(
-            hwm_of(&dir),
-            hwm_line(0),
-            "written when the store is created"
-        );
-        write_sessions(&store, &["a", "b"], 3).await;
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while hwm_of(&dir) != hwm_line(6) {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the mark did not catch up: {}",
-                hwm_of(&dir)
-            );
-            tokio::time::sleep(HWM_INTERVAL / 4).await;
-        }
-        // Empty appends and leases record no events.
-        store
-            .append(append_request("a", 4, Vec::new(), 2))
-            .await
-            .expect("empty append");
-        drop(store);
-        assert_eq!(hwm_of(&dir), hwm_line(6));
-
-        let line = hwm_line(6).replace("events=6", "events=7");
-        fs::write(dir.join(HWM_FILE), line).expect("write");
-        match SledStore::open_existing(&dir) {
-            Err(Error::StoreOpen { reason, .. }) => assert!(reason.contains("damaged"), "{reason}"),
-            other => panic!("a damaged mark must be StoreOpen, got {other:?}"),
-        }
-        // An older store without the file opens, and gets one.
-        fs::remove_file(dir.join(HWM_FILE)).expect("remove");
-        let store = SledStore::open_existing(&dir).expect("open without a mark");
-        assert_eq!(store.read_history("b", 1, None).await.expect("b").len(), 3);
-        drop(store);
-        assert_eq!(hwm_of(&dir), hwm_line(6));
     }
 
     /// Appends committed in one group transaction: each sees the ones before it, and a
