@@ -12,6 +12,8 @@ pub mod bedrock;
 pub mod http;
 pub mod openai_chat;
 pub mod openai_responses;
+pub mod secrets;
+pub mod sse;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::ModelRequest;
