@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::time::Duration;
 
 /// Result alias for activity operations.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -136,6 +137,35 @@ pub enum Error {
         /// What is wrong, and where in the stream.
         message: String,
     },
+    /// A provider went silent: no response headers, or no body bytes, for longer than the
+    /// configured idle timeout. The connection is presumed stalled; a new attempt may succeed.
+    #[error(
+        "{provider}: nothing received for {waited:?} while waiting for {waiting_for} \
+         (idle timeout; raise it in the provider's settings or environment if the model \
+         legitimately stays silent longer)"
+    )]
+    IdleTimeout {
+        /// Provider family.
+        provider: String,
+        /// What the call was waiting for, e.g. `the response headers`.
+        waiting_for: String,
+        /// How long nothing arrived: the configured idle timeout.
+        waited: Duration,
+    },
+    /// One stream event (an SSE event, or an AWS event-stream frame) outgrew the per-event cap,
+    /// so it was refused rather than buffered further.
+    #[error(
+        "{provider} stream: {what} exceeds the cap of {limit_bytes} bytes per event \
+         (max_event_bytes; raise it in the provider's settings or environment)"
+    )]
+    EventTooLarge {
+        /// Provider family.
+        provider: String,
+        /// The cap, in bytes.
+        limit_bytes: usize,
+        /// Which event and where, e.g. `the event at byte 1024 (2000000 bytes so far)`.
+        what: String,
+    },
     /// A provider answered, but its response breaks the canonical response rules.
     #[error("provider {provider} returned an invalid response: {source}")]
     InvalidResponse {
@@ -194,7 +224,10 @@ impl Error {
             | Error::UnknownTool { .. } => ErrorKind::InvalidRequest,
             Error::Provider { kind, .. } => *kind,
             Error::Http { kind, .. } | Error::Stream { kind, .. } => *kind,
-            Error::InvalidResponse { .. } => ErrorKind::InvalidResponse,
+            Error::IdleTimeout { .. } => ErrorKind::Timeout,
+            Error::InvalidResponse { .. } | Error::EventTooLarge { .. } => {
+                ErrorKind::InvalidResponse
+            }
             Error::ToolFailed { .. } => ErrorKind::ToolFailed,
             Error::Io { source, .. } => match source.kind() {
                 std::io::ErrorKind::TimedOut => ErrorKind::Timeout,
@@ -218,6 +251,61 @@ impl Error {
         match self {
             Error::Http { retry_after_ms, .. } => *retry_after_ms,
             _ => None,
+        }
+    }
+
+    /// The same error with every text field passed through `scrub`: how secrets are removed
+    /// from errors before they leave an activity (see `providers::secrets`). Wrapped sources
+    /// (I/O errors, ledger rule violations) are ours and carry no provider text, so they stay.
+    pub(crate) fn map_text(self, scrub: impl Fn(&str) -> String) -> Error {
+        match self {
+            Error::Script { path, reason } => Error::Script {
+                path: scrub(&path),
+                reason: scrub(&reason),
+            },
+            Error::ScriptExhausted { .. } => self,
+            Error::Provider { kind, message } => Error::Provider {
+                kind,
+                message: scrub(&message),
+            },
+            Error::Http {
+                kind,
+                status,
+                message,
+                retry_after_ms,
+            } => Error::Http {
+                kind,
+                status,
+                message: scrub(&message),
+                retry_after_ms,
+            },
+            Error::Stream {
+                provider,
+                kind,
+                message,
+            } => Error::Stream {
+                provider,
+                kind,
+                message: scrub(&message),
+            },
+            Error::IdleTimeout { .. } | Error::EventTooLarge { .. } => self,
+            Error::InvalidResponse { .. } => self,
+            Error::InvalidArguments { tool, reason } => Error::InvalidArguments {
+                tool,
+                reason: scrub(&reason),
+            },
+            Error::UnknownTool { name } => Error::UnknownTool { name: scrub(&name) },
+            Error::ToolFailed { tool, message } => Error::ToolFailed {
+                tool,
+                message: scrub(&message),
+            },
+            Error::Io { path, source } => Error::Io {
+                path: scrub(&path),
+                source,
+            },
+            Error::Cancelled { reason } => Error::Cancelled {
+                reason: scrub(&reason),
+            },
         }
     }
 }
@@ -336,6 +424,22 @@ mod tests {
                     reason: "stop".into(),
                 },
                 ErrorKind::Cancelled,
+            ),
+            (
+                Error::IdleTimeout {
+                    provider: "p".into(),
+                    waiting_for: "the response headers".into(),
+                    waited: Duration::from_secs(1),
+                },
+                ErrorKind::Timeout,
+            ),
+            (
+                Error::EventTooLarge {
+                    provider: "p".into(),
+                    limit_bytes: 16,
+                    what: "the event at byte 0".into(),
+                },
+                ErrorKind::InvalidResponse,
             ),
         ];
         for (error, kind) in cases {

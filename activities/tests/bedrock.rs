@@ -708,3 +708,89 @@ fn from_env_without_credentials_is_an_auth_error() {
     assert_eq!(err.kind(), ErrorKind::Auth);
     assert!(err.to_string().contains("AWS_ACCESS_KEY_ID"), "{err}");
 }
+
+#[tokio::test]
+async fn a_frame_over_the_cap_is_refused_with_a_typed_error() {
+    let server = FakeServer::start().await;
+    let big = "y".repeat(5000);
+    server.push(stream(&text_stream(&big)));
+    let settings = HttpSettings::new(server.base_url(), None).with_max_event_bytes(4096);
+    let provider = BedrockProvider::new(
+        settings,
+        AwsCredentials {
+            access_key_id: "AKID".into(),
+            secret_access_key: "SECRET".into(),
+            session_token: None,
+        },
+        "us-east-1".into(),
+    );
+    let mut t = Transcript::new();
+    t.push_user_text("hi");
+    let err = provider
+        .call(
+            &request(MODEL, t, false),
+            &cairn_activities::NoDeltas,
+            &ActivityContext::detached(),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, cairn_activities::Error::EventTooLarge { provider, limit_bytes: 4096, .. } if provider == PROVIDER),
+        "{err:?}"
+    );
+    assert_eq!(err.kind(), ErrorKind::InvalidResponse);
+    assert!(err.to_string().contains("event-stream frame"), "{err}");
+    // Frames under the cap decode, pushed all at once (many frames in one chunk).
+    let mut decoder = bedrock::FrameDecoder::with_max_frame_bytes(4096);
+    decoder.push(&text_stream("small").concat());
+    let mut events = 0;
+    while decoder.next_event().unwrap().is_some() {
+        events += 1;
+    }
+    assert_eq!(events, text_stream("small").len());
+    decoder.finish().unwrap();
+}
+
+#[tokio::test]
+async fn an_error_echoing_the_aws_secrets_is_scrubbed() {
+    const SECRET_KEY: &str = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY";
+    const TOKEN: &str = "IQoJb3JpZ2luX2VjEXAMPLETOKENvalue0123456789";
+    let server = FakeServer::start().await;
+    // The secret key JSON-escaped with `\/`, as some encoders write it; the token plain.
+    let body = format!(
+        r#"{{"message":"The security token {TOKEN} and key {} do not match"}}"#,
+        SECRET_KEY.replace('/', "\\/")
+    );
+    server.push(Canned::error(403, &body));
+    let provider = BedrockProvider::new(
+        HttpSettings::new(server.base_url(), None),
+        AwsCredentials {
+            access_key_id: "AKIAIOSFODNN7EXAMPLE".into(),
+            secret_access_key: SECRET_KEY.into(),
+            session_token: Some(TOKEN.into()),
+        },
+        "us-east-1".into(),
+    );
+    let mut t = Transcript::new();
+    t.push_user_text("hi");
+    let err = provider
+        .call(
+            &request(MODEL, t, false),
+            &cairn_activities::NoDeltas,
+            &ActivityContext::detached(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Auth);
+    let shown = format!("{err} / {err:?}");
+    for secret in [SECRET_KEY, "K7MDENG", TOKEN] {
+        assert!(!shown.contains(secret), "{shown}");
+    }
+    assert!(shown.contains("The security token [redacted]"), "{shown}");
+    // The settings the provider holds print no secret either.
+    let printed = format!("{provider:?}");
+    assert!(
+        !printed.contains(SECRET_KEY) && !printed.contains(TOKEN),
+        "{printed}"
+    );
+}

@@ -19,6 +19,7 @@ async fn streams_bodies_and_classifies_errors_with_retry_after() {
     let mut body = Vec::new();
     let mut stream = post_stream(
         &settings,
+        "test",
         "/v1/x",
         &[("x-api-key", "k".into())],
         b"{}".to_vec(),
@@ -30,7 +31,7 @@ async fn streams_bodies_and_classifies_errors_with_retry_after() {
         body.extend_from_slice(&chunk.unwrap());
     }
     assert_eq!(body, b"data: one\n\ndata: two\n\n");
-    let err = post_stream(&settings, "/v1/x", &[], b"{}".to_vec(), &ctx)
+    let err = post_stream(&settings, "test", "/v1/x", &[], b"{}".to_vec(), &ctx)
         .await
         .err()
         .unwrap();

@@ -15,14 +15,15 @@ use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{DeltaSink, ModelProvider, ModelRequest};
 use crate::providers::alias::IdAliases;
-use crate::providers::http::{post_stream, HttpSettings};
+use crate::providers::http::{sse_call, HttpSettings};
+use crate::providers::sse::SseEvent;
 use crate::providers::{current_turn_start, prepare_transcript};
 use async_trait::async_trait;
 use cairn_ledger::{
     validate_response, Delta, ModelResponse, ModelSpec, Part, Role, StopReason, ToolResultContent,
     ToolSpec, ToolUse, Transcript, Usage,
 };
-use eventsource_stream::{EventStreamError, Eventsource};
+use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -59,8 +60,9 @@ impl AnthropicProvider {
         AnthropicProvider { settings }
     }
 
-    /// A provider configured from `ANTHROPIC_API_KEY` (required) and `ANTHROPIC_BASE_URL`
-    /// (default [`DEFAULT_BASE_URL`]).
+    /// A provider configured from `ANTHROPIC_API_KEY` (required), `ANTHROPIC_BASE_URL`
+    /// (default [`DEFAULT_BASE_URL`]), and the optional `ANTHROPIC_IDLE_TIMEOUT_SECS` and
+    /// `ANTHROPIC_MAX_EVENT_BYTES` ([`HttpSettings::with_env`]).
     pub fn from_env() -> Result<Self> {
         let key = std::env::var("ANTHROPIC_API_KEY")
             .ok()
@@ -73,7 +75,9 @@ impl AnthropicProvider {
             .ok()
             .filter(|u| !u.trim().is_empty())
             .unwrap_or_else(|| DEFAULT_BASE_URL.to_owned());
-        Ok(Self::new(HttpSettings::new(base_url, Some(key))))
+        Ok(Self::new(
+            HttpSettings::new(base_url, Some(key)).with_env("ANTHROPIC")?,
+        ))
     }
 
     /// Where and how this provider sends its requests.
@@ -111,43 +115,46 @@ impl ModelProvider for AnthropicProvider {
         if request.model.thinking_budget_tokens.is_some() {
             headers.push(("anthropic-beta", INTERLEAVED_THINKING_BETA.to_owned()));
         }
-        let bytes = post_stream(&self.settings, MESSAGES_PATH, &headers, body, context).await?;
-        let mut events = bytes.eventsource();
-        let mut parser = StreamParser::new(request.model.model.clone(), aliases);
-        while !parser.is_done() {
-            let next = tokio::select! {
-                next = events.next() => next,
-                _ = context.cancelled() => {
-                    return Err(Error::Cancelled {
-                        reason: "cancelled while the anthropic response was streaming".into(),
-                    })
-                }
-            };
-            let event = match next {
-                None => break,
-                Some(Ok(event)) => event,
-                Some(Err(EventStreamError::Transport(e))) => return Err(e),
-                Some(Err(EventStreamError::Utf8(e))) => {
-                    return Err(stream_error(
-                        ErrorKind::InvalidResponse,
-                        format!("the event stream is not valid UTF-8: {e}"),
-                    ))
-                }
-                Some(Err(EventStreamError::Parser(e))) => {
-                    return Err(stream_error(
-                        ErrorKind::InvalidResponse,
-                        format!("the event stream is not valid SSE: {e}"),
-                    ))
-                }
-            };
-            context.heartbeat(None);
-            let fed = parser.feed(&event.event, &event.data, deltas);
-            // Usage so far (message_start, message_delta) outlives a stream that breaks later.
-            context.report_usage(parser.usage());
-            fed?;
-        }
-        parser.finish()
+        sse_call(
+            &self.settings,
+            PROVIDER,
+            MESSAGES_PATH,
+            &headers,
+            body,
+            context,
+            |events| read_events(events, request, aliases, deltas, context),
+        )
+        .await
     }
+}
+
+/// Feeds the SSE events to the stream parser until `message_stop`, or cancellation.
+async fn read_events(
+    mut events: BoxStream<'static, Result<SseEvent>>,
+    request: &ModelRequest,
+    aliases: IdAliases,
+    deltas: &dyn DeltaSink,
+    context: &ActivityContext,
+) -> Result<ModelResponse> {
+    let mut parser = StreamParser::new(request.model.model.clone(), aliases);
+    while !parser.is_done() {
+        let next = tokio::select! {
+            next = events.next() => next,
+            _ = context.cancelled() => {
+                return Err(Error::Cancelled {
+                    reason: "cancelled while the anthropic response was streaming".into(),
+                })
+            }
+        };
+        let Some(event) = next else { break };
+        let event = event?;
+        context.heartbeat(None);
+        let fed = parser.feed(&event.event, &event.data, deltas);
+        // Usage so far (message_start, message_delta) outlives a stream that breaks later.
+        context.report_usage(parser.usage());
+        fed?;
+    }
+    parser.finish()
 }
 
 // ---------------------------------------------------------------------------------------------

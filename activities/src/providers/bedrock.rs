@@ -16,7 +16,7 @@ use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{DeltaSink, ModelProvider, ModelRequest};
 use crate::providers::alias::IdAliases;
-use crate::providers::http::{post_stream, HttpSettings};
+use crate::providers::http::{stream_call, HttpSettings, DEFAULT_MAX_EVENT_BYTES};
 use crate::providers::{current_turn_start, prepare_transcript};
 use async_trait::async_trait;
 use base64::Engine as _;
@@ -24,6 +24,7 @@ use cairn_ledger::{
     validate_response, validate_transcript, Delta, ModelResponse, Part, Role, StopReason,
     ToolResultContent, Usage,
 };
+use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -38,9 +39,6 @@ const SIGNING_SERVICE: &str = "bedrock";
 
 /// The prefix of per-request id aliases (`cairn_0`, `cairn_1`, ...): itself a valid Bedrock id.
 const ALIAS_PREFIX: &str = "cairn_";
-
-/// A frame larger than this is refused rather than buffered (the AWS limit is 16 MiB).
-const MAX_FRAME_BYTES: usize = 16 * 1024 * 1024;
 
 /// The event-stream prelude (total length, headers length, prelude CRC) plus the message CRC.
 const MIN_FRAME_BYTES: usize = 16;
@@ -508,44 +506,87 @@ pub struct WireEvent {
 }
 
 /// Accumulates the response bytes and decodes complete event-stream frames (CRC-checked).
-#[derive(Debug, Default)]
+///
+/// A frame declaring more than the cap ([`HttpSettings::max_event_bytes`], by default the AWS
+/// limit of 16 MiB) is refused with [`Error::EventTooLarge`] as soon as its prelude arrives,
+/// so it is never buffered. Each byte is copied a bounded number of times: decoded frames are
+/// skipped by an offset, and the buffer is compacted once per pushed chunk.
+#[derive(Debug)]
 pub struct FrameDecoder {
     buffer: Vec<u8>,
+    /// Start of the first undecoded frame in `buffer`.
+    start: usize,
+    /// Stream offset of `buffer[start]`, for error messages.
     offset: u64,
+    max_frame_bytes: usize,
+}
+
+impl Default for FrameDecoder {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl FrameDecoder {
-    /// An empty decoder.
+    /// An empty decoder with the default cap ([`DEFAULT_MAX_EVENT_BYTES`]).
     pub fn new() -> Self {
-        Self::default()
+        Self::with_max_frame_bytes(DEFAULT_MAX_EVENT_BYTES)
+    }
+
+    /// An empty decoder refusing frames over `max_frame_bytes`.
+    pub fn with_max_frame_bytes(max_frame_bytes: usize) -> Self {
+        FrameDecoder {
+            buffer: Vec::new(),
+            start: 0,
+            offset: 0,
+            max_frame_bytes,
+        }
     }
 
     /// Appends a chunk of the response body.
     pub fn push(&mut self, chunk: &[u8]) {
+        if self.start > 0 {
+            // What is left is at most one partial frame: cheap to move, and moving it once per
+            // chunk (not once per frame) keeps many small frames in one chunk linear.
+            self.buffer.drain(..self.start);
+            self.start = 0;
+        }
         self.buffer.extend_from_slice(chunk);
     }
 
     /// The next complete event, `None` until more bytes arrive. An `error` message (`:error-code`)
-    /// becomes a transient stream error; a corrupt frame an `InvalidResponse` stream error.
+    /// becomes a transient stream error; a corrupt frame an `InvalidResponse` stream error; a
+    /// frame over the cap an [`Error::EventTooLarge`].
     pub fn next_event(&mut self) -> Result<Option<WireEvent>> {
         use aws_smithy_eventstream::frame::read_message_from;
-        let Some(prelude) = self.buffer.get(..4) else {
+        let rest = &self.buffer[self.start..];
+        let Some(prelude) = rest.get(..4) else {
             return Ok(None);
         };
         let total = u32::from_be_bytes([prelude[0], prelude[1], prelude[2], prelude[3]]) as usize;
-        if !(MIN_FRAME_BYTES..=MAX_FRAME_BYTES).contains(&total) {
+        if total > self.max_frame_bytes {
+            return Err(Error::EventTooLarge {
+                provider: PROVIDER.into(),
+                limit_bytes: self.max_frame_bytes,
+                what: format!(
+                    "the event-stream frame at byte {} (declaring {total} bytes)",
+                    self.offset
+                ),
+            });
+        }
+        if total < MIN_FRAME_BYTES {
             return Err(protocol(format!(
-                "event-stream frame at byte {} declares {total} bytes (allowed {MIN_FRAME_BYTES}..={MAX_FRAME_BYTES})",
+                "event-stream frame at byte {} declares {total} bytes, less than the {MIN_FRAME_BYTES} of an empty frame",
                 self.offset
             )));
         }
-        if self.buffer.len() < total {
+        if rest.len() < total {
             return Ok(None);
         }
         let at = self.offset;
-        let message = read_message_from(&self.buffer[..total])
+        let message = read_message_from(&rest[..total])
             .map_err(|e| protocol(format!("corrupt event-stream frame at byte {at}: {e}")))?;
-        self.buffer.drain(..total);
+        self.start += total;
         self.offset += total as u64;
 
         let header = |name: &str| {
@@ -589,14 +630,14 @@ impl FrameDecoder {
 
     /// Checks that the body ended on a frame boundary.
     pub fn finish(&self) -> Result<()> {
-        if self.buffer.is_empty() {
+        let left = self.buffer.len() - self.start;
+        if left == 0 {
             Ok(())
         } else {
             Err(stream_error(
                 ErrorKind::Transient,
                 format!(
-                    "stream ended inside an event-stream frame ({} bytes left at byte {})",
-                    self.buffer.len(),
+                    "stream ended inside an event-stream frame ({left} bytes left at byte {})",
                     self.offset
                 ),
             ))
@@ -1102,8 +1143,12 @@ pub struct BedrockProvider {
 
 impl BedrockProvider {
     /// A provider for `region` reaching `settings.base_url` (usually
-    /// `https://bedrock-runtime.{region}.amazonaws.com`).
+    /// `https://bedrock-runtime.{region}.amazonaws.com`). The secret access key and session
+    /// token join the settings' secrets, so no error can carry them.
     pub fn new(settings: HttpSettings, credentials: AwsCredentials, region: String) -> Self {
+        let mut settings = settings;
+        settings.secrets.push(credentials.secret_access_key.clone());
+        settings.secrets.extend(credentials.session_token.clone());
         BedrockProvider {
             settings,
             credentials,
@@ -1113,8 +1158,9 @@ impl BedrockProvider {
 
     /// From the environment: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, optional
     /// `AWS_SESSION_TOKEN`, `AWS_REGION` (or `AWS_DEFAULT_REGION`), and optional
-    /// `BEDROCK_BASE_URL` (default: the regional endpoint). Missing credentials or region are
-    /// an `Auth` error.
+    /// `BEDROCK_BASE_URL` (default: the regional endpoint), and the optional
+    /// `BEDROCK_IDLE_TIMEOUT_SECS` and `BEDROCK_MAX_EVENT_BYTES` ([`HttpSettings::with_env`]).
+    /// Missing credentials or region are an `Auth` error.
     pub fn from_env() -> Result<Self> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let missing = |what: &str| Error::Provider {
@@ -1130,7 +1176,7 @@ impl BedrockProvider {
         let base_url = var("BEDROCK_BASE_URL")
             .unwrap_or_else(|| format!("https://bedrock-runtime.{region}.amazonaws.com"));
         Ok(Self::new(
-            HttpSettings::new(base_url, None),
+            HttpSettings::new(base_url, None).with_env("BEDROCK")?,
             AwsCredentials {
                 access_key_id,
                 secret_access_key,
@@ -1169,25 +1215,46 @@ impl ModelProvider for BedrockProvider {
             .map(|(name, value)| (name.as_str(), value.clone()))
             .collect();
         headers.push(("accept", "application/vnd.amazon.eventstream".into()));
-        let mut stream = post_stream(&self.settings, &path, &headers, body, context).await?;
-        let mut decoder = FrameDecoder::new();
-        let mut parser = StreamParser::new(request.model.model.clone(), aliases);
-        loop {
-            let chunk = tokio::select! {
-                chunk = stream.next() => chunk,
-                _ = context.cancelled() => {
-                    return Err(Error::Cancelled { reason: "cancelled while streaming".into() })
-                }
-            };
-            let Some(chunk) = chunk else { break };
-            decoder.push(&chunk?);
-            while let Some(event) = decoder.next_event()? {
-                parser.feed(&event.event_type, &event.payload, deltas)?;
-            }
-        }
-        decoder.finish()?;
-        parser.finish()
+        let decoder = FrameDecoder::with_max_frame_bytes(self.settings.max_event_bytes);
+        stream_call(
+            &self.settings,
+            PROVIDER,
+            &path,
+            &headers,
+            body,
+            context,
+            |bytes| read_frames(bytes, decoder, request, aliases, deltas, context),
+        )
+        .await
     }
+}
+
+/// Decodes the event-stream frames and feeds their events to the stream parser until the body
+/// ends, or cancellation.
+async fn read_frames(
+    mut stream: BoxStream<'static, Result<bytes::Bytes>>,
+    mut decoder: FrameDecoder,
+    request: &ModelRequest,
+    aliases: IdAliases,
+    deltas: &dyn DeltaSink,
+    context: &ActivityContext,
+) -> Result<ModelResponse> {
+    let mut parser = StreamParser::new(request.model.model.clone(), aliases);
+    loop {
+        let chunk = tokio::select! {
+            chunk = stream.next() => chunk,
+            _ = context.cancelled() => {
+                return Err(Error::Cancelled { reason: "cancelled while streaming".into() })
+            }
+        };
+        let Some(chunk) = chunk else { break };
+        decoder.push(&chunk?);
+        while let Some(event) = decoder.next_event()? {
+            parser.feed(&event.event_type, &event.payload, deltas)?;
+        }
+    }
+    decoder.finish()?;
+    parser.finish()
 }
 
 #[cfg(test)]

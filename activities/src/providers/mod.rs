@@ -4,7 +4,8 @@
 //!
 //! Every provider module has the same shape: a pure `render(&ModelRequest) -> Result<Value>`
 //! (validation + the exact request body), a pure stream parser fed one wire event at a time,
-//! and a `ModelProvider` that glues them to HTTP through [`http`].
+//! and a `ModelProvider` that glues them to HTTP through [`http::stream_call`] (idle timeout,
+//! secret scrubbing), decoding SSE with [`sse`] (linear, each event capped).
 
 pub mod alias;
 pub mod anthropic;
@@ -12,6 +13,8 @@ pub mod bedrock;
 pub mod http;
 pub mod openai_chat;
 pub mod openai_responses;
+pub mod secrets;
+pub mod sse;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::ModelRequest;

@@ -24,8 +24,9 @@
 //!   `max_tokens`: see [`MaxTokensField`].
 
 use super::alias::IdAliases;
-use super::http::{post_stream, HttpSettings};
+use super::http::{sse_call, HttpSettings};
 use super::prepare_transcript;
+use super::sse::SseEvent;
 use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{CallContext, DeltaSink, ModelProvider, ModelRequest};
@@ -33,7 +34,7 @@ use async_trait::async_trait;
 use cairn_ledger::{
     Delta, Message, ModelResponse, Part, Role, StopReason, ToolResultContent, ToolUse, Usage,
 };
-use eventsource_stream::{EventStreamError, Eventsource};
+use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
 
@@ -134,8 +135,10 @@ impl OpenAiChatProvider {
     }
 
     /// From the environment: `OPENAI_API_KEY` (optional when `OPENAI_BASE_URL` points at a
-    /// local compatible server: then no Authorization header is sent) and `OPENAI_BASE_URL`
-    /// (default [`DEFAULT_BASE_URL`]). Neither set is an [`ErrorKind::Auth`] error.
+    /// local compatible server: then no Authorization header is sent), `OPENAI_BASE_URL`
+    /// (default [`DEFAULT_BASE_URL`]), and the optional `OPENAI_IDLE_TIMEOUT_SECS` and
+    /// `OPENAI_MAX_EVENT_BYTES` ([`HttpSettings::with_env`]). Neither key nor base URL set is
+    /// an [`ErrorKind::Auth`] error.
     pub fn from_env() -> Result<Self> {
         let var = |name: &str| {
             std::env::var(name)
@@ -143,7 +146,8 @@ impl OpenAiChatProvider {
                 .map(|v| v.trim().to_owned())
                 .filter(|v| !v.is_empty())
         };
-        settings_from(var("OPENAI_API_KEY"), var("OPENAI_BASE_URL")).map(Self::new)
+        let settings = settings_from(var("OPENAI_API_KEY"), var("OPENAI_BASE_URL"))?;
+        Ok(Self::new(settings.with_env("OPENAI")?))
     }
 }
 
@@ -189,36 +193,46 @@ impl ModelProvider for OpenAiChatProvider {
         if let Some(key) = &self.settings.api_key {
             headers.push(("authorization", format!("Bearer {key}")));
         }
-        let bytes =
-            post_stream(&self.settings, "/chat/completions", &headers, body, context).await?;
-        let mut events = bytes.eventsource();
-        let mut parser = StreamParser::new(request.context.clone(), request.model.model.clone());
-        loop {
-            let next = tokio::select! {
-                next = events.next() => next,
-                _ = context.cancelled() => return Err(Error::Cancelled {
-                    reason: "cancelled while the openai stream was running".into(),
-                }),
-            };
-            let Some(event) = next else { break };
-            let event = event.map_err(|e| match e {
-                EventStreamError::Transport(inner) => inner,
-                other => stream_error(
-                    ErrorKind::InvalidResponse,
-                    format!("the SSE framing is broken: {other}"),
-                ),
-            })?;
-            context.heartbeat(None);
-            if event.event == "error" {
-                return Err(parser.error_event(&event.data));
-            }
-            parser.feed(&event.data, deltas)?;
-            if parser.is_done() {
-                break;
-            }
-        }
-        parser.finish()
+        sse_call(
+            &self.settings,
+            PROVIDER,
+            "/chat/completions",
+            &headers,
+            body,
+            context,
+            |events| read_events(events, request, deltas, context),
+        )
+        .await
     }
+}
+
+/// Feeds the SSE events to the stream parser until `[DONE]` (or the end), or cancellation.
+async fn read_events(
+    mut events: BoxStream<'static, Result<SseEvent>>,
+    request: &ModelRequest,
+    deltas: &dyn DeltaSink,
+    context: &ActivityContext,
+) -> Result<ModelResponse> {
+    let mut parser = StreamParser::new(request.context.clone(), request.model.model.clone());
+    loop {
+        let next = tokio::select! {
+            next = events.next() => next,
+            _ = context.cancelled() => return Err(Error::Cancelled {
+                reason: "cancelled while the openai stream was running".into(),
+            }),
+        };
+        let Some(event) = next else { break };
+        let event = event?;
+        context.heartbeat(None);
+        if event.event == "error" {
+            return Err(parser.error_event(&event.data));
+        }
+        parser.feed(&event.data, deltas)?;
+        if parser.is_done() {
+            break;
+        }
+    }
+    parser.finish()
 }
 
 // ---------------------------------------------------------------------------------------------

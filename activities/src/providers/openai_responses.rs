@@ -16,14 +16,15 @@
 use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{DeltaSink, ModelProvider, ModelRequest};
-use crate::providers::http::{post_stream, HttpSettings};
+use crate::providers::http::{sse_call, HttpSettings};
 use crate::providers::prepare_transcript;
+use crate::providers::sse::SseEvent;
 use async_trait::async_trait;
 use cairn_ledger::{
     validate_response, validate_transcript, Delta, JsonText, Message, ModelResponse, Part, Role,
     StopReason, ToolResultContent, ToolUse, Usage, Violation,
 };
-use eventsource_stream::{EventStreamError, Eventsource};
+use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -49,8 +50,9 @@ impl OpenAiResponsesProvider {
     }
 
     /// A provider configured from `OPENAI_API_KEY` and `OPENAI_BASE_URL` (default
-    /// [`DEFAULT_BASE_URL`]). The key is required unless a base URL is set (local servers often
-    /// need none).
+    /// [`DEFAULT_BASE_URL`]), and the optional `OPENAI_IDLE_TIMEOUT_SECS` and
+    /// `OPENAI_MAX_EVENT_BYTES` ([`HttpSettings::with_env`]). The key is required unless a base
+    /// URL is set (local servers often need none).
     pub fn from_env() -> Result<Self> {
         let key = std::env::var("OPENAI_API_KEY")
             .ok()
@@ -58,7 +60,7 @@ impl OpenAiResponsesProvider {
         let base = std::env::var("OPENAI_BASE_URL")
             .ok()
             .filter(|b| !b.is_empty());
-        settings_from(key, base).map(Self::new)
+        Ok(Self::new(settings_from(key, base)?.with_env("OPENAI")?))
     }
 }
 
@@ -1095,36 +1097,43 @@ impl ModelProvider for OpenAiResponsesProvider {
         if let Some(key) = &self.settings.api_key {
             headers.push(("authorization", format!("Bearer {key}")));
         }
-        let stream = post_stream(&self.settings, "/responses", &headers, body, context).await?;
-        let mut events = stream.eventsource();
-        let mut parser = StreamParser::new(request.model.model.clone());
-        loop {
-            let next = tokio::select! {
-                next = events.next() => next,
-                _ = context.cancelled() => {
-                    return Err(Error::Cancelled { reason: format!("{PROVIDER}: cancelled while streaming") });
-                }
-            };
-            match next {
-                None => break,
-                Some(Ok(event)) => {
-                    context.heartbeat(None);
-                    parser.feed(&event.event, &event.data, deltas)?;
-                    if parser.is_terminal() {
-                        break;
-                    }
-                }
-                Some(Err(EventStreamError::Transport(e))) => return Err(e),
-                Some(Err(e)) => {
-                    return Err(broken(
-                        ErrorKind::InvalidResponse,
-                        format!("the SSE framing is broken: {e}"),
-                    ))
-                }
-            }
-        }
-        parser.finish()
+        sse_call(
+            &self.settings,
+            PROVIDER,
+            "/responses",
+            &headers,
+            body,
+            context,
+            |events| read_events(events, request, deltas, context),
+        )
+        .await
     }
+}
+
+/// Feeds the SSE events to the stream parser until a terminal event, or cancellation.
+async fn read_events(
+    mut events: BoxStream<'static, Result<SseEvent>>,
+    request: &ModelRequest,
+    deltas: &dyn DeltaSink,
+    context: &ActivityContext,
+) -> Result<ModelResponse> {
+    let mut parser = StreamParser::new(request.model.model.clone());
+    loop {
+        let next = tokio::select! {
+            next = events.next() => next,
+            _ = context.cancelled() => {
+                return Err(Error::Cancelled { reason: format!("{PROVIDER}: cancelled while streaming") });
+            }
+        };
+        let Some(event) = next else { break };
+        let event = event?;
+        context.heartbeat(None);
+        parser.feed(&event.event, &event.data, deltas)?;
+        if parser.is_terminal() {
+            break;
+        }
+    }
+    parser.finish()
 }
 
 #[cfg(test)]
