@@ -5,6 +5,7 @@
 
 mod chaos;
 mod cli;
+mod corruption;
 mod engine;
 mod faults;
 mod golden;
