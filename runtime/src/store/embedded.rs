@@ -390,10 +390,12 @@ async fn open_read_only(dir: &Path, engine: StorageEngine) -> Result<OpenedStore
         .tempdir()
         .map_err(|e| open_error(dir, format!("cannot make a temporary copy: {e}")))?;
     let copy = snapshot.path();
-    // After an open that was killed while putting a backup back, the backup is the store.
-    let source = if dir.join(BACKUP_DIR).join(RESTORING).exists() {
+    // After an open that was killed midway, its backup is the store (a writable open puts it
+    // back).
+    let source = if dir.join(BACKUP_DIR).exists() {
         notes.push(format!(
-            "an interrupted open left {BACKUP_DIR}/ to put back; a writable open puts it back"
+            "an open was killed midway; reading the files as they were before it, from \
+             {BACKUP_DIR}/ (a writable open puts them back)"
         ));
         dir.join(BACKUP_DIR)
     } else {
@@ -541,8 +543,10 @@ fn flock(_file: &File, _exclusive: bool) -> std::io::Result<()> {
 }
 
 /// Deals with what an open killed midway left: an incomplete backup is dropped (the engine's
-/// files were not touched yet), a backup being put back is put back, and a complete backup of
-/// an open that got past recovery is dropped (recovery is the engine's to redo).
+/// files were not touched yet); a complete one is put back, since it is the store as it was
+/// before that open, and nothing was acknowledged while it existed (an open removes it before
+/// it hands out the store). Putting it back is the only safe choice: the killed open may have
+/// been about to put it back itself, after its engine dropped acknowledged events.
 fn finish_interrupted_open(
     dir: &Path,
     engine: StorageEngine,
@@ -552,12 +556,12 @@ fn finish_interrupted_open(
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(io(dir))?;
     }
-    let backup = dir.join(BACKUP_DIR);
-    if backup.join(RESTORING).exists() {
+    if dir.join(BACKUP_DIR).exists() {
         restore(dir, engine)?;
-        notes.push("put back the files of an open that was killed while putting them back".into());
-    } else if backup.exists() {
-        fs::remove_dir_all(&backup).map_err(io(dir))?;
+        notes.push(format!(
+            "an open was killed midway; put back the store's files as they were before it \
+             (from {BACKUP_DIR}/)"
+        ));
     }
     Ok(())
 }
@@ -572,17 +576,23 @@ fn backup(dir: &Path, engine: StorageEngine) -> Result<()> {
             copy_tree(&dir.join(&name), &tmp.join(&name)).map_err(io(dir))?;
         }
     }
-    fs::rename(&tmp, dir.join(BACKUP_DIR)).map_err(io(dir))
+    // Durable before the rename makes it count: after a power cut, a backup that is put back
+    // must be whole.
+    sync_tree(&tmp).map_err(io(dir))?;
+    fs::rename(&tmp, dir.join(BACKUP_DIR)).map_err(io(dir))?;
+    sync_dir(dir).map_err(io(dir))
 }
 
 /// Puts the backup back in place of the engine's files, so the store is as it was before the
 /// open; durable before it returns. Restartable: a kill midway is finished by the next open.
 fn restore(dir: &Path, engine: StorageEngine) -> Result<()> {
     let backup = dir.join(BACKUP_DIR);
-    File::create(backup.join(RESTORING))
-        .and_then(|f| f.sync_all())
-        .and_then(|()| sync_dir(&backup))
-        .map_err(io(dir))?;
+    if !backup.join(RESTORING).exists() {
+        File::create(backup.join(RESTORING))
+            .and_then(|f| f.sync_all())
+            .and_then(|()| sync_dir(&backup))
+            .map_err(io(dir))?;
+    }
     let kept: Vec<String> = names_in(&backup)
         .into_iter()
         .filter(|n| n != RESTORING)
@@ -603,7 +613,8 @@ fn restore(dir: &Path, engine: StorageEngine) -> Result<()> {
 }
 
 fn remove_backup(dir: &Path) -> Result<()> {
-    fs::remove_dir_all(dir.join(BACKUP_DIR)).map_err(io(dir))
+    fs::remove_dir_all(dir.join(BACKUP_DIR)).map_err(io(dir))?;
+    sync_dir(dir).map_err(io(dir))
 }
 
 /// A new `set-aside/<time>-<pid>/` directory.

@@ -330,3 +330,43 @@ async fn an_interrupted_restore_is_finished_by_the_next_open() {
     assert!(!dir.join(BACKUP_DIR).exists());
     assert!(fs::read(dir.join("db")).expect("db").len() >= good_db.len().min(1));
 }
+
+/// A complete backup left by a killed open is the store as it was: read-only opens read it,
+/// the next writable open puts it back, whatever the killed open had done to the engine's files.
+#[tokio::test]
+async fn a_backup_left_by_a_killed_open_is_put_back() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path().join("s");
+    write_marked(&dir, &["a", "b"], 4, None).await;
+    backup(&dir, StorageEngine::Sled).expect("backup");
+    // What a recovery that dropped a damaged log would leave.
+    fs::write(dir.join("db"), vec![0u8; 4096]).expect("zero db");
+    let read = open(&dir, OpenMode::ReadOnly, None)
+        .await
+        .expect("read-only");
+    assert!(
+        read.notes.iter().any(|n| n.contains("killed midway")),
+        "{:?}",
+        read.notes
+    );
+    assert_eq!(
+        read.store
+            .read_history("b", 1, None)
+            .await
+            .expect("b")
+            .len(),
+        4
+    );
+    drop(read);
+    let opened = open(&dir, OpenMode::Existing, None).await.expect("open");
+    assert!(opened.losses.is_empty());
+    assert_eq!(
+        opened
+            .store
+            .read_history("a", 1, None)
+            .await
+            .expect("a")
+            .len(),
+        4
+    );
+}
