@@ -13,6 +13,7 @@ use std::fmt;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 pub mod faulty;
+pub mod fjall;
 pub mod memory;
 pub mod sled;
 
