@@ -1,22 +1,24 @@
-//! Crash test of the sled store: a child process appends from several concurrent writers and is
-//! killed with SIGKILL at random moments; after each kill the store must open, every session's
+//! Crash test of the durable stores, sled and fjall, each in its own test: a child process
+//! appends from several concurrent writers and is killed with SIGKILL at random moments; after each kill the store must open, every session's
 //! history must be seqs 1..=n that decode, and every append the child saw acknowledged must be
 //! there, at its seq, with its content.
 //!
 //! The child is this test binary itself, re-executed to run only [`crash_child_writer`], with
-//! the store directory in `CAIRN_CRASH_CHILD_DIR`. It prints `ack <session> <seq> <tag>` for
+//! the store directory in `CAIRN_CRASH_CHILD_DIR` and the engine in `CAIRN_CRASH_CHILD_ENGINE`. It prints `ack <session> <seq> <tag>` for
 //! every event of an acknowledged append, where `<tag>` is unique to that event. The data
 //! directory is kept across trials, so each trial also tests reopening after a kill, and the
 //! children continue the sessions from where the store is.
 //!
 //! A SIGKILL loses what is in the process, not what is in the kernel's page cache: this checks
-//! that sled recovers and that nothing is acknowledged before it is written and flushed, not
-//! the fsyncs against power loss (see the durability notes of `cairn_runtime::store::sled`).
+//! that the engine recovers and that nothing is acknowledged before it is written and flushed,
+//! not the fsyncs against power loss (see the durability notes of `cairn_runtime::store::sled`
+//! and `cairn_runtime::store::fjall`).
 //!
 //! The seed is printed; rerun a failure with `CAIRN_CRASH_SEED=<seed>`; `CAIRN_CRASH_TRIALS`
-//! changes the number of trials (50).
+//! changes the number of trials per engine (50).
 #![cfg(unix)]
 
+use cairn_runtime::store::fjall::FjallStore;
 use cairn_runtime::store::sled::SledStore;
 use cairn_runtime::{
     AppendRequest, Error, Event, EventEnvelope, NewTask, SessionStatus, Store, TaskId, TaskKind,
@@ -33,6 +35,7 @@ use std::time::{Duration, Instant};
 
 const CHILD_DIR_ENV: &str = "CAIRN_CRASH_CHILD_DIR";
 const CHILD_SEED_ENV: &str = "CAIRN_CRASH_CHILD_SEED";
+const CHILD_ENGINE_ENV: &str = "CAIRN_CRASH_CHILD_ENGINE";
 const SEED_ENV: &str = "CAIRN_CRASH_SEED";
 const TRIALS_ENV: &str = "CAIRN_CRASH_TRIALS";
 const DEFAULT_TRIALS: u64 = 50;
@@ -42,13 +45,67 @@ const WRITERS_PER_SESSION: usize = 2;
 /// An acknowledged event: its seq and unique tag.
 type Acks = BTreeMap<String, BTreeMap<u64, String>>;
 
+/// The store engines under test.
+#[derive(Debug, Clone, Copy)]
+enum Engine {
+    Sled,
+    Fjall,
+}
+
+impl Engine {
+    fn name(self) -> &'static str {
+        match self {
+            Engine::Sled => "sled",
+            Engine::Fjall => "fjall",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Engine> {
+        [Engine::Sled, Engine::Fjall]
+            .into_iter()
+            .find(|e| e.name() == name)
+    }
+
+    /// A file the engine writes when it creates a store: without it, nothing was stored yet.
+    fn marker_file(self) -> &'static str {
+        match self {
+            Engine::Sled => "db",
+            Engine::Fjall => "version",
+        }
+    }
+
+    fn open(self, dir: &Path) -> cairn_runtime::Result<Arc<dyn Store>> {
+        Ok(match self {
+            Engine::Sled => Arc::new(SledStore::open(dir)?),
+            Engine::Fjall => Arc::new(FjallStore::open(dir)?),
+        })
+    }
+
+    fn open_existing(self, dir: &Path) -> cairn_runtime::Result<Arc<dyn Store>> {
+        Ok(match self {
+            Engine::Sled => Arc::new(SledStore::open_existing(dir)?),
+            Engine::Fjall => Arc::new(FjallStore::open_existing(dir)?),
+        })
+    }
+}
+
 #[test]
 fn sled_store_keeps_every_acknowledged_append_across_sigkills() {
+    keeps_every_acknowledged_append_across_sigkills(Engine::Sled);
+}
+
+#[test]
+fn fjall_store_keeps_every_acknowledged_append_across_sigkills() {
+    keeps_every_acknowledged_append_across_sigkills(Engine::Fjall);
+}
+
+fn keeps_every_acknowledged_append_across_sigkills(engine: Engine) {
+    let name = engine.name();
     let seed = std::env::var(SEED_ENV)
         .ok()
         .and_then(|s| s.parse::<u64>().ok())
         .unwrap_or_else(rand::random);
-    eprintln!("store_crash: seed {seed} (rerun with {SEED_ENV}={seed})");
+    eprintln!("store_crash {name}: seed {seed} (rerun with {SEED_ENV}={seed})");
     let trials = std::env::var(TRIALS_ENV)
         .ok()
         .and_then(|s| s.parse::<u64>().ok())
@@ -63,7 +120,7 @@ fn sled_store_keeps_every_acknowledged_append_across_sigkills() {
     let mut killed_before_first_ack = 0;
     for trial in 0..trials {
         let fail = |what: String| -> ! {
-            panic!("store_crash trial {trial} of {trials}, seed {seed}: {what}")
+            panic!("store_crash {name} trial {trial} of {trials}, seed {seed}: {what}")
         };
         let mut child = Command::new(&exe)
             .args([
@@ -74,6 +131,7 @@ fn sled_store_keeps_every_acknowledged_append_across_sigkills() {
                 "--test-threads=1",
             ])
             .env(CHILD_DIR_ENV, &data)
+            .env(CHILD_ENGINE_ENV, name)
             .env(
                 CHILD_SEED_ENV,
                 (seed ^ trial.wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_string(),
@@ -130,11 +188,11 @@ fn sled_store_keeps_every_acknowledged_append_across_sigkills() {
                 ));
             }
         }
-        verify(&data, &acked).unwrap_or_else(|what| fail(what));
+        verify(engine, &data, &acked).unwrap_or_else(|what| fail(what));
     }
     let events: usize = acked.values().map(BTreeMap::len).sum();
     eprintln!(
-        "store_crash: {trials} trials, {events} acknowledged events all present, \
+        "store_crash {name}: {trials} trials, {events} acknowledged events all present, \
          {killed_before_first_ack} kills before the first ack, {:.1}s",
         started.elapsed().as_secs_f64()
     );
@@ -145,19 +203,20 @@ fn sled_store_keeps_every_acknowledged_append_across_sigkills() {
 }
 
 /// Opens the store as it was left and checks it against everything acknowledged so far.
-fn verify(data: &Path, acked: &Acks) -> Result<(), String> {
+fn verify(engine: Engine, data: &Path, acked: &Acks) -> Result<(), String> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .map_err(|e| format!("tokio: {e}"))?;
-    if !data.join("db").exists() {
-        // Killed before sled created its files; nothing can have been acknowledged.
+    if !data.join(engine.marker_file()).exists() {
+        // Killed before the engine created its files; nothing can have been acknowledged.
         return if acked.is_empty() {
             Ok(())
         } else {
             Err("the store's files are gone".to_owned())
         };
     }
-    let store = SledStore::open_existing(data)
+    let store = engine
+        .open_existing(data)
         .map_err(|e| format!("the store does not open after the kill: {e}"))?;
     runtime.block_on(async {
         let sessions = store
@@ -240,7 +299,7 @@ fn tag_of(envelope: &EventEnvelope) -> Option<&str> {
 
 /// The child: appends until it is killed. Does nothing unless run by the crash test.
 #[test]
-#[ignore = "run by sled_store_keeps_every_acknowledged_append_across_sigkills in a child process"]
+#[ignore = "run by the *_store_keeps_every_acknowledged_append_across_sigkills tests in a child process"]
 fn crash_child_writer() {
     let Ok(dir) = std::env::var(CHILD_DIR_ENV) else {
         return;
@@ -249,13 +308,17 @@ fn crash_child_writer() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
+    let engine = std::env::var(CHILD_ENGINE_ENV)
+        .ok()
+        .and_then(|name| Engine::from_name(&name))
+        .expect("child: CAIRN_CRASH_CHILD_ENGINE names no engine");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("tokio runtime");
     runtime.block_on(async move {
-        let store: Arc<dyn Store> = Arc::new(SledStore::open(&dir).expect("child: open the store"));
+        let store = engine.open(Path::new(&dir)).expect("child: open the store");
         let mut handles = Vec::new();
         for w in 0..SESSIONS * WRITERS_PER_SESSION {
             let store = Arc::clone(&store);

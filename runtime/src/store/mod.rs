@@ -14,6 +14,7 @@ use std::fmt;
 pub mod conformance;
 pub mod embedded;
 pub mod faulty;
+pub mod fjall;
 pub mod marks;
 pub mod memory;
 pub mod sled;

@@ -1,0 +1,1749 @@
+//! The fjall store: an embedded, durable backend on fjall 3 (an LSM tree with a journal), beside
+//! the sled one. Both pass the same conformance suite; switching engines is switching the type
+//! (`FjallStore::open` for `SledStore::open`), not the data: each reads only its own files.
+//!
+//! # Layout
+//!
+//! One fjall database per store directory, with four keyspaces laid out like sled's trees:
+//!
+//! | keyspace   | key                                              | value                   |
+//! |------------|--------------------------------------------------|-------------------------|
+//! | `events`   | session id bytes ++ `0x00` ++ seq (u64 BE)       | the [`codec`] record    |
+//! | `sessions` | session id bytes                                 | msgpack [`SessionInfo`] |
+//! | `tasks`    | session id bytes ++ `0x00` ++ scheduled seq (BE) | msgpack [`Task`]        |
+//! | `queue`    | visible_at_ms (u64 BE) ++ task key               | empty                   |
+//!
+//! Session ids pass [`check_session_id`], so they never contain `0x00` and the separator keeps
+//! one session's keys from running into another's; the byte order of the keys is the order of
+//! `(session id, seq)`, `TaskId` and `(visible_at_ms, TaskId)`, so range scans give the orders
+//! the [`Store`] contract asks for. The next seq of a session is its `SessionInfo::events + 1`.
+//!
+//! # Writes: one writer thread, group commit, one write batch, one persist
+//!
+//! Every write (append, lease, lease extension, release) is prepared on the caller's task
+//! (validation, encoding) and sent to the store's writer thread; the caller awaits a
+//! `tokio::sync::oneshot` for the answer, so no tokio worker ever waits on the disk. The writer
+//! takes every write queued so far (a batch of at most [`MAX_BATCH`]) and applies them in order
+//! to an in-memory overlay of the batch's changes, each write reading through the overlay, so
+//! it sees the writes before it. Each write still stands alone: an append's seq check
+//! (`Conflict`), its fencing check of `complete` (`LeaseLost`) and every read of a record it
+//! replaces come before it stages anything, and its changes reach the overlay together, only
+//! once it was accepted; a rejected write is answered at once and leaves nothing behind.
+//! Leasing scans `queue` merged with the overlay; as the only writer, the thread sees a queue
+//! nothing else changes.
+//!
+//! Then the whole overlay goes to fjall as one [`fjall::OwnedWriteBatch`] over the four
+//! keyspaces (one journal record, atomic: after a crash all of it or none of it is there),
+//! and one `persist(PersistMode::SyncData)` makes it durable; only then are the batch's
+//! writers answered. Writes that arrive meanwhile form the next batch, so N concurrent appends
+//! cost about one fdatasync, not N. Nothing is persisted per event, and no history is re-read:
+//! an append reads one session record and the task records it touches.
+//!
+//! Reads run on the caller's thread, each on a fjall snapshot, which shows whole write batches
+//! only (fjall's plain `Keyspace::get`/`range` read at the newest sequence number and could see
+//! a batch half applied to the memtables). A read can see a batch whose persist is still
+//! running; persists are ordered, so if the process dies first, that batch and everything after
+//! it are lost together, and the readers that saw it died with the process.
+//!
+//! The thread stops, after answering its last batch, when the store is dropped, and the drop
+//! joins it.
+//!
+//! # Durability (what fjall 3.1 does, read in its source)
+//!
+//! A write is answered `Ok` only once it survives a power loss, not only a process crash
+//! (leases too: a fencing token handed out must not be handed out again after a restart).
+//!
+//! * Every write batch is one journal record (start marker, items, end marker with an xxh3
+//!   checksum and a magic trailer) appended to the active journal file `<n>.jnl` through an
+//!   8 KiB buffer. The database is opened with `manual_journal_persist`, so a commit does not
+//!   even flush that buffer: `Database::persist(SyncData)` writes the buffer out and calls
+//!   `fdatasync` on the journal. That is the one sync per batch.
+//! * fdatasync is enough for the journal: fjall creates each journal preallocated to 64 MiB
+//!   (`set_len` then `sync_all`, then an fsync of the directory), and fdatasync persists a size
+//!   change when the file does grow (after recovery truncates it, or past 64 MiB).
+//! * Everything else fjall writes in the background it syncs itself: a memtable flush or a
+//!   compaction writes a table file, `sync_all`s it and fsyncs `tables/`; the tree's version
+//!   file is written, `sync_all`ed, its directory fsynced, and the `current` pointer replaced
+//!   atomically (temporary file, fsync, rename, fsync of the directory). Journal rotation
+//!   `sync_all`s the old journal and fsyncs the directory after creating the new one. Old
+//!   journals are deleted only once every keyspace has flushed past them; a deletion lost to a
+//!   power loss just replays data fjall then skips by sequence number.
+//! * What fjall leaves out: creating a database fsyncs the store directory and `keyspaces/`,
+//!   but creating a keyspace fsyncs only the keyspace's own directories, not its entry in
+//!   `keyspaces/`; and nothing fsyncs the parents of a store directory it created. So after
+//!   opening, this store fsyncs `keyspaces/`, the store directory and the parents of the
+//!   directories it created.
+//!
+//! If a commit or a persist fails, every write of that batch gets `Error::Store`, and the store
+//! refuses further writes until it is reopened: after a failed fsync the kernel may have dropped
+//! the dirty pages, so a later fsync that succeeds would prove nothing. (fjall poisons its
+//! database on such a failure too and refuses writes with `Poisoned`.)
+//!
+//! # Recovery, and what it does to damaged files
+//!
+//! Opening replays the journals into memtables. fjall reads journal entries until one does not
+//! decode, and then **truncates the journal file there** (`set_len` + `sync_all`), silently: a
+//! torn tail (the preallocated zeros after the last write, or a batch without its end marker) is
+//! cut off, which is right for a torn write, but a flipped bit in a marker or a length inside
+//! older data is taken for the same and cuts off everything after it, acknowledged batches
+//! included. A batch whose end marker is intact but whose checksum does not match fails the open
+//! instead (`JournalRecovery(ChecksumMismatch)`), so does a decompression error; table files
+//! carry checksums that fail reads. So opening modifies files, and a damaged journal can lose
+//! acknowledged writes without an error: this store does not detect that (a per-session
+//! high-water mark around every store is being built separately).
+//!
+//! # Bounded journal
+//!
+//! fjall rotates the active journal once it is past 64 MB (hard-coded) at the next memtable
+//! flush, and deletes sealed journals once every keyspace has flushed past them. A keyspace that
+//! is written rarely (`sessions` and `queue` hold small records) would take long to fill its
+//! memtable and so pin old journals; `max_journaling_size` is the bound past which fjall flushes
+//! such stragglers. This store sets it to [`MAX_JOURNAL_BYTES`], 64 MiB, the least fjall
+//! accepts (the default is 512 MiB), so journals stay at about one active plus at most one
+//! sealed journal, and a reopen replays at most that much. Memtables are capped at
+//! [`MEMTABLE_BYTES`] per keyspace (the default is 64 MiB), which bounds memory and makes the
+//! busy `events` keyspace flush several times per journal. fjall's background flushes and
+//! compactions stay on (its worker threads).
+
+use super::memory::lease_current;
+use super::{
+    check_request, check_session_id, AppendRequest, Lease, NewTask, SessionInfo, Store, Task,
+    TaskId,
+};
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::event::EventEnvelope;
+use async_trait::async_trait;
+use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode, Readable};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File};
+use std::iter::Peekable;
+use std::ops::Bound;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use tokio::sync::oneshot;
+
+const EVENTS_KEYSPACE: &str = "events";
+const SESSIONS_KEYSPACE: &str = "sessions";
+const TASKS_KEYSPACE: &str = "tasks";
+const QUEUE_KEYSPACE: &str = "queue";
+/// The file fjall writes first in a database directory.
+const VERSION_FILE: &str = "version";
+/// Writes in one batch at most, bounding the wait of the first one.
+pub const MAX_BATCH: usize = 512;
+/// fjall's `max_journaling_size`: the least it accepts (see the module docs).
+pub const MAX_JOURNAL_BYTES: u64 = 64 * 1024 * 1024;
+/// Each keyspace's memtable is flushed to a table file past this size (fjall's default is
+/// 64 MiB). Applies when a keyspace is created; fjall keeps the setting in the database.
+pub const MEMTABLE_BYTES: u64 = 16 * 1024 * 1024;
+
+/// The database and its keyspaces.
+#[derive(Clone)]
+struct Handles {
+    db: Database,
+    events: Keyspace,
+    sessions: Keyspace,
+    tasks: Keyspace,
+    queue: Keyspace,
+}
+
+/// A keyspace, to index a batch's overlay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ks {
+    Events = 0,
+    Sessions = 1,
+    Tasks = 2,
+    Queue = 3,
+}
+
+impl Handles {
+    fn keyspace(&self, ks: Ks) -> &Keyspace {
+        match ks {
+            Ks::Events => &self.events,
+            Ks::Sessions => &self.sessions,
+            Ks::Tasks => &self.tasks,
+            Ks::Queue => &self.queue,
+        }
+    }
+}
+
+/// A durable store in a directory, backed by fjall; see the module docs.
+pub struct FjallStore {
+    path: PathBuf,
+    /// `None` only while dropping.
+    handles: Option<Handles>,
+    /// To the writer thread; `None` only while dropping.
+    writes: Option<mpsc::Sender<Write>>,
+    shared: Arc<Shared>,
+    writer: Option<JoinHandle<()>>,
+}
+
+/// What the store and its writer thread share.
+#[derive(Default)]
+struct Shared {
+    /// Set when a commit or persist failed; the store then refuses writes.
+    failed: Mutex<Option<String>>,
+    /// Persists done (for tests of group commit).
+    persists: AtomicU64,
+}
+
+impl Shared {
+    fn failed(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        // A plain value: consistent even if a holder panicked.
+        self.failed
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// A write for the writer thread, with where to answer.
+enum Write {
+    Append(PreparedAppend, oneshot::Sender<Result<()>>),
+    Lease {
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        reply: oneshot::Sender<Result<Vec<Lease>>>,
+    },
+    Extend {
+        id: TaskId,
+        lease_attempt: u32,
+        now_ms: u64,
+        lease_ms: u64,
+        reply: oneshot::Sender<Result<u64>>,
+    },
+    Release {
+        now_ms: u64,
+        reply: oneshot::Sender<Result<usize>>,
+    },
+}
+
+/// An accepted write's answer, held until its batch is durable.
+enum Pending {
+    Append(oneshot::Sender<Result<()>>),
+    Lease(oneshot::Sender<Result<Vec<Lease>>>, Vec<Lease>),
+    Extend(oneshot::Sender<Result<u64>>, u64),
+    Release(oneshot::Sender<Result<usize>>, usize),
+}
+
+impl Pending {
+    fn answer(self, synced: &std::result::Result<(), String>, path: &Path) {
+        let error = |reason: &String| Error::Store {
+            reason: format!(
+                "fjall store at {}: persist failed, the write is not durable: {reason}",
+                path.display()
+            ),
+        };
+        // A caller that stopped waiting dropped its receiver; nothing to do then.
+        match self {
+            Pending::Append(reply) => {
+                let _ = reply.send(synced.as_ref().map(|_| ()).map_err(error));
+            }
+            Pending::Lease(reply, leases) => {
+                let _ = reply.send(synced.as_ref().map(|_| leases).map_err(error));
+            }
+            Pending::Extend(reply, expiry) => {
+                let _ = reply.send(synced.as_ref().map(|_| expiry).map_err(error));
+            }
+            Pending::Release(reply, count) => {
+                let _ = reply.send(synced.as_ref().map(|_| count).map_err(error));
+            }
+        }
+    }
+}
+
+/// An append, validated and encoded by the caller.
+struct PreparedAppend {
+    session_id: String,
+    expected: u64,
+    /// Key and record of each event.
+    records: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Events of the session after the append; 0 when it records nothing (no session record).
+    count: u64,
+    /// The session record to write.
+    info: Vec<u8>,
+    complete: Option<(TaskId, u32)>,
+    now_ms: u64,
+    /// Completed and cancelled tasks.
+    removed: Vec<TaskId>,
+    /// Tasks to enqueue, with their encoded records.
+    enqueued: Vec<(NewTask, Vec<u8>)>,
+}
+
+impl PreparedAppend {
+    fn new(request: AppendRequest) -> Result<PreparedAppend> {
+        check_request(&request)?;
+        let sid = request.session_id.as_str();
+        let expected = request.expected_next_seq;
+        let mut records = Vec::with_capacity(request.events.len());
+        for (i, e) in request.events.iter().enumerate() {
+            records.push((seq_key(sid, expected + i as u64), codec::encode(e)?));
+        }
+        let count = expected.saturating_sub(1) + records.len() as u64;
+        let info = encode_meta(
+            "session record",
+            &SessionInfo {
+                session_id: sid.to_owned(),
+                status: request.status,
+                events: count,
+                updated_at_ms: request.now_ms,
+            },
+        )?;
+        let removed = request
+            .complete
+            .iter()
+            .map(|(id, _)| id.clone())
+            .chain(request.cancel.iter().cloned())
+            .collect();
+        let mut enqueued = Vec::with_capacity(request.enqueue.len());
+        for new in request.enqueue {
+            let task = Task {
+                id: new.id.clone(),
+                kind: new.kind,
+                visible_at_ms: new.visible_at_ms,
+                lease_attempt: 0,
+            };
+            let bytes = encode_meta("task record", &task)?;
+            enqueued.push((new, bytes));
+        }
+        Ok(PreparedAppend {
+            session_id: request.session_id,
+            expected,
+            records,
+            count,
+            info,
+            complete: request.complete,
+            now_ms: request.now_ms,
+            removed,
+            enqueued,
+        })
+    }
+}
+
+impl std::fmt::Debug for FjallStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FjallStore")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FjallStore {
+    /// Opens the store in `dir`, creating the directory and an empty store when there is none.
+    pub fn open(dir: impl AsRef<Path>) -> Result<FjallStore> {
+        let dir = dir.as_ref();
+        let created: Vec<&Path> = dir
+            .ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+            .collect();
+        fs::create_dir_all(dir).map_err(|e| open_error(dir, format!("cannot create it: {e}")))?;
+        // Make the names of the directories just created durable, deepest first.
+        for new_dir in created {
+            if let Some(parent) = new_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                sync_dir(parent).map_err(|e| open_error(dir, e))?;
+            }
+        }
+        Self::open_dir(dir)
+    }
+
+    /// Opens the store in `dir`, failing with `StoreOpen` when `dir` holds no fjall store
+    /// (rather than creating an empty one, as [`FjallStore::open`] does).
+    pub fn open_existing(dir: impl AsRef<Path>) -> Result<FjallStore> {
+        let dir = dir.as_ref();
+        let meta = fs::metadata(dir).map_err(|e| open_error(dir, format!("no store here: {e}")))?;
+        if !meta.is_dir() {
+            return Err(open_error(dir, "no store here: not a directory".to_owned()));
+        }
+        if !dir.join(VERSION_FILE).is_file() {
+            return Err(open_error(
+                dir,
+                format!(
+                    "no store here: the directory has no fjall database (`{VERSION_FILE}` file)"
+                ),
+            ));
+        }
+        Self::open_dir(dir)
+    }
+
+    fn open_dir(dir: &Path) -> Result<FjallStore> {
+        // A sled store's directory would otherwise get an empty fjall database beside it,
+        // and the caller would see an empty store.
+        if !dir.join(VERSION_FILE).exists()
+            && dir.join("conf").is_file()
+            && dir.join("db").is_file()
+        {
+            return Err(open_error(
+                dir,
+                "the directory holds a sled store, not a fjall one; open it with SledStore"
+                    .to_owned(),
+            ));
+        }
+        let builder = Database::builder(dir)
+            .manual_journal_persist(true)
+            .max_journaling_size(MAX_JOURNAL_BYTES);
+        // fjall asserts and expects in places while recovering (a stray directory named
+        // `*.jnl`, a keyspace folder that is not a number), so damaged files could make it
+        // panic: that must be an error, never a crash of the caller.
+        let db = catch_unwind(AssertUnwindSafe(|| builder.open()))
+            .map_err(|panic| {
+                open_error(
+                    dir,
+                    format!(
+                        "fjall panicked while recovering (are the files corrupt?): {}",
+                        panic_message(&*panic)
+                    ),
+                )
+            })?
+            .map_err(|e| match e {
+                fjall::Error::Locked => open_error(
+                    dir,
+                    format!("the store is in use by another process (could not acquire lock): {e}"),
+                ),
+                e => open_error(dir, format!("fjall: {e}")),
+            })?;
+        let keyspace = |name: &str| {
+            catch_unwind(AssertUnwindSafe(|| {
+                db.keyspace(name, || {
+                    KeyspaceCreateOptions::default().max_memtable_size(MEMTABLE_BYTES)
+                })
+            }))
+            .map_err(|panic| {
+                open_error(
+                    dir,
+                    format!(
+                        "fjall panicked opening keyspace {name:?}: {}",
+                        panic_message(&*panic)
+                    ),
+                )
+            })?
+            .map_err(|e| open_error(dir, format!("cannot open keyspace {name:?}: {e}")))
+        };
+        let handles = Handles {
+            events: keyspace(EVENTS_KEYSPACE)?,
+            sessions: keyspace(SESSIONS_KEYSPACE)?,
+            tasks: keyspace(TASKS_KEYSPACE)?,
+            queue: keyspace(QUEUE_KEYSPACE)?,
+            db: db.clone(),
+        };
+        // What fjall leaves unsynced when it creates things (see the module docs).
+        sync_dir(&dir.join("keyspaces"))
+            .and_then(|()| sync_dir(dir))
+            .map_err(|e| open_error(dir, e))?;
+
+        let shared = Arc::new(Shared::default());
+        let (writes, queue) = mpsc::channel();
+        let writer = Writer {
+            path: dir.to_path_buf(),
+            handles: handles.clone(),
+            shared: Arc::clone(&shared),
+            overlay: Overlay::default(),
+        };
+        let writer = std::thread::Builder::new()
+            .name("cairn-fjall-writer".to_owned())
+            .spawn(move || writer.run(&queue))
+            .map_err(|e| open_error(dir, format!("cannot start the writer thread: {e}")))?;
+        Ok(FjallStore {
+            path: dir.to_path_buf(),
+            handles: Some(handles),
+            writes: Some(writes),
+            shared,
+            writer: Some(writer),
+        })
+    }
+
+    /// The store's directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Bytes the store's files take on disk, as fjall counts them: table files plus the
+    /// journals at their file length (the active journal is preallocated to 64 MiB, most of it
+    /// a hole until written).
+    pub fn size_on_disk(&self) -> Result<u64> {
+        self.handles()?
+            .db
+            .disk_space()
+            .map_err(|e| fjall_error(&self.path, "measuring the size on disk", e))
+    }
+
+    /// Persists (journal fdatasyncs) done since the store was opened: with group commit,
+    /// concurrent writes share them.
+    pub fn persists(&self) -> u64 {
+        self.shared.persists.load(Ordering::Relaxed)
+    }
+
+    fn handles(&self) -> Result<&Handles> {
+        self.handles.as_ref().ok_or_else(|| Error::Store {
+            reason: format!("fjall store at {} is closed", self.path.display()),
+        })
+    }
+
+    /// Refuses writes early once a persist failed (the writer thread refuses them too).
+    fn check_writable(&self) -> Result<()> {
+        match self.shared.failed().as_ref() {
+            Some(reason) => Err(refusal(&self.path, reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// Hands a write to the writer thread and waits for its answer.
+    async fn submit<T>(&self, write: Write, answer: oneshot::Receiver<Result<T>>) -> Result<T> {
+        self.check_writable()?;
+        let stopped = || Error::Store {
+            reason: format!(
+                "fjall store at {}: the writer thread has stopped",
+                self.path.display()
+            ),
+        };
+        self.writes
+            .as_ref()
+            .ok_or_else(stopped)?
+            .send(write)
+            .map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
+    }
+}
+
+impl Drop for FjallStore {
+    fn drop(&mut self) {
+        // Closing the channel stops the writer once it has answered what it has.
+        drop(self.writes.take());
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+        if let Some(handles) = self.handles.take() {
+            // fjall's last handle stops its workers and syncs the journal, expecting on locks
+            // as it goes: keep a failure there from becoming a panic in the caller (or an abort
+            // while unwinding).
+            let _ = catch_unwind(AssertUnwindSafe(move || drop(handles)));
+        }
+    }
+}
+
+fn refusal(path: &Path, reason: &str) -> Error {
+    Error::Store {
+        reason: format!(
+            "fjall store at {} refuses writes after a failed persist ({reason}); reopen it",
+            path.display()
+        ),
+    }
+}
+
+/// The changes of the batch being built, not yet committed: per keyspace, key → new value
+/// (`None`: removed). Committed in key order as one fjall write batch.
+#[derive(Default)]
+struct Overlay {
+    keyspaces: [BTreeMap<Vec<u8>, Option<Vec<u8>>>; 4],
+}
+
+impl Overlay {
+    fn map(&self, ks: Ks) -> &BTreeMap<Vec<u8>, Option<Vec<u8>>> {
+        &self.keyspaces[ks as usize]
+    }
+
+    fn is_empty(&self) -> bool {
+        self.keyspaces.iter().all(BTreeMap::is_empty)
+    }
+}
+
+/// One write's changes, staged until the write is accepted whole. Task records it wrote are
+/// kept to be read back, so the write sees its own changes in order.
+#[derive(Default)]
+struct Staged {
+    writes: Vec<(Ks, Vec<u8>, Option<Vec<u8>>)>,
+    tasks: HashMap<Vec<u8>, Option<Vec<u8>>>,
+}
+
+impl Staged {
+    fn put(&mut self, ks: Ks, key: Vec<u8>, value: Option<Vec<u8>>) {
+        if ks == Ks::Tasks {
+            self.tasks.insert(key.clone(), value.clone());
+        }
+        self.writes.push((ks, key, value));
+    }
+}
+
+/// The writer thread: applies every write of a batch to the overlay, commits it, persists.
+struct Writer {
+    path: PathBuf,
+    handles: Handles,
+    shared: Arc<Shared>,
+    overlay: Overlay,
+}
+
+impl Writer {
+    fn run(mut self, queue: &mpsc::Receiver<Write>) {
+        while let Ok(first) = queue.recv() {
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match queue.try_recv() {
+                    Ok(write) => batch.push(write),
+                    Err(_) => break,
+                }
+            }
+            self.process(batch);
+        }
+    }
+
+    /// Applies a batch in order, commits it as one write batch, persists it once, answers.
+    fn process(&mut self, batch: Vec<Write>) {
+        let mut pending = Vec::with_capacity(batch.len());
+        for write in batch {
+            self.apply(write, &mut pending);
+        }
+        if pending.is_empty() {
+            return;
+        }
+        let synced =
+            catch_unwind(AssertUnwindSafe(|| self.commit_and_persist())).unwrap_or_else(|panic| {
+                Err(format!(
+                    "fjall panicked while committing: {}",
+                    panic_message(&*panic)
+                ))
+            });
+        self.overlay = Overlay::default();
+        if let Err(reason) = &synced {
+            self.shared.failed().get_or_insert_with(|| reason.clone());
+        }
+        for p in pending {
+            p.answer(&synced, &self.path);
+        }
+    }
+
+    /// Commits the overlay as one fjall write batch and makes it durable with one fdatasync.
+    fn commit_and_persist(&mut self) -> std::result::Result<(), String> {
+        if self.overlay.is_empty() {
+            // Only writes that change nothing (empty appends to new sessions): what they read
+            // is durable already, since every earlier batch was persisted before this one.
+            return Ok(());
+        }
+        let mut overlay = std::mem::take(&mut self.overlay);
+        let mut batch = self.handles.db.batch();
+        // Events first, the session records that count them last (snapshot reads see the
+        // batch whole anyway; plain reads at the newest seqno then see no count too high).
+        for ks in [Ks::Events, Ks::Tasks, Ks::Queue, Ks::Sessions] {
+            let keyspace = self.handles.keyspace(ks);
+            for (key, value) in std::mem::take(&mut overlay.keyspaces[ks as usize]) {
+                match value {
+                    Some(value) => batch.insert(keyspace, key, value),
+                    None => batch.remove(keyspace, key),
+                }
+            }
+        }
+        batch
+            .commit()
+            .map_err(|e| format!("fjall commit failed: {e}"))?;
+        let persisted = self
+            .handles
+            .db
+            .persist(PersistMode::SyncData)
+            .map_err(|e| format!("fjall persist (fdatasync of the journal) failed: {e}"));
+        self.shared.persists.fetch_add(1, Ordering::Relaxed);
+        persisted
+    }
+
+    /// Runs one write against the overlay: answers it now when it fails, or queues its answer.
+    fn apply(&mut self, write: Write, pending: &mut Vec<Pending>) {
+        let refused = self
+            .shared
+            .failed()
+            .as_ref()
+            .map(|reason| refusal(&self.path, reason));
+        if let Some(refused) = refused {
+            let _ = match write {
+                Write::Append(_, reply) => reply.send(Err(refused)).is_ok(),
+                Write::Lease { reply, .. } => reply.send(Err(refused)).is_ok(),
+                Write::Extend { reply, .. } => reply.send(Err(refused)).is_ok(),
+                Write::Release { reply, .. } => reply.send(Err(refused)).is_ok(),
+            };
+            return;
+        }
+        match write {
+            Write::Append(prepared, reply) => match self.append(&prepared) {
+                Ok(staged) => {
+                    self.stage(staged);
+                    pending.push(Pending::Append(reply));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Write::Lease {
+                now_ms,
+                lease_ms,
+                max,
+                reply,
+            } => match self.lease(now_ms, lease_ms, max) {
+                Ok((leases, staged)) if leases.is_empty() && staged.writes.is_empty() => {
+                    let _ = reply.send(Ok(leases));
+                }
+                Ok((leases, staged)) => {
+                    self.stage(staged);
+                    pending.push(Pending::Lease(reply, leases));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Write::Extend {
+                id,
+                lease_attempt,
+                now_ms,
+                lease_ms,
+                reply,
+            } => match self.extend(&id, lease_attempt, now_ms, lease_ms) {
+                Ok((expiry, staged)) => {
+                    self.stage(staged);
+                    pending.push(Pending::Extend(reply, expiry));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Write::Release { now_ms, reply } => match self.release(now_ms) {
+                Ok((0, _)) => {
+                    let _ = reply.send(Ok(0));
+                }
+                Ok((count, staged)) => {
+                    self.stage(staged);
+                    pending.push(Pending::Release(reply, count));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+        }
+    }
+
+    /// Adds an accepted write's changes to the overlay, in order.
+    fn stage(&mut self, staged: Staged) {
+        for (ks, key, value) in staged.writes {
+            self.overlay.keyspaces[ks as usize].insert(key, value);
+        }
+    }
+
+    /// A record as the batch so far leaves it: the overlay, else the keyspace. (This thread is
+    /// the only writer, so reading the keyspace at its newest seqno is consistent.)
+    fn get(&self, ks: Ks, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        if let Some(value) = self.overlay.map(ks).get(key) {
+            return Ok(value.clone());
+        }
+        self.handles
+            .keyspace(ks)
+            .get(key)
+            .map(|v| v.map(|v| v.to_vec()))
+            .map_err(|e| fjall_error(&self.path, "reading", e))
+    }
+
+    /// A task record as `staged` (then the batch) leaves it.
+    fn task_bytes(&self, staged: &Staged, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        match staged.tasks.get(key) {
+            Some(value) => Ok(value.clone()),
+            None => self.get(Ks::Tasks, key),
+        }
+    }
+
+    fn task(&self, staged: &Staged, id: &TaskId) -> Result<Option<Task>> {
+        match self.task_bytes(staged, &task_key(id))? {
+            Some(bytes) => decode_task(id, &bytes).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// One append, checked and staged. Every check and read comes before its first change, and
+    /// the changes reach the overlay only when it returns `Ok`, so a rejected append (any
+    /// `Err`: a conflict, a lost lease, a record that does not decode, a failed read) writes
+    /// nothing.
+    fn append(&self, p: &PreparedAppend) -> Result<Staged> {
+        let sid = p.session_id.as_str();
+        let actual = match self.get(Ks::Sessions, sid.as_bytes())? {
+            Some(bytes) => decode_info(sid, &bytes)?.events + 1,
+            None => 1,
+        };
+        if actual != p.expected {
+            return Err(Error::Conflict {
+                session_id: sid.to_owned(),
+                expected: p.expected,
+                actual,
+            });
+        }
+        let mut staged = Staged::default();
+        if let Some((id, attempt)) = &p.complete {
+            let task = self.task(&staged, id)?;
+            lease_current(task.as_ref(), id, *attempt, p.now_ms)?;
+        }
+        // Stored tasks this append replaces or removes must decode, or it is rejected whole.
+        for id in p
+            .removed
+            .iter()
+            .chain(p.enqueued.iter().map(|(new, _)| &new.id))
+        {
+            self.task(&staged, id)?;
+        }
+
+        if p.count > 0 {
+            for (key, record) in &p.records {
+                staged.put(Ks::Events, key.clone(), Some(record.clone()));
+            }
+            staged.put(Ks::Sessions, sid.as_bytes().to_vec(), Some(p.info.clone()));
+        }
+        for id in &p.removed {
+            if let Some(old) = self.task(&staged, id)? {
+                staged.put(Ks::Tasks, task_key(id), None);
+                staged.put(Ks::Queue, queue_key(old.visible_at_ms, id), None);
+            }
+        }
+        for (new, bytes) in &p.enqueued {
+            if let Some(old) = self.task(&staged, &new.id)? {
+                staged.put(Ks::Queue, queue_key(old.visible_at_ms, &new.id), None);
+            }
+            staged.put(Ks::Tasks, task_key(&new.id), Some(bytes.clone()));
+            staged.put(
+                Ks::Queue,
+                queue_key(new.visible_at_ms, &new.id),
+                Some(Vec::new()),
+            );
+        }
+        Ok(staged)
+    }
+
+    /// Queue keys from `from_ms` on, in order, as the batch so far leaves the queue: the
+    /// keyspace merged with the overlay. Stops after `max` keys, or at the first key visible
+    /// after `until_ms`.
+    fn queue_keys(&self, from_ms: u64, until_ms: Option<u64>, max: usize) -> Result<Vec<Vec<u8>>> {
+        let start = from_ms.to_be_bytes().to_vec();
+        let scan_error =
+            |e: &dyn std::fmt::Display| fjall_error(&self.path, "scanning the queue", e);
+        let mut stored: Peekable<_> = self
+            .handles
+            .queue
+            .range(start.clone()..)
+            .map(|guard| guard.key().map(|k| k.to_vec()))
+            .peekable();
+        let mut staged = self
+            .overlay
+            .map(Ks::Queue)
+            .range::<Vec<u8>, _>((Bound::Included(start), Bound::Unbounded))
+            .peekable();
+        let mut keys = Vec::new();
+        while keys.len() < max {
+            let from_store = match (stored.peek(), staged.peek()) {
+                (None, None) => break,
+                (Some(Err(_)), _) => {
+                    let Some(Err(e)) = stored.next() else {
+                        unreachable!("peeked an error")
+                    };
+                    return Err(scan_error(&e));
+                }
+                (Some(Ok(s)), Some((o, _))) => s < *o,
+                (Some(Ok(_)), None) => true,
+                (None, Some(_)) => false,
+            };
+            let key = if from_store {
+                match stored.next() {
+                    Some(Ok(key)) => key,
+                    _ => unreachable!("peeked a key"),
+                }
+            } else {
+                let Some((key, value)) = staged.next() else {
+                    unreachable!("peeked an overlay entry")
+                };
+                // The overlay decides for a key both have.
+                if matches!(stored.peek(), Some(Ok(s)) if s == key) {
+                    stored.next();
+                }
+                match value {
+                    Some(_) => key.clone(),
+                    None => continue, // removed in this batch
+                }
+            };
+            let visible =
+                key_visible(&key).ok_or_else(|| scan_error(&format!("bad key {key:?}")))?;
+            if until_ms.is_some_and(|until| visible > until) {
+                break;
+            }
+            keys.push(key);
+        }
+        Ok(keys)
+    }
+
+    fn lease(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<(Vec<Lease>, Staged)> {
+        let expires_at_ms = now_ms.saturating_add(lease_ms);
+        let due = self.queue_keys(0, Some(now_ms), max)?;
+        let mut staged = Staged::default();
+        let mut leases = Vec::with_capacity(due.len());
+        for qkey in due {
+            let tkey = qkey[8..].to_vec();
+            let Some(bytes) = self.task_bytes(&staged, &tkey)? else {
+                // Appends remove both together, so this cannot happen; should it, drop the
+                // stray entry rather than fail every lease from now on (memory skips it too).
+                tracing::warn!(
+                    store = %self.path.display(),
+                    task = %String::from_utf8_lossy(&tkey),
+                    "dropping a queue entry whose task is gone"
+                );
+                staged.put(Ks::Queue, qkey, None);
+                continue;
+            };
+            let mut task = decode_task(&String::from_utf8_lossy(&tkey), &bytes)?;
+            task.lease_attempt = task.lease_attempt.saturating_add(1);
+            task.visible_at_ms = expires_at_ms;
+            let bytes = encode_meta("task record", &task)?;
+            staged.put(Ks::Tasks, tkey, Some(bytes));
+            staged.put(Ks::Queue, qkey, None);
+            staged.put(
+                Ks::Queue,
+                queue_key(expires_at_ms, &task.id),
+                Some(Vec::new()),
+            );
+            leases.push(Lease {
+                id: task.id,
+                kind: task.kind,
+                lease_attempt: task.lease_attempt,
+                expires_at_ms,
+            });
+        }
+        Ok((leases, staged))
+    }
+
+    fn extend(
+        &self,
+        id: &TaskId,
+        lease_attempt: u32,
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> Result<(u64, Staged)> {
+        let expires_at_ms = now_ms.saturating_add(lease_ms);
+        let mut staged = Staged::default();
+        let task = self.task(&staged, id)?;
+        lease_current(task.as_ref(), id, lease_attempt, now_ms)?;
+        let Some(mut task) = task else {
+            unreachable!("lease_current rejects a missing task")
+        };
+        staged.put(Ks::Queue, queue_key(task.visible_at_ms, id), None);
+        task.visible_at_ms = expires_at_ms;
+        let bytes = encode_meta("task record", &task)?;
+        staged.put(Ks::Tasks, task_key(id), Some(bytes));
+        staged.put(Ks::Queue, queue_key(expires_at_ms, id), Some(Vec::new()));
+        Ok((expires_at_ms, staged))
+    }
+
+    /// Makes every leased task leasable at `now_ms`, keeping its lease attempt.
+    fn release(&self, now_ms: u64) -> Result<(usize, Staged)> {
+        let mut staged = Staged::default();
+        let Some(after_now) = now_ms.checked_add(1) else {
+            return Ok((0, staged)); // nothing can be visible after the end of time
+        };
+        // Leased tasks are queued at their expiry, so they are among the entries after now.
+        let mut released = 0;
+        for qkey in self.queue_keys(after_now, None, usize::MAX)? {
+            let tkey = qkey[8..].to_vec();
+            let Some(bytes) = self.task_bytes(&staged, &tkey)? else {
+                continue; // a stray entry; leasing drops it
+            };
+            let mut task = decode_task(&String::from_utf8_lossy(&tkey), &bytes)?;
+            if task.lease_attempt == 0 || task.visible_at_ms <= now_ms {
+                continue; // not leased: a retry waiting for its backoff
+            }
+            staged.put(Ks::Queue, qkey, None);
+            task.visible_at_ms = now_ms;
+            let bytes = encode_meta("task record", &task)?;
+            staged.put(Ks::Tasks, tkey, Some(bytes));
+            staged.put(Ks::Queue, queue_key(now_ms, &task.id), Some(Vec::new()));
+            released += 1;
+        }
+        Ok((released, staged))
+    }
+}
+
+/// fsyncs a directory, making the names in it durable.
+fn sync_dir(dir: &Path) -> std::result::Result<(), String> {
+    #[cfg(unix)]
+    {
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| format!("fsync of directory {} failed: {e}", dir.display()))
+    }
+    #[cfg(not(unix))]
+    {
+        // Directories cannot be opened for syncing here; NTFS journals the names itself.
+        let _ = dir;
+        Ok(())
+    }
+}
+
+fn open_error(dir: &Path, reason: String) -> Error {
+    Error::StoreOpen {
+        path: dir.display().to_string(),
+        reason,
+    }
+}
+
+fn fjall_error(path: &Path, doing: &str, e: impl std::fmt::Display) -> Error {
+    Error::Store {
+        reason: format!("fjall store at {}: {doing}: {e}", path.display()),
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(no message)".to_owned()
+    }
+}
+
+/// `session ++ 0x00 ++ n (BE)`: the key of an event (n = seq) or a task (n = scheduled seq).
+fn seq_key(session_id: &str, n: u64) -> Vec<u8> {
+    let mut key = Vec::with_capacity(session_id.len() + 9);
+    key.extend_from_slice(session_id.as_bytes());
+    key.push(0);
+    key.extend_from_slice(&n.to_be_bytes());
+    key
+}
+
+fn task_key(id: &TaskId) -> Vec<u8> {
+    seq_key(&id.session_id, id.scheduled_seq)
+}
+
+fn queue_key(visible_at_ms: u64, id: &TaskId) -> Vec<u8> {
+    let mut key = visible_at_ms.to_be_bytes().to_vec();
+    key.extend_from_slice(&task_key(id));
+    key
+}
+
+/// The visibility time at the start of a queue key.
+fn key_visible(key: &[u8]) -> Option<u64> {
+    let head: [u8; 8] = key.get(..8)?.try_into().ok()?;
+    Some(u64::from_be_bytes(head))
+}
+
+/// The seq at the end of an event key.
+fn key_seq(key: &[u8]) -> Option<u64> {
+    let tail: [u8; 8] = key.get(key.len().checked_sub(8)?..)?.try_into().ok()?;
+    Some(u64::from_be_bytes(tail))
+}
+
+fn encode_meta<T: serde::Serialize>(what: &str, value: &T) -> Result<Vec<u8>> {
+    rmp_serde::to_vec_named(value).map_err(|e| Error::Store {
+        reason: format!("cannot encode {what}: {e}"),
+    })
+}
+
+fn decode_info(session_id: &str, bytes: &[u8]) -> Result<SessionInfo> {
+    rmp_serde::from_slice(bytes).map_err(|e| Error::Store {
+        reason: format!("corrupt record of session {session_id:?} in the sessions keyspace: {e}"),
+    })
+}
+
+fn decode_task(what: &dyn std::fmt::Display, bytes: &[u8]) -> Result<Task> {
+    rmp_serde::from_slice(bytes).map_err(|e| Error::Store {
+        reason: format!("corrupt record of task {what} in the tasks keyspace: {e}"),
+    })
+}
+
+#[async_trait]
+impl Store for FjallStore {
+    async fn append(&self, request: AppendRequest) -> Result<()> {
+        let prepared = PreparedAppend::new(request)?;
+        let (reply, answer) = oneshot::channel();
+        self.submit(Write::Append(prepared, reply), answer).await
+    }
+
+    async fn read_history(
+        &self,
+        session_id: &str,
+        from_seq: u64,
+        limit: Option<usize>,
+    ) -> Result<Vec<EventEnvelope>> {
+        let unknown = || Error::UnknownSession {
+            session_id: session_id.to_owned(),
+        };
+        if check_session_id(session_id).is_err() {
+            return Err(unknown()); // no such id can have been stored
+        }
+        let h = self.handles()?;
+        // One snapshot for the session record and its events: whole write batches only.
+        let snapshot = h.db.snapshot();
+        let info = match snapshot
+            .get(&h.sessions, session_id.as_bytes())
+            .map_err(|e| fjall_error(&self.path, "reading the sessions keyspace", e))?
+        {
+            Some(bytes) => decode_info(session_id, &bytes)?,
+            None => return Err(unknown()),
+        };
+        let start = from_seq.max(1);
+        let limit = limit.unwrap_or(usize::MAX);
+        let mut out = Vec::new();
+        if limit == 0 || start > info.events {
+            return Ok(out);
+        }
+        let range = seq_key(session_id, start)..=seq_key(session_id, info.events);
+        let mut expected = start;
+        for item in snapshot.range(&h.events, range) {
+            if out.len() >= limit {
+                break;
+            }
+            let (key, record) = item.into_inner().map_err(|e| {
+                fjall_error(&self.path, &format!("reading session {session_id:?}"), e)
+            })?;
+            let seq = key_seq(&key).unwrap_or(0);
+            if seq != expected {
+                return Err(Error::CorruptRecord {
+                    session_id: session_id.to_owned(),
+                    seq: expected,
+                    reason: format!("missing from the store (the next stored seq is {seq})"),
+                });
+            }
+            out.push(codec::decode(session_id, seq, &record)?);
+            expected += 1;
+        }
+        // Events are written with their session record, so the range must hold all of them.
+        if out.len() < limit && expected <= info.events {
+            return Err(Error::CorruptRecord {
+                session_id: session_id.to_owned(),
+                seq: expected,
+                reason: format!(
+                    "missing from the store (the session records {} events)",
+                    info.events
+                ),
+            });
+        }
+        Ok(out)
+    }
+
+    async fn list_sessions(&self) -> Result<Vec<SessionInfo>> {
+        let h = self.handles()?;
+        let mut out = Vec::new();
+        for item in h.db.snapshot().iter(&h.sessions) {
+            let (key, bytes) = item
+                .into_inner()
+                .map_err(|e| fjall_error(&self.path, "reading the sessions keyspace", e))?;
+            out.push(decode_info(&String::from_utf8_lossy(&key), &bytes)?);
+        }
+        Ok(out)
+    }
+
+    async fn lease_tasks(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<Vec<Lease>> {
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let (reply, answer) = oneshot::channel();
+        let write = Write::Lease {
+            now_ms,
+            lease_ms,
+            max,
+            reply,
+        };
+        self.submit(write, answer).await
+    }
+
+    async fn extend_lease(
+        &self,
+        id: &TaskId,
+        lease_attempt: u32,
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> Result<u64> {
+        let (reply, answer) = oneshot::channel();
+        let write = Write::Extend {
+            id: id.clone(),
+            lease_attempt,
+            now_ms,
+            lease_ms,
+            reply,
+        };
+        self.submit(write, answer).await
+    }
+
+    async fn list_tasks(&self) -> Result<Vec<Task>> {
+        let h = self.handles()?;
+        let mut out = Vec::new();
+        for item in h.db.snapshot().iter(&h.tasks) {
+            let (key, bytes) = item
+                .into_inner()
+                .map_err(|e| fjall_error(&self.path, "reading the tasks keyspace", e))?;
+            out.push(decode_task(&String::from_utf8_lossy(&key), &bytes)?);
+        }
+        Ok(out)
+    }
+
+    async fn release_leases(&self, now_ms: u64) -> Result<usize> {
+        let (reply, answer) = oneshot::channel();
+        self.submit(Write::Release { now_ms, reply }, answer).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::conformance::{self, append_request, message};
+    use crate::store::{SessionStatus, TaskKind};
+    use std::sync::atomic::AtomicUsize;
+
+    fn temp() -> tempfile::TempDir {
+        tempfile::tempdir().expect("tempdir")
+    }
+
+    /// Fresh fjall stores in subdirectories of `root`.
+    fn factory(root: &Path) -> impl FnMut() -> FjallStore + '_ {
+        let n = AtomicUsize::new(0);
+        move || {
+            let dir = root.join(format!("store-{}", n.fetch_add(1, Ordering::Relaxed)));
+            FjallStore::open(&dir).unwrap_or_else(|e| panic!("opening a fjall store failed: {e}"))
+        }
+    }
+
+    fn reopen(store: FjallStore) -> FjallStore {
+        let dir = store.path().to_path_buf();
+        drop(store);
+        FjallStore::open_existing(&dir)
+            .unwrap_or_else(|e| panic!("reopening the fjall store failed: {e}"))
+    }
+
+    /// Each conformance check on its own fresh store, as `conformance`'s tests run sled's.
+    macro_rules! each_check {
+        ($($check:ident),* $(,)?) => {
+            mod conformance_checks {
+                use super::*;
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $check() {
+                        let root = temp();
+                        conformance::$check(&factory(root.path())()).await;
+                    }
+                )*
+            }
+        };
+    }
+
+    each_check!(
+        append_read_round_trip,
+        conflict_on_wrong_expected_seq,
+        batch_with_wrong_seq_is_rejected,
+        unknown_and_invalid_sessions,
+        list_sessions_ordered_with_status,
+        empty_appends,
+        large_events_round_trip,
+        enqueue_and_lease,
+        reenqueue_replaces_task,
+        complete_with_current_lease,
+        complete_with_stale_attempt_writes_nothing,
+        complete_after_expiry_is_lost,
+        cancel_removes_tasks,
+        extend_lease,
+        release_leases_keeps_attempts,
+    );
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn conformance_concurrent_appends() {
+        let root = temp();
+        conformance::concurrent_appends(Arc::new(factory(root.path())())).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn conformance_reopen_keeps_everything() {
+        let root = temp();
+        conformance::reopen_keeps_everything(factory(root.path())(), &mut reopen).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn conformance_run_all() {
+        let root = temp();
+        conformance::run_all(factory(root.path()), Some(&mut reopen)).await;
+    }
+
+    async fn write_sessions(store: &FjallStore, names: &[&str], events: u64) {
+        for s in names {
+            let batch = (1..=events)
+                .map(|seq| message(s, seq, &format!("{s}-{seq}")))
+                .collect();
+            store
+                .append(append_request(s, 1, batch, 1))
+                .await
+                .expect("append");
+        }
+    }
+
+    #[test]
+    fn open_existing_refuses_places_without_a_store_and_creates_nothing() {
+        let root = temp();
+        let missing = root.path().join("missing");
+        let empty = root.path().join("empty");
+        fs::create_dir(&empty).expect("mkdir");
+        let file = root.path().join("file");
+        fs::write(&file, b"not a store").expect("write");
+        for (dir, what) in [
+            (&missing, "a missing dir"),
+            (&empty, "an empty dir"),
+            (&file, "a file"),
+        ] {
+            match FjallStore::open_existing(dir) {
+                Err(Error::StoreOpen { path, reason }) => {
+                    assert_eq!(path, dir.display().to_string(), "the error names the path");
+                    assert!(
+                        reason.contains("no store here"),
+                        "{what}: unclear reason {reason:?}"
+                    );
+                }
+                other => panic!("open_existing on {what} must fail with StoreOpen, got {other:?}"),
+            }
+        }
+        assert!(
+            !missing.exists(),
+            "open_existing must not create the directory"
+        );
+        assert_eq!(
+            fs::read_dir(&empty).expect("ls").count(),
+            0,
+            "nor files in it"
+        );
+        assert!(
+            matches!(FjallStore::open(&file), Err(Error::StoreOpen { .. })),
+            "open on a file is StoreOpen"
+        );
+    }
+
+    #[tokio::test]
+    async fn open_creates_nested_dirs_and_open_existing_then_finds_the_store() {
+        let root = temp();
+        let dir = root.path().join("a").join("b");
+        let store = FjallStore::open(&dir).expect("open");
+        assert_eq!(store.path(), dir.as_path());
+        write_sessions(&store, &["s"], 3).await;
+        assert!(store.size_on_disk().expect("size") > 0);
+        drop(store);
+        let store = FjallStore::open_existing(&dir).expect("open_existing");
+        assert_eq!(
+            store.read_history("s", 1, None).await.expect("read").len(),
+            3
+        );
+    }
+
+    #[test]
+    fn a_second_open_of_an_open_store_is_a_clear_error() {
+        let root = temp();
+        let _store = FjallStore::open(root.path()).expect("open");
+        match FjallStore::open(root.path()) {
+            Err(Error::StoreOpen { reason, .. }) => {
+                assert!(
+                    reason.contains("lock"),
+                    "the reason should say the store is locked: {reason}"
+                )
+            }
+            other => panic!("opening an open store must be StoreOpen, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_sled_store_is_refused_not_shadowed_by_an_empty_one() {
+        let root = temp();
+        {
+            let sled = crate::store::sled::SledStore::open(root.path()).expect("sled");
+            sled.append(append_request("s", 1, vec![message("s", 1, "x")], 1))
+                .await
+                .expect("append");
+        }
+        match FjallStore::open(root.path()) {
+            Err(Error::StoreOpen { reason, .. }) => assert!(reason.contains("sled"), "{reason}"),
+            other => panic!("a sled directory must not open as fjall, got {other:?}"),
+        }
+        assert!(
+            !root.path().join(VERSION_FILE).exists(),
+            "and nothing was created"
+        );
+    }
+
+    /// Everything survives a drop and a reopen, several times over, with writes between.
+    #[tokio::test]
+    async fn reopen_after_drop_keeps_everything() {
+        let root = temp();
+        let dir = root.path().join("s");
+        let names: Vec<String> = (0..20).map(|i| format!("s{i:02}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut store = FjallStore::open(&dir).expect("open");
+        write_sessions(&store, &names, 5).await;
+        for round in 0..3u64 {
+            let seq = 6 + round;
+            let mut request = append_request("s00", seq, vec![message("s00", seq, "x")], 2);
+            request.enqueue = vec![NewTask {
+                id: TaskId {
+                    session_id: "s00".to_owned(),
+                    scheduled_seq: seq,
+                },
+                kind: TaskKind::Tool,
+                visible_at_ms: 0,
+            }];
+            store.append(request).await.expect("append");
+            let leases = store.lease_tasks(10 + round, 100, 1).await.expect("lease");
+            assert_eq!(leases.len(), 1);
+
+            let sessions = store.list_sessions().await.expect("list");
+            let tasks = store.list_tasks().await.expect("tasks");
+            let mut histories = Vec::new();
+            for name in &names {
+                histories.push(store.read_history(name, 1, None).await.expect("read"));
+            }
+            store = reopen(store);
+            assert_eq!(store.list_sessions().await.expect("list"), sessions);
+            assert_eq!(store.list_tasks().await.expect("tasks"), tasks);
+            for (name, history) in names.iter().zip(&histories) {
+                assert_eq!(
+                    &store.read_history(name, 1, None).await.expect("read"),
+                    history
+                );
+            }
+        }
+        let listed = store.list_sessions().await.expect("list");
+        assert_eq!(listed.len(), 20);
+        assert_eq!(listed[0].events, 8);
+        let tasks = store.list_tasks().await.expect("tasks");
+        assert_eq!(
+            tasks
+                .iter()
+                .map(|t| (t.id.scheduled_seq, t.lease_attempt, t.visible_at_ms))
+                .collect::<Vec<_>>(),
+            [(6, 1, 110), (7, 1, 111), (8, 1, 112)]
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_appends_share_persists() {
+        let root = temp();
+        let store = Arc::new(FjallStore::open(root.path()).expect("open"));
+        let before = store.persists();
+        const WRITERS: usize = 64;
+        let tasks: Vec<_> = (0..WRITERS)
+            .map(|i| {
+                let store = Arc::clone(&store);
+                tokio::spawn(async move {
+                    let s = format!("w{i}");
+                    for seq in 1..=4 {
+                        store
+                            .append(append_request(&s, seq, vec![message(&s, seq, "x")], 1))
+                            .await
+                            .expect("append");
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.expect("writer");
+        }
+        let persists = store.persists() - before;
+        assert!(
+            persists < (WRITERS * 4 / 2) as u64,
+            "{} appends took {persists} persists: group commit should share them",
+            WRITERS * 4
+        );
+        // One at a time, each append is its own batch and persist.
+        let before = store.persists();
+        for seq in 1..=3 {
+            store
+                .append(append_request(
+                    "serial",
+                    seq,
+                    vec![message("serial", seq, "x")],
+                    1,
+                ))
+                .await
+                .expect("append");
+        }
+        assert_eq!(store.persists() - before, 3);
+    }
+
+    fn tool_task(session: &str, seq: u64) -> NewTask {
+        NewTask {
+            id: TaskId {
+                session_id: session.to_owned(),
+                scheduled_seq: seq,
+            },
+            kind: TaskKind::Tool,
+            visible_at_ms: 0,
+        }
+    }
+
+    /// Writes applied as one batch: each sees the ones before it, a rejected one writes
+    /// nothing while the others land, and the whole batch costs one persist.
+    #[tokio::test]
+    async fn a_batch_rejects_some_writes_and_commits_the_others_in_order() {
+        let root = temp();
+        let store = FjallStore::open(root.path()).expect("open");
+        let t = tool_task("a", 1).id;
+        let mut first = append_request("a", 1, vec![message("a", 1, "a1")], 10);
+        first.enqueue = vec![tool_task("a", 1)];
+        let mut lost = append_request("b", 1, vec![message("b", 1, "lost")], 10);
+        lost.complete = Some((t.clone(), 1)); // not leased yet: attempt 0
+        lost.enqueue = vec![tool_task("b", 1)];
+        let mut complete = append_request("a", 2, vec![message("a", 2, "a2")], 20);
+        complete.complete = Some((t.clone(), 1)); // leased by the lease before it
+        complete.status = SessionStatus::Idle;
+        let mut writes = Vec::new();
+        let mut answers = Vec::new();
+        let append = |r: AppendRequest| {
+            let (reply, answer) = oneshot::channel();
+            (
+                Write::Append(PreparedAppend::new(r).expect("prepare"), reply),
+                answer,
+            )
+        };
+        for r in [
+            first,
+            append_request("a", 1, vec![message("a", 1, "dup")], 10),
+            lost,
+            append_request("c", 1, vec![message("c", 1, "c1")], 10),
+        ] {
+            let (write, answer) = append(r);
+            writes.push(write);
+            answers.push(answer);
+        }
+        let (lease_reply, lease_answer) = oneshot::channel();
+        writes.push(Write::Lease {
+            now_ms: 15,
+            lease_ms: 100,
+            max: 10,
+            reply: lease_reply,
+        });
+        let (write, answer) = append(complete);
+        writes.push(write);
+        answers.push(answer);
+
+        let mut writer = Writer {
+            path: store.path.clone(),
+            handles: store.handles().expect("handles").clone(),
+            shared: Arc::clone(&store.shared),
+            overlay: Overlay::default(),
+        };
+        let before = store.persists();
+        writer.process(writes);
+        assert_eq!(store.persists() - before, 1, "one persist for the batch");
+        let mut kinds = Vec::new();
+        for answer in answers {
+            kinds.push(match answer.await.expect("answered") {
+                Ok(()) => "ok",
+                Err(Error::Conflict { .. }) => "conflict",
+                Err(Error::LeaseLost { .. }) => "lease lost",
+                Err(_) => "other",
+            });
+        }
+        assert_eq!(kinds, ["ok", "conflict", "lease lost", "ok", "ok"]);
+        let leases = lease_answer.await.expect("answered").expect("lease");
+        assert_eq!(
+            leases
+                .iter()
+                .map(|l| (&l.id, l.lease_attempt))
+                .collect::<Vec<_>>(),
+            [(&t, 1)],
+            "the lease saw the task enqueued earlier in the batch"
+        );
+        let a = store.read_history("a", 1, None).await.expect("a");
+        assert_eq!(
+            a.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            [1, 2],
+            "the second append to a saw the first"
+        );
+        assert!(matches!(
+            store.read_history("b", 1, None).await,
+            Err(Error::UnknownSession { .. })
+        ));
+        assert_eq!(
+            store.list_tasks().await.expect("tasks"),
+            vec![],
+            "b's enqueue was not written, a's task was completed"
+        );
+        assert!(
+            store
+                .handles()
+                .expect("handles")
+                .queue
+                .is_empty()
+                .expect("queue"),
+            "the queue entries of the leased, then completed task are gone"
+        );
+        let listed = store.list_sessions().await.expect("list");
+        assert_eq!(
+            listed
+                .iter()
+                .map(|i| (i.session_id.as_str(), i.events, i.status))
+                .collect::<Vec<_>>(),
+            [
+                ("a", 2, SessionStatus::Idle),
+                ("c", 1, SessionStatus::Running)
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn after_a_failed_persist_the_store_refuses_writes_but_reads() {
+        let root = temp();
+        let store = FjallStore::open(root.path()).expect("open");
+        write_sessions(&store, &["s"], 1).await;
+        *store.shared.failed() = Some("injected fsync failure".to_owned());
+        let mut request = append_request("s", 2, vec![message("s", 2, "x")], 2);
+        request.enqueue = vec![tool_task("s", 2)];
+        match store.append(request).await {
+            Err(Error::Store { reason }) => assert!(reason.contains("injected"), "{reason}"),
+            other => {
+                panic!("an append after a failed persist must be a Store error, got {other:?}")
+            }
+        }
+        assert!(matches!(
+            store.lease_tasks(0, 1, 1).await,
+            Err(Error::Store { .. })
+        ));
+        assert_eq!(
+            store.read_history("s", 1, None).await.expect("read").len(),
+            1
+        );
+        drop(store);
+        let store = FjallStore::open_existing(root.path()).expect("a reopen clears the refusal");
+        write_sessions(&store, &["t"], 1).await;
+    }
+
+    #[tokio::test]
+    async fn a_corrupt_record_names_its_session_and_seq_and_spares_other_sessions() {
+        let root = temp();
+        let store = FjallStore::open(root.path()).expect("open");
+        write_sessions(&store, &["good", "bad", "gone"], 5).await;
+        let h = store.handles().expect("handles").clone();
+        let key = seq_key("bad", 3);
+        let mut record = h.events.get(&key).expect("get").expect("record").to_vec();
+        let last = record.len() - 1;
+        record[last] ^= 0x55;
+        h.events.insert(key, record).expect("insert");
+        h.events.remove(seq_key("gone", 2)).expect("remove");
+
+        match store.read_history("bad", 1, None).await {
+            Err(Error::CorruptRecord {
+                session_id, seq, ..
+            }) => assert_eq!((session_id.as_str(), seq), ("bad", 3)),
+            other => panic!("reading a flipped record must be CorruptRecord, got {other:?}"),
+        }
+        assert_eq!(
+            store
+                .read_history("bad", 4, None)
+                .await
+                .expect("after it")
+                .len(),
+            2
+        );
+        match store.read_history("gone", 1, None).await {
+            Err(Error::CorruptRecord {
+                session_id, seq, ..
+            }) => assert_eq!((session_id.as_str(), seq), ("gone", 2)),
+            other => panic!("a missing record must be CorruptRecord at its seq, got {other:?}"),
+        }
+        assert_eq!(
+            store
+                .read_history("good", 1, None)
+                .await
+                .expect("good")
+                .len(),
+            5
+        );
+    }
+
+    /// The active journal of a closed store (fjall keeps unflushed writes only there).
+    fn journal_of(dir: &Path) -> PathBuf {
+        let mut journals: Vec<PathBuf> = fs::read_dir(dir)
+            .expect("ls")
+            .map(|e| e.expect("entry").path())
+            .filter(|p| p.extension().is_some_and(|x| x == "jnl"))
+            .collect();
+        journals.sort();
+        journals.pop().expect("a journal")
+    }
+
+    fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+        haystack.windows(needle.len()).position(|w| w == needle)
+    }
+
+    /// Opens the store and counts its events.
+    async fn reopen_count(dir: &Path) -> Result<u64> {
+        let store = FjallStore::open_existing(dir)?;
+        let listed = store.list_sessions().await?;
+        Ok(listed.iter().map(|i| i.events).sum())
+    }
+
+    /// What fjall's recovery does with a damaged journal, pinned down (see the module docs):
+    /// a flipped byte inside a record fails the open (checksum); a torn tail is cut off; a
+    /// flipped batch marker cuts off everything after it, silently, and the cut is written to
+    /// the file.
+    #[tokio::test]
+    async fn journal_damage_fails_the_open_or_cuts_the_journal() {
+        let written = |dir: &Path| {
+            let dir = dir.to_path_buf();
+            async move {
+                let store = FjallStore::open(&dir).expect("open");
+                for s in ["a", "b", "c"] {
+                    for seq in 1..=10 {
+                        let text = format!("MARK-{s}-{seq}-");
+                        store
+                            .append(append_request(s, seq, vec![message(s, seq, &text)], 1))
+                            .await
+                            .expect("append");
+                    }
+                }
+            }
+        };
+
+        // A flipped byte in an event's payload: the batch checksum fails, the open fails.
+        let root = temp();
+        written(root.path()).await;
+        let journal = journal_of(root.path());
+        let mut bytes = fs::read(&journal).expect("read");
+        let at = find(&bytes, b"MARK-b-5-").expect("the marker is in the journal");
+        bytes[at + 5] ^= 0x01;
+        fs::write(&journal, &bytes).expect("write");
+        match reopen_count(root.path()).await {
+            Err(Error::StoreOpen { reason, .. }) => {
+                assert!(reason.to_lowercase().contains("checksum"), "{reason}")
+            }
+            other => panic!("a flipped payload byte must fail the open, got {other:?}"),
+        }
+
+        // A torn tail: the last batch loses its end. It is cut off; the rest opens.
+        let root = temp();
+        written(root.path()).await;
+        let journal = journal_of(root.path());
+        let bytes = fs::read(&journal).expect("read");
+        let at = find(&bytes, b"MARK-c-10-").expect("the last marker");
+        let mut torn = bytes[..at + 4].to_vec();
+        torn.resize(bytes.len(), 0); // the preallocated zeros after a torn write
+        fs::write(&journal, &torn).expect("write");
+        assert_eq!(reopen_count(root.path()).await.expect("opens"), 29);
+
+        // A flipped batch-start marker (tag 1) in the middle: everything from there on is
+        // dropped without an error, and the journal file is truncated on disk.
+        let root = temp();
+        written(root.path()).await;
+        let journal = journal_of(root.path());
+        let mut bytes = fs::read(&journal).expect("read");
+        let at = find(&bytes, b"MARK-b-5-").expect("the marker");
+        // The batch's start entry is the last `1` tag before the first item (`2` tag) of it.
+        let start = bytes[..at]
+            .windows(14)
+            .rposition(|w| w[0] == 1 && w[13] == 2)
+            .expect("a start entry before the item");
+        bytes[start] = 0x7f;
+        fs::write(&journal, &bytes).expect("write");
+        let before = fs::metadata(&journal).expect("stat").len();
+        let recovered = reopen_count(root.path())
+            .await
+            .expect("opens without an error");
+        assert!(
+            recovered < 30,
+            "events after the damage are gone: {recovered}"
+        );
+        assert_eq!(recovered, 14, "a, then b up to seq 4");
+        assert!(
+            fs::metadata(&journal).expect("stat").len() < before,
+            "opening truncated the journal file"
+        );
+    }
+}
