@@ -39,6 +39,7 @@
 //! A store made before the marker existed (a sled directory with `db` and `conf`) is a sled
 //! store; a writable open adds the marker.
 
+use super::fjall::FjallStore;
 use super::marks::{sync_dir, Loss, MarkedStore, Marks, MARKS_FILE};
 use super::sled::SledStore;
 use super::{SessionInfo, Store};
@@ -69,11 +70,13 @@ const SLED_CONF: &[u8] = b"segment_size: 524288\nuse_compression: false\nversion
 pub enum StorageEngine {
     /// sled 0.34.
     Sled,
+    /// fjall 3.
+    Fjall,
 }
 
 impl StorageEngine {
     /// Every engine, the default first.
-    pub const ALL: [StorageEngine; 1] = [StorageEngine::Sled];
+    pub const ALL: [StorageEngine; 2] = [StorageEngine::Sled, StorageEngine::Fjall];
 
     /// The default for new stores.
     pub const DEFAULT: StorageEngine = StorageEngine::Sled;
@@ -82,6 +85,7 @@ impl StorageEngine {
     pub fn as_str(self) -> &'static str {
         match self {
             StorageEngine::Sled => "sled",
+            StorageEngine::Fjall => "fjall",
         }
     }
 
@@ -90,12 +94,34 @@ impl StorageEngine {
         StorageEngine::ALL.into_iter().find(|e| e.as_str() == name)
     }
 
-    /// Whether `name` (a file or directory in the store) belongs to the engine.
+    /// Whether `name` (a file or directory in the store) belongs to the engine: everything but
+    /// cairn's own files.
     fn owns(self, name: &str) -> bool {
+        ![
+            MARKER_FILE,
+            LOCK_FILE,
+            MARKS_FILE,
+            SET_ASIDE_DIR,
+            BACKUP_DIR,
+            BACKUP_TMP_DIR,
+        ]
+        .contains(&name)
+            && !name.ends_with(".tmp")
+    }
+
+    /// Whether the engine may change the file at `path` in place (so a copy must be a real
+    /// copy); files it never changes once written are hard-linked instead, which costs nothing.
+    fn changes_in_place(self, path: &Path) -> bool {
         match self {
-            StorageEngine::Sled => {
-                name == "db" || name == "conf" || name == "blobs" || name.starts_with("snap.")
-            }
+            // sled rewrites `db` in place and its other files are small.
+            StorageEngine::Sled => true,
+            // fjall writes a table once and never changes it; everything else it may rewrite
+            // (journals are appended to and truncated, and a tree without its `current` file
+            // is created anew over its old version files, in place).
+            StorageEngine::Fjall => path
+                .parent()
+                .and_then(Path::file_name)
+                .is_none_or(|n| n != "tables"),
         }
     }
 
@@ -106,12 +132,14 @@ impl StorageEngine {
                 .into_iter()
                 .filter(|n| n.starts_with("snap.") && n.ends_with(".generating"))
                 .collect(),
+            StorageEngine::Fjall => Vec::new(),
         }
     }
 
     fn open_engine(self, dir: &Path) -> Result<Arc<dyn Store>> {
         let opened = catch_unwind(AssertUnwindSafe(|| match self {
             StorageEngine::Sled => SledStore::open(dir).map(|s| Arc::new(s) as Arc<dyn Store>),
+            StorageEngine::Fjall => FjallStore::open(dir).map(|s| Arc::new(s) as Arc<dyn Store>),
         }));
         opened.unwrap_or_else(|_| {
             Err(open_error(
@@ -234,7 +262,7 @@ pub fn detect(dir: &Path) -> Result<Option<StorageEngine>> {
                     dir,
                     format!(
                         "{} is damaged or from a newer cairn: {:?} (expected \
-                         \"cairn-store v1 engine=<sled>\"; write that line back to open the store)",
+                         \"cairn-store v1 engine=<sled|fjall>\"; write that line back to open the store)",
                         marker.display(),
                         text.chars().take(80).collect::<String>()
                     ),
@@ -244,6 +272,8 @@ pub fn detect(dir: &Path) -> Result<Option<StorageEngine>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if dir.join("db").exists() || dir.join("conf").exists() {
                 Ok(Some(StorageEngine::Sled))
+            } else if dir.join("keyspaces").exists() {
+                Ok(Some(StorageEngine::Fjall))
             } else {
                 Ok(None)
             }
@@ -306,6 +336,22 @@ async fn open_writable(dir: &Path, mode: OpenMode, engine: StorageEngine) -> Res
                     ),
                 ));
             }
+        }
+    }
+
+    if engine == StorageEngine::Fjall {
+        if let Some(problem) = fjall_version_problem(dir) {
+            return Err(open_error(
+                dir,
+                format!(
+                    "{problem}; nothing was changed. fjall would start that keyspace empty or \
+                     abort on it, so cairn does not open the store. {}",
+                    affected(
+                        &Marks::read(dir).unwrap_or_default(),
+                        "Restore the file from a backup"
+                    )
+                ),
+            ));
         }
     }
 
@@ -403,7 +449,7 @@ async fn open_read_only(dir: &Path, engine: StorageEngine) -> Result<OpenedStore
     };
     for name in names_in(&source) {
         if engine.owns(&name) {
-            copy_tree(&source.join(&name), &copy.join(&name)).map_err(io(dir))?;
+            copy_tree(engine, &source.join(&name), &copy.join(&name)).map_err(io(dir))?;
         }
     }
     for name in engine.leftovers(copy) {
@@ -428,6 +474,18 @@ async fn open_read_only(dir: &Path, engine: StorageEngine) -> Result<OpenedStore
             "{MARKS_FILE} has damaged lines {:?}, skipped (the check of those sessions is weaker)",
             marks.skipped_lines
         ));
+    }
+    if engine == StorageEngine::Fjall {
+        if let Some(problem) = fjall_version_problem(copy) {
+            return Err(open_error(
+                dir,
+                format!(
+                    "{problem}. fjall would start that keyspace empty or abort on it, so no \
+                     session is read. {}",
+                    affected(&marks, "Restore the file from a backup")
+                ),
+            ));
+        }
     }
     let store = engine.open_engine(copy).map_err(|e| {
         open_error(
@@ -573,7 +631,7 @@ fn backup(dir: &Path, engine: StorageEngine) -> Result<()> {
     fs::create_dir(&tmp).map_err(io(dir))?;
     for name in names_in(dir) {
         if engine.owns(&name) {
-            copy_tree(&dir.join(&name), &tmp.join(&name)).map_err(io(dir))?;
+            copy_tree(engine, &dir.join(&name), &tmp.join(&name)).map_err(io(dir))?;
         }
     }
     // Durable before the rename makes it count: after a power cut, a backup that is put back
@@ -604,7 +662,7 @@ fn restore(dir: &Path, engine: StorageEngine) -> Result<()> {
     }
     for name in &kept {
         remove_tree(&dir.join(name)).map_err(io(dir))?;
-        copy_tree(&backup.join(name), &dir.join(name)).map_err(io(dir))?;
+        copy_tree(engine, &backup.join(name), &dir.join(name)).map_err(io(dir))?;
         sync_tree(&dir.join(name)).map_err(io(dir))?;
     }
     sync_dir(dir).map_err(io(dir))?;
@@ -671,6 +729,55 @@ fn sled_conf_problem(dir: &Path) -> Option<String> {
     None
 }
 
+/// What is wrong with a fjall keyspace's version files, if anything. Each keyspace directory
+/// has a `current` file naming its version file (`v<id>`) with an xxh3-128 checksum of it,
+/// which fjall 3.1 does not check: a damaged version file can make it allocate gigabytes from a
+/// damaged count and abort the process, and a missing `current` makes it create the keyspace
+/// anew, empty, writing over the old version files.
+fn fjall_version_problem(dir: &Path) -> Option<String> {
+    let keyspaces = dir.join("keyspaces");
+    for name in names_in(&keyspaces) {
+        let ks = keyspaces.join(&name);
+        let has_versions = names_in(&ks)
+            .iter()
+            .any(|n| n.starts_with('v') && n[1..].parse::<u64>().is_ok());
+        let current = ks.join("current");
+        let bytes = match fs::read(&current) {
+            Ok(bytes) => bytes,
+            Err(_) if !has_versions => continue,
+            Err(e) => return Some(format!("fjall's {} cannot be read: {e}", current.display())),
+        };
+        if bytes.len() != 25 || bytes[24] != 0 {
+            return Some(format!(
+                "fjall's {} is damaged ({} bytes, expected 25)",
+                current.display(),
+                bytes.len()
+            ));
+        }
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&bytes[..8]);
+        let mut sum = [0u8; 16];
+        sum.copy_from_slice(&bytes[8..24]);
+        let version = ks.join(format!("v{}", u64::from_le_bytes(id)));
+        match fs::read(&version) {
+            Ok(data) if xxhash_rust::xxh3::xxh3_128(&data) == u128::from_le_bytes(sum) => {}
+            Ok(_) => {
+                return Some(format!(
+                    "fjall's version file {} is damaged (its checksum does not match)",
+                    version.display()
+                ))
+            }
+            Err(e) => {
+                return Some(format!(
+                    "fjall's version file {} cannot be read: {e}",
+                    version.display()
+                ))
+            }
+        }
+    }
+    None
+}
+
 fn write_sled_conf(dir: &Path) -> std::io::Result<()> {
     let mut bytes = SLED_CONF.to_vec();
     bytes.extend_from_slice(&crc32fast::hash(SLED_CONF).to_le_bytes());
@@ -693,17 +800,67 @@ fn names_in(dir: &Path) -> Vec<String> {
     names
 }
 
-fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+/// Copies a file or directory tree: files the engine changes in place are copied (holes
+/// stay holes: fjall preallocates its journals), the others hard-linked.
+fn copy_tree(engine: StorageEngine, from: &Path, to: &Path) -> std::io::Result<()> {
     if fs::symlink_metadata(from)?.is_dir() {
         fs::create_dir_all(to)?;
         for entry in fs::read_dir(from)? {
             let entry = entry?;
-            copy_tree(&entry.path(), &to.join(entry.file_name()))?;
+            copy_tree(engine, &entry.path(), &to.join(entry.file_name()))?;
         }
         Ok(())
+    } else if engine.changes_in_place(from) || fs::hard_link(from, to).is_err() {
+        copy_sparse(from, to)
     } else {
-        fs::copy(from, to).map(drop)
+        Ok(())
     }
+}
+
+/// Copies a file's data regions only, leaving its holes as holes.
+#[cfg(target_os = "linux")]
+fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
+    use std::io::{Read as _, Seek as _, SeekFrom};
+    use std::os::fd::AsRawFd;
+    let mut src = File::open(from)?;
+    let len = src.metadata()?.len();
+    let mut dst = File::create(to)?;
+    dst.set_len(len)?;
+    let fd = src.as_raw_fd();
+    let mut at: i64 = 0;
+    let mut buf = vec![0u8; 1 << 20];
+    while (at as u64) < len {
+        // SAFETY: lseek on a descriptor this File owns; no memory is passed.
+        let data = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break; // only a hole is left
+            }
+            // SEEK_DATA unsupported here: copy everything.
+            drop(dst);
+            return fs::copy(from, to).map(drop);
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        let end = if hole < 0 { len as i64 } else { hole };
+        src.seek(SeekFrom::Start(data as u64))?;
+        dst.seek(SeekFrom::Start(data as u64))?;
+        let mut left = (end - data) as u64;
+        while left > 0 {
+            let n = (left as usize).min(buf.len());
+            src.read_exact(&mut buf[..n])?;
+            dst.write_all(&buf[..n])?;
+            left -= n as u64;
+        }
+        at = end;
+    }
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
+    fs::copy(from, to).map(drop)
 }
 
 fn sync_tree(path: &Path) -> std::io::Result<()> {
