@@ -688,6 +688,32 @@ fn summarize(event: &Event) -> String {
         Event::TurnFailed { turn, reason } => format!("turn={turn} {}", one_line(reason, 80)),
         Event::TurnCancelled { turn, reason } => format!("turn={turn} {}", one_line(reason, 80)),
         Event::SessionCancelled { reason } => one_line(reason, 80),
+        Event::ModelAttemptProgress {
+            turn,
+            round,
+            attempt,
+            lease_attempt,
+            text_appended,
+            thinking_appended,
+        } => {
+            let mut line =
+                format!("turn={turn} round={round} attempt={attempt} lease={lease_attempt}");
+            if !thinking_appended.is_empty() {
+                line.push_str(&format!(
+                    " thinking+{} {:?}",
+                    thinking_appended.chars().count(),
+                    one_line(thinking_appended, 40)
+                ));
+            }
+            if !text_appended.is_empty() {
+                line.push_str(&format!(
+                    " text+{} {:?}",
+                    text_appended.chars().count(),
+                    one_line(text_appended, 60)
+                ));
+            }
+            line
+        }
     }
 }
 

@@ -496,6 +496,55 @@ impl Engine {
         .await
     }
 
+    /// Records what a leased model attempt streamed since its previous record, as a
+    /// `model_attempt_progress` event (presentation only). It goes through the same append
+    /// path as everything else, so it shares the store's group-commit flushes. Stale progress —
+    /// the workflow no longer waits for this attempt, or a newer lease of it already recorded
+    /// output — is rejected with `InvalidEvent` (see [`Error::is_stale_report`]) and changes
+    /// nothing; the attempt itself goes on.
+    pub async fn record_progress(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+    ) -> Result<()> {
+        let session_id = &lease.id.session_id;
+        let activity = {
+            let slot = self.slot(session_id);
+            let mut guard = slot.lock().await;
+            let state = self.loaded(session_id, &mut guard).await?;
+            state.scheduled_activity(lease.id.scheduled_seq)
+        };
+        let Some(ScheduledActivity::Model {
+            turn,
+            round,
+            attempt,
+            ..
+        }) = activity
+        else {
+            return Err(Error::InvalidEvent {
+                session_id: session_id.clone(),
+                seq: lease.id.scheduled_seq,
+                reason: "progress for a model call the workflow no longer waits for".to_owned(),
+            });
+        };
+        // The workflow checks the attempt again under the session lock, so a completion that
+        // lands in between makes this progress stale rather than misplaced.
+        self.submit(
+            session_id,
+            Event::ModelAttemptProgress {
+                turn,
+                round,
+                attempt,
+                lease_attempt: lease.lease_attempt,
+                text_appended,
+                thinking_appended,
+            },
+            None,
+        )
+        .await
+    }
+
     /// Finds every session with a turn in progress, loads it, and makes sure each of its
     /// outstanding activities has a queued task (they normally do: tasks are written with their
     /// events). Expired leases need nothing here: leasing picks them up again.
