@@ -6,7 +6,10 @@ use cairn::host::Host;
 use cairn_activities::providers::{render_request, RequestFormat};
 use cairn_activities::{CallContext, ModelRequest, ScriptedProvider};
 use cairn_ledger::{Delta, ModelSpec};
-use cairn_runtime::{replay, Error as RuntimeError, Event, SessionOptions, TurnOutcome};
+use cairn_runtime::{
+    interrupted_output, replay, Error as RuntimeError, Event, SessionOptions, StreamedOutput,
+    TurnOutcome,
+};
 use clap::{Parser, Subcommand};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -437,6 +440,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     report.reclaimed_leases
                 );
             }
+            for session_id in &report.running_sessions {
+                let state = host.client.engine().state(session_id).await?;
+                let history = host.client.history(session_id).await?;
+                if let Some(cut) = interrupted_output(&state, &history) {
+                    println!("{session_id}: {}", interrupted_notice(&cut));
+                }
+            }
             host.start_workers();
             let mut code = ExitCode::SUCCESS;
             for session_id in &report.running_sessions {
@@ -488,6 +498,26 @@ async fn session_exists(host: &Host, session_id: &str) -> anyhow::Result<bool> {
         Err(RuntimeError::UnknownSession { .. }) => Ok(false),
         Err(e) => Err(e.into()),
     }
+}
+
+/// Says plainly that a model call's streamed output was cut off and is being generated again.
+fn interrupted_notice(cut: &StreamedOutput) -> String {
+    let what = if cut.text.is_empty() {
+        format!(
+            "{} characters of reasoning and no answer text",
+            cut.thinking.chars().count()
+        )
+    } else {
+        format!(
+            "{} characters of its answer: {:?}",
+            cut.text.chars().count(),
+            one_line(&cut.text, 200)
+        )
+    };
+    format!(
+        "[interrupted: turn {} (model call {}, attempt {}) had streamed {what}; that partial answer was cut off and the answer is being generated again]",
+        cut.turn, cut.round, cut.attempt
+    )
 }
 
 /// Sends the prompt and prints the answer as it streams.
