@@ -35,6 +35,7 @@ fn fast_workers() -> WorkerConfig {
         lease_ms: 2_000,
         poll_interval_ms: 5,
         progress_interval_ms: None,
+        ..WorkerConfig::default()
     }
 }
 

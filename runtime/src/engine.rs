@@ -555,6 +555,28 @@ impl Engine {
     /// leases on (an embedded store the OS locks to this process, like sled); with a shared
     /// store pass `false` and let leases lapse.
     pub async fn resume(&self, reclaim_leases: bool) -> Result<ResumeReport> {
+        self.resume_where(reclaim_leases, |_| true).await
+    }
+
+    /// [`Engine::resume`] for one session only: if its turn is in progress, makes sure each of
+    /// its outstanding activities has a queued task. Other sessions' histories and tasks are
+    /// left as they are, except that `reclaim_leases` releases every lease in the store (the
+    /// store releases leases only all at once); that changes no history, and a pool that runs
+    /// only this session's tasks leaves the others queued.
+    pub async fn resume_session(
+        &self,
+        session_id: &str,
+        reclaim_leases: bool,
+    ) -> Result<ResumeReport> {
+        self.resume_where(reclaim_leases, |id| id == session_id)
+            .await
+    }
+
+    async fn resume_where(
+        &self,
+        reclaim_leases: bool,
+        wanted: impl Fn(&str) -> bool,
+    ) -> Result<ResumeReport> {
         let mut report = ResumeReport::default();
         if reclaim_leases {
             report.reclaimed_leases = self.inner.store.release_leases(self.now_ms()).await?;
@@ -568,7 +590,7 @@ impl Engine {
             .map(|t| t.id)
             .collect();
         for info in self.inner.store.list_sessions().await? {
-            if info.status != SessionStatus::Running {
+            if info.status != SessionStatus::Running || !wanted(&info.session_id) {
                 continue;
             }
             let session_id = info.session_id;

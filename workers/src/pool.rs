@@ -10,7 +10,7 @@ use cairn_runtime::{
     ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, ErrorClass,
     FailurePhase, Lease,
 };
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -37,6 +37,11 @@ pub struct WorkerConfig {
     /// append sharing the store's group commit, never a flush per delta. `None`: never.
     /// Default 250 ms.
     pub progress_interval_ms: Option<u64>,
+    /// Run only tasks of these sessions (`None`: every session's). A task of another session
+    /// that the pool leases is left alone: it runs again once that lease lapses, or at once
+    /// after a restart that releases leases. Used by `cairn run`, which must not carry on
+    /// other sessions' interrupted turns.
+    pub only_sessions: Option<BTreeSet<String>>,
 }
 
 impl Default for WorkerConfig {
@@ -46,6 +51,7 @@ impl Default for WorkerConfig {
             lease_ms: 30_000,
             poll_interval_ms: 100,
             progress_interval_ms: Some(250),
+            only_sessions: None,
         }
     }
 }
@@ -158,6 +164,19 @@ async fn lease_loop(
                 warn!(error = %e, "leasing tasks failed");
                 Vec::new()
             }
+        };
+        let leases: Vec<Lease> = match &config.only_sessions {
+            None => leases,
+            Some(only) => leases
+                .into_iter()
+                .filter(|lease| {
+                    let ours = only.contains(&lease.id.session_id);
+                    if !ours {
+                        debug!(task = %lease.id, "task of another session left alone");
+                    }
+                    ours
+                })
+                .collect(),
         };
         if leases.is_empty() {
             tokio::select! {
