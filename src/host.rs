@@ -7,6 +7,7 @@ use cairn_runtime::store::embedded::{self, OpenMode, OpenedStore, StorageEngine}
 use cairn_runtime::store::marks::Loss;
 use cairn_runtime::{Client, Engine, ResumeReport, Store, SystemClock};
 use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -67,8 +68,25 @@ impl Host {
         Ok(report)
     }
 
+    /// Carries on `session_id`'s interrupted turn, if it has one, and starts a worker pool
+    /// that runs that session's tasks only: other sessions of the store, interrupted or not,
+    /// are left as they are (their histories untouched) for `cairn resume`.
+    pub async fn start_for(&mut self, session_id: &str) -> anyhow::Result<ResumeReport> {
+        let report = self
+            .client
+            .engine()
+            .resume_session(session_id, true)
+            .await?;
+        self.start_pool(Some(std::iter::once(session_id.to_owned()).collect()));
+        Ok(report)
+    }
+
     /// Starts the worker pool (without resuming; see [`Host::start`]).
     pub fn start_workers(&mut self) {
+        self.start_pool(None);
+    }
+
+    fn start_pool(&mut self, only_sessions: Option<BTreeSet<String>>) {
         if self.workers.is_none() {
             let activities = Activities {
                 models: Arc::new(StandardModels::new()),
@@ -79,6 +97,7 @@ impl Host {
                 activities,
                 WorkerConfig {
                     lease_ms: 5_000,
+                    only_sessions,
                     ..WorkerConfig::default()
                 },
             ));

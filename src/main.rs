@@ -7,7 +7,10 @@ use cairn_activities::providers::{render_request, RequestFormat};
 use cairn_activities::{CallContext, ModelRequest, ScriptedProvider};
 use cairn_ledger::{Delta, ModelSpec};
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
-use cairn_runtime::{replay, Error as RuntimeError, Event, SessionOptions, TurnOutcome};
+use cairn_runtime::{
+    interrupted_output, replay, Error as RuntimeError, Event, SessionOptions, StreamedOutput,
+    TurnOutcome,
+};
 use clap::{Parser, Subcommand};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -240,8 +243,6 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let workdir = workdir_or_cwd(workdir)?;
             let mut host = Host::open(&data, OpenMode::Create, engine, workdir).await?;
-            // Interrupted sessions of this store carry on too, in the background.
-            host.start().await?;
             let session_id = match session {
                 Some(id) if session_exists(&host, &id).await? => id,
                 requested => {
@@ -252,6 +253,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     host.client.start_session(options).await?
                 }
             };
+            // Only this session's work runs here: an interrupted turn of it is carried on
+            // first, other sessions' are left for `cairn resume`.
+            if host.client.engine().state(&session_id).await?.is_running() {
+                continue_interrupted(&mut host, &data, &session_id, !hide_thinking).await?;
+            } else {
+                host.start_for(&session_id).await?;
+            }
             let state = host.client.engine().state(&session_id).await?;
             let turn_model = match &state.started {
                 Some(s) if s.model != model => Some(model),
@@ -463,6 +471,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     report.reclaimed_leases
                 );
             }
+            for session_id in &report.running_sessions {
+                let state = host.client.engine().state(session_id).await?;
+                let history = host.client.history(session_id).await?;
+                if let Some(cut) = interrupted_output(&state, &history) {
+                    println!("{session_id}: {}", interrupted_notice(&cut));
+                }
+            }
             host.start_workers();
             let mut code = ExitCode::SUCCESS;
             for session_id in &report.running_sessions {
@@ -523,6 +538,152 @@ async fn session_exists(host: &Host, session_id: &str) -> anyhow::Result<bool> {
     }
 }
 
+/// Carries on `session_id`'s interrupted turn before `run` sends its message: says what the
+/// cut-off model call had streamed, resumes that session only (its tasks run again at once)
+/// and prints the turn's answer as it streams. A turn that then fails or is cancelled has still
+/// ended, so the new message goes on; not being able to continue at all is an error naming
+/// `cairn resume`.
+async fn continue_interrupted(
+    host: &mut Host,
+    data: &Path,
+    session_id: &str,
+    show_thinking: bool,
+) -> anyhow::Result<()> {
+    let engine = host.client.engine().clone();
+    let state = engine.state(session_id).await?;
+    let Some(turn) = state.active.as_ref().map(|a| a.turn) else {
+        host.start_for(session_id).await?;
+        return Ok(());
+    };
+    let cannot = || {
+        format!(
+            "cannot continue the interrupted turn {turn} of session {session_id}; carry it on \
+             with `cairn resume --data {}`, then run this message again",
+            data.display()
+        )
+    };
+    println!("[session {session_id}: turn {turn} was interrupted; continuing it first]");
+    let history = host.client.history(session_id).await.with_context(cannot)?;
+    if let Some(cut) = interrupted_output(&state, &history) {
+        println!("{}", interrupted_notice(&cut));
+    }
+    // Subscribed before the workers start, so no delta of the re-run is missed.
+    let printer = Printer::start(host, session_id, show_thinking);
+    host.start_for(session_id).await.with_context(cannot)?;
+    let outcome = engine
+        .wait_turn(session_id, turn)
+        .await
+        .with_context(cannot)?;
+    printer.finish().await;
+    println!();
+    if !matches!(outcome, TurnOutcome::Completed { .. }) {
+        eprintln!("{}", describe(&outcome));
+    }
+    Ok(())
+}
+
+/// Says plainly that a model call's streamed output was cut off and is being generated again.
+fn interrupted_notice(cut: &StreamedOutput) -> String {
+    let what = if cut.text.is_empty() {
+        format!(
+            "{} characters of reasoning and no answer text",
+            cut.thinking.chars().count()
+        )
+    } else {
+        format!(
+            "{} characters of its answer: {:?}",
+            cut.text.chars().count(),
+            one_line(&cut.text, 200)
+        )
+    };
+    format!(
+        "[interrupted: turn {} (model call {}, attempt {}) had streamed {what}; that partial answer was cut off and the answer is being generated again]",
+        cut.turn, cut.round, cut.attempt
+    )
+}
+
+/// Prints one session's streamed deltas (text, and thinking when asked) until finished.
+struct Printer {
+    done: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Printer {
+    fn start(host: &Host, session_id: &str, show_thinking: bool) -> Printer {
+        let mut deltas = host.client.subscribe_deltas();
+        let printer_session = session_id.to_owned();
+        let dim = std::io::stdout().is_terminal();
+        let (done, mut done_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+            let mut last_origin = None;
+            let mut in_thinking = false;
+            let mut draining = false;
+            loop {
+                // Once the turn is over every delta is already queued: drain them, then stop.
+                let event = if draining {
+                    match deltas.try_recv() {
+                        Ok(event) => event,
+                        Err(TryRecvError::Lagged(_)) => continue,
+                        Err(_) => break,
+                    }
+                } else {
+                    tokio::select! {
+                        received = deltas.recv() => match received {
+                            Ok(event) => event,
+                            Err(RecvError::Lagged(_)) => continue,
+                            Err(RecvError::Closed) => break,
+                        },
+                        _ = &mut done_rx => {
+                            draining = true;
+                            continue;
+                        }
+                    }
+                };
+                if event.origin.session_id != printer_session {
+                    continue;
+                }
+                let mut out = std::io::stdout().lock();
+                let origin = (event.origin.activity.clone(), event.origin.attempt);
+                if last_origin.as_ref() != Some(&origin) {
+                    if last_origin.is_some() {
+                        let _ = writeln!(out);
+                    }
+                    if origin.1 > 1 {
+                        let _ = writeln!(out, "[retry: attempt {}]", origin.1);
+                    }
+                    last_origin = Some(origin);
+                }
+                match event.delta {
+                    Delta::Thinking(text) if show_thinking => {
+                        if !in_thinking {
+                            in_thinking = true;
+                            let _ = write!(out, "{}", if dim { "\x1b[2m" } else { "[thinking] " });
+                        }
+                        let _ = write!(out, "{text}");
+                    }
+                    Delta::Text(text) => {
+                        if in_thinking {
+                            in_thinking = false;
+                            let _ = write!(out, "{}", if dim { "\x1b[0m\n" } else { "\n" });
+                        }
+                        let _ = write!(out, "{text}");
+                    }
+                    _ => {}
+                }
+                let _ = out.flush();
+            }
+        });
+        Printer { done, task }
+    }
+
+    /// Prints what is still queued, then stops.
+    async fn finish(self) {
+        let _ = self.done.send(());
+        let _ = self.task.await;
+    }
+}
+
 /// Sends the prompt and prints the answer as it streams.
 async fn run_turn(
     host: &Host,
@@ -531,70 +692,7 @@ async fn run_turn(
     model: Option<ModelSpec>,
     show_thinking: bool,
 ) -> anyhow::Result<TurnOutcome> {
-    let mut deltas = host.client.subscribe_deltas();
-    let printer_session = session_id.to_owned();
-    let dim = std::io::stdout().is_terminal();
-    let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
-    let printer = tokio::spawn(async move {
-        use tokio::sync::broadcast::error::{RecvError, TryRecvError};
-        let mut last_origin = None;
-        let mut in_thinking = false;
-        let mut draining = false;
-        loop {
-            // Once the turn is over every delta is already queued: drain them, then stop.
-            let event = if draining {
-                match deltas.try_recv() {
-                    Ok(event) => event,
-                    Err(TryRecvError::Lagged(_)) => continue,
-                    Err(_) => break,
-                }
-            } else {
-                tokio::select! {
-                    received = deltas.recv() => match received {
-                        Ok(event) => event,
-                        Err(RecvError::Lagged(_)) => continue,
-                        Err(RecvError::Closed) => break,
-                    },
-                    _ = &mut done_rx => {
-                        draining = true;
-                        continue;
-                    }
-                }
-            };
-            if event.origin.session_id != printer_session {
-                continue;
-            }
-            let mut out = std::io::stdout().lock();
-            let origin = (event.origin.activity.clone(), event.origin.attempt);
-            if last_origin.as_ref() != Some(&origin) {
-                if last_origin.is_some() {
-                    let _ = writeln!(out);
-                }
-                if origin.1 > 1 {
-                    let _ = writeln!(out, "[retry: attempt {}]", origin.1);
-                }
-                last_origin = Some(origin);
-            }
-            match event.delta {
-                Delta::Thinking(text) if show_thinking => {
-                    if !in_thinking {
-                        in_thinking = true;
-                        let _ = write!(out, "{}", if dim { "\x1b[2m" } else { "[thinking] " });
-                    }
-                    let _ = write!(out, "{text}");
-                }
-                Delta::Text(text) => {
-                    if in_thinking {
-                        in_thinking = false;
-                        let _ = write!(out, "{}", if dim { "\x1b[0m\n" } else { "\n" });
-                    }
-                    let _ = write!(out, "{text}");
-                }
-                _ => {}
-            }
-            let _ = out.flush();
-        }
-    });
+    let printer = Printer::start(host, session_id, show_thinking);
     let turn = match model {
         Some(model) => {
             host.client
@@ -604,8 +702,7 @@ async fn run_turn(
         None => host.client.send(session_id, prompt).await?,
     };
     let outcome = host.client.wait_turn(session_id, turn).await?;
-    let _ = done_tx.send(());
-    let _ = printer.await;
+    printer.finish().await;
     println!();
     if !matches!(outcome, TurnOutcome::Completed { .. }) {
         eprintln!("{}", describe(&outcome));
@@ -721,6 +818,32 @@ fn summarize(event: &Event) -> String {
         Event::TurnFailed { turn, reason } => format!("turn={turn} {}", one_line(reason, 80)),
         Event::TurnCancelled { turn, reason } => format!("turn={turn} {}", one_line(reason, 80)),
         Event::SessionCancelled { reason } => one_line(reason, 80),
+        Event::ModelAttemptProgress {
+            turn,
+            round,
+            attempt,
+            lease_attempt,
+            text_appended,
+            thinking_appended,
+        } => {
+            let mut line =
+                format!("turn={turn} round={round} attempt={attempt} lease={lease_attempt}");
+            if !thinking_appended.is_empty() {
+                line.push_str(&format!(
+                    " thinking+{} {:?}",
+                    thinking_appended.chars().count(),
+                    one_line(thinking_appended, 40)
+                ));
+            }
+            if !text_appended.is_empty() {
+                line.push_str(&format!(
+                    " text+{} {:?}",
+                    text_appended.chars().count(),
+                    one_line(text_appended, 60)
+                ));
+            }
+            line
+        }
     }
 }
 

@@ -27,11 +27,15 @@ fn kinds(history: &[EventEnvelope]) -> Vec<&str> {
     history.iter().map(|e| e.kind.as_str()).collect()
 }
 
+/// These scenarios pin exact histories, and progress records depend on how fast a stream
+/// runs, so they record none; `streamed_output_is_recorded_*` below covers them.
 fn fast_workers() -> WorkerConfig {
     WorkerConfig {
         concurrency: 8,
         lease_ms: 2_000,
         poll_interval_ms: 5,
+        progress_interval_ms: None,
+        ..WorkerConfig::default()
     }
 }
 
@@ -368,4 +372,208 @@ async fn shutdown_drains_running_activities() {
         .await
         .unwrap()
         .is_empty());
+}
+
+/// What a model attempt streamed is recorded as `model_attempt_progress` through the engine:
+/// per run (lease) of the attempt, each record carrying only new text. The records change no
+/// ledger byte and no decision; output of a stale lease or for a call nobody waits for is
+/// rejected and changes nothing.
+#[tokio::test]
+async fn streamed_output_is_recorded_presentation_only_and_stale_output_is_rejected() {
+    let files = demo_files(cairn::demo::DEMO_SCRIPT);
+    let answer = cairn_ledger::ModelResponse {
+        provider: "scripted".into(),
+        model: "test".into(),
+        parts: vec![Part::text("Hello, world.")],
+        stop_reason_raw: "end_turn".into(),
+        stop_reason: cairn_ledger::StopReason::EndTurn,
+        usage: cairn_ledger::Usage::default(),
+    };
+    // The same turn twice, each on its own store and frozen clock: with progress records, and
+    // without.
+    let mut sessions = Vec::new();
+    for with_progress in [true, false] {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let store = Arc::new(MemoryStore::new());
+        let engine = Engine::new(store.clone(), clock.clone());
+        let client = Client::new(engine.clone());
+        let probe = TestHost {
+            client: client.clone(),
+            pool: None,
+            tools: Arc::new(cairn_activities::ToolRegistry::builtin(&files.workdir)),
+        };
+        let id = "greeting";
+        let session = client
+            .start_session(probe.session_options(&files.script, id))
+            .await
+            .unwrap();
+        client.send(&session, "greet me").await.unwrap();
+        let first = store.lease_tasks(clock.now_ms(), 1_000, 1).await.unwrap();
+        assert_eq!(first.len(), 1);
+        if with_progress {
+            engine
+                .record_progress(&first[0], "Hel".into(), "a greeting".into())
+                .await
+                .unwrap();
+            engine
+                .record_progress(&first[0], "lo,".into(), String::new())
+                .await
+                .unwrap();
+        }
+        // The first worker dies; the task is leased again and the attempt streams afresh.
+        clock.advance(1_001);
+        let second = store.lease_tasks(clock.now_ms(), 1_000, 1).await.unwrap();
+        assert_eq!(second[0].lease_attempt, 2);
+        if with_progress {
+            engine
+                .record_progress(&second[0], "Hello".into(), String::new())
+                .await
+                .unwrap();
+            let state = engine.state(&session).await.unwrap();
+            let history = client.history(&session).await.unwrap();
+            let cut = interrupted_output(&state, &history).unwrap();
+            assert_eq!(
+                (cut.attempt, cut.lease_attempt, cut.text.as_str()),
+                (1, 2, "Hello")
+            );
+            let runs = streamed_outputs(&history, 1, 0);
+            assert_eq!(
+                (runs[0].text.as_str(), runs[0].thinking.as_str()),
+                ("Hello,", "a greeting")
+            );
+            // The dead worker's late output: stale once the new lease recorded some.
+            let err = engine
+                .record_progress(&first[0], " late".into(), String::new())
+                .await
+                .unwrap_err();
+            assert!(err.is_stale_report(), "{err}");
+            assert_eq!(client.history(&session).await.unwrap(), history);
+        }
+        engine
+            .report(&second[0], ActivityReport::ModelCompleted(answer.clone()))
+            .await
+            .unwrap();
+        // Nothing waits for output now.
+        let history = client.history(&session).await.unwrap();
+        let err = engine
+            .record_progress(&second[0], "!".into(), String::new())
+            .await
+            .unwrap_err();
+        assert!(err.is_stale_report(), "{err}");
+        assert_eq!(client.history(&session).await.unwrap(), history);
+        assert!(interrupted_output(&engine.state(&session).await.unwrap(), &history).is_none());
+        let history = assert_replays(&client, &session).await;
+        sessions.push((history, client.transcript(&session).await.unwrap()));
+    }
+    let (noted, noted_ledger) = &sessions[0];
+    let (plain, plain_ledger) = &sessions[1];
+    assert_eq!(
+        noted
+            .iter()
+            .filter(|e| e.kind == "model_attempt_progress")
+            .count(),
+        3
+    );
+    assert_eq!(noted_ledger.canonical_json(), plain_ledger.canonical_json());
+    let decided = |history: &[EventEnvelope]| -> Vec<Command> {
+        replay(&history[0].session_id, history)
+            .unwrap()
+            .commands
+            .into_iter()
+            .map(|(_, c)| c)
+            .collect()
+    };
+    assert_eq!(decided(noted), decided(plain));
+    let without: Vec<&Event> = noted
+        .iter()
+        .filter(|e| e.kind != "model_attempt_progress")
+        .map(|e| &e.event)
+        .collect();
+    assert_eq!(without, plain.iter().map(|e| &e.event).collect::<Vec<_>>());
+}
+
+/// Real workers record a streaming attempt's output at most every `progress_interval_ms`;
+/// the records hold each streamed byte once, in order, the lease is renewed meanwhile (one
+/// run, one lease), and the ledger is what a run without records gives.
+#[tokio::test]
+async fn streamed_output_is_recorded_by_workers_at_most_every_interval() {
+    let words: Vec<String> = (0..30).map(|i| format!("word{i} ")).collect();
+    let answer = words.concat().trim_end().to_owned();
+    let files = demo_files(&format!(
+        r#"{{"chunk_delay_ms": 20, "responses": [{{"parts": [{{"type": "text", "text": "{answer}"}}]}}]}}"#
+    ));
+    let mut ledgers = Vec::new();
+    let mut kinds_seen = Vec::new();
+    for progress in [Some(50), None] {
+        let host = TestHost::start(
+            Arc::new(MemoryStore::new()),
+            Arc::new(SystemClock),
+            &files.workdir,
+            WorkerConfig {
+                progress_interval_ms: progress,
+                // Renewed every 100 ms: a ~600 ms stream outlives the lease unless renewed.
+                lease_ms: 300,
+                ..fast_workers()
+            },
+        );
+        let session = host
+            .client
+            .start_session(host.session_options(&files.script, "streamed"))
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        // A lease that is not renewed while the stream runs lapses, and the call runs again
+        // and again: a timeout, not a hang.
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(20),
+            host.client.run_turn(&session, "talk"),
+        )
+        .await
+        .expect("the turn completes: the lease is renewed while the stream runs")
+        .unwrap();
+        let elapsed_ms = started.elapsed().as_millis() as usize;
+        assert!(
+            matches!(outcome, TurnOutcome::Completed { .. }),
+            "{outcome:?}"
+        );
+        let history = assert_replays(&host.client, &session).await;
+        let runs = streamed_outputs(&history, 1, 0);
+        match progress {
+            Some(every) => {
+                assert_eq!(runs.len(), 1, "one run under one lease: {runs:?}");
+                assert_eq!(runs[0].lease_attempt, 1);
+                // ~600 ms of streaming: several records, never more than one per interval.
+                let count = runs[0].records;
+                assert!(
+                    count >= 2 && count <= elapsed_ms / every as usize + 1,
+                    "{count} records in {elapsed_ms} ms"
+                );
+                // Each byte once, in stream order: a prefix of the answer (the rest is in the
+                // committed response, which supersedes the records).
+                assert!(
+                    answer.starts_with(&runs[0].text) && runs[0].text.len() > 10,
+                    "{:?}",
+                    runs[0].text
+                );
+            }
+            None => assert!(runs.is_empty()),
+        }
+        ledgers.push(
+            host.client
+                .transcript(&session)
+                .await
+                .unwrap()
+                .canonical_json(),
+        );
+        kinds_seen.push(
+            history
+                .iter()
+                .map(|e| e.kind.clone())
+                .filter(|k| k != "model_attempt_progress")
+                .collect::<Vec<_>>(),
+        );
+        host.shutdown().await;
+    }
+    assert_eq!(ledgers[0], ledgers[1]);
+    assert_eq!(kinds_seen[0], kinds_seen[1]);
 }

@@ -150,6 +150,14 @@ fn sample_events() -> Vec<Event> {
             turn: 3,
             reason: "user".into(),
         },
+        Event::ModelAttemptProgress {
+            turn: 4,
+            round: 1,
+            attempt: 2,
+            lease_attempt: 3,
+            text_appended: "The answer is 4".into(),
+            thinking_appended: "two and two".into(),
+        },
     ]
 }
 
@@ -192,7 +200,7 @@ fn every_event_kind_has_golden_bytes_that_decode_and_reencode_identically() {
     let mut expected: Vec<String> = kinds.iter().map(|k| format!("v1-{k}.bin")).collect();
     expected.sort();
     assert_eq!(found, expected);
-    assert_eq!(kinds.len(), 12);
+    assert_eq!(kinds.len(), 13);
 }
 
 #[test]
@@ -242,6 +250,8 @@ async fn the_demo_session_matches_its_golden_history_and_transcript() {
         &files.workdir,
         WorkerConfig {
             concurrency: 1,
+            // Progress records depend on how fast the stream runs; this history must not.
+            progress_interval_ms: None,
             ..WorkerConfig::default()
         },
         cairn_workers::StandardModels::with_script_dir(files.dir.path()),

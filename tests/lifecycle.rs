@@ -175,6 +175,7 @@ fn workers() -> WorkerConfig {
         concurrency: 8,
         lease_ms: 2_000,
         poll_interval_ms: 5,
+        ..WorkerConfig::default()
     }
 }
 

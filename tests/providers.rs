@@ -1563,3 +1563,117 @@ fn invalid_request_fails_the_turn_at_once() {
     assert_eq!(history.last().unwrap()["kind"], "turn_failed");
     h.assert_replays(session);
 }
+
+// ---------------------------------------------------------------------------------------------
+// 3. What the user saw is recorded: text streams, the stream stalls, SIGKILL, `cairn resume`
+// ---------------------------------------------------------------------------------------------
+
+/// A stream sends some text and stalls; the text is printed, a few hundred ms pass, and the
+/// process is SIGKILLed before any response is recorded. The history still holds what was
+/// streamed (`model_attempt_progress`), and `cairn resume` says that partial answer was cut off
+/// and is being generated again, then completes with exactly one response for the round.
+#[test]
+fn text_streamed_before_a_sigkill_is_in_the_history_and_resume_says_it_is_generated_again() {
+    let h = Harness::new(&anthropic::WIRE);
+    let partial = "The answer is forty-";
+    let again = "Forty-two, computed afresh.";
+    // message_start, the text block, two text deltas; then the block's end never comes.
+    let mut events = anthropic::text(partial);
+    events.truncate(5);
+    let stalled = events.pop().unwrap();
+    let mut chunks: Vec<(Duration, Vec<u8>)> =
+        events.into_iter().map(|e| (Duration::ZERO, e)).collect();
+    chunks.push((Duration::from_secs(120), stalled));
+    h.server.push(Canned {
+        status: 200,
+        headers: vec![("content-type".into(), anthropic::WIRE.content_type.into())],
+        chunks,
+    });
+    h.push_text(again);
+    let session = "cut-off";
+    let args = h.run_args(session);
+    let mut child = h
+        .command(&args.iter().map(String::as_str).collect::<Vec<_>>())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let seen = Arc::new(Mutex::new(String::new()));
+    let mut stdout = child.stdout.take().unwrap();
+    let sink = seen.clone();
+    std::thread::spawn(move || {
+        use std::io::Read;
+        let mut buf = [0u8; 1024];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            sink.lock()
+                .unwrap()
+                .push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !seen.lock().unwrap().contains(partial) {
+        assert!(
+            Instant::now() < deadline,
+            "never printed: {:?}",
+            seen.lock()
+        );
+        assert!(child.try_wait().unwrap().is_none(), "the child ended early");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The user has read it; progress is recorded within a few hundred ms.
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(child.try_wait().unwrap().is_none(), "the child ended early");
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let before = h.history(session);
+    assert!(kinds(&before, "model_call_completed").is_empty());
+    let progress = kinds(&before, "model_attempt_progress");
+    assert!(!progress.is_empty(), "{before:?}");
+    let mut recorded = String::new();
+    for e in &progress {
+        let p = &e["event"]["model_attempt_progress"];
+        assert_eq!(
+            (&p["turn"], &p["round"], &p["attempt"], &p["lease_attempt"]),
+            (&json!(1), &json!(0), &json!(1), &json!(1)),
+            "{p}"
+        );
+        recorded.push_str(p["text_appended"].as_str().unwrap());
+    }
+    assert_eq!(recorded, partial);
+    let plain = h.cairn(&["history", "--data", h.data().to_str().unwrap(), session]);
+    let plain = text(&plain.stdout);
+    assert!(
+        plain.contains("model_attempt_progress") && plain.contains("text+"),
+        "{plain}"
+    );
+
+    let out = h.cairn(&[
+        "resume",
+        "--data",
+        h.data().to_str().unwrap(),
+        "--workdir",
+        h.dir.path().join("work").to_str().unwrap(),
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(
+        stdout.contains(&format!(
+            "{session}: [interrupted: turn 1 (model call 0, attempt 1) had streamed {} characters of its answer: {partial:?}",
+            partial.len()
+        )) && stdout.contains("the answer is being generated again"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("{session}: turn 1 completed: {again}")),
+        "{stdout}"
+    );
+    let history = h.history(session);
+    assert_eq!(history[..before.len()], before[..]);
+    assert_one_response_per_round(&history, "anthropic", 1);
+    h.assert_all_accepted();
+    h.assert_replays(session);
+}

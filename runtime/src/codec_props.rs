@@ -66,8 +66,28 @@ fn event() -> impl Strategy<Value = Event> {
                 ..Usage::default()
             }
         }),
-        (small, text()).prop_map(|(turn, reason)| Event::TurnFailed { turn, reason }),
+        (small.clone(), text()).prop_map(|(turn, reason)| Event::TurnFailed { turn, reason }),
         text().prop_map(|reason| Event::SessionCancelled { reason }),
+        (
+            small.clone(),
+            small.clone(),
+            small.clone(),
+            small,
+            text(),
+            text()
+        )
+            .prop_map(
+                |(turn, round, attempt, lease_attempt, text_appended, thinking_appended)| {
+                    Event::ModelAttemptProgress {
+                        turn,
+                        round,
+                        attempt,
+                        lease_attempt,
+                        text_appended,
+                        thinking_appended,
+                    }
+                }
+            ),
     ]
 }
 

@@ -496,6 +496,55 @@ impl Engine {
         .await
     }
 
+    /// Records what a leased model attempt streamed since its previous record, as a
+    /// `model_attempt_progress` event (presentation only). It goes through the same append
+    /// path as everything else, so it shares the store's group-commit flushes. Stale progress —
+    /// the workflow no longer waits for this attempt, or a newer lease of it already recorded
+    /// output — is rejected with `InvalidEvent` (see [`Error::is_stale_report`]) and changes
+    /// nothing; the attempt itself goes on.
+    pub async fn record_progress(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+    ) -> Result<()> {
+        let session_id = &lease.id.session_id;
+        let activity = {
+            let slot = self.slot(session_id);
+            let mut guard = slot.lock().await;
+            let state = self.loaded(session_id, &mut guard).await?;
+            state.scheduled_activity(lease.id.scheduled_seq)
+        };
+        let Some(ScheduledActivity::Model {
+            turn,
+            round,
+            attempt,
+            ..
+        }) = activity
+        else {
+            return Err(Error::InvalidEvent {
+                session_id: session_id.clone(),
+                seq: lease.id.scheduled_seq,
+                reason: "progress for a model call the workflow no longer waits for".to_owned(),
+            });
+        };
+        // The workflow checks the attempt again under the session lock, so a completion that
+        // lands in between makes this progress stale rather than misplaced.
+        self.submit(
+            session_id,
+            Event::ModelAttemptProgress {
+                turn,
+                round,
+                attempt,
+                lease_attempt: lease.lease_attempt,
+                text_appended,
+                thinking_appended,
+            },
+            None,
+        )
+        .await
+    }
+
     /// Finds every session with a turn in progress, loads it, and makes sure each of its
     /// outstanding activities has a queued task (they normally do: tasks are written with their
     /// events). Expired leases need nothing here: leasing picks them up again.
@@ -506,6 +555,28 @@ impl Engine {
     /// leases on (an embedded store the OS locks to this process, like sled); with a shared
     /// store pass `false` and let leases lapse.
     pub async fn resume(&self, reclaim_leases: bool) -> Result<ResumeReport> {
+        self.resume_where(reclaim_leases, |_| true).await
+    }
+
+    /// [`Engine::resume`] for one session only: if its turn is in progress, makes sure each of
+    /// its outstanding activities has a queued task. Other sessions' histories and tasks are
+    /// left as they are, except that `reclaim_leases` releases every lease in the store (the
+    /// store releases leases only all at once); that changes no history, and a pool that runs
+    /// only this session's tasks leaves the others queued.
+    pub async fn resume_session(
+        &self,
+        session_id: &str,
+        reclaim_leases: bool,
+    ) -> Result<ResumeReport> {
+        self.resume_where(reclaim_leases, |id| id == session_id)
+            .await
+    }
+
+    async fn resume_where(
+        &self,
+        reclaim_leases: bool,
+        wanted: impl Fn(&str) -> bool,
+    ) -> Result<ResumeReport> {
         let mut report = ResumeReport::default();
         if reclaim_leases {
             report.reclaimed_leases = self.inner.store.release_leases(self.now_ms()).await?;
@@ -519,7 +590,7 @@ impl Engine {
             .map(|t| t.id)
             .collect();
         for info in self.inner.store.list_sessions().await? {
-            if info.status != SessionStatus::Running {
+            if info.status != SessionStatus::Running || !wanted(&info.session_id) {
                 continue;
             }
             let session_id = info.session_id;

@@ -153,6 +153,29 @@ pub enum Event {
         /// Why, for people.
         reason: String,
     },
+    /// What a model attempt streamed since the run's previous progress record, appended while
+    /// it streams (at most every `WorkerConfig::progress_interval_ms`, and once more when the
+    /// attempt fails), so that output a person already read survives a crash. Presentation
+    /// only: the workflow accepts it without touching the transcript or deciding anything; the
+    /// attempt's `model_call_completed` supersedes it. Each record carries only the new text,
+    /// so a run's records concatenate to what it streamed and cost O(output) bytes in all.
+    ModelAttemptProgress {
+        /// Turn number.
+        turn: u32,
+        /// Round.
+        round: u32,
+        /// The attempt that is streaming.
+        attempt: u32,
+        /// The task lease that ran it. A crash re-runs the same attempt under a new lease, so
+        /// a run's text is the records of one (attempt, lease_attempt).
+        lease_attempt: u32,
+        /// Visible text streamed since the previous record of this run.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        text_appended: String,
+        /// Reasoning text streamed since the previous record of this run.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        thinking_appended: String,
+    },
 }
 
 impl Event {
@@ -171,6 +194,7 @@ impl Event {
             Event::TurnFailed { .. } => "turn_failed",
             Event::TurnCancelled { .. } => "turn_cancelled",
             Event::SessionCancelled { .. } => "session_cancelled",
+            Event::ModelAttemptProgress { .. } => "model_attempt_progress",
         }
     }
 

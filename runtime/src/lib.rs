@@ -8,6 +8,7 @@ pub mod engine;
 pub mod error;
 pub mod event;
 pub mod fsck;
+pub mod progress;
 pub mod replay;
 pub mod store;
 pub mod workflow;
@@ -29,6 +30,7 @@ pub use event::{
     ActivityFailure, ErrorClass, Event, EventEnvelope, FailurePhase, Limits, RetryPolicy,
     SessionStarted, SCHEMA_VERSION,
 };
+pub use progress::{interrupted_output, streamed_outputs, StreamedOutput};
 pub use replay::{replay, Replay};
 pub use store::memory::MemoryStore;
 pub use store::{

@@ -142,6 +142,9 @@ pub struct ModelSlot {
     pub first_scheduled_ms: u64,
     /// Progress details the previous attempt heartbeated last.
     pub heartbeat_details: Option<JsonText>,
+    /// The highest task lease that recorded streamed output (`model_attempt_progress`) for
+    /// the current attempt, 0 when none did: output from an older lease is stale.
+    pub progress_lease_attempt: u32,
 }
 
 /// Where one tool call stands.
@@ -523,6 +526,7 @@ impl SessionState {
                         not_before_ms: now,
                         first_scheduled_ms: now,
                         heartbeat_details: None,
+                        progress_lease_attempt: 0,
                     }),
                     usage: Usage::default(),
                 });
@@ -562,6 +566,41 @@ impl SessionState {
                 self.check_model_slot(seq, *turn, *round, *attempt)?;
                 let policy = self.started_ref()?.model_retry.clone();
                 Ok(self.on_model_failure(now, &policy, *attempt, failure))
+            }
+            Event::ModelAttemptProgress {
+                turn,
+                round,
+                attempt,
+                lease_attempt,
+                ..
+            } => {
+                // Presentation only: checked like a report (the attempt must be the one waited
+                // for, and its lease not older than one that already recorded output), then
+                // remembered for that check alone. No transcript change, no command.
+                self.check_model_slot(seq, *turn, *round, *attempt)?;
+                let latest = match &self.active {
+                    Some(ActiveTurn {
+                        phase: Phase::Model(slot),
+                        ..
+                    }) => slot.progress_lease_attempt,
+                    _ => 0,
+                };
+                if *lease_attempt < latest {
+                    return Err(self.invalid(
+                        seq,
+                        format!(
+                            "progress of lease {lease_attempt} is stale: lease {latest} of this attempt already recorded output"
+                        ),
+                    ));
+                }
+                if let Some(ActiveTurn {
+                    phase: Phase::Model(slot),
+                    ..
+                }) = self.active.as_mut()
+                {
+                    slot.progress_lease_attempt = *lease_attempt;
+                }
+                Ok(Vec::new())
             }
             Event::ToolCallCompleted {
                 turn,
@@ -812,6 +851,7 @@ impl SessionState {
                     not_before_ms: next_start,
                     first_scheduled_ms,
                     heartbeat_details: failure.heartbeat_details.clone(),
+                    progress_lease_attempt: 0,
                 });
                 vec![Command::ScheduleModelCall {
                     turn,
@@ -946,6 +986,7 @@ impl SessionState {
             not_before_ms: now,
             first_scheduled_ms: now,
             heartbeat_details: None,
+            progress_lease_attempt: 0,
         });
         vec![Command::ScheduleModelCall {
             turn,

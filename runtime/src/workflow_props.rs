@@ -39,6 +39,9 @@ enum Step {
     ToolAnswer(prop::sample::Index, bool),
     /// Fail the tool call at this index of the round (if it waits).
     ToolFail(prop::sample::Index, ActivityFailure),
+    /// Record streamed output of the model call the turn waits for (if any), under this lease;
+    /// an older lease than one that already recorded output is rejected.
+    ModelProgress(u32, String),
 }
 
 fn tool_spec(name: &str) -> ToolSpec {
@@ -223,6 +226,7 @@ fn step() -> impl Strategy<Value = Step> {
         5 => (any::<prop::sample::Index>(), any::<bool>())
             .prop_map(|(i, is_error)| Step::ToolAnswer(i, is_error)),
         1 => (any::<prop::sample::Index>(), failure()).prop_map(|(i, f)| Step::ToolFail(i, f)),
+        3 => (1u32..4, "[a-z ]{0,8}").prop_map(|(lease, text)| Step::ModelProgress(lease, text)),
         1 => (event(), prop::sample::select(vec![-2i64, -1, 1, 2]))
             .prop_map(|(e, off)| Step::WrongSeq(e, off)),
         1 => event().prop_map(Step::WrongSession),
@@ -276,6 +280,16 @@ fn targeted(state: &SessionState, step: Step) -> Option<Event> {
             attempt,
             failure,
         }),
+        Step::ModelProgress(lease_attempt, text) => {
+            model().map(|(turn, round, attempt)| Event::ModelAttemptProgress {
+                turn,
+                round,
+                attempt,
+                lease_attempt,
+                text_appended: text,
+                thinking_appended: String::new(),
+            })
+        }
         Step::ToolAnswer(i, is_error) => {
             tool(&i).map(|(turn, tool_use_id, attempt)| Event::ToolCallCompleted {
                 turn,

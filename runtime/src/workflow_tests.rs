@@ -686,3 +686,191 @@ fn retries_carry_heartbeat_details_and_stop_at_the_schedule_to_close_deadline() 
     ));
     live.check_replay();
 }
+
+fn progress(turn: u32, round: u32, attempt: u32, lease_attempt: u32, text: &str) -> Event {
+    Event::ModelAttemptProgress {
+        turn,
+        round,
+        attempt,
+        lease_attempt,
+        text_appended: text.into(),
+        thinking_appended: String::new(),
+    }
+}
+
+impl Live {
+    /// Applies a presentation-only input the way the engine does, without moving the clock,
+    /// so that a run with such inputs decides exactly what a run without them decides.
+    fn note(&mut self, event: Event) {
+        self.now -= 10;
+        assert!(self.input(event).is_empty(), "progress decided something");
+    }
+}
+
+/// One turn — a tool round whose model call is retried, then the answer — driven with or
+/// without progress records of the streaming model calls.
+fn streamed_turn(with_progress: bool) -> Live {
+    let mut live = Live::new(started(8));
+    live.input(user(1, "what is 6*7?"));
+    if with_progress {
+        live.note(progress(1, 0, 1, 1, "Let me "));
+        // A crash: the same attempt runs again under a new lease and streams afresh.
+        live.note(progress(1, 0, 1, 2, "Let me"));
+        live.note(progress(1, 0, 1, 2, " compute."));
+    }
+    live.input(Event::ModelCallFailed {
+        turn: 1,
+        round: 0,
+        attempt: 1,
+        failure: failed(ErrorClass::Transient),
+    });
+    if with_progress {
+        live.note(progress(1, 0, 2, 1, "Let me compute."));
+    }
+    live.input(model_done(
+        1,
+        0,
+        2,
+        response(
+            vec![
+                text("Let me compute."),
+                tool_use("c1", "calculator", r#"{"expression":"6*7"}"#),
+            ],
+            StopReason::ToolUse,
+        ),
+    ));
+    live.input(tool_done(1, "c1", 1, r#"{"value":42}"#));
+    if with_progress {
+        live.note(Event::ModelAttemptProgress {
+            turn: 1,
+            round: 1,
+            attempt: 1,
+            lease_attempt: 1,
+            text_appended: "It is".into(),
+            thinking_appended: "easy".into(),
+        });
+        live.note(progress(1, 1, 1, 1, " 42."));
+    }
+    live.input(model_done(
+        1,
+        1,
+        1,
+        response(vec![text("It is 42.")], StopReason::EndTurn),
+    ));
+    live
+}
+
+#[test]
+fn progress_records_change_no_ledger_byte_and_no_command_live_or_replayed() {
+    let plain = streamed_turn(false);
+    let noted = streamed_turn(true);
+    plain.check_replay();
+    noted.check_replay();
+    let kinds = |live: &Live| {
+        live.events
+            .iter()
+            .filter(|e| e.kind == "model_attempt_progress")
+            .count()
+    };
+    assert_eq!((kinds(&plain), kinds(&noted)), (0, 6));
+    // The same ledger bytes and the same decisions (their seqs shift by the records between).
+    assert_eq!(
+        noted.state.transcript.canonical_json(),
+        plain.state.transcript.canonical_json()
+    );
+    let decided = |live: &Live| {
+        live.commands
+            .iter()
+            .map(|(_, c)| c.clone())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(decided(&noted), decided(&plain));
+    assert_eq!(noted.state.last_outcome, plain.state.last_outcome);
+    assert_eq!(noted.state.usage, plain.state.usage);
+    // Replaying the history with the records removed (seqs renumbered) gives that same state.
+    let stripped: Vec<EventEnvelope> = noted
+        .events
+        .iter()
+        .filter(|e| e.kind != "model_attempt_progress")
+        .enumerate()
+        .map(|(i, e)| EventEnvelope {
+            seq: i as u64 + 1,
+            ..e.clone()
+        })
+        .collect();
+    assert_eq!(stripped, plain.events);
+    // What each run streamed is read back whole, per (attempt, lease).
+    let runs = crate::progress::streamed_outputs(&noted.events, 1, 0);
+    let texts: Vec<(u32, u32, &str)> = runs
+        .iter()
+        .map(|r| (r.attempt, r.lease_attempt, r.text.as_str()))
+        .collect();
+    assert_eq!(
+        texts,
+        [
+            (1, 1, "Let me "),
+            (1, 2, "Let me compute."),
+            (2, 1, "Let me compute.")
+        ]
+    );
+    let round1 = crate::progress::streamed_outputs(&noted.events, 1, 1);
+    assert_eq!(
+        (round1[0].text.as_str(), round1[0].thinking.as_str()),
+        ("It is 42.", "easy")
+    );
+}
+
+#[test]
+fn stale_progress_is_rejected_and_changes_nothing() {
+    let mut live = Live::new(started(8));
+    // Before any turn nothing waits for output.
+    assert!(matches!(
+        live.try_input(progress(1, 0, 1, 1, "x")),
+        Err(Error::InvalidEvent { .. })
+    ));
+    live.input(user(1, "go"));
+    let before = live.state.clone();
+    for bad in [
+        progress(1, 0, 2, 1, "future attempt"),
+        progress(1, 1, 1, 1, "other round"),
+        progress(2, 0, 1, 1, "other turn"),
+    ] {
+        assert!(matches!(
+            live.try_input(bad),
+            Err(Error::InvalidEvent { .. })
+        ));
+        assert_eq!(live.state, before);
+    }
+    live.note(progress(1, 0, 1, 2, "new lease"));
+    // Output of an older lease of the same attempt, after a newer one recorded output.
+    let before = live.state.clone();
+    let err = live
+        .try_input(progress(1, 0, 1, 1, "old lease"))
+        .unwrap_err();
+    assert!(err.to_string().contains("stale"), "{err}");
+    assert_eq!(live.state, before);
+    // While tools run, and after the turn ended, no model call waits for output.
+    live.input(model_done(
+        1,
+        0,
+        1,
+        response(
+            vec![tool_use("c1", "calculator", "{}")],
+            StopReason::ToolUse,
+        ),
+    ));
+    assert!(live.try_input(progress(1, 0, 1, 2, "late")).is_err());
+    live.input(tool_done(1, "c1", 1, "1"));
+    live.input(model_done(
+        1,
+        1,
+        1,
+        response(vec![text("done")], StopReason::EndTurn),
+    ));
+    let before = live.state.clone();
+    assert!(live
+        .try_input(progress(1, 1, 1, 1, "after the end"))
+        .is_err());
+    assert_eq!(live.state, before);
+    live.check_replay();
+}

@@ -6,6 +6,7 @@
 
 mod models;
 mod pool;
+mod progress;
 
 pub use models::{ModelResolver, StandardModels};
 pub use pool::{Activities, WorkerConfig, WorkerPool};

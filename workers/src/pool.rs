@@ -1,6 +1,7 @@
 //! The worker pool: one leasing loop feeding a bounded set of activity runs.
 
 use crate::models::ModelResolver;
+use crate::progress::PendingOutput;
 use cairn_activities::{
     ActivityContext, CallContext, DeltaSink, ErrorKind, ModelRequest, ToolCall, ToolRegistry,
 };
@@ -9,7 +10,7 @@ use cairn_runtime::{
     ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, ErrorClass,
     FailurePhase, Lease,
 };
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -30,6 +31,17 @@ pub struct WorkerConfig {
     /// How often to look for due tasks when not woken (catches retry backoffs and expired
     /// leases of other workers).
     pub poll_interval_ms: u64,
+    /// How often at most a streaming model attempt records what it streamed since its
+    /// previous record (a `model_attempt_progress` event), so output a person already saw
+    /// survives a crash; a failed attempt records its remainder once more. Each record is one
+    /// append sharing the store's group commit, never a flush per delta. `None`: never.
+    /// Default 250 ms.
+    pub progress_interval_ms: Option<u64>,
+    /// Run only tasks of these sessions (`None`: every session's). A task of another session
+    /// that the pool leases is left alone: it runs again once that lease lapses, or at once
+    /// after a restart that releases leases. Used by `cairn run`, which must not carry on
+    /// other sessions' interrupted turns.
+    pub only_sessions: Option<BTreeSet<String>>,
 }
 
 impl Default for WorkerConfig {
@@ -38,6 +50,8 @@ impl Default for WorkerConfig {
             concurrency: 64,
             lease_ms: 30_000,
             poll_interval_ms: 100,
+            progress_interval_ms: Some(250),
+            only_sessions: None,
         }
     }
 }
@@ -151,6 +165,19 @@ async fn lease_loop(
                 Vec::new()
             }
         };
+        let leases: Vec<Lease> = match &config.only_sessions {
+            None => leases,
+            Some(only) => leases
+                .into_iter()
+                .filter(|lease| {
+                    let ours = only.contains(&lease.id.session_id);
+                    if !ours {
+                        debug!(task = %lease.id, "task of another session left alone");
+                    }
+                    ours
+                })
+                .collect(),
+        };
         if leases.is_empty() {
             tokio::select! {
                 _ = ready => {}
@@ -168,8 +195,17 @@ async fn lease_loop(
             let activities = activities.clone();
             let registry = registry.clone();
             let lease_ms = config.lease_ms;
+            let progress_every = config.progress_interval_ms;
             running.spawn(async move {
-                run_task(&engine, &activities, &registry, lease, lease_ms).await;
+                run_task(
+                    &engine,
+                    &activities,
+                    &registry,
+                    lease,
+                    lease_ms,
+                    progress_every,
+                )
+                .await;
                 drop(permit);
             });
         }
@@ -188,6 +224,7 @@ async fn run_task(
     registry: &RunningRegistry,
     lease: Lease,
     lease_ms: u64,
+    progress_every: Option<u64>,
 ) {
     let input = match engine.activity(&lease).await {
         Ok(Some(input)) => input,
@@ -259,7 +296,16 @@ async fn run_task(
                 b.details = details;
             }
         });
-        let work = run_activity(engine, activities, input, &context);
+        // Streamed output not yet recorded; only model calls stream, and only when asked to.
+        let is_model = matches!(input, ActivityInput::Model { .. });
+        let pending = (is_model && progress_every.is_some()).then(PendingOutput::default);
+        let mut recording = pending.is_some();
+        let progress_every = Duration::from_millis(progress_every.unwrap_or(0).max(1));
+        let mut next_progress = tokio::time::Instant::now() + progress_every;
+        // The lease's expiry as far as this runner knows; past it the task may be someone
+        // else's, so output is no longer recorded under this lease.
+        let mut lease_expires_at_ms = lease.expires_at_ms;
+        let work = run_activity(engine, activities, input, &context, pending.as_ref());
         tokio::pin!(work);
         let renew_every = Duration::from_millis((lease_ms / 3).max(1));
         let check_every = match timeouts.heartbeat_ms {
@@ -267,13 +313,23 @@ async fn run_task(
             None => renew_every,
         };
         let mut next_renewal = tokio::time::Instant::now() + renew_every;
+        // Deadlines, not fresh sleeps per loop turn: the progress branch ends a turn every
+        // interval, and must not keep pushing the checks (and lease renewals) back.
+        let mut next_check = tokio::time::Instant::now() + check_every;
         let mut cancelled_at = None;
         let mut lease_lost = false;
         let report = loop {
             tokio::select! {
                 report = &mut work => break (!lease_lost).then_some(report),
-                _ = tokio::time::sleep(check_every) => {
+                _ = tokio::time::sleep_until(next_progress), if recording && !lease_lost => {
+                    next_progress = tokio::time::Instant::now() + progress_every;
+                    if let Some(pending) = &pending {
+                        recording = record_pending(engine, &lease, lease_expires_at_ms, pending).await;
+                    }
+                }
+                _ = tokio::time::sleep_until(next_check) => {
                     let now = tokio::time::Instant::now();
+                    next_check = now + check_every;
                     if let (Some(limit), None) = (timeouts.heartbeat_ms, cancelled_at) {
                         let (last, details) = {
                             let b = beats.lock().unwrap_or_else(|p| p.into_inner());
@@ -302,12 +358,15 @@ async fn run_task(
                             .store()
                             .extend_lease(&lease.id, lease.lease_attempt, engine.now_ms(), lease_ms)
                             .await;
-                        if let Err(e) = extended {
-                            // The task was cancelled, or another worker owns it now: ask the
-                            // activity to stop, and report nothing.
-                            debug!(error = %e, "lease lost while running; cancelling the attempt");
-                            lease_lost = true;
-                            token.cancel();
+                        match extended {
+                            Ok(expires_at_ms) => lease_expires_at_ms = expires_at_ms,
+                            Err(e) => {
+                                // The task was cancelled, or another worker owns it now: ask
+                                // the activity to stop, and report nothing.
+                                debug!(error = %e, "lease lost while running; cancelling the attempt");
+                                lease_lost = true;
+                                token.cancel();
+                            }
                         }
                     }
                 }
@@ -315,11 +374,45 @@ async fn run_task(
         };
         lock(registry).by_id.remove(&id);
         if let Some(report) = report {
+            // A failed attempt's last output goes on record before the failure does; a
+            // completed one's is superseded by its response, so nothing more is written.
+            if let (ActivityReport::Failed(_), Some(pending), true) = (&report, &pending, recording) {
+                record_pending(engine, &lease, lease_expires_at_ms, pending).await;
+            }
             finish(engine, &lease, report).await;
         }
     }
     .instrument(span)
     .await
+}
+
+/// Appends the output streamed since the last record, if any; returns whether to go on
+/// recording (not after the attempt's progress was found stale).
+async fn record_pending(
+    engine: &Engine,
+    lease: &Lease,
+    lease_expires_at_ms: u64,
+    pending: &PendingOutput,
+) -> bool {
+    if engine.now_ms() >= lease_expires_at_ms {
+        // The lease may have lapsed and the task be another worker's now.
+        return false;
+    }
+    let Some((text, thinking)) = pending.take() else {
+        return true;
+    };
+    match engine.record_progress(lease, text, thinking).await {
+        Ok(()) => true,
+        Err(e) if e.is_stale_report() => {
+            debug!(error = %e, "stale progress dropped");
+            false
+        }
+        Err(e) => {
+            // Progress is presentation only: losing a record must not fail the attempt.
+            warn!(error = %e, "recording streamed output failed; the attempt goes on");
+            true
+        }
+    }
 }
 
 struct Heartbeats {
@@ -361,6 +454,7 @@ struct EngineDeltas<'a> {
     origin: ActivityRef,
     streamed: AtomicBool,
     context: &'a ActivityContext,
+    pending: Option<&'a PendingOutput>,
 }
 
 impl DeltaSink for EngineDeltas<'_> {
@@ -368,6 +462,9 @@ impl DeltaSink for EngineDeltas<'_> {
         self.streamed.store(true, Ordering::Relaxed);
         // A streaming model is alive: deltas count as heartbeats.
         self.context.heartbeat(None);
+        if let Some(pending) = self.pending {
+            pending.push(&delta);
+        }
         self.engine.publish_delta(DeltaEvent {
             origin: self.origin.clone(),
             delta,
@@ -380,6 +477,7 @@ async fn run_activity(
     activities: &Activities,
     input: ActivityInput,
     context: &ActivityContext,
+    pending: Option<&PendingOutput>,
 ) -> ActivityReport {
     match input {
         ActivityInput::Model {
@@ -417,6 +515,7 @@ async fn run_activity(
                 origin,
                 streamed: AtomicBool::new(false),
                 context,
+                pending,
             };
             let call = provider.call(&request, &sink, context);
             let limit = timeouts.start_to_close_ms;
