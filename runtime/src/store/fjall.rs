@@ -81,16 +81,22 @@
 //!
 //! # Recovery, and what it does to damaged files
 //!
-//! Opening replays the journals into memtables. fjall reads journal entries until one does not
-//! decode, and then **truncates the journal file there** (`set_len` + `sync_all`), silently: a
-//! torn tail (the preallocated zeros after the last write, or a batch without its end marker) is
-//! cut off, which is right for a torn write, but a flipped bit in a marker or a length inside
-//! older data is taken for the same and cuts off everything after it, acknowledged batches
-//! included. A batch whose end marker is intact but whose checksum does not match fails the open
-//! instead (`JournalRecovery(ChecksumMismatch)`), so does a decompression error; table files
-//! carry checksums that fail reads. So opening modifies files, and a damaged journal can lose
-//! acknowledged writes without an error: this store does not detect that (a per-session
-//! high-water mark around every store is being built separately).
+//! Opening replays the journals (the active one and any sealed ones not yet flushed) into
+//! memtables, and **modifies them**: fjall reads journal entries until one does not decode (an
+//! unknown tag, a bad end-marker trailer, a short read, a value that does not decompress) and
+//! then truncates the file there (`set_len` + `sync_all`), without an error; a last batch
+//! without its end marker is cut off the same way. That is right for a torn write (the
+//! preallocated zeros after the last write read as an unknown tag), but a flipped bit in a
+//! marker, a tag or a length inside older data looks the same and cuts off everything after it,
+//! acknowledged batches included. A batch whose entries all decode but whose checksum does not
+//! match (a flipped bit in a key or value) fails the open instead
+//! (`JournalRecovery(ChecksumMismatch)`), as does a batch with the wrong number of items; such a
+//! store does not open until the journal is repaired by hand. (A power loss during a persist can
+//! leave a batch that way too, if the device wrote its end marker but not a page inside one
+//! of its values; fjall does not tell that unacknowledged tail from damage.) Table files carry block checksums
+//! that make a damaged block a read error. The journal-damage test below pins these cases down.
+//! This store does not detect a silently truncated journal (a per-session high-water mark
+//! around every store is being built separately).
 //!
 //! # Bounded journal
 //!
@@ -103,7 +109,9 @@
 //! sealed journal, and a reopen replays at most that much. Memtables are capped at
 //! [`MEMTABLE_BYTES`] per keyspace (the default is 64 MiB), which bounds memory and makes the
 //! busy `events` keyspace flush several times per journal. fjall's background flushes and
-//! compactions stay on (its worker threads).
+//! compactions stay on (its worker threads). When they fall behind (four sealed memtables
+//! waiting in a keyspace, or twenty runs in its level 0), fjall stalls the commit, which here
+//! means the writer thread and so every write: backpressure rather than unbounded memory.
 
 use super::memory::lease_current;
 use super::{
