@@ -2,6 +2,7 @@
 //! completion recorded → the next task enqueued) on the memory store and on durable sled.
 
 use cairn_ledger::*;
+use cairn_runtime::store::fjall::FjallStore;
 use cairn_runtime::store::sled::SledStore;
 use cairn_runtime::*;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -234,20 +235,27 @@ const TURN_SCRIPT: &str = r#"{"responses": [
   {"parts": [{"type": "text", "text": "3 and 12"}]}
 ]}"#;
 
-/// Durable agent turns on sled: model call → two parallel tool calls → model call, every step
+/// Durable agent turns on sled and on fjall: model call → two parallel tool calls → model call, every step
 /// recorded durably, `n` sessions at once, with an in-process worker pool.
 fn turns(c: &mut Criterion) {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut group = c.benchmark_group("durable_turns");
     group.sample_size(10);
-    for sessions in [1usize, 64, 256] {
+    for (engine, sessions) in ["sled", "fjall"]
+        .into_iter()
+        .flat_map(|engine| [1usize, 64, 256].map(|sessions| (engine, sessions)))
+    {
         group.throughput(Throughput::Elements(sessions as u64));
-        group.bench_function(format!("sled_{sessions}_sessions"), |b| {
+        group.bench_function(format!("{engine}_{sessions}_sessions"), |b| {
             b.to_async(&rt).iter_custom(|iters| async move {
                 let dir = tempfile::tempdir().unwrap();
                 let script = dir.path().join("turn.json");
                 std::fs::write(&script, TURN_SCRIPT).unwrap();
-                let store = Arc::new(SledStore::open(dir.path().join("store")).unwrap());
+                let store: Arc<dyn Store> = if engine == "fjall" {
+                    Arc::new(FjallStore::open(dir.path().join("store")).unwrap())
+                } else {
+                    Arc::new(SledStore::open(dir.path().join("store")).unwrap())
+                };
                 let engine = Engine::new(store, Arc::new(SystemClock));
                 let tools = cairn_activities::ToolRegistry::builtin(dir.path());
                 let pool = cairn_workers::WorkerPool::start(

@@ -1,10 +1,11 @@
-//! Durable append throughput of the sled store: every iteration, each of N sessions appends
-//! one event of about 300 bytes, all N at once, and waits until it is durable (flushed and
-//! fsynced). Throughput is in appends; group commit should make it grow with N.
+//! Durable append throughput of the sled and fjall stores: every iteration, each of N sessions
+//! appends one event of about 300 bytes, all N at once, and waits until it is durable (flushed
+//! and fsynced). Throughput is in appends; group commit should make it grow with N.
 //!
 //! Run: `cargo bench -p cairn-runtime --bench store` (add `-- --measurement-time 5` for a
-//! quick run).
+//! quick run; `-- fjall` or `-- sled` for one engine).
 
+use cairn_runtime::store::fjall::FjallStore;
 use cairn_runtime::store::sled::SledStore;
 use cairn_runtime::{AppendRequest, Event, EventEnvelope, SessionStatus, Store};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -39,6 +40,19 @@ fn append(session_id: &str, seq: u64) -> AppendRequest {
 }
 
 fn durable_appends(c: &mut Criterion) {
+    durable_appends_on(c, "sled_durable_append", |dir| {
+        Arc::new(SledStore::open(dir).expect("open the sled store"))
+    });
+    durable_appends_on(c, "fjall_durable_append", |dir| {
+        Arc::new(FjallStore::open(dir).expect("open the fjall store"))
+    });
+}
+
+fn durable_appends_on(
+    c: &mut Criterion,
+    group_name: &str,
+    open: impl Fn(&std::path::Path) -> Arc<dyn Store>,
+) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -48,11 +62,11 @@ fn durable_appends(c: &mut Criterion) {
         .expect("encode")
         .len();
     eprintln!("record size: {record_len} bytes");
-    let mut group = c.benchmark_group("sled_durable_append");
+    let mut group = c.benchmark_group(group_name);
     group.sample_size(20);
     for sessions in [1usize, 16, 256] {
         let dir = tempfile::tempdir().expect("tempdir");
-        let store = Arc::new(SledStore::open(dir.path()).expect("open the store"));
+        let store = open(dir.path());
         let names: Arc<Vec<String>> =
             Arc::new((0..sessions).map(|i| format!("session-{i:03}")).collect());
         let next: Arc<Vec<AtomicU64>> =

@@ -81,16 +81,22 @@
 //!
 //! # Recovery, and what it does to damaged files
 //!
-//! Opening replays the journals into memtables. fjall reads journal entries until one does not
-//! decode, and then **truncates the journal file there** (`set_len` + `sync_all`), silently: a
-//! torn tail (the preallocated zeros after the last write, or a batch without its end marker) is
-//! cut off, which is right for a torn write, but a flipped bit in a marker or a length inside
-//! older data is taken for the same and cuts off everything after it, acknowledged batches
-//! included. A batch whose end marker is intact but whose checksum does not match fails the open
-//! instead (`JournalRecovery(ChecksumMismatch)`), so does a decompression error; table files
-//! carry checksums that fail reads. So opening modifies files, and a damaged journal can lose
-//! acknowledged writes without an error: this store does not detect that (a per-session
-//! high-water mark around every store is being built separately).
+//! Opening replays the journals (the active one and any sealed ones not yet flushed) into
+//! memtables, and **modifies them**: fjall reads journal entries until one does not decode (an
+//! unknown tag, a bad end-marker trailer, a short read, a value that does not decompress) and
+//! then truncates the file there (`set_len` + `sync_all`), without an error; a last batch
+//! without its end marker is cut off the same way. That is right for a torn write (the
+//! preallocated zeros after the last write read as an unknown tag), but a flipped bit in a
+//! marker, a tag or a length inside older data looks the same and cuts off everything after it,
+//! acknowledged batches included. A batch whose entries all decode but whose checksum does not
+//! match (a flipped bit in a key or value) fails the open instead
+//! (`JournalRecovery(ChecksumMismatch)`), as does a batch with the wrong number of items; such a
+//! store does not open until the journal is repaired by hand. (A power loss during a persist can
+//! leave a batch that way too, if the device wrote its end marker but not a page inside one
+//! of its values; fjall does not tell that unacknowledged tail from damage.) Table files carry block checksums
+//! that make a damaged block a read error. The journal-damage test below pins these cases down.
+//! This store does not detect a silently truncated journal (a per-session high-water mark
+//! around every store is being built separately).
 //!
 //! # Bounded journal
 //!
@@ -103,7 +109,9 @@
 //! sealed journal, and a reopen replays at most that much. Memtables are capped at
 //! [`MEMTABLE_BYTES`] per keyspace (the default is 64 MiB), which bounds memory and makes the
 //! busy `events` keyspace flush several times per journal. fjall's background flushes and
-//! compactions stay on (its worker threads).
+//! compactions stay on (its worker threads). When they fall behind (four sealed memtables
+//! waiting in a keyspace, or twenty runs in its level 0), fjall stalls the commit, which here
+//! means the writer thread and so every write: backpressure rather than unbounded memory.
 
 use super::memory::lease_current;
 use super::{
@@ -381,6 +389,7 @@ impl FjallStore {
                     .to_owned(),
             ));
         }
+        clear_interrupted_creation(dir).map_err(|e| open_error(dir, e))?;
         let builder = Database::builder(dir)
             .manual_journal_persist(true)
             .max_journaling_size(MAX_JOURNAL_BYTES);
@@ -957,6 +966,56 @@ impl Writer {
         }
         Ok((released, staged))
     }
+}
+
+/// Removes what an interrupted creation of a fjall database left, so it can be created again.
+///
+/// fjall creates `lock`, an empty `keyspaces/`, the journal `0.jnl` (64 MiB of preallocated
+/// zeros) and, last, `version`; before `version` exists, opening creates the database again,
+/// which fails for good on the existing `0.jnl` ("File exists"). A process killed in between
+/// (the crash test does that) must not leave a directory that never opens again. Nothing can
+/// have been written then, and only exactly that shape is cleared: no `version`, nothing in
+/// `keyspaces/`, one journal `0.jnl` that holds only zeros.
+fn clear_interrupted_creation(dir: &Path) -> std::result::Result<(), String> {
+    use std::io::Read as _;
+    let journal = dir.join("0.jnl");
+    if dir.join(VERSION_FILE).exists() || !journal.is_file() {
+        return Ok(());
+    }
+    let keyspaces = dir.join("keyspaces");
+    let keyspaces_empty = match fs::read_dir(&keyspaces) {
+        Ok(mut entries) => entries.next().is_none(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+        Err(e) => return Err(format!("cannot list {}: {e}", keyspaces.display())),
+    };
+    let other_journals = fs::read_dir(dir)
+        .map_err(|e| format!("cannot list {}: {e}", dir.display()))?
+        .filter_map(|entry| entry.ok())
+        .any(|entry| {
+            let name = entry.file_name();
+            name != "0.jnl" && Path::new(&name).extension().is_some_and(|x| x == "jnl")
+        });
+    if !keyspaces_empty || other_journals {
+        return Ok(()); // not that shape: leave it to fjall (and to whoever repairs it)
+    }
+    let read_error = |e: std::io::Error| format!("cannot read {}: {e}", journal.display());
+    let mut file = File::open(&journal).map_err(read_error)?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(read_error)?;
+        if n == 0 {
+            break;
+        }
+        if buf[..n].iter().any(|&b| b != 0) {
+            return Ok(()); // it holds writes: not an interrupted creation
+        }
+    }
+    tracing::warn!(
+        store = %dir.display(),
+        "removing the empty journal of an interrupted fjall database creation"
+    );
+    fs::remove_file(&journal).map_err(|e| format!("cannot remove {}: {e}", journal.display()))?;
+    sync_dir(dir)
 }
 
 /// fsyncs a directory, making the names in it durable.
@@ -1744,6 +1803,36 @@ mod tests {
         assert!(
             fs::metadata(&journal).expect("stat").len() < before,
             "opening truncated the journal file"
+        );
+    }
+
+    /// A creation killed before fjall wrote `version` leaves `0.jnl`, on which fjall's next
+    /// create fails for good; the store clears exactly that and opens. A store with data whose
+    /// `version` went missing is not touched.
+    #[tokio::test]
+    async fn an_interrupted_creation_is_finished_by_the_next_open() {
+        let root = temp();
+        let dir = root.path().join("s");
+        fs::create_dir_all(dir.join("keyspaces")).expect("mkdir");
+        fs::write(dir.join("lock"), b"").expect("lock");
+        let journal = File::create(dir.join("0.jnl")).expect("journal");
+        journal.set_len(64 * 1024 * 1024).expect("preallocate");
+        drop(journal);
+        let store = FjallStore::open(&dir).expect("opens after an interrupted creation");
+        write_sessions(&store, &["s"], 2).await;
+        drop(store);
+
+        fs::remove_file(dir.join(VERSION_FILE)).expect("rm version");
+        let journal = journal_of(&dir);
+        let before = fs::read(&journal).expect("read");
+        assert!(
+            matches!(FjallStore::open(&dir), Err(Error::StoreOpen { .. })),
+            "a store with data and no version file must not open as a new one"
+        );
+        assert_eq!(
+            fs::read(&journal).expect("read"),
+            before,
+            "its journal is untouched"
         );
     }
 }
