@@ -34,9 +34,11 @@
 //!
 //! # The side effect
 //!
-//! The only tool, `side_effect`, appends one line `{"key", "tool_use_id", "pid", "attempt"}` to
-//! `DATA/side-effects.jsonl` (one `write`, then `fdatasync`), works a few milliseconds and
-//! returns `{"key", "pid"}`. A kill after the line is written and before the result is recorded
+//! The only tool, `side_effect`, appends one record `{"key", "tool_use_id", "pid", "attempt"}`
+//! to `DATA/side-effects.jsonl` (one `write`, then `fdatasync`), works a few milliseconds and
+//! returns `{"key", "pid"}`. A kill can cut even one `write` at a page boundary, so records are
+//! framed and checksummed ([`record`]): a torn record is told from damage, and must be by a
+//! killed process. A kill after the record is written and before the result is recorded
 //! runs the call again after the resume, with the same idempotency key: that is the
 //! at-least-once contract of activities, and the file counts how often it happens.
 //!
@@ -153,6 +155,9 @@ pub struct ChaosReport {
     pub kills: usize,
     /// Of them, kills before the child reported `ready` (while opening the store or resuming).
     pub kills_before_ready: usize,
+    /// Torn side-effect records (a run killed while writing its record), each by a process
+    /// that was killed.
+    pub torn_side_effects: usize,
     /// Children started, the final one included; every one after the first resumed the store.
     pub child_runs: usize,
     /// Children that finished by themselves before the kill was due (the workload was done).
@@ -239,8 +244,8 @@ impl fmt::Display for ChaosReport {
         )?;
         writeln!(
             f,
-            "  tools               {} tool uses, each with exactly one recorded result; {} runs",
-            self.tool_uses, self.tool_runs
+            "  tools               {} tool uses, each with exactly one recorded result; {} runs, {} torn side-effect records",
+            self.tool_uses, self.tool_runs, self.torn_side_effects
         )?;
         writeln!(
             f,
@@ -722,6 +727,8 @@ fn write_script(data: &Path, turns: usize, seed: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+pub mod record;
+
 // ---- The side-effect tool ----------------------------------------------------------------------
 
 /// The chaos tool: records each run with its idempotency key in a file, then works briefly.
@@ -737,7 +744,7 @@ impl SideEffect {
     }
 }
 
-/// One line of the side-effect file.
+/// One record of the side-effect file (framed and checksummed by [`record`]).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
 pub struct SideEffectRecord {
     /// The call's idempotency key, `SESSION/TOOL_USE_ID`.
@@ -750,13 +757,14 @@ pub struct SideEffectRecord {
     pub attempt: u32,
 }
 
-fn append_durably(path: &Path, line: &[u8]) -> std::io::Result<()> {
+fn append_durably(path: &Path, record: &[u8]) -> std::io::Result<()> {
     let mut file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)?;
-    // One write: with O_APPEND a kill leaves either the whole line or none of it.
-    file.write_all(line)?;
+    // One write, but a kill can still cut it at a page boundary: the framing of `record`
+    // lets the reader tell that torn prefix from damage and read on after it.
+    file.write_all(record)?;
     file.sync_data()
 }
 
@@ -783,12 +791,7 @@ impl Tool for SideEffect {
             pid,
             attempt: context.attempt(),
         };
-        let mut line =
-            serde_json::to_vec(&record).map_err(|e| cairn_activities::Error::ToolFailed {
-                tool: SIDE_EFFECT_TOOL.to_owned(),
-                message: e.to_string(),
-            })?;
-        line.push(b'\n');
+        let line = record::encode(&record);
         let path = self.path.clone();
         let shown = path.display().to_string();
         tokio::task::spawn_blocking(move || append_durably(&path, &line))
@@ -1206,32 +1209,37 @@ fn check_side_effects(
     killed_pids: &BTreeSet<u32>,
     report: &mut ChaosReport,
 ) -> anyhow::Result<()> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
         Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
     };
     let shown = path.display();
+    let parsed = record::parse(&bytes);
+    for damage in parsed.damage {
+        report.problems.push(format!("{shown}: {damage}"));
+    }
+    // A record torn by a kill: a run that never finished writing it, and whose call therefore
+    // ran again. Only a killed process can leave one.
+    report.torn_side_effects = parsed.torn.len();
+    for torn in &parsed.torn {
+        if let Some(pid) = torn.pid.filter(|pid| !killed_pids.contains(pid)) {
+            report.problems.push(format!(
+                "{shown} offset {}: a torn record by process {pid}, which was not killed",
+                torn.offset
+            ));
+        }
+    }
     let mut runs: BTreeMap<String, Vec<SideEffectRecord>> = BTreeMap::new();
-    for (n, line) in text.lines().enumerate() {
+    for (n, record) in parsed.records.into_iter().enumerate() {
         report.tool_runs += 1;
-        let record: SideEffectRecord = match serde_json::from_str(line) {
-            Ok(r) => r,
-            Err(e) => {
-                report.problems.push(format!(
-                    "{shown} line {}: not a record ({e}): {line:?}",
-                    n + 1
-                ));
-                continue;
-            }
-        };
         let names_its_call = record
             .key
             .split_once('/')
             .is_some_and(|(_, tool_use_id)| tool_use_id == record.tool_use_id);
         if !names_its_call || !ledgers.recorded.contains_key(&record.key) {
             report.problems.push(format!(
-                "{shown} line {}: key {:?} (tool_use {}) names no tool_use of the ledgers",
+                "{shown} record {}: key {:?} (tool_use {}) names no tool_use of the ledgers",
                 n + 1,
                 record.key,
                 record.tool_use_id
@@ -1330,20 +1338,21 @@ mod tests {
         assert_eq!(acks.len(), 1);
     }
 
-    fn record(key: &str, pid: u32) -> String {
+    fn record(key: &str, pid: u32) -> Vec<u8> {
         let tool_use_id = key.split_once('/').map_or(key, |(_, t)| t);
-        format!(r#"{{"key":"{key}","tool_use_id":"{tool_use_id}","pid":{pid},"attempt":1}}"#)
+        record::encode(&SideEffectRecord {
+            key: key.to_owned(),
+            tool_use_id: tool_use_id.to_owned(),
+            pid,
+            attempt: 1,
+        })
     }
 
     /// Runs the side-effect check on `lines` against two recorded tool uses, with pid 10 killed.
-    fn side_effects(lines: &[String], recorded: &[(&str, u32)]) -> ChaosReport {
+    fn side_effects(records: &[Vec<u8>], recorded: &[(&str, u32)]) -> ChaosReport {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(SIDE_EFFECTS_FILE);
-        std::fs::write(
-            &path,
-            lines.iter().map(|l| format!("{l}\n")).collect::<String>(),
-        )
-        .unwrap();
+        std::fs::write(&path, records.concat()).unwrap();
         let ledgers = Ledgers {
             recorded: recorded
                 .iter()
@@ -1395,13 +1404,21 @@ mod tests {
             &recorded,
         );
         assert_eq!(twice.same_process_repeats, 1);
-        // A key that names no tool_use, a tool_use that never ran, a torn line.
+        // A key that names no tool_use, a tool_use that never ran, a damaged record.
+        let mut flipped = record("s/a", 11);
+        let last = flipped.len() - 3;
+        flipped[last] ^= 0x01;
         let wrong = side_effects(
             &[
                 record("s/a", 11),
                 record("s/zzz", 11),
-                r#"{"key":"s/a","tool_use_id":"b","pid":11,"attempt":1}"#.to_owned(),
-                r#"{"key":"s/"#.to_owned(),
+                record::encode(&SideEffectRecord {
+                    key: "s/a".to_owned(),
+                    tool_use_id: "b".to_owned(),
+                    pid: 11,
+                    attempt: 1,
+                }),
+                flipped,
             ],
             &recorded,
         );
@@ -1412,7 +1429,40 @@ mod tests {
             problems.contains("tool_use s/b has a recorded result but never ran"),
             "{problems}"
         );
-        assert!(problems.contains("not a record"), "{problems}");
+        assert!(problems.contains("checksum mismatch"), "{problems}");
+    }
+
+    #[test]
+    fn a_torn_side_effect_record_is_accepted_only_from_a_killed_process() {
+        let recorded = [("s/a", 11), ("s/b", 11)];
+        // Process 10 (killed) tore its record of s/b at a 4 KiB page boundary; 11 ran it again.
+        let mut file = Vec::new();
+        while file.len() + record("s/a", 11).len() < 4096 - 20 {
+            file.extend_from_slice(&record("s/a", 11));
+        }
+        let torn = record("s/b", 10);
+        let cut = 4096 - file.len();
+        assert!(cut > 9 && cut < torn.len());
+        file.extend_from_slice(&torn[..cut]);
+        file.extend_from_slice(&record("s/b", 11));
+        let runs = file.iter().filter(|b| **b == 0x1e).count() - 1;
+        let ok = side_effects(&[file.clone()], &recorded);
+        let killed_ok = ok.problems.iter().all(|p| !p.contains("torn"));
+        assert!(killed_ok, "{:?}", ok.problems);
+        assert_eq!((ok.torn_side_effects, ok.tool_runs), (1, runs));
+
+        // The same tear by process 12, which was not killed: a problem.
+        let mut by_live = file[..file.len() - record("s/b", 11).len() - cut].to_vec();
+        by_live.extend_from_slice(&record("s/b", 12)[..cut]);
+        by_live.extend_from_slice(&record("s/b", 11));
+        let live = side_effects(&[by_live], &recorded);
+        assert!(
+            live.problems
+                .iter()
+                .any(|p| p.contains("a torn record by process 12, which was not killed")),
+            "{:?}",
+            live.problems
+        );
     }
 
     #[tokio::test]
