@@ -20,9 +20,22 @@
 //! (the script grows; its earlier responses stay as they were), so that every kill lands on
 //! work; the report says so.
 //!
+//! Two more kinds of fault follow the kills when configured: startup kills
+//! ([`ChaosConfig::startup_kills`]), each a SIGKILL at a random moment a few tens of
+//! milliseconds after the child was started, while sled opens and recovers the store and the
+//! engine resumes; and power cuts ([`ChaosConfig::power_cuts`]): the child runs under the
+//! [`crate::powercut`] shim, which at a seeded operation of the store directory drops every
+//! write and name change not yet fsynced and exits. The acknowledgements reach the parent on a
+//! pipe, out of the cut's reach, as a client on another machine would hold them. With
+//! [`ChaosConfig::check_each_fault`] a copy of the store is checked after every fault (it
+//! opens, holds every acknowledged state, fsck is clean); the first failed check stops the run
+//! with the store left as the fault left it. The store engine is a parameter
+//! ([`StoreEngine`]).
+//!
 //! A child talks to the parent on stdout, one line each, each ended by a newline (a line cut by
 //! the kill is ignored):
 //!
+//! - `opened` — the store is open (sled has recovered it); `resume` has not run yet.
 //! - `ready RUNNING OUTSTANDING REQUEUED RECLAIMED` — the store is open and `resume` is done.
 //! - `ack SESSION SEQ HASH` — the engine holds a state of SESSION folded from events `1..=SEQ`,
 //!   whose ledger has the fingerprint HASH (FNV-1a, hex, of its message count, part count and
@@ -34,9 +47,11 @@
 //!
 //! # The side effect
 //!
-//! The only tool, `side_effect`, appends one line `{"key", "tool_use_id", "pid", "attempt"}` to
-//! `DATA/side-effects.jsonl` (one `write`, then `fdatasync`), works a few milliseconds and
-//! returns `{"key", "pid"}`. A kill after the line is written and before the result is recorded
+//! The only tool, `side_effect`, appends one record `{"key", "tool_use_id", "pid", "attempt"}`
+//! to `DATA/side-effects.jsonl` (one `write`, then `fdatasync`), works a few milliseconds and
+//! returns `{"key", "pid"}`. A kill can cut even one `write` at a page boundary, so records are
+//! framed and checksummed ([`record`]): a torn record is told from damage, and must be by a
+//! killed process. A kill after the record is written and before the result is recorded
 //! runs the call again after the resume, with the same idempotency key: that is the
 //! at-least-once contract of activities, and the file counts how often it happens.
 //!
@@ -56,11 +71,12 @@
 // (seeded) moments; the clock and sleep ban is for pure code.
 #![allow(clippy::disallowed_methods)]
 
+use crate::powercut::{Cut, CutFigures, FileFate, NameFate, CUT_EXIT_STATUS};
 use anyhow::{anyhow, bail, Context};
 use async_trait::async_trait;
 use cairn_activities::{ActivityContext, Tool, ToolCall, ToolOutput, ToolRegistry};
 use cairn_ledger::{validate_transcript, JsonText, ModelSpec, Part, Role, ToolSpec, Transcript};
-use cairn_runtime::store::embedded::{self, OpenMode};
+use cairn_runtime::store::embedded::{self, OpenMode, OpenedStore, StorageEngine};
 use cairn_runtime::{
     replay, Client, Engine, Error as RuntimeError, Event, SessionOptions, SessionState,
     SessionStatus, SystemClock, TurnOutcome,
@@ -120,6 +136,20 @@ pub struct ChaosConfig {
     /// the store and resuming take longer as histories grow). One in five is killed instead at
     /// a uniformly random moment of its startup, while sled recovers or the engine resumes.
     pub kill_after_ms: (u64, u64),
+    /// SIGKILLs delivered after the `kills`, each at a uniformly random moment this many
+    /// milliseconds (inclusive range) after the child was started, while it opens the store
+    /// and resumes: [`ChaosConfig::startup_kill_ms`].
+    pub startup_kills: usize,
+    /// The window of the startup kills, measured from the start of the child.
+    pub startup_kill_ms: (u64, u64),
+    /// Power cuts after the kills (see [`crate::powercut`]): each child runs with the shim and
+    /// cuts at a seeded operation of the store directory, losing every unsynced write.
+    pub power_cuts: usize,
+    /// After every kill or cut, check a copy of the store as it was left: it opens, every
+    /// acknowledged state is there, and fsck (histories replay, queue matches) is clean.
+    pub check_each_fault: bool,
+    /// The store the children use.
+    pub store: StoreEngine,
 }
 
 impl ChaosConfig {
@@ -133,8 +163,34 @@ impl ChaosConfig {
             kills: 100,
             seed,
             kill_after_ms: (10, 150),
+            startup_kills: 0,
+            startup_kill_ms: (0, 50),
+            power_cuts: 0,
+            check_each_fault: false,
+            store: StoreEngine::Sled,
         }
     }
+}
+
+/// The store engine a chaos run uses (a parameter so that every engine gets the same test).
+pub type StoreEngine = StorageEngine;
+
+/// Opens the store in `dir` through [`embedded`], as a child would: creating it when `create`
+/// (nothing acknowledged yet), else requiring it. Blocks on `runtime`.
+fn open_store(
+    runtime: &tokio::runtime::Runtime,
+    engine: StoreEngine,
+    dir: &Path,
+    create: bool,
+) -> anyhow::Result<OpenedStore> {
+    let mode = if create {
+        OpenMode::Create
+    } else {
+        OpenMode::Existing
+    };
+    runtime
+        .block_on(embedded::open(dir, mode, Some(engine)))
+        .with_context(|| format!("cannot open the {engine} store in {}", dir.display()))
 }
 
 /// The figures of a chaos run and what verification found.
@@ -153,6 +209,34 @@ pub struct ChaosReport {
     pub kills: usize,
     /// Of them, kills before the child reported `ready` (while opening the store or resuming).
     pub kills_before_ready: usize,
+    /// Startup kills delivered ([`ChaosConfig::startup_kills`]).
+    pub startup_kills: usize,
+    /// Of them, kills before the child reported `ready` (store opened and resume done).
+    pub startup_kills_before_ready: usize,
+    /// Of them, kills before the child reported `opened` (while sled opened and recovered).
+    pub startup_kills_before_open: usize,
+    /// Power cuts made ([`ChaosConfig::power_cuts`]).
+    pub power_cuts: usize,
+    /// Of them, cuts before the child reported `ready` (while opening or recovering).
+    pub cuts_before_ready: usize,
+    /// Unsynced writes the cuts undid, summed.
+    pub cut_reverted_writes: u64,
+    /// Their bytes.
+    pub cut_reverted_bytes: u64,
+    /// Unsynced writes torn cuts kept.
+    pub cut_kept_writes: u64,
+    /// Name changes (creations, renames, unlinks) the cuts undid.
+    pub cut_undone_names: u64,
+    /// Checks of the store after a fault ([`ChaosConfig::check_each_fault`]).
+    pub fault_checks: usize,
+    /// Acknowledged states checked by them, summed over the checks.
+    pub fault_checked_acks: usize,
+    /// Problems those checks found (each is in `problems` too): 0 when no fault lost an
+    /// acknowledged event or left a store that does not open or check clean.
+    pub fault_problems: usize,
+    /// Torn side-effect records (a run killed while writing its record), each by a process
+    /// that was killed.
+    pub torn_side_effects: usize,
     /// Children started, the final one included; every one after the first resumed the store.
     pub child_runs: usize,
     /// Children that finished by themselves before the kill was due (the workload was done).
@@ -194,6 +278,8 @@ pub struct ChaosReport {
     pub final_run: Duration,
     /// Time the whole run took, verification included.
     pub wall_time: Duration,
+    /// The run stopped at a failed check after a fault: no final run, no verification.
+    pub stopped: bool,
     /// Every violated promise; empty when verification passes.
     pub problems: Vec<String>,
 }
@@ -227,11 +313,64 @@ impl fmt::Display for ChaosReport {
             "  kills               {} SIGKILLs ({} before the child was ready), {} child runs, {} finished early",
             self.kills, self.kills_before_ready, self.child_runs, self.early_exits
         )?;
+        if self.startup_kills > 0 {
+            writeln!(
+                f,
+                "  startup kills       {} SIGKILLs early in the child's start ({} before the store was open, {} more before resume was done)",
+                self.startup_kills,
+                self.startup_kills_before_open,
+                self.startup_kills_before_ready
+                    .saturating_sub(self.startup_kills_before_open)
+            )?;
+        }
+        if self.power_cuts > 0 {
+            writeln!(
+                f,
+                "  power cuts          {} ({} before the child was ready): {} unsynced writes ({} bytes) lost, {} kept by torn cuts, {} name changes undone",
+                self.power_cuts,
+                self.cuts_before_ready,
+                self.cut_reverted_writes,
+                self.cut_reverted_bytes,
+                self.cut_kept_writes,
+                self.cut_undone_names
+            )?;
+        }
+        if self.fault_checks > 0 {
+            writeln!(
+                f,
+                "  checks after faults {} (the store opens, every acknowledged state is there, fsck is clean): {} acknowledged states checked in all, {} problem(s)",
+                self.fault_checks,
+                self.fault_checked_acks,
+                self.fault_problems
+            )?;
+        }
         writeln!(
             f,
             "  resumes             {} interrupted sessions resumed, {} dead leases released, {} tasks re-enqueued; {:.0} ms mean start-to-ready",
             self.resumed_sessions, self.released_leases, self.requeued_tasks, self.mean_ready_ms
         )?;
+        if self.stopped {
+            writeln!(
+                f,
+                "  stopped             at the first failed check after a fault: no final run, no verification"
+            )?;
+        } else {
+            self.fmt_verification(f)?;
+        }
+        writeln!(
+            f,
+            "  time                {:.1} s in all: {:.1} s killing, {:.1} s final run",
+            self.wall_time.as_secs_f64(),
+            self.kill_phase.as_secs_f64(),
+            self.final_run.as_secs_f64()
+        )?;
+        self.fmt_verdict(f)
+    }
+}
+
+impl ChaosReport {
+    /// The figures of the final verification.
+    fn fmt_verification(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
             "  history             {} events, {} turns completed, {} acknowledged states all present",
@@ -239,22 +378,25 @@ impl fmt::Display for ChaosReport {
         )?;
         writeln!(
             f,
-            "  tools               {} tool uses, each with exactly one recorded result; {} runs",
-            self.tool_uses, self.tool_runs
+            "  tools               {} tool uses, each with exactly one recorded result; {} runs, {} torn side-effect records",
+            self.tool_uses, self.tool_runs, self.torn_side_effects
         )?;
         writeln!(
             f,
-            "  repeated runs       {} ({:.1}% of runs; {:.1} per kill, at most {} for one kill; {} keys, at most {} runs of one key, {} within one process), each with its call's key",
+            "  repeated runs       {} ({:.1}% of runs; {:.1} per kill or cut, at most {} for one; {} keys, at most {} runs of one key, {} within one process), each with its call's key",
             self.repeated_tool_runs,
             if self.tool_runs == 0 {
                 0.0
             } else {
                 100.0 * self.repeated_tool_runs as f64 / self.tool_runs as f64
             },
-            if self.kills == 0 {
-                0.0
-            } else {
-                self.repeated_tool_runs as f64 / self.kills as f64
+            {
+                let faults = self.kills + self.startup_kills + self.power_cuts;
+                if faults == 0 {
+                    0.0
+                } else {
+                    self.repeated_tool_runs as f64 / faults as f64
+                }
             },
             self.max_repeats_per_kill,
             self.repeated_keys,
@@ -265,14 +407,10 @@ impl fmt::Display for ChaosReport {
             f,
             "  failed attempts     {} (retried)",
             self.failed_attempts
-        )?;
-        writeln!(
-            f,
-            "  time                {:.1} s in all: {:.1} s killing, {:.1} s final run",
-            self.wall_time.as_secs_f64(),
-            self.kill_phase.as_secs_f64(),
-            self.final_run.as_secs_f64()
-        )?;
+        )
+    }
+
+    fn fmt_verdict(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.problems.is_empty() {
             write!(f, "  verdict             PASS: every session completed, every ledger validates, every acknowledged event is present")
         } else {
@@ -329,59 +467,127 @@ pub fn run_chaos(config: &ChaosConfig, child_exe: &Path) -> anyhow::Result<Chaos
     let mut ready_ms = Vec::new();
     let mut killed_pids = BTreeSet::new();
     let mut ready_estimate = Duration::ZERO;
+    let shim = if config.power_cuts > 0 {
+        Some(crate::powercut::build_shim(&config.data.join("powercut"))?)
+    } else {
+        None
+    };
+    // The shim recognises the store's files by their path as the child names them.
+    let store_dir = std::path::absolute(config.data.join(STORE_DIR)).context("the store's path")?;
+    let faults = config.kills + config.startup_kills + config.power_cuts;
 
-    while report.kills < config.kills {
-        let (lo, hi) = config.kill_after_ms;
-        let window = if rng.below(STARTUP_KILL_ONE_IN) == 0 {
-            ready_estimate.mul_f64(rng.below(1_001) as f64 / 1_000.0)
+    let mut faults_done = 0;
+    while faults_done < faults {
+        let plan = if report.kills < config.kills {
+            let (lo, hi) = config.kill_after_ms;
+            let window = if rng.below(STARTUP_KILL_ONE_IN) == 0 {
+                ready_estimate.mul_f64(rng.below(1_001) as f64 / 1_000.0)
+            } else {
+                ready_estimate + Duration::from_millis(lo + rng.below(hi - lo + 1))
+            };
+            Plan::Kill(window)
+        } else if report.startup_kills < config.startup_kills {
+            let (lo, hi) = config.startup_kill_ms;
+            Plan::StartupKill(Duration::from_millis(lo + rng.below(hi - lo + 1)))
         } else {
-            ready_estimate + Duration::from_millis(lo + rng.below(hi - lo + 1))
+            Plan::Cut(random_cut(&mut rng))
         };
-        let run = run_child(config, child_exe, report.turns_per_session, Some(window))?;
+        let env = match (&plan, &shim) {
+            (Plan::Cut(cut), Some(shim)) => shim.env(&store_dir, cut),
+            _ => Vec::new(),
+        };
+        let run = run_child(config, child_exe, report.turns_per_session, &plan, &env)?;
         report.child_runs += 1;
         absorb(&mut report, &mut acks, &mut ready_ms, &run);
-        if let Some(ready) = &run.output.ready {
+        if let (Plan::Kill(_), Some(ready)) = (&plan, &run.output.ready) {
             // An exponentially weighted mean: it follows the growth of the histories.
             ready_estimate = ready_estimate.mul_f64(0.7) + ready.after.mul_f64(0.3);
         }
-        match run.end {
-            End::Killed => {
-                killed_pids.insert(run.pid);
+        let before_ready = run.output.ready.is_none();
+        let fault = match (&run.end, &plan) {
+            (End::Killed, Plan::Kill(after)) => {
                 report.kills += 1;
-                if run.output.ready.is_none() {
-                    report.kills_before_ready += 1;
-                }
+                report.kills_before_ready += usize::from(before_ready);
+                format!("kill {} ({} ms after the start)", report.kills, after.as_millis())
             }
-            End::Exited(status) if status.success() && run.output.done => {
+            (End::Killed, Plan::StartupKill(after)) => {
+                report.startup_kills += 1;
+                report.startup_kills_before_ready += usize::from(before_ready);
+                report.startup_kills_before_open += usize::from(!run.output.opened);
+                format!(
+                    "startup kill {} ({} ms after the start{})",
+                    report.startup_kills,
+                    after.as_millis(),
+                    if before_ready { ", before ready" } else { "" }
+                )
+            }
+            (End::Cut(figures), Plan::Cut(cut)) => {
+                report.power_cuts += 1;
+                report.cuts_before_ready += usize::from(before_ready);
+                report.cut_reverted_writes += figures.reverted_writes;
+                report.cut_reverted_bytes += figures.reverted_bytes;
+                report.cut_kept_writes += figures.kept_writes;
+                report.cut_undone_names += figures.undone_names;
+                format!(
+                    "power cut {} ({cut:?}{}; {figures})",
+                    report.power_cuts,
+                    if before_ready { ", before ready" } else { "" }
+                )
+            }
+            (End::Exited(status), _) if status.success() && run.output.done => {
                 report.early_exits += 1;
-                // Everything is done before the kills are spent: give the sessions more turns,
-                // so that the remaining kills land on work: as many as the kills so far took per
-                // turn suggest, with a margin, but at most twice as many (later turns are slower:
-                // longer ledgers, longer resumes), and at least the configured turns again.
+                // Everything is done before the faults are spent: give the sessions more
+                // turns, so that the remaining faults land on work: as many as the faults so
+                // far took per turn suggest, with a margin, but at most twice as many (later
+                // turns are slower: longer ledgers, longer resumes), and at least the
+                // configured turns again.
                 let so_far = report.turns_per_session;
-                let remaining = (config.kills - report.kills) as f64;
-                let estimate = if report.kills == 0 {
+                let remaining = (faults - faults_done) as f64;
+                let estimate = if faults_done == 0 {
                     so_far
                 } else {
-                    (1.25 * remaining * so_far as f64 / report.kills as f64).ceil() as usize
+                    (1.25 * remaining * so_far as f64 / faults_done as f64).ceil() as usize
                 };
                 report.turns_per_session += estimate.min(so_far).max(config.turns_per_session);
                 report.turn_extensions += 1;
                 write_script(&config.data, report.turns_per_session, config.seed)?;
+                continue;
             }
-            End::Exited(status) => bail!(
-                "chaos child {} exited by itself with {status} (seed {}); its stderr ends:\n{}",
+            (end, _) => bail!(
+                "chaos child {} ({plan:?}) ended with {end:?} by itself (seed {}); its stderr ends:\n{}",
                 report.child_runs,
                 config.seed,
                 run.stderr_tail
             ),
-            End::TimedOut => unreachable!("only the final run has a timeout"),
+        };
+        faults_done += 1;
+        killed_pids.insert(run.pid);
+        if config.check_each_fault {
+            let before = report.problems.len();
+            check_after_fault(config, &acks, &fault, &mut report)?;
+            report.fault_problems += report.problems.len() - before;
+            if report.problems.len() > before {
+                // The store is left as the fault left it (a copy is kept by the check); the
+                // next child would only fail on it or repair it.
+                report.problems.extend(acks.conflicts.iter().cloned());
+                report.stopped = true;
+                report.mean_ready_ms = mean(&ready_ms);
+                report.kill_phase = started.elapsed();
+                report.wall_time = started.elapsed();
+                return Ok(report);
+            }
         }
     }
     report.kill_phase = started.elapsed();
 
     let final_started = Instant::now();
-    let run = run_child(config, child_exe, report.turns_per_session, None)?;
+    let run = run_child(
+        config,
+        child_exe,
+        report.turns_per_session,
+        &Plan::Finish,
+        &[],
+    )?;
     report.child_runs += 1;
     absorb(&mut report, &mut acks, &mut ready_ms, &run);
     report.final_run = final_started.elapsed();
@@ -399,15 +605,19 @@ pub fn run_chaos(config: &ChaosConfig, child_exe: &Path) -> anyhow::Result<Chaos
             run.stderr_tail
         ),
     }
-    report.mean_ready_ms = if ready_ms.is_empty() {
-        0.0
-    } else {
-        ready_ms.iter().sum::<f64>() / ready_ms.len() as f64
-    };
+    report.mean_ready_ms = mean(&ready_ms);
 
     verify(config, &acks, &killed_pids, &mut report)?;
     report.wall_time = started.elapsed();
     Ok(report)
+}
+
+fn mean(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        0.0
+    } else {
+        values.iter().sum::<f64>() / values.len() as f64
+    }
 }
 
 /// Acknowledged states: session → seq → ledger hash.
@@ -452,10 +662,56 @@ fn absorb(report: &mut ChaosReport, acks: &mut Acks, ready_ms: &mut Vec<f64>, ru
 enum End {
     /// Killed by us.
     Killed,
+    /// Cut by the power-cut shim, which reported what it undid.
+    Cut(CutFigures),
     /// Exited by itself.
     Exited(ExitStatus),
     /// Did not finish in time (and was killed).
     TimedOut,
+}
+
+/// How a child's run is to end.
+#[derive(Debug)]
+enum Plan {
+    /// SIGKILL this long after the start (a regular kill).
+    Kill(Duration),
+    /// SIGKILL this long after the start (a startup kill).
+    StartupKill(Duration),
+    /// The shim cuts the power (the child runs with its environment).
+    Cut(Cut),
+    /// No fault: the child runs to completion.
+    Finish,
+}
+
+/// Operations of the store directory a child's start (opening, recovering, resuming) makes,
+/// roughly: a third of the cuts fall uniformly among the first this many.
+const CUT_STARTUP_OPS: u64 = 60;
+/// The other cuts fall log-uniformly between `CUT_STARTUP_OPS` and this many operations, so
+/// that early work (the first appends after a recovery) is dense and long runs still occur.
+const CUT_MAX_OPS: u64 = 3_000;
+
+fn random_cut(rng: &mut SplitMix64) -> Cut {
+    let after_ops = if rng.below(3) == 0 {
+        1 + rng.below(CUT_STARTUP_OPS)
+    } else {
+        let unit = rng.below(1_000_001) as f64 / 1_000_000.0;
+        let (lo, hi) = (CUT_STARTUP_OPS as f64, CUT_MAX_OPS as f64);
+        (lo * (hi / lo).powf(unit)).round() as u64
+    };
+    Cut {
+        after_ops,
+        files: if rng.below(2) == 0 {
+            FileFate::Revert
+        } else {
+            FileFate::Torn
+        },
+        names: if rng.below(2) == 0 {
+            NameFate::Vanish
+        } else {
+            NameFate::Keep
+        },
+        seed: rng.next(),
+    }
 }
 
 #[derive(Debug, Default)]
@@ -468,6 +724,8 @@ struct Ready {
 
 #[derive(Debug, Default)]
 struct ChildOutput {
+    /// The child said `opened`: the store is open (recovered), resume not yet done.
+    opened: bool,
     ready: Option<Ready>,
     acks: Vec<(String, u64, u64)>,
     done: bool,
@@ -480,12 +738,14 @@ struct ChildRun {
     stderr_tail: String,
 }
 
-/// Starts a child; kills it after `kill_after` (or, without one, waits for it to finish).
+/// Starts a child with `env` added to its environment; kills it as `plan` says, or waits for
+/// it to finish (or to cut its power).
 fn run_child(
     config: &ChaosConfig,
     exe: &Path,
     turns: usize,
-    kill_after: Option<Duration>,
+    plan: &Plan,
+    env: &[(&str, std::ffi::OsString)],
 ) -> anyhow::Result<ChildRun> {
     let spawned = Instant::now();
     let mut child = Command::new(exe)
@@ -496,6 +756,9 @@ fn run_child(
         .arg(config.sessions.to_string())
         .arg("--turns")
         .arg(turns.to_string())
+        .arg("--store")
+        .arg(config.store.as_str())
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -507,8 +770,9 @@ fn run_child(
     let reader = std::thread::spawn(move || read_child_output(stdout, spawned));
     let errors = std::thread::spawn(move || tail(stderr, STDERR_TAIL_LINES));
 
-    let end = match kill_after {
-        Some(after) => {
+    let end = match plan {
+        Plan::Kill(after) | Plan::StartupKill(after) => {
+            let after = *after;
             std::thread::sleep(after.saturating_sub(spawned.elapsed()));
             // SIGKILL on Unix. A child that already exited is a zombie until `wait`: the kill
             // is then a no-op and `wait` reports its own exit.
@@ -520,7 +784,7 @@ fn run_child(
                 End::Exited(status)
             }
         }
-        None => wait_or_kill(&mut child, FINAL_RUN_TIMEOUT)?,
+        Plan::Cut(_) | Plan::Finish => wait_or_kill(&mut child, FINAL_RUN_TIMEOUT)?,
     };
     let output = reader
         .join()
@@ -528,6 +792,18 @@ fn run_child(
     let stderr_tail = errors
         .join()
         .map_err(|_| anyhow!("the child's stderr reader panicked"))?;
+    let end = match end {
+        End::Exited(status) if status.code() == Some(CUT_EXIT_STATUS) => {
+            match CutFigures::parse(&stderr_tail) {
+                Some(figures) => End::Cut(figures),
+                None => bail!(
+                    "chaos child exited with the power-cut status {CUT_EXIT_STATUS} but did not \
+                     report a cut; its stderr ends:\n{stderr_tail}"
+                ),
+            }
+        }
+        other => other,
+    };
     Ok(ChildRun {
         pid,
         end,
@@ -598,6 +874,7 @@ fn read_child_output(stdout: impl Read, spawned: Instant) -> ChildOutput {
                 });
             }
             ["done"] => output.done = true,
+            ["opened"] => output.opened = true,
             _ => {}
         }
     }
@@ -722,6 +999,8 @@ fn write_script(data: &Path, turns: usize, seed: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+pub mod record;
+
 // ---- The side-effect tool ----------------------------------------------------------------------
 
 /// The chaos tool: records each run with its idempotency key in a file, then works briefly.
@@ -737,7 +1016,7 @@ impl SideEffect {
     }
 }
 
-/// One line of the side-effect file.
+/// One record of the side-effect file (framed and checksummed by [`record`]).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
 pub struct SideEffectRecord {
     /// The call's idempotency key, `SESSION/TOOL_USE_ID`.
@@ -750,13 +1029,14 @@ pub struct SideEffectRecord {
     pub attempt: u32,
 }
 
-fn append_durably(path: &Path, line: &[u8]) -> std::io::Result<()> {
+fn append_durably(path: &Path, record: &[u8]) -> std::io::Result<()> {
     let mut file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)?;
-    // One write: with O_APPEND a kill leaves either the whole line or none of it.
-    file.write_all(line)?;
+    // One write, but a kill can still cut it at a page boundary: the framing of `record`
+    // lets the reader tell that torn prefix from damage and read on after it.
+    file.write_all(record)?;
     file.sync_data()
 }
 
@@ -783,12 +1063,7 @@ impl Tool for SideEffect {
             pid,
             attempt: context.attempt(),
         };
-        let mut line =
-            serde_json::to_vec(&record).map_err(|e| cairn_activities::Error::ToolFailed {
-                tool: SIDE_EFFECT_TOOL.to_owned(),
-                message: e.to_string(),
-            })?;
-        line.push(b'\n');
+        let line = record::encode(&record);
         let path = self.path.clone();
         let shown = path.display().to_string();
         tokio::task::spawn_blocking(move || append_durably(&path, &line))
@@ -854,10 +1129,16 @@ fn say(line: &str) {
 
 /// The child: opens the store, resumes, and drives `sessions` sessions to `turns` completed
 /// turns each; returns when they are all done. Run by `cairn chaos-child`.
-pub async fn run_chaos_child(data: &Path, sessions: usize, turns: usize) -> anyhow::Result<()> {
-    let opened = embedded::open(&data.join(STORE_DIR), OpenMode::Create, None)
+pub async fn run_chaos_child(
+    data: &Path,
+    sessions: usize,
+    turns: usize,
+    store: StoreEngine,
+) -> anyhow::Result<()> {
+    let opened = embedded::open(&data.join(STORE_DIR), OpenMode::Create, Some(store))
         .await
         .with_context(|| format!("cannot open the store in {}", data.display()))?;
+    say("opened");
     let store = opened.store.clone();
     let engine = Engine::new(store.clone(), Arc::new(SystemClock));
     // This process holds sled's lock: every lease in the store belongs to a killed child, so
@@ -1002,7 +1283,7 @@ fn verify(
         .block_on(embedded::open(
             &config.data.join(STORE_DIR),
             OpenMode::ReadOnly,
-            None,
+            Some(config.store),
         ))
         .context("the store does not open after the run")?;
     for loss in &opened.losses {
@@ -1073,30 +1354,8 @@ fn check_session(
 ) {
     report.events += history.len();
     let problems = &mut report.problems;
-    // Every acknowledged state: its events are there and fold to the acknowledged ledger.
-    let mut state = SessionState::new(id);
-    let acked = acked.cloned().unwrap_or_default();
-    for envelope in history {
-        if let Err(e) = state.apply(envelope) {
-            problems.push(format!("{id}: folding seq {} fails: {e}", envelope.seq));
-            return;
-        }
-        if let Some(hash) = acked.get(&envelope.seq) {
-            let found = ledger_fingerprint(&state.transcript);
-            if found != *hash {
-                problems.push(format!(
-                    "{id}: acknowledged state at seq {} had ledger {hash:016x}, the history \
-                     folds to {found:016x} there",
-                    envelope.seq
-                ));
-            }
-        }
-    }
-    if let Some((&seq, _)) = acked.range(history.len() as u64 + 1..).next() {
-        problems.push(format!(
-            "{id}: acknowledged event seq {seq} is missing; the history ends at seq {}",
-            history.len()
-        ));
+    if !check_acked(id, history, acked, problems) {
+        return;
     }
 
     let replayed = match replay(id, history) {
@@ -1192,6 +1451,192 @@ fn check_session(
     }
 }
 
+/// Every acknowledged state of session `id`: its events are in `history` and fold to the
+/// acknowledged ledger. Returns false when the history does not fold at all.
+fn check_acked(
+    id: &str,
+    history: &[cairn_runtime::EventEnvelope],
+    acked: Option<&BTreeMap<u64, u64>>,
+    problems: &mut Vec<String>,
+) -> bool {
+    let mut state = SessionState::new(id);
+    let empty = BTreeMap::new();
+    let acked = acked.unwrap_or(&empty);
+    for envelope in history {
+        if let Err(e) = state.apply(envelope) {
+            problems.push(format!("{id}: folding seq {} fails: {e}", envelope.seq));
+            return false;
+        }
+        if let Some(hash) = acked.get(&envelope.seq) {
+            let found = ledger_fingerprint(&state.transcript);
+            if found != *hash {
+                problems.push(format!(
+                    "{id}: acknowledged state at seq {} had ledger {hash:016x}, the history \
+                     folds to {found:016x} there",
+                    envelope.seq
+                ));
+            }
+        }
+    }
+    if let Some((&seq, _)) = acked.range(history.len() as u64 + 1..).next() {
+        problems.push(format!(
+            "{id}: acknowledged event seq {seq} is missing; the history ends at seq {}",
+            history.len()
+        ));
+    }
+    true
+}
+
+/// After a kill or a power cut: a copy of the store as the fault left it must open, hold every
+/// state acknowledged so far and check clean with fsck (every history decodes, is complete and
+/// replays; the queue matches the sessions). A copy, so that the next child still recovers the
+/// store exactly as the fault left it. Problems are prefixed with `fault`; a failed check keeps
+/// nothing else: the run stops, leaving the store as the fault left it.
+fn check_after_fault(
+    config: &ChaosConfig,
+    acks: &Acks,
+    fault: &str,
+    report: &mut ChaosReport,
+) -> anyhow::Result<()> {
+    report.fault_checks += 1;
+    let store_dir = config.data.join(STORE_DIR);
+    let copy = config.data.join("fault-check");
+    if copy.exists() {
+        std::fs::remove_dir_all(&copy)
+            .with_context(|| format!("cannot remove {}", copy.display()))?;
+    }
+    if store_dir.exists() {
+        copy_tree(&store_dir, &copy)?;
+    }
+    let mut problems = Vec::new();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start a runtime for the check")?;
+    // Cut before anything was acknowledged, perhaps while the store was being created: the
+    // next child creates what is missing, and must be able to.
+    let opened = open_store(&runtime, config.store, &copy, acks.len() == 0);
+    match opened {
+        Err(e) => {
+            let diagnosis = diagnose_unopenable(config, &copy, acks);
+            problems.push(format!("the store does not open: {e:#}{diagnosis}"));
+        }
+        Ok(opened) => {
+            report.fault_checked_acks += acks.len();
+            let store = opened.store.clone();
+            runtime.block_on(async {
+                for (id, acked) in &acks.states {
+                    match store.read_history(id, 1, None).await {
+                        Ok(history) => {
+                            check_acked(id, &history, Some(acked), &mut problems);
+                        }
+                        Err(e) => problems.push(format!("{id}: the history does not read: {e}")),
+                    }
+                }
+                match cairn_runtime::fsck::fsck(&*store).await {
+                    Ok(fsck) if fsck.is_clean() => {}
+                    Ok(fsck) => problems.push(format!("fsck is not clean:\n{fsck}")),
+                    Err(e) => problems.push(format!("fsck cannot read the store: {e}")),
+                }
+            });
+        }
+    }
+    std::fs::remove_dir_all(&copy).ok();
+    // The run stops at a failed check, so the store stays exactly as the fault left it.
+    let kept_note = format!("{} is left as the fault left it", store_dir.display());
+    for p in problems {
+        report.problems.push(format!(
+            "after {fault} (seed {}): {p}; {kept_note}",
+            config.seed
+        ));
+    }
+    Ok(())
+}
+
+/// sled's leftover of a snapshot it was writing when the process died.
+const SLED_GENERATING_SUFFIX: &str = ".generating";
+
+/// Why a store copy does not open, when a known defect explains it: sled 0.34 takes a
+/// `snap.*.generating` file (a snapshot it was writing when the process died, before its
+/// rename) for its newest snapshot, finds it incomplete and refuses to open. Retries without
+/// those files and says whether the store then opens and holds every acknowledged state.
+fn diagnose_unopenable(config: &ChaosConfig, copy: &Path, acks: &Acks) -> String {
+    let Ok(entries) = std::fs::read_dir(copy) else {
+        return String::new();
+    };
+    let leftovers: Vec<(String, u64)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let is_leftover = name.starts_with("snap.") && name.ends_with(SLED_GENERATING_SUFFIX);
+            is_leftover.then(|| (name, e.metadata().map_or(0, |m| m.len())))
+        })
+        .collect();
+    if leftovers.is_empty() {
+        return String::new();
+    }
+    let shown: Vec<String> = leftovers
+        .iter()
+        .map(|(name, len)| format!("{name} ({len} bytes)"))
+        .collect();
+    for (name, _) in &leftovers {
+        let _ = std::fs::remove_file(copy.join(name));
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build();
+    let Ok(runtime) = runtime else {
+        return String::new();
+    };
+    let without = match open_store(&runtime, config.store, copy, false) {
+        Err(e) => format!("still does not open ({e:#})"),
+        Ok(opened) => {
+            let store = opened.store.clone();
+            let mut missing = Vec::new();
+            {
+                runtime.block_on(async {
+                    for (id, acked) in &acks.states {
+                        match store.read_history(id, 1, None).await {
+                            Ok(history) => {
+                                check_acked(id, &history, Some(acked), &mut missing);
+                            }
+                            Err(e) => missing.push(format!("{id}: {e}")),
+                        }
+                    }
+                });
+            }
+            if missing.is_empty() {
+                format!("opens and holds all {} acknowledged states", acks.len())
+            } else {
+                format!("opens but: {}", missing.join("; "))
+            }
+        }
+    };
+    format!(
+        " [known sled 0.34 defect: the interrupted snapshot {} is read as the newest snapshot; \
+         without it the store {without}]",
+        shown.join(", ")
+    )
+}
+
+/// Copies a directory tree (regular files and directories; sled makes no others).
+fn copy_tree(from: &Path, to: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(to).with_context(|| format!("cannot create {}", to.display()))?;
+    for entry in
+        std::fs::read_dir(from).with_context(|| format!("cannot list {}", from.display()))?
+    {
+        let entry = entry.with_context(|| format!("cannot list {}", from.display()))?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)
+                .with_context(|| format!("cannot copy {}", entry.path().display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// The side-effect tool's result.
 #[derive(Deserialize)]
 struct ToolResultJson {
@@ -1217,32 +1662,37 @@ fn check_side_effects(
     killed_pids: &BTreeSet<u32>,
     report: &mut ChaosReport,
 ) -> anyhow::Result<()> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
         Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
     };
     let shown = path.display();
+    let parsed = record::parse(&bytes);
+    for damage in parsed.damage {
+        report.problems.push(format!("{shown}: {damage}"));
+    }
+    // A record torn by a kill: a run that never finished writing it, and whose call therefore
+    // ran again. Only a killed process can leave one.
+    report.torn_side_effects = parsed.torn.len();
+    for torn in &parsed.torn {
+        if let Some(pid) = torn.pid.filter(|pid| !killed_pids.contains(pid)) {
+            report.problems.push(format!(
+                "{shown} offset {}: a torn record by process {pid}, which was not killed",
+                torn.offset
+            ));
+        }
+    }
     let mut runs: BTreeMap<String, Vec<SideEffectRecord>> = BTreeMap::new();
-    for (n, line) in text.lines().enumerate() {
+    for (n, record) in parsed.records.into_iter().enumerate() {
         report.tool_runs += 1;
-        let record: SideEffectRecord = match serde_json::from_str(line) {
-            Ok(r) => r,
-            Err(e) => {
-                report.problems.push(format!(
-                    "{shown} line {}: not a record ({e}): {line:?}",
-                    n + 1
-                ));
-                continue;
-            }
-        };
         let names_its_call = record
             .key
             .split_once('/')
             .is_some_and(|(_, tool_use_id)| tool_use_id == record.tool_use_id);
         if !names_its_call || !ledgers.recorded.contains_key(&record.key) {
             report.problems.push(format!(
-                "{shown} line {}: key {:?} (tool_use {}) names no tool_use of the ledgers",
+                "{shown} record {}: key {:?} (tool_use {}) names no tool_use of the ledgers",
                 n + 1,
                 record.key,
                 record.tool_use_id
@@ -1341,20 +1791,21 @@ mod tests {
         assert_eq!(acks.len(), 1);
     }
 
-    fn record(key: &str, pid: u32) -> String {
+    fn record(key: &str, pid: u32) -> Vec<u8> {
         let tool_use_id = key.split_once('/').map_or(key, |(_, t)| t);
-        format!(r#"{{"key":"{key}","tool_use_id":"{tool_use_id}","pid":{pid},"attempt":1}}"#)
+        record::encode(&SideEffectRecord {
+            key: key.to_owned(),
+            tool_use_id: tool_use_id.to_owned(),
+            pid,
+            attempt: 1,
+        })
     }
 
     /// Runs the side-effect check on `lines` against two recorded tool uses, with pid 10 killed.
-    fn side_effects(lines: &[String], recorded: &[(&str, u32)]) -> ChaosReport {
+    fn side_effects(records: &[Vec<u8>], recorded: &[(&str, u32)]) -> ChaosReport {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(SIDE_EFFECTS_FILE);
-        std::fs::write(
-            &path,
-            lines.iter().map(|l| format!("{l}\n")).collect::<String>(),
-        )
-        .unwrap();
+        std::fs::write(&path, records.concat()).unwrap();
         let ledgers = Ledgers {
             recorded: recorded
                 .iter()
@@ -1406,13 +1857,21 @@ mod tests {
             &recorded,
         );
         assert_eq!(twice.same_process_repeats, 1);
-        // A key that names no tool_use, a tool_use that never ran, a torn line.
+        // A key that names no tool_use, a tool_use that never ran, a damaged record.
+        let mut flipped = record("s/a", 11);
+        let last = flipped.len() - 3;
+        flipped[last] ^= 0x01;
         let wrong = side_effects(
             &[
                 record("s/a", 11),
                 record("s/zzz", 11),
-                r#"{"key":"s/a","tool_use_id":"b","pid":11,"attempt":1}"#.to_owned(),
-                r#"{"key":"s/"#.to_owned(),
+                record::encode(&SideEffectRecord {
+                    key: "s/a".to_owned(),
+                    tool_use_id: "b".to_owned(),
+                    pid: 11,
+                    attempt: 1,
+                }),
+                flipped,
             ],
             &recorded,
         );
@@ -1423,7 +1882,40 @@ mod tests {
             problems.contains("tool_use s/b has a recorded result but never ran"),
             "{problems}"
         );
-        assert!(problems.contains("not a record"), "{problems}");
+        assert!(problems.contains("checksum mismatch"), "{problems}");
+    }
+
+    #[test]
+    fn a_torn_side_effect_record_is_accepted_only_from_a_killed_process() {
+        let recorded = [("s/a", 11), ("s/b", 11)];
+        // Process 10 (killed) tore its record of s/b at a 4 KiB page boundary; 11 ran it again.
+        let mut file = Vec::new();
+        while file.len() + record("s/a", 11).len() < 4096 - 20 {
+            file.extend_from_slice(&record("s/a", 11));
+        }
+        let torn = record("s/b", 10);
+        let cut = 4096 - file.len();
+        assert!(cut > 9 && cut < torn.len());
+        file.extend_from_slice(&torn[..cut]);
+        file.extend_from_slice(&record("s/b", 11));
+        let runs = file.iter().filter(|b| **b == 0x1e).count() - 1;
+        let ok = side_effects(&[file.clone()], &recorded);
+        let killed_ok = ok.problems.iter().all(|p| !p.contains("torn"));
+        assert!(killed_ok, "{:?}", ok.problems);
+        assert_eq!((ok.torn_side_effects, ok.tool_runs), (1, runs));
+
+        // The same tear by process 12, which was not killed: a problem.
+        let mut by_live = file[..file.len() - record("s/b", 11).len() - cut].to_vec();
+        by_live.extend_from_slice(&record("s/b", 12)[..cut]);
+        by_live.extend_from_slice(&record("s/b", 11));
+        let live = side_effects(&[by_live], &recorded);
+        assert!(
+            live.problems
+                .iter()
+                .any(|p| p.contains("a torn record by process 12, which was not killed")),
+            "{:?}",
+            live.problems
+        );
     }
 
     #[tokio::test]

@@ -10,3 +10,4 @@ pub use cairn_workers as workers;
 pub mod chaos;
 pub mod demo;
 pub mod host;
+pub mod powercut;

@@ -152,6 +152,14 @@ enum Command {
         /// ...and this many.
         #[arg(long, default_value_t = 150)]
         kill_max_ms: u64,
+        /// Then SIGKILL this many children 0-50 ms after they start (opening the store,
+        /// recovering, resuming), checking the store after each.
+        #[arg(long, default_value_t = 0)]
+        startup_kills: usize,
+        /// Then cut the power of this many children (unsynced writes lost, needs `cc`),
+        /// checking the store after each.
+        #[arg(long, default_value_t = 0)]
+        power_cuts: usize,
         /// Data directory (default: a new temporary directory, kept).
         #[arg(long)]
         data: Option<PathBuf>,
@@ -168,6 +176,9 @@ enum Command {
         /// Turns per session.
         #[arg(long)]
         turns: usize,
+        /// The store engine.
+        #[arg(long, default_value = "sled")]
+        store: cairn::chaos::StoreEngine,
     },
     /// Check a store: every record decodes, histories are complete and replay, queued tasks
     /// match their sessions (exit 0 when clean, 1 on any problem).
@@ -399,6 +410,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             seed,
             kill_min_ms,
             kill_max_ms,
+            startup_kills,
+            power_cuts,
             data,
         } => {
             chaos(
@@ -407,6 +420,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 turns,
                 seed,
                 (kill_min_ms, kill_max_ms),
+                (startup_kills, power_cuts),
                 data,
             )
             .await
@@ -415,8 +429,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             data,
             sessions,
             turns,
+            store,
         } => {
-            cairn::chaos::run_chaos_child(&data, sessions, turns).await?;
+            cairn::chaos::run_chaos_child(&data, sessions, turns, store).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Fsck { data, repair } => {
@@ -854,6 +869,7 @@ async fn chaos(
     turns: usize,
     seed: Option<u64>,
     kill_after_ms: (u64, u64),
+    (startup_kills, power_cuts): (usize, usize),
     data: Option<PathBuf>,
 ) -> anyhow::Result<ExitCode> {
     let data = match data {
@@ -875,10 +891,14 @@ async fn chaos(
         kills,
         seed,
         kill_after_ms,
+        startup_kills,
+        power_cuts,
+        check_each_fault: startup_kills + power_cuts > 0,
+        ..cairn::chaos::ChaosConfig::new(&data, seed)
     };
     let exe = std::env::current_exe().context("cannot find this executable")?;
     println!(
-        "chaos: {sessions} sessions x {turns} turns, {kills} SIGKILLs (most {}-{} ms after the child is ready), seed {seed}, data {}",
+        "chaos: {sessions} sessions x {turns} turns, {kills} SIGKILLs (most {}-{} ms after the child is ready), {startup_kills} startup kills, {power_cuts} power cuts, seed {seed}, data {}",
         kill_after_ms.0,
         kill_after_ms.1,
         data.display()

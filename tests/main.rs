@@ -10,6 +10,7 @@ mod engine;
 mod faults;
 mod golden;
 mod lifecycle;
+mod powercut;
 mod providers;
 mod store_crash;
 mod support;

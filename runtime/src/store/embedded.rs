@@ -60,6 +60,9 @@ pub const SET_ASIDE_DIR: &str = "set-aside";
 const BACKUP_DIR: &str = ".cairn-open";
 /// A backup being made (incomplete until renamed to [`BACKUP_DIR`]).
 const BACKUP_TMP_DIR: &str = ".cairn-open.tmp";
+/// A backup being deleted: renamed first, so that a kill while deleting never leaves a partial
+/// backup under [`BACKUP_DIR`] to be put back.
+const BACKUP_OLD_DIR: &str = ".cairn-open.old";
 /// Present in [`BACKUP_DIR`] while the backup is being put back.
 const RESTORING: &str = "RESTORING";
 /// sled's configuration file, as sled 0.34 writes it for cairn's settings (without its CRC).
@@ -104,6 +107,7 @@ impl StorageEngine {
             SET_ASIDE_DIR,
             BACKUP_DIR,
             BACKUP_TMP_DIR,
+            BACKUP_OLD_DIR,
         ]
         .contains(&name)
             && !name.ends_with(".tmp")
@@ -147,6 +151,26 @@ impl StorageEngine {
                 format!("the {} engine panicked while recovering", self.as_str()),
             ))
         })
+    }
+}
+
+impl std::str::FromStr for StorageEngine {
+    type Err = String;
+
+    fn from_str(name: &str) -> std::result::Result<Self, String> {
+        StorageEngine::parse(name).ok_or_else(|| {
+            let known: Vec<&str> = StorageEngine::ALL.iter().map(|e| e.as_str()).collect();
+            format!(
+                "unknown storage engine {name:?} (known: {})",
+                known.join(", ")
+            )
+        })
+    }
+}
+
+impl Default for StorageEngine {
+    fn default() -> Self {
+        StorageEngine::DEFAULT
     }
 }
 
@@ -610,9 +634,11 @@ fn finish_interrupted_open(
     engine: StorageEngine,
     notes: &mut Vec<String>,
 ) -> Result<()> {
-    let tmp = dir.join(BACKUP_TMP_DIR);
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(io(dir))?;
+    for leftover in [BACKUP_TMP_DIR, BACKUP_OLD_DIR] {
+        let path = dir.join(leftover);
+        if path.exists() {
+            fs::remove_dir_all(&path).map_err(io(dir))?;
+        }
     }
     if dir.join(BACKUP_DIR).exists() {
         restore(dir, engine)?;
@@ -666,13 +692,15 @@ fn restore(dir: &Path, engine: StorageEngine) -> Result<()> {
         sync_tree(&dir.join(name)).map_err(io(dir))?;
     }
     sync_dir(dir).map_err(io(dir))?;
-    fs::remove_dir_all(&backup).map_err(io(dir))?;
-    sync_dir(dir).map_err(io(dir))
+    remove_backup(dir)
 }
 
+/// Deletes the backup: renamed out of the way first (one atomic step), then removed.
 fn remove_backup(dir: &Path) -> Result<()> {
-    fs::remove_dir_all(dir.join(BACKUP_DIR)).map_err(io(dir))?;
-    sync_dir(dir).map_err(io(dir))
+    let old = dir.join(BACKUP_OLD_DIR);
+    fs::rename(dir.join(BACKUP_DIR), &old).map_err(io(dir))?;
+    sync_dir(dir).map_err(io(dir))?;
+    fs::remove_dir_all(&old).map_err(io(dir))
 }
 
 /// A new `set-aside/<time>-<pid>/` directory.
