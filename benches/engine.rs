@@ -2,7 +2,7 @@
 //! completion recorded → the next task enqueued) on the memory store and on durable sled.
 
 use cairn_ledger::*;
-use cairn_runtime::store::fjall::FjallStore;
+use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::store::sled::SledStore;
 use cairn_runtime::*;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -235,8 +235,8 @@ const TURN_SCRIPT: &str = r#"{"responses": [
   {"parts": [{"type": "text", "text": "3 and 12"}]}
 ]}"#;
 
-/// Durable agent turns on sled and on fjall: model call → two parallel tool calls → model call, every step
-/// recorded durably, `n` sessions at once, with an in-process worker pool.
+/// Durable agent turns on sled and on fjall: model call → two parallel tool calls → model call,
+/// every step recorded durably, `n` sessions at once, with an in-process worker pool.
 fn turns(c: &mut Criterion) {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut group = c.benchmark_group("durable_turns");
@@ -251,12 +251,14 @@ fn turns(c: &mut Criterion) {
                 let dir = tempfile::tempdir().unwrap();
                 let script = dir.path().join("turn.json");
                 std::fs::write(&script, TURN_SCRIPT).unwrap();
-                let store: Arc<dyn Store> = if engine == "fjall" {
-                    Arc::new(FjallStore::open(dir.path().join("store")).unwrap())
-                } else {
-                    Arc::new(SledStore::open(dir.path().join("store")).unwrap())
-                };
-                let engine = Engine::new(store, Arc::new(SystemClock));
+                // Through the integrity layer, as the CLI and a host open stores (high-water
+                // marks included).
+                let engine = StorageEngine::parse(engine).unwrap();
+                let opened =
+                    embedded::open(&dir.path().join("store"), OpenMode::Create, Some(engine))
+                        .await
+                        .unwrap();
+                let engine = Engine::new(opened.store.clone(), Arc::new(SystemClock));
                 let tools = cairn_activities::ToolRegistry::builtin(dir.path());
                 let pool = cairn_workers::WorkerPool::start(
                     engine.clone(),

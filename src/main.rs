@@ -160,6 +160,9 @@ enum Command {
         /// checking the store after each.
         #[arg(long, default_value_t = 0)]
         power_cuts: usize,
+        /// Storage engine of the children's store: sled (default) or fjall.
+        #[arg(long, value_parser = parse_engine, default_value = "sled")]
+        engine: StorageEngine,
         /// Data directory (default: a new temporary directory, kept).
         #[arg(long)]
         data: Option<PathBuf>,
@@ -412,17 +415,20 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             kill_max_ms,
             startup_kills,
             power_cuts,
+            engine,
             data,
         } => {
-            chaos(
+            chaos(ChaosArgs {
                 kills,
                 sessions,
                 turns,
                 seed,
-                (kill_min_ms, kill_max_ms),
-                (startup_kills, power_cuts),
+                kill_after_ms: (kill_min_ms, kill_max_ms),
+                startup_kills,
+                power_cuts,
+                engine,
                 data,
-            )
+            })
             .await
         }
         Command::ChaosChild {
@@ -863,15 +869,31 @@ fn summarize(event: &Event) -> String {
 }
 
 /// `cairn chaos`: runs the parent of the chaos test in a blocking thread and prints its report.
-async fn chaos(
+/// What `cairn chaos` was asked for.
+struct ChaosArgs {
     kills: usize,
     sessions: usize,
     turns: usize,
     seed: Option<u64>,
     kill_after_ms: (u64, u64),
-    (startup_kills, power_cuts): (usize, usize),
+    startup_kills: usize,
+    power_cuts: usize,
+    engine: StorageEngine,
     data: Option<PathBuf>,
-) -> anyhow::Result<ExitCode> {
+}
+
+async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
+    let ChaosArgs {
+        kills,
+        sessions,
+        turns,
+        seed,
+        kill_after_ms,
+        startup_kills,
+        power_cuts,
+        engine,
+        data,
+    } = args;
     let data = match data {
         Some(d) => d,
         None => tempfile::Builder::new()
@@ -894,11 +916,12 @@ async fn chaos(
         startup_kills,
         power_cuts,
         check_each_fault: startup_kills + power_cuts > 0,
+        store: engine,
         ..cairn::chaos::ChaosConfig::new(&data, seed)
     };
     let exe = std::env::current_exe().context("cannot find this executable")?;
     println!(
-        "chaos: {sessions} sessions x {turns} turns, {kills} SIGKILLs (most {}-{} ms after the child is ready), {startup_kills} startup kills, {power_cuts} power cuts, seed {seed}, data {}",
+        "chaos on {engine}: {sessions} sessions x {turns} turns, {kills} SIGKILLs (most {}-{} ms after the child is ready), {startup_kills} startup kills, {power_cuts} power cuts, seed {seed}, data {}",
         kill_after_ms.0,
         kill_after_ms.1,
         data.display()
