@@ -167,7 +167,7 @@ impl ChaosConfig {
             startup_kill_ms: (0, 50),
             power_cuts: 0,
             check_each_fault: false,
-            store: StoreEngine::Sled,
+            store: StoreEngine::DEFAULT,
         }
     }
 }

@@ -29,12 +29,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run a complete offline session (scripted model, two parallel tool calls) on a sled store.
+    /// Run a complete offline session (scripted model, two parallel tool calls) on an embedded store.
     Demo {
         /// Store directory (default: a new temporary directory, kept for inspection).
         #[arg(long)]
         data: Option<PathBuf>,
-        /// Storage engine of a new store: sled (default) or fjall.
+        /// Storage engine of a new store: fjall (default) or sled.
         #[arg(long, value_parser = parse_engine)]
         engine: Option<StorageEngine>,
     },
@@ -43,7 +43,7 @@ enum Command {
         /// Store directory (created if missing).
         #[arg(long)]
         data: PathBuf,
-        /// Storage engine of a new store: sled (default) or fjall; an existing store must
+        /// Storage engine of a new store: fjall (default) or sled; an existing store must
         /// match.
         #[arg(long, value_parser = parse_engine)]
         engine: Option<StorageEngine>,
@@ -160,8 +160,8 @@ enum Command {
         /// checking the store after each.
         #[arg(long, default_value_t = 0)]
         power_cuts: usize,
-        /// Storage engine of the children's store: sled (default) or fjall.
-        #[arg(long, value_parser = parse_engine, default_value = "sled")]
+        /// Storage engine of the children's store: fjall (default) or sled.
+        #[arg(long, value_parser = parse_engine, default_value = "fjall")]
         engine: StorageEngine,
         /// Data directory (default: a new temporary directory, kept).
         #[arg(long)]
@@ -180,7 +180,7 @@ enum Command {
         #[arg(long)]
         turns: usize,
         /// The store engine.
-        #[arg(long, default_value = "sled")]
+        #[arg(long, default_value = "fjall")]
         store: cairn::chaos::StoreEngine,
     },
     /// Check a store: every record decodes, histories are complete and replay, queued tasks
@@ -977,6 +977,7 @@ async fn demo(data: Option<PathBuf>, engine: Option<StorageEngine>) -> anyhow::R
         .iter()
         .filter(|e| matches!(e.event, Event::ToolCallCompleted { .. }))
         .count();
+    let engine = host.opened.engine;
     host.shutdown().await;
     let size = dir_size(&store_dir);
     println!("\n--- summary");
@@ -988,7 +989,7 @@ async fn demo(data: Option<PathBuf>, engine: Option<StorageEngine>) -> anyhow::R
         tool_calls
     );
     println!(
-        "store        {} (sled, {} KiB on disk)",
+        "store        {} ({engine}, {} KiB on disk)",
         store_dir.display(),
         size / 1024
     );
@@ -1015,6 +1016,10 @@ fn dir_size(path: &Path) -> u64 {
         .flatten()
         .map(|e| match e.metadata() {
             Ok(m) if m.is_dir() => dir_size(&e.path()),
+            // Allocated, not apparent: fjall preallocates its journal sparsely.
+            #[cfg(unix)]
+            Ok(m) => std::os::unix::fs::MetadataExt::blocks(&m) * 512,
+            #[cfg(not(unix))]
             Ok(m) => m.len(),
             Err(_) => 0,
         })

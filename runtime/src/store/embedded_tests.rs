@@ -27,10 +27,23 @@ fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     out
 }
 
-/// Appends one event at a time to each session (each its own log messages), with a marker
-/// `MARK-<session>-<seq>-` in every event, and `big` bytes more in `big_at`'s event.
+/// Appends one event at a time to each session (each its own log messages) of a new sled
+/// store, with a marker `MARK-<session>-<seq>-` in every event, and `big` bytes more in
+/// `big_at`'s event.
 async fn write_marked(dir: &Path, names: &[&str], events: u64, big_at: Option<(&str, u64, usize)>) {
-    let opened = open(dir, OpenMode::Create, None).await.expect("create");
+    write_marked_on(dir, StorageEngine::Sled, names, events, big_at).await
+}
+
+async fn write_marked_on(
+    dir: &Path,
+    engine: StorageEngine,
+    names: &[&str],
+    events: u64,
+    big_at: Option<(&str, u64, usize)>,
+) {
+    let opened = open(dir, OpenMode::Create, Some(engine))
+        .await
+        .expect("create");
     for s in names {
         for seq in 1..=events {
             let mut text = format!("MARK-{s}-{seq}-");
@@ -369,4 +382,81 @@ async fn a_backup_left_by_a_killed_open_is_put_back() {
             .len(),
         4
     );
+}
+
+/// fjall 3.1 does not check its version files against the checksum `current` holds: a damaged
+/// one can make it abort on a gigabyte allocation, and a missing `current` makes it start the
+/// keyspace empty. Both are named before fjall sees them, and nothing changes.
+#[tokio::test]
+async fn a_damaged_fjall_version_file_is_named_before_fjall_opens_it() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path().join("s");
+    write_marked_on(&dir, StorageEngine::Fjall, &["a", "b"], 5, None).await;
+    assert_eq!(detect(&dir).expect("detect"), Some(StorageEngine::Fjall));
+    let current = dir.join("keyspaces/0/current");
+    let bytes = fs::read(&current).expect("current");
+    let version = dir.join(format!(
+        "keyspaces/0/v{}",
+        u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"))
+    ));
+    let mut damaged = fs::read(&version).expect("version");
+    let mid = damaged.len() / 2;
+    damaged[mid] ^= 0x40;
+    fs::write(&version, &damaged).expect("write");
+    let before = files(&dir);
+    for mode in [OpenMode::ReadOnly, OpenMode::Existing] {
+        match open(&dir, mode, None).await {
+            Err(Error::StoreOpen { reason, .. }) => assert!(
+                reason.contains("version file") && reason.contains("checksum"),
+                "{reason}"
+            ),
+            other => panic!("expected a version-file error, got {other:?}"),
+        }
+        assert_eq!(files(&dir), before, "{mode:?} changed the store");
+    }
+    let mut good = damaged;
+    good[mid] ^= 0x40;
+    fs::write(&version, &good).expect("restore");
+    fs::remove_file(&current).expect("remove current");
+    match open(&dir, OpenMode::Existing, None).await {
+        Err(Error::StoreOpen { reason, .. }) => assert!(reason.contains("current"), "{reason}"),
+        other => panic!("expected a missing-current error, got {other:?}"),
+    }
+}
+
+/// A byte flipped in fjall's journal: fjall cuts the journal there, silently; the marks name
+/// the loss, and the writable open puts the journal back.
+#[tokio::test]
+async fn a_byte_flip_in_the_fjall_journal_is_named_and_destroys_nothing() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path().join("s");
+    write_marked_on(&dir, StorageEngine::Fjall, &["a", "b", "c"], 20, None).await;
+    let journal = names_in(&dir)
+        .into_iter()
+        .find(|n| n.ends_with(".jnl"))
+        .expect("a journal");
+    let mut bytes = fs::read(dir.join(&journal)).expect("journal");
+    let at = find(&bytes, b"MARK-b-10-").expect("the record is in the journal");
+    // Just before the record's value: its length or tag, which fjall takes for a torn tail.
+    bytes[at - 3] ^= 0xff;
+    fs::write(dir.join(&journal), &bytes).expect("write");
+    let before = files(&dir);
+    let read = open(&dir, OpenMode::ReadOnly, None).await;
+    match &read {
+        Ok(read) => {
+            let lost: Vec<String> = read.losses.iter().map(|l| l.to_string()).collect();
+            assert!(
+                lost.iter().any(|l| l.starts_with("session \"b\" seq")),
+                "a cut journal must be named: {lost:?}"
+            );
+        }
+        Err(e) => assert!(
+            e.to_string().contains("journal") || e.to_string().contains("fjall"),
+            "{e}"
+        ),
+    }
+    drop(read);
+    assert_eq!(files(&dir), before, "a read-only open changed the store");
+    assert!(open(&dir, OpenMode::Existing, None).await.is_err());
+    assert_eq!(files(&dir), before, "a refused open changed the store");
 }
