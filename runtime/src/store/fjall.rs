@@ -4,25 +4,19 @@
 //!
 //! # Layout
 //!
-//! One fjall database per store directory, with four keyspaces laid out like sled's trees:
-//!
-//! | keyspace   | key                                              | value                   |
-//! |------------|--------------------------------------------------|-------------------------|
-//! | `events`   | session id bytes ++ `0x00` ++ seq (u64 BE)       | the [`codec`] record    |
-//! | `sessions` | session id bytes                                 | msgpack [`SessionInfo`] |
-//! | `tasks`    | session id bytes ++ `0x00` ++ scheduled seq (BE) | msgpack [`Task`]        |
-//! | `queue`    | visible_at_ms (u64 BE) ++ task key               | empty                   |
-//!
-//! Session ids pass [`check_session_id`], so they never contain `0x00` and the separator keeps
-//! one session's keys from running into another's; the byte order of the keys is the order of
-//! `(session id, seq)`, `TaskId` and `(visible_at_ms, TaskId)`, so range scans give the orders
-//! the [`Store`] contract asks for. The next seq of a session is its `SessionInfo::events + 1`.
+//! One fjall database per store directory, with four keyspaces, `events`, `sessions`, `tasks`
+//! and `queue`, laid out exactly like sled's trees. The layout (keys, values, and why their byte
+//! order gives the orders the [`Store`] contract asks for) and the record codecs are shared with
+//! the sled store and described where they live, in the `keys` module (`store/keys.rs`). The
+//! next seq of a session is its `SessionInfo::events + 1`.
 //!
 //! # Writes: one writer thread, group commit, one write batch, one persist
 //!
 //! Every write (append, lease, lease extension, release) is prepared on the caller's task
 //! (validation, encoding) and sent to the store's writer thread; the caller awaits a
-//! `tokio::sync::oneshot` for the answer, so no tokio worker ever waits on the disk. The writer
+//! `tokio::sync::oneshot` for the answer, so no tokio worker ever waits on the disk. (That
+//! queue, its batching, the held answers and the refusal after a failed persist are shared with
+//! the sled store, in the `write_queue` module, `store/write_queue.rs`.) The writer
 //! takes every write queued so far (a batch of at most [`MAX_BATCH`]) and applies them in order
 //! to an in-memory overlay of the batch's changes, each write reading through the overlay, so
 //! it sees the writes before it. Each write still stands alone: an append's seq check
@@ -113,12 +107,17 @@
 //! waiting in a keyspace, or twenty runs in its level 0), fjall stalls the commit, which here
 //! means the writer thread and so every write: backpressure rather than unbounded memory.
 
-use super::memory::lease_current;
-use super::{
-    check_request, check_session_id, AppendRequest, Lease, NewTask, SessionInfo, Store, Task,
-    TaskId,
+use super::files::{
+    check_store_dir, create_store_dir, open_error, panic_message, sync_dir_described,
 };
-use crate::codec;
+use super::keys::{
+    decode_info, decode_task, encode_meta, key_visible, queue_key, read_events, task_key, EVENTS,
+    QUEUE, SESSIONS, TASKS,
+};
+use super::memory::lease_current;
+pub use super::write_queue::MAX_BATCH;
+use super::write_queue::{next_batch, Engine, Pending, PreparedAppend, Shared, Write, WriteQueue};
+use super::{check_session_id, AppendRequest, Lease, SessionInfo, Store, Task, TaskId};
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
@@ -129,19 +128,19 @@ use std::iter::Peekable;
 use std::ops::Bound;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
-use tokio::sync::oneshot;
 
-const EVENTS_KEYSPACE: &str = "events";
-const SESSIONS_KEYSPACE: &str = "sessions";
-const TASKS_KEYSPACE: &str = "tasks";
-const QUEUE_KEYSPACE: &str = "queue";
+/// How error texts name this engine and its sync.
+const ENGINE: Engine = Engine {
+    name: "fjall",
+    sync: "persist",
+};
+/// What error texts call a part of the database.
+const SPACE: &str = "keyspace";
 /// The file fjall writes first in a database directory.
 const VERSION_FILE: &str = "version";
-/// Writes in one batch at most, bounding the wait of the first one.
-pub const MAX_BATCH: usize = 512;
 /// fjall's `max_journaling_size`: the least it accepts (see the module docs).
 pub const MAX_JOURNAL_BYTES: u64 = 64 * 1024 * 1024;
 /// Each keyspace's memtable is flushed to a table file past this size (fjall's default is
@@ -183,152 +182,9 @@ pub struct FjallStore {
     path: PathBuf,
     /// `None` only while dropping.
     handles: Option<Handles>,
-    /// To the writer thread; `None` only while dropping.
-    writes: Option<mpsc::Sender<Write>>,
-    shared: Arc<Shared>,
+    /// To the writer thread; closed only while dropping.
+    writes: WriteQueue,
     writer: Option<JoinHandle<()>>,
-}
-
-/// What the store and its writer thread share.
-#[derive(Default)]
-struct Shared {
-    /// Set when a commit or persist failed; the store then refuses writes.
-    failed: Mutex<Option<String>>,
-    /// Persists done (for tests of group commit).
-    persists: AtomicU64,
-}
-
-impl Shared {
-    fn failed(&self) -> std::sync::MutexGuard<'_, Option<String>> {
-        // A plain value: consistent even if a holder panicked.
-        self.failed
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
-
-/// A write for the writer thread, with where to answer.
-enum Write {
-    Append(PreparedAppend, oneshot::Sender<Result<()>>),
-    Lease {
-        now_ms: u64,
-        lease_ms: u64,
-        max: usize,
-        reply: oneshot::Sender<Result<Vec<Lease>>>,
-    },
-    Extend {
-        id: TaskId,
-        lease_attempt: u32,
-        now_ms: u64,
-        lease_ms: u64,
-        reply: oneshot::Sender<Result<u64>>,
-    },
-    Release {
-        now_ms: u64,
-        reply: oneshot::Sender<Result<usize>>,
-    },
-}
-
-/// An accepted write's answer, held until its batch is durable.
-enum Pending {
-    Append(oneshot::Sender<Result<()>>),
-    Lease(oneshot::Sender<Result<Vec<Lease>>>, Vec<Lease>),
-    Extend(oneshot::Sender<Result<u64>>, u64),
-    Release(oneshot::Sender<Result<usize>>, usize),
-}
-
-impl Pending {
-    fn answer(self, synced: &std::result::Result<(), String>, path: &Path) {
-        let error = |reason: &String| Error::Store {
-            reason: format!(
-                "fjall store at {}: persist failed, the write is not durable: {reason}",
-                path.display()
-            ),
-        };
-        // A caller that stopped waiting dropped its receiver; nothing to do then.
-        match self {
-            Pending::Append(reply) => {
-                let _ = reply.send(synced.as_ref().map(|_| ()).map_err(error));
-            }
-            Pending::Lease(reply, leases) => {
-                let _ = reply.send(synced.as_ref().map(|_| leases).map_err(error));
-            }
-            Pending::Extend(reply, expiry) => {
-                let _ = reply.send(synced.as_ref().map(|_| expiry).map_err(error));
-            }
-            Pending::Release(reply, count) => {
-                let _ = reply.send(synced.as_ref().map(|_| count).map_err(error));
-            }
-        }
-    }
-}
-
-/// An append, validated and encoded by the caller.
-struct PreparedAppend {
-    session_id: String,
-    expected: u64,
-    /// Key and record of each event.
-    records: Vec<(Vec<u8>, Vec<u8>)>,
-    /// Events of the session after the append; 0 when it records nothing (no session record).
-    count: u64,
-    /// The session record to write.
-    info: Vec<u8>,
-    complete: Option<(TaskId, u32)>,
-    now_ms: u64,
-    /// Completed and cancelled tasks.
-    removed: Vec<TaskId>,
-    /// Tasks to enqueue, with their encoded records.
-    enqueued: Vec<(NewTask, Vec<u8>)>,
-}
-
-impl PreparedAppend {
-    fn new(request: AppendRequest) -> Result<PreparedAppend> {
-        check_request(&request)?;
-        let sid = request.session_id.as_str();
-        let expected = request.expected_next_seq;
-        let mut records = Vec::with_capacity(request.events.len());
-        for (i, e) in request.events.iter().enumerate() {
-            records.push((seq_key(sid, expected + i as u64), codec::encode(e)?));
-        }
-        let count = expected.saturating_sub(1) + records.len() as u64;
-        let info = encode_meta(
-            "session record",
-            &SessionInfo {
-                session_id: sid.to_owned(),
-                status: request.status,
-                events: count,
-                updated_at_ms: request.now_ms,
-            },
-        )?;
-        let removed = request
-            .complete
-            .iter()
-            .map(|(id, _)| id.clone())
-            .chain(request.cancel.iter().cloned())
-            .collect();
-        let mut enqueued = Vec::with_capacity(request.enqueue.len());
-        for new in request.enqueue {
-            let task = Task {
-                id: new.id.clone(),
-                kind: new.kind,
-                visible_at_ms: new.visible_at_ms,
-                lease_attempt: 0,
-            };
-            let bytes = encode_meta("task record", &task)?;
-            enqueued.push((new, bytes));
-        }
-        Ok(PreparedAppend {
-            session_id: request.session_id,
-            expected,
-            records,
-            count,
-            info,
-            complete: request.complete,
-            now_ms: request.now_ms,
-            removed,
-            enqueued,
-        })
-    }
 }
 
 impl std::fmt::Debug for FjallStore {
@@ -343,17 +199,7 @@ impl FjallStore {
     /// Opens the store in `dir`, creating the directory and an empty store when there is none.
     pub fn open(dir: impl AsRef<Path>) -> Result<FjallStore> {
         let dir = dir.as_ref();
-        let created: Vec<&Path> = dir
-            .ancestors()
-            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
-            .collect();
-        fs::create_dir_all(dir).map_err(|e| open_error(dir, format!("cannot create it: {e}")))?;
-        // Make the names of the directories just created durable, deepest first.
-        for new_dir in created {
-            if let Some(parent) = new_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-                sync_dir(parent).map_err(|e| open_error(dir, e))?;
-            }
-        }
+        create_store_dir(dir)?;
         Self::open_dir(dir)
     }
 
@@ -361,10 +207,7 @@ impl FjallStore {
     /// (rather than creating an empty one, as [`FjallStore::open`] does).
     pub fn open_existing(dir: impl AsRef<Path>) -> Result<FjallStore> {
         let dir = dir.as_ref();
-        let meta = fs::metadata(dir).map_err(|e| open_error(dir, format!("no store here: {e}")))?;
-        if !meta.is_dir() {
-            return Err(open_error(dir, "no store here: not a directory".to_owned()));
-        }
+        check_store_dir(dir)?;
         if !dir.join(VERSION_FILE).is_file() {
             return Err(open_error(
                 dir,
@@ -431,15 +274,15 @@ impl FjallStore {
             .map_err(|e| open_error(dir, format!("cannot open keyspace {name:?}: {e}")))
         };
         let handles = Handles {
-            events: keyspace(EVENTS_KEYSPACE)?,
-            sessions: keyspace(SESSIONS_KEYSPACE)?,
-            tasks: keyspace(TASKS_KEYSPACE)?,
-            queue: keyspace(QUEUE_KEYSPACE)?,
+            events: keyspace(EVENTS)?,
+            sessions: keyspace(SESSIONS)?,
+            tasks: keyspace(TASKS)?,
+            queue: keyspace(QUEUE)?,
             db: db.clone(),
         };
         // What fjall leaves unsynced when it creates things (see the module docs).
-        sync_dir(&dir.join("keyspaces"))
-            .and_then(|()| sync_dir(dir))
+        sync_dir_described(&dir.join("keyspaces"))
+            .and_then(|()| sync_dir_described(dir))
             .map_err(|e| open_error(dir, e))?;
 
         let shared = Arc::new(Shared::default());
@@ -457,8 +300,7 @@ impl FjallStore {
         Ok(FjallStore {
             path: dir.to_path_buf(),
             handles: Some(handles),
-            writes: Some(writes),
-            shared,
+            writes: WriteQueue::new(ENGINE, dir, writes, shared),
             writer: Some(writer),
         })
     }
@@ -481,7 +323,7 @@ impl FjallStore {
     /// Persists (journal fdatasyncs) done since the store was opened: with group commit,
     /// concurrent writes share them.
     pub fn persists(&self) -> u64 {
-        self.shared.persists.load(Ordering::Relaxed)
+        self.writes.shared.syncs.load(Ordering::Relaxed)
     }
 
     fn handles(&self) -> Result<&Handles> {
@@ -489,37 +331,12 @@ impl FjallStore {
             reason: format!("fjall store at {} is closed", self.path.display()),
         })
     }
-
-    /// Refuses writes early once a persist failed (the writer thread refuses them too).
-    fn check_writable(&self) -> Result<()> {
-        match self.shared.failed().as_ref() {
-            Some(reason) => Err(refusal(&self.path, reason)),
-            None => Ok(()),
-        }
-    }
-
-    /// Hands a write to the writer thread and waits for its answer.
-    async fn submit<T>(&self, write: Write, answer: oneshot::Receiver<Result<T>>) -> Result<T> {
-        self.check_writable()?;
-        let stopped = || Error::Store {
-            reason: format!(
-                "fjall store at {}: the writer thread has stopped",
-                self.path.display()
-            ),
-        };
-        self.writes
-            .as_ref()
-            .ok_or_else(stopped)?
-            .send(write)
-            .map_err(|_| stopped())?;
-        answer.await.map_err(|_| stopped())?
-    }
 }
 
 impl Drop for FjallStore {
     fn drop(&mut self) {
         // Closing the channel stops the writer once it has answered what it has.
-        drop(self.writes.take());
+        self.writes.close();
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
         }
@@ -529,15 +346,6 @@ impl Drop for FjallStore {
             // while unwinding).
             let _ = catch_unwind(AssertUnwindSafe(move || drop(handles)));
         }
-    }
-}
-
-fn refusal(path: &Path, reason: &str) -> Error {
-    Error::Store {
-        reason: format!(
-            "fjall store at {} refuses writes after a failed persist ({reason}); reopen it",
-            path.display()
-        ),
     }
 }
 
@@ -585,14 +393,7 @@ struct Writer {
 
 impl Writer {
     fn run(mut self, queue: &mpsc::Receiver<Write>) {
-        while let Ok(first) = queue.recv() {
-            let mut batch = vec![first];
-            while batch.len() < MAX_BATCH {
-                match queue.try_recv() {
-                    Ok(write) => batch.push(write),
-                    Err(_) => break,
-                }
-            }
+        while let Some(batch) = next_batch(queue) {
             self.process(batch);
         }
     }
@@ -614,12 +415,7 @@ impl Writer {
                 ))
             });
         self.overlay = Overlay::default();
-        if let Err(reason) = &synced {
-            self.shared.failed().get_or_insert_with(|| reason.clone());
-        }
-        for p in pending {
-            p.answer(&synced, &self.path);
-        }
+        self.shared.settle(&synced, pending, ENGINE, &self.path);
     }
 
     /// Commits the overlay as one fjall write batch and makes it durable with one fdatasync.
@@ -650,24 +446,14 @@ impl Writer {
             .db
             .persist(PersistMode::SyncData)
             .map_err(|e| format!("fjall persist (fdatasync of the journal) failed: {e}"));
-        self.shared.persists.fetch_add(1, Ordering::Relaxed);
+        self.shared.syncs.fetch_add(1, Ordering::Relaxed);
         persisted
     }
 
     /// Runs one write against the overlay: answers it now when it fails, or queues its answer.
     fn apply(&mut self, write: Write, pending: &mut Vec<Pending>) {
-        let refused = self
-            .shared
-            .failed()
-            .as_ref()
-            .map(|reason| refusal(&self.path, reason));
-        if let Some(refused) = refused {
-            let _ = match write {
-                Write::Append(_, reply) => reply.send(Err(refused)).is_ok(),
-                Write::Lease { reply, .. } => reply.send(Err(refused)).is_ok(),
-                Write::Extend { reply, .. } => reply.send(Err(refused)).is_ok(),
-                Write::Release { reply, .. } => reply.send(Err(refused)).is_ok(),
-            };
+        if let Some(refused) = self.shared.refusal(ENGINE, &self.path) {
+            write.refuse(refused);
             return;
         }
         match write {
@@ -757,7 +543,7 @@ impl Writer {
 
     fn task(&self, staged: &Staged, id: &TaskId) -> Result<Option<Task>> {
         match self.task_bytes(staged, &task_key(id))? {
-            Some(bytes) => decode_task(id, &bytes).map(Some),
+            Some(bytes) => decode_task(id, &bytes, SPACE).map(Some),
             None => Ok(None),
         }
     }
@@ -769,7 +555,7 @@ impl Writer {
     fn append(&self, p: &PreparedAppend) -> Result<Staged> {
         let sid = p.session_id.as_str();
         let actual = match self.get(Ks::Sessions, sid.as_bytes())? {
-            Some(bytes) => decode_info(sid, &bytes)?.events + 1,
+            Some(bytes) => decode_info(sid, &bytes, SPACE)?.events + 1,
             None => 1,
         };
         if actual != p.expected {
@@ -897,7 +683,7 @@ impl Writer {
                 staged.put(Ks::Queue, qkey, None);
                 continue;
             };
-            let mut task = decode_task(&String::from_utf8_lossy(&tkey), &bytes)?;
+            let mut task = decode_task(&String::from_utf8_lossy(&tkey), &bytes, SPACE)?;
             task.lease_attempt = task.lease_attempt.saturating_add(1);
             task.visible_at_ms = expires_at_ms;
             let bytes = encode_meta("task record", &task)?;
@@ -953,7 +739,7 @@ impl Writer {
             let Some(bytes) = self.task_bytes(&staged, &tkey)? else {
                 continue; // a stray entry; leasing drops it
             };
-            let mut task = decode_task(&String::from_utf8_lossy(&tkey), &bytes)?;
+            let mut task = decode_task(&String::from_utf8_lossy(&tkey), &bytes, SPACE)?;
             if task.lease_attempt == 0 || task.visible_at_ms <= now_ms {
                 continue; // not leased: a retry waiting for its backoff
             }
@@ -1015,30 +801,7 @@ fn clear_interrupted_creation(dir: &Path) -> std::result::Result<(), String> {
         "removing the empty journal of an interrupted fjall database creation"
     );
     fs::remove_file(&journal).map_err(|e| format!("cannot remove {}: {e}", journal.display()))?;
-    sync_dir(dir)
-}
-
-/// fsyncs a directory, making the names in it durable.
-fn sync_dir(dir: &Path) -> std::result::Result<(), String> {
-    #[cfg(unix)]
-    {
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| format!("fsync of directory {} failed: {e}", dir.display()))
-    }
-    #[cfg(not(unix))]
-    {
-        // Directories cannot be opened for syncing here; NTFS journals the names itself.
-        let _ = dir;
-        Ok(())
-    }
-}
-
-fn open_error(dir: &Path, reason: String) -> Error {
-    Error::StoreOpen {
-        path: dir.display().to_string(),
-        reason,
-    }
+    sync_dir_described(dir)
 }
 
 fn fjall_error(path: &Path, doing: &str, e: impl std::fmt::Display) -> Error {
@@ -1047,71 +810,10 @@ fn fjall_error(path: &Path, doing: &str, e: impl std::fmt::Display) -> Error {
     }
 }
 
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "(no message)".to_owned()
-    }
-}
-
-/// `session ++ 0x00 ++ n (BE)`: the key of an event (n = seq) or a task (n = scheduled seq).
-fn seq_key(session_id: &str, n: u64) -> Vec<u8> {
-    let mut key = Vec::with_capacity(session_id.len() + 9);
-    key.extend_from_slice(session_id.as_bytes());
-    key.push(0);
-    key.extend_from_slice(&n.to_be_bytes());
-    key
-}
-
-fn task_key(id: &TaskId) -> Vec<u8> {
-    seq_key(&id.session_id, id.scheduled_seq)
-}
-
-fn queue_key(visible_at_ms: u64, id: &TaskId) -> Vec<u8> {
-    let mut key = visible_at_ms.to_be_bytes().to_vec();
-    key.extend_from_slice(&task_key(id));
-    key
-}
-
-/// The visibility time at the start of a queue key.
-fn key_visible(key: &[u8]) -> Option<u64> {
-    let head: [u8; 8] = key.get(..8)?.try_into().ok()?;
-    Some(u64::from_be_bytes(head))
-}
-
-/// The seq at the end of an event key.
-fn key_seq(key: &[u8]) -> Option<u64> {
-    let tail: [u8; 8] = key.get(key.len().checked_sub(8)?..)?.try_into().ok()?;
-    Some(u64::from_be_bytes(tail))
-}
-
-fn encode_meta<T: serde::Serialize>(what: &str, value: &T) -> Result<Vec<u8>> {
-    rmp_serde::to_vec_named(value).map_err(|e| Error::Store {
-        reason: format!("cannot encode {what}: {e}"),
-    })
-}
-
-fn decode_info(session_id: &str, bytes: &[u8]) -> Result<SessionInfo> {
-    rmp_serde::from_slice(bytes).map_err(|e| Error::Store {
-        reason: format!("corrupt record of session {session_id:?} in the sessions keyspace: {e}"),
-    })
-}
-
-fn decode_task(what: &dyn std::fmt::Display, bytes: &[u8]) -> Result<Task> {
-    rmp_serde::from_slice(bytes).map_err(|e| Error::Store {
-        reason: format!("corrupt record of task {what} in the tasks keyspace: {e}"),
-    })
-}
-
 #[async_trait]
 impl Store for FjallStore {
     async fn append(&self, request: AppendRequest) -> Result<()> {
-        let prepared = PreparedAppend::new(request)?;
-        let (reply, answer) = oneshot::channel();
-        self.submit(Write::Append(prepared, reply), answer).await
+        self.writes.append(request).await
     }
 
     async fn read_history(
@@ -1133,47 +835,16 @@ impl Store for FjallStore {
             .get(&h.sessions, session_id.as_bytes())
             .map_err(|e| fjall_error(&self.path, "reading the sessions keyspace", e))?
         {
-            Some(bytes) => decode_info(session_id, &bytes)?,
+            Some(bytes) => decode_info(session_id, &bytes, SPACE)?,
             None => return Err(unknown()),
         };
-        let start = from_seq.max(1);
-        let limit = limit.unwrap_or(usize::MAX);
-        let mut out = Vec::new();
-        if limit == 0 || start > info.events {
-            return Ok(out);
-        }
-        let range = seq_key(session_id, start)..=seq_key(session_id, info.events);
-        let mut expected = start;
-        for item in snapshot.range(&h.events, range) {
-            if out.len() >= limit {
-                break;
-            }
-            let (key, record) = item.into_inner().map_err(|e| {
-                fjall_error(&self.path, &format!("reading session {session_id:?}"), e)
-            })?;
-            let seq = key_seq(&key).unwrap_or(0);
-            if seq != expected {
-                return Err(Error::CorruptRecord {
-                    session_id: session_id.to_owned(),
-                    seq: expected,
-                    reason: format!("missing from the store (the next stored seq is {seq})"),
-                });
-            }
-            out.push(codec::decode(session_id, seq, &record)?);
-            expected += 1;
-        }
-        // Events are written with their session record, so the range must hold all of them.
-        if out.len() < limit && expected <= info.events {
-            return Err(Error::CorruptRecord {
-                session_id: session_id.to_owned(),
-                seq: expected,
-                reason: format!(
-                    "missing from the store (the session records {} events)",
-                    info.events
-                ),
-            });
-        }
-        Ok(out)
+        read_events(session_id, info.events, from_seq, limit, |range| {
+            snapshot.range(&h.events, range).map(|item| {
+                item.into_inner().map_err(|e| {
+                    fjall_error(&self.path, &format!("reading session {session_id:?}"), e)
+                })
+            })
+        })
     }
 
     async fn list_sessions(&self) -> Result<Vec<SessionInfo>> {
@@ -1183,23 +854,13 @@ impl Store for FjallStore {
             let (key, bytes) = item
                 .into_inner()
                 .map_err(|e| fjall_error(&self.path, "reading the sessions keyspace", e))?;
-            out.push(decode_info(&String::from_utf8_lossy(&key), &bytes)?);
+            out.push(decode_info(&String::from_utf8_lossy(&key), &bytes, SPACE)?);
         }
         Ok(out)
     }
 
     async fn lease_tasks(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<Vec<Lease>> {
-        if max == 0 {
-            return Ok(Vec::new());
-        }
-        let (reply, answer) = oneshot::channel();
-        let write = Write::Lease {
-            now_ms,
-            lease_ms,
-            max,
-            reply,
-        };
-        self.submit(write, answer).await
+        self.writes.lease(now_ms, lease_ms, max).await
     }
 
     async fn extend_lease(
@@ -1209,15 +870,9 @@ impl Store for FjallStore {
         now_ms: u64,
         lease_ms: u64,
     ) -> Result<u64> {
-        let (reply, answer) = oneshot::channel();
-        let write = Write::Extend {
-            id: id.clone(),
-            lease_attempt,
-            now_ms,
-            lease_ms,
-            reply,
-        };
-        self.submit(write, answer).await
+        self.writes
+            .extend(id, lease_attempt, now_ms, lease_ms)
+            .await
     }
 
     async fn list_tasks(&self) -> Result<Vec<Task>> {
@@ -1227,14 +882,13 @@ impl Store for FjallStore {
             let (key, bytes) = item
                 .into_inner()
                 .map_err(|e| fjall_error(&self.path, "reading the tasks keyspace", e))?;
-            out.push(decode_task(&String::from_utf8_lossy(&key), &bytes)?);
+            out.push(decode_task(&String::from_utf8_lossy(&key), &bytes, SPACE)?);
         }
         Ok(out)
     }
 
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
-        let (reply, answer) = oneshot::channel();
-        self.submit(Write::Release { now_ms, reply }, answer).await
+        self.writes.release(now_ms).await
     }
 }
 
@@ -1242,12 +896,11 @@ impl Store for FjallStore {
 mod tests {
     use super::*;
     use crate::store::conformance::{self, append_request, message};
-    use crate::store::{SessionStatus, TaskKind};
+    use crate::store::engine_tests::{self, temp, write_sessions};
+    use crate::store::keys::seq_key;
+    use crate::store::{NewTask, SessionStatus, TaskKind};
     use std::sync::atomic::AtomicUsize;
-
-    fn temp() -> tempfile::TempDir {
-        tempfile::tempdir().expect("tempdir")
-    }
+    use tokio::sync::oneshot;
 
     /// Fresh fjall stores in subdirectories of `root`.
     fn factory(root: &Path) -> impl FnMut() -> FjallStore + '_ {
@@ -1317,86 +970,19 @@ mod tests {
         conformance::run_all(factory(root.path()), Some(&mut reopen)).await;
     }
 
-    async fn write_sessions(store: &FjallStore, names: &[&str], events: u64) {
-        for s in names {
-            let batch = (1..=events)
-                .map(|seq| message(s, seq, &format!("{s}-{seq}")))
-                .collect();
-            store
-                .append(append_request(s, 1, batch, 1))
-                .await
-                .expect("append");
-        }
-    }
-
     #[test]
     fn open_existing_refuses_places_without_a_store_and_creates_nothing() {
-        let root = temp();
-        let missing = root.path().join("missing");
-        let empty = root.path().join("empty");
-        fs::create_dir(&empty).expect("mkdir");
-        let file = root.path().join("file");
-        fs::write(&file, b"not a store").expect("write");
-        for (dir, what) in [
-            (&missing, "a missing dir"),
-            (&empty, "an empty dir"),
-            (&file, "a file"),
-        ] {
-            match FjallStore::open_existing(dir) {
-                Err(Error::StoreOpen { path, reason }) => {
-                    assert_eq!(path, dir.display().to_string(), "the error names the path");
-                    assert!(
-                        reason.contains("no store here"),
-                        "{what}: unclear reason {reason:?}"
-                    );
-                }
-                other => panic!("open_existing on {what} must fail with StoreOpen, got {other:?}"),
-            }
-        }
-        assert!(
-            !missing.exists(),
-            "open_existing must not create the directory"
-        );
-        assert_eq!(
-            fs::read_dir(&empty).expect("ls").count(),
-            0,
-            "nor files in it"
-        );
-        assert!(
-            matches!(FjallStore::open(&file), Err(Error::StoreOpen { .. })),
-            "open on a file is StoreOpen"
-        );
+        engine_tests::open_existing_refuses_non_stores::<FjallStore>();
     }
 
     #[tokio::test]
     async fn open_creates_nested_dirs_and_open_existing_then_finds_the_store() {
-        let root = temp();
-        let dir = root.path().join("a").join("b");
-        let store = FjallStore::open(&dir).expect("open");
-        assert_eq!(store.path(), dir.as_path());
-        write_sessions(&store, &["s"], 3).await;
-        assert!(store.size_on_disk().expect("size") > 0);
-        drop(store);
-        let store = FjallStore::open_existing(&dir).expect("open_existing");
-        assert_eq!(
-            store.read_history("s", 1, None).await.expect("read").len(),
-            3
-        );
+        engine_tests::open_creates_nested_dirs::<FjallStore>().await;
     }
 
     #[test]
     fn a_second_open_of_an_open_store_is_a_clear_error() {
-        let root = temp();
-        let _store = FjallStore::open(root.path()).expect("open");
-        match FjallStore::open(root.path()) {
-            Err(Error::StoreOpen { reason, .. }) => {
-                assert!(
-                    reason.contains("lock"),
-                    "the reason should say the store is locked: {reason}"
-                )
-            }
-            other => panic!("opening an open store must be StoreOpen, got {other:?}"),
-        }
+        engine_tests::a_second_open_is_refused::<FjallStore>();
     }
 
     #[tokio::test]
@@ -1575,7 +1161,7 @@ mod tests {
         let mut writer = Writer {
             path: store.path.clone(),
             handles: store.handles().expect("handles").clone(),
-            shared: Arc::clone(&store.shared),
+            shared: Arc::clone(&store.writes.shared),
             overlay: Overlay::default(),
         };
         let before = store.persists();
@@ -1642,7 +1228,7 @@ mod tests {
         let root = temp();
         let store = FjallStore::open(root.path()).expect("open");
         write_sessions(&store, &["s"], 1).await;
-        *store.shared.failed() = Some("injected fsync failure".to_owned());
+        *store.writes.shared.failed() = Some("injected fsync failure".to_owned());
         let mut request = append_request("s", 2, vec![message("s", 2, "x")], 2);
         request.enqueue = vec![tool_task("s", 2)];
         match store.append(request).await {

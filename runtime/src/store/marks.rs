@@ -28,6 +28,7 @@
 //! acknowledged writes by at most the interval: damage to the very last writes before a crash
 //! can pass unseen, anything older cannot.
 
+pub(crate) use super::files::sync_dir;
 use super::{AppendRequest, Lease, SessionInfo, Store, Task, TaskId};
 use crate::error::Result;
 use crate::event::EventEnvelope;
@@ -203,19 +204,6 @@ pub fn write_marks(dir: &Path, marks: &BTreeMap<String, u64>) -> std::io::Result
     drop(file);
     fs::rename(&tmp, dir.join(MARKS_FILE))?;
     sync_dir(dir)
-}
-
-/// fsyncs a directory, making the names in it durable.
-pub(crate) fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    #[cfg(unix)]
-    {
-        File::open(dir)?.sync_all()
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = dir;
-        Ok(())
-    }
 }
 
 /// What the store and its marks writer share.

@@ -13,11 +13,16 @@ use std::fmt;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 pub mod embedded;
+#[cfg(test)]
+mod engine_tests;
 pub mod faulty;
+mod files;
 pub mod fjall;
+mod keys;
 pub mod marks;
 pub mod memory;
 pub mod sled;
+mod write_queue;
 
 /// Which kind of activity a task runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

@@ -2,28 +2,23 @@
 //!
 //! # Layout
 //!
-//! One sled database per store directory, with four trees:
-//!
-//! | tree       | key                                              | value                   |
-//! |------------|--------------------------------------------------|-------------------------|
-//! | `events`   | session id bytes ++ `0x00` ++ seq (u64 BE)       | the [`codec`] record    |
-//! | `sessions` | session id bytes                                 | msgpack [`SessionInfo`] |
-//! | `tasks`    | session id bytes ++ `0x00` ++ scheduled seq (BE) | msgpack [`Task`]        |
-//! | `queue`    | visible_at_ms (u64 BE) ++ task key               | empty                   |
-//!
-//! Session ids pass [`check_session_id`], so they never contain `0x00` and the separator keeps
-//! one session's keys from running into another's; the byte order of the keys is the order of
-//! `(session id, seq)`, `TaskId` and `(visible_at_ms, TaskId)`, so range scans give the orders
-//! the [`Store`] contract asks for. The next seq of a session is its `SessionInfo::events + 1`.
+//! One sled database per store directory, with four trees, `events`, `sessions`, `tasks` and
+//! `queue`, laid out exactly like the fjall store's keyspaces. The layout (keys, values, and why
+//! their byte order gives the orders the [`Store`] contract asks for) and the record codecs are
+//! shared with the fjall store and described where they live, in the `keys` module
+//! (`store/keys.rs`). The next seq of a session is its `SessionInfo::events + 1`.
 //!
 //! # Writes: one writer thread, group commit
 //!
-//! Every write (append, lease, lease extension) is prepared on the caller's task (validation,
-//! encoding) and sent to the store's writer thread; the caller awaits a
+//! Every write (append, lease, lease extension, release) is prepared on the caller's task
+//! (validation, encoding) and sent to the store's writer thread; the caller awaits a
 //! `tokio::sync::oneshot` for the answer, so no tokio worker ever waits on the disk. The writer
 //! takes every write queued so far (a batch), commits it, makes the whole batch durable with
 //! one flush and answers it. Writes that arrive during a flush form the next batch, so N
-//! concurrent appends cost about one flush, not N.
+//! concurrent appends cost about one flush, not N. The queue itself (the writes, their
+//! preparation, batching, the held answers and the refusal after a failed sync) is shared with
+//! the fjall store, in the `write_queue` module (`store/write_queue.rs`); what follows is what
+//! sled's writer does with a batch.
 //!
 //! Consecutive appends of a batch commit in one sled transaction over the four trees, in
 //! order, each seeing the ones before it. Each append still stands alone: its seq check
@@ -90,12 +85,16 @@
 //! not: if the process dies before that flush, the unacknowledged write and everything after it
 //! are lost together, and the readers that saw it died with the process.
 
-use super::memory::lease_current;
-use super::{
-    check_request, check_session_id, AppendRequest, Lease, NewTask, SessionInfo, Store, Task,
-    TaskId,
+use super::files::{
+    check_store_dir, create_store_dir, open_error, panic_message, sync_dir_described,
 };
-use crate::codec;
+use super::keys::{
+    decode_info, decode_task, encode_meta, key_visible, queue_key, read_events, task_key, EVENTS,
+    QUEUE, SESSIONS, TASKS,
+};
+use super::memory::lease_current;
+use super::write_queue::{next_batch, Engine, Pending, PreparedAppend, Shared, Write, WriteQueue};
+use super::{check_session_id, AppendRequest, Lease, SessionInfo, Store, Task, TaskId};
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
@@ -105,18 +104,19 @@ use std::ffi::OsString;
 use std::fs::{self, File};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::SystemTime;
 use tokio::sync::oneshot;
 
-const EVENTS_TREE: &str = "events";
-const SESSIONS_TREE: &str = "sessions";
-const TASKS_TREE: &str = "tasks";
-const QUEUE_TREE: &str = "queue";
-/// Writes in one batch at most, bounding the wait of the first one.
-const MAX_BATCH: usize = 512;
+/// How error texts name this engine and its sync.
+const ENGINE: Engine = Engine {
+    name: "sled",
+    sync: "sync",
+};
+/// What error texts call a part of the database.
+const SPACE: &str = "tree";
 
 /// The sled database and its trees.
 #[derive(Clone)]
@@ -133,153 +133,9 @@ pub struct SledStore {
     path: PathBuf,
     /// `None` only while dropping.
     handles: Option<Handles>,
-    /// To the writer thread; `None` only while dropping.
-    writes: Option<mpsc::Sender<Write>>,
-    shared: Arc<Shared>,
+    /// To the writer thread; closed only while dropping.
+    writes: WriteQueue,
     writer: Option<JoinHandle<()>>,
-}
-
-/// What the store and its writer thread share.
-#[derive(Default)]
-struct Shared {
-    /// Set when a flush or fsync failed; the store then refuses writes.
-    failed: Mutex<Option<String>>,
-    /// Flushes done (for tests of group commit).
-    flushes: AtomicU64,
-}
-
-impl Shared {
-    fn failed(&self) -> std::sync::MutexGuard<'_, Option<String>> {
-        // A plain value: consistent even if a holder panicked.
-        self.failed
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
-
-/// A write for the writer thread, with where to answer.
-enum Write {
-    Append(PreparedAppend, oneshot::Sender<Result<()>>),
-    Lease {
-        now_ms: u64,
-        lease_ms: u64,
-        max: usize,
-        reply: oneshot::Sender<Result<Vec<Lease>>>,
-    },
-    Extend {
-        id: TaskId,
-        lease_attempt: u32,
-        now_ms: u64,
-        lease_ms: u64,
-        reply: oneshot::Sender<Result<u64>>,
-    },
-    Release {
-        now_ms: u64,
-        reply: oneshot::Sender<Result<usize>>,
-    },
-}
-
-/// A committed write's answer, held until its batch is durable.
-enum Pending {
-    /// An append.
-    Append(oneshot::Sender<Result<()>>),
-    Lease(oneshot::Sender<Result<Vec<Lease>>>, Vec<Lease>),
-    Extend(oneshot::Sender<Result<u64>>, u64),
-    Release(oneshot::Sender<Result<usize>>, usize),
-}
-
-impl Pending {
-    fn answer(self, synced: &std::result::Result<(), String>, path: &Path) {
-        let error = |reason: &String| Error::Store {
-            reason: format!(
-                "sled store at {}: sync failed, the write is not durable: {reason}",
-                path.display()
-            ),
-        };
-        // A caller that stopped waiting dropped its receiver; nothing to do then.
-        match self {
-            Pending::Append(reply) => {
-                let _ = reply.send(synced.as_ref().map(|_| ()).map_err(error));
-            }
-            Pending::Lease(reply, leases) => {
-                let _ = reply.send(synced.as_ref().map(|_| leases).map_err(error));
-            }
-            Pending::Extend(reply, expiry) => {
-                let _ = reply.send(synced.as_ref().map(|_| expiry).map_err(error));
-            }
-            Pending::Release(reply, count) => {
-                let _ = reply.send(synced.as_ref().map(|_| count).map_err(error));
-            }
-        }
-    }
-}
-
-/// An append, validated and encoded by the caller.
-struct PreparedAppend {
-    session_id: String,
-    expected: u64,
-    /// Key and record of each event.
-    records: Vec<(Vec<u8>, Vec<u8>)>,
-    /// Events of the session after the append; 0 when it records nothing (no session record).
-    count: u64,
-    /// The session record to write.
-    info: Vec<u8>,
-    complete: Option<(TaskId, u32)>,
-    now_ms: u64,
-    /// Completed and cancelled tasks.
-    removed: Vec<TaskId>,
-    /// Tasks to enqueue, with their encoded records.
-    enqueued: Vec<(NewTask, Vec<u8>)>,
-}
-
-impl PreparedAppend {
-    fn new(request: AppendRequest) -> Result<PreparedAppend> {
-        check_request(&request)?;
-        let sid = request.session_id.as_str();
-        let expected = request.expected_next_seq;
-        let mut records = Vec::with_capacity(request.events.len());
-        for (i, e) in request.events.iter().enumerate() {
-            records.push((seq_key(sid, expected + i as u64), codec::encode(e)?));
-        }
-        let count = expected.saturating_sub(1) + records.len() as u64;
-        let info = encode_meta(
-            "session record",
-            &SessionInfo {
-                session_id: sid.to_owned(),
-                status: request.status,
-                events: count,
-                updated_at_ms: request.now_ms,
-            },
-        )?;
-        let removed = request
-            .complete
-            .iter()
-            .map(|(id, _)| id.clone())
-            .chain(request.cancel.iter().cloned())
-            .collect();
-        let mut enqueued = Vec::with_capacity(request.enqueue.len());
-        for new in request.enqueue {
-            let task = Task {
-                id: new.id.clone(),
-                kind: new.kind,
-                visible_at_ms: new.visible_at_ms,
-                lease_attempt: 0,
-            };
-            let bytes = encode_meta("task record", &task)?;
-            enqueued.push((new, bytes));
-        }
-        Ok(PreparedAppend {
-            session_id: request.session_id,
-            expected,
-            records,
-            count,
-            info,
-            complete: request.complete,
-            now_ms: request.now_ms,
-            removed,
-            enqueued,
-        })
-    }
 }
 
 impl std::fmt::Debug for SledStore {
@@ -294,17 +150,7 @@ impl SledStore {
     /// Opens the store in `dir`, creating the directory and an empty store when there is none.
     pub fn open(dir: impl AsRef<Path>) -> Result<SledStore> {
         let dir = dir.as_ref();
-        let created: Vec<&Path> = dir
-            .ancestors()
-            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
-            .collect();
-        fs::create_dir_all(dir).map_err(|e| open_error(dir, format!("cannot create it: {e}")))?;
-        // Make the names of the directories just created durable, deepest first.
-        for new_dir in created {
-            if let Some(parent) = new_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-                sync_dir(parent).map_err(|e| open_error(dir, e))?;
-            }
-        }
+        create_store_dir(dir)?;
         Self::open_dir(dir)
     }
 
@@ -312,10 +158,7 @@ impl SledStore {
     /// creating an empty one, as [`SledStore::open`] does).
     pub fn open_existing(dir: impl AsRef<Path>) -> Result<SledStore> {
         let dir = dir.as_ref();
-        let meta = fs::metadata(dir).map_err(|e| open_error(dir, format!("no store here: {e}")))?;
-        if !meta.is_dir() {
-            return Err(open_error(dir, "no store here: not a directory".to_owned()));
-        }
+        check_store_dir(dir)?;
         if !dir.join("db").is_file() || !dir.join("conf").is_file() {
             return Err(open_error(
                 dir,
@@ -353,10 +196,10 @@ impl SledStore {
                 .map_err(|e| open_error(dir, format!("cannot open tree {name:?}: {e}")))
         };
         let handles = Handles {
-            events: tree(EVENTS_TREE)?,
-            sessions: tree(SESSIONS_TREE)?,
-            tasks: tree(TASKS_TREE)?,
-            queue: tree(QUEUE_TREE)?,
+            events: tree(EVENTS)?,
+            sessions: tree(SESSIONS)?,
+            tasks: tree(TASKS)?,
+            queue: tree(QUEUE)?,
             db: db.clone(),
         };
         let mut syncer = Syncer::new(dir).map_err(|e| open_error(dir, e))?;
@@ -378,8 +221,7 @@ impl SledStore {
         Ok(SledStore {
             path: dir.to_path_buf(),
             handles: Some(handles),
-            writes: Some(writes),
-            shared,
+            writes: WriteQueue::new(ENGINE, dir, writes, shared),
             writer: Some(writer),
         })
     }
@@ -402,42 +244,12 @@ impl SledStore {
             reason: format!("sled store at {} is closed", self.path.display()),
         })
     }
-
-    /// Refuses writes early once a sync failed (the writer thread refuses them too).
-    fn check_writable(&self) -> Result<()> {
-        match self.shared.failed().as_ref() {
-            Some(reason) => Err(Error::Store {
-                reason: format!(
-                    "sled store at {} refuses writes after a failed sync ({reason}); reopen it",
-                    self.path.display()
-                ),
-            }),
-            None => Ok(()),
-        }
-    }
-
-    /// Hands a write to the writer thread and waits for its answer.
-    async fn submit<T>(&self, write: Write, answer: oneshot::Receiver<Result<T>>) -> Result<T> {
-        self.check_writable()?;
-        let stopped = || Error::Store {
-            reason: format!(
-                "sled store at {}: the writer thread has stopped",
-                self.path.display()
-            ),
-        };
-        self.writes
-            .as_ref()
-            .ok_or_else(stopped)?
-            .send(write)
-            .map_err(|_| stopped())?;
-        answer.await.map_err(|_| stopped())?
-    }
 }
 
 impl Drop for SledStore {
     fn drop(&mut self) {
         // Closing the channel stops the writer once it has answered what it has.
-        drop(self.writes.take());
+        self.writes.close();
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
         }
@@ -459,17 +271,7 @@ struct Writer {
 
 impl Writer {
     fn run(mut self, queue: &mpsc::Receiver<Write>) {
-        loop {
-            let Ok(first) = queue.recv() else {
-                break;
-            };
-            let mut batch = vec![first];
-            while batch.len() < MAX_BATCH {
-                match queue.try_recv() {
-                    Ok(write) => batch.push(write),
-                    Err(_) => break,
-                }
-            }
+        while let Some(batch) = next_batch(queue) {
             let mut pending = Vec::with_capacity(batch.len());
             let mut appends = Vec::new();
             for write in batch {
@@ -494,25 +296,14 @@ impl Writer {
                         panic_message(&*panic)
                     ))
                 });
-            self.shared.flushes.fetch_add(1, Ordering::Relaxed);
-            if let Err(reason) = &synced {
-                self.shared.failed().get_or_insert_with(|| reason.clone());
-            }
-            for p in pending {
-                p.answer(&synced, &self.path);
-            }
+            self.shared.syncs.fetch_add(1, Ordering::Relaxed);
+            self.shared.settle(&synced, pending, ENGINE, &self.path);
         }
     }
 
     /// Why writes are refused, once a sync failed.
     fn refusal(&self) -> Option<Error> {
-        let failed = self.shared.failed();
-        failed.as_ref().map(|reason| Error::Store {
-            reason: format!(
-                "sled store at {} refuses writes after a failed sync ({reason}); reopen it",
-                self.path.display()
-            ),
-        })
+        self.shared.refusal(ENGINE, &self.path)
     }
 
     /// Commits consecutive appends in one transaction (each still all or nothing): answers the
@@ -554,12 +345,7 @@ impl Writer {
     /// Runs a lease or an extension: answers it now when it fails, or queues its answer.
     fn apply(&self, write: Write, pending: &mut Vec<Pending>) {
         if let Some(refused) = self.refusal() {
-            let _ = match write {
-                Write::Append(_, reply) => reply.send(Err(refused)).is_ok(),
-                Write::Lease { reply, .. } => reply.send(Err(refused)).is_ok(),
-                Write::Extend { reply, .. } => reply.send(Err(refused)).is_ok(),
-                Write::Release { reply, .. } => reply.send(Err(refused)).is_ok(),
-            };
+            write.refuse(refused);
             return;
         }
         match write {
@@ -624,13 +410,9 @@ impl Writer {
                 break;
             }
             let (key, _) = item.map_err(|e| sled_error(&self.path, "scanning the queue", e))?;
-            let visible = key
-                .get(..8)
-                .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                .map(u64::from_be_bytes)
-                .ok_or_else(|| {
-                    sled_error(&self.path, "scanning the queue", format!("bad key {key:?}"))
-                })?;
+            let visible = key_visible(&key).ok_or_else(|| {
+                sled_error(&self.path, "scanning the queue", format!("bad key {key:?}"))
+            })?;
             if visible > now_ms {
                 break;
             }
@@ -656,7 +438,7 @@ impl Writer {
                     continue;
                 };
                 let mut task =
-                    decode_task(&String::from_utf8_lossy(tkey), &bytes).map_err(abort)?;
+                    decode_task(&String::from_utf8_lossy(tkey), &bytes, SPACE).map_err(abort)?;
                 task.lease_attempt = task.lease_attempt.saturating_add(1);
                 task.visible_at_ms = expires_at_ms;
                 let bytes = encode_meta("task record", &task).map_err(abort)?;
@@ -682,7 +464,7 @@ impl Writer {
         let trees = (&h.tasks, &h.queue);
         let result = trees.transaction(|(tasks, queue)| {
             let task = match tasks.get(&key)? {
-                Some(bytes) => Some(decode_task(id, &bytes).map_err(abort)?),
+                Some(bytes) => Some(decode_task(id, &bytes, SPACE).map_err(abort)?),
                 None => None,
             };
             lease_current(task.as_ref(), id, lease_attempt, now_ms).map_err(abort)?;
@@ -725,7 +507,7 @@ impl Writer {
                     continue; // a stray entry; leasing drops it
                 };
                 let mut task =
-                    decode_task(&String::from_utf8_lossy(tkey), &bytes).map_err(abort)?;
+                    decode_task(&String::from_utf8_lossy(tkey), &bytes, SPACE).map_err(abort)?;
                 if task.lease_attempt == 0 || task.visible_at_ms <= now_ms {
                     continue; // not leased: a retry waiting for its backoff
                 }
@@ -774,8 +556,8 @@ impl Syncer {
             .and_then(|f| f.sync_all())
             .map_err(|e| format!("cannot sync {}: {e}", conf.display()))?;
         self.sync(db)?;
-        sync_dir(&self.blobs_dir)?;
-        sync_dir(&self.dir)
+        sync_dir_described(&self.blobs_dir)?;
+        sync_dir_described(&self.dir)
     }
 
     /// Makes everything committed so far durable.
@@ -813,33 +595,10 @@ impl Syncer {
             seen.insert(name, stamp);
         }
         if any_new {
-            sync_dir(&self.blobs_dir)?;
+            sync_dir_described(&self.blobs_dir)?;
         }
         self.synced_blobs = seen;
         Ok(())
-    }
-}
-
-/// fsyncs a directory, making the names in it durable.
-fn sync_dir(dir: &Path) -> std::result::Result<(), String> {
-    #[cfg(unix)]
-    {
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| format!("fsync of directory {} failed: {e}", dir.display()))
-    }
-    #[cfg(not(unix))]
-    {
-        // Directories cannot be opened for syncing here; NTFS journals the names itself.
-        let _ = dir;
-        Ok(())
-    }
-}
-
-fn open_error(dir: &Path, reason: String) -> Error {
-    Error::StoreOpen {
-        path: dir.display().to_string(),
-        reason,
     }
 }
 
@@ -847,59 +606,6 @@ fn sled_error(path: &Path, doing: &str, e: impl std::fmt::Display) -> Error {
     Error::Store {
         reason: format!("sled store at {}: {doing}: {e}", path.display()),
     }
-}
-
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "(no message)".to_owned()
-    }
-}
-
-/// `session ++ 0x00 ++ n (BE)`: the key of an event (n = seq) or a task (n = scheduled seq).
-fn seq_key(session_id: &str, n: u64) -> Vec<u8> {
-    let mut key = Vec::with_capacity(session_id.len() + 9);
-    key.extend_from_slice(session_id.as_bytes());
-    key.push(0);
-    key.extend_from_slice(&n.to_be_bytes());
-    key
-}
-
-fn task_key(id: &TaskId) -> Vec<u8> {
-    seq_key(&id.session_id, id.scheduled_seq)
-}
-
-fn queue_key(visible_at_ms: u64, id: &TaskId) -> Vec<u8> {
-    let mut key = visible_at_ms.to_be_bytes().to_vec();
-    key.extend_from_slice(&task_key(id));
-    key
-}
-
-/// The seq at the end of an event key.
-fn key_seq(key: &[u8]) -> Option<u64> {
-    let tail: [u8; 8] = key.get(key.len().checked_sub(8)?..)?.try_into().ok()?;
-    Some(u64::from_be_bytes(tail))
-}
-
-fn encode_meta<T: serde::Serialize>(what: &str, value: &T) -> Result<Vec<u8>> {
-    rmp_serde::to_vec_named(value).map_err(|e| Error::Store {
-        reason: format!("cannot encode {what}: {e}"),
-    })
-}
-
-fn decode_info(session_id: &str, bytes: &[u8]) -> Result<SessionInfo> {
-    rmp_serde::from_slice(bytes).map_err(|e| Error::Store {
-        reason: format!("corrupt record of session {session_id:?} in the sessions tree: {e}"),
-    })
-}
-
-fn decode_task(what: &dyn std::fmt::Display, bytes: &[u8]) -> Result<Task> {
-    rmp_serde::from_slice(bytes).map_err(|e| Error::Store {
-        reason: format!("corrupt record of task {what} in the tasks tree: {e}"),
-    })
 }
 
 /// Commits `appends` in one sled transaction, in order, each seeing the ones before it.
@@ -938,7 +644,7 @@ fn append_one(
 ) -> std::result::Result<Result<()>, ConflictableTransactionError<Error>> {
     let sid = p.session_id.as_str();
     let actual = match sessions.get(sid.as_bytes())? {
-        Some(bytes) => match decode_info(sid, &bytes) {
+        Some(bytes) => match decode_info(sid, &bytes, SPACE) {
             Ok(info) => info.events + 1,
             Err(e) => return Ok(Err(e)),
         },
@@ -956,7 +662,7 @@ fn append_one(
         ConflictableTransactionError<Error>,
     > {
         Ok(match tasks.get(task_key(id))? {
-            Some(bytes) => decode_task(id, &bytes).map(Some),
+            Some(bytes) => decode_task(id, &bytes, SPACE).map(Some),
             None => Ok(None),
         })
     };
@@ -988,13 +694,13 @@ fn append_one(
     }
     for id in &p.removed {
         if let Some(bytes) = tasks.remove(task_key(id))? {
-            let old = decode_task(id, &bytes).map_err(abort)?;
+            let old = decode_task(id, &bytes, SPACE).map_err(abort)?;
             queue.remove(queue_key(old.visible_at_ms, id))?;
         }
     }
     for (new, bytes) in &p.enqueued {
         if let Some(old) = tasks.insert(task_key(&new.id), bytes.as_slice())? {
-            let old = decode_task(&new.id, &old).map_err(abort)?;
+            let old = decode_task(&new.id, &old, SPACE).map_err(abort)?;
             queue.remove(queue_key(old.visible_at_ms, &new.id))?;
         }
         queue.insert(queue_key(new.visible_at_ms, &new.id), &[] as &[u8])?;
@@ -1009,9 +715,7 @@ fn abort(e: Error) -> ConflictableTransactionError<Error> {
 #[async_trait]
 impl Store for SledStore {
     async fn append(&self, request: AppendRequest) -> Result<()> {
-        let prepared = PreparedAppend::new(request)?;
-        let (reply, answer) = oneshot::channel();
-        self.submit(Write::Append(prepared, reply), answer).await
+        self.writes.append(request).await
     }
 
     async fn read_history(
@@ -1032,47 +736,16 @@ impl Store for SledStore {
             .get(session_id.as_bytes())
             .map_err(|e| sled_error(&self.path, "reading the sessions tree", e))?
         {
-            Some(bytes) => decode_info(session_id, &bytes)?,
+            Some(bytes) => decode_info(session_id, &bytes, SPACE)?,
             None => return Err(unknown()),
         };
-        let start = from_seq.max(1);
-        let limit = limit.unwrap_or(usize::MAX);
-        let mut out = Vec::new();
-        if limit == 0 || start > info.events {
-            return Ok(out);
-        }
-        let range = seq_key(session_id, start)..=seq_key(session_id, info.events);
-        let mut expected = start;
-        for item in h.events.range(range) {
-            if out.len() >= limit {
-                break;
-            }
-            let (key, record) = item.map_err(|e| {
-                sled_error(&self.path, &format!("reading session {session_id:?}"), e)
-            })?;
-            let seq = key_seq(&key).unwrap_or(0);
-            if seq != expected {
-                return Err(Error::CorruptRecord {
-                    session_id: session_id.to_owned(),
-                    seq: expected,
-                    reason: format!("missing from the store (the next stored seq is {seq})"),
-                });
-            }
-            out.push(codec::decode(session_id, seq, &record)?);
-            expected += 1;
-        }
-        // Events are written with their session record, so the range must hold all of them.
-        if out.len() < limit && expected <= info.events {
-            return Err(Error::CorruptRecord {
-                session_id: session_id.to_owned(),
-                seq: expected,
-                reason: format!(
-                    "missing from the store (the session records {} events)",
-                    info.events
-                ),
-            });
-        }
-        Ok(out)
+        read_events(session_id, info.events, from_seq, limit, |range| {
+            h.events.range(range).map(|item| {
+                item.map_err(|e| {
+                    sled_error(&self.path, &format!("reading session {session_id:?}"), e)
+                })
+            })
+        })
     }
 
     async fn list_sessions(&self) -> Result<Vec<SessionInfo>> {
@@ -1081,23 +754,13 @@ impl Store for SledStore {
         for item in h.sessions.iter() {
             let (key, bytes) =
                 item.map_err(|e| sled_error(&self.path, "reading the sessions tree", e))?;
-            out.push(decode_info(&String::from_utf8_lossy(&key), &bytes)?);
+            out.push(decode_info(&String::from_utf8_lossy(&key), &bytes, SPACE)?);
         }
         Ok(out)
     }
 
     async fn lease_tasks(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<Vec<Lease>> {
-        if max == 0 {
-            return Ok(Vec::new());
-        }
-        let (reply, answer) = oneshot::channel();
-        let write = Write::Lease {
-            now_ms,
-            lease_ms,
-            max,
-            reply,
-        };
-        self.submit(write, answer).await
+        self.writes.lease(now_ms, lease_ms, max).await
     }
 
     async fn extend_lease(
@@ -1107,15 +770,9 @@ impl Store for SledStore {
         now_ms: u64,
         lease_ms: u64,
     ) -> Result<u64> {
-        let (reply, answer) = oneshot::channel();
-        let write = Write::Extend {
-            id: id.clone(),
-            lease_attempt,
-            now_ms,
-            lease_ms,
-            reply,
-        };
-        self.submit(write, answer).await
+        self.writes
+            .extend(id, lease_attempt, now_ms, lease_ms)
+            .await
     }
 
     async fn list_tasks(&self) -> Result<Vec<Task>> {
@@ -1124,108 +781,39 @@ impl Store for SledStore {
         for item in h.tasks.iter() {
             let (key, bytes) =
                 item.map_err(|e| sled_error(&self.path, "reading the tasks tree", e))?;
-            out.push(decode_task(&String::from_utf8_lossy(&key), &bytes)?);
+            out.push(decode_task(&String::from_utf8_lossy(&key), &bytes, SPACE)?);
         }
         Ok(out)
     }
 
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
-        let (reply, answer) = oneshot::channel();
-        self.submit(Write::Release { now_ms, reply }, answer).await
+        self.writes.release(now_ms).await
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec;
     use crate::store::conformance::{append_request, message};
+    use crate::store::engine_tests::{self, temp, write_sessions};
+    use crate::store::keys::seq_key;
     use crate::store::{SessionStatus, TaskKind};
     use std::sync::Arc;
 
-    fn temp() -> tempfile::TempDir {
-        tempfile::tempdir().expect("tempdir")
-    }
-
-    async fn write_sessions(store: &SledStore, names: &[&str], events: u64) {
-        for s in names {
-            let batch = (1..=events)
-                .map(|seq| message(s, seq, &format!("{s}-{seq}")))
-                .collect();
-            store
-                .append(append_request(s, 1, batch, 1))
-                .await
-                .expect("append");
-        }
-    }
-
     #[test]
     fn open_existing_refuses_places_without_a_store_and_creates_nothing() {
-        let root = temp();
-        let missing = root.path().join("missing");
-        let empty = root.path().join("empty");
-        fs::create_dir(&empty).expect("mkdir");
-        let file = root.path().join("file");
-        fs::write(&file, b"not a store").expect("write");
-        for (dir, what) in [
-            (&missing, "a missing dir"),
-            (&empty, "an empty dir"),
-            (&file, "a file"),
-        ] {
-            match SledStore::open_existing(dir) {
-                Err(Error::StoreOpen { path, reason }) => {
-                    assert_eq!(path, dir.display().to_string(), "the error names the path");
-                    assert!(
-                        reason.contains("no store here"),
-                        "{what}: unclear reason {reason:?}"
-                    );
-                }
-                other => panic!("open_existing on {what} must fail with StoreOpen, got {other:?}"),
-            }
-        }
-        assert!(
-            !missing.exists(),
-            "open_existing must not create the directory"
-        );
-        assert_eq!(
-            fs::read_dir(&empty).expect("ls").count(),
-            0,
-            "nor files in it"
-        );
-        assert!(
-            matches!(SledStore::open(&file), Err(Error::StoreOpen { .. })),
-            "open on a file is StoreOpen"
-        );
+        engine_tests::open_existing_refuses_non_stores::<SledStore>();
     }
 
     #[tokio::test]
     async fn open_creates_nested_dirs_and_open_existing_then_finds_the_store() {
-        let root = temp();
-        let dir = root.path().join("a").join("b");
-        let store = SledStore::open(&dir).expect("open");
-        assert_eq!(store.path(), dir.as_path());
-        write_sessions(&store, &["s"], 3).await;
-        assert!(store.size_on_disk().expect("size") > 0);
-        drop(store);
-        let store = SledStore::open_existing(&dir).expect("open_existing");
-        assert_eq!(
-            store.read_history("s", 1, None).await.expect("read").len(),
-            3
-        );
+        engine_tests::open_creates_nested_dirs::<SledStore>().await;
     }
 
     #[test]
     fn a_second_open_of_an_open_store_is_a_clear_error() {
-        let root = temp();
-        let _store = SledStore::open(root.path()).expect("open");
-        match SledStore::open(root.path()) {
-            Err(Error::StoreOpen { reason, .. }) => {
-                assert!(
-                    reason.contains("lock"),
-                    "the reason should say the store is locked: {reason}"
-                )
-            }
-            other => panic!("opening an open store must be StoreOpen, got {other:?}"),
-        }
+        engine_tests::a_second_open_is_refused::<SledStore>();
     }
 
     /// Garbage where sled's files are: opening fails or recovers, and never panics.
@@ -1461,7 +1049,7 @@ mod tests {
     async fn concurrent_appends_share_flushes() {
         let root = temp();
         let store = Arc::new(SledStore::open(root.path()).expect("open"));
-        let before = store.shared.flushes.load(Ordering::Relaxed);
+        let before = store.writes.shared.syncs.load(Ordering::Relaxed);
         const WRITERS: usize = 64;
         let tasks: Vec<_> = (0..WRITERS)
             .map(|i| {
@@ -1480,7 +1068,7 @@ mod tests {
         for t in tasks {
             t.await.expect("writer");
         }
-        let flushes = store.shared.flushes.load(Ordering::Relaxed) - before;
+        let flushes = store.writes.shared.syncs.load(Ordering::Relaxed) - before;
         assert!(
             flushes < (WRITERS * 4 / 2) as u64,
             "{} appends took {flushes} flushes: group commit should share them",
@@ -1514,7 +1102,7 @@ mod tests {
         let root = temp();
         let store = SledStore::open(root.path()).expect("open");
         write_sessions(&store, &["s"], 1).await;
-        *store.shared.failed() = Some("injected fsync failure".to_owned());
+        *store.writes.shared.failed() = Some("injected fsync failure".to_owned());
         let mut request = append_request("s", 2, vec![message("s", 2, "x")], 2);
         request.enqueue = vec![crate::store::NewTask {
             id: TaskId {

@@ -1,0 +1,138 @@
+//! Tests that both embedded engines ([`SledStore`] and [`FjallStore`]) must pass beyond the
+//! conformance suite: how they open, create and refuse store directories. Each engine's test
+//! module runs them under its own test names.
+
+use super::fjall::FjallStore;
+use super::sled::SledStore;
+use super::Store;
+use crate::error::{Error, Result};
+use crate::store::conformance::{append_request, message};
+use std::fs;
+use std::path::Path;
+
+/// What these tests need of an embedded store.
+pub(super) trait EmbeddedStore: Store + Sized + std::fmt::Debug {
+    fn open(dir: &Path) -> Result<Self>;
+    fn open_existing(dir: &Path) -> Result<Self>;
+    fn path(&self) -> &Path;
+    fn size_on_disk(&self) -> Result<u64>;
+}
+
+impl EmbeddedStore for SledStore {
+    fn open(dir: &Path) -> Result<Self> {
+        SledStore::open(dir)
+    }
+    fn open_existing(dir: &Path) -> Result<Self> {
+        SledStore::open_existing(dir)
+    }
+    fn path(&self) -> &Path {
+        SledStore::path(self)
+    }
+    fn size_on_disk(&self) -> Result<u64> {
+        SledStore::size_on_disk(self)
+    }
+}
+
+impl EmbeddedStore for FjallStore {
+    fn open(dir: &Path) -> Result<Self> {
+        FjallStore::open(dir)
+    }
+    fn open_existing(dir: &Path) -> Result<Self> {
+        FjallStore::open_existing(dir)
+    }
+    fn path(&self) -> &Path {
+        FjallStore::path(self)
+    }
+    fn size_on_disk(&self) -> Result<u64> {
+        FjallStore::size_on_disk(self)
+    }
+}
+
+/// A fresh temporary directory.
+pub(super) fn temp() -> tempfile::TempDir {
+    tempfile::tempdir().expect("tempdir")
+}
+
+/// Appends `events` events to each of the sessions `names`, in one append each.
+pub(super) async fn write_sessions(store: &impl Store, names: &[&str], events: u64) {
+    for s in names {
+        let batch = (1..=events)
+            .map(|seq| message(s, seq, &format!("{s}-{seq}")))
+            .collect();
+        store
+            .append(append_request(s, 1, batch, 1))
+            .await
+            .expect("append");
+    }
+}
+
+/// `open_existing` refuses a missing directory, an empty one and a file with `StoreOpen`
+/// ("no store here", naming the path) and creates nothing; `open` on a file is `StoreOpen`.
+pub(super) fn open_existing_refuses_non_stores<S: EmbeddedStore>() {
+    let root = temp();
+    let missing = root.path().join("missing");
+    let empty = root.path().join("empty");
+    fs::create_dir(&empty).expect("mkdir");
+    let file = root.path().join("file");
+    fs::write(&file, b"not a store").expect("write");
+    for (dir, what) in [
+        (&missing, "a missing dir"),
+        (&empty, "an empty dir"),
+        (&file, "a file"),
+    ] {
+        match S::open_existing(dir) {
+            Err(Error::StoreOpen { path, reason }) => {
+                assert_eq!(path, dir.display().to_string(), "the error names the path");
+                assert!(
+                    reason.contains("no store here"),
+                    "{what}: unclear reason {reason:?}"
+                );
+            }
+            other => panic!("open_existing on {what} must fail with StoreOpen, got {other:?}"),
+        }
+    }
+    assert!(
+        !missing.exists(),
+        "open_existing must not create the directory"
+    );
+    assert_eq!(
+        fs::read_dir(&empty).expect("ls").count(),
+        0,
+        "nor files in it"
+    );
+    assert!(
+        matches!(S::open(&file), Err(Error::StoreOpen { .. })),
+        "open on a file is StoreOpen"
+    );
+}
+
+/// `open` creates missing parent directories; `open_existing` then finds what it wrote.
+pub(super) async fn open_creates_nested_dirs<S: EmbeddedStore>() {
+    let root = temp();
+    let dir = root.path().join("a").join("b");
+    let store = S::open(&dir).expect("open");
+    assert_eq!(store.path(), dir.as_path());
+    write_sessions(&store, &["s"], 3).await;
+    assert!(store.size_on_disk().expect("size") > 0);
+    drop(store);
+    let store = S::open_existing(&dir).expect("open_existing");
+    assert_eq!(
+        store.read_history("s", 1, None).await.expect("read").len(),
+        3
+    );
+}
+
+/// Opening a store that is open already is `StoreOpen`, saying it is locked.
+pub(super) fn a_second_open_is_refused<S: EmbeddedStore>() {
+    let root = temp();
+    let _store = S::open(root.path()).expect("open");
+    match S::open(root.path()) {
+        Err(Error::StoreOpen { reason, .. }) => {
+            assert!(
+                reason.contains("lock"),
+                "the reason should say the store is locked: {reason}"
+            )
+        }
+        other => panic!("opening an open store must be StoreOpen, got {other:?}"),
+    }
+}

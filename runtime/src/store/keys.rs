@@ -1,0 +1,138 @@
+//! The key layout and record codecs the embedded stores share: sled's trees and fjall's
+//! keyspaces have the same names, keys and values, so a change here changes both.
+//!
+//! | tree / keyspace | key                                              | value                   |
+//! |-----------------|--------------------------------------------------|-------------------------|
+//! | `events`        | session id bytes ++ `0x00` ++ seq (u64 BE)       | the [`codec`] record    |
+//! | `sessions`      | session id bytes                                 | msgpack [`SessionInfo`] |
+//! | `tasks`         | session id bytes ++ `0x00` ++ scheduled seq (BE) | msgpack [`Task`]        |
+//! | `queue`         | visible_at_ms (u64 BE) ++ task key               | empty                   |
+//!
+//! Session ids pass [`check_session_id`](super::check_session_id), so they never contain
+//! `0x00` and the separator keeps one session's keys from running into another's; the byte
+//! order of the keys is the order of `(session id, seq)`, `TaskId` and
+//! `(visible_at_ms, TaskId)`, so range scans give the orders the [`Store`](super::Store)
+//! contract asks for. The next seq of a session is its `SessionInfo::events + 1`.
+//!
+//! Decoding errors name where the record was ("the sessions tree", "the tasks keyspace"): the
+//! callers pass their engine's word for it.
+
+use super::{SessionInfo, Task, TaskId};
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::event::EventEnvelope;
+use std::ops::RangeInclusive;
+
+/// The events, by session and seq.
+pub(super) const EVENTS: &str = "events";
+/// The session records, by session.
+pub(super) const SESSIONS: &str = "sessions";
+/// The task records, by task.
+pub(super) const TASKS: &str = "tasks";
+/// The task queue, by visibility time and task.
+pub(super) const QUEUE: &str = "queue";
+
+/// `session ++ 0x00 ++ n (BE)`: the key of an event (n = seq) or a task (n = scheduled seq).
+pub(super) fn seq_key(session_id: &str, n: u64) -> Vec<u8> {
+    let mut key = Vec::with_capacity(session_id.len() + 9);
+    key.extend_from_slice(session_id.as_bytes());
+    key.push(0);
+    key.extend_from_slice(&n.to_be_bytes());
+    key
+}
+
+/// The key of a task record.
+pub(super) fn task_key(id: &TaskId) -> Vec<u8> {
+    seq_key(&id.session_id, id.scheduled_seq)
+}
+
+/// The key of a queue entry: visibility time, then the task key.
+pub(super) fn queue_key(visible_at_ms: u64, id: &TaskId) -> Vec<u8> {
+    let mut key = visible_at_ms.to_be_bytes().to_vec();
+    key.extend_from_slice(&task_key(id));
+    key
+}
+
+/// The visibility time at the start of a queue key.
+pub(super) fn key_visible(key: &[u8]) -> Option<u64> {
+    let head: [u8; 8] = key.get(..8)?.try_into().ok()?;
+    Some(u64::from_be_bytes(head))
+}
+
+/// The seq at the end of an event key.
+pub(super) fn key_seq(key: &[u8]) -> Option<u64> {
+    let tail: [u8; 8] = key.get(key.len().checked_sub(8)?..)?.try_into().ok()?;
+    Some(u64::from_be_bytes(tail))
+}
+
+/// Encodes a session or task record (`what` names it in the error).
+pub(super) fn encode_meta<T: serde::Serialize>(what: &str, value: &T) -> Result<Vec<u8>> {
+    rmp_serde::to_vec_named(value).map_err(|e| Error::Store {
+        reason: format!("cannot encode {what}: {e}"),
+    })
+}
+
+/// Decodes a session record; `space` is the engine's word for where it was ("tree").
+pub(super) fn decode_info(session_id: &str, bytes: &[u8], space: &str) -> Result<SessionInfo> {
+    rmp_serde::from_slice(bytes).map_err(|e| Error::Store {
+        reason: format!("corrupt record of session {session_id:?} in the sessions {space}: {e}"),
+    })
+}
+
+/// Decodes a task record; `space` is the engine's word for where it was ("tree").
+pub(super) fn decode_task(what: &dyn std::fmt::Display, bytes: &[u8], space: &str) -> Result<Task> {
+    rmp_serde::from_slice(bytes).map_err(|e| Error::Store {
+        reason: format!("corrupt record of task {what} in the tasks {space}: {e}"),
+    })
+}
+
+/// Reads the events `from_seq..` (at most `limit`) of a session whose record says it has
+/// `events`. `scan` gives the stored `(key, record)` pairs of a range of event keys, in order,
+/// with the engine's read errors; a seq missing from them, or a record that does not decode,
+/// is `CorruptRecord` at that seq.
+pub(super) fn read_events<K, V, I>(
+    session_id: &str,
+    events: u64,
+    from_seq: u64,
+    limit: Option<usize>,
+    scan: impl FnOnce(RangeInclusive<Vec<u8>>) -> I,
+) -> Result<Vec<EventEnvelope>>
+where
+    K: AsRef<[u8]>,
+    V: AsRef<[u8]>,
+    I: Iterator<Item = Result<(K, V)>>,
+{
+    let start = from_seq.max(1);
+    let limit = limit.unwrap_or(usize::MAX);
+    let mut out = Vec::new();
+    if limit == 0 || start > events {
+        return Ok(out);
+    }
+    let range = seq_key(session_id, start)..=seq_key(session_id, events);
+    let mut expected = start;
+    for item in scan(range) {
+        if out.len() >= limit {
+            break;
+        }
+        let (key, record) = item?;
+        let seq = key_seq(key.as_ref()).unwrap_or(0);
+        if seq != expected {
+            return Err(Error::CorruptRecord {
+                session_id: session_id.to_owned(),
+                seq: expected,
+                reason: format!("missing from the store (the next stored seq is {seq})"),
+            });
+        }
+        out.push(codec::decode(session_id, seq, record.as_ref())?);
+        expected += 1;
+    }
+    // Events are written with their session record, so the range must hold all of them.
+    if out.len() < limit && expected <= events {
+        return Err(Error::CorruptRecord {
+            session_id: session_id.to_owned(),
+            seq: expected,
+            reason: format!("missing from the store (the session records {events} events)"),
+        });
+    }
+    Ok(out)
+}

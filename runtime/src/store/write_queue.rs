@@ -1,0 +1,416 @@
+//! The write queue between an embedded store and its writer thread, shared by
+//! [`SledStore`](super::sled::SledStore) and [`FjallStore`](super::fjall::FjallStore).
+//!
+//! Every write (append, lease, lease extension, release) is prepared on the caller's task
+//! (validation, encoding: [`PreparedAppend`]) and sent as a [`Write`] to the store's writer
+//! thread; the caller awaits a `tokio::sync::oneshot` for the answer, so no tokio worker ever
+//! waits on the disk. The writer takes every write queued so far, at most [`MAX_BATCH`]
+//! ([`next_batch`]), applies them in order, answers a rejected one at once and holds the
+//! answers of the others ([`Pending`]) until one sync makes the whole batch durable. That
+//! sync's outcome answers them all ([`Shared::settle`]); after a failed one the store refuses
+//! further writes until it is reopened ([`Shared::refusal`]). How a batch is applied and made
+//! durable is each engine's own: see their module docs.
+//!
+//! Error texts name the engine and its sync ("sled store at …: sync failed", "fjall store at
+//! …: persist failed"): an [`Engine`] carries those words.
+
+use super::keys::{encode_meta, seq_key};
+use super::{check_request, AppendRequest, Lease, NewTask, SessionInfo, Task, TaskId};
+use crate::codec;
+use crate::error::{Error, Result};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::{mpsc, Arc, Mutex};
+use tokio::sync::oneshot;
+
+/// Writes in one batch at most, bounding the wait of the first one.
+pub const MAX_BATCH: usize = 512;
+
+/// How an engine is named in error texts.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Engine {
+    /// The engine: "sled" in "sled store at …".
+    pub(super) name: &'static str,
+    /// What makes a batch durable: "sync" in "sync failed".
+    pub(super) sync: &'static str,
+}
+
+impl Engine {
+    /// Why writes are refused after a failed sync.
+    pub(super) fn refusal(self, path: &Path, reason: &str) -> Error {
+        Error::Store {
+            reason: format!(
+                "{} store at {} refuses writes after a failed {} ({reason}); reopen it",
+                self.name,
+                path.display(),
+                self.sync
+            ),
+        }
+    }
+}
+
+/// What the store and its writer thread share.
+#[derive(Default)]
+pub(super) struct Shared {
+    /// Set when a batch could not be made durable; the store then refuses writes.
+    failed: Mutex<Option<String>>,
+    /// Batches made durable, or tried to (sled's flushes, fjall's persists: for tests of group
+    /// commit).
+    pub(super) syncs: AtomicU64,
+}
+
+impl Shared {
+    pub(super) fn failed(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        // A plain value: consistent even if a holder panicked.
+        self.failed
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Why writes are refused, once a sync failed.
+    pub(super) fn refusal(&self, engine: Engine, path: &Path) -> Option<Error> {
+        let failed = self.failed();
+        failed.as_ref().map(|reason| engine.refusal(path, reason))
+    }
+
+    /// Records a failed sync (the first reason stays), then answers every write of the batch
+    /// with its outcome.
+    pub(super) fn settle(
+        &self,
+        synced: &std::result::Result<(), String>,
+        pending: Vec<Pending>,
+        engine: Engine,
+        path: &Path,
+    ) {
+        if let Err(reason) = synced {
+            self.failed().get_or_insert_with(|| reason.clone());
+        }
+        for p in pending {
+            p.answer(synced, engine, path);
+        }
+    }
+}
+
+/// A write for the writer thread, with where to answer.
+pub(super) enum Write {
+    Append(PreparedAppend, oneshot::Sender<Result<()>>),
+    Lease {
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        reply: oneshot::Sender<Result<Vec<Lease>>>,
+    },
+    Extend {
+        id: TaskId,
+        lease_attempt: u32,
+        now_ms: u64,
+        lease_ms: u64,
+        reply: oneshot::Sender<Result<u64>>,
+    },
+    Release {
+        now_ms: u64,
+        reply: oneshot::Sender<Result<usize>>,
+    },
+}
+
+impl Write {
+    /// Answers the write with `error` instead of running it.
+    pub(super) fn refuse(self, error: Error) {
+        // A caller that stopped waiting dropped its receiver; nothing to do then.
+        let _ = match self {
+            Write::Append(_, reply) => reply.send(Err(error)).is_ok(),
+            Write::Lease { reply, .. } => reply.send(Err(error)).is_ok(),
+            Write::Extend { reply, .. } => reply.send(Err(error)).is_ok(),
+            Write::Release { reply, .. } => reply.send(Err(error)).is_ok(),
+        };
+    }
+}
+
+/// Waits for the next write, then takes every write queued after it, up to [`MAX_BATCH`] in
+/// all. `None` once the store closed its end and every write was taken.
+pub(super) fn next_batch(queue: &mpsc::Receiver<Write>) -> Option<Vec<Write>> {
+    let first = queue.recv().ok()?;
+    let mut batch = vec![first];
+    while batch.len() < MAX_BATCH {
+        match queue.try_recv() {
+            Ok(write) => batch.push(write),
+            Err(_) => break,
+        }
+    }
+    Some(batch)
+}
+
+/// An accepted write's answer, held until its batch is durable.
+pub(super) enum Pending {
+    Append(oneshot::Sender<Result<()>>),
+    Lease(oneshot::Sender<Result<Vec<Lease>>>, Vec<Lease>),
+    Extend(oneshot::Sender<Result<u64>>, u64),
+    Release(oneshot::Sender<Result<usize>>, usize),
+}
+
+impl Pending {
+    /// Answers the write: its result when `synced` is `Ok`, else a `Store` error saying the
+    /// write is not durable.
+    pub(super) fn answer(
+        self,
+        synced: &std::result::Result<(), String>,
+        engine: Engine,
+        path: &Path,
+    ) {
+        let error = |reason: &String| Error::Store {
+            reason: format!(
+                "{} store at {}: {} failed, the write is not durable: {reason}",
+                engine.name,
+                path.display(),
+                engine.sync
+            ),
+        };
+        // A caller that stopped waiting dropped its receiver; nothing to do then.
+        match self {
+            Pending::Append(reply) => {
+                let _ = reply.send(synced.as_ref().map(|_| ()).map_err(error));
+            }
+            Pending::Lease(reply, leases) => {
+                let _ = reply.send(synced.as_ref().map(|_| leases).map_err(error));
+            }
+            Pending::Extend(reply, expiry) => {
+                let _ = reply.send(synced.as_ref().map(|_| expiry).map_err(error));
+            }
+            Pending::Release(reply, count) => {
+                let _ = reply.send(synced.as_ref().map(|_| count).map_err(error));
+            }
+        }
+    }
+}
+
+/// An append, validated and encoded by the caller.
+pub(super) struct PreparedAppend {
+    pub(super) session_id: String,
+    pub(super) expected: u64,
+    /// Key and record of each event.
+    pub(super) records: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Events of the session after the append; 0 when it records nothing (no session record).
+    pub(super) count: u64,
+    /// The session record to write.
+    pub(super) info: Vec<u8>,
+    pub(super) complete: Option<(TaskId, u32)>,
+    pub(super) now_ms: u64,
+    /// Completed and cancelled tasks.
+    pub(super) removed: Vec<TaskId>,
+    /// Tasks to enqueue, with their encoded records.
+    pub(super) enqueued: Vec<(NewTask, Vec<u8>)>,
+}
+
+impl PreparedAppend {
+    pub(super) fn new(request: AppendRequest) -> Result<PreparedAppend> {
+        check_request(&request)?;
+        let sid = request.session_id.as_str();
+        let expected = request.expected_next_seq;
+        let mut records = Vec::with_capacity(request.events.len());
+        for (i, e) in request.events.iter().enumerate() {
+            records.push((seq_key(sid, expected + i as u64), codec::encode(e)?));
+        }
+        let count = expected.saturating_sub(1) + records.len() as u64;
+        let info = encode_meta(
+            "session record",
+            &SessionInfo {
+                session_id: sid.to_owned(),
+                status: request.status,
+                events: count,
+                updated_at_ms: request.now_ms,
+            },
+        )?;
+        let removed = request
+            .complete
+            .iter()
+            .map(|(id, _)| id.clone())
+            .chain(request.cancel.iter().cloned())
+            .collect();
+        let mut enqueued = Vec::with_capacity(request.enqueue.len());
+        for new in request.enqueue {
+            let task = Task {
+                id: new.id.clone(),
+                kind: new.kind,
+                visible_at_ms: new.visible_at_ms,
+                lease_attempt: 0,
+            };
+            let bytes = encode_meta("task record", &task)?;
+            enqueued.push((new, bytes));
+        }
+        Ok(PreparedAppend {
+            session_id: request.session_id,
+            expected,
+            records,
+            count,
+            info,
+            complete: request.complete,
+            now_ms: request.now_ms,
+            removed,
+            enqueued,
+        })
+    }
+}
+
+/// The store's end of the queue: hands writes to the writer thread and awaits their answers.
+pub(super) struct WriteQueue {
+    engine: Engine,
+    path: PathBuf,
+    /// To the writer thread; `None` once closed.
+    sender: Option<mpsc::Sender<Write>>,
+    pub(super) shared: Arc<Shared>,
+}
+
+impl WriteQueue {
+    pub(super) fn new(
+        engine: Engine,
+        path: &Path,
+        sender: mpsc::Sender<Write>,
+        shared: Arc<Shared>,
+    ) -> WriteQueue {
+        WriteQueue {
+            engine,
+            path: path.to_path_buf(),
+            sender: Some(sender),
+            shared,
+        }
+    }
+
+    /// Closes the queue: the writer stops once it has answered what it has.
+    pub(super) fn close(&mut self) {
+        drop(self.sender.take());
+    }
+
+    /// Refuses writes early once a sync failed (the writer thread refuses them too).
+    fn check_writable(&self) -> Result<()> {
+        match self.shared.refusal(self.engine, &self.path) {
+            Some(refused) => Err(refused),
+            None => Ok(()),
+        }
+    }
+
+    /// Hands a write to the writer thread and waits for its answer.
+    async fn submit<T>(&self, write: Write, answer: oneshot::Receiver<Result<T>>) -> Result<T> {
+        self.check_writable()?;
+        let stopped = || Error::Store {
+            reason: format!(
+                "{} store at {}: the writer thread has stopped",
+                self.engine.name,
+                self.path.display()
+            ),
+        };
+        self.sender
+            .as_ref()
+            .ok_or_else(stopped)?
+            .send(write)
+            .map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
+    }
+
+    /// [`Store::append`](super::Store::append).
+    pub(super) async fn append(&self, request: AppendRequest) -> Result<()> {
+        let prepared = PreparedAppend::new(request)?;
+        let (reply, answer) = oneshot::channel();
+        self.submit(Write::Append(prepared, reply), answer).await
+    }
+
+    /// [`Store::lease_tasks`](super::Store::lease_tasks).
+    pub(super) async fn lease(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<Vec<Lease>> {
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let (reply, answer) = oneshot::channel();
+        let write = Write::Lease {
+            now_ms,
+            lease_ms,
+            max,
+            reply,
+        };
+        self.submit(write, answer).await
+    }
+
+    /// [`Store::extend_lease`](super::Store::extend_lease).
+    pub(super) async fn extend(
+        &self,
+        id: &TaskId,
+        lease_attempt: u32,
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> Result<u64> {
+        let (reply, answer) = oneshot::channel();
+        let write = Write::Extend {
+            id: id.clone(),
+            lease_attempt,
+            now_ms,
+            lease_ms,
+            reply,
+        };
+        self.submit(write, answer).await
+    }
+
+    /// [`Store::release_leases`](super::Store::release_leases).
+    pub(super) async fn release(&self, now_ms: u64) -> Result<usize> {
+        let (reply, answer) = oneshot::channel();
+        self.submit(Write::Release { now_ms, reply }, answer).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SLED: Engine = Engine {
+        name: "sled",
+        sync: "sync",
+    };
+    const FJALL: Engine = Engine {
+        name: "fjall",
+        sync: "persist",
+    };
+
+    fn reason(error: Error) -> String {
+        match error {
+            Error::Store { reason } => reason,
+            other => panic!("expected a Store error, got {other:?}"),
+        }
+    }
+
+    /// The texts each engine produced before the queue was shared, word for word.
+    #[tokio::test]
+    async fn error_texts_name_the_engine_and_its_sync() {
+        let path = Path::new("/s");
+        for (engine, refused, failed) in [
+            (
+                SLED,
+                "sled store at /s refuses writes after a failed sync (disk); reopen it",
+                "sled store at /s: sync failed, the write is not durable: disk",
+            ),
+            (
+                FJALL,
+                "fjall store at /s refuses writes after a failed persist (disk); reopen it",
+                "fjall store at /s: persist failed, the write is not durable: disk",
+            ),
+        ] {
+            let shared = Shared::default();
+            assert!(shared.refusal(engine, path).is_none());
+            let (reply, answer) = oneshot::channel();
+            shared.settle(
+                &Err("disk".to_owned()),
+                vec![Pending::Extend(reply, 7)],
+                engine,
+                path,
+            );
+            let answered = answer.await.expect("answered").expect_err("not durable");
+            assert_eq!(reason(answered), failed);
+            let refusal = shared
+                .refusal(engine, path)
+                .expect("refuses after a failure");
+            assert_eq!(reason(refusal), refused);
+            // The first failure is the one named.
+            shared.settle(&Err("later".to_owned()), Vec::new(), engine, path);
+            assert_eq!(
+                reason(shared.refusal(engine, path).expect("refuses")),
+                refused
+            );
+        }
+    }
+}
