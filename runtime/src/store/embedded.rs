@@ -136,7 +136,12 @@ impl StorageEngine {
                 .into_iter()
                 .filter(|n| n.starts_with("snap.") && n.ends_with(".generating"))
                 .collect(),
-            StorageEngine::Fjall => Vec::new(),
+            // A creation killed before fjall wrote `version` leaves an empty journal that fjall
+            // then refuses to create again ("File exists").
+            StorageEngine::Fjall => match super::fjall::interrupted_creation(dir) {
+                Ok(true) => vec!["0.jnl".to_owned()],
+                _ => Vec::new(),
+            },
         }
     }
 
@@ -324,7 +329,8 @@ async fn open_writable(dir: &Path, mode: OpenMode, engine: StorageEngine) -> Res
             fs::rename(dir.join(name), to.join(name))
                 .map_err(|e| open_error(dir, format!("cannot set aside {name}: {e}")))?;
             notes.push(format!(
-                "set aside {name}, left by a process killed while opening the store, in {}",
+                "set aside {name}, left by a process killed while creating or opening the \
+                 store, in {}",
                 to.display()
             ));
         }
@@ -479,8 +485,8 @@ async fn open_read_only(dir: &Path, engine: StorageEngine) -> Result<OpenedStore
     for name in engine.leftovers(copy) {
         fs::remove_file(copy.join(&name)).map_err(io(dir))?;
         notes.push(format!(
-            "{name} was left by a process killed while opening the store; a writable open sets \
-             it aside"
+            "{name} was left by a process killed while creating or opening the store; a \
+             writable open sets it aside"
         ));
     }
     if engine == StorageEngine::Sled {

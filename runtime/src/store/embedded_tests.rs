@@ -460,3 +460,29 @@ async fn a_byte_flip_in_the_fjall_journal_is_named_and_destroys_nothing() {
     assert!(open(&dir, OpenMode::Existing, None).await.is_err());
     assert_eq!(files(&dir), before, "a refused open changed the store");
 }
+
+/// A fjall creation killed before `version` was written leaves an empty 64 MiB journal that
+/// fjall refuses to create over: it is set aside, and the store is created.
+#[tokio::test]
+async fn an_interrupted_fjall_creation_is_set_aside_and_the_store_created() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path().join("s");
+    fs::create_dir_all(dir.join("keyspaces")).expect("mkdir");
+    let journal = File::create(dir.join("0.jnl")).expect("journal");
+    journal.set_len(64 * 1024 * 1024).expect("preallocate");
+    drop(journal);
+    write_marker(&dir, StorageEngine::Fjall).expect("marker");
+    let opened = open(&dir, OpenMode::Existing, None).await.expect("open");
+    assert!(
+        opened.notes.iter().any(|n| n.contains("set aside 0.jnl")),
+        "{:?}",
+        opened.notes
+    );
+    drop(opened);
+    let kept = files(&dir.join(SET_ASIDE_DIR));
+    assert!(
+        kept.keys().any(|n| n.ends_with("0.jnl")),
+        "{:?}",
+        kept.keys()
+    );
+}

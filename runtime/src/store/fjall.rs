@@ -763,10 +763,27 @@ impl Writer {
 /// have been written then, and only exactly that shape is cleared: no `version`, nothing in
 /// `keyspaces/`, one journal `0.jnl` that holds only zeros.
 fn clear_interrupted_creation(dir: &Path) -> std::result::Result<(), String> {
+    if !interrupted_creation(dir)? {
+        return Ok(());
+    }
+    let journal = dir.join("0.jnl");
+    tracing::warn!(
+        store = %dir.display(),
+        "removing the empty journal of an interrupted fjall database creation"
+    );
+    fs::remove_file(&journal).map_err(|e| format!("cannot remove {}: {e}", journal.display()))?;
+    sync_dir_described(dir)
+}
+
+/// Whether `dir` holds exactly what an interrupted creation leaves (see
+/// [`clear_interrupted_creation`]): no `version`, nothing in `keyspaces/`, and one journal
+/// `0.jnl` holding only zeros. Opening through `store::embedded` sets that journal aside
+/// before this store sees it.
+pub(crate) fn interrupted_creation(dir: &Path) -> std::result::Result<bool, String> {
     use std::io::Read as _;
     let journal = dir.join("0.jnl");
     if dir.join(VERSION_FILE).exists() || !journal.is_file() {
-        return Ok(());
+        return Ok(false);
     }
     let keyspaces = dir.join("keyspaces");
     let keyspaces_empty = match fs::read_dir(&keyspaces) {
@@ -782,7 +799,7 @@ fn clear_interrupted_creation(dir: &Path) -> std::result::Result<(), String> {
             name != "0.jnl" && Path::new(&name).extension().is_some_and(|x| x == "jnl")
         });
     if !keyspaces_empty || other_journals {
-        return Ok(()); // not that shape: leave it to fjall (and to whoever repairs it)
+        return Ok(false); // not that shape: leave it to fjall (and to whoever repairs it)
     }
     let read_error = |e: std::io::Error| format!("cannot read {}: {e}", journal.display());
     let mut file = File::open(&journal).map_err(read_error)?;
@@ -790,18 +807,12 @@ fn clear_interrupted_creation(dir: &Path) -> std::result::Result<(), String> {
     loop {
         let n = file.read(&mut buf).map_err(read_error)?;
         if n == 0 {
-            break;
+            return Ok(true);
         }
         if buf[..n].iter().any(|&b| b != 0) {
-            return Ok(()); // it holds writes: not an interrupted creation
+            return Ok(false); // it holds writes: not an interrupted creation
         }
     }
-    tracing::warn!(
-        store = %dir.display(),
-        "removing the empty journal of an interrupted fjall database creation"
-    );
-    fs::remove_file(&journal).map_err(|e| format!("cannot remove {}: {e}", journal.display()))?;
-    sync_dir_described(dir)
 }
 
 fn fjall_error(path: &Path, doing: &str, e: impl std::fmt::Display) -> Error {
