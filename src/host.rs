@@ -1,7 +1,6 @@
 //! An embedded host: a store opened through `store::embedded`, an engine and a worker pool in
 //! this process.
 
-use anyhow::Context;
 use cairn_activities::ToolRegistry;
 use cairn_runtime::store::embedded::{self, OpenMode, OpenedStore, StorageEngine};
 use cairn_runtime::store::marks::Loss;
@@ -34,9 +33,7 @@ impl Host {
         engine: Option<StorageEngine>,
         workdir: PathBuf,
     ) -> anyhow::Result<Host> {
-        let opened = embedded::open(data, mode, engine)
-            .await
-            .with_context(|| format!("cannot open the store at {}", data.display()))?;
+        let opened = embedded::open(data, mode, engine).await?;
         for note in &opened.notes {
             eprintln!("note: {note}");
         }

@@ -446,9 +446,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 OpenMode::ReadOnly
             };
-            let opened = embedded::open(&data, mode, None)
-                .await
-                .with_context(|| format!("cannot open the store at {}", data.display()))?;
+            let opened = embedded::open(&data, mode, None).await?;
             for note in &opened.notes {
                 println!("{}: {note}", if repair { "repaired" } else { "note" });
             }

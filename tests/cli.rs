@@ -133,7 +133,10 @@ fn errors_a_person_can_act_on_are_one_clear_line() {
     let out = cairn(&["sessions", "--data", missing.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
-    assert!(err.starts_with("error: cannot open the store at"), "{err}");
+    assert!(
+        err.starts_with("error: cannot open store at") && err.contains("no store here"),
+        "{err}"
+    );
     assert!(!err.contains("panicked"));
 
     let files = demo_files(cairn::demo::DEMO_SCRIPT);

@@ -445,7 +445,7 @@ async fn open_writable(dir: &Path, mode: OpenMode, engine: StorageEngine) -> Res
     }
     let store: Arc<dyn Store> = Arc::new(MarkedStore::new(store, dir, &listed).map_err(io(dir))?);
     for note in &notes {
-        tracing::warn!(store = %dir.display(), "{note}");
+        tracing::info!(store = %dir.display(), "{note}");
     }
     Ok(OpenedStore {
         store,
