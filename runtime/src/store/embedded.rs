@@ -523,7 +523,12 @@ async fn open_read_only(dir: &Path, engine: StorageEngine) -> Result<OpenedStore
             format!(
                 "{e}. The {engine} engine cannot read its own files, so no session can be read. \
                  {}",
-                affected(&marks, "`cairn fsck --repair` copies the store away, then recovers what the engine can")
+                affected(
+                    &marks,
+                    "`cairn fsck --repair` tries a writable recovery after copying the files \
+                     away (it puts them back if the engine still fails); otherwise restore the \
+                     store from a backup"
+                )
             ),
         )
     })?;
