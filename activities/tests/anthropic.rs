@@ -825,3 +825,23 @@ async fn a_stream_that_breaks_after_message_start_still_reports_its_usage() {
         .expect("usage reported before the break");
     assert_eq!(usage.input_tokens, 25);
 }
+
+#[tokio::test]
+async fn a_stream_cut_after_message_delta_reports_the_final_output_tokens() {
+    let server = FakeServer::start().await;
+    server.push(Canned::sse(&sse(&[
+        message_start(json!({"input_tokens": 25, "output_tokens": 1})),
+        start(0, text_start()),
+        text_delta(0, "whole"),
+        stop(0),
+        message_delta("end_turn", 9),
+    ])));
+    let context = ActivityContext::detached();
+    let err = provider(&server)
+        .call(&first_request(), &NoDeltas, &context)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Transient, "{err}");
+    let usage = context.reported_usage().expect("usage reported mid-stream");
+    assert_eq!((usage.input_tokens, usage.output_tokens), (25, 9));
+}

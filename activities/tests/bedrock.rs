@@ -555,18 +555,27 @@ async fn http_errors_are_classified() {
 }
 
 async fn call_with(frames: Vec<Vec<u8>>) -> cairn_activities::Error {
+    call_in(&frames, &ActivityContext::detached())
+        .await
+        .unwrap_err()
+}
+
+/// Calls the provider with `context` on a server streaming `frames`.
+async fn call_in(
+    frames: &[Vec<u8>],
+    context: &ActivityContext,
+) -> cairn_activities::Result<ModelResponse> {
     let server = FakeServer::start().await;
-    server.push(stream(&frames));
+    server.push(stream(frames));
     let mut t = Transcript::new();
     t.push_user_text("hi");
     provider(&server)
         .call(
             &request(MODEL, t, false),
             &cairn_activities::NoDeltas,
-            &ActivityContext::detached(),
+            context,
         )
         .await
-        .unwrap_err()
 }
 
 fn start() -> Vec<u8> {
@@ -793,4 +802,52 @@ async fn an_error_echoing_the_aws_secrets_is_scrubbed() {
         !printed.contains(SECRET_KEY) && !printed.contains(TOKEN),
         "{printed}"
     );
+}
+
+/// A context counting its heartbeats.
+fn counting_context() -> (
+    ActivityContext,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let beats = std::sync::Arc::new(AtomicUsize::new(0));
+    let counter = beats.clone();
+    let context = ActivityContext::new(
+        1,
+        None,
+        tokio_util::sync::CancellationToken::new(),
+        move |_| {
+            counter.fetch_add(1, Ordering::SeqCst);
+        },
+    );
+    (context, beats)
+}
+
+#[tokio::test]
+async fn every_frame_is_a_heartbeat() {
+    let frames = text_stream("beat");
+    let (context, beats) = counting_context();
+    let response = call_in(&frames, &context).await.unwrap();
+    assert_eq!(response.text(), "beat");
+    // One per frame, the metadata after messageStop included; the chunks (cut every 7 bytes)
+    // do not count, frames do.
+    assert_eq!(
+        beats.load(std::sync::atomic::Ordering::SeqCst),
+        frames.len()
+    );
+}
+
+#[tokio::test]
+async fn usage_is_reported_as_soon_as_metadata_arrives() {
+    // metadata, then the stream is cut inside a frame before messageStop.
+    let mut frames = text_stream("cut");
+    let metadata = frames.pop().unwrap();
+    let stop = frames.pop().unwrap();
+    frames.push(metadata);
+    frames.push(stop[..stop.len() / 2].to_vec());
+    let context = ActivityContext::detached();
+    let err = call_in(&frames, &context).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Transient, "{err}");
+    let usage = context.reported_usage().expect("usage reported mid-stream");
+    assert_eq!((usage.input_tokens, usage.output_tokens), (1, 2));
 }

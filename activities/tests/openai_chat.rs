@@ -824,3 +824,25 @@ async fn cancellation_stops_a_running_stream() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Cancelled);
 }
+
+#[tokio::test]
+async fn a_stream_cut_after_the_usage_chunk_still_reports_its_usage() {
+    let server = FakeServer::start().await;
+    // The usage chunk arrives, then the connection is cut before `data: [DONE]`.
+    server.push(Canned::sse(&sse(&[
+        &chunk(json!({"role": "assistant", "content": "Hel"}), Value::Null),
+        &chunk(json!({}), json!("stop")),
+        &usage_chunk(),
+    ])));
+    let context = ActivityContext::detached();
+    let err = provider(&server)
+        .call(&user_request("hi"), &NoDeltas, &context)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Transient, "{err}");
+    let usage = context
+        .reported_usage()
+        .expect("usage reported before the cut");
+    assert_eq!((usage.input_tokens, usage.output_tokens), (40, 20));
+    assert_eq!(usage.cache_read_tokens, 10);
+}

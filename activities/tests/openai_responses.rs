@@ -691,3 +691,29 @@ fn unknown_event_types_are_ignored() {
     assert_eq!(response.stop_reason, StopReason::EndTurn);
     assert_eq!(response.usage, Usage::default());
 }
+
+#[tokio::test]
+async fn the_usage_of_the_terminal_event_is_reported_even_when_the_response_is_refused() {
+    // Responses carries usage only on its terminal event; a response refused after it (a call
+    // cut by max_output_tokens) still leaves that usage with the failed attempt.
+    let server = FakeServer::start().await;
+    server.push(Canned::sse(&format!(
+        "{}{}{}",
+        created(),
+        added_call(),
+        frame(
+            "response.incomplete",
+            r#"{"type":"response.incomplete","response":{"status":"incomplete","incomplete_details":{"reason":"max_output_tokens"},"usage":{"input_tokens":10,"output_tokens":64}}}"#
+        )
+    )));
+    let context = ActivityContext::detached();
+    let err = provider(&server)
+        .call(&request(first_turn()), &NoDeltas, &context)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidResponse, "{err}");
+    let usage = context
+        .reported_usage()
+        .expect("usage reported before the refusal");
+    assert_eq!((usage.input_tokens, usage.output_tokens), (10, 64));
+}

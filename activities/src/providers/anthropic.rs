@@ -15,16 +15,15 @@ use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{DeltaSink, ModelProvider, ModelRequest};
 use crate::providers::alias::IdAliases;
-use crate::providers::http::{sse_call, HttpSettings};
-use crate::providers::sse::SseEvent;
+use crate::providers::drive::{self, WireParser};
+use crate::providers::http::HttpSettings;
+use crate::providers::sse::{SseDecoder, SseEvent};
 use crate::providers::{current_turn_start, prepare_transcript};
 use async_trait::async_trait;
 use cairn_ledger::{
     validate_response, Delta, ModelResponse, ModelSpec, Part, Role, StopReason, ToolResultContent,
     ToolSpec, ToolUse, Transcript, Usage,
 };
-use futures_util::stream::BoxStream;
-use futures_util::StreamExt;
 use serde::Serialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -115,46 +114,18 @@ impl ModelProvider for AnthropicProvider {
         if request.model.thinking_budget_tokens.is_some() {
             headers.push(("anthropic-beta", INTERLEAVED_THINKING_BETA.to_owned()));
         }
-        sse_call(
+        let parser = StreamParser::new(request.model.model.clone(), aliases);
+        drive::call(
             &self.settings,
-            PROVIDER,
             MESSAGES_PATH,
             &headers,
             body,
+            parser,
+            deltas,
             context,
-            |events| read_events(events, request, aliases, deltas, context),
         )
         .await
     }
-}
-
-/// Feeds the SSE events to the stream parser until `message_stop`, or cancellation.
-async fn read_events(
-    mut events: BoxStream<'static, Result<SseEvent>>,
-    request: &ModelRequest,
-    aliases: IdAliases,
-    deltas: &dyn DeltaSink,
-    context: &ActivityContext,
-) -> Result<ModelResponse> {
-    let mut parser = StreamParser::new(request.model.model.clone(), aliases);
-    while !parser.is_done() {
-        let next = tokio::select! {
-            next = events.next() => next,
-            _ = context.cancelled() => {
-                return Err(Error::Cancelled {
-                    reason: "cancelled while the anthropic response was streaming".into(),
-                })
-            }
-        };
-        let Some(event) = next else { break };
-        let event = event?;
-        context.heartbeat(None);
-        let fed = parser.feed(&event.event, &event.data, deltas);
-        // Usage so far (message_start, message_delta) outlives a stream that breaks later.
-        context.report_usage(parser.usage());
-        fed?;
-    }
-    parser.finish()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -643,11 +614,6 @@ impl StreamParser {
         }
     }
 
-    /// The usage reported so far (cumulative).
-    pub fn usage(&self) -> Usage {
-        self.usage
-    }
-
     /// The complete response, once `message_stop` was seen.
     pub fn finish(self) -> Result<ModelResponse> {
         if !self.done {
@@ -961,6 +927,29 @@ impl StreamParser {
         }
         self.done = true;
         Ok(())
+    }
+}
+
+impl WireParser for StreamParser {
+    const PROVIDER: &'static str = PROVIDER;
+    type Decoder = SseDecoder;
+
+    fn feed_event(&mut self, event: &SseEvent, deltas: &dyn DeltaSink) -> Result<()> {
+        self.feed(&event.event, &event.data, deltas)
+    }
+
+    fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Anthropic's counts start at zero and only grow (`message_start`, then `message_delta`),
+    /// so the zero before the first count is a true "so far" too.
+    fn usage_so_far(&self) -> Option<Usage> {
+        Some(self.usage)
+    }
+
+    fn finish(self) -> Result<ModelResponse> {
+        StreamParser::finish(self)
     }
 }
 

@@ -16,7 +16,8 @@ use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{DeltaSink, ModelProvider, ModelRequest};
 use crate::providers::alias::IdAliases;
-use crate::providers::http::{stream_call, HttpSettings, DEFAULT_MAX_EVENT_BYTES};
+use crate::providers::drive::{self, WireDecoder, WireParser};
+use crate::providers::http::{HttpSettings, DEFAULT_MAX_EVENT_BYTES};
 use crate::providers::{current_turn_start, prepare_transcript};
 use async_trait::async_trait;
 use base64::Engine as _;
@@ -24,8 +25,6 @@ use cairn_ledger::{
     validate_response, validate_transcript, Delta, ModelResponse, Part, Role, StopReason,
     ToolResultContent, Usage,
 };
-use futures_util::stream::BoxStream;
-use futures_util::StreamExt;
 use serde::Serialize;
 use serde_json::value::RawValue;
 use std::collections::BTreeMap;
@@ -645,6 +644,28 @@ impl FrameDecoder {
     }
 }
 
+impl WireDecoder for FrameDecoder {
+    type Event = WireEvent;
+
+    /// Frame errors name the Bedrock provider whatever `_provider` says: this framing is AWS's.
+    fn with_cap(_provider: &str, max_event_bytes: usize) -> Self {
+        FrameDecoder::with_max_frame_bytes(max_event_bytes)
+    }
+
+    fn push(&mut self, chunk: &[u8]) -> Result<()> {
+        FrameDecoder::push(self, chunk);
+        Ok(())
+    }
+
+    fn next_event(&mut self) -> Result<Option<WireEvent>> {
+        FrameDecoder::next_event(self)
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        FrameDecoder::finish(self)
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Stream parser (pure)
 // ---------------------------------------------------------------------------------------------
@@ -1129,6 +1150,27 @@ impl StreamParser {
     }
 }
 
+impl WireParser for StreamParser {
+    const PROVIDER: &'static str = PROVIDER;
+    type Decoder = FrameDecoder;
+
+    fn feed_event(&mut self, event: &WireEvent, deltas: &dyn DeltaSink) -> Result<()> {
+        self.feed(&event.event_type, &event.payload, deltas)
+    }
+
+    // `is_done` keeps its default: the `metadata` event with the usage follows `messageStop`,
+    // so the body is read to its end.
+
+    /// Bedrock reports usage once, in `metadata`.
+    fn usage_so_far(&self) -> Option<Usage> {
+        self.usage
+    }
+
+    fn finish(self) -> Result<ModelResponse> {
+        StreamParser::finish(self)
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The provider (impure edge)
 // ---------------------------------------------------------------------------------------------
@@ -1215,46 +1257,18 @@ impl ModelProvider for BedrockProvider {
             .map(|(name, value)| (name.as_str(), value.clone()))
             .collect();
         headers.push(("accept", "application/vnd.amazon.eventstream".into()));
-        let decoder = FrameDecoder::with_max_frame_bytes(self.settings.max_event_bytes);
-        stream_call(
+        let parser = StreamParser::new(request.model.model.clone(), aliases);
+        drive::call(
             &self.settings,
-            PROVIDER,
             &path,
             &headers,
             body,
+            parser,
+            deltas,
             context,
-            |bytes| read_frames(bytes, decoder, request, aliases, deltas, context),
         )
         .await
     }
-}
-
-/// Decodes the event-stream frames and feeds their events to the stream parser until the body
-/// ends, or cancellation.
-async fn read_frames(
-    mut stream: BoxStream<'static, Result<bytes::Bytes>>,
-    mut decoder: FrameDecoder,
-    request: &ModelRequest,
-    aliases: IdAliases,
-    deltas: &dyn DeltaSink,
-    context: &ActivityContext,
-) -> Result<ModelResponse> {
-    let mut parser = StreamParser::new(request.model.model.clone(), aliases);
-    loop {
-        let chunk = tokio::select! {
-            chunk = stream.next() => chunk,
-            _ = context.cancelled() => {
-                return Err(Error::Cancelled { reason: "cancelled while streaming".into() })
-            }
-        };
-        let Some(chunk) = chunk else { break };
-        decoder.push(&chunk?);
-        while let Some(event) = decoder.next_event()? {
-            parser.feed(&event.event_type, &event.payload, deltas)?;
-        }
-    }
-    decoder.finish()?;
-    parser.finish()
 }
 
 #[cfg(test)]

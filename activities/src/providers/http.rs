@@ -7,7 +7,6 @@
 use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
 use crate::providers::secrets::Secrets;
-use crate::providers::sse::{self, SseDecoder, SseEvent};
 use bytes::Bytes;
 use futures_util::stream::{self, BoxStream};
 use futures_util::{Stream, StreamExt};
@@ -190,28 +189,6 @@ where
         Err(e) => Err(e),
     };
     result.map_err(|e| secrets.scrub_error(e))
-}
-
-/// [`stream_call`] for a server-sent-events response: `consume` gets the decoded events, each
-/// capped at [`HttpSettings::max_event_bytes`].
-pub async fn sse_call<T, F, Fut>(
-    settings: &HttpSettings,
-    provider: &str,
-    path: &str,
-    headers: &[(&str, String)],
-    body: Vec<u8>,
-    context: &ActivityContext,
-    consume: F,
-) -> Result<T>
-where
-    F: FnOnce(BoxStream<'static, Result<SseEvent>>) -> Fut,
-    Fut: Future<Output = Result<T>>,
-{
-    let decoder = SseDecoder::new(provider, settings.max_event_bytes);
-    stream_call(settings, provider, path, headers, body, context, |bytes| {
-        consume(sse::events(bytes, decoder))
-    })
-    .await
 }
 
 /// POSTs `body` to `base_url + path` with `headers`, and returns the response's byte stream when

@@ -3,13 +3,16 @@
 //! response, and classifies errors for the retry policy.
 //!
 //! Every provider module has the same shape: a pure `render(&ModelRequest) -> Result<Value>`
-//! (validation + the exact request body), a pure stream parser fed one wire event at a time,
-//! and a `ModelProvider` that glues them to HTTP through [`http::stream_call`] (idle timeout,
-//! secret scrubbing), decoding SSE with [`sse`] (linear, each event capped).
+//! (validation + the exact request body), a pure stream parser fed one wire event at a time
+//! ([`drive::WireParser`]), and a `ModelProvider` whose `call` hands both to the one drive loop,
+//! [`drive::call`] (deltas, heartbeats, usage so far, cancellation; over [`http::stream_call`]'s
+//! idle timeout and secret scrubbing), decoding SSE with [`sse`] or AWS event-stream frames
+//! with [`bedrock::FrameDecoder`] (linear, each event capped).
 
 pub mod alias;
 pub mod anthropic;
 pub mod bedrock;
+pub mod drive;
 pub mod http;
 pub mod openai_chat;
 pub mod openai_responses;

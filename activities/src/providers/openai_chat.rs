@@ -24,9 +24,10 @@
 //!   `max_tokens`: see [`MaxTokensField`].
 
 use super::alias::IdAliases;
-use super::http::{sse_call, HttpSettings};
+use super::drive::{self, WireParser};
+use super::http::HttpSettings;
 use super::prepare_transcript;
-use super::sse::SseEvent;
+use super::sse::{SseDecoder, SseEvent};
 use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{CallContext, DeltaSink, ModelProvider, ModelRequest};
@@ -34,8 +35,6 @@ use async_trait::async_trait;
 use cairn_ledger::{
     Delta, Message, ModelResponse, Part, Role, StopReason, ToolResultContent, ToolUse, Usage,
 };
-use futures_util::stream::BoxStream;
-use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
 
 /// The provider family name, recorded as the responses' provenance.
@@ -193,46 +192,18 @@ impl ModelProvider for OpenAiChatProvider {
         if let Some(key) = &self.settings.api_key {
             headers.push(("authorization", format!("Bearer {key}")));
         }
-        sse_call(
+        let parser = StreamParser::new(request.context.clone(), request.model.model.clone());
+        drive::call(
             &self.settings,
-            PROVIDER,
             "/chat/completions",
             &headers,
             body,
+            parser,
+            deltas,
             context,
-            |events| read_events(events, request, deltas, context),
         )
         .await
     }
-}
-
-/// Feeds the SSE events to the stream parser until `[DONE]` (or the end), or cancellation.
-async fn read_events(
-    mut events: BoxStream<'static, Result<SseEvent>>,
-    request: &ModelRequest,
-    deltas: &dyn DeltaSink,
-    context: &ActivityContext,
-) -> Result<ModelResponse> {
-    let mut parser = StreamParser::new(request.context.clone(), request.model.model.clone());
-    loop {
-        let next = tokio::select! {
-            next = events.next() => next,
-            _ = context.cancelled() => return Err(Error::Cancelled {
-                reason: "cancelled while the openai stream was running".into(),
-            }),
-        };
-        let Some(event) = next else { break };
-        let event = event?;
-        context.heartbeat(None);
-        if event.event == "error" {
-            return Err(parser.error_event(&event.data));
-        }
-        parser.feed(&event.data, deltas)?;
-        if parser.is_done() {
-            break;
-        }
-    }
-    parser.finish()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -865,6 +836,32 @@ impl StreamParser {
             source,
         })?;
         Ok(response)
+    }
+}
+
+impl WireParser for StreamParser {
+    const PROVIDER: &'static str = PROVIDER;
+    type Decoder = SseDecoder;
+
+    fn feed_event(&mut self, event: &SseEvent, deltas: &dyn DeltaSink) -> Result<()> {
+        // Some compatible servers name their error events instead of sending an error chunk.
+        if event.event == "error" {
+            return Err(self.error_event(&event.data));
+        }
+        self.feed(&event.data, deltas)
+    }
+
+    fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// The usage chunk (`stream_options.include_usage`) comes last, just before `[DONE]`.
+    fn usage_so_far(&self) -> Option<Usage> {
+        self.usage
+    }
+
+    fn finish(self) -> Result<ModelResponse> {
+        StreamParser::finish(self)
     }
 }
 

@@ -16,16 +16,15 @@
 use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{DeltaSink, ModelProvider, ModelRequest};
-use crate::providers::http::{sse_call, HttpSettings};
+use crate::providers::drive::{self, WireParser};
+use crate::providers::http::HttpSettings;
 use crate::providers::prepare_transcript;
-use crate::providers::sse::SseEvent;
+use crate::providers::sse::{SseDecoder, SseEvent};
 use async_trait::async_trait;
 use cairn_ledger::{
     validate_response, validate_transcript, Delta, JsonText, Message, ModelResponse, Part, Role,
     StopReason, ToolResultContent, ToolUse, Usage, Violation,
 };
-use futures_util::stream::BoxStream;
-use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
@@ -427,7 +426,8 @@ pub struct StreamParser {
     last_sequence: Option<u64>,
     items: Vec<Item>,
     refusal: bool,
-    usage: Usage,
+    /// Set by the terminal event, the only one carrying usage.
+    usage: Option<Usage>,
     terminal: Option<Terminal>,
 }
 
@@ -485,7 +485,7 @@ impl StreamParser {
             last_sequence: None,
             items: Vec::new(),
             refusal: false,
-            usage: Usage::default(),
+            usage: None,
             terminal: None,
         }
     }
@@ -651,7 +651,7 @@ impl StreamParser {
             )
         })?;
         let cached = wire.input_tokens_details.unwrap_or_default().cached_tokens;
-        self.usage = Usage {
+        self.usage = Some(Usage {
             input_tokens: wire.input_tokens.saturating_sub(cached),
             output_tokens: wire.output_tokens,
             cache_read_tokens: cached,
@@ -660,7 +660,7 @@ impl StreamParser {
                 .output_tokens_details
                 .unwrap_or_default()
                 .reasoning_tokens,
-        };
+        });
         Ok(())
     }
 
@@ -1002,7 +1002,7 @@ impl StreamParser {
             parts,
             stop_reason_raw,
             stop_reason,
-            usage: self.usage,
+            usage: self.usage.unwrap_or_default(),
         };
         validate_response(&response).map_err(|source| Error::InvalidResponse {
             provider: PROVIDER.into(),
@@ -1097,43 +1097,40 @@ impl ModelProvider for OpenAiResponsesProvider {
         if let Some(key) = &self.settings.api_key {
             headers.push(("authorization", format!("Bearer {key}")));
         }
-        sse_call(
+        let parser = StreamParser::new(request.model.model.clone());
+        drive::call(
             &self.settings,
-            PROVIDER,
             "/responses",
             &headers,
             body,
+            parser,
+            deltas,
             context,
-            |events| read_events(events, request, deltas, context),
         )
         .await
     }
 }
 
-/// Feeds the SSE events to the stream parser until a terminal event, or cancellation.
-async fn read_events(
-    mut events: BoxStream<'static, Result<SseEvent>>,
-    request: &ModelRequest,
-    deltas: &dyn DeltaSink,
-    context: &ActivityContext,
-) -> Result<ModelResponse> {
-    let mut parser = StreamParser::new(request.model.model.clone());
-    loop {
-        let next = tokio::select! {
-            next = events.next() => next,
-            _ = context.cancelled() => {
-                return Err(Error::Cancelled { reason: format!("{PROVIDER}: cancelled while streaming") });
-            }
-        };
-        let Some(event) = next else { break };
-        let event = event?;
-        context.heartbeat(None);
-        parser.feed(&event.event, &event.data, deltas)?;
-        if parser.is_terminal() {
-            break;
-        }
+impl WireParser for StreamParser {
+    const PROVIDER: &'static str = PROVIDER;
+    type Decoder = SseDecoder;
+
+    fn feed_event(&mut self, event: &SseEvent, deltas: &dyn DeltaSink) -> Result<()> {
+        self.feed(&event.event, &event.data, deltas)
     }
-    parser.finish()
+
+    fn is_done(&self) -> bool {
+        self.is_terminal()
+    }
+
+    /// Responses reports usage only with its terminal event.
+    fn usage_so_far(&self) -> Option<Usage> {
+        self.usage
+    }
+
+    fn finish(self) -> Result<ModelResponse> {
+        StreamParser::finish(self)
+    }
 }
 
 #[cfg(test)]

@@ -13,9 +13,7 @@
 //! growing past the cap is refused with [`Error::EventTooLarge`] before it is buffered further.
 
 use crate::error::{Error, ErrorKind, Result};
-use bytes::Bytes;
-use futures_util::stream::{self, BoxStream};
-use futures_util::StreamExt;
+use crate::providers::drive::WireDecoder;
 use std::collections::VecDeque;
 
 /// One dispatched event.
@@ -228,32 +226,27 @@ impl SseDecoder {
     }
 }
 
-/// The events of an SSE body: byte-stream errors pass through, decoding errors end the stream.
-pub fn events(
-    bytes: BoxStream<'static, Result<Bytes>>,
-    decoder: SseDecoder,
-) -> BoxStream<'static, Result<SseEvent>> {
-    stream::unfold(Some((bytes, decoder)), |state| async move {
-        let (mut bytes, mut decoder) = state?;
-        loop {
-            if let Some(event) = decoder.next_event() {
-                return Some((Ok(event), Some((bytes, decoder))));
-            }
-            match bytes.next().await {
-                Some(Ok(chunk)) => {
-                    if let Err(e) = decoder.push(&chunk) {
-                        return Some((Err(e), None));
-                    }
-                }
-                Some(Err(e)) => return Some((Err(e), None)),
-                None => {
-                    decoder.finish();
-                    return None;
-                }
-            }
-        }
-    })
-    .boxed()
+impl WireDecoder for SseDecoder {
+    type Event = SseEvent;
+
+    fn with_cap(provider: &str, max_event_bytes: usize) -> Self {
+        SseDecoder::new(provider, max_event_bytes)
+    }
+
+    fn push(&mut self, chunk: &[u8]) -> Result<()> {
+        SseDecoder::push(self, chunk)
+    }
+
+    fn next_event(&mut self) -> Result<Option<SseEvent>> {
+        Ok(SseDecoder::next_event(self))
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        // SSE may end anywhere: a partial event is dropped, and the parser decides whether the
+        // stream was complete.
+        SseDecoder::finish(self);
+        Ok(())
+    }
 }
 
 #[cfg(test)]
