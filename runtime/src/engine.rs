@@ -404,8 +404,9 @@ impl Engine {
         }
     }
 
-    /// Records a worker's report for a leased task. A stale report (the lease lapsed, or the
-    /// workflow already moved on) is an error the worker may drop: the history is unchanged.
+    /// Records a worker's report for a leased task. A stale report is
+    /// [`Error::StaleReport`] (the workflow already moved on) or [`Error::LeaseLost`] (the lease
+    /// lapsed): the worker drops it, the history is unchanged.
     pub async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()> {
         let session_id = &lease.id.session_id;
         let activity = {
@@ -415,11 +416,12 @@ impl Engine {
             state.scheduled_activity(lease.id.scheduled_seq)
         };
         let Some(activity) = activity else {
+            // Nothing will run it again, so the queue drops it; the report itself changes nothing.
             self.discard_task(lease).await?;
-            return Err(Error::InvalidEvent {
+            return Err(Error::StaleReport {
                 session_id: session_id.clone(),
                 seq: lease.id.scheduled_seq,
-                reason: "the workflow no longer waits for this task".to_owned(),
+                reason: format!("the workflow no longer waits for task {}", lease.id),
             });
         };
         let event = match (activity, report) {
@@ -500,7 +502,7 @@ impl Engine {
     /// `model_attempt_progress` event (presentation only). It goes through the same append
     /// path as everything else, so it shares the store's group-commit flushes. Stale progress —
     /// the workflow no longer waits for this attempt, or a newer lease of it already recorded
-    /// output — is rejected with `InvalidEvent` (see [`Error::is_stale_report`]) and changes
+    /// output — is rejected with [`Error::StaleReport`] (see [`Error::is_stale_report`]) and changes
     /// nothing; the attempt itself goes on.
     pub async fn record_progress(
         &self,
@@ -522,10 +524,13 @@ impl Engine {
             ..
         }) = activity
         else {
-            return Err(Error::InvalidEvent {
+            return Err(Error::StaleReport {
                 session_id: session_id.clone(),
                 seq: lease.id.scheduled_seq,
-                reason: "progress for a model call the workflow no longer waits for".to_owned(),
+                reason: format!(
+                    "progress of task {} for a model call the workflow no longer waits for",
+                    lease.id
+                ),
             });
         };
         // The workflow checks the attempt again under the session lock, so a completion that

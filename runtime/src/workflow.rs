@@ -586,7 +586,7 @@ impl SessionState {
                     _ => 0,
                 };
                 if *lease_attempt < latest {
-                    return Err(self.invalid(
+                    return Err(self.stale(
                         seq,
                         format!(
                             "progress of lease {lease_attempt} is stale: lease {latest} of this attempt already recorded output"
@@ -701,44 +701,95 @@ impl SessionState {
         })
     }
 
+    fn stale(&self, seq: u64, reason: impl Into<String>) -> Error {
+        Error::StaleReport {
+            session_id: self.session_id.clone(),
+            seq,
+            reason: reason.into(),
+        }
+    }
+
+    /// Whether `turn` was started and has ended: every report for it is stale.
+    fn turn_ended(&self, turn: u32) -> bool {
+        turn >= 1
+            && turn <= self.turns_started
+            && self.active.as_ref().map(|a| a.turn) != Some(turn)
+    }
+
+    /// A report for a model call must name the attempt the workflow waits for. One for an
+    /// attempt, round or turn already left behind is stale (a late worker); one for something
+    /// that never existed is invalid (misuse).
     fn check_model_slot(&self, seq: u64, turn: u32, round: u32, attempt: u32) -> Result<()> {
-        match &self.active {
-            Some(a) if a.turn == turn && a.round == round => match &a.phase {
-                Phase::Model(slot) if slot.attempt == attempt && slot.scheduled_seq.is_some() => {
-                    Ok(())
-                }
-                _ => Err(self.invalid(
-                    seq,
-                    format!(
-                        "no model call of turn {turn} round {round} attempt {attempt} is waiting"
-                    ),
-                )),
-            },
-            _ => Err(self.invalid(
+        let what = format!("model call of turn {turn} round {round} attempt {attempt}");
+        if self.turn_ended(turn) {
+            return Err(self.stale(seq, format!("{what}: turn {turn} has ended")));
+        }
+        let Some(a) = self.active.as_ref().filter(|a| a.turn == turn) else {
+            return Err(self.invalid(
                 seq,
                 format!("turn {turn} round {round} is not the active model call"),
+            ));
+        };
+        if round < a.round {
+            return Err(self.stale(seq, format!("{what}: the turn is at round {}", a.round)));
+        }
+        if round > a.round {
+            return Err(self.invalid(
+                seq,
+                format!("turn {turn} round {round} is not the active model call"),
+            ));
+        }
+        match &a.phase {
+            Phase::Model(slot) if slot.attempt == attempt && slot.scheduled_seq.is_some() => Ok(()),
+            Phase::Model(slot) if attempt < slot.attempt => Err(self.stale(
+                seq,
+                format!("{what}: attempt {} superseded it", slot.attempt),
+            )),
+            Phase::Model(_) => Err(self.invalid(seq, format!("no {what} is waiting"))),
+            Phase::Tools(_) | Phase::Ending => Err(self.stale(
+                seq,
+                format!("{what}: the model call of this round was already answered"),
             )),
         }
     }
 
+    /// Like [`SessionState::check_model_slot`], for a tool call.
     fn check_tool_slot(&self, seq: u64, turn: u32, tool_use_id: &str, attempt: u32) -> Result<()> {
-        let waiting = match &self.active {
-            Some(a) if a.turn == turn => match &a.phase {
-                Phase::Tools(slots) => slots.iter().any(|s| {
-                    s.tool_use.id == tool_use_id
-                        && matches!(s.state, ToolSlotState::Scheduled { attempt: a, scheduled_seq: Some(_), .. } if a == attempt)
-                }),
-                _ => false,
-            },
-            _ => false,
+        let what = format!("tool call {tool_use_id:?} of turn {turn} attempt {attempt}");
+        if self.turn_ended(turn) {
+            return Err(self.stale(seq, format!("{what}: turn {turn} has ended")));
+        }
+        let not_waiting = || self.invalid(seq, format!("no {what} is waiting"));
+        let Some(a) = self.active.as_ref().filter(|a| a.turn == turn) else {
+            return Err(not_waiting());
         };
-        if waiting {
-            Ok(())
-        } else {
-            Err(self.invalid(
-                seq,
-                format!("no tool call {tool_use_id:?} of turn {turn} attempt {attempt} is waiting"),
-            ))
+        let slot = match &a.phase {
+            Phase::Tools(slots) => slots.iter().find(|s| s.tool_use.id == tool_use_id),
+            _ => None,
+        };
+        match slot.map(|s| &s.state) {
+            Some(ToolSlotState::Scheduled {
+                attempt: current,
+                scheduled_seq,
+                ..
+            }) => {
+                if *current == attempt && scheduled_seq.is_some() {
+                    Ok(())
+                } else if attempt < *current {
+                    Err(self.stale(seq, format!("{what}: attempt {current} superseded it")))
+                } else {
+                    Err(not_waiting())
+                }
+            }
+            Some(ToolSlotState::Done(_)) => {
+                Err(self.stale(seq, format!("{what}: the call was already answered")))
+            }
+            Some(ToolSlotState::Unscheduled) => Err(not_waiting()),
+            // A call of an earlier round of this turn was answered before that round ended.
+            None if self.tool_use_ids.contains(tool_use_id) => {
+                Err(self.stale(seq, format!("{what}: the call was already answered")))
+            }
+            None => Err(not_waiting()),
         }
     }
 

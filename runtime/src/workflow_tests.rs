@@ -296,10 +296,10 @@ fn tool_failures_retry_then_become_an_error_result() {
     assert!(
         matches!(&c[..], [Command::ScheduleToolCall { attempt: 2, not_before_ms, .. }] if *not_before_ms == now + 1000)
     );
-    // A late report of attempt 1 is rejected and changes nothing.
+    // A late report of attempt 1 is stale and changes nothing.
     let before = live.state.clone();
     let err = live.try_input(tool_done(1, "t", 1, "1")).unwrap_err();
-    assert!(matches!(err, Error::InvalidEvent { .. }), "{err}");
+    assert!(matches!(err, Error::StaleReport { .. }), "{err}");
     assert_eq!(live.state, before);
     let c = live.input(Event::ToolCallFailed {
         turn: 1,
@@ -872,5 +872,63 @@ fn stale_progress_is_rejected_and_changes_nothing() {
         .try_input(progress(1, 1, 1, 1, "after the end"))
         .is_err());
     assert_eq!(live.state, before);
+    live.check_replay();
+}
+
+#[test]
+fn stale_reports_get_their_own_error_and_change_nothing() {
+    let mut live = Live::new(started(8));
+    live.input(user(1, "go"));
+    live.input(Event::ModelCallFailed {
+        turn: 1,
+        round: 0,
+        attempt: 1,
+        failure: failed(ErrorClass::Transient),
+    });
+    let stale = |live: &mut Live, event: Event| {
+        let before = live.state.clone();
+        let err = live.try_input(event).unwrap_err();
+        assert!(
+            matches!(&err, Error::StaleReport { session_id, .. } if session_id == SID),
+            "{err}"
+        );
+        assert!(err.is_stale_report());
+        assert_eq!(live.state, before);
+    };
+    // The superseded attempt of the model call reports late.
+    let answer = response(vec![tool_use("t", "calculator", "{}")], StopReason::ToolUse);
+    stale(&mut live, model_done(1, 0, 1, answer.clone()));
+    // A future attempt is misuse, not staleness.
+    let err = live
+        .try_input(model_done(1, 0, 3, answer.clone()))
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidEvent { .. }), "{err}");
+    live.input(model_done(1, 0, 2, answer.clone()));
+    // The answered model call reports again (a duplicate), and a failure of it.
+    stale(&mut live, model_done(1, 0, 2, answer));
+    stale(
+        &mut live,
+        Event::ModelCallFailed {
+            turn: 1,
+            round: 0,
+            attempt: 2,
+            failure: failed(ErrorClass::Transient),
+        },
+    );
+    live.input(tool_done(1, "t", 1, "1"));
+    // The answered tool call reports again.
+    stale(&mut live, tool_done(1, "t", 1, "2"));
+    live.input(model_done(
+        1,
+        1,
+        1,
+        response(vec![text("ok")], StopReason::EndTurn),
+    ));
+    // After the turn ended, everything of it is stale.
+    stale(&mut live, tool_done(1, "t", 1, "3"));
+    stale(&mut live, progress(1, 1, 1, 1, "late"));
+    // A turn that never started is misuse.
+    let err = live.try_input(tool_done(2, "t", 1, "4")).unwrap_err();
+    assert!(matches!(err, Error::InvalidEvent { .. }), "{err}");
     live.check_replay();
 }
