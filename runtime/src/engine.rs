@@ -1,5 +1,7 @@
-//! The engine: applies inputs to a session's workflow, appends the input and the resulting
-//! command events (and their tasks) in one atomic, durable store append, then wakes workers.
+//! The engine: steps a session's workflow with an input, appends what the step returns (the
+//! input, the command events, the tasks to enqueue and cancel) in one atomic, durable store
+//! append, then wakes workers and turn waiters. What to enqueue and cancel is the workflow's
+//! decision ([`SessionState::step`]), not the engine's.
 //!
 //! Folded session state is cached; a miss (or any failed append) reloads it from the history.
 
@@ -7,7 +9,7 @@ use crate::clock::Clock;
 use crate::error::{Error, Result};
 use crate::event::{ActivityFailure, Event, EventEnvelope, SessionStarted};
 use crate::store::{AppendRequest, Lease, NewTask, SessionStatus, Store, TaskId, TaskKind};
-use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
+use crate::workflow::{ScheduledActivity, SessionState, Transition, TurnOutcome};
 use cairn_ledger::{
     Delta, JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, ToolUse, Transcript,
 };
@@ -687,7 +689,7 @@ impl Engine {
         })
     }
 
-    /// Applies an input and its commands, appends them atomically, updates the cache.
+    /// Steps the workflow with an input, appends the transition atomically, updates the cache.
     async fn submit(
         &self,
         session_id: &str,
@@ -711,55 +713,27 @@ impl Engine {
             };
             let now = self.now_ms();
             let first_seq = state.next_seq;
-            let before: BTreeSet<u64> = state.outstanding_tasks().into_iter().collect();
             let input = EventEnvelope::new(session_id, first_seq, now, input);
-            let commands = match state.apply(&input) {
-                Ok(commands) => commands,
+            let transition = match state.step(input) {
+                Ok(transition) => transition,
                 Err(e) => {
-                    if is_start {
+                    // A rejected input — a stale report (`StaleReport`, the common case: a late
+                    // worker), misuse or a rejection (`InvalidEvent`) — leaves the state as it
+                    // was, so the cache stays. A new session's state is dropped, and so is one a
+                    // failed step advanced part way (its seq moved): it reloads from the store.
+                    if is_start || state.next_seq != first_seq {
                         *guard = None;
                     }
                     return Err(e);
                 }
             };
-            let mut events = vec![input];
-            let mut enqueue = Vec::new();
-            for command in commands {
-                let envelope =
-                    EventEnvelope::new(session_id, state.next_seq, now, command.into_event());
-                if let Err(e) = state.apply(&envelope) {
-                    *guard = None;
-                    return Err(e);
-                }
-                match &envelope.event {
-                    Event::ModelCallScheduled { not_before_ms, .. }
-                    | Event::ToolCallScheduled { not_before_ms, .. } => enqueue.push(NewTask {
-                        id: TaskId {
-                            session_id: session_id.to_owned(),
-                            scheduled_seq: envelope.seq,
-                        },
-                        kind: if matches!(envelope.event, Event::ModelCallScheduled { .. }) {
-                            TaskKind::Model
-                        } else {
-                            TaskKind::Tool
-                        },
-                        visible_at_ms: *not_before_ms,
-                    }),
-                    _ => {}
-                }
-                events.push(envelope);
-            }
-            let after: BTreeSet<u64> = state.outstanding_tasks().into_iter().collect();
-            let completed_seq = complete.as_ref().map(|(id, _)| id.scheduled_seq);
-            let cancel = before
-                .difference(&after)
-                .filter(|seq| Some(**seq) != completed_seq)
-                .map(|seq| TaskId {
-                    session_id: session_id.to_owned(),
-                    scheduled_seq: *seq,
-                })
-                .collect();
-            let outcome = state.last_outcome.clone();
+            let Transition {
+                events,
+                enqueue,
+                cancel,
+                outcome,
+                ..
+            } = transition;
             let request = AppendRequest {
                 session_id: session_id.to_owned(),
                 expected_next_seq: first_seq,

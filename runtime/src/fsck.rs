@@ -499,13 +499,7 @@ mod tests {
             },
         ] {
             let e = EventEnvelope::new(sid, state.next_seq, 100, event);
-            let commands = state.apply(&e).expect("apply");
-            events.push(e);
-            for c in commands {
-                let e = EventEnvelope::new(sid, state.next_seq, 100, c.into_event());
-                state.apply(&e).expect("apply command");
-                events.push(e);
-            }
+            events.extend(state.step(e).expect("step").events);
         }
         assert_eq!(events.len(), 3);
         let mut request = append_request(sid, 1, events, 100);

@@ -1,13 +1,17 @@
-//! The agent turn as a pure, deterministic state machine: `apply(state, event) -> commands`.
+//! The agent turn as a pure, deterministic state machine: `step(state, input) -> Transition`.
 //!
 //! Inputs (a user message, an activity result, a cancellation) yield commands; each command is
 //! recorded as the event that follows its input, and applying that event checks it matches the
-//! command the code expects. Live runs and replays go through this same path, so a history that
-//! the current code would not produce is caught as [`Error::Nondeterminism`] naming the event.
-//! No IO, no clock (time comes from the event envelope), no randomness.
+//! command the code expects. [`SessionState::step`] does both for a live input and also says
+//! which tasks to enqueue and cancel and how the turn ended, so the engine only appends what it
+//! returns. Every state change goes through [`SessionState::apply`], which replay calls on each
+//! recorded event, so a history that the current code would not produce is caught as
+//! [`Error::Nondeterminism`] naming the event. No IO, no clock (time comes from the event
+//! envelope), no randomness.
 
 use crate::error::{Error, Result};
 use crate::event::{ActivityFailure, Event, EventEnvelope, RetryPolicy, SessionStarted};
+use crate::store::{NewTask, TaskId, TaskKind};
 use cairn_ledger::JsonText;
 use cairn_ledger::{
     validate_response, ModelResponse, ModelSpec, Part, StopReason, ToolResult, ToolResultContent,
@@ -237,6 +241,24 @@ pub enum ScheduledActivity {
     },
 }
 
+/// What one input does to a session: everything the engine appends in one atomic write, and
+/// what it tells waiters afterwards.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transition {
+    /// The input, then one event per command, with consecutive seqs and the input's time.
+    pub events: Vec<EventEnvelope>,
+    /// The commands the input caused, in order; `events[1..]` records them.
+    pub commands: Vec<Command>,
+    /// One task per activity the commands schedule, named by the seq of its scheduling event
+    /// and not leasable before the attempt is due.
+    pub enqueue: Vec<NewTask>,
+    /// Tasks of activities the workflow stopped waiting for (a cancelled turn or session), by
+    /// ascending seq. The task an input reports on is not among them: the report completes it.
+    pub cancel: Vec<TaskId>,
+    /// How the turn ended, when this input ended it.
+    pub outcome: Option<TurnOutcome>,
+}
+
 /// A session's folded state: the ledger and the turn machine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SessionState {
@@ -368,6 +390,103 @@ impl SessionState {
             session_id: self.session_id.clone(),
             seq,
             reason: reason.into(),
+        }
+    }
+
+    /// Applies a live input and the command events it causes, and says what to append.
+    ///
+    /// `input` must be an input event (not a command) at `next_seq`; its `recorded_at_ms` is the
+    /// time every command is decided and recorded at. When the input is rejected the state is
+    /// unchanged. Applying the decided commands cannot fail unless this code contradicts itself;
+    /// if it does, the error is returned and the state, advanced part way, must be discarded
+    /// (the engine reloads it from the store).
+    pub fn step(&mut self, input: EventEnvelope) -> Result<Transition> {
+        if input.event.is_command() {
+            return Err(self.invalid(input.seq, "command event as input"));
+        }
+        let before: BTreeSet<u64> = self.outstanding_tasks().into_iter().collect();
+        let reported = self.reported_task(&input.event);
+        let was_running = self.is_running();
+        let commands = self.apply(&input)?;
+        let now = input.recorded_at_ms;
+        let mut events = Vec::with_capacity(1 + commands.len());
+        events.push(input);
+        let mut enqueue = Vec::new();
+        for command in &commands {
+            let envelope = EventEnvelope::new(
+                &self.session_id,
+                self.next_seq,
+                now,
+                command.clone().into_event(),
+            );
+            self.apply(&envelope)?;
+            let task = match command {
+                Command::ScheduleModelCall { not_before_ms, .. } => {
+                    Some((TaskKind::Model, *not_before_ms))
+                }
+                Command::ScheduleToolCall { not_before_ms, .. } => {
+                    Some((TaskKind::Tool, *not_before_ms))
+                }
+                Command::CompleteTurn { .. } | Command::FailTurn { .. } => None,
+            };
+            if let Some((kind, visible_at_ms)) = task {
+                enqueue.push(NewTask {
+                    id: self.task_id(envelope.seq),
+                    kind,
+                    visible_at_ms,
+                });
+            }
+            events.push(envelope);
+        }
+        let after: BTreeSet<u64> = self.outstanding_tasks().into_iter().collect();
+        let cancel = before
+            .difference(&after)
+            .filter(|seq| Some(**seq) != reported)
+            .map(|seq| self.task_id(*seq))
+            .collect();
+        let outcome = if was_running && !self.is_running() {
+            self.last_outcome.clone()
+        } else {
+            None
+        };
+        Ok(Transition {
+            events,
+            commands,
+            enqueue,
+            cancel,
+            outcome,
+        })
+    }
+
+    fn task_id(&self, scheduled_seq: u64) -> TaskId {
+        TaskId {
+            session_id: self.session_id.clone(),
+            scheduled_seq,
+        }
+    }
+
+    /// The task an activity report answers (when the workflow waits for it): its slot's
+    /// scheduling seq. The report's append completes that task under its lease, so it is not
+    /// cancelled as well.
+    fn reported_task(&self, event: &Event) -> Option<u64> {
+        let phase = &self.active.as_ref()?.phase;
+        match (event, phase) {
+            (
+                Event::ModelCallCompleted { .. } | Event::ModelCallFailed { .. },
+                Phase::Model(slot),
+            ) => slot.scheduled_seq,
+            (
+                Event::ToolCallCompleted { tool_use_id, .. }
+                | Event::ToolCallFailed { tool_use_id, .. },
+                Phase::Tools(slots),
+            ) => slots
+                .iter()
+                .find(|s| &s.tool_use.id == tool_use_id)
+                .and_then(|s| match s.state {
+                    ToolSlotState::Scheduled { scheduled_seq, .. } => scheduled_seq,
+                    _ => None,
+                }),
+            _ => None,
         }
     }
 
