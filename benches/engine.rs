@@ -65,13 +65,7 @@ fn history(events: usize) -> Vec<EventEnvelope> {
     let mut out = Vec::new();
     let push = |state: &mut SessionState, out: &mut Vec<EventEnvelope>, event: Event| {
         let input = EventEnvelope::new(sid, state.next_seq, 1_000, event);
-        let commands = state.apply(&input).unwrap();
-        out.push(input);
-        for c in commands {
-            let e = EventEnvelope::new(sid, state.next_seq, 1_000, c.into_event());
-            state.apply(&e).unwrap();
-            out.push(e);
-        }
+        out.extend(state.step(input).unwrap().events);
     };
     push(&mut state, &mut out, Event::SessionStarted(started()));
     let mut turn = 0;

@@ -382,7 +382,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     Ok(ExitCode::SUCCESS)
                 }
                 Err(
-                    e @ (RuntimeError::Nondeterminism { .. } | RuntimeError::InvalidEvent { .. }),
+                    e @ (RuntimeError::Nondeterminism { .. }
+                    | RuntimeError::InvalidEvent { .. }
+                    | RuntimeError::StaleReport { .. }),
                 ) => {
                     println!("divergence: {e}");
                     Ok(ExitCode::from(1))

@@ -1,5 +1,7 @@
-//! The engine: applies inputs to a session's workflow, appends the input and the resulting
-//! command events (and their tasks) in one atomic, durable store append, then wakes workers.
+//! The engine: steps a session's workflow with an input, appends what the step returns (the
+//! input, the command events, the tasks to enqueue and cancel) in one atomic, durable store
+//! append, then wakes workers and turn waiters. What to enqueue and cancel is the workflow's
+//! decision ([`SessionState::step`]), not the engine's.
 //!
 //! Folded session state is cached; a miss (or any failed append) reloads it from the history.
 
@@ -7,7 +9,7 @@ use crate::clock::Clock;
 use crate::error::{Error, Result};
 use crate::event::{ActivityFailure, Event, EventEnvelope, SessionStarted};
 use crate::store::{AppendRequest, Lease, NewTask, SessionStatus, Store, TaskId, TaskKind};
-use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
+use crate::workflow::{ScheduledActivity, SessionState, Transition, TurnOutcome};
 use cairn_ledger::{
     Delta, JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, ToolUse, Transcript,
 };
@@ -404,8 +406,9 @@ impl Engine {
         }
     }
 
-    /// Records a worker's report for a leased task. A stale report (the lease lapsed, or the
-    /// workflow already moved on) is an error the worker may drop: the history is unchanged.
+    /// Records a worker's report for a leased task. A stale report is
+    /// [`Error::StaleReport`] (the workflow already moved on) or [`Error::LeaseLost`] (the lease
+    /// lapsed): the worker drops it, the history is unchanged.
     pub async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()> {
         let session_id = &lease.id.session_id;
         let activity = {
@@ -415,11 +418,12 @@ impl Engine {
             state.scheduled_activity(lease.id.scheduled_seq)
         };
         let Some(activity) = activity else {
+            // Nothing will run it again, so the queue drops it; the report itself changes nothing.
             self.discard_task(lease).await?;
-            return Err(Error::InvalidEvent {
+            return Err(Error::StaleReport {
                 session_id: session_id.clone(),
                 seq: lease.id.scheduled_seq,
-                reason: "the workflow no longer waits for this task".to_owned(),
+                reason: format!("the workflow no longer waits for task {}", lease.id),
             });
         };
         let event = match (activity, report) {
@@ -500,7 +504,7 @@ impl Engine {
     /// `model_attempt_progress` event (presentation only). It goes through the same append
     /// path as everything else, so it shares the store's group-commit flushes. Stale progress —
     /// the workflow no longer waits for this attempt, or a newer lease of it already recorded
-    /// output — is rejected with `InvalidEvent` (see [`Error::is_stale_report`]) and changes
+    /// output — is rejected with [`Error::StaleReport`] (see [`Error::is_stale_report`]) and changes
     /// nothing; the attempt itself goes on.
     pub async fn record_progress(
         &self,
@@ -522,10 +526,13 @@ impl Engine {
             ..
         }) = activity
         else {
-            return Err(Error::InvalidEvent {
+            return Err(Error::StaleReport {
                 session_id: session_id.clone(),
                 seq: lease.id.scheduled_seq,
-                reason: "progress for a model call the workflow no longer waits for".to_owned(),
+                reason: format!(
+                    "progress of task {} for a model call the workflow no longer waits for",
+                    lease.id
+                ),
             });
         };
         // The workflow checks the attempt again under the session lock, so a completion that
@@ -682,7 +689,7 @@ impl Engine {
         })
     }
 
-    /// Applies an input and its commands, appends them atomically, updates the cache.
+    /// Steps the workflow with an input, appends the transition atomically, updates the cache.
     async fn submit(
         &self,
         session_id: &str,
@@ -706,55 +713,27 @@ impl Engine {
             };
             let now = self.now_ms();
             let first_seq = state.next_seq;
-            let before: BTreeSet<u64> = state.outstanding_tasks().into_iter().collect();
             let input = EventEnvelope::new(session_id, first_seq, now, input);
-            let commands = match state.apply(&input) {
-                Ok(commands) => commands,
+            let transition = match state.step(input) {
+                Ok(transition) => transition,
                 Err(e) => {
-                    if is_start {
+                    // A rejected input — a stale report (`StaleReport`, the common case: a late
+                    // worker), misuse or a rejection (`InvalidEvent`) — leaves the state as it
+                    // was, so the cache stays. A new session's state is dropped, and so is one a
+                    // failed step advanced part way (its seq moved): it reloads from the store.
+                    if is_start || state.next_seq != first_seq {
                         *guard = None;
                     }
                     return Err(e);
                 }
             };
-            let mut events = vec![input];
-            let mut enqueue = Vec::new();
-            for command in commands {
-                let envelope =
-                    EventEnvelope::new(session_id, state.next_seq, now, command.into_event());
-                if let Err(e) = state.apply(&envelope) {
-                    *guard = None;
-                    return Err(e);
-                }
-                match &envelope.event {
-                    Event::ModelCallScheduled { not_before_ms, .. }
-                    | Event::ToolCallScheduled { not_before_ms, .. } => enqueue.push(NewTask {
-                        id: TaskId {
-                            session_id: session_id.to_owned(),
-                            scheduled_seq: envelope.seq,
-                        },
-                        kind: if matches!(envelope.event, Event::ModelCallScheduled { .. }) {
-                            TaskKind::Model
-                        } else {
-                            TaskKind::Tool
-                        },
-                        visible_at_ms: *not_before_ms,
-                    }),
-                    _ => {}
-                }
-                events.push(envelope);
-            }
-            let after: BTreeSet<u64> = state.outstanding_tasks().into_iter().collect();
-            let completed_seq = complete.as_ref().map(|(id, _)| id.scheduled_seq);
-            let cancel = before
-                .difference(&after)
-                .filter(|seq| Some(**seq) != completed_seq)
-                .map(|seq| TaskId {
-                    session_id: session_id.to_owned(),
-                    scheduled_seq: *seq,
-                })
-                .collect();
-            let outcome = state.last_outcome.clone();
+            let Transition {
+                events,
+                enqueue,
+                cancel,
+                outcome,
+                ..
+            } = transition;
             let request = AppendRequest {
                 session_id: session_id.to_owned(),
                 expected_next_seq: first_seq,

@@ -66,7 +66,9 @@ pub enum Error {
         /// The id given.
         session_id: String,
     },
-    /// An event the workflow cannot accept in its current state.
+    /// An event the workflow cannot accept in its current state: client misuse (a turn out of
+    /// order, a report for an activity that never existed) or a rejection (a response that
+    /// breaks the ledger's rules). Stale reports are [`Error::StaleReport`].
     #[error("session {session_id:?} seq {seq}: event rejected: {reason}")]
     InvalidEvent {
         /// Session.
@@ -74,6 +76,21 @@ pub enum Error {
         /// Seq the event has or would have.
         seq: u64,
         /// Why.
+        reason: String,
+    },
+    /// A report (a result, a failure, streamed output) for a lease or attempt the workflow no
+    /// longer waits for: a retry superseded it, a newer lease already recorded output, the
+    /// activity was answered or cancelled, or the turn ended. Expected in normal operation (a
+    /// worker whose lease lapsed comes back late); it changes nothing, and the history already
+    /// holds the truth.
+    #[error("session {session_id:?} seq {seq}: stale report dropped: {reason}")]
+    StaleReport {
+        /// Session.
+        session_id: String,
+        /// The seq the report would have taken; when the engine refuses a report before it
+        /// becomes an event, the seq of the event that scheduled the reported task.
+        seq: u64,
+        /// What the workflow waits for instead.
         reason: String,
     },
     /// Replaying the history with this code does not give the recorded decisions.
@@ -124,9 +141,10 @@ pub enum Error {
 }
 
 impl Error {
-    /// Whether the error is caused by a stale or duplicate activity report, which callers may
-    /// drop: the history already holds the truth.
+    /// Whether the error is caused by a stale or duplicate activity report — the workflow no
+    /// longer waits for it, or the store fenced off its lease — which callers drop: the history
+    /// already holds the truth and nothing was changed.
     pub fn is_stale_report(&self) -> bool {
-        matches!(self, Error::LeaseLost { .. } | Error::InvalidEvent { .. })
+        matches!(self, Error::LeaseLost { .. } | Error::StaleReport { .. })
     }
 }

@@ -3,9 +3,10 @@
 //!
 //! For every session: every record decodes (a corrupt one is noted and reading goes on after
 //! it), the seqs are 1..=n without gaps and n is the session's recorded event count, the
-//! decodable prefix replays with the current code (no `Nondeterminism` or `InvalidEvent`), and
-//! the recorded status matches the folded state. For every queued task: it belongs to a running
-//! session, points at a `*_scheduled` event of its kind, and the workflow still waits for it;
+//! decodable prefix replays with the current code (no `Nondeterminism`, `InvalidEvent` or
+//! `StaleReport`), and the recorded status matches the folded state. For every queued task: it
+//! belongs to a running session, points at a `*_scheduled` event of its kind, and the workflow
+//! still waits for it;
 //! and every activity a running session waits for has a queued task.
 //!
 //! Run it on a store nothing else is writing to (the CLI opens the store exclusively): a
@@ -444,7 +445,9 @@ async fn read_all(
 
 fn replay_problem(e: Error, problem: &mut impl FnMut(Option<u64>, ProblemKind, String)) {
     let seq = match &e {
-        Error::Nondeterminism { seq, .. } | Error::InvalidEvent { seq, .. } => Some(*seq),
+        Error::Nondeterminism { seq, .. }
+        | Error::InvalidEvent { seq, .. }
+        | Error::StaleReport { seq, .. } => Some(*seq),
         _ => None,
     };
     problem(seq, ProblemKind::Replay, e.to_string());
@@ -496,13 +499,7 @@ mod tests {
             },
         ] {
             let e = EventEnvelope::new(sid, state.next_seq, 100, event);
-            let commands = state.apply(&e).expect("apply");
-            events.push(e);
-            for c in commands {
-                let e = EventEnvelope::new(sid, state.next_seq, 100, c.into_event());
-                state.apply(&e).expect("apply command");
-                events.push(e);
-            }
+            events.extend(state.step(e).expect("step").events);
         }
         assert_eq!(events.len(), 3);
         let mut request = append_request(sid, 1, events, 100);

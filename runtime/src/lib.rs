@@ -36,4 +36,4 @@ pub use store::memory::MemoryStore;
 pub use store::{
     AppendRequest, Lease, NewTask, SessionInfo, SessionStatus, Store, Task, TaskId, TaskKind,
 };
-pub use workflow::{Command, SessionState, TurnOutcome};
+pub use workflow::{Command, SessionState, Transition, TurnOutcome};

@@ -15,7 +15,8 @@ pub struct Replay {
 }
 
 /// Replays a whole history. Fails with `Nondeterminism` at the first recorded decision that the
-/// current code does not make, and with `InvalidEvent` at an event it cannot accept.
+/// current code does not make, and with `InvalidEvent` (or `StaleReport`, for a report it no
+/// longer waits for) at an event it cannot accept.
 pub fn replay(session_id: &str, events: &[EventEnvelope]) -> Result<Replay> {
     let mut state = SessionState::new(session_id);
     let mut commands = Vec::new();

@@ -1,13 +1,17 @@
-//! The agent turn as a pure, deterministic state machine: `apply(state, event) -> commands`.
+//! The agent turn as a pure, deterministic state machine: `step(state, input) -> Transition`.
 //!
 //! Inputs (a user message, an activity result, a cancellation) yield commands; each command is
 //! recorded as the event that follows its input, and applying that event checks it matches the
-//! command the code expects. Live runs and replays go through this same path, so a history that
-//! the current code would not produce is caught as [`Error::Nondeterminism`] naming the event.
-//! No IO, no clock (time comes from the event envelope), no randomness.
+//! command the code expects. [`SessionState::step`] does both for a live input and also says
+//! which tasks to enqueue and cancel and how the turn ended, so the engine only appends what it
+//! returns. Every state change goes through [`SessionState::apply`], which replay calls on each
+//! recorded event, so a history that the current code would not produce is caught as
+//! [`Error::Nondeterminism`] naming the event. No IO, no clock (time comes from the event
+//! envelope), no randomness.
 
 use crate::error::{Error, Result};
 use crate::event::{ActivityFailure, Event, EventEnvelope, RetryPolicy, SessionStarted};
+use crate::store::{NewTask, TaskId, TaskKind};
 use cairn_ledger::JsonText;
 use cairn_ledger::{
     validate_response, ModelResponse, ModelSpec, Part, StopReason, ToolResult, ToolResultContent,
@@ -237,6 +241,24 @@ pub enum ScheduledActivity {
     },
 }
 
+/// What one input does to a session: everything the engine appends in one atomic write, and
+/// what it tells waiters afterwards.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transition {
+    /// The input, then one event per command, with consecutive seqs and the input's time.
+    pub events: Vec<EventEnvelope>,
+    /// The commands the input caused, in order; `events[1..]` records them.
+    pub commands: Vec<Command>,
+    /// One task per activity the commands schedule, named by the seq of its scheduling event
+    /// and not leasable before the attempt is due.
+    pub enqueue: Vec<NewTask>,
+    /// Tasks of activities the workflow stopped waiting for (a cancelled turn or session), by
+    /// ascending seq. The task an input reports on is not among them: the report completes it.
+    pub cancel: Vec<TaskId>,
+    /// How the turn ended, when this input ended it.
+    pub outcome: Option<TurnOutcome>,
+}
+
 /// A session's folded state: the ledger and the turn machine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SessionState {
@@ -368,6 +390,103 @@ impl SessionState {
             session_id: self.session_id.clone(),
             seq,
             reason: reason.into(),
+        }
+    }
+
+    /// Applies a live input and the command events it causes, and says what to append.
+    ///
+    /// `input` must be an input event (not a command) at `next_seq`; its `recorded_at_ms` is the
+    /// time every command is decided and recorded at. When the input is rejected the state is
+    /// unchanged. Applying the decided commands cannot fail unless this code contradicts itself;
+    /// if it does, the error is returned and the state, advanced part way, must be discarded
+    /// (the engine reloads it from the store).
+    pub fn step(&mut self, input: EventEnvelope) -> Result<Transition> {
+        if input.event.is_command() {
+            return Err(self.invalid(input.seq, "command event as input"));
+        }
+        let before: BTreeSet<u64> = self.outstanding_tasks().into_iter().collect();
+        let reported = self.reported_task(&input.event);
+        let was_running = self.is_running();
+        let commands = self.apply(&input)?;
+        let now = input.recorded_at_ms;
+        let mut events = Vec::with_capacity(1 + commands.len());
+        events.push(input);
+        let mut enqueue = Vec::new();
+        for command in &commands {
+            let envelope = EventEnvelope::new(
+                &self.session_id,
+                self.next_seq,
+                now,
+                command.clone().into_event(),
+            );
+            self.apply(&envelope)?;
+            let task = match command {
+                Command::ScheduleModelCall { not_before_ms, .. } => {
+                    Some((TaskKind::Model, *not_before_ms))
+                }
+                Command::ScheduleToolCall { not_before_ms, .. } => {
+                    Some((TaskKind::Tool, *not_before_ms))
+                }
+                Command::CompleteTurn { .. } | Command::FailTurn { .. } => None,
+            };
+            if let Some((kind, visible_at_ms)) = task {
+                enqueue.push(NewTask {
+                    id: self.task_id(envelope.seq),
+                    kind,
+                    visible_at_ms,
+                });
+            }
+            events.push(envelope);
+        }
+        let after: BTreeSet<u64> = self.outstanding_tasks().into_iter().collect();
+        let cancel = before
+            .difference(&after)
+            .filter(|seq| Some(**seq) != reported)
+            .map(|seq| self.task_id(*seq))
+            .collect();
+        let outcome = if was_running && !self.is_running() {
+            self.last_outcome.clone()
+        } else {
+            None
+        };
+        Ok(Transition {
+            events,
+            commands,
+            enqueue,
+            cancel,
+            outcome,
+        })
+    }
+
+    fn task_id(&self, scheduled_seq: u64) -> TaskId {
+        TaskId {
+            session_id: self.session_id.clone(),
+            scheduled_seq,
+        }
+    }
+
+    /// The task an activity report answers (when the workflow waits for it): its slot's
+    /// scheduling seq. The report's append completes that task under its lease, so it is not
+    /// cancelled as well.
+    fn reported_task(&self, event: &Event) -> Option<u64> {
+        let phase = &self.active.as_ref()?.phase;
+        match (event, phase) {
+            (
+                Event::ModelCallCompleted { .. } | Event::ModelCallFailed { .. },
+                Phase::Model(slot),
+            ) => slot.scheduled_seq,
+            (
+                Event::ToolCallCompleted { tool_use_id, .. }
+                | Event::ToolCallFailed { tool_use_id, .. },
+                Phase::Tools(slots),
+            ) => slots
+                .iter()
+                .find(|s| &s.tool_use.id == tool_use_id)
+                .and_then(|s| match s.state {
+                    ToolSlotState::Scheduled { scheduled_seq, .. } => scheduled_seq,
+                    _ => None,
+                }),
+            _ => None,
         }
     }
 
@@ -586,7 +705,7 @@ impl SessionState {
                     _ => 0,
                 };
                 if *lease_attempt < latest {
-                    return Err(self.invalid(
+                    return Err(self.stale(
                         seq,
                         format!(
                             "progress of lease {lease_attempt} is stale: lease {latest} of this attempt already recorded output"
@@ -701,44 +820,95 @@ impl SessionState {
         })
     }
 
+    fn stale(&self, seq: u64, reason: impl Into<String>) -> Error {
+        Error::StaleReport {
+            session_id: self.session_id.clone(),
+            seq,
+            reason: reason.into(),
+        }
+    }
+
+    /// Whether `turn` was started and has ended: every report for it is stale.
+    fn turn_ended(&self, turn: u32) -> bool {
+        turn >= 1
+            && turn <= self.turns_started
+            && self.active.as_ref().map(|a| a.turn) != Some(turn)
+    }
+
+    /// A report for a model call must name the attempt the workflow waits for. One for an
+    /// attempt, round or turn already left behind is stale (a late worker); one for something
+    /// that never existed is invalid (misuse).
     fn check_model_slot(&self, seq: u64, turn: u32, round: u32, attempt: u32) -> Result<()> {
-        match &self.active {
-            Some(a) if a.turn == turn && a.round == round => match &a.phase {
-                Phase::Model(slot) if slot.attempt == attempt && slot.scheduled_seq.is_some() => {
-                    Ok(())
-                }
-                _ => Err(self.invalid(
-                    seq,
-                    format!(
-                        "no model call of turn {turn} round {round} attempt {attempt} is waiting"
-                    ),
-                )),
-            },
-            _ => Err(self.invalid(
+        let what = format!("model call of turn {turn} round {round} attempt {attempt}");
+        if self.turn_ended(turn) {
+            return Err(self.stale(seq, format!("{what}: turn {turn} has ended")));
+        }
+        let Some(a) = self.active.as_ref().filter(|a| a.turn == turn) else {
+            return Err(self.invalid(
                 seq,
                 format!("turn {turn} round {round} is not the active model call"),
+            ));
+        };
+        if round < a.round {
+            return Err(self.stale(seq, format!("{what}: the turn is at round {}", a.round)));
+        }
+        if round > a.round {
+            return Err(self.invalid(
+                seq,
+                format!("turn {turn} round {round} is not the active model call"),
+            ));
+        }
+        match &a.phase {
+            Phase::Model(slot) if slot.attempt == attempt && slot.scheduled_seq.is_some() => Ok(()),
+            Phase::Model(slot) if attempt < slot.attempt => Err(self.stale(
+                seq,
+                format!("{what}: attempt {} superseded it", slot.attempt),
+            )),
+            Phase::Model(_) => Err(self.invalid(seq, format!("no {what} is waiting"))),
+            Phase::Tools(_) | Phase::Ending => Err(self.stale(
+                seq,
+                format!("{what}: the model call of this round was already answered"),
             )),
         }
     }
 
+    /// Like [`SessionState::check_model_slot`], for a tool call.
     fn check_tool_slot(&self, seq: u64, turn: u32, tool_use_id: &str, attempt: u32) -> Result<()> {
-        let waiting = match &self.active {
-            Some(a) if a.turn == turn => match &a.phase {
-                Phase::Tools(slots) => slots.iter().any(|s| {
-                    s.tool_use.id == tool_use_id
-                        && matches!(s.state, ToolSlotState::Scheduled { attempt: a, scheduled_seq: Some(_), .. } if a == attempt)
-                }),
-                _ => false,
-            },
-            _ => false,
+        let what = format!("tool call {tool_use_id:?} of turn {turn} attempt {attempt}");
+        if self.turn_ended(turn) {
+            return Err(self.stale(seq, format!("{what}: turn {turn} has ended")));
+        }
+        let not_waiting = || self.invalid(seq, format!("no {what} is waiting"));
+        let Some(a) = self.active.as_ref().filter(|a| a.turn == turn) else {
+            return Err(not_waiting());
         };
-        if waiting {
-            Ok(())
-        } else {
-            Err(self.invalid(
-                seq,
-                format!("no tool call {tool_use_id:?} of turn {turn} attempt {attempt} is waiting"),
-            ))
+        let slot = match &a.phase {
+            Phase::Tools(slots) => slots.iter().find(|s| s.tool_use.id == tool_use_id),
+            _ => None,
+        };
+        match slot.map(|s| &s.state) {
+            Some(ToolSlotState::Scheduled {
+                attempt: current,
+                scheduled_seq,
+                ..
+            }) => {
+                if *current == attempt && scheduled_seq.is_some() {
+                    Ok(())
+                } else if attempt < *current {
+                    Err(self.stale(seq, format!("{what}: attempt {current} superseded it")))
+                } else {
+                    Err(not_waiting())
+                }
+            }
+            Some(ToolSlotState::Done(_)) => {
+                Err(self.stale(seq, format!("{what}: the call was already answered")))
+            }
+            Some(ToolSlotState::Unscheduled) => Err(not_waiting()),
+            // A call of an earlier round of this turn was answered before that round ended.
+            None if self.tool_use_ids.contains(tool_use_id) => {
+                Err(self.stale(seq, format!("{what}: the call was already answered")))
+            }
+            None => Err(not_waiting()),
         }
     }
 

@@ -1,7 +1,8 @@
 //! Property tests of the workflow state machine: random sequences of events (inputs with small
 //! random field values, recorded commands, stray command events, wrong seqs) never make
-//! `SessionState::apply` panic; every rejection is `InvalidEvent` or `Nondeterminism` and leaves
-//! the state exactly as it was; and the accepted events replay to the same state.
+//! `SessionState::apply` panic; every rejection is `InvalidEvent`, `StaleReport` or
+//! `Nondeterminism` and leaves the state exactly as it was; and the accepted events replay to
+//! the same state.
 
 use crate::error::Error;
 use crate::event::{
@@ -331,13 +332,15 @@ fn apply_checked(
             decided.extend(commands);
             Ok(true)
         }
-        Err(Error::InvalidEvent { .. } | Error::Nondeterminism { .. }) => {
+        Err(
+            Error::InvalidEvent { .. } | Error::StaleReport { .. } | Error::Nondeterminism { .. },
+        ) => {
             prop_assert_eq!(&*state, &before, "a rejected event changed the state");
             Ok(false)
         }
         Err(other) => Err(TestCaseError::fail(format!(
-            "apply of {envelope:?} failed with {other:?}: only InvalidEvent and Nondeterminism \
-             are allowed"
+            "apply of {envelope:?} failed with {other:?}: only InvalidEvent, StaleReport and \
+             Nondeterminism are allowed"
         ))),
     }
 }

@@ -1,15 +1,16 @@
-//! Workflow scenarios, each run live (inputs applied as the engine would) and then as a full
+//! Workflow scenarios, each run live (inputs stepped as the engine does) and then as a full
 //! replay of the recorded history: the commands and the ledger bytes must match.
 
 use crate::error::Error;
 use crate::event::*;
 use crate::replay::replay;
-use crate::workflow::{Command, SessionState, TurnOutcome};
+use crate::store::{NewTask, TaskId, TaskKind};
+use crate::workflow::{Command, SessionState, Transition, TurnOutcome};
 use cairn_ledger::*;
 
 const SID: &str = "wf-test";
 
-/// Drives a session like the engine: apply the input, record the commands as events.
+/// Drives a session like the engine: step the input, record the events the step returns.
 struct Live {
     state: SessionState,
     events: Vec<EventEnvelope>,
@@ -29,23 +30,29 @@ impl Live {
         live
     }
 
-    fn try_input(&mut self, event: Event) -> Result<Vec<Command>, Error> {
+    fn try_step(&mut self, event: Event) -> Result<Transition, Error> {
         self.now += 10;
         let input = EventEnvelope::new(SID, self.state.next_seq, self.now, event);
-        let commands = self.state.apply(&input)?;
         let seq = input.seq;
-        self.events.push(input);
-        for c in &commands {
+        let transition = self.state.step(input)?;
+        assert_eq!(transition.events.len(), 1 + transition.commands.len());
+        for c in &transition.commands {
             self.commands.push((seq, c.clone()));
-            let e = EventEnvelope::new(SID, self.state.next_seq, self.now, c.clone().into_event());
-            assert!(self.state.apply(&e).unwrap().is_empty());
-            self.events.push(e);
         }
-        Ok(commands)
+        self.events.extend(transition.events.iter().cloned());
+        Ok(transition)
+    }
+
+    fn try_input(&mut self, event: Event) -> Result<Vec<Command>, Error> {
+        Ok(self.try_step(event)?.commands)
+    }
+
+    fn step(&mut self, event: Event) -> Transition {
+        self.try_step(event).unwrap()
     }
 
     fn input(&mut self, event: Event) -> Vec<Command> {
-        self.try_input(event).unwrap()
+        self.step(event).commands
     }
 
     /// The full replay must reproduce every command and the same ledger bytes.
@@ -296,10 +303,10 @@ fn tool_failures_retry_then_become_an_error_result() {
     assert!(
         matches!(&c[..], [Command::ScheduleToolCall { attempt: 2, not_before_ms, .. }] if *not_before_ms == now + 1000)
     );
-    // A late report of attempt 1 is rejected and changes nothing.
+    // A late report of attempt 1 is stale and changes nothing.
     let before = live.state.clone();
     let err = live.try_input(tool_done(1, "t", 1, "1")).unwrap_err();
-    assert!(matches!(err, Error::InvalidEvent { .. }), "{err}");
+    assert!(matches!(err, Error::StaleReport { .. }), "{err}");
     assert_eq!(live.state, before);
     let c = live.input(Event::ToolCallFailed {
         turn: 1,
@@ -533,6 +540,12 @@ fn replaying_a_history_the_code_would_not_produce_names_the_event() {
             StopReason::ToolUse,
         ),
     ));
+    // The untampered history replays to the live run's decisions and state.
+    let replayed = replay(SID, &live.events).unwrap();
+    assert_eq!(
+        (&replayed.commands, &replayed.state),
+        (&live.commands, &live.state)
+    );
     // Swap the two recorded schedule events: a different decision order.
     let mut tampered = live.events.clone();
     let (i, j) = (4, 5);
@@ -872,5 +885,241 @@ fn stale_progress_is_rejected_and_changes_nothing() {
         .try_input(progress(1, 1, 1, 1, "after the end"))
         .is_err());
     assert_eq!(live.state, before);
+    live.check_replay();
+}
+
+#[test]
+fn stale_reports_get_their_own_error_and_change_nothing() {
+    let mut live = Live::new(started(8));
+    live.input(user(1, "go"));
+    live.input(Event::ModelCallFailed {
+        turn: 1,
+        round: 0,
+        attempt: 1,
+        failure: failed(ErrorClass::Transient),
+    });
+    let stale = |live: &mut Live, event: Event| {
+        let before = live.state.clone();
+        let err = live.try_input(event).unwrap_err();
+        assert!(
+            matches!(&err, Error::StaleReport { session_id, .. } if session_id == SID),
+            "{err}"
+        );
+        assert!(err.is_stale_report());
+        assert_eq!(live.state, before);
+    };
+    // The superseded attempt of the model call reports late.
+    let answer = response(vec![tool_use("t", "calculator", "{}")], StopReason::ToolUse);
+    stale(&mut live, model_done(1, 0, 1, answer.clone()));
+    // A future attempt is misuse, not staleness.
+    let err = live
+        .try_input(model_done(1, 0, 3, answer.clone()))
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidEvent { .. }), "{err}");
+    live.input(model_done(1, 0, 2, answer.clone()));
+    // The answered model call reports again (a duplicate), and a failure of it.
+    stale(&mut live, model_done(1, 0, 2, answer));
+    stale(
+        &mut live,
+        Event::ModelCallFailed {
+            turn: 1,
+            round: 0,
+            attempt: 2,
+            failure: failed(ErrorClass::Transient),
+        },
+    );
+    live.input(tool_done(1, "t", 1, "1"));
+    // The answered tool call reports again.
+    stale(&mut live, tool_done(1, "t", 1, "2"));
+    live.input(model_done(
+        1,
+        1,
+        1,
+        response(vec![text("ok")], StopReason::EndTurn),
+    ));
+    // After the turn ended, everything of it is stale.
+    stale(&mut live, tool_done(1, "t", 1, "3"));
+    stale(&mut live, progress(1, 1, 1, 1, "late"));
+    // A turn that never started is misuse.
+    let err = live.try_input(tool_done(2, "t", 1, "4")).unwrap_err();
+    assert!(matches!(err, Error::InvalidEvent { .. }), "{err}");
+    live.check_replay();
+}
+
+fn task(seq: u64, kind: TaskKind, visible_at_ms: u64) -> NewTask {
+    NewTask {
+        id: TaskId {
+            session_id: SID.into(),
+            scheduled_seq: seq,
+        },
+        kind,
+        visible_at_ms,
+    }
+}
+
+#[test]
+fn step_returns_the_tasks_and_the_outcome_of_a_turn_with_two_parallel_tools() {
+    let mut live = Live::new(started(8));
+    // seq 2: the message; seq 3: its model call, due at once.
+    let t = live.step(user(1, "what is (17+25)*3?"));
+    assert_eq!(t.events.iter().map(|e| e.seq).collect::<Vec<_>>(), [2, 3]);
+    assert!(t.events.iter().all(|e| e.recorded_at_ms == live.now));
+    assert_eq!(t.enqueue, [task(3, TaskKind::Model, live.now)]);
+    assert!(t.cancel.is_empty() && t.outcome.is_none());
+    // seq 4: the answer with two calls; seqs 5 and 6 schedule them, in declaration order.
+    let t = live.step(model_done(
+        1,
+        0,
+        1,
+        response(
+            vec![
+                tool_use("t1", "calculator", r#"{"expression":"(17+25)*3"}"#),
+                tool_use("t2", "read_file", r#"{"path":"notes.txt"}"#),
+            ],
+            StopReason::ToolUse,
+        ),
+    ));
+    assert_eq!(t.events.len(), 3);
+    assert!(matches!(
+        (&t.events[1].event, &t.events[2].event),
+        (Event::ToolCallScheduled { tool_use_id: a, .. }, Event::ToolCallScheduled { tool_use_id: b, .. })
+            if a == "t1" && b == "t2"
+    ));
+    assert_eq!(
+        t.enqueue,
+        [
+            task(5, TaskKind::Tool, live.now),
+            task(6, TaskKind::Tool, live.now)
+        ]
+    );
+    // The reported model task is completed by its report, not cancelled.
+    assert!(t.cancel.is_empty() && t.outcome.is_none());
+    // The first result in: nothing to do until the other one is.
+    let t = live.step(tool_done(1, "t2", 1, r#""notes""#));
+    assert_eq!(t.events.len(), 1);
+    assert!(t.enqueue.is_empty());
+    assert!(t.cancel.is_empty() && t.outcome.is_none());
+    // The last result: the next model call (seq 9 is scheduled by seq 8).
+    let t = live.step(tool_done(1, "t1", 1, r#"{"value":126}"#));
+    assert_eq!(t.events.len(), 2);
+    assert_eq!(t.enqueue, [task(9, TaskKind::Model, live.now)]);
+    assert!(t.cancel.is_empty() && t.outcome.is_none());
+    // The answer ends the turn: no task, and the outcome.
+    let t = live.step(model_done(
+        1,
+        1,
+        1,
+        response(vec![text("It is 126.")], StopReason::EndTurn),
+    ));
+    assert!(matches!(
+        t.commands[..],
+        [Command::CompleteTurn { turn: 1, .. }]
+    ));
+    assert!(t.enqueue.is_empty());
+    assert!(t.cancel.is_empty());
+    assert_eq!(
+        t.outcome,
+        Some(TurnOutcome::Completed {
+            turn: 1,
+            answer: "It is 126.".into()
+        })
+    );
+    live.check_replay();
+}
+
+#[test]
+fn step_cancels_the_tasks_a_cancelled_turn_no_longer_waits_for() {
+    let mut live = Live::new(started(8));
+    live.input(user(1, "go"));
+    // seq 4 answers with three calls, scheduled at seqs 5, 6 and 7.
+    live.input(model_done(
+        1,
+        0,
+        1,
+        response(
+            vec![
+                tool_use("a", "calculator", "{}"),
+                tool_use("b", "read_file", "{}"),
+                tool_use("c", "calculator", "{}"),
+            ],
+            StopReason::ToolUse,
+        ),
+    ));
+    // b is answered: its task is done, not cancelled later.
+    live.input(tool_done(1, "b", 1, "1"));
+    let t = live.step(Event::TurnCancelled {
+        turn: 1,
+        reason: "stop".into(),
+    });
+    assert_eq!(t.events.len(), 1);
+    assert!(t.enqueue.is_empty());
+    let seqs: Vec<u64> = t.cancel.iter().map(|id| id.scheduled_seq).collect();
+    assert_eq!(seqs, [5, 7]);
+    assert!(t.cancel.iter().all(|id| id.session_id == SID));
+    assert_eq!(
+        t.outcome,
+        Some(TurnOutcome::Cancelled {
+            turn: 1,
+            reason: "stop".into()
+        })
+    );
+    // A waiting model call is cancelled the same way when the whole session is.
+    live.input(user(2, "again"));
+    let waiting = live.state.outstanding_tasks();
+    let t = live.step(Event::SessionCancelled {
+        reason: "bye".into(),
+    });
+    assert_eq!(
+        t.cancel
+            .iter()
+            .map(|id| id.scheduled_seq)
+            .collect::<Vec<_>>(),
+        waiting
+    );
+    assert_eq!(t.cancel.len(), 1);
+    assert!(matches!(
+        t.outcome,
+        Some(TurnOutcome::Cancelled { turn: 2, .. })
+    ));
+    live.check_replay();
+}
+
+#[test]
+fn step_refuses_command_events_and_a_stale_report_changes_nothing() {
+    let mut live = Live::new(started(8));
+    live.input(user(1, "go"));
+    let before = live.state.clone();
+    let command = EventEnvelope::new(
+        SID,
+        live.state.next_seq,
+        live.now,
+        Event::TurnFailed {
+            turn: 1,
+            reason: "x".into(),
+        },
+    );
+    assert!(matches!(
+        live.state.step(command),
+        Err(Error::InvalidEvent { .. })
+    ));
+    assert_eq!(live.state, before);
+    live.input(Event::ModelCallFailed {
+        turn: 1,
+        round: 0,
+        attempt: 1,
+        failure: failed(ErrorClass::Transient),
+    });
+    // The superseded attempt's late answer: the new variant, no events, no state change.
+    let before = (live.state.clone(), live.events.len());
+    let err = live
+        .try_step(model_done(
+            1,
+            0,
+            1,
+            response(vec![text("late")], StopReason::EndTurn),
+        ))
+        .unwrap_err();
+    assert!(matches!(err, Error::StaleReport { .. }), "{err}");
+    assert_eq!((live.state.clone(), live.events.len()), before);
     live.check_replay();
 }

@@ -7,8 +7,8 @@ use cairn_activities::{
 };
 use cairn_ledger::{validate_response, validate_transcript, Delta, JsonText};
 use cairn_runtime::{
-    ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, ErrorClass,
-    FailurePhase, Lease,
+    ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, Error,
+    ErrorClass, FailurePhase, Lease,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,7 +18,7 @@ use std::time::Duration;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info_span, warn, Instrument};
+use tracing::{debug, info, info_span, warn, Instrument};
 
 /// Pool settings.
 #[derive(Debug, Clone)]
@@ -403,8 +403,10 @@ async fn record_pending(
     };
     match engine.record_progress(lease, text, thinking).await {
         Ok(()) => true,
-        Err(e) if e.is_stale_report() => {
-            debug!(error = %e, "stale progress dropped");
+        // Stale progress (a newer lease recorded output, or the attempt is over) changes
+        // nothing; a later record of this lease would be stale too.
+        Err(e @ (Error::StaleReport { .. } | Error::LeaseLost { .. })) => {
+            info!(session_id = %lease.id.session_id, task = %lease.id, error = %e, "stale progress dropped");
             false
         }
         Err(e) => {
@@ -423,7 +425,12 @@ struct Heartbeats {
 async fn finish(engine: &Engine, lease: &Lease, report: ActivityReport) {
     match engine.report(lease, report).await {
         Ok(()) => {}
-        Err(e) if e.is_stale_report() => debug!(error = %e, "stale report dropped"),
+        // Normal when a lease lapsed and another worker took over: the history already holds the
+        // truth and nothing was changed, so nothing is retried; info, because it means an
+        // attempt's work was thrown away.
+        Err(e @ (Error::StaleReport { .. } | Error::LeaseLost { .. })) => {
+            info!(session_id = %lease.id.session_id, task = %lease.id, error = %e, "stale report dropped")
+        }
         Err(e) => warn!(error = %e, "reporting the result failed; the task will run again"),
     }
 }
