@@ -7,7 +7,7 @@ use cairn_runtime::store::sled::SledStore;
 use cairn_runtime::*;
 use cairn_workers::WorkerConfig;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Replays the session's history and checks it folds to the engine's ledger, byte for byte.
 async fn assert_replays(client: &Client, session: &str) -> Vec<EventEnvelope> {
@@ -290,9 +290,10 @@ async fn an_expired_lease_runs_again_and_the_stale_completion_is_rejected() {
 async fn a_new_engine_resumes_an_interrupted_turn_from_the_log() {
     let files = demo_files(cairn::demo::DEMO_SCRIPT);
     let data = files.dir.path().join("store");
-    {
+    let gone = {
         // An engine accepts the message, then goes away before any worker ran.
         let store = Arc::new(SledStore::open(&data).unwrap());
+        let gone = Arc::downgrade(&store);
         let engine = Engine::new(store, Arc::new(SystemClock));
         let client = Client::new(engine);
         let probe = TestHost {
@@ -305,6 +306,16 @@ async fn a_new_engine_resumes_an_interrupted_turn_from_the_log() {
             .await
             .unwrap();
         client.send(&session, "go").await.unwrap();
+        gone
+    };
+    // Tasks the engine spawned may hold it a moment longer; sled's lock goes with the last one.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gone.upgrade().is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "the first engine's store was never dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let store = Arc::new(SledStore::open_existing(&data).unwrap());
     let host = TestHost::start(store, Arc::new(SystemClock), &files.workdir, fast_workers());
