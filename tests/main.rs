@@ -14,3 +14,4 @@ mod powercut;
 mod providers;
 mod store_crash;
 mod support;
+mod wire;

@@ -20,7 +20,7 @@ use tokio::sync::{broadcast, watch, Notify};
 use tracing::{debug, info_span, Instrument};
 
 /// Identifies one activity attempt, so that consumers can tell a retry's stream from the first.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ActivityRef {
     /// Session.
     pub session_id: String,
@@ -33,7 +33,7 @@ pub struct ActivityRef {
 }
 
 /// A streamed fragment with its origin. Presentation only: never recorded.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DeltaEvent {
     /// Where it comes from.
     pub origin: ActivityRef,
@@ -42,7 +42,7 @@ pub struct DeltaEvent {
 }
 
 /// The time limits of one activity attempt, from its retry policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ActivityTimeouts {
     /// When the attempt was due (epoch ms); schedule-to-start counts from here.
     pub due_at_ms: u64,
@@ -66,7 +66,8 @@ impl ActivityTimeouts {
 }
 
 /// What a leased task asks a worker to do.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ActivityInput {
     /// Call a model with the transcript as it stands.
     Model {
@@ -101,7 +102,8 @@ pub enum ActivityInput {
 }
 
 /// What a worker reports for a leased task.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ActivityReport {
     /// The model answered.
     ModelCompleted(ModelResponse),

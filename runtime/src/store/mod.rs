@@ -74,7 +74,7 @@ pub struct Task {
 }
 
 /// A task leased to a worker until `expires_at_ms`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
     /// The task's id.
     pub id: TaskId,
