@@ -61,6 +61,16 @@ async fn write_marked_on(
     }
 }
 
+/// How many events of `session` read back.
+async fn count(opened: &OpenedStore, session: &str) -> usize {
+    opened
+        .store
+        .read_history(session, 1, None)
+        .await
+        .expect("the session reads")
+        .len()
+}
+
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
@@ -127,14 +137,7 @@ async fn a_leftover_snapshot_is_read_around_then_set_aside_never_deleted() {
         read.notes
     );
     assert!(read.losses.is_empty(), "{:?}", read.losses);
-    assert_eq!(
-        read.store
-            .read_history("b", 1, None)
-            .await
-            .expect("b")
-            .len(),
-        5
-    );
+    assert_eq!(count(&read, "b").await, 5);
     drop(read);
     assert_eq!(files(&dir), before, "a read-only open changed the store");
 
@@ -145,15 +148,7 @@ async fn a_leftover_snapshot_is_read_around_then_set_aside_never_deleted() {
         .notes
         .iter()
         .any(|n| n.contains("set aside") && n.contains(leftover)));
-    assert_eq!(
-        opened
-            .store
-            .read_history("a", 1, None)
-            .await
-            .expect("a")
-            .len(),
-        5
-    );
+    assert_eq!(count(&opened, "a").await, 5);
     drop(opened);
     assert!(!dir.join(leftover).exists());
     let kept: Vec<_> = files(&dir.join(SET_ASIDE_DIR))
@@ -186,14 +181,7 @@ async fn a_byte_flip_in_the_log_is_named_contained_and_destroys_nothing() {
         lost.iter().all(|l| !l.contains("\"a\"")),
         "a was written before the damage: {lost:?}"
     );
-    assert_eq!(
-        read.store
-            .read_history("a", 1, None)
-            .await
-            .expect("a")
-            .len(),
-        20
-    );
+    assert_eq!(count(&read, "a").await, 20);
     drop(read);
     assert_eq!(files(&dir), before, "a read-only open changed the store");
 
@@ -235,15 +223,7 @@ async fn a_byte_flip_in_the_log_is_named_contained_and_destroys_nothing() {
         .await
         .expect("opens after repair");
     assert!(again.losses.is_empty());
-    assert_eq!(
-        again
-            .store
-            .read_history("a", 1, None)
-            .await
-            .expect("a")
-            .len(),
-        20
-    );
+    assert_eq!(count(&again, "a").await, 20);
 }
 
 /// The same for a flipped byte in a blob (a large event sled keeps in its own file).
@@ -298,14 +278,7 @@ async fn a_damaged_conf_is_named_and_only_repair_writes_it_back() {
             "{:?}",
             read.notes
         );
-        assert_eq!(
-            read.store
-                .read_history("a", 1, None)
-                .await
-                .expect("a")
-                .len(),
-            3
-        );
+        assert_eq!(count(&read, "a").await, 3);
         drop(read);
         assert_eq!(files(&dir), before);
     }
@@ -330,15 +303,7 @@ async fn an_interrupted_restore_is_finished_by_the_next_open() {
     File::create(dir.join(BACKUP_DIR).join(RESTORING)).expect("marker");
     fs::write(dir.join("db"), b"half-recovered garbage").expect("garble");
     let opened = open(&dir, OpenMode::Existing, None).await.expect("open");
-    assert_eq!(
-        opened
-            .store
-            .read_history("a", 1, None)
-            .await
-            .expect("a")
-            .len(),
-        4
-    );
+    assert_eq!(count(&opened, "a").await, 4);
     drop(opened);
     assert!(!dir.join(BACKUP_DIR).exists());
     assert!(fs::read(dir.join("db")).expect("db").len() >= good_db.len().min(1));
@@ -362,26 +327,11 @@ async fn a_backup_left_by_a_killed_open_is_put_back() {
         "{:?}",
         read.notes
     );
-    assert_eq!(
-        read.store
-            .read_history("b", 1, None)
-            .await
-            .expect("b")
-            .len(),
-        4
-    );
+    assert_eq!(count(&read, "b").await, 4);
     drop(read);
     let opened = open(&dir, OpenMode::Existing, None).await.expect("open");
     assert!(opened.losses.is_empty());
-    assert_eq!(
-        opened
-            .store
-            .read_history("a", 1, None)
-            .await
-            .expect("a")
-            .len(),
-        4
-    );
+    assert_eq!(count(&opened, "a").await, 4);
 }
 
 /// fjall 3.1 does not check its version files against the checksum `current` holds: a damaged
