@@ -11,8 +11,10 @@
  * will overwrite or cut off, and the size the file had at its last sync. fsync, fdatasync,
  * syncfs and sync clear the logs they make durable; sync_file_range clears nothing (it starts
  * writeback but neither persists the size nor flushes the device cache). Name changes under
- * the directory (creating opens, mkdir, rename, unlink; rmdir is passed through) are logged
- * per parent directory, and an fsync of that directory clears them. Files removed or replaced are kept
+ * the directory (creating opens, mkdir, rename, unlink, rmdir) are logged per parent
+ * directory, and an fsync of that directory clears them. An rmdir hands the pending name
+ * changes inside the removed directory to its parent: they become durable with the removal
+ * itself (a later directory that reuses the inode number must not clear, or replay, them). Files removed or replaced are kept
  * alive by a hard link in CAIRN_POWERCUT_STASH (same file system) until the name change is
  * durable, so that it can be undone.
  *
@@ -76,7 +78,7 @@ struct inode {
     size_t count, cap;
 };
 
-enum name_kind { NAME_CREATE, NAME_MKDIR, NAME_RENAME, NAME_UNLINK };
+enum name_kind { NAME_CREATE, NAME_MKDIR, NAME_RENAME, NAME_UNLINK, NAME_RMDIR };
 
 struct name_op {
     enum name_kind kind;
@@ -410,6 +412,10 @@ static void cut(const char *before) {
         case NAME_UNLINK:
             if (n->backup) syscall(SYS_renameat, AT_FDCWD, n->backup, AT_FDCWD, n->path);
             break;
+        case NAME_RMDIR:
+            /* Undone before the unlinks inside it (reverse order), so they have a home. */
+            syscall(SYS_mkdirat, AT_FDCWD, n->path, 0755);
+            break;
         }
     }
     char line[512];
@@ -678,12 +684,32 @@ static int do_unlink(int dirfd, const char *path, int flags) {
     if (!active() || resolve(dirfd, path, abs, sizeof abs) != 0 || !under_target(abs))
         return (int)syscall(SYS_unlinkat, dirfd, path, flags);
     begin(flags & AT_REMOVEDIR ? "rmdir" : "unlink");
-    /* A removed directory is empty; bringing back an empty directory is not worth modelling. */
+    /* A removed directory is empty; its own removal is logged below, files need a backup. */
     char *backup = (flags & AT_REMOVEDIR) ? NULL : stash_link(abs);
     char *kept = backup ? xstrdup(backup) : NULL;
+    struct stat gone;
+    int have_gone = (flags & AT_REMOVEDIR) && raw_lstat(abs, &gone) == 0;
     int r = (int)syscall(SYS_unlinkat, dirfd, path, flags);
     if (r == 0 && kept) record_name(NAME_UNLINK, abs, NULL, kept);
     else if (kept) syscall(SYS_unlinkat, AT_FDCWD, kept, 0);
+    if (r == 0 && have_gone && names_vanish) {
+        /* The unsynced name changes inside the removed directory now live or die with the
+           removal itself, which its parent's fsync makes durable: re-key them to the parent
+           (left keyed to the dead directory, a new directory that gets its inode number back
+           would clear them by accident, or a cut would replay them into it), and log the
+           removal so that a cut brings the directory back before them. */
+        char parent[4096];
+        struct stat pst;
+        parent_of(abs, parent, sizeof parent);
+        if (raw_stat(parent, &pst) == 0) {
+            for (size_t i = 0; i < name_count; i++)
+                if (names[i].dir_dev == gone.st_dev && names[i].dir_ino == gone.st_ino) {
+                    names[i].dir_dev = pst.st_dev;
+                    names[i].dir_ino = pst.st_ino;
+                }
+            record_name(NAME_RMDIR, abs, NULL, NULL);
+        }
+    }
     free(kept);
     end();
     return r;
@@ -691,6 +717,7 @@ static int do_unlink(int dirfd, const char *path, int flags) {
 
 int unlink(const char *path) { return do_unlink(AT_FDCWD, path, 0); }
 int unlinkat(int dirfd, const char *path, int flags) { return do_unlink(dirfd, path, flags); }
+int rmdir(const char *path) { return do_unlink(AT_FDCWD, path, AT_REMOVEDIR); }
 
 static int do_mkdir(int dirfd, const char *path, mode_t mode) {
     char abs[4096];
