@@ -34,7 +34,7 @@ enum Command {
         /// Store directory (default: a new temporary directory, kept for inspection).
         #[arg(long)]
         data: Option<PathBuf>,
-        /// Storage engine of a new store: sled (default) or fjall.
+        /// Storage engine of a new store: fjall (default) or sled.
         #[arg(long, value_parser = parse_engine)]
         engine: Option<StorageEngine>,
     },
@@ -43,7 +43,7 @@ enum Command {
         /// Store directory (created if missing).
         #[arg(long)]
         data: PathBuf,
-        /// Storage engine of a new store: sled (default) or fjall; an existing store must
+        /// Storage engine of a new store: fjall (default) or sled; an existing store must
         /// match.
         #[arg(long, value_parser = parse_engine)]
         engine: Option<StorageEngine>,
@@ -160,8 +160,8 @@ enum Command {
         /// checking the store after each.
         #[arg(long, default_value_t = 0)]
         power_cuts: usize,
-        /// Storage engine of the children's store: sled (default) or fjall.
-        #[arg(long, value_parser = parse_engine, default_value = "sled")]
+        /// Storage engine of the children's store: fjall (default) or sled.
+        #[arg(long, value_parser = parse_engine, default_value = "fjall")]
         engine: StorageEngine,
         /// Data directory (default: a new temporary directory, kept).
         #[arg(long)]
@@ -180,7 +180,7 @@ enum Command {
         #[arg(long)]
         turns: usize,
         /// The store engine.
-        #[arg(long, default_value = "sled")]
+        #[arg(long, default_value = "fjall")]
         store: cairn::chaos::StoreEngine,
     },
     /// Check a store: every record decodes, histories are complete and replay, queued tasks

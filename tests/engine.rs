@@ -133,7 +133,7 @@ async fn sessions_on_sled_survive_reopen_and_fold_to_the_same_bytes() {
         host.shutdown().await;
         (ids[3].clone(), bytes)
     };
-    let store = Arc::new(SledStore::open_existing(&data).unwrap());
+    let store = Arc::new(crate::support::reopen_sled(&data).await);
     let sessions = store.list_sessions().await.unwrap();
     assert_eq!(sessions.len(), 8);
     assert!(sessions
@@ -317,7 +317,7 @@ async fn a_new_engine_resumes_an_interrupted_turn_from_the_log() {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let store = Arc::new(SledStore::open_existing(&data).unwrap());
+    let store = Arc::new(crate::support::reopen_sled(&data).await);
     let host = TestHost::start(store, Arc::new(SystemClock), &files.workdir, fast_workers());
     let report = host.client.engine().resume(false).await.unwrap();
     assert_eq!(report.running_sessions, ["resume-me"]);

@@ -81,7 +81,7 @@ async fn resume_reclaims_the_leases_of_a_dead_process() {
         assert_eq!(dead[0].expires_at_ms, now + 60_000);
         now
     };
-    let store = Arc::new(SledStore::open_existing(&data).unwrap());
+    let store = Arc::new(crate::support::reopen_sled(&data).await);
     let tasks = store.list_tasks().await.unwrap();
     assert_eq!(tasks.len(), 1);
     assert_eq!(tasks[0].lease_attempt, 1, "the lease survived the reopen");
@@ -260,7 +260,7 @@ async fn failed_appends_are_clear_errors_and_lose_nothing_acknowledged() {
     drop(store);
 
     // The persisted records: exactly what the clients were told.
-    let store = SledStore::open_existing(&data).unwrap();
+    let store = crate::support::reopen_sled(&data).await;
     assert_eq!(store.read_history("a", 1, None).await.unwrap(), final_a);
     assert_eq!(store.read_history("b", 1, None).await.unwrap(), final_b);
     let report = fsck(&store).await.unwrap();
@@ -506,7 +506,7 @@ async fn a_full_disk_fails_appends_clearly_and_keeps_every_acknowledged_event() 
     }
     // Room again (as after freeing space): reopen and read back every acknowledged event.
     mnt.resize("64m");
-    let store = SledStore::open_existing(&data).unwrap();
+    let store = crate::support::reopen_sled(&data).await;
     let history = store.read_history("fill", 1, None).await.unwrap();
     assert!(
         history.len() >= acknowledged.len(),

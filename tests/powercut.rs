@@ -89,7 +89,10 @@ fn rmdir_cut(durable: bool) -> Option<String> {
                 "--test-threads=1",
             ])
             .env(SHIM_CHILD_DIR_ENV, dir.path())
-            .env(SHIM_CHILD_RMDIR_ENV, if durable { "durable" } else { "lost" })
+            .env(
+                SHIM_CHILD_RMDIR_ENV,
+                if durable { "durable" } else { "lost" },
+            )
             .envs(shim.env(
                 &dir.path().join("target"),
                 &Cut {
@@ -113,7 +116,10 @@ fn rmdir_cut(durable: bool) -> Option<String> {
         )
     };
     let (mut cuts, mut runs_through) = (1u64, 256u64);
-    assert!(run(cuts).0 && !run(runs_through).0, "the cut points bracket the child");
+    assert!(
+        run(cuts).0 && !run(runs_through).0,
+        "the cut points bracket the child"
+    );
     while runs_through - cuts > 1 {
         let mid = (cuts + runs_through) / 2;
         if run(mid).0 {

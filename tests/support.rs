@@ -109,3 +109,23 @@ pub fn fast_retries(options: &mut SessionOptions) {
         policy.maximum_interval_ms = 5;
     }
 }
+
+/// Reopens a sled store a test has just closed. sled releases its file lock when its last
+/// internal handle goes, which its background threads can hold a moment after the store is
+/// dropped; a test reopening at once retries while the lock is still held.
+pub async fn reopen_sled(data: &std::path::Path) -> cairn_runtime::store::sled::SledStore {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match cairn_runtime::store::sled::SledStore::open_existing(data) {
+            Ok(store) => return store,
+            Err(e) if e.to_string().contains("in use by another process") => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the store stayed locked: {e}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            Err(e) => panic!("cannot reopen {}: {e}", data.display()),
+        }
+    }
+}

@@ -79,10 +79,10 @@ pub enum StorageEngine {
 
 impl StorageEngine {
     /// Every engine, the default first.
-    pub const ALL: [StorageEngine; 2] = [StorageEngine::Sled, StorageEngine::Fjall];
+    pub const ALL: [StorageEngine; 2] = [StorageEngine::Fjall, StorageEngine::Sled];
 
     /// The default for new stores.
-    pub const DEFAULT: StorageEngine = StorageEngine::Sled;
+    pub const DEFAULT: StorageEngine = StorageEngine::Fjall;
 
     /// Its name in the marker and on the command line.
     pub fn as_str(self) -> &'static str {
