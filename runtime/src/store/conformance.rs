@@ -1171,6 +1171,7 @@ async fn snapshot(store: &dyn Store) -> (Vec<SessionInfo>, Vec<Vec<EventEnvelope
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::fjall::FjallStore;
     use crate::store::memory::MemoryStore;
     use crate::store::sled::SledStore;
     use std::path::Path;
@@ -1192,6 +1193,22 @@ mod tests {
             .unwrap_or_else(|e| panic!("reopening the sled store failed: {e}"))
     }
 
+    /// Fresh fjall stores in subdirectories of `root`.
+    fn fjall_factory(root: &Path) -> impl FnMut() -> FjallStore + '_ {
+        let n = AtomicUsize::new(0);
+        move || {
+            let dir = root.join(format!("store-{}", n.fetch_add(1, Ordering::Relaxed)));
+            FjallStore::open(&dir).unwrap_or_else(|e| panic!("opening a fjall store failed: {e}"))
+        }
+    }
+
+    fn fjall_reopen(store: FjallStore) -> FjallStore {
+        let dir = store.path().to_path_buf();
+        drop(store);
+        FjallStore::open_existing(&dir)
+            .unwrap_or_else(|e| panic!("reopening the fjall store failed: {e}"))
+    }
+
     macro_rules! each_check {
         ($($check:ident),* $(,)?) => {
             mod memory {
@@ -1210,6 +1227,16 @@ mod tests {
                     async fn $check() {
                         let root = tempfile::tempdir().expect("tempdir");
                         super::super::$check(&sled_factory(root.path())()).await;
+                    }
+                )*
+            }
+            mod fjall {
+                use super::*;
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $check() {
+                        let root = tempfile::tempdir().expect("tempdir");
+                        super::super::$check(&fjall_factory(root.path())()).await;
                     }
                 )*
             }
@@ -1260,5 +1287,23 @@ mod tests {
     async fn sled_run_all() {
         let root = tempfile::tempdir().expect("tempdir");
         run_all(sled_factory(root.path()), Some(&mut sled_reopen)).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn fjall_concurrent_appends() {
+        let root = tempfile::tempdir().expect("tempdir");
+        concurrent_appends(Arc::new(fjall_factory(root.path())())).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fjall_reopen_keeps_everything() {
+        let root = tempfile::tempdir().expect("tempdir");
+        reopen_keeps_everything(fjall_factory(root.path())(), &mut fjall_reopen).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn fjall_run_all() {
+        let root = tempfile::tempdir().expect("tempdir");
+        run_all(fjall_factory(root.path()), Some(&mut fjall_reopen)).await;
     }
 }

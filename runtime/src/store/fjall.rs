@@ -906,79 +906,19 @@ impl Store for FjallStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::conformance::{self, append_request, message};
+    use crate::store::conformance::{append_request, message};
     use crate::store::engine_tests::{self, temp, write_sessions};
     use crate::store::keys::seq_key;
     use crate::store::{NewTask, SessionStatus, TaskKind};
-    use std::sync::atomic::AtomicUsize;
     use tokio::sync::oneshot;
 
-    /// Fresh fjall stores in subdirectories of `root`.
-    fn factory(root: &Path) -> impl FnMut() -> FjallStore + '_ {
-        let n = AtomicUsize::new(0);
-        move || {
-            let dir = root.join(format!("store-{}", n.fetch_add(1, Ordering::Relaxed)));
-            FjallStore::open(&dir).unwrap_or_else(|e| panic!("opening a fjall store failed: {e}"))
-        }
-    }
+    // The conformance suite runs on this store in `conformance`'s tests, beside memory and sled.
 
     fn reopen(store: FjallStore) -> FjallStore {
         let dir = store.path().to_path_buf();
         drop(store);
         FjallStore::open_existing(&dir)
             .unwrap_or_else(|e| panic!("reopening the fjall store failed: {e}"))
-    }
-
-    /// Each conformance check on its own fresh store, as `conformance`'s tests run sled's.
-    macro_rules! each_check {
-        ($($check:ident),* $(,)?) => {
-            mod conformance_checks {
-                use super::*;
-                $(
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                    async fn $check() {
-                        let root = temp();
-                        conformance::$check(&factory(root.path())()).await;
-                    }
-                )*
-            }
-        };
-    }
-
-    each_check!(
-        append_read_round_trip,
-        conflict_on_wrong_expected_seq,
-        batch_with_wrong_seq_is_rejected,
-        unknown_and_invalid_sessions,
-        list_sessions_ordered_with_status,
-        empty_appends,
-        large_events_round_trip,
-        enqueue_and_lease,
-        reenqueue_replaces_task,
-        complete_with_current_lease,
-        complete_with_stale_attempt_writes_nothing,
-        complete_after_expiry_is_lost,
-        cancel_removes_tasks,
-        extend_lease,
-        release_leases_keeps_attempts,
-    );
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn conformance_concurrent_appends() {
-        let root = temp();
-        conformance::concurrent_appends(Arc::new(factory(root.path())())).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn conformance_reopen_keeps_everything() {
-        let root = temp();
-        conformance::reopen_keeps_everything(factory(root.path())(), &mut reopen).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn conformance_run_all() {
-        let root = temp();
-        conformance::run_all(factory(root.path()), Some(&mut reopen)).await;
     }
 
     #[test]
