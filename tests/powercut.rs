@@ -79,37 +79,15 @@ fn rmdir_cut(durable: bool) -> Option<String> {
     // Whether cutting before operation `after_ops` cuts, and what `d/x` holds afterwards.
     let run = |after_ops: u64| {
         let dir = tempfile::tempdir().unwrap();
-        let shim = build_shim(&dir.path().join("shim")).expect("the power-cut shim must build");
-        let output = Command::new(std::env::current_exe().expect("current_exe"))
-            .args([
-                "--exact",
-                "powercut::shim_child",
-                "--include-ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(SHIM_CHILD_DIR_ENV, dir.path())
-            .env(
-                SHIM_CHILD_RMDIR_ENV,
-                if durable { "durable" } else { "lost" },
-            )
-            .envs(shim.env(
-                &dir.path().join("target"),
-                &Cut {
-                    after_ops,
-                    files: FileFate::Revert,
-                    names: NameFate::Vanish,
-                    seed: 1,
-                },
-            ))
-            .output()
-            .expect("the shim child");
-        let code = output.status.code();
-        assert!(
-            code == Some(CUT_EXIT_STATUS) || code == Some(0),
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        let cut = Cut {
+            after_ops,
+            files: FileFate::Revert,
+            names: NameFate::Vanish,
+            seed: 1,
+        };
+        let fate = if durable { "durable" } else { "lost" };
+        let (code, stderr) = cut_child_with(dir.path(), cut, &[(SHIM_CHILD_RMDIR_ENV, fate)]);
+        assert!(code == Some(CUT_EXIT_STATUS) || code == Some(0), "{stderr}");
         (
             code == Some(CUT_EXIT_STATUS),
             std::fs::read_to_string(dir.path().join("target/d/x")).ok(),
@@ -145,6 +123,11 @@ fn the_shim_models_a_removed_directory() {
 /// `dir/target` as `cut` says; returns its exit code and stderr. One process: the shim's undo
 /// logs are per process, as a process's view of what it synced is.
 fn cut_child(dir: &Path, cut: Cut) -> (Option<i32>, String) {
+    cut_child_with(dir, cut, &[])
+}
+
+/// [`cut_child`] with more environment for the child (e.g. [`SHIM_CHILD_RMDIR_ENV`]).
+fn cut_child_with(dir: &Path, cut: Cut, env: &[(&str, &str)]) -> (Option<i32>, String) {
     let shim = build_shim(&dir.join("shim")).expect("the power-cut shim must build (needs cc)");
     let output = Command::new(std::env::current_exe().expect("current_exe"))
         .args([
@@ -155,6 +138,7 @@ fn cut_child(dir: &Path, cut: Cut) -> (Option<i32>, String) {
             "--test-threads=1",
         ])
         .env(SHIM_CHILD_DIR_ENV, dir)
+        .envs(env.iter().copied())
         .envs(shim.env(&dir.join("target"), &cut))
         .output()
         .expect("the shim child");
