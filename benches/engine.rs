@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 fn started() -> SessionStarted {
     SessionStarted {
+        queues: Default::default(),
         model: ModelSpec::parse("scripted:bench.json").unwrap(),
         tools: vec![ToolSpec {
             name: "calculator".into(),
@@ -142,7 +143,12 @@ fn fold(c: &mut Criterion) {
 async fn two_transitions(engine: &Engine, turn_round: &mut u32) {
     let store = engine.store();
     let lease = store
-        .lease_tasks(engine.now_ms(), 60_000, 1)
+        .lease_tasks(
+            engine.now_ms(),
+            60_000,
+            1,
+            &cairn_runtime::TaskFilter::default(),
+        )
         .await
         .unwrap()
         .remove(0);
@@ -157,7 +163,12 @@ async fn two_transitions(engine: &Engine, turn_round: &mut u32) {
         .await
         .unwrap();
     let lease = store
-        .lease_tasks(engine.now_ms(), 60_000, 1)
+        .lease_tasks(
+            engine.now_ms(),
+            60_000,
+            1,
+            &cairn_runtime::TaskFilter::default(),
+        )
         .await
         .unwrap()
         .remove(0);

@@ -22,6 +22,7 @@ const SESSIONS: usize = 1_000;
 
 fn started() -> SessionStarted {
     SessionStarted {
+        queues: Default::default(),
         model: ModelSpec::parse("scripted:bench.json").unwrap(),
         tools: vec![ToolSpec {
             name: "calculator".into(),
@@ -52,7 +53,12 @@ async fn prepare(dir: &Path) {
     let mut leased = 0;
     while leased < SESSIONS {
         let leases = store
-            .lease_tasks(engine.now_ms(), 3_600_000, 256)
+            .lease_tasks(
+                engine.now_ms(),
+                3_600_000,
+                256,
+                &cairn_runtime::TaskFilter::default(),
+            )
             .await
             .unwrap();
         assert!(!leases.is_empty(), "only {leased} tasks to lease");
@@ -87,7 +93,12 @@ async fn recover(dir: &Path) -> (Engine, Arc<SledStore>) {
     let mut dispatched = 0;
     while dispatched < SESSIONS {
         let leases = store
-            .lease_tasks(engine.now_ms(), 60_000, 256)
+            .lease_tasks(
+                engine.now_ms(),
+                60_000,
+                256,
+                &cairn_runtime::TaskFilter::default(),
+            )
             .await
             .unwrap();
         assert!(!leases.is_empty(), "only {dispatched} tasks dispatched");

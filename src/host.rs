@@ -10,17 +10,26 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// How often the engine looks for overdue tasks (lapsed leases, schedule-to-start deadlines).
+const TIMER_INTERVAL: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Everything a CLI command needs: store, engine, client and (optionally) workers.
 pub struct Host {
     /// The store.
     pub store: Arc<dyn Store>,
     /// What opening the store found and did.
     pub opened: OpenedStore,
+    /// The engine.
+    pub engine: Engine,
     /// A client of the engine.
     pub client: Client,
     /// The tools the workers run.
     pub tools: Arc<ToolRegistry>,
     workers: Option<WorkerPool>,
+    timers: Option<(
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<()>,
+    )>,
 }
 
 impl Host {
@@ -45,16 +54,18 @@ impl Host {
         Ok(Host {
             store,
             opened,
-            client: Client::new(engine),
+            client: Client::new(engine.clone()),
+            engine,
             tools: Arc::new(ToolRegistry::builtin(workdir)),
             workers: None,
+            timers: None,
         })
     }
 
     /// Carries on every interrupted session (the store is locked to this process, so leases
     /// left by a dead one are released at once), then starts the worker pool.
     pub async fn start(&mut self) -> anyhow::Result<ResumeReport> {
-        let report = self.client.engine().resume(true).await?;
+        let report = self.engine.resume(true).await?;
         if !report.running_sessions.is_empty() {
             tracing::info!(
                 sessions = report.running_sessions.len(),
@@ -69,11 +80,7 @@ impl Host {
     /// that runs that session's tasks only: other sessions of the store, interrupted or not,
     /// are left as they are (their histories untouched) for `cairn resume`.
     pub async fn start_for(&mut self, session_id: &str) -> anyhow::Result<ResumeReport> {
-        let report = self
-            .client
-            .engine()
-            .resume_session(session_id, true)
-            .await?;
+        let report = self.engine.resume_session(session_id, true).await?;
         self.start_pool(Some(std::iter::once(session_id.to_owned()).collect()));
         Ok(report)
     }
@@ -84,17 +91,34 @@ impl Host {
     }
 
     fn start_pool(&mut self, only_sessions: Option<BTreeSet<String>>) {
+        if self.timers.is_none() {
+            // Lapsed leases and schedule-to-start deadlines are recorded by the engine, not
+            // by a worker noticing.
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let engine = self.engine.clone();
+            let timers = tokio::spawn(async move {
+                engine
+                    .run_timers(TIMER_INTERVAL, async {
+                        let _ = stopped.await;
+                    })
+                    .await
+            });
+            self.timers = Some((stop, timers));
+        }
         if self.workers.is_none() {
             let activities = Activities {
                 models: Arc::new(StandardModels::new()),
                 tools: self.tools.clone(),
             };
             self.workers = Some(WorkerPool::start(
-                self.client.engine().clone(),
+                self.engine.clone(),
                 activities,
                 WorkerConfig {
                     lease_ms: 5_000,
                     only_sessions,
+                    // The only worker of a store locked to this process: a task it cannot run
+                    // fails at once rather than waiting for a worker that cannot come.
+                    take_unhosted: true,
                     ..WorkerConfig::default()
                 },
             ));
@@ -105,6 +129,10 @@ impl Host {
     pub async fn shutdown(mut self) {
         if let Some(pool) = self.workers.take() {
             pool.shutdown().await;
+        }
+        if let Some((stop, timers)) = self.timers.take() {
+            let _ = stop.send(());
+            let _ = timers.await;
         }
     }
 }

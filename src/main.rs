@@ -269,12 +269,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             // Only this session's work runs here: an interrupted turn of it is carried on
             // first, other sessions' are left for `cairn resume`.
-            if host.client.engine().state(&session_id).await?.is_running() {
+            if host.engine.state(&session_id).await?.is_running() {
                 continue_interrupted(&mut host, &data, &session_id, !hide_thinking).await?;
             } else {
                 host.start_for(&session_id).await?;
             }
-            let state = host.client.engine().state(&session_id).await?;
+            let state = host.engine.state(&session_id).await?;
             let turn_model = match &state.started {
                 Some(s) if s.model != model => Some(model),
                 _ => None,
@@ -334,7 +334,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             model,
         } => {
             let host = Host::open(&data, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
-            let state = host.client.engine().state(&session).await?;
+            let state = host.engine.state(&session).await?;
             let mut out = std::io::stdout().lock();
             let Some(format) = format else {
                 out.write_all(&state.transcript.canonical_json())?;
@@ -400,7 +400,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => {
             let host = Host::open(&data, OpenMode::Existing, None, PathBuf::from(".")).await?;
             if turn {
-                let cancelled = host.client.engine().cancel_turn(&session, &reason).await?;
+                let cancelled = host.engine.cancel_turn(&session, &reason).await?;
                 println!("cancelled turn {cancelled} of session {session}");
             } else {
                 host.client.cancel(&session, &reason).await?;
@@ -466,7 +466,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Resume { data, workdir } => {
             let workdir = workdir_or_cwd(workdir)?;
             let mut host = Host::open(&data, OpenMode::Existing, None, workdir).await?;
-            let report = host.client.engine().resume(true).await?;
+            let report = host.engine.resume(true).await?;
             if report.running_sessions.is_empty() {
                 println!("nothing to resume");
                 return Ok(ExitCode::SUCCESS);
@@ -493,7 +493,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 );
             }
             for session_id in &report.running_sessions {
-                let state = host.client.engine().state(session_id).await?;
+                let state = host.engine.state(session_id).await?;
                 let history = host.client.history(session_id).await?;
                 if let Some(cut) = interrupted_output(&state, &history) {
                     println!("{session_id}: {}", interrupted_notice(&cut));
@@ -502,7 +502,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             host.start_workers();
             let mut code = ExitCode::SUCCESS;
             for session_id in &report.running_sessions {
-                let turn = host.client.engine().state(session_id).await?.turns_started;
+                let turn = host.engine.state(session_id).await?.turns_started;
                 let outcome = host.client.wait_turn(session_id, turn).await?;
                 println!("{session_id}: {}", describe(&outcome));
                 if !matches!(outcome, TurnOutcome::Completed { .. }) {
@@ -552,7 +552,7 @@ fn workdir_or_cwd(workdir: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 }
 
 async fn session_exists(host: &Host, session_id: &str) -> anyhow::Result<bool> {
-    match host.client.engine().state(session_id).await {
+    match host.engine.state(session_id).await {
         Ok(_) => Ok(true),
         Err(RuntimeError::UnknownSession { .. }) => Ok(false),
         Err(e) => Err(e.into()),
@@ -570,7 +570,7 @@ async fn continue_interrupted(
     session_id: &str,
     show_thinking: bool,
 ) -> anyhow::Result<()> {
-    let engine = host.client.engine().clone();
+    let engine = host.engine.clone();
     let state = engine.state(session_id).await?;
     let Some(turn) = state.active.as_ref().map(|a| a.turn) else {
         host.start_for(session_id).await?;
@@ -631,7 +631,7 @@ struct Printer {
 
 impl Printer {
     fn start(host: &Host, session_id: &str, show_thinking: bool) -> Printer {
-        let mut deltas = host.client.subscribe_deltas();
+        let mut deltas = host.engine.subscribe_deltas();
         let printer_session = session_id.to_owned();
         let dim = std::io::stdout().is_terminal();
         let (done, mut done_rx) = tokio::sync::oneshot::channel::<()>();

@@ -244,12 +244,25 @@ async fn an_expired_lease_runs_again_and_the_stale_completion_is_rejected() {
         .unwrap();
     client.send(&session, "go").await.unwrap();
     // A worker leases the model task and dies.
-    let dead = store.lease_tasks(clock.now_ms(), 1_000, 10).await.unwrap();
+    let dead = store
+        .lease_tasks(
+            clock.now_ms(),
+            1_000,
+            10,
+            &cairn_runtime::TaskFilter::default(),
+        )
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].lease_attempt, 1);
     // Nothing to lease while the lease holds.
     assert!(store
-        .lease_tasks(clock.now_ms(), 1_000, 10)
+        .lease_tasks(
+            clock.now_ms(),
+            1_000,
+            10,
+            &cairn_runtime::TaskFilter::default()
+        )
         .await
         .unwrap()
         .is_empty());
@@ -319,7 +332,13 @@ async fn a_new_engine_resumes_an_interrupted_turn_from_the_log() {
     }
     let store = Arc::new(crate::support::reopen_sled(&data).await);
     let host = TestHost::start(store, Arc::new(SystemClock), &files.workdir, fast_workers());
-    let report = host.client.engine().resume(false).await.unwrap();
+    let report = host
+        .client
+        .engine()
+        .expect("in-process")
+        .resume(false)
+        .await
+        .unwrap();
     assert_eq!(report.running_sessions, ["resume-me"]);
     assert_eq!(report.outstanding_tasks, 1);
     assert_eq!(
@@ -361,7 +380,14 @@ async fn shutdown_drains_running_activities() {
     host.client.send(&session, "go").await.unwrap();
     // Wait until the model task is leased (no longer visible), then shut down mid-call.
     for _ in 0..200 {
-        let tasks = host.client.engine().store().list_tasks().await.unwrap();
+        let tasks = host
+            .client
+            .engine()
+            .expect("in-process")
+            .store()
+            .list_tasks()
+            .await
+            .unwrap();
         if tasks.iter().any(|t| t.lease_attempt > 0) {
             break;
         }
@@ -378,6 +404,7 @@ async fn shutdown_drains_running_activities() {
     );
     assert!(client
         .engine()
+        .expect("in-process")
         .store()
         .list_tasks()
         .await
@@ -419,7 +446,15 @@ async fn streamed_output_is_recorded_presentation_only_and_stale_output_is_rejec
             .await
             .unwrap();
         client.send(&session, "greet me").await.unwrap();
-        let first = store.lease_tasks(clock.now_ms(), 1_000, 1).await.unwrap();
+        let first = store
+            .lease_tasks(
+                clock.now_ms(),
+                1_000,
+                1,
+                &cairn_runtime::TaskFilter::default(),
+            )
+            .await
+            .unwrap();
         assert_eq!(first.len(), 1);
         if with_progress {
             engine
@@ -433,7 +468,15 @@ async fn streamed_output_is_recorded_presentation_only_and_stale_output_is_rejec
         }
         // The first worker dies; the task is leased again and the attempt streams afresh.
         clock.advance(1_001);
-        let second = store.lease_tasks(clock.now_ms(), 1_000, 1).await.unwrap();
+        let second = store
+            .lease_tasks(
+                clock.now_ms(),
+                1_000,
+                1,
+                &cairn_runtime::TaskFilter::default(),
+            )
+            .await
+            .unwrap();
         assert_eq!(second[0].lease_attempt, 2);
         if with_progress {
             engine

@@ -75,7 +75,10 @@ async fn resume_reclaims_the_leases_of_a_dead_process() {
             .unwrap();
         client.send("reclaim", "go").await.unwrap();
         let now = engine.now_ms();
-        let dead = store.lease_tasks(now, 60_000, 10).await.unwrap();
+        let dead = store
+            .lease_tasks(now, 60_000, 10, &cairn_runtime::TaskFilter::default())
+            .await
+            .unwrap();
         assert_eq!(dead.len(), 1, "the dead worker holds the model task");
         assert_eq!(dead[0].lease_attempt, 1);
         assert_eq!(dead[0].expires_at_ms, now + 60_000);
@@ -88,7 +91,12 @@ async fn resume_reclaims_the_leases_of_a_dead_process() {
     assert_eq!(tasks[0].visible_at_ms, leased_at + 60_000);
     assert!(
         store
-            .lease_tasks(SystemClock.now_ms(), 1_000, 10)
+            .lease_tasks(
+                SystemClock.now_ms(),
+                1_000,
+                10,
+                &cairn_runtime::TaskFilter::default()
+            )
             .await
             .unwrap()
             .is_empty(),
@@ -214,7 +222,13 @@ async fn failed_appends_are_clear_errors_and_lose_nothing_acknowledged() {
         client.history("c").await,
         Err(Error::UnknownSession { .. })
     ));
-    assert!(!client.engine().state("a").await.unwrap().is_running());
+    assert!(!client
+        .engine()
+        .expect("in-process")
+        .state("a")
+        .await
+        .unwrap()
+        .is_running());
     store.heal();
 
     // Only session a's appends fail: b runs a whole turn meanwhile.
@@ -330,7 +344,13 @@ async fn a_report_that_fails_to_append_runs_again_after_the_lease_lapses() {
         "not leased again while the lease holds"
     );
     assert_eq!(tasks[0].visible_at_ms, 1_010_000);
-    assert!(client.engine().state("report").await.unwrap().is_running());
+    assert!(client
+        .engine()
+        .expect("in-process")
+        .state("report")
+        .await
+        .unwrap()
+        .is_running());
 
     clock.advance(10_001);
     let outcome = tokio::time::timeout(Duration::from_secs(10), client.wait_turn("report", 1))

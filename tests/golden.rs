@@ -64,6 +64,7 @@ fn sample_events() -> Vec<Event> {
     };
     vec![
         Event::SessionStarted(SessionStarted {
+            queues: Default::default(),
             model: ModelSpec {
                 provider: "scripted".into(),
                 model: "demo.json".into(),

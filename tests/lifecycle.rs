@@ -235,6 +235,7 @@ async fn cancelling_a_turn_signals_the_running_tool_and_closes_its_tool_use() {
     let cancelled = host
         .client
         .engine()
+        .expect("in-process")
         .cancel_turn(&session, "user pressed stop")
         .await
         .unwrap();

@@ -379,14 +379,14 @@ async fn writer(store: &dyn Store, session: &str, w: usize, rng: &mut StdRng, se
             .map(|k| {
                 let seq = next + k;
                 let event = if rng.gen_ratio(1, 4) {
-                    enqueue.push(NewTask {
-                        id: TaskId {
+                    enqueue.push(NewTask::new(
+                        TaskId {
                             session_id: session.to_owned(),
                             scheduled_seq: seq,
                         },
-                        kind: TaskKind::Tool,
-                        visible_at_ms: 0,
-                    });
+                        TaskKind::Tool,
+                        0,
+                    ));
                     Event::ToolCallScheduled {
                         turn: 1,
                         tool_use_id: tag(k),
@@ -434,7 +434,10 @@ async fn writer(store: &dyn Store, session: &str, w: usize, rng: &mut StdRng, se
 /// Leases tasks and completes them with an event, as an activity worker does.
 async fn worker(store: &dyn Store, seed: u64) {
     for n in 0u64.. {
-        let leases = match store.lease_tasks(now_ms(), 60_000, 4).await {
+        let leases = match store
+            .lease_tasks(now_ms(), 60_000, 4, &cairn_runtime::TaskFilter::default())
+            .await
+        {
             Ok(leases) => leases,
             Err(e) => panic!("child: lease_tasks: {e}"),
         };

@@ -1,13 +1,18 @@
-//! The in-process client: start sessions, run turns, read histories and transcripts.
-//! (A remote client over HTTP will offer the same operations.)
+//! The client: start sessions, run turns, read histories and transcripts, follow a session's
+//! events. One API over two transports: an in-process engine ([`Client::new`]) or a server
+//! (a [`Transport`] over HTTP, from the `cairn-remote` crate), with the same types.
 
-use crate::engine::{DeltaEvent, Engine};
-use crate::error::Result;
-use crate::event::{EventEnvelope, Limits, RetryPolicy, SessionStarted};
-use crate::store::SessionInfo;
-use crate::workflow::TurnOutcome;
+use crate::engine::{status_of, AppendedEvents, DeltaEvent, Engine};
+use crate::error::{Error, Result};
+use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy, SessionStarted};
+use crate::store::SessionStatus;
+use crate::wire::{PendingTask, SessionDescription, SessionPage, SessionSummary, StreamEvent};
+use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
+use async_trait::async_trait;
 use cairn_ledger::{ModelSpec, ToolSpec, Transcript};
-use tokio::sync::broadcast;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{broadcast, mpsc};
 
 /// How to start a session.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,10 +31,12 @@ pub struct SessionOptions {
     pub model_retry: RetryPolicy,
     /// Tool call retries.
     pub tool_retry: RetryPolicy,
+    /// The task queues of its model and tool calls.
+    pub queues: Queues,
 }
 
 impl SessionOptions {
-    /// Options with default limits and retry policies.
+    /// Options with default limits, retry policies and queues.
     pub fn new(model: ModelSpec, tools: Vec<ToolSpec>) -> Self {
         SessionOptions {
             session_id: None,
@@ -39,43 +46,126 @@ impl SessionOptions {
             limits: Limits::default(),
             model_retry: RetryPolicy::model_default(),
             tool_retry: RetryPolicy::tool_default(),
+            queues: Queues::default(),
+        }
+    }
+
+    /// The `session_started` event these options record.
+    pub fn started(&self) -> SessionStarted {
+        SessionStarted {
+            model: self.model.clone(),
+            tools: self.tools.clone(),
+            system_prompt: self.system_prompt.clone(),
+            limits: self.limits.clone(),
+            model_retry: self.model_retry.clone(),
+            tool_retry: self.tool_retry.clone(),
+            queues: self.queues.clone(),
         }
     }
 }
 
-/// A client of an in-process engine; cheap to clone.
+/// Which sessions to list.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SessionQuery {
+    /// Only sessions with this status.
+    pub status: Option<SessionStatus>,
+    /// Only sessions whose id sorts after this one (paging).
+    pub after: Option<String>,
+    /// At most this many (the server caps it).
+    pub limit: Option<usize>,
+}
+
+/// A session's live events: history events exactly once, in order, and model deltas.
+pub struct EventStream {
+    receiver: mpsc::Receiver<Result<StreamEvent>>,
+}
+
+impl EventStream {
+    /// A stream fed by `receiver` (for transports).
+    pub fn new(receiver: mpsc::Receiver<Result<StreamEvent>>) -> Self {
+        EventStream { receiver }
+    }
+
+    /// The next event; `None` when the stream ended.
+    pub async fn next(&mut self) -> Option<Result<StreamEvent>> {
+        self.receiver.recv().await
+    }
+}
+
+/// What a client does, whatever carries it: an engine in this process, or a server.
+#[async_trait]
+pub trait Transport: Send + Sync + 'static {
+    /// Starts a session; returns its id.
+    async fn start_session(&self, options: SessionOptions) -> Result<String>;
+    /// Sends a message, starting a turn; returns its number.
+    async fn send(&self, session_id: &str, text: &str, model: Option<ModelSpec>) -> Result<u32>;
+    /// Waits up to `timeout` (`None`: as long as it takes) for turn `turn`'s outcome.
+    async fn wait_turn(
+        &self,
+        session_id: &str,
+        turn: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Option<TurnOutcome>>;
+    /// Cancels the session.
+    async fn cancel(&self, session_id: &str, reason: &str) -> Result<()>;
+    /// Cancels the running turn only; returns its number.
+    async fn cancel_turn(&self, session_id: &str, reason: &str) -> Result<u32>;
+    /// Events from `from_seq` on, at most `limit`.
+    async fn history(
+        &self,
+        session_id: &str,
+        from_seq: u64,
+        limit: Option<usize>,
+    ) -> Result<Vec<EventEnvelope>>;
+    /// The transcript, folded from the history.
+    async fn transcript(&self, session_id: &str) -> Result<Transcript>;
+    /// Status, turns, usage and pending tasks.
+    async fn describe(&self, session_id: &str) -> Result<SessionDescription>;
+    /// One page of sessions.
+    async fn sessions(&self, query: &SessionQuery) -> Result<SessionPage>;
+    /// Follows a session: events after `after_seq`, then live ones, and model deltas.
+    async fn subscribe(&self, session_id: &str, after_seq: u64) -> Result<EventStream>;
+}
+
+/// A client; cheap to clone.
 #[derive(Clone)]
 pub struct Client {
-    engine: Engine,
+    transport: Arc<dyn Transport>,
+    engine: Option<Engine>,
 }
 
 impl Client {
-    /// A client of `engine`.
+    /// A client of an engine in this process.
     pub fn new(engine: Engine) -> Self {
-        Client { engine }
+        Client {
+            transport: Arc::new(Local {
+                engine: engine.clone(),
+            }),
+            engine: Some(engine),
+        }
     }
 
-    /// The engine behind this client.
-    pub fn engine(&self) -> &Engine {
-        &self.engine
+    /// A client over another transport (a server).
+    pub fn with_transport(transport: Arc<dyn Transport>) -> Self {
+        Client {
+            transport,
+            engine: None,
+        }
+    }
+
+    /// The engine behind an in-process client; `None` for a remote one.
+    pub fn engine(&self) -> Option<&Engine> {
+        self.engine.as_ref()
     }
 
     /// Starts a session; returns its id.
     pub async fn start_session(&self, options: SessionOptions) -> Result<String> {
-        let started = SessionStarted {
-            model: options.model,
-            tools: options.tools,
-            system_prompt: options.system_prompt,
-            limits: options.limits,
-            model_retry: options.model_retry,
-            tool_retry: options.tool_retry,
-        };
-        self.engine.start_session(options.session_id, started).await
+        self.transport.start_session(options).await
     }
 
     /// Sends a message, starting a turn; returns the turn number without waiting.
     pub async fn send(&self, session_id: &str, text: &str) -> Result<u32> {
-        self.engine.send_message(session_id, text, None).await
+        self.transport.send(session_id, text, None).await
     }
 
     /// Sends a message with a model for this turn only.
@@ -85,49 +175,346 @@ impl Client {
         text: &str,
         model: ModelSpec,
     ) -> Result<u32> {
-        self.engine
-            .send_message(session_id, text, Some(model))
-            .await
+        self.transport.send(session_id, text, Some(model)).await
     }
 
     /// Sends a message and waits for the turn's outcome (workers must be running).
     pub async fn run_turn(&self, session_id: &str, text: &str) -> Result<TurnOutcome> {
         let turn = self.send(session_id, text).await?;
-        self.engine.wait_turn(session_id, turn).await
+        self.wait_turn(session_id, turn).await
     }
 
     /// Waits for a turn's outcome.
     pub async fn wait_turn(&self, session_id: &str, turn: u32) -> Result<TurnOutcome> {
-        self.engine.wait_turn(session_id, turn).await
+        loop {
+            if let Some(outcome) = self.transport.wait_turn(session_id, turn, None).await? {
+                return Ok(outcome);
+            }
+        }
+    }
+
+    /// Waits up to `timeout` for a turn's outcome; `None` when it has not ended by then.
+    pub async fn wait_turn_for(
+        &self,
+        session_id: &str,
+        turn: u32,
+        timeout: Duration,
+    ) -> Result<Option<TurnOutcome>> {
+        self.transport
+            .wait_turn(session_id, turn, Some(timeout))
+            .await
     }
 
     /// Cancels a session.
     pub async fn cancel(&self, session_id: &str, reason: &str) -> Result<()> {
-        self.engine.cancel(session_id, reason).await
+        self.transport.cancel(session_id, reason).await
     }
 
     /// Cancels the running turn only; the session takes further turns. Returns the turn.
     pub async fn cancel_turn(&self, session_id: &str, reason: &str) -> Result<u32> {
-        self.engine.cancel_turn(session_id, reason).await
+        self.transport.cancel_turn(session_id, reason).await
     }
 
     /// Every event of a session.
     pub async fn history(&self, session_id: &str) -> Result<Vec<EventEnvelope>> {
-        self.engine.store().read_history(session_id, 1, None).await
+        self.history_from(session_id, 1, None).await
+    }
+
+    /// Events of a session from `from_seq` on, at most `limit`.
+    pub async fn history_from(
+        &self,
+        session_id: &str,
+        from_seq: u64,
+        limit: Option<usize>,
+    ) -> Result<Vec<EventEnvelope>> {
+        self.transport.history(session_id, from_seq, limit).await
     }
 
     /// The session's transcript, folded from its history.
     pub async fn transcript(&self, session_id: &str) -> Result<Transcript> {
+        self.transport.transcript(session_id).await
+    }
+
+    /// Status, turns, usage and pending tasks of a session.
+    pub async fn describe(&self, session_id: &str) -> Result<SessionDescription> {
+        self.transport.describe(session_id).await
+    }
+
+    /// Every session (all pages).
+    pub async fn sessions(&self) -> Result<Vec<SessionSummary>> {
+        let mut query = SessionQuery::default();
+        let mut all = Vec::new();
+        loop {
+            let page = self.transport.sessions(&query).await?;
+            all.extend(page.sessions);
+            match page.next_after {
+                Some(after) => query.after = Some(after),
+                None => return Ok(all),
+            }
+        }
+    }
+
+    /// One page of sessions.
+    pub async fn list_sessions(&self, query: &SessionQuery) -> Result<SessionPage> {
+        self.transport.sessions(query).await
+    }
+
+    /// Follows a session: its events after `after_seq` (0: all), each exactly once, then
+    /// live ones as they are appended, with model deltas in between.
+    pub async fn subscribe(&self, session_id: &str, after_seq: u64) -> Result<EventStream> {
+        self.transport.subscribe(session_id, after_seq).await
+    }
+
+    /// Live deltas of every running model call (in-process clients only).
+    pub fn subscribe_deltas(&self) -> Option<broadcast::Receiver<DeltaEvent>> {
+        self.engine.as_ref().map(Engine::subscribe_deltas)
+    }
+}
+
+/// Describes a session from its folded state and its event count.
+pub fn describe_state(state: &SessionState, status: SessionStatus) -> SessionDescription {
+    let pending_tasks = state
+        .outstanding_tasks()
+        .into_iter()
+        .filter_map(|seq| {
+            let (activity, attempt) = match state.scheduled_activity(seq)? {
+                ScheduledActivity::Model { round, attempt, .. } => {
+                    (format!("model:{round}"), attempt)
+                }
+                ScheduledActivity::Tool {
+                    tool_use, attempt, ..
+                } => (format!("tool:{}", tool_use.id), attempt),
+            };
+            Some(PendingTask {
+                scheduled_seq: seq,
+                activity,
+                attempt,
+            })
+        })
+        .collect();
+    SessionDescription {
+        session_id: state.session_id.clone(),
+        status,
+        events: state.next_seq.saturating_sub(1),
+        turns: state.turns_started,
+        running_turn: state.active.as_ref().map(|a| a.turn),
+        last_outcome: state.last_outcome.clone(),
+        usage: state.usage,
+        pending_tasks,
+        model: state.started.as_ref().map(|s| s.model.clone()),
+    }
+}
+
+/// The in-process transport: calls the engine.
+struct Local {
+    engine: Engine,
+}
+
+#[async_trait]
+impl Transport for Local {
+    async fn start_session(&self, options: SessionOptions) -> Result<String> {
+        let started = options.started();
+        self.engine.start_session(options.session_id, started).await
+    }
+
+    async fn send(&self, session_id: &str, text: &str, model: Option<ModelSpec>) -> Result<u32> {
+        self.engine.send_message(session_id, text, model).await
+    }
+
+    async fn wait_turn(
+        &self,
+        session_id: &str,
+        turn: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Option<TurnOutcome>> {
+        let wait = self.engine.wait_turn(session_id, turn);
+        match timeout {
+            None => wait.await.map(Some),
+            Some(limit) => match tokio::time::timeout(limit, wait).await {
+                Ok(outcome) => outcome.map(Some),
+                Err(_) => Ok(None),
+            },
+        }
+    }
+
+    async fn cancel(&self, session_id: &str, reason: &str) -> Result<()> {
+        self.engine.cancel(session_id, reason).await
+    }
+
+    async fn cancel_turn(&self, session_id: &str, reason: &str) -> Result<u32> {
+        self.engine.cancel_turn(session_id, reason).await
+    }
+
+    async fn history(
+        &self,
+        session_id: &str,
+        from_seq: u64,
+        limit: Option<usize>,
+    ) -> Result<Vec<EventEnvelope>> {
+        self.engine
+            .store()
+            .read_history(session_id, from_seq, limit)
+            .await
+    }
+
+    async fn transcript(&self, session_id: &str) -> Result<Transcript> {
         Ok(self.engine.state(session_id).await?.transcript)
     }
 
-    /// Every session.
-    pub async fn sessions(&self) -> Result<Vec<SessionInfo>> {
-        self.engine.store().list_sessions().await
+    async fn describe(&self, session_id: &str) -> Result<SessionDescription> {
+        let state = self.engine.state(session_id).await?;
+        Ok(describe_state(&state, status_of(&state)))
     }
 
-    /// Live deltas of running model calls.
-    pub fn subscribe_deltas(&self) -> broadcast::Receiver<DeltaEvent> {
-        self.engine.subscribe_deltas()
+    async fn sessions(&self, query: &SessionQuery) -> Result<SessionPage> {
+        let limit = query.limit.unwrap_or(usize::MAX).max(1);
+        let mut sessions: Vec<SessionSummary> = self
+            .engine
+            .store()
+            .list_sessions()
+            .await?
+            .into_iter()
+            .filter(|s| query.after.as_ref().is_none_or(|a| s.session_id > *a))
+            .filter(|s| query.status.is_none_or(|st| s.status == st))
+            .take(limit.saturating_add(1))
+            .map(|s| SessionSummary {
+                session_id: s.session_id,
+                status: s.status,
+                events: s.events,
+                updated_at_ms: s.updated_at_ms,
+            })
+            .collect();
+        let next_after = if sessions.len() > limit {
+            sessions.truncate(limit);
+            sessions.last().map(|s| s.session_id.clone())
+        } else {
+            None
+        };
+        Ok(SessionPage {
+            sessions,
+            next_after,
+        })
+    }
+
+    async fn subscribe(&self, session_id: &str, after_seq: u64) -> Result<EventStream> {
+        let (sender, receiver) = mpsc::channel(1024);
+        let follower = follow(self.engine.clone(), session_id.to_owned(), after_seq);
+        tokio::spawn(follower.run(sender));
+        Ok(EventStream::new(receiver))
+    }
+}
+
+/// Follows one session of an engine: subscribes first, reads the history after the last
+/// seq sent, then forwards live events it has not sent (and deltas). A lagging subscription
+/// reads the store again, so no event is lost or repeated.
+pub struct Follower {
+    engine: Engine,
+    session_id: String,
+    last_seq: u64,
+    events: broadcast::Receiver<Arc<AppendedEvents>>,
+    deltas: broadcast::Receiver<DeltaEvent>,
+}
+
+/// A follower of `session_id` from after `after_seq`; subscribed from this moment.
+pub fn follow(engine: Engine, session_id: String, after_seq: u64) -> Follower {
+    Follower {
+        events: engine.subscribe_events(),
+        deltas: engine.subscribe_deltas(),
+        engine,
+        session_id,
+        last_seq: after_seq,
+    }
+}
+
+impl Follower {
+    /// The next message: a history event not sent yet, or a delta. `None` when the engine
+    /// is gone.
+    pub async fn next(
+        &mut self,
+        backlog: &mut std::collections::VecDeque<StreamEvent>,
+    ) -> Option<Result<()>> {
+        loop {
+            tokio::select! {
+                received = self.events.recv() => match received {
+                    Ok(appended) => {
+                        if appended.session_id != self.session_id {
+                            continue;
+                        }
+                        let first = appended.events.first().map(|e| e.seq).unwrap_or(0);
+                        if first > self.last_seq + 1 {
+                            // Missed some (appended before we subscribed): read them.
+                            return Some(self.catch_up(backlog).await);
+                        }
+                        for event in &appended.events {
+                            if event.seq > self.last_seq {
+                                self.last_seq = event.seq;
+                                backlog.push_back(StreamEvent::Event(event.clone()));
+                            }
+                        }
+                        return Some(Ok(()));
+                    }
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        return Some(self.catch_up(backlog).await);
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                },
+                received = self.deltas.recv() => match received {
+                    Ok(delta) => {
+                        if delta.origin.session_id == self.session_id {
+                            backlog.push_back(StreamEvent::Delta(delta));
+                            return Some(Ok(()));
+                        }
+                    }
+                    // Deltas are presentation only: a lagging reader skips some.
+                    Err(broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                },
+            }
+        }
+    }
+
+    /// Reads every stored event after the last one sent.
+    pub async fn catch_up(
+        &mut self,
+        backlog: &mut std::collections::VecDeque<StreamEvent>,
+    ) -> Result<()> {
+        let events = match self
+            .engine
+            .store()
+            .read_history(&self.session_id, self.last_seq + 1, None)
+            .await
+        {
+            Ok(events) => events,
+            // A session not created yet has nothing to send.
+            Err(Error::UnknownSession { .. }) => Vec::new(),
+            Err(e) => return Err(e),
+        };
+        for event in events {
+            if event.seq > self.last_seq {
+                self.last_seq = event.seq;
+                backlog.push_back(StreamEvent::Event(event));
+            }
+        }
+        Ok(())
+    }
+
+    async fn run(mut self, sender: mpsc::Sender<Result<StreamEvent>>) {
+        let mut backlog = std::collections::VecDeque::new();
+        let mut step = self.catch_up(&mut backlog).await;
+        loop {
+            if let Err(e) = step {
+                let _ = sender.send(Err(e)).await;
+                return;
+            }
+            while let Some(event) = backlog.pop_front() {
+                if sender.send(Ok(event)).await.is_err() {
+                    return;
+                }
+            }
+            step = match self.next(&mut backlog).await {
+                Some(step) => step,
+                None => return,
+            };
+        }
     }
 }

@@ -7,8 +7,9 @@
 
 use crate::clock::Clock;
 use crate::error::{Error, Result};
+use crate::event::ErrorClass;
 use crate::event::{ActivityFailure, Event, EventEnvelope, SessionStarted};
-use crate::store::{AppendRequest, Lease, NewTask, SessionStatus, Store, TaskId, TaskKind};
+use crate::store::{AppendRequest, Lease, Overdue, SessionStatus, Store, Task, TaskFilter, TaskId};
 use crate::workflow::{ScheduledActivity, SessionState, Transition, TurnOutcome};
 use cairn_ledger::{
     Delta, JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, ToolUse, Transcript,
@@ -17,7 +18,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{broadcast, watch, Notify};
-use tracing::{debug, info_span, Instrument};
+use tracing::{debug, info_span, warn, Instrument};
 
 /// Identifies one activity attempt, so that consumers can tell a retry's stream from the first.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -118,6 +119,24 @@ pub enum ActivityReport {
     Failed(ActivityFailure),
 }
 
+/// A leased task with what it runs.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LeasedTask {
+    /// The lease: present its attempt with every heartbeat and report.
+    pub lease: Lease,
+    /// What to run.
+    pub input: ActivityInput,
+}
+
+/// Events one append recorded, as the engine publishes them to subscribers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AppendedEvents {
+    /// The session.
+    pub session_id: String,
+    /// The events, in seq order.
+    pub events: Vec<EventEnvelope>,
+}
+
 /// What `resume` found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ResumeReport {
@@ -141,6 +160,7 @@ struct Inner {
     tasks_ready: Notify,
     deltas: broadcast::Sender<DeltaEvent>,
     cancellations: broadcast::Sender<String>,
+    appended: broadcast::Sender<Arc<AppendedEvents>>,
     id_counter: AtomicU64,
     cache_capacity: usize,
 }
@@ -156,6 +176,7 @@ impl Engine {
     pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
         let (deltas, _) = broadcast::channel(4096);
         let (cancellations, _) = broadcast::channel(1024);
+        let (appended, _) = broadcast::channel(4096);
         Engine {
             inner: Arc::new(Inner {
                 store,
@@ -165,6 +186,7 @@ impl Engine {
                 tasks_ready: Notify::new(),
                 deltas,
                 cancellations,
+                appended,
                 id_counter: AtomicU64::new(0),
                 cache_capacity: 10_000,
             }),
@@ -190,6 +212,12 @@ impl Engine {
     /// Subscribes to the live deltas of every running model call.
     pub fn subscribe_deltas(&self) -> broadcast::Receiver<DeltaEvent> {
         self.inner.deltas.subscribe()
+    }
+
+    /// Subscribes to every event this engine appends, after it is durable. A receiver that
+    /// lags misses events (`RecvError::Lagged`) and must read them from the store.
+    pub fn subscribe_events(&self) -> broadcast::Receiver<Arc<AppendedEvents>> {
+        self.inner.appended.subscribe()
     }
 
     /// Publishes a delta to subscribers (workers call this while a model streams).
@@ -384,6 +412,159 @@ impl Engine {
         Ok(input)
     }
 
+    /// Leases up to `max` due tasks that `filter` accepts, each for `lease_ms`, with what they
+    /// run. Tasks the workflow no longer wants are dropped on the way and not returned.
+    pub async fn lease_tasks(
+        &self,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+    ) -> Result<Vec<LeasedTask>> {
+        let leases = self
+            .inner
+            .store
+            .lease_tasks(self.now_ms(), lease_ms, max, filter)
+            .await?;
+        let mut out = Vec::with_capacity(leases.len());
+        for lease in leases {
+            match self.activity(&lease).await {
+                Ok(Some(input)) => out.push(LeasedTask { lease, input }),
+                Ok(None) => debug!(task = %lease.id, "task no longer wanted; dropped"),
+                // Its lease lapses and the timers record the attempt as failed.
+                Err(e) => {
+                    warn!(task = %lease.id, error = %e, "cannot load a leased task's activity")
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Renews a lease for `lease_ms` from now (a heartbeat), storing `details` durably when
+    /// given: if the attempt's lease later lapses, its failure carries them to the next
+    /// attempt. Returns the new expiry; `LeaseLost` when the lease is no longer current (the
+    /// task was cancelled or completed, or its lease lapsed), and the worker should stop.
+    pub async fn heartbeat(
+        &self,
+        lease: &Lease,
+        lease_ms: u64,
+        details: Option<JsonText>,
+    ) -> Result<u64> {
+        self.inner
+            .store
+            .extend_lease(
+                &lease.id,
+                lease.lease_attempt,
+                self.now_ms(),
+                lease_ms,
+                details,
+            )
+            .await
+    }
+
+    /// Fires the durable timers that are due: every overdue task ([`Task::overdue`]) — a
+    /// lease that lapsed because its worker stopped heartbeating, or an attempt no worker
+    /// started before its schedule-to-start deadline — is recorded as a failed attempt
+    /// (`timeout`) and dropped from the queue, so the retry policy decides what comes next.
+    /// The deadlines are in the store, so they fire after a restart too, and no worker is
+    /// needed to notice. Returns how many attempts it recorded as failed.
+    pub async fn fire_timers(&self) -> Result<usize> {
+        let now = self.now_ms();
+        let overdue = self.inner.store.overdue_tasks(now, 256).await?;
+        let mut fired = 0;
+        for task in overdue {
+            match self.record_overdue(&task, now).await {
+                Ok(true) => fired += 1,
+                Ok(false) => {}
+                Err(e) if e.is_stale_report() => {}
+                Err(e) => warn!(task = %task.id, error = %e, "cannot record an overdue task"),
+            }
+        }
+        Ok(fired)
+    }
+
+    /// Runs [`Engine::fire_timers`] every `every` until `stop` completes.
+    pub async fn run_timers(
+        &self,
+        every: std::time::Duration,
+        stop: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(stop);
+        loop {
+            if let Err(e) = self.fire_timers().await {
+                warn!(error = %e, "firing timers failed");
+            }
+            tokio::select! {
+                _ = &mut stop => break,
+                _ = tokio::time::sleep(every) => {}
+            }
+        }
+    }
+
+    async fn record_overdue(&self, task: &Task, now: u64) -> Result<bool> {
+        let Some(why) = task.overdue(now) else {
+            return Ok(false);
+        };
+        let session_id = &task.id.session_id;
+        let activity = {
+            let slot = self.slot(session_id);
+            let mut guard = slot.lock().await;
+            let state = self.loaded(session_id, &mut guard).await?;
+            state.scheduled_activity(task.id.scheduled_seq)
+        };
+        let lease = Lease {
+            id: task.id.clone(),
+            kind: task.kind,
+            lease_attempt: task.lease_attempt,
+            expires_at_ms: task.visible_at_ms,
+        };
+        let Some(activity) = activity else {
+            self.discard_task(&lease).await?;
+            return Ok(false);
+        };
+        let message = match why {
+            Overdue::LeaseLapsed => format!(
+                "lease lapsed: the worker stopped renewing lease {} of task {}, which expired at {} ms",
+                task.lease_attempt, task.id, task.visible_at_ms
+            ),
+            Overdue::NotStarted => format!(
+                "schedule-to-start timeout: no worker started task {} on queue {:?} (needs {:?}) by its deadline at {} ms",
+                task.id,
+                task.queue,
+                task.target,
+                task.start_by_ms.unwrap_or_default()
+            ),
+        };
+        let mut failure = ActivityFailure::new(ErrorClass::Timeout, message);
+        failure.heartbeat_details = task.heartbeat_details.clone();
+        let event = match activity {
+            ScheduledActivity::Model {
+                turn,
+                round,
+                attempt,
+                ..
+            } => Event::ModelCallFailed {
+                turn,
+                round,
+                attempt,
+                failure,
+            },
+            ScheduledActivity::Tool {
+                turn,
+                attempt,
+                tool_use,
+                ..
+            } => Event::ToolCallFailed {
+                turn,
+                tool_use_id: tool_use.id,
+                attempt,
+                failure,
+            },
+        };
+        self.submit_with(session_id, event, None, Some(task.id.clone()))
+            .await?;
+        Ok(true)
+    }
+
     async fn discard_task(&self, lease: &Lease) -> Result<()> {
         let session_id = &lease.id.session_id;
         let slot = self.slot(session_id);
@@ -395,8 +576,8 @@ impl Engine {
             events: Vec::new(),
             status: status_of(state),
             enqueue: Vec::new(),
-            complete: Some((lease.id.clone(), lease.lease_attempt)),
-            cancel: Vec::new(),
+            complete: None,
+            cancel: vec![lease.id.clone()],
             now_ms: self.now_ms(),
         };
         match self.inner.store.append(request).await {
@@ -614,15 +795,10 @@ impl Engine {
                     scheduled_seq: seq,
                 };
                 if !queued.contains(&id) {
-                    let kind = match state.scheduled_activity(seq) {
-                        Some(ScheduledActivity::Tool { .. }) => TaskKind::Tool,
-                        _ => TaskKind::Model,
-                    };
-                    missing.push(NewTask {
-                        id,
-                        kind,
-                        visible_at_ms: 0,
-                    });
+                    if let Some(mut task) = state.queued_task(seq) {
+                        task.visible_at_ms = 0;
+                        missing.push(task);
+                    }
                 }
             }
             if !missing.is_empty() {
@@ -698,6 +874,18 @@ impl Engine {
         input: Event,
         complete: Option<(TaskId, u32)>,
     ) -> Result<()> {
+        self.submit_with(session_id, input, complete, None).await
+    }
+
+    /// [`Engine::submit`] that also drops `drop_task` from the queue (the task of an overdue
+    /// attempt the input records as failed: it has no current lease to complete it with).
+    async fn submit_with(
+        &self,
+        session_id: &str,
+        input: Event,
+        complete: Option<(TaskId, u32)>,
+        drop_task: Option<TaskId>,
+    ) -> Result<()> {
         let span = info_span!("session", session_id = %session_id, event = input.kind());
         async move {
             let slot = self.slot(session_id);
@@ -732,10 +920,11 @@ impl Engine {
             let Transition {
                 events,
                 enqueue,
-                cancel,
+                mut cancel,
                 outcome,
                 ..
             } = transition;
+            cancel.extend(drop_task);
             let request = AppendRequest {
                 session_id: session_id.to_owned(),
                 expected_next_seq: first_seq,
@@ -747,6 +936,10 @@ impl Engine {
                 now_ms: now,
             };
             let has_tasks = !request.enqueue.is_empty();
+            let appended = (self.inner.appended.receiver_count() > 0).then(|| AppendedEvents {
+                session_id: session_id.to_owned(),
+                events: request.events.clone(),
+            });
             debug!(
                 events = request.events.len(),
                 tasks = request.enqueue.len(),
@@ -759,6 +952,10 @@ impl Engine {
             drop(guard);
             if has_tasks {
                 self.inner.tasks_ready.notify_waiters();
+            }
+            if let Some(appended) = appended {
+                // No subscriber left is fine: they read the store when they come back.
+                let _ = self.inner.appended.send(Arc::new(appended));
             }
             if let Some(outcome) = outcome {
                 self.outcome_sender(session_id).send_if_modified(|current| {
@@ -777,7 +974,8 @@ impl Engine {
     }
 }
 
-fn status_of(state: &SessionState) -> SessionStatus {
+/// The status a session with this folded state lists with.
+pub fn status_of(state: &SessionState) -> SessionStatus {
     if state.cancelled {
         SessionStatus::Cancelled
     } else if state.is_running() {

@@ -61,7 +61,7 @@ pub enum Error {
         session_id: String,
     },
     /// A session id with characters the stores cannot key on.
-    #[error("invalid session id {session_id:?}: use 1-128 characters of [A-Za-z0-9._-]")]
+    #[error("invalid session id {session_id:?}: use 1-128 characters of [A-Za-z0-9._-], and `:` only after a namespace")]
     InvalidSessionId {
         /// The id given.
         session_id: String,

@@ -226,6 +226,38 @@ pub struct SessionStarted {
     pub model_retry: RetryPolicy,
     /// Retry policy of tool calls.
     pub tool_retry: RetryPolicy,
+    /// The task queues its model and tool calls go to. Omitted from the record when both are
+    /// the default, so histories written before routing existed read the same.
+    #[serde(default, skip_serializing_if = "Queues::is_default")]
+    pub queues: Queues,
+}
+
+/// The task queues of a session's activities; `None` is [`DEFAULT_QUEUE`](crate::store::DEFAULT_QUEUE).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Queues {
+    /// The queue of model calls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// The queue of tool calls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+}
+
+impl Queues {
+    /// Whether both are the default queue.
+    pub fn is_default(&self) -> bool {
+        self.model.is_none() && self.tool.is_none()
+    }
+
+    /// The queue of model calls.
+    pub fn model_queue(&self) -> &str {
+        self.model.as_deref().unwrap_or(crate::store::DEFAULT_QUEUE)
+    }
+
+    /// The queue of tool calls.
+    pub fn tool_queue(&self) -> &str {
+        self.tool.as_deref().unwrap_or(crate::store::DEFAULT_QUEUE)
+    }
 }
 
 /// Limits of a turn.

@@ -477,6 +477,7 @@ mod tests {
 
     fn started() -> Event {
         Event::SessionStarted(SessionStarted {
+            queues: Default::default(),
             model: ModelSpec::parse("scripted:x.json").expect("model spec"),
             tools: Vec::new(),
             system_prompt: None,
@@ -503,14 +504,14 @@ mod tests {
         }
         assert_eq!(events.len(), 3);
         let mut request = append_request(sid, 1, events, 100);
-        request.enqueue = vec![NewTask {
-            id: TaskId {
+        request.enqueue = vec![NewTask::new(
+            TaskId {
                 session_id: sid.to_owned(),
                 scheduled_seq: 3,
             },
-            kind: TaskKind::Model,
-            visible_at_ms: 100,
-        }];
+            TaskKind::Model,
+            100,
+        )];
         store.append(request).await.expect("append");
     }
 
@@ -546,14 +547,14 @@ mod tests {
         );
         let mut request = append_request("bad", 1, vec![bad], 1);
         // A task pointing at an event that schedules nothing, of a session that is running.
-        request.enqueue = vec![NewTask {
-            id: TaskId {
+        request.enqueue = vec![NewTask::new(
+            TaskId {
                 session_id: "bad".to_owned(),
                 scheduled_seq: 1,
             },
-            kind: TaskKind::Tool,
-            visible_at_ms: 0,
-        }];
+            TaskKind::Tool,
+            0,
+        )];
         store.append(request).await.expect("append");
         // A session recorded idle whose history has a running turn, its task gone.
         waiting_session(&store, "idle").await;

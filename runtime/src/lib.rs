@@ -11,6 +11,7 @@ pub mod fsck;
 pub mod progress;
 pub mod replay;
 pub mod store;
+pub mod wire;
 pub mod workflow;
 
 #[cfg(test)]
@@ -20,20 +21,22 @@ mod workflow_props;
 #[cfg(test)]
 mod workflow_tests;
 
-pub use client::{Client, SessionOptions};
+pub use client::{Client, EventStream, SessionOptions, SessionQuery, Transport};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{
-    ActivityInput, ActivityRef, ActivityReport, ActivityTimeouts, DeltaEvent, Engine, ResumeReport,
+    ActivityInput, ActivityRef, ActivityReport, ActivityTimeouts, AppendedEvents, DeltaEvent,
+    Engine, LeasedTask, ResumeReport,
 };
 pub use error::{Error, Result};
 pub use event::{
-    ActivityFailure, ErrorClass, Event, EventEnvelope, FailurePhase, Limits, RetryPolicy,
+    ActivityFailure, ErrorClass, Event, EventEnvelope, FailurePhase, Limits, Queues, RetryPolicy,
     SessionStarted, SCHEMA_VERSION,
 };
 pub use progress::{interrupted_output, streamed_outputs, StreamedOutput};
 pub use replay::{replay, Replay};
 pub use store::memory::MemoryStore;
 pub use store::{
-    AppendRequest, Lease, NewTask, SessionInfo, SessionStatus, Store, Task, TaskId, TaskKind,
+    AppendRequest, Lease, NewTask, SessionInfo, SessionStatus, Store, Task, TaskFilter, TaskId,
+    TaskKind, DEFAULT_QUEUE,
 };
 pub use workflow::{Command, SessionState, Transition, TurnOutcome};

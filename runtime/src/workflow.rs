@@ -97,7 +97,8 @@ impl Command {
 }
 
 /// How the last finished turn ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
 pub enum TurnOutcome {
     /// The model ended the turn; `answer` is the final message's text.
     Completed {
@@ -367,6 +368,39 @@ impl SessionState {
         }
     }
 
+    /// The queued task of the outstanding activity scheduled at `scheduled_seq`, as the
+    /// scheduling append enqueued it (for putting back a task missing from the queue).
+    pub fn queued_task(&self, scheduled_seq: u64) -> Option<NewTask> {
+        let command = match self.scheduled_activity(scheduled_seq)? {
+            ScheduledActivity::Model {
+                turn,
+                round,
+                attempt,
+                not_before_ms,
+                ..
+            } => Command::ScheduleModelCall {
+                turn,
+                round,
+                attempt,
+                not_before_ms,
+            },
+            ScheduledActivity::Tool {
+                turn,
+                attempt,
+                tool_use,
+                not_before_ms,
+                ..
+            } => Command::ScheduleToolCall {
+                turn,
+                tool_use_id: tool_use.id,
+                name: tool_use.name,
+                attempt,
+                not_before_ms,
+            },
+        };
+        self.task_for(&command, scheduled_seq)
+    }
+
     /// The scheduled seqs of every activity the active turn still waits for.
     pub fn outstanding_tasks(&self) -> Vec<u64> {
         let Some(active) = &self.active else {
@@ -420,21 +454,8 @@ impl SessionState {
                 command.clone().into_event(),
             );
             self.apply(&envelope)?;
-            let task = match command {
-                Command::ScheduleModelCall { not_before_ms, .. } => {
-                    Some((TaskKind::Model, *not_before_ms))
-                }
-                Command::ScheduleToolCall { not_before_ms, .. } => {
-                    Some((TaskKind::Tool, *not_before_ms))
-                }
-                Command::CompleteTurn { .. } | Command::FailTurn { .. } => None,
-            };
-            if let Some((kind, visible_at_ms)) = task {
-                enqueue.push(NewTask {
-                    id: self.task_id(envelope.seq),
-                    kind,
-                    visible_at_ms,
-                });
+            if let Some(task) = self.task_for(command, envelope.seq) {
+                enqueue.push(task);
             }
             events.push(envelope);
         }
@@ -455,6 +476,51 @@ impl SessionState {
             enqueue,
             cancel,
             outcome,
+        })
+    }
+
+    /// The task a scheduling command enqueues: routed on the session's queue for its kind, to
+    /// a worker that hosts the tool or the model's provider, with its schedule-to-start
+    /// deadline when the retry policy sets one.
+    fn task_for(&self, command: &Command, scheduled_seq: u64) -> Option<NewTask> {
+        let started = self.started.as_ref()?;
+        let (kind, not_before_ms, queue, target, policy) = match command {
+            Command::ScheduleModelCall { not_before_ms, .. } => {
+                let model = self
+                    .active
+                    .as_ref()
+                    .map(|a| &a.model)
+                    .unwrap_or(&started.model);
+                (
+                    TaskKind::Model,
+                    *not_before_ms,
+                    started.queues.model_queue(),
+                    model.provider.clone(),
+                    &started.model_retry,
+                )
+            }
+            Command::ScheduleToolCall {
+                not_before_ms,
+                name,
+                ..
+            } => (
+                TaskKind::Tool,
+                *not_before_ms,
+                started.queues.tool_queue(),
+                name.clone(),
+                &started.tool_retry,
+            ),
+            Command::CompleteTurn { .. } | Command::FailTurn { .. } => return None,
+        };
+        Some(NewTask {
+            id: self.task_id(scheduled_seq),
+            kind,
+            visible_at_ms: not_before_ms,
+            queue: queue.to_owned(),
+            target,
+            start_by_ms: policy
+                .schedule_to_start_timeout_ms
+                .map(|limit| not_before_ms.saturating_add(limit)),
         })
     }
 

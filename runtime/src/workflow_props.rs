@@ -62,6 +62,7 @@ fn started() -> impl Strategy<Value = Event> {
             ..default
         };
         Event::SessionStarted(SessionStarted {
+            queues: Default::default(),
             model: ModelSpec::parse("scripted:props.json").expect("model"),
             tools: vec![tool_spec("calculator"), tool_spec("read_file")],
             system_prompt: Some("be brief".to_owned()),

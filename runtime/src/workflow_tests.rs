@@ -70,6 +70,7 @@ impl Live {
 
 fn started(max_rounds: u32) -> SessionStarted {
     SessionStarted {
+        queues: Default::default(),
         model: ModelSpec::parse("scripted:test.json").unwrap(),
         tools: vec![
             ToolSpec {
@@ -947,14 +948,14 @@ fn stale_reports_get_their_own_error_and_change_nothing() {
 }
 
 fn task(seq: u64, kind: TaskKind, visible_at_ms: u64) -> NewTask {
-    NewTask {
-        id: TaskId {
+    NewTask::new(
+        TaskId {
             session_id: SID.into(),
             scheduled_seq: seq,
         },
         kind,
         visible_at_ms,
-    }
+    )
 }
 
 #[test]

@@ -7,9 +7,11 @@
 mod models;
 mod pool;
 mod progress;
+mod source;
 
-pub use models::{ModelResolver, StandardModels};
-pub use pool::{Activities, WorkerConfig, WorkerPool};
+pub use models::{ModelResolver, StandardModels, STANDARD_PROVIDERS};
+pub use pool::{filter_of, Activities, WorkerConfig, WorkerPool};
+pub use source::{EngineSource, TaskSource};
 
 /// The workers' one error type.
 #[derive(Debug, thiserror::Error)]

@@ -2,7 +2,7 @@
 
 use cairn_activities::{providers, Error, ErrorKind, ModelProvider, ScriptedProvider};
 use cairn_ledger::ModelSpec;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -10,7 +10,22 @@ use std::sync::{Arc, Mutex};
 pub trait ModelResolver: Send + Sync + 'static {
     /// The provider serving `spec`, or an error the turn fails with.
     fn resolve(&self, spec: &ModelSpec) -> Result<Arc<dyn ModelProvider>, Error>;
+
+    /// The providers it serves, which a worker declares when it leases (`None`: any, so it
+    /// gets every model task and fails those it cannot serve).
+    fn providers(&self) -> Option<BTreeSet<String>> {
+        None
+    }
 }
+
+/// The providers [`StandardModels`] serves.
+pub const STANDARD_PROVIDERS: [&str; 5] = [
+    "scripted",
+    "anthropic",
+    "openai",
+    "openai-responses",
+    "bedrock",
+];
 
 /// The providers this build knows: `scripted:FILE` (loaded once per file), and the HTTP
 /// providers `anthropic`, `openai` (Chat Completions and compatible servers),
@@ -40,6 +55,10 @@ impl StandardModels {
 }
 
 impl ModelResolver for StandardModels {
+    fn providers(&self) -> Option<BTreeSet<String>> {
+        Some(STANDARD_PROVIDERS.iter().map(|p| (*p).to_owned()).collect())
+    }
+
     fn resolve(&self, spec: &ModelSpec) -> Result<Arc<dyn ModelProvider>, Error> {
         match spec.provider.as_str() {
             "scripted" => {

@@ -2,13 +2,14 @@
 
 use crate::models::ModelResolver;
 use crate::progress::PendingOutput;
+use crate::source::{EngineSource, TaskSource};
 use cairn_activities::{
     ActivityContext, CallContext, DeltaSink, ErrorKind, ModelRequest, ToolCall, ToolRegistry,
 };
 use cairn_ledger::{validate_response, validate_transcript, Delta, JsonText};
 use cairn_runtime::{
     ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, Error,
-    ErrorClass, FailurePhase, Lease,
+    ErrorClass, FailurePhase, Lease, LeasedTask, TaskFilter,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,11 +38,20 @@ pub struct WorkerConfig {
     /// append sharing the store's group commit, never a flush per delta. `None`: never.
     /// Default 250 ms.
     pub progress_interval_ms: Option<u64>,
-    /// Run only tasks of these sessions (`None`: every session's). A task of another session
-    /// that the pool leases is left alone: it runs again once that lease lapses, or at once
-    /// after a restart that releases leases. Used by `cairn run`, which must not carry on
-    /// other sessions' interrupted turns.
+    /// Lease only tasks of these sessions (`None`: every session's). Used by `cairn run`,
+    /// which must not carry on other sessions' interrupted turns.
     pub only_sessions: Option<BTreeSet<String>>,
+    /// The queues it serves (`None`: every queue).
+    pub queues: Option<BTreeSet<String>>,
+    /// Lease tasks whatever tool or provider they need, and fail those it does not host
+    /// (for a process that is the store's only worker, where nobody else could run them).
+    /// Otherwise (the default) it declares what it hosts and never gets a task it cannot run.
+    pub take_unhosted: bool,
+    /// How often a running activity renews its lease at least (sending its heartbeat
+    /// details). A remote worker learns of a cancellation when a renewal finds its lease
+    /// gone, so this bounds how long a cancelled activity runs on. `None`: a third of the
+    /// lease.
+    pub renew_interval_ms: Option<u64>,
 }
 
 impl Default for WorkerConfig {
@@ -52,6 +62,9 @@ impl Default for WorkerConfig {
             poll_interval_ms: 100,
             progress_interval_ms: Some(250),
             only_sessions: None,
+            queues: None,
+            take_unhosted: false,
+            renew_interval_ms: None,
         }
     }
 }
@@ -72,10 +85,19 @@ pub struct WorkerPool {
 }
 
 impl WorkerPool {
-    /// Starts leasing and running tasks.
+    /// Starts leasing and running tasks of an engine in this process.
     pub fn start(engine: Engine, activities: Activities, config: WorkerConfig) -> Self {
+        Self::start_with(Arc::new(EngineSource::new(engine)), activities, config)
+    }
+
+    /// Starts leasing and running tasks from `source` (in-process, or a server).
+    pub fn start_with(
+        source: Arc<dyn TaskSource>,
+        activities: Activities,
+        config: WorkerConfig,
+    ) -> Self {
         let (stop, stop_rx) = watch::channel(false);
-        let task = tokio::spawn(lease_loop(engine, activities, config, stop_rx));
+        let task = tokio::spawn(lease_loop(source, activities, config, stop_rx));
         WorkerPool { stop, task }
     }
 
@@ -106,9 +128,12 @@ fn lock(running: &RunningRegistry) -> std::sync::MutexGuard<'_, Running> {
 /// Forwards the engine's cancellations to the tokens of that session's running activities.
 /// It runs until the pool has drained, so cancellations reach activities during shutdown too.
 async fn cancellation_listener(
-    mut cancellations: tokio::sync::broadcast::Receiver<String>,
+    cancellations: Option<tokio::sync::broadcast::Receiver<String>>,
     running: RunningRegistry,
 ) {
+    let Some(mut cancellations) = cancellations else {
+        return;
+    };
     loop {
         match cancellations.recv().await {
             Ok(session_id) => {
@@ -124,8 +149,34 @@ async fn cancellation_listener(
     }
 }
 
+/// What a pool with these activities and settings may lease.
+pub fn filter_of(activities: &Activities, config: &WorkerConfig) -> TaskFilter {
+    let (tools, providers) = if config.take_unhosted {
+        (None, None)
+    } else {
+        (
+            Some(
+                activities
+                    .tools
+                    .names()
+                    .into_iter()
+                    .map(str::to_owned)
+                    .collect(),
+            ),
+            activities.models.providers(),
+        )
+    };
+    TaskFilter {
+        queues: config.queues.clone(),
+        tools,
+        providers,
+        sessions: config.only_sessions.clone(),
+        namespace: None,
+    }
+}
+
 async fn lease_loop(
-    engine: Engine,
+    source: Arc<dyn TaskSource>,
     activities: Activities,
     config: WorkerConfig,
     mut stop: watch::Receiver<bool>,
@@ -134,10 +185,15 @@ async fn lease_loop(
     let mut running = JoinSet::new();
     let registry: RunningRegistry = Arc::default();
     let listener = tokio::spawn(cancellation_listener(
-        engine.subscribe_cancellations(),
+        source.cancellations(),
         registry.clone(),
     ));
+    let filter = filter_of(&activities, &config);
     let poll = Duration::from_millis(config.poll_interval_ms.max(1));
+    let renew_ms = config
+        .renew_interval_ms
+        .unwrap_or(config.lease_ms / 3)
+        .clamp(1, (config.lease_ms / 3).max(1));
     loop {
         if *stop.borrow() {
             break;
@@ -151,58 +207,39 @@ async fn lease_loop(
             }
             continue;
         }
-        let ready = engine.tasks_ready();
-        tokio::pin!(ready);
-        ready.as_mut().enable();
-        let leases = match engine
-            .store()
-            .lease_tasks(engine.now_ms(), config.lease_ms, free)
-            .await
-        {
-            Ok(leases) => leases,
+        let leased = tokio::select! {
+            leased = source.lease(&filter, free, config.lease_ms, poll) => leased,
+            _ = stop.changed() => continue,
+        };
+        let leased = match leased {
+            Ok(leased) => leased,
             Err(e) => {
                 warn!(error = %e, "leasing tasks failed");
-                Vec::new()
+                // Do not spin on a source that fails at once (a server that is down).
+                tokio::select! {
+                    _ = tokio::time::sleep(poll) => {}
+                    _ = stop.changed() => {}
+                }
+                continue;
             }
         };
-        let leases: Vec<Lease> = match &config.only_sessions {
-            None => leases,
-            Some(only) => leases
-                .into_iter()
-                .filter(|lease| {
-                    let ours = only.contains(&lease.id.session_id);
-                    if !ours {
-                        debug!(task = %lease.id, "task of another session left alone");
-                    }
-                    ours
-                })
-                .collect(),
-        };
-        if leases.is_empty() {
-            tokio::select! {
-                _ = ready => {}
-                _ = tokio::time::sleep(poll) => {}
-                _ = stop.changed() => {}
-                Some(_) = running.join_next(), if !running.is_empty() => {}
-            }
-            continue;
-        }
-        for lease in leases {
+        for task in leased {
             let Ok(permit) = permits.clone().acquire_owned().await else {
                 break;
             };
-            let engine = engine.clone();
+            let source = source.clone();
             let activities = activities.clone();
             let registry = registry.clone();
             let lease_ms = config.lease_ms;
             let progress_every = config.progress_interval_ms;
             running.spawn(async move {
                 run_task(
-                    &engine,
+                    source.as_ref(),
                     &activities,
                     &registry,
-                    lease,
+                    task,
                     lease_ms,
+                    renew_ms,
                     progress_every,
                 )
                 .await;
@@ -219,24 +256,15 @@ async fn lease_loop(
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
 async fn run_task(
-    engine: &Engine,
+    engine: &dyn TaskSource,
     activities: &Activities,
     registry: &RunningRegistry,
-    lease: Lease,
+    task: LeasedTask,
     lease_ms: u64,
+    renew_ms: u64,
     progress_every: Option<u64>,
 ) {
-    let input = match engine.activity(&lease).await {
-        Ok(Some(input)) => input,
-        Ok(None) => {
-            debug!(task = %lease.id, "task no longer wanted; dropped");
-            return;
-        }
-        Err(e) => {
-            warn!(task = %lease.id, error = %e, "cannot load the task's activity");
-            return;
-        }
-    };
+    let LeasedTask { lease, input } = task;
     let (origin, timeouts) = match &input {
         ActivityInput::Model {
             origin, timeouts, ..
@@ -307,7 +335,9 @@ async fn run_task(
         let mut lease_expires_at_ms = lease.expires_at_ms;
         let work = run_activity(engine, activities, input, &context, pending.as_ref());
         tokio::pin!(work);
-        let renew_every = Duration::from_millis((lease_ms / 3).max(1));
+        let renew_every = Duration::from_millis(renew_ms.max(1));
+        // The heartbeat details last sent, so a renewal sends them only when they changed.
+        let mut details_sent: Option<JsonText> = None;
         let check_every = match timeouts.heartbeat_ms {
             Some(ms) => Duration::from_millis((ms / 4).max(1)).min(renew_every),
             None => renew_every,
@@ -354,10 +384,16 @@ async fn run_task(
                     }
                     if now >= next_renewal && !lease_lost {
                         next_renewal = now + renew_every;
-                        let extended = engine
-                            .store()
-                            .extend_lease(&lease.id, lease.lease_attempt, engine.now_ms(), lease_ms)
-                            .await;
+                        let details = beats
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .details
+                            .clone()
+                            .filter(|d| details_sent.as_ref() != Some(d));
+                        let extended = engine.heartbeat(&lease, lease_ms, details.clone()).await;
+                        if extended.is_ok() && details.is_some() {
+                            details_sent = details;
+                        }
                         match extended {
                             Ok(expires_at_ms) => lease_expires_at_ms = expires_at_ms,
                             Err(e) => {
@@ -389,7 +425,7 @@ async fn run_task(
 /// Appends the output streamed since the last record, if any; returns whether to go on
 /// recording (not after the attempt's progress was found stale).
 async fn record_pending(
-    engine: &Engine,
+    engine: &dyn TaskSource,
     lease: &Lease,
     lease_expires_at_ms: u64,
     pending: &PendingOutput,
@@ -422,7 +458,7 @@ struct Heartbeats {
     details: Option<JsonText>,
 }
 
-async fn finish(engine: &Engine, lease: &Lease, report: ActivityReport) {
+async fn finish(engine: &dyn TaskSource, lease: &Lease, report: ActivityReport) {
     match engine.report(lease, report).await {
         Ok(()) => {}
         // Normal when a lease lapsed and another worker took over: the history already holds the
@@ -457,7 +493,7 @@ pub(crate) fn class_of(kind: ErrorKind) -> ErrorClass {
 
 /// Publishes a model call's deltas, and remembers whether any arrived (the failure phase).
 struct EngineDeltas<'a> {
-    engine: &'a Engine,
+    engine: &'a dyn TaskSource,
     origin: ActivityRef,
     streamed: AtomicBool,
     context: &'a ActivityContext,
@@ -480,7 +516,7 @@ impl DeltaSink for EngineDeltas<'_> {
 }
 
 async fn run_activity(
-    engine: &Engine,
+    engine: &dyn TaskSource,
     activities: &Activities,
     input: ActivityInput,
     context: &ActivityContext,

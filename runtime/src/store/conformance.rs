@@ -9,7 +9,9 @@
 //! module with the `conformance` feature.
 
 use super::TaskKind;
-use super::{AppendRequest, Lease, NewTask, SessionInfo, SessionStatus, Store, Task, TaskId};
+use super::{
+    AppendRequest, Lease, NewTask, SessionInfo, SessionStatus, Store, Task, TaskFilter, TaskId,
+};
 use crate::error::Error;
 use crate::event::{ErrorClass, Event, EventEnvelope};
 use std::collections::BTreeMap;
@@ -86,11 +88,19 @@ fn task_id(session_id: &str, scheduled_seq: u64) -> TaskId {
 }
 
 fn new_task(id: &TaskId, kind: TaskKind, visible_at_ms: u64) -> NewTask {
-    NewTask {
-        id: id.clone(),
-        kind,
-        visible_at_ms,
-    }
+    NewTask::new(id.clone(), kind, visible_at_ms)
+}
+
+/// The fields of a task record that these checks leave at their new-task values.
+fn unleased() -> Task {
+    Task::queued(&NewTask::new(
+        TaskId {
+            session_id: String::new(),
+            scheduled_seq: 0,
+        },
+        TaskKind::Model,
+        0,
+    ))
 }
 
 /// Appends and panics with `what` when the store refuses.
@@ -123,7 +133,7 @@ async fn tasks(store: &dyn Store) -> Vec<Task> {
 
 async fn lease(store: &dyn Store, now_ms: u64, lease_ms: u64, max: usize) -> Vec<Lease> {
     store
-        .lease_tasks(now_ms, lease_ms, max)
+        .lease_tasks(now_ms, lease_ms, max, &TaskFilter::default())
         .await
         .unwrap_or_else(|e| {
             panic!("lease_tasks({now_ms}, {lease_ms}, {max}) must succeed, got {e:?}")
@@ -507,19 +517,22 @@ pub async fn enqueue_and_lease(store: &dyn Store) {
                 id: t1.clone(),
                 kind: TaskKind::Model,
                 visible_at_ms: 1_000,
-                lease_attempt: 0
+                lease_attempt: 0,
+                ..unleased()
             },
             Task {
                 id: t2.clone(),
                 kind: TaskKind::Tool,
                 visible_at_ms: 500,
-                lease_attempt: 0
+                lease_attempt: 0,
+                ..unleased()
             },
             Task {
                 id: t3.clone(),
                 kind: TaskKind::Tool,
                 visible_at_ms: 2_000,
-                lease_attempt: 0
+                lease_attempt: 0,
+                ..unleased()
             },
         ],
         "list_tasks gives every queued task, ordered by id, unleased"
@@ -591,7 +604,8 @@ pub async fn reenqueue_replaces_task(store: &dyn Store) {
             id: t.clone(),
             kind: TaskKind::Tool,
             visible_at_ms: 50,
-            lease_attempt: 0
+            lease_attempt: 0,
+            ..unleased()
         }],
         "a re-enqueued task replaces the queued one"
     );
@@ -692,7 +706,8 @@ pub async fn complete_with_stale_attempt_writes_nothing(store: &dyn Store) {
             id: t.clone(),
             kind: TaskKind::Tool,
             visible_at_ms: 300,
-            lease_attempt: 2
+            lease_attempt: 2,
+            ..unleased()
         }],
         "a LeaseLost append must neither enqueue nor cancel"
     );
@@ -807,7 +822,7 @@ pub async fn extend_lease(store: &dyn Store) {
         vec![(t.clone(), 1, 100)]
     );
     let extended = store
-        .extend_lease(&t, 1, 50, 100)
+        .extend_lease(&t, 1, 50, 100, None)
         .await
         .unwrap_or_else(|e| panic!("extending a current lease must succeed, got {e:?}"));
     assert_eq!(extended, 150, "the new expiry is now + lease_ms");
@@ -828,14 +843,14 @@ pub async fn extend_lease(store: &dyn Store) {
     );
     assert!(
         matches!(
-            store.extend_lease(&t, 2, 60, 100).await,
+            store.extend_lease(&t, 2, 60, 100, None).await,
             Err(Error::LeaseLost { .. })
         ),
         "extending with an attempt that is not current is LeaseLost"
     );
     assert!(
         matches!(
-            store.extend_lease(&t, 1, 150, 100).await,
+            store.extend_lease(&t, 1, 150, 100, None).await,
             Err(Error::LeaseLost { .. })
         ),
         "extending at the expiry is LeaseLost"
@@ -851,7 +866,7 @@ pub async fn extend_lease(store: &dyn Store) {
     );
     assert!(
         matches!(
-            store.extend_lease(&t, 1, 160, 100).await,
+            store.extend_lease(&t, 1, 160, 100, None).await,
             Err(Error::LeaseLost { .. })
         ),
         "extending a lease that was re-leased is LeaseLost"
@@ -861,14 +876,16 @@ pub async fn extend_lease(store: &dyn Store) {
     must_append(store, request, "complete").await;
     assert!(
         matches!(
-            store.extend_lease(&t, 2, 210, 100).await,
+            store.extend_lease(&t, 2, 210, 100, None).await,
             Err(Error::LeaseLost { .. })
         ),
         "extending the lease of a completed task is LeaseLost"
     );
     assert!(
         matches!(
-            store.extend_lease(&task_id("nobody", 1), 1, 0, 1).await,
+            store
+                .extend_lease(&task_id("nobody", 1), 1, 0, 1, None)
+                .await,
             Err(Error::LeaseLost { .. })
         ),
         "extending an unknown task is LeaseLost"
@@ -1049,7 +1066,7 @@ pub async fn release_leases_keeps_attempts(store: &dyn Store) {
         ],
         "released tasks are visible at now with their lease attempts; c, waiting, is untouched"
     );
-    match store.extend_lease(&a, 2, 300, 1_000).await {
+    match store.extend_lease(&a, 2, 300, 1_000, None).await {
         Err(Error::LeaseLost { .. }) => {}
         other => panic!("a heartbeat of a released lease must be LeaseLost, got {other:?}"),
     }

@@ -6,10 +6,11 @@
 //! store, so a failed append writes nothing, exactly like a backend whose transaction failed.
 //! Faults apply from the moment they are set until [`FaultyStore::heal`].
 
-use super::{AppendRequest, Lease, SessionInfo, Store, Task, TaskId};
+use super::{AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
+use cairn_ledger::JsonText;
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -186,9 +187,15 @@ impl<S: Store> Store for FaultyStore<S> {
         self.inner.list_sessions().await
     }
 
-    async fn lease_tasks(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<Vec<Lease>> {
+    async fn lease_tasks(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
         self.lease_fault()?;
-        self.inner.lease_tasks(now_ms, lease_ms, max).await
+        self.inner.lease_tasks(now_ms, lease_ms, max, filter).await
     }
 
     async fn extend_lease(
@@ -197,11 +204,17 @@ impl<S: Store> Store for FaultyStore<S> {
         lease_attempt: u32,
         now_ms: u64,
         lease_ms: u64,
+        details: Option<JsonText>,
     ) -> Result<u64> {
         self.lease_fault()?;
         self.inner
-            .extend_lease(id, lease_attempt, now_ms, lease_ms)
+            .extend_lease(id, lease_attempt, now_ms, lease_ms, details)
             .await
+    }
+
+    async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
+        self.read_fault()?;
+        self.inner.overdue_tasks(now_ms, max).await
     }
 
     async fn list_tasks(&self) -> Result<Vec<Task>> {
@@ -327,7 +340,9 @@ mod tests {
         }
         store.fail_leases();
         assert!(matches!(
-            store.lease_tasks(0, 1, 1).await,
+            store
+                .lease_tasks(0, 1, 1, &crate::store::TaskFilter::default())
+                .await,
             Err(Error::Store { .. })
         ));
         assert!(matches!(
@@ -339,6 +354,12 @@ mod tests {
             store.read_history("s", 1, None).await.expect("read").len(),
             1
         );
-        assert_eq!(store.lease_tasks(0, 1, 1).await.expect("lease"), vec![]);
+        assert_eq!(
+            store
+                .lease_tasks(0, 1, 1, &crate::store::TaskFilter::default())
+                .await
+                .expect("lease"),
+            vec![]
+        );
     }
 }

@@ -114,13 +114,14 @@ use super::keys::{
     decode_info, decode_task, encode_meta, key_visible, queue_key, read_events, task_key, EVENTS,
     QUEUE, SESSIONS, TASKS,
 };
-use super::memory::lease_current;
+use super::memory::{lease_current, released_visibility};
 pub use super::write_queue::MAX_BATCH;
 use super::write_queue::{next_batch, Engine, Pending, PreparedAppend, Shared, Write, WriteQueue};
-use super::{check_session_id, AppendRequest, Lease, SessionInfo, Store, Task, TaskId};
+use super::{check_session_id, AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
+use cairn_ledger::JsonText;
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode, Readable};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
@@ -470,8 +471,9 @@ impl Writer {
                 now_ms,
                 lease_ms,
                 max,
+                filter,
                 reply,
-            } => match self.lease(now_ms, lease_ms, max) {
+            } => match self.lease(now_ms, lease_ms, max, &filter) {
                 Ok((leases, staged)) if leases.is_empty() && staged.writes.is_empty() => {
                     let _ = reply.send(Ok(leases));
                 }
@@ -488,8 +490,9 @@ impl Writer {
                 lease_attempt,
                 now_ms,
                 lease_ms,
+                details,
                 reply,
-            } => match self.extend(&id, lease_attempt, now_ms, lease_ms) {
+            } => match self.extend(&id, lease_attempt, now_ms, lease_ms, details) {
                 Ok((expiry, staged)) => {
                     self.stage(staged);
                     pending.push(Pending::Extend(reply, expiry));
@@ -606,9 +609,15 @@ impl Writer {
     }
 
     /// Queue keys from `from_ms` on, in order, as the batch so far leaves the queue: the
-    /// keyspace merged with the overlay. Stops after `max` keys, or at the first key visible
-    /// after `until_ms`.
-    fn queue_keys(&self, from_ms: u64, until_ms: Option<u64>, max: usize) -> Result<Vec<Vec<u8>>> {
+    /// keyspace merged with the overlay, less those `keep` refuses. Stops after `max` kept
+    /// keys, or at the first key visible after `until_ms`.
+    fn queue_keys(
+        &self,
+        from_ms: u64,
+        until_ms: Option<u64>,
+        max: usize,
+        mut keep: impl FnMut(&[u8]) -> Result<bool>,
+    ) -> Result<Vec<Vec<u8>>> {
         let start = from_ms.to_be_bytes().to_vec();
         let scan_error =
             |e: &dyn std::fmt::Display| fjall_error(&self.path, "scanning the queue", e);
@@ -660,14 +669,33 @@ impl Writer {
             if until_ms.is_some_and(|until| visible > until) {
                 break;
             }
-            keys.push(key);
+            if keep(&key)? {
+                keys.push(key);
+            }
         }
         Ok(keys)
     }
 
-    fn lease(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<(Vec<Lease>, Staged)> {
+    fn lease(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<(Vec<Lease>, Staged)> {
         let expires_at_ms = now_ms.saturating_add(lease_ms);
-        let due = self.queue_keys(0, Some(now_ms), max)?;
+        let nothing_staged = Staged::default();
+        let due = self.queue_keys(0, Some(now_ms), max, |qkey| {
+            let tkey = &qkey[8..];
+            // A stray entry (no task) is kept so that the loop below drops it.
+            Ok(match self.task_bytes(&nothing_staged, tkey)? {
+                Some(bytes) => {
+                    let task = decode_task(&String::from_utf8_lossy(tkey), &bytes, SPACE)?;
+                    filter.accepts(&task) && task.overdue(now_ms).is_none()
+                }
+                None => true,
+            })
+        })?;
         let mut staged = Staged::default();
         let mut leases = Vec::with_capacity(due.len());
         for qkey in due {
@@ -686,6 +714,8 @@ impl Writer {
             let mut task = decode_task(&String::from_utf8_lossy(&tkey), &bytes, SPACE)?;
             task.lease_attempt = task.lease_attempt.saturating_add(1);
             task.visible_at_ms = expires_at_ms;
+            task.held = true;
+            task.heartbeat_details = None;
             let bytes = encode_meta("task record", &task)?;
             staged.put(Ks::Tasks, tkey, Some(bytes));
             staged.put(Ks::Queue, qkey, None);
@@ -710,6 +740,7 @@ impl Writer {
         lease_attempt: u32,
         now_ms: u64,
         lease_ms: u64,
+        details: Option<JsonText>,
     ) -> Result<(u64, Staged)> {
         let expires_at_ms = now_ms.saturating_add(lease_ms);
         let mut staged = Staged::default();
@@ -720,6 +751,9 @@ impl Writer {
         };
         staged.put(Ks::Queue, queue_key(task.visible_at_ms, id), None);
         task.visible_at_ms = expires_at_ms;
+        if details.is_some() {
+            task.heartbeat_details = details;
+        }
         let bytes = encode_meta("task record", &task)?;
         staged.put(Ks::Tasks, task_key(id), Some(bytes));
         staged.put(Ks::Queue, queue_key(expires_at_ms, id), Some(Vec::new()));
@@ -729,25 +763,27 @@ impl Writer {
     /// Makes every leased task leasable at `now_ms`, keeping its lease attempt.
     fn release(&self, now_ms: u64) -> Result<(usize, Staged)> {
         let mut staged = Staged::default();
-        let Some(after_now) = now_ms.checked_add(1) else {
-            return Ok((0, staged)); // nothing can be visible after the end of time
-        };
-        // Leased tasks are queued at their expiry, so they are among the entries after now.
+        // Leased tasks are queued at their expiry: after now, or (lapsed, still held) before.
         let mut released = 0;
-        for qkey in self.queue_keys(after_now, None, usize::MAX)? {
+        for qkey in self.queue_keys(0, None, usize::MAX, |_| Ok(true))? {
             let tkey = qkey[8..].to_vec();
             let Some(bytes) = self.task_bytes(&staged, &tkey)? else {
                 continue; // a stray entry; leasing drops it
             };
             let mut task = decode_task(&String::from_utf8_lossy(&tkey), &bytes, SPACE)?;
-            if task.lease_attempt == 0 || task.visible_at_ms <= now_ms {
-                continue; // not leased: a retry waiting for its backoff
-            }
+            let Some(visible_at_ms) = released_visibility(&task, now_ms) else {
+                continue; // not leased: new, or a retry waiting for its backoff
+            };
             staged.put(Ks::Queue, qkey, None);
-            task.visible_at_ms = now_ms;
+            task.visible_at_ms = visible_at_ms;
+            task.held = false;
             let bytes = encode_meta("task record", &task)?;
             staged.put(Ks::Tasks, tkey, Some(bytes));
-            staged.put(Ks::Queue, queue_key(now_ms, &task.id), Some(Vec::new()));
+            staged.put(
+                Ks::Queue,
+                queue_key(visible_at_ms, &task.id),
+                Some(Vec::new()),
+            );
             released += 1;
         }
         Ok((released, staged))
@@ -870,8 +906,14 @@ impl Store for FjallStore {
         Ok(out)
     }
 
-    async fn lease_tasks(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<Vec<Lease>> {
-        self.writes.lease(now_ms, lease_ms, max).await
+    async fn lease_tasks(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
+        self.writes.lease(now_ms, lease_ms, max, filter).await
     }
 
     async fn extend_lease(
@@ -880,10 +922,37 @@ impl Store for FjallStore {
         lease_attempt: u32,
         now_ms: u64,
         lease_ms: u64,
+        details: Option<JsonText>,
     ) -> Result<u64> {
         self.writes
-            .extend(id, lease_attempt, now_ms, lease_ms)
+            .extend(id, lease_attempt, now_ms, lease_ms, details)
             .await
+    }
+
+    async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
+        let h = self.handles()?;
+        let snapshot = h.db.snapshot();
+        let until = now_ms.saturating_add(1).to_be_bytes().to_vec();
+        let mut out = Vec::new();
+        for item in snapshot.range(&h.queue, ..until) {
+            if out.len() >= max {
+                break;
+            }
+            let key = item
+                .key()
+                .map_err(|e| fjall_error(&self.path, "scanning the queue", e))?;
+            let tkey = &key[8.min(key.len())..];
+            let bytes = snapshot
+                .get(&h.tasks, tkey)
+                .map_err(|e| fjall_error(&self.path, "reading the tasks keyspace", e))?;
+            if let Some(bytes) = bytes {
+                let task = decode_task(&String::from_utf8_lossy(tkey), &bytes, SPACE)?;
+                if task.overdue(now_ms).is_some() {
+                    out.push(task);
+                }
+            }
+        }
+        Ok(out)
     }
 
     async fn list_tasks(&self) -> Result<Vec<Task>> {
@@ -967,16 +1036,19 @@ mod tests {
         for round in 0..3u64 {
             let seq = 6 + round;
             let mut request = append_request("s00", seq, vec![message("s00", seq, "x")], 2);
-            request.enqueue = vec![NewTask {
-                id: TaskId {
+            request.enqueue = vec![NewTask::new(
+                TaskId {
                     session_id: "s00".to_owned(),
                     scheduled_seq: seq,
                 },
-                kind: TaskKind::Tool,
-                visible_at_ms: 0,
-            }];
+                TaskKind::Tool,
+                0,
+            )];
             store.append(request).await.expect("append");
-            let leases = store.lease_tasks(10 + round, 100, 1).await.expect("lease");
+            let leases = store
+                .lease_tasks(10 + round, 100, 1, &crate::store::TaskFilter::default())
+                .await
+                .expect("lease");
             assert_eq!(leases.len(), 1);
 
             let sessions = store.list_sessions().await.expect("list");
@@ -1054,14 +1126,14 @@ mod tests {
     }
 
     fn tool_task(session: &str, seq: u64) -> NewTask {
-        NewTask {
-            id: TaskId {
+        NewTask::new(
+            TaskId {
                 session_id: session.to_owned(),
                 scheduled_seq: seq,
             },
-            kind: TaskKind::Tool,
-            visible_at_ms: 0,
-        }
+            TaskKind::Tool,
+            0,
+        )
     }
 
     /// Writes applied as one batch: each sees the ones before it, a rejected one writes
@@ -1103,6 +1175,7 @@ mod tests {
             now_ms: 15,
             lease_ms: 100,
             max: 10,
+            filter: crate::store::TaskFilter::default(),
             reply: lease_reply,
         });
         let (write, answer) = append(complete);
@@ -1189,7 +1262,9 @@ mod tests {
             }
         }
         assert!(matches!(
-            store.lease_tasks(0, 1, 1).await,
+            store
+                .lease_tasks(0, 1, 1, &crate::store::TaskFilter::default())
+                .await,
             Err(Error::Store { .. })
         ));
         assert_eq!(

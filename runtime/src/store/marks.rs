@@ -29,10 +29,11 @@
 //! can pass unseen, anything older cannot.
 
 pub(crate) use super::files::sync_dir;
-use super::{AppendRequest, Lease, SessionInfo, Store, Task, TaskId};
+use super::{AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
 use crate::error::Result;
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
+use cairn_ledger::JsonText;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::io::Write as _;
@@ -405,8 +406,14 @@ impl Store for MarkedStore {
         self.inner.list_sessions().await
     }
 
-    async fn lease_tasks(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<Vec<Lease>> {
-        self.inner.lease_tasks(now_ms, lease_ms, max).await
+    async fn lease_tasks(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
+        self.inner.lease_tasks(now_ms, lease_ms, max, filter).await
     }
 
     async fn extend_lease(
@@ -415,10 +422,15 @@ impl Store for MarkedStore {
         lease_attempt: u32,
         now_ms: u64,
         lease_ms: u64,
+        details: Option<JsonText>,
     ) -> Result<u64> {
         self.inner
-            .extend_lease(id, lease_attempt, now_ms, lease_ms)
+            .extend_lease(id, lease_attempt, now_ms, lease_ms, details)
             .await
+    }
+
+    async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
+        self.inner.overdue_tasks(now_ms, max).await
     }
 
     async fn list_tasks(&self) -> Result<Vec<Task>> {

@@ -2,11 +2,12 @@
 //!
 //! Events are kept as encoded records, so the codec runs here exactly as in durable stores.
 
-use super::{check_request, AppendRequest, Lease, SessionInfo, Store, Task, TaskId};
+use super::{check_request, AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
+use cairn_ledger::JsonText;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
@@ -63,6 +64,14 @@ pub(crate) fn lease_current(
     }
 }
 
+/// When a released task becomes leasable, if [`Store::release_leases`] releases it: a leased
+/// task (a current lease, or a lapsed one still held) is visible at once; a task that is not
+/// leased (new, or a retry waiting for its backoff) is left alone (`None`).
+pub(crate) fn released_visibility(task: &Task, now_ms: u64) -> Option<u64> {
+    let leased = task.lease_attempt > 0 && (task.held || task.visible_at_ms > now_ms);
+    leased.then_some(task.visible_at_ms.min(now_ms))
+}
+
 #[async_trait]
 impl Store for MemoryStore {
     async fn append(&self, request: AppendRequest) -> Result<()> {
@@ -117,12 +126,7 @@ impl Store for MemoryStore {
             }
         }
         for new in request.enqueue {
-            let task = Task {
-                id: new.id.clone(),
-                kind: new.kind,
-                visible_at_ms: new.visible_at_ms,
-                lease_attempt: 0,
-            };
+            let task = Task::queued(&new);
             if let Some(old) = inner.tasks.insert(new.id.clone(), task) {
                 inner.queue.remove(&(old.visible_at_ms, old.id));
             }
@@ -158,31 +162,44 @@ impl Store for MemoryStore {
         Ok(self.lock()?.sessions.values().cloned().collect())
     }
 
-    async fn lease_tasks(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<Vec<Lease>> {
+    async fn lease_tasks(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
         let mut inner = self.lock()?;
-        let due: Vec<(u64, TaskId)> = inner
-            .queue
+        let Inner { tasks, queue, .. } = &mut *inner;
+        let due: Vec<(u64, TaskId)> = queue
             .iter()
             .take_while(|(visible, _)| *visible <= now_ms)
+            .filter(|(_, id)| {
+                tasks
+                    .get(id)
+                    .is_some_and(|t| filter.accepts(t) && t.overdue(now_ms).is_none())
+            })
             .take(max)
             .cloned()
             .collect();
         let expires_at_ms = now_ms.saturating_add(lease_ms);
         let mut leases = Vec::with_capacity(due.len());
         for key in due {
-            inner.queue.remove(&key);
-            let Some(task) = inner.tasks.get_mut(&key.1) else {
+            queue.remove(&key);
+            let Some(task) = tasks.get_mut(&key.1) else {
                 continue;
             };
             task.lease_attempt += 1;
             task.visible_at_ms = expires_at_ms;
+            task.held = true;
+            task.heartbeat_details = None;
             leases.push(Lease {
                 id: task.id.clone(),
                 kind: task.kind,
                 lease_attempt: task.lease_attempt,
                 expires_at_ms,
             });
-            inner.queue.insert((expires_at_ms, key.1));
+            queue.insert((expires_at_ms, key.1));
         }
         Ok(leases)
     }
@@ -193,19 +210,35 @@ impl Store for MemoryStore {
         lease_attempt: u32,
         now_ms: u64,
         lease_ms: u64,
+        details: Option<JsonText>,
     ) -> Result<u64> {
         let mut inner = self.lock()?;
         lease_current(inner.tasks.get(id), id, lease_attempt, now_ms)?;
         let expires_at_ms = now_ms.saturating_add(lease_ms);
-        let old = inner
-            .tasks
-            .get_mut(id)
-            .map(|t| std::mem::replace(&mut t.visible_at_ms, expires_at_ms));
+        let old = inner.tasks.get_mut(id).map(|t| {
+            if details.is_some() {
+                t.heartbeat_details = details;
+            }
+            std::mem::replace(&mut t.visible_at_ms, expires_at_ms)
+        });
         if let Some(old) = old {
             inner.queue.remove(&(old, id.clone()));
             inner.queue.insert((expires_at_ms, id.clone()));
         }
         Ok(expires_at_ms)
+    }
+
+    async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
+        let inner = self.lock()?;
+        Ok(inner
+            .queue
+            .iter()
+            .take_while(|(visible, _)| *visible <= now_ms)
+            .filter_map(|(_, id)| inner.tasks.get(id))
+            .filter(|t| t.overdue(now_ms).is_some())
+            .take(max)
+            .cloned()
+            .collect())
     }
 
     async fn list_tasks(&self) -> Result<Vec<Task>> {
@@ -217,10 +250,11 @@ impl Store for MemoryStore {
         let Inner { tasks, queue, .. } = &mut *inner;
         let mut released = 0;
         for task in tasks.values_mut() {
-            if task.lease_attempt > 0 && task.visible_at_ms > now_ms {
+            if let Some(visible_at_ms) = released_visibility(task, now_ms) {
                 queue.remove(&(task.visible_at_ms, task.id.clone()));
-                task.visible_at_ms = now_ms;
-                queue.insert((now_ms, task.id.clone()));
+                task.visible_at_ms = visible_at_ms;
+                task.held = false;
+                queue.insert((visible_at_ms, task.id.clone()));
                 released += 1;
             }
         }

@@ -7,7 +7,9 @@
 use crate::error::Result;
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
+use cairn_ledger::JsonText;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
 use std::fmt;
 
 #[cfg(any(test, feature = "conformance"))]
@@ -49,6 +51,13 @@ impl fmt::Display for TaskId {
     }
 }
 
+/// The queue a task goes to when a session names none.
+pub const DEFAULT_QUEUE: &str = "default";
+
+fn default_queue() -> String {
+    DEFAULT_QUEUE.to_owned()
+}
+
 /// A task to enqueue with an append.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NewTask {
@@ -58,9 +67,35 @@ pub struct NewTask {
     pub kind: TaskKind,
     /// Not leasable before this time (epoch ms).
     pub visible_at_ms: u64,
+    /// The queue it is routed on.
+    pub queue: String,
+    /// What a worker must host to run it: the tool's name for a tool task, the model's
+    /// provider for a model task. Empty: any worker of the queue.
+    pub target: String,
+    /// The schedule-to-start deadline (epoch ms): a task no worker leased by then is no longer
+    /// handed out; [`Store::overdue_tasks`] reports it, so the engine records the timeout.
+    pub start_by_ms: Option<u64>,
+}
+
+impl NewTask {
+    /// A task on the default queue that any worker may run, without a start deadline.
+    pub fn new(id: TaskId, kind: TaskKind, visible_at_ms: u64) -> Self {
+        NewTask {
+            id,
+            kind,
+            visible_at_ms,
+            queue: default_queue(),
+            target: String::new(),
+            start_by_ms: None,
+        }
+    }
 }
 
 /// A task as the queue holds it.
+///
+/// Records written before routing existed have no queue, target, deadline, holder flag or
+/// details: they decode as on the default queue, for any worker, never held (so a lease they
+/// carry is treated as released, as before).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Task {
     /// Its id.
@@ -71,6 +106,119 @@ pub struct Task {
     pub visible_at_ms: u64,
     /// How many times it was leased; the current lease's fencing token.
     pub lease_attempt: u32,
+    /// The queue it is routed on.
+    #[serde(default = "default_queue")]
+    pub queue: String,
+    /// What a worker must host to run it (see [`NewTask::target`]); empty: anything.
+    #[serde(default)]
+    pub target: String,
+    /// The schedule-to-start deadline, if any (see [`NewTask::start_by_ms`]).
+    #[serde(default)]
+    pub start_by_ms: Option<u64>,
+    /// Whether a worker holds its lease: set by a lease, cleared by
+    /// [`Store::release_leases`]. A held task past its expiry has a lapsed lease: its worker
+    /// stopped heartbeating, and only [`Store::overdue_tasks`] reports it.
+    #[serde(default)]
+    pub held: bool,
+    /// What the current lease last heartbeated, kept durably so that a lapsed attempt's
+    /// progress reaches the next attempt.
+    #[serde(default)]
+    pub heartbeat_details: Option<JsonText>,
+}
+
+impl Task {
+    /// A new task's record: never leased.
+    pub fn queued(new: &NewTask) -> Self {
+        Task {
+            id: new.id.clone(),
+            kind: new.kind,
+            visible_at_ms: new.visible_at_ms,
+            lease_attempt: 0,
+            queue: new.queue.clone(),
+            target: new.target.clone(),
+            start_by_ms: new.start_by_ms,
+            held: false,
+            heartbeat_details: None,
+        }
+    }
+
+    /// Why the task is overdue at `now_ms`, if it is: its lease lapsed, or no worker started it
+    /// before its schedule-to-start deadline. An overdue task is never leased; the engine
+    /// records the failed attempt and drops it.
+    pub fn overdue(&self, now_ms: u64) -> Option<Overdue> {
+        if self.held && self.visible_at_ms <= now_ms {
+            return Some(Overdue::LeaseLapsed);
+        }
+        match self.start_by_ms {
+            Some(deadline) if self.lease_attempt == 0 && deadline <= now_ms => {
+                Some(Overdue::NotStarted)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Why a task is overdue (see [`Task::overdue`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overdue {
+    /// A worker leased it and stopped renewing the lease before it ran out.
+    LeaseLapsed,
+    /// No worker leased it before its schedule-to-start deadline.
+    NotStarted,
+}
+
+/// Which tasks a worker can run: its queues, and the tools and model providers it hosts.
+/// `None` accepts anything.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskFilter {
+    /// Queues it serves.
+    #[serde(default)]
+    pub queues: Option<BTreeSet<String>>,
+    /// Tools it hosts.
+    #[serde(default)]
+    pub tools: Option<BTreeSet<String>>,
+    /// Model providers it hosts.
+    #[serde(default)]
+    pub providers: Option<BTreeSet<String>>,
+    /// Only these sessions.
+    #[serde(default)]
+    pub sessions: Option<BTreeSet<String>>,
+    /// Only sessions of this namespace: ids `NAMESPACE:...`, or, for `Some("")`, ids without
+    /// a `:` (the default namespace).
+    #[serde(default)]
+    pub namespace: Option<String>,
+}
+
+impl TaskFilter {
+    /// Accepts every task.
+    pub fn any() -> Self {
+        TaskFilter::default()
+    }
+
+    /// Whether a worker with this filter can run `task`.
+    pub fn accepts(&self, task: &Task) -> bool {
+        let in_set = |set: &Option<BTreeSet<String>>, name: &str| {
+            set.as_ref().is_none_or(|set| set.contains(name))
+        };
+        let hosted = task.target.is_empty()
+            || match task.kind {
+                TaskKind::Tool => in_set(&self.tools, &task.target),
+                TaskKind::Model => in_set(&self.providers, &task.target),
+            };
+        let in_namespace = match self.namespace.as_deref() {
+            None => true,
+            Some("") => !task.id.session_id.contains(':'),
+            Some(namespace) => task
+                .id
+                .session_id
+                .strip_prefix(namespace)
+                .is_some_and(|rest| rest.starts_with(':')),
+        };
+        in_set(&self.queues, &task.queue)
+            && hosted
+            && in_namespace
+            && in_set(&self.sessions, &task.id.session_id)
+    }
 }
 
 /// A task leased to a worker until `expires_at_ms`.
@@ -164,25 +312,38 @@ pub trait Store: Send + Sync + 'static {
     /// Every session with its status, ordered by id.
     async fn list_sessions(&self) -> Result<Vec<SessionInfo>>;
 
-    /// Leases up to `max` tasks visible at `now_ms` (oldest first), each until
-    /// `now_ms + lease_ms`, incrementing its lease attempt.
-    async fn lease_tasks(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<Vec<Lease>>;
+    /// Leases up to `max` tasks visible at `now_ms` that `filter` accepts and that are not
+    /// overdue ([`Task::overdue`]), oldest first, each until `now_ms + lease_ms`: increments
+    /// its lease attempt, marks it held and clears its heartbeat details.
+    async fn lease_tasks(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>>;
 
-    /// Extends a current lease (a heartbeat). `LeaseLost` when it is not current.
+    /// Extends a current lease (a heartbeat), storing `details` when given (kept otherwise).
+    /// Durable like a lease. `LeaseLost` when the lease is not current.
     async fn extend_lease(
         &self,
         id: &TaskId,
         lease_attempt: u32,
         now_ms: u64,
         lease_ms: u64,
+        details: Option<JsonText>,
     ) -> Result<u64>;
+
+    /// Up to `max` tasks overdue at `now_ms` ([`Task::overdue`]), oldest first. Reads only.
+    async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>>;
 
     /// Every queued task (leased or not), ordered by id.
     async fn list_tasks(&self) -> Result<Vec<Task>>;
 
     /// Makes every currently leased task (`lease_attempt > 0` and `visible_at_ms > now_ms`)
-    /// leasable at `now_ms` again, without changing its lease attempt: the next lease bumps
-    /// it, so a completion or heartbeat from the released lease is still fenced off
+    /// leasable at `now_ms` again and no longer held, without changing its lease attempt or
+    /// counting a failed attempt (its worker died with the process, through no fault of the
+    /// activity): the next lease bumps the attempt, so a completion or heartbeat from the released lease is still fenced off
     /// (`LeaseLost`). Returns how many tasks it released. Durable like a lease.
     ///
     /// Only safe when no other process can hold leases on this store: an embedded store that
@@ -198,7 +359,7 @@ pub fn check_session_id(session_id: &str) -> Result<()> {
         && session_id.len() <= 128
         && session_id
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':'));
     if ok {
         Ok(())
     } else {

@@ -92,12 +92,13 @@ use super::keys::{
     decode_info, decode_task, encode_meta, key_visible, queue_key, read_events, task_key, EVENTS,
     QUEUE, SESSIONS, TASKS,
 };
-use super::memory::lease_current;
+use super::memory::{lease_current, released_visibility};
 use super::write_queue::{next_batch, Engine, Pending, PreparedAppend, Shared, Write, WriteQueue};
-use super::{check_session_id, AppendRequest, Lease, SessionInfo, Store, Task, TaskId};
+use super::{check_session_id, AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
+use cairn_ledger::JsonText;
 use sled::transaction::{ConflictableTransactionError, TransactionError, Transactional};
 use std::collections::HashMap;
 use std::ffi::OsString;
@@ -354,8 +355,9 @@ impl Writer {
                 now_ms,
                 lease_ms,
                 max,
+                filter,
                 reply,
-            } => match self.lease(now_ms, lease_ms, max) {
+            } => match self.lease(now_ms, lease_ms, max, &filter) {
                 Ok(leases) if leases.is_empty() => {
                     let _ = reply.send(Ok(leases));
                 }
@@ -369,8 +371,9 @@ impl Writer {
                 lease_attempt,
                 now_ms,
                 lease_ms,
+                details,
                 reply,
-            } => match self.extend(&id, lease_attempt, now_ms, lease_ms) {
+            } => match self.extend(&id, lease_attempt, now_ms, lease_ms, details) {
                 Ok(expiry) => pending.push(Pending::Extend(reply, expiry)),
                 Err(e) => {
                     let _ = reply.send(Err(e));
@@ -400,7 +403,13 @@ impl Writer {
         }
     }
 
-    fn lease(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<Vec<Lease>> {
+    fn lease(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
         let h = &self.handles;
         let expires_at_ms = now_ms.saturating_add(lease_ms);
         // This thread is the only writer: the queue cannot change between scan and transaction.
@@ -416,6 +425,18 @@ impl Writer {
             if visible > now_ms {
                 break;
             }
+            let tkey = &key[8..];
+            let task = h
+                .tasks
+                .get(tkey)
+                .map_err(|e| sled_error(&self.path, "reading the tasks tree", e))?;
+            if let Some(bytes) = task {
+                let task = decode_task(&String::from_utf8_lossy(tkey), &bytes, SPACE)?;
+                if !filter.accepts(&task) || task.overdue(now_ms).is_some() {
+                    continue;
+                }
+            }
+            // A stray entry (no task) is kept so the transaction drops it.
             due.push(key);
         }
         if due.is_empty() {
@@ -441,6 +462,8 @@ impl Writer {
                     decode_task(&String::from_utf8_lossy(tkey), &bytes, SPACE).map_err(abort)?;
                 task.lease_attempt = task.lease_attempt.saturating_add(1);
                 task.visible_at_ms = expires_at_ms;
+                task.held = true;
+                task.heartbeat_details = None;
                 let bytes = encode_meta("task record", &task).map_err(abort)?;
                 tasks.insert(tkey, bytes)?;
                 queue.remove(qkey)?;
@@ -457,7 +480,14 @@ impl Writer {
         self.txn_result("leasing tasks", result)
     }
 
-    fn extend(&self, id: &TaskId, lease_attempt: u32, now_ms: u64, lease_ms: u64) -> Result<u64> {
+    fn extend(
+        &self,
+        id: &TaskId,
+        lease_attempt: u32,
+        now_ms: u64,
+        lease_ms: u64,
+        details: Option<JsonText>,
+    ) -> Result<u64> {
         let h = &self.handles;
         let expires_at_ms = now_ms.saturating_add(lease_ms);
         let key = task_key(id);
@@ -473,6 +503,9 @@ impl Writer {
             };
             queue.remove(queue_key(task.visible_at_ms, id))?;
             task.visible_at_ms = expires_at_ms;
+            if details.is_some() {
+                task.heartbeat_details = details.clone();
+            }
             let bytes = encode_meta("task record", &task).map_err(abort)?;
             tasks.insert(key.as_slice(), bytes)?;
             queue.insert(queue_key(expires_at_ms, id), &[] as &[u8])?;
@@ -485,13 +518,10 @@ impl Writer {
     /// Makes every leased task leasable at `now_ms`, keeping its lease attempt.
     fn release(&self, now_ms: u64) -> Result<usize> {
         let h = &self.handles;
-        let Some(after_now) = now_ms.checked_add(1) else {
-            return Ok(0); // nothing can be visible after the end of time
-        };
-        // Leased tasks are queued at their expiry, so they are among the entries after now.
+        // Leased tasks are queued at their expiry: after now, or (lapsed, still held) before.
         // This thread is the only writer: the queue cannot change between scan and transaction.
         let mut later: Vec<sled::IVec> = Vec::new();
-        for item in h.queue.range(after_now.to_be_bytes().to_vec()..) {
+        for item in h.queue.iter() {
             let (key, _) = item.map_err(|e| sled_error(&self.path, "scanning the queue", e))?;
             later.push(key);
         }
@@ -508,14 +538,15 @@ impl Writer {
                 };
                 let mut task =
                     decode_task(&String::from_utf8_lossy(tkey), &bytes, SPACE).map_err(abort)?;
-                if task.lease_attempt == 0 || task.visible_at_ms <= now_ms {
-                    continue; // not leased: a retry waiting for its backoff
-                }
+                let Some(visible_at_ms) = released_visibility(&task, now_ms) else {
+                    continue; // not leased: new, or a retry waiting for its backoff
+                };
                 queue.remove(qkey)?;
-                task.visible_at_ms = now_ms;
+                task.visible_at_ms = visible_at_ms;
+                task.held = false;
                 let bytes = encode_meta("task record", &task).map_err(abort)?;
                 tasks.insert(tkey, bytes)?;
-                queue.insert(queue_key(now_ms, &task.id), &[] as &[u8])?;
+                queue.insert(queue_key(visible_at_ms, &task.id), &[] as &[u8])?;
                 released += 1;
             }
             Ok(released)
@@ -759,8 +790,14 @@ impl Store for SledStore {
         Ok(out)
     }
 
-    async fn lease_tasks(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<Vec<Lease>> {
-        self.writes.lease(now_ms, lease_ms, max).await
+    async fn lease_tasks(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
+        self.writes.lease(now_ms, lease_ms, max, filter).await
     }
 
     async fn extend_lease(
@@ -769,10 +806,37 @@ impl Store for SledStore {
         lease_attempt: u32,
         now_ms: u64,
         lease_ms: u64,
+        details: Option<JsonText>,
     ) -> Result<u64> {
         self.writes
-            .extend(id, lease_attempt, now_ms, lease_ms)
+            .extend(id, lease_attempt, now_ms, lease_ms, details)
             .await
+    }
+
+    async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
+        let h = self.handles()?;
+        let mut out = Vec::new();
+        for item in h.queue.iter() {
+            if out.len() >= max {
+                break;
+            }
+            let (key, _) = item.map_err(|e| sled_error(&self.path, "scanning the queue", e))?;
+            if key_visible(&key).is_none_or(|visible| visible > now_ms) {
+                break;
+            }
+            let tkey = &key[8..];
+            let bytes = h
+                .tasks
+                .get(tkey)
+                .map_err(|e| sled_error(&self.path, "reading the tasks tree", e))?;
+            if let Some(bytes) = bytes {
+                let task = decode_task(&String::from_utf8_lossy(tkey), &bytes, SPACE)?;
+                if task.overdue(now_ms).is_some() {
+                    out.push(task);
+                }
+            }
+        }
+        Ok(out)
     }
 
     async fn list_tasks(&self) -> Result<Vec<Task>> {
@@ -948,21 +1012,17 @@ mod tests {
             scheduled_seq: 1,
         };
         let mut first = append_request("a", 1, vec![message("a", 1, "a1")], 10);
-        first.enqueue = vec![crate::store::NewTask {
-            id: t.clone(),
-            kind: TaskKind::Tool,
-            visible_at_ms: 0,
-        }];
+        first.enqueue = vec![crate::store::NewTask::new(t.clone(), TaskKind::Tool, 0)];
         let mut lost = append_request("b", 1, vec![message("b", 1, "lost")], 10);
         lost.complete = Some((t.clone(), 1)); // not leased: attempt 0
-        lost.enqueue = vec![crate::store::NewTask {
-            id: TaskId {
+        lost.enqueue = vec![crate::store::NewTask::new(
+            TaskId {
                 session_id: "b".to_owned(),
                 scheduled_seq: 1,
             },
-            kind: TaskKind::Model,
-            visible_at_ms: 0,
-        }];
+            TaskKind::Model,
+            0,
+        )];
         let mut cancel = append_request("a", 2, vec![message("a", 2, "a2")], 20);
         cancel.cancel = vec![t.clone()];
         cancel.status = SessionStatus::Idle;
@@ -1030,13 +1090,16 @@ mod tests {
             session_id: "s".to_owned(),
             scheduled_seq: 1,
         };
-        request.enqueue = vec![crate::store::NewTask {
-            id: real.clone(),
-            kind: TaskKind::Model,
-            visible_at_ms: 10,
-        }];
+        request.enqueue = vec![crate::store::NewTask::new(
+            real.clone(),
+            TaskKind::Model,
+            10,
+        )];
         store.append(request).await.expect("append");
-        let leases = store.lease_tasks(100, 10, 10).await.expect("lease");
+        let leases = store
+            .lease_tasks(100, 10, 10, &crate::store::TaskFilter::default())
+            .await
+            .expect("lease");
         assert_eq!(leases.iter().map(|l| &l.id).collect::<Vec<_>>(), [&real]);
         assert_eq!(
             h.queue.len(),
@@ -1104,20 +1167,22 @@ mod tests {
         write_sessions(&store, &["s"], 1).await;
         *store.writes.shared.failed() = Some("injected fsync failure".to_owned());
         let mut request = append_request("s", 2, vec![message("s", 2, "x")], 2);
-        request.enqueue = vec![crate::store::NewTask {
-            id: TaskId {
+        request.enqueue = vec![crate::store::NewTask::new(
+            TaskId {
                 session_id: "s".to_owned(),
                 scheduled_seq: 2,
             },
-            kind: TaskKind::Model,
-            visible_at_ms: 0,
-        }];
+            TaskKind::Model,
+            0,
+        )];
         match store.append(request).await {
             Err(Error::Store { reason }) => assert!(reason.contains("injected"), "{reason}"),
             other => panic!("an append after a failed sync must be a Store error, got {other:?}"),
         }
         assert!(matches!(
-            store.lease_tasks(0, 1, 1).await,
+            store
+                .lease_tasks(0, 1, 1, &crate::store::TaskFilter::default())
+                .await,
             Err(Error::Store { .. })
         ));
         assert_eq!(

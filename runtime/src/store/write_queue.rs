@@ -15,9 +15,10 @@
 //! …: persist failed"): an [`Engine`] carries those words.
 
 use super::keys::{encode_meta, seq_key};
-use super::{check_request, AppendRequest, Lease, NewTask, SessionInfo, Task, TaskId};
+use super::{check_request, AppendRequest, Lease, NewTask, SessionInfo, Task, TaskFilter, TaskId};
 use crate::codec;
 use crate::error::{Error, Result};
+use cairn_ledger::JsonText;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::{mpsc, Arc, Mutex};
@@ -98,6 +99,7 @@ pub(super) enum Write {
         now_ms: u64,
         lease_ms: u64,
         max: usize,
+        filter: TaskFilter,
         reply: oneshot::Sender<Result<Vec<Lease>>>,
     },
     Extend {
@@ -105,6 +107,7 @@ pub(super) enum Write {
         lease_attempt: u32,
         now_ms: u64,
         lease_ms: u64,
+        details: Option<JsonText>,
         reply: oneshot::Sender<Result<u64>>,
     },
     Release {
@@ -228,12 +231,7 @@ impl PreparedAppend {
             .collect();
         let mut enqueued = Vec::with_capacity(request.enqueue.len());
         for new in request.enqueue {
-            let task = Task {
-                id: new.id.clone(),
-                kind: new.kind,
-                visible_at_ms: new.visible_at_ms,
-                lease_attempt: 0,
-            };
+            let task = Task::queued(&new);
             let bytes = encode_meta("task record", &task)?;
             enqueued.push((new, bytes));
         }
@@ -314,7 +312,13 @@ impl WriteQueue {
     }
 
     /// [`Store::lease_tasks`](super::Store::lease_tasks).
-    pub(super) async fn lease(&self, now_ms: u64, lease_ms: u64, max: usize) -> Result<Vec<Lease>> {
+    pub(super) async fn lease(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
         if max == 0 {
             return Ok(Vec::new());
         }
@@ -323,6 +327,7 @@ impl WriteQueue {
             now_ms,
             lease_ms,
             max,
+            filter: filter.clone(),
             reply,
         };
         self.submit(write, answer).await
@@ -335,6 +340,7 @@ impl WriteQueue {
         lease_attempt: u32,
         now_ms: u64,
         lease_ms: u64,
+        details: Option<JsonText>,
     ) -> Result<u64> {
         let (reply, answer) = oneshot::channel();
         let write = Write::Extend {
@@ -342,6 +348,7 @@ impl WriteQueue {
             lease_attempt,
             now_ms,
             lease_ms,
+            details,
             reply,
         };
         self.submit(write, answer).await

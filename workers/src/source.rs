@@ -1,0 +1,131 @@
+//! Where a worker pool gets its tasks and sends its results: one trait, with the in-process
+//! implementation over an [`Engine`] here and the HTTP one (a server) in `cairn-remote`, so
+//! the same pool code serves `cairn run` and `cairn worker`.
+
+use async_trait::async_trait;
+use cairn_ledger::JsonText;
+use cairn_runtime::{ActivityReport, DeltaEvent, Engine, Lease, LeasedTask, Result, TaskFilter};
+use std::time::Duration;
+use tokio::sync::broadcast;
+
+/// The worker's side of the lease protocol.
+#[async_trait]
+pub trait TaskSource: Send + Sync + 'static {
+    /// Leases up to `max` tasks that `filter` accepts, each for `lease_ms`, with what they
+    /// run; waits up to `wait` for the first one (a long poll, never a busy one).
+    async fn lease(
+        &self,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+        wait: Duration,
+    ) -> Result<Vec<LeasedTask>>;
+
+    /// Renews a lease, recording `details` durably when given; returns the new expiry.
+    /// `LeaseLost` means stop: the task was cancelled or completed, or the lease lapsed.
+    async fn heartbeat(
+        &self,
+        lease: &Lease,
+        lease_ms: u64,
+        details: Option<JsonText>,
+    ) -> Result<u64>;
+
+    /// Records what a model attempt streamed since its previous record.
+    async fn record_progress(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+    ) -> Result<()>;
+
+    /// Reports an attempt's result, fenced by its lease attempt: a stale one is
+    /// `StaleReport` or `LeaseLost` and changes nothing.
+    async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()>;
+
+    /// Passes a model delta on to the session's followers (presentation only: may be lost).
+    fn publish_delta(&self, delta: DeltaEvent);
+
+    /// Session ids whose running activities should stop at once, when the source can say
+    /// so; otherwise cancellation reaches an activity when its next heartbeat finds its
+    /// lease lost.
+    fn cancellations(&self) -> Option<broadcast::Receiver<String>>;
+
+    /// The source's clock (epoch ms), for schedule-to-start checks and lease expiries.
+    fn now_ms(&self) -> u64;
+}
+
+/// The in-process source: the engine itself.
+#[derive(Clone)]
+pub struct EngineSource {
+    engine: Engine,
+}
+
+impl EngineSource {
+    /// A source over `engine`.
+    pub fn new(engine: Engine) -> Self {
+        EngineSource { engine }
+    }
+}
+
+#[async_trait]
+impl TaskSource for EngineSource {
+    async fn lease(
+        &self,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+        wait: Duration,
+    ) -> Result<Vec<LeasedTask>> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            // Listen before leasing, so an enqueue between an empty lease and the wait wakes us.
+            let ready = self.engine.tasks_ready();
+            tokio::pin!(ready);
+            ready.as_mut().enable();
+            let leased = self.engine.lease_tasks(filter, max, lease_ms).await?;
+            if !leased.is_empty() || tokio::time::Instant::now() >= deadline {
+                return Ok(leased);
+            }
+            tokio::select! {
+                _ = ready => {}
+                _ = tokio::time::sleep_until(deadline) => {}
+            }
+        }
+    }
+
+    async fn heartbeat(
+        &self,
+        lease: &Lease,
+        lease_ms: u64,
+        details: Option<JsonText>,
+    ) -> Result<u64> {
+        self.engine.heartbeat(lease, lease_ms, details).await
+    }
+
+    async fn record_progress(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+    ) -> Result<()> {
+        self.engine
+            .record_progress(lease, text_appended, thinking_appended)
+            .await
+    }
+
+    async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()> {
+        self.engine.report(lease, report).await
+    }
+
+    fn publish_delta(&self, delta: DeltaEvent) {
+        self.engine.publish_delta(delta);
+    }
+
+    fn cancellations(&self) -> Option<broadcast::Receiver<String>> {
+        Some(self.engine.subscribe_cancellations())
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.engine.now_ms()
+    }
+}
