@@ -7,7 +7,5 @@ pub use cairn_ledger as ledger;
 pub use cairn_runtime as runtime;
 pub use cairn_workers as workers;
 
-pub mod chaos;
 pub mod demo;
 pub mod host;
-pub mod powercut;

@@ -181,7 +181,7 @@ enum Command {
         turns: usize,
         /// The store engine.
         #[arg(long, default_value = "fjall")]
-        store: cairn::chaos::StoreEngine,
+        store: cairn_devtools::chaos::StoreEngine,
     },
     /// Check a store: every record decodes, histories are complete and replay, queued tasks
     /// match their sessions (exit 0 when clean, 1 on any problem).
@@ -439,7 +439,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             turns,
             store,
         } => {
-            cairn::chaos::run_chaos_child(&data, sessions, turns, store).await?;
+            cairn_devtools::chaos::run_chaos_child(&data, sessions, turns, store).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Fsck { data, repair } => {
@@ -906,7 +906,7 @@ async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         Some(seed) => seed,
         None => chaos_seed(),
     };
-    let config = cairn::chaos::ChaosConfig {
+    let config = cairn_devtools::chaos::ChaosConfig {
         data: data.clone(),
         sessions,
         turns_per_session: turns,
@@ -917,7 +917,7 @@ async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         power_cuts,
         check_each_fault: startup_kills + power_cuts > 0,
         store: engine,
-        ..cairn::chaos::ChaosConfig::new(&data, seed)
+        ..cairn_devtools::chaos::ChaosConfig::new(&data, seed)
     };
     let exe = std::env::current_exe().context("cannot find this executable")?;
     println!(
@@ -926,9 +926,10 @@ async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         kill_after_ms.1,
         data.display()
     );
-    let report = tokio::task::spawn_blocking(move || cairn::chaos::run_chaos(&config, &exe))
-        .await
-        .context("the chaos run panicked")??;
+    let report =
+        tokio::task::spawn_blocking(move || cairn_devtools::chaos::run_chaos(&config, &exe))
+            .await
+            .context("the chaos run panicked")??;
     println!("{report}");
     Ok(if report.passed() {
         ExitCode::SUCCESS

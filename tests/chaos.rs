@@ -3,13 +3,13 @@
 //! file) and is killed with SIGKILL at random moments, over 100 times; after each kill a new one
 //! resumes. Then every session must have completed, every ledger validate, every acknowledged
 //! event be present, every tool_use have exactly one recorded result, and the repeated tool runs
-//! be few and each carry its call's key. The protocol and the checks are in `cairn::chaos`.
+//! be few and each carry its call's key. The protocol and the checks are in `cairn_devtools::chaos`.
 //!
 //! The seed is printed; rerun a failure with `CAIRN_CHAOS_SEED=<seed>`; `CAIRN_CHAOS_KILLS`
 //! changes the number of kills (100). A failed run keeps its data directory and prints where.
 #![cfg(unix)]
 
-use cairn::chaos::{run_chaos, ChaosConfig};
+use cairn_devtools::chaos::{run_chaos, ChaosConfig};
 use std::path::Path;
 
 const SEED_ENV: &str = "CAIRN_CHAOS_SEED";
@@ -52,7 +52,7 @@ fn sessions_complete_and_keep_every_promise_across_random_sigkills() {
     }
 }
 
-fn check(report: &cairn::chaos::ChaosReport, kills: usize) -> Result<(), String> {
+fn check(report: &cairn_devtools::chaos::ChaosReport, kills: usize) -> Result<(), String> {
     if !report.passed() {
         return Err(format!("verification failed:\n{report}"));
     }

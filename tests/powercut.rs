@@ -1,10 +1,10 @@
 //! Power cuts and kills during startup: no fault, at any moment, may leave a store cairn cannot
 //! open or lose an acknowledged event.
 //!
-//! - The shim itself (`cairn::powercut`, C, built with `cc`; the test fails if it cannot be
+//! - The shim itself (`cairn_devtools::powercut`, C, built with `cc`; the test fails if it cannot be
 //!   built) is checked on a child process writing two files: unsynced bytes and names are lost
 //!   at the cut, synced ones are kept.
-//! - `power_cuts_lose_no_acknowledged_event`: the chaos child (`cairn::chaos`) runs under the
+//! - `power_cuts_lose_no_acknowledged_event`: the chaos child (`cairn_devtools::chaos`) runs under the
 //!   shim, which cuts the power of the store directory at a seeded operation, dropping every
 //!   write and name change not yet fsynced (all of them, or a random half; new names vanish or
 //!   stay). After each cut a copy of the store must open, hold every state the children
@@ -24,8 +24,8 @@
 //! its data directory and prints where.
 #![cfg(target_os = "linux")]
 
-use cairn::chaos::{run_chaos, ChaosConfig, ChaosReport};
-use cairn::powercut::{build_shim, Cut, FileFate, NameFate, CUT_EXIT_STATUS};
+use cairn_devtools::chaos::{run_chaos, ChaosConfig, ChaosReport};
+use cairn_devtools::powercut::{build_shim, Cut, FileFate, NameFate, CUT_EXIT_STATUS};
 use cairn_runtime::store::embedded::StorageEngine;
 use std::path::Path;
 use std::process::Command;

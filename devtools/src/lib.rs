@@ -1,0 +1,6 @@
+//! cairn's test tools, kept out of the facade library: the chaos test ([`chaos`]: kills,
+//! startup kills and power cuts of a `cairn chaos-child` process, then every check of the
+//! store) and the power-cut shim ([`powercut`]) it and the tests use.
+
+pub mod chaos;
+pub mod powercut;
