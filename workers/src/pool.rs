@@ -282,18 +282,8 @@ async fn run_task(
         lease_attempt = lease.lease_attempt
     );
     async {
-        // Schedule-to-start: an attempt that waited too long for a worker is not started.
-        if let Some(limit) = timeouts.schedule_to_start_ms {
-            let waited = engine.now_ms().saturating_sub(timeouts.due_at_ms);
-            if waited > limit {
-                let report = failure(
-                    ErrorClass::Timeout,
-                    format!("schedule-to-start timeout: started {waited} ms after it was due (limit {limit} ms)"),
-                );
-                finish(engine, &lease, report).await;
-                return;
-            }
-        }
+        // Schedule-to-start is the server's to enforce: the store never leases a task past
+        // its deadline, and the engine's timers record it. A worker's clock may be off.
         let token = CancellationToken::new();
         let id = {
             let mut running = lock(registry);
