@@ -1,5 +1,5 @@
 //! cairn's test tools, kept out of the facade library: the benchmark harness of `cairn bench`
-//! ([`bench`]), the chaos test ([`chaos`]: kills,
+//! ([`mod@bench`]), the chaos test ([`chaos`]: kills,
 //! startup kills and power cuts of a `cairn chaos-child` process, then every check of the
 //! store) and the power-cut shim ([`powercut`]) it and the tests use.
 

@@ -483,6 +483,8 @@ impl Engine {
     }
 
     /// Runs [`Engine::fire_timers`] every `every` until `stop` completes.
+    // The one place the engine waits on time: the timer loop of a server or host.
+    #[allow(clippy::disallowed_methods)]
     pub async fn run_timers(
         &self,
         every: std::time::Duration,

@@ -44,6 +44,9 @@ impl EventEnvelope {
 /// Everything that can happen to a session.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+// Events are built once per append and matched everywhere; boxing the one large variant would
+// cost every match for nothing measurable.
+#[allow(clippy::large_enum_variant)]
 pub enum Event {
     /// The session exists, with its model, tools and limits.
     SessionStarted(SessionStarted),

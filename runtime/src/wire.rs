@@ -207,6 +207,8 @@ pub struct HistoryPage {
 /// `event` message's `id` is its seq.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", content = "data", rename_all = "snake_case")]
+// Both variants are built to be sent at once; boxing would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum StreamEvent {
     /// A history event, exactly once per stream (also across reconnects with `Last-Event-ID`).
     Event(EventEnvelope),
