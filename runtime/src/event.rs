@@ -44,6 +44,9 @@ impl EventEnvelope {
 /// Everything that can happen to a session.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+// `session_started` is the largest by far (two retry policies, the queues), and it is one per
+// session: boxing it would change every match on the event for no measurable gain.
+#[allow(clippy::large_enum_variant)]
 pub enum Event {
     /// The session exists, with its model, tools and limits.
     SessionStarted(SessionStarted),

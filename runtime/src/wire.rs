@@ -207,6 +207,7 @@ pub struct HistoryPage {
 /// `event` message's `id` is its seq.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", content = "data", rename_all = "snake_case")]
+#[allow(clippy::large_enum_variant)] // most messages of a stream are events, the large variant
 pub enum StreamEvent {
     /// A history event, exactly once per stream (also across reconnects with `Last-Event-ID`).
     Event(EventEnvelope),
