@@ -226,6 +226,23 @@ async fn model_retries_and_tool_errors_are_recorded_and_the_model_sees_them() {
     host.shutdown().await;
 }
 
+/// A final text answer, as a scripted model gives it.
+fn text_answer(text: &str) -> cairn_ledger::ModelResponse {
+    cairn_ledger::ModelResponse {
+        provider: "scripted".into(),
+        model: "test".into(),
+        parts: vec![Part::text(text)],
+        stop_reason_raw: "end_turn".into(),
+        stop_reason: cairn_ledger::StopReason::EndTurn,
+        usage: cairn_ledger::Usage::default(),
+    }
+}
+
+/// A worker leases the model task and dies. Its lease lapses and the same attempt is never
+/// leased again: the engine's timers record it as a failed attempt (timeout) and the retry
+/// policy schedules attempt 2, which a live worker runs. The dead worker's late report is
+/// fenced off — `LeaseLost` while its attempt is still awaited, `StaleReport` once it was
+/// recorded as failed — and changes nothing.
 #[tokio::test]
 async fn an_expired_lease_runs_again_and_the_stale_completion_is_rejected() {
     let files = demo_files(cairn::demo::DEMO_SCRIPT);
@@ -243,30 +260,80 @@ async fn an_expired_lease_runs_again_and_the_stale_completion_is_rejected() {
         .await
         .unwrap();
     client.send(&session, "go").await.unwrap();
+    let any = TaskFilter::any();
     // A worker leases the model task and dies.
-    let dead = store
-        .lease_tasks(
-            clock.now_ms(),
-            1_000,
-            10,
-            &cairn_runtime::TaskFilter::default(),
-        )
-        .await
-        .unwrap();
+    let dead = engine.lease_tasks(&any, 10, 1_000).await.unwrap();
     assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].lease_attempt, 1);
-    // Nothing to lease while the lease holds.
-    assert!(store
-        .lease_tasks(
-            clock.now_ms(),
-            1_000,
-            10,
-            &cairn_runtime::TaskFilter::default()
-        )
+    assert_eq!(dead[0].lease.lease_attempt, 1);
+    assert!(matches!(
+        dead[0].input,
+        ActivityInput::Model { ref origin, .. } if origin.attempt == 1
+    ));
+    let dead = dead[0].lease.clone();
+    // Nothing to lease while the lease holds, and nothing once it lapsed.
+    assert!(engine
+        .lease_tasks(&any, 10, 1_000)
         .await
         .unwrap()
         .is_empty());
+    assert_eq!(engine.fire_timers().await.unwrap(), 0, "nothing is due yet");
     clock.advance(1_001);
+    assert!(
+        engine
+            .lease_tasks(&any, 10, 1_000)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a lapsed lease is not leased again"
+    );
+    // The dead worker comes back before the timers fired: its lease lapsed.
+    let before = client.history(&session).await.unwrap();
+    let err = engine
+        .report(&dead, ActivityReport::ModelCompleted(text_answer("late")))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::LeaseLost { .. }), "{err}");
+    assert_eq!(client.history(&session).await.unwrap(), before);
+
+    assert_eq!(engine.fire_timers().await.unwrap(), 1);
+    assert_eq!(engine.fire_timers().await.unwrap(), 0, "a timer fires once");
+    let history = client.history(&session).await.unwrap();
+    let now = clock.now_ms();
+    match &history[before.len()..] {
+        [failed, scheduled] => {
+            let Event::ModelCallFailed {
+                turn: 1,
+                round: 0,
+                attempt: 1,
+                failure,
+            } = &failed.event
+            else {
+                panic!("{failed:?}")
+            };
+            assert_eq!(failure.class, ErrorClass::Timeout);
+            assert!(
+                failure.message.contains("lease lapsed"),
+                "{}",
+                failure.message
+            );
+            assert_eq!(failure.heartbeat_details, None, "it never heartbeated");
+            assert!(
+                matches!(
+                    scheduled.event,
+                    Event::ModelCallScheduled { turn: 1, round: 0, attempt: 2, not_before_ms }
+                        if not_before_ms == now + 1_000
+                ),
+                "{scheduled:?}"
+            );
+        }
+        other => panic!("the timer records the failure and schedules the retry: {other:?}"),
+    }
+    assert_eq!(
+        store.list_tasks().await.unwrap().len(),
+        1,
+        "the lapsed task is dropped; the retry's is queued"
+    );
+    clock.advance(1_000);
     let pool = cairn_workers::WorkerPool::start(
         engine.clone(),
         cairn_workers::Activities {
@@ -284,17 +351,27 @@ async fn an_expired_lease_runs_again_and_the_stale_completion_is_rejected() {
         .unwrap();
     assert!(matches!(outcome, TurnOutcome::Completed { .. }));
     pool.shutdown().await;
-    // The dead worker comes back with its result: fenced off, history unchanged.
     let before = client.history(&session).await.unwrap();
-    let response = match &before[3].event {
-        Event::ModelCallCompleted { response, .. } => response.clone(),
-        other => panic!("{other:?}"),
-    };
+    let completions: Vec<u32> = before
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ModelCallCompleted {
+                round: 0, attempt, ..
+            } => Some(*attempt),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        completions,
+        [2],
+        "the first call is answered once, by attempt 2"
+    );
+    // The dead worker comes back again: its attempt is over.
     let err = engine
-        .report(&dead[0], ActivityReport::ModelCompleted(response))
+        .report(&dead, ActivityReport::ModelCompleted(text_answer("late")))
         .await
         .unwrap_err();
-    assert!(err.is_stale_report(), "{err}");
+    assert!(matches!(err, Error::StaleReport { .. }), "{err}");
     assert_eq!(client.history(&session).await.unwrap(), before);
     assert_replays(&client, &session).await;
 }
@@ -419,14 +496,7 @@ async fn shutdown_drains_running_activities() {
 #[tokio::test]
 async fn streamed_output_is_recorded_presentation_only_and_stale_output_is_rejected() {
     let files = demo_files(cairn::demo::DEMO_SCRIPT);
-    let answer = cairn_ledger::ModelResponse {
-        provider: "scripted".into(),
-        model: "test".into(),
-        parts: vec![Part::text("Hello, world.")],
-        stop_reason_raw: "end_turn".into(),
-        stop_reason: cairn_ledger::StopReason::EndTurn,
-        usage: cairn_ledger::Usage::default(),
-    };
+    let answer = text_answer("Hello, world.");
     // The same turn twice, each on its own store and frozen clock: with progress records, and
     // without.
     let mut sessions = Vec::new();
@@ -466,8 +536,21 @@ async fn streamed_output_is_recorded_presentation_only_and_stale_output_is_rejec
                 .await
                 .unwrap();
         }
-        // The first worker dies; the task is leased again and the attempt streams afresh.
+        // The first worker dies; its lease lapses, the timers record attempt 1 as failed, and
+        // attempt 2 (a new task) streams afresh after its backoff.
         clock.advance(1_001);
+        assert_eq!(engine.fire_timers().await.unwrap(), 1);
+        if with_progress {
+            let state = engine.state(&session).await.unwrap();
+            let history = client.history(&session).await.unwrap();
+            let cut = interrupted_output(&state, &history).unwrap();
+            assert_eq!(
+                (cut.attempt, cut.lease_attempt, cut.text.as_str()),
+                (1, 1, "Hello,"),
+                "what the lapsed attempt showed is what its retry replaces"
+            );
+        }
+        clock.advance(1_000);
         let second = store
             .lease_tasks(
                 clock.now_ms(),
@@ -477,7 +560,9 @@ async fn streamed_output_is_recorded_presentation_only_and_stale_output_is_rejec
             )
             .await
             .unwrap();
-        assert_eq!(second[0].lease_attempt, 2);
+        assert_eq!(second.len(), 1);
+        assert_ne!(second[0].id, first[0].id, "the retry is a new task");
+        assert_eq!(second[0].lease_attempt, 1);
         if with_progress {
             engine
                 .record_progress(&second[0], "Hello".into(), String::new())
@@ -488,14 +573,21 @@ async fn streamed_output_is_recorded_presentation_only_and_stale_output_is_rejec
             let cut = interrupted_output(&state, &history).unwrap();
             assert_eq!(
                 (cut.attempt, cut.lease_attempt, cut.text.as_str()),
-                (1, 2, "Hello")
+                (2, 1, "Hello")
             );
             let runs = streamed_outputs(&history, 1, 0);
             assert_eq!(
-                (runs[0].text.as_str(), runs[0].thinking.as_str()),
-                ("Hello,", "a greeting")
+                runs.iter()
+                    .map(|r| (
+                        r.attempt,
+                        r.lease_attempt,
+                        r.text.as_str(),
+                        r.thinking.as_str()
+                    ))
+                    .collect::<Vec<_>>(),
+                [(1, 1, "Hello,", "a greeting"), (2, 1, "Hello", "")]
             );
-            // The dead worker's late output: stale once the new lease recorded some.
+            // The dead worker's late output: stale, its attempt is over.
             let err = engine
                 .record_progress(&first[0], " late".into(), String::new())
                 .await

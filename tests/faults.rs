@@ -288,8 +288,9 @@ const TWO_TOOLS: &str = r#"{"responses": [
     {"parts": [{"type": "text", "text": "done"}]}
 ]}"#;
 
-/// A worker's report fails to append: the task stays queued under its lease, runs again once
-/// the lease lapses, and the turn completes with exactly one result per tool_use.
+/// A worker's report fails to append: the task stays queued under its lease. Once the lease
+/// lapses the engine's timers record the attempt as failed (timeout, "lease lapsed"), the retry
+/// runs the tool again, and the turn completes with exactly one result per tool_use.
 #[tokio::test]
 async fn a_report_that_fails_to_append_runs_again_after_the_lease_lapses() {
     let files = demo_files(TWO_TOOLS);
@@ -352,10 +353,49 @@ async fn a_report_that_fails_to_append_runs_again_after_the_lease_lapses() {
         .unwrap()
         .is_running());
 
+    let engine = client.engine().expect("in-process").clone();
+    assert_eq!(
+        engine.fire_timers().await.unwrap(),
+        0,
+        "nothing is overdue while the lease holds"
+    );
+    let lost = ["t1", "t2"]
+        .into_iter()
+        .find(|id| !done.iter().any(|d| d == id))
+        .expect("one tool_use is unanswered");
     clock.advance(10_001);
+    assert_eq!(
+        engine.fire_timers().await.unwrap(),
+        1,
+        "the lapsed lease is recorded"
+    );
+    let history = client.history("report").await.unwrap();
+    let failures: Vec<(String, u32, ActivityFailure)> = history
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ToolCallFailed {
+                tool_use_id,
+                attempt,
+                failure,
+                ..
+            } => Some((tool_use_id.clone(), *attempt, failure.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    let (failed_id, failed_attempt, failure) = &failures[0];
+    assert_eq!((failed_id.as_str(), *failed_attempt), (lost, 1));
+    assert_eq!(failure.class, ErrorClass::Timeout);
+    assert!(
+        failure.message.contains("lease lapsed"),
+        "{}",
+        failure.message
+    );
+    // The retry waits for its backoff (1 s by default).
+    clock.advance(1_000);
     let outcome = tokio::time::timeout(Duration::from_secs(10), client.wait_turn("report", 1))
         .await
-        .expect("the task runs again after its lease lapsed")
+        .expect("the tool runs again after its lease lapsed")
         .unwrap();
     assert_eq!(answer(&outcome), "done");
     let history = client.history("report").await.unwrap();
@@ -363,8 +403,17 @@ async fn a_report_that_fails_to_append_runs_again_after_the_lease_lapses() {
     done.sort();
     assert_eq!(done, ["t1", "t2"], "exactly one result per tool_use");
     for e in &history {
-        if let Event::ToolCallCompleted { attempt, .. } = &e.event {
-            assert_eq!(*attempt, 1, "a lost report is not a failed attempt");
+        if let Event::ToolCallCompleted {
+            tool_use_id,
+            attempt,
+            ..
+        } = &e.event
+        {
+            let want = if tool_use_id == lost { 2 } else { 1 };
+            assert_eq!(
+                *attempt, want,
+                "the lost report's tool_use is answered by its retry"
+            );
         }
     }
     assert_eq!(
@@ -372,7 +421,8 @@ async fn a_report_that_fails_to_append_runs_again_after_the_lease_lapses() {
             .iter()
             .filter(|e| matches!(e.event, Event::ToolCallFailed { .. }))
             .count(),
-        0
+        1,
+        "the lapsed attempt is the only failure"
     );
     let replayed = replay("report", &history).unwrap();
     assert_eq!(

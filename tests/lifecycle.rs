@@ -10,7 +10,7 @@ use cairn_activities::{
 };
 use cairn_ledger::*;
 use cairn_runtime::*;
-use cairn_workers::{Activities, ModelResolver, WorkerConfig};
+use cairn_workers::{Activities, ModelResolver, WorkerConfig, WorkerPool};
 use std::result::Result;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -373,6 +373,9 @@ async fn a_missed_heartbeat_fails_the_attempt_and_the_next_one_gets_the_details(
     host.shutdown().await;
 }
 
+/// An attempt no worker started before its schedule-to-start deadline is never handed out;
+/// the engine's timers record it as a timeout with no worker around at all, and the retry (with
+/// a deadline of its own) runs once a worker comes.
 #[tokio::test]
 async fn an_attempt_that_waited_too_long_for_a_worker_times_out_and_is_retried() {
     let clock = Arc::new(ManualClock::new(1_000_000));
@@ -385,8 +388,57 @@ async fn an_attempt_that_waited_too_long_for_a_worker_times_out_and_is_retried()
     o.model_retry.initial_interval_ms = 0;
     let session = client.start_session(o).await.unwrap();
     client.send(&session, "hello").await.unwrap();
-    // No worker for 5 s.
-    clock.advance(5_000);
+    let sent = clock.now_ms();
+    assert_eq!(
+        store.list_tasks().await.unwrap()[0].start_by_ms,
+        Some(sent + 1_000)
+    );
+    // No worker for 5 s. Nothing is due before the deadline.
+    clock.advance(999);
+    assert_eq!(engine.fire_timers().await.unwrap(), 0);
+    clock.advance(4_001);
+    assert!(
+        engine
+            .lease_tasks(&TaskFilter::any(), 10, 1_000)
+            .await
+            .unwrap()
+            .is_empty(),
+        "an attempt past its start deadline is not handed out"
+    );
+    let before = client.history(&session).await.unwrap().len();
+    assert_eq!(engine.fire_timers().await.unwrap(), 1);
+    let history = client.history(&session).await.unwrap();
+    let now = clock.now_ms();
+    match &history[before..] {
+        [failed, scheduled] => {
+            let Event::ModelCallFailed {
+                attempt: 1,
+                failure,
+                ..
+            } = &failed.event
+            else {
+                panic!("{failed:?}")
+            };
+            assert_eq!(failure.class, ErrorClass::Timeout);
+            assert!(
+                failure.message.contains("schedule-to-start timeout"),
+                "{}",
+                failure.message
+            );
+            assert!(
+                matches!(scheduled.event, Event::ModelCallScheduled { attempt: 2, not_before_ms, .. } if not_before_ms == now),
+                "{scheduled:?}"
+            );
+        }
+        other => panic!("the timer records the timeout and schedules the retry: {other:?}"),
+    }
+    let queued = store.list_tasks().await.unwrap();
+    assert_eq!(queued.len(), 1);
+    assert_eq!(
+        queued[0].start_by_ms,
+        Some(now + 1_000),
+        "the retry's own deadline"
+    );
     let pool = cairn_workers::WorkerPool::start(
         engine,
         Activities {
@@ -401,24 +453,669 @@ async fn an_attempt_that_waited_too_long_for_a_worker_times_out_and_is_retried()
         .unwrap();
     pool.shutdown().await;
     assert!(
+        matches!(outcome, TurnOutcome::Completed { ref answer, .. } if answer == "late but fine"),
+        "{outcome:?}"
+    );
+    let history = replays(&client, &session).await;
+    assert!(history
+        .iter()
+        .any(|e| matches!(e.event, Event::ModelCallCompleted { attempt: 2, .. })));
+}
+
+/// With no worker at all, start deadlines still fire: each attempt times out in turn and the
+/// turn fails after the policy's attempts.
+#[tokio::test]
+async fn with_no_worker_at_all_start_deadlines_fail_the_turn_after_its_attempts() {
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let engine = Engine::new(Arc::new(MemoryStore::new()), clock.clone());
+    let client = Client::new(engine.clone());
+    let mut o = options(&ToolRegistry::new(), "nobody");
+    o.model_retry.schedule_to_start_timeout_ms = Some(1_000);
+    o.model_retry.maximum_attempts = 2;
+    let session = client.start_session(o).await.unwrap();
+    let turn = client.send(&session, "anyone?").await.unwrap();
+    for _ in 0..2 {
+        // Past the backoff (at most 5 ms) and the deadline.
+        clock.advance(1_010);
+        assert_eq!(engine.fire_timers().await.unwrap(), 1);
+    }
+    let outcome = client.wait_turn(&session, turn).await.unwrap();
+    let TurnOutcome::Failed { reason, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(
+        reason.contains("after 2 attempt(s)") && reason.contains("schedule-to-start timeout"),
+        "{reason}"
+    );
+    assert!(engine.store().list_tasks().await.unwrap().is_empty());
+    clock.advance(100_000);
+    assert_eq!(
+        engine.fire_timers().await.unwrap(),
+        0,
+        "nothing is left to fire"
+    );
+    let history = replays(&client, &session).await;
+    assert_eq!(
+        history
+            .iter()
+            .filter(|e| matches!(&e.event, Event::ModelCallFailed { failure, .. } if failure.class == ErrorClass::Timeout))
+            .count(),
+        2
+    );
+}
+
+/// Each event's record bytes: what "the history did not change" compares.
+async fn history_bytes(client: &Client, session: &str) -> Vec<Vec<u8>> {
+    client
+        .history(session)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| cairn_runtime::codec::encode(e).unwrap())
+        .collect()
+}
+
+/// A worker leases a tool call, heartbeats its progress and dies. Its lease lapses; the timers
+/// record the attempt as failed (timeout, "lease lapsed") with the details it last sent, and
+/// the next attempt receives them and resumes from there. The dead worker's report is fenced
+/// off before the timers fire (`LeaseLost`) and after (`StaleReport`), changing no byte.
+#[tokio::test]
+async fn a_worker_that_dies_is_a_lapsed_attempt_and_the_next_one_gets_its_heartbeat_details() {
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(store.clone(), clock.clone());
+    let client = Client::new(engine.clone());
+    let attempts = Arc::new(AtomicU32::new(0));
+    let tools = ToolRegistry::new().with(Resumable {
+        attempts: attempts.clone(),
+    });
+    let session = client
+        .start_session(options(&tools, "dead-worker"))
+        .await
+        .unwrap();
+    let turn = client.send(&session, "go").await.unwrap();
+    let any = TaskFilter::any();
+    // The model call, by hand: it asks for the tool.
+    let leased = engine.lease_tasks(&any, 10, 1_000).await.unwrap();
+    assert_eq!(leased.len(), 1);
+    let tool_call = response(vec![Part::ToolUse(ToolUse {
+        id: "r1".into(),
+        name: "resumable".into(),
+        arguments: "{}".into(),
+        signature: None,
+    })]);
+    engine
+        .report(&leased[0].lease, ActivityReport::ModelCompleted(tool_call))
+        .await
+        .unwrap();
+    // A worker takes the tool call, heartbeats twice, and dies.
+    let leased = engine.lease_tasks(&any, 10, 1_000).await.unwrap();
+    assert_eq!(leased.len(), 1);
+    let dead = leased[0].lease.clone();
+    let ActivityInput::Tool {
+        origin,
+        heartbeat_details,
+        ..
+    } = &leased[0].input
+    else {
+        panic!("{:?}", leased[0].input)
+    };
+    assert_eq!((origin.attempt, heartbeat_details), (1, &None));
+    let rows = |n: u32| JsonText::parse(format!(r#"{{"rows":{n}}}"#)).unwrap();
+    engine
+        .heartbeat(&dead, 1_000, Some(rows(10)))
+        .await
+        .unwrap();
+    clock.advance(500);
+    engine.heartbeat(&dead, 1_000, None).await.unwrap();
+    clock.advance(400);
+    let expiry = engine
+        .heartbeat(&dead, 1_000, Some(rows(20)))
+        .await
+        .unwrap();
+    assert_eq!(expiry, clock.now_ms() + 1_000);
+    clock.advance(1_000);
+    assert!(
+        matches!(
+            engine.heartbeat(&dead, 1_000, Some(rows(30))).await,
+            Err(cairn_runtime::Error::LeaseLost { .. })
+        ),
+        "a heartbeat at the expiry finds the lease lapsed"
+    );
+    assert!(engine
+        .lease_tasks(&any, 10, 1_000)
+        .await
+        .unwrap()
+        .is_empty());
+    let done = ActivityReport::ToolCompleted {
+        content: ToolResultContent::Text("late".into()),
+        is_error: false,
+    };
+    let before = history_bytes(&client, &session).await;
+    let err = engine.report(&dead, done.clone()).await.unwrap_err();
+    assert!(
+        matches!(err, cairn_runtime::Error::LeaseLost { .. }),
+        "{err}"
+    );
+    assert_eq!(history_bytes(&client, &session).await, before);
+
+    assert_eq!(engine.fire_timers().await.unwrap(), 1);
+    let history = client.history(&session).await.unwrap();
+    let failure = history
+        .iter()
+        .find_map(|e| match &e.event {
+            Event::ToolCallFailed {
+                tool_use_id,
+                attempt: 1,
+                failure,
+                ..
+            } if tool_use_id == "r1" => Some(failure.clone()),
+            _ => None,
+        })
+        .expect("the lapsed attempt is recorded");
+    assert_eq!(failure.class, ErrorClass::Timeout);
+    assert!(
+        failure.message.contains("lease lapsed"),
+        "{}",
+        failure.message
+    );
+    assert_eq!(
+        failure.heartbeat_details,
+        Some(rows(20)),
+        "the details the dead attempt last sent"
+    );
+    let before = history_bytes(&client, &session).await;
+    let err = engine.report(&dead, done).await.unwrap_err();
+    assert!(
+        matches!(err, cairn_runtime::Error::StaleReport { .. }),
+        "{err}"
+    );
+    assert_eq!(history_bytes(&client, &session).await, before);
+
+    // The next attempt's input carries them (looked at without leasing it).
+    let queued = store.list_tasks().await.unwrap();
+    assert_eq!(queued.len(), 1);
+    let next = Lease {
+        id: queued[0].id.clone(),
+        kind: queued[0].kind,
+        lease_attempt: queued[0].lease_attempt,
+        expires_at_ms: queued[0].visible_at_ms,
+    };
+    let Some(ActivityInput::Tool {
+        origin,
+        heartbeat_details,
+        ..
+    }) = engine.activity(&next).await.unwrap()
+    else {
+        panic!("the retry is a tool call")
+    };
+    assert_eq!((origin.attempt, heartbeat_details), (2, Some(rows(20))));
+    // A live worker runs it; the tool resumes from them.
+    clock.advance(5);
+    let pool = cairn_workers::WorkerPool::start(
+        engine.clone(),
+        Activities {
+            models: Arc::new(Fixed(FnModel::new(vec![answer("finished")]))),
+            tools: Arc::new(tools),
+        },
+        workers(),
+    );
+    let outcome = tokio::time::timeout(Duration::from_secs(10), client.wait_turn(&session, turn))
+        .await
+        .unwrap()
+        .unwrap();
+    pool.shutdown().await;
+    assert!(
+        matches!(outcome, TurnOutcome::Completed { ref answer, .. } if answer == "finished"),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        attempts.load(Ordering::SeqCst),
+        1,
+        "only the live worker ran the tool"
+    );
+    let history = replays(&client, &session).await;
+    let results: Vec<(u32, ToolResultContent)> = history
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ToolCallCompleted {
+                attempt, content, ..
+            } => Some((*attempt, content.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        results,
+        [(
+            2,
+            ToolResultContent::Text(r#"resumed from {"rows":20}"#.into())
+        )]
+    );
+}
+
+/// A task that kills every worker that takes it is not leased again and again forever: each
+/// lapsed lease is a failed attempt, and after `maximum_attempts` the turn fails.
+#[tokio::test]
+async fn a_task_that_kills_its_worker_every_time_fails_the_turn_after_its_attempts() {
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(store.clone(), clock.clone());
+    let client = Client::new(engine.clone());
+    let mut o = options(&ToolRegistry::new(), "poison");
+    o.model_retry.maximum_attempts = 3;
+    let session = client.start_session(o).await.unwrap();
+    let turn = client.send(&session, "crash").await.unwrap();
+    let any = TaskFilter::any();
+    for attempt in 1..=3 {
+        // Past the previous attempt's backoff (at most 5 ms).
+        clock.advance(5);
+        let leased = engine.lease_tasks(&any, 10, 1_000).await.unwrap();
+        assert_eq!(leased.len(), 1, "attempt {attempt} is handed out once");
+        assert_eq!(
+            leased[0].lease.lease_attempt, 1,
+            "each attempt is a new task"
+        );
+        assert!(
+            matches!(&leased[0].input, ActivityInput::Model { origin, .. } if origin.attempt == attempt)
+        );
+        // Its worker dies: no renewal, no report.
+        clock.advance(1_000);
+        assert!(
+            engine
+                .lease_tasks(&any, 10, 1_000)
+                .await
+                .unwrap()
+                .is_empty(),
+            "attempt {attempt}'s lapsed lease is not handed out again"
+        );
+        assert_eq!(engine.fire_timers().await.unwrap(), 1);
+    }
+    let outcome = client.wait_turn(&session, turn).await.unwrap();
+    let TurnOutcome::Failed { reason, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(
+        reason.contains("after 3 attempt(s)") && reason.contains("lease lapsed"),
+        "{reason}"
+    );
+    assert!(store.list_tasks().await.unwrap().is_empty());
+    clock.advance(100_000);
+    assert!(engine
+        .lease_tasks(&any, 10, 1_000)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(engine.fire_timers().await.unwrap(), 0);
+    let history = replays(&client, &session).await;
+    let failed: Vec<u32> = history
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ModelCallFailed {
+                attempt, failure, ..
+            } if failure.class == ErrorClass::Timeout => Some(*attempt),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed, [1, 2, 3]);
+}
+
+/// The engine's timer loop (`run_timers`, as a host or server runs it) notices a dead worker
+/// by itself: a live pool then runs the retry, and nobody calls `fire_timers` by hand.
+#[tokio::test]
+async fn the_timer_loop_retries_a_dead_workers_attempt_by_itself() {
+    let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
+    let client = Client::new(engine.clone());
+    let session = client
+        .start_session(options(&ToolRegistry::new(), "timer-loop"))
+        .await
+        .unwrap();
+    let turn = client.send(&session, "go").await.unwrap();
+    // A worker takes the call for 50 ms and dies.
+    let dead = engine
+        .lease_tasks(&TaskFilter::any(), 10, 50)
+        .await
+        .unwrap();
+    assert_eq!(dead.len(), 1);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let timers = tokio::spawn({
+        let engine = engine.clone();
+        async move {
+            engine
+                .run_timers(Duration::from_millis(10), async {
+                    let _ = stopped.await;
+                })
+                .await
+        }
+    });
+    let pool = cairn_workers::WorkerPool::start(
+        engine.clone(),
+        Activities {
+            models: Arc::new(Fixed(FnModel::new(vec![answer("second try")]))),
+            tools: Arc::new(ToolRegistry::new()),
+        },
+        workers(),
+    );
+    let outcome = tokio::time::timeout(Duration::from_secs(10), client.wait_turn(&session, turn))
+        .await
+        .expect("the timers record the lapsed lease and the pool runs the retry")
+        .unwrap();
+    pool.shutdown().await;
+    let _ = stop.send(());
+    timers.await.unwrap();
+    assert!(
+        matches!(outcome, TurnOutcome::Completed { ref answer, .. } if answer == "second try"),
+        "{outcome:?}"
+    );
+    let history = replays(&client, &session).await;
+    assert!(history.iter().any(|e| matches!(
+        &e.event,
+        Event::ModelCallFailed { attempt: 1, failure, .. }
+            if failure.class == ErrorClass::Timeout && failure.message.contains("lease lapsed")
+    )));
+    assert!(history
+        .iter()
+        .any(|e| matches!(e.event, Event::ModelCallCompleted { attempt: 2, .. })));
+}
+
+/// A tool that answers with the name of the pool it runs in.
+struct Named {
+    name: &'static str,
+    pool: &'static str,
+}
+
+#[async_trait]
+impl Tool for Named {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec {
+            name: self.name.into(),
+            description: "says which pool ran it".into(),
+            input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
+        }
+    }
+    async fn call(
+        &self,
+        _call: &ToolCall,
+        _context: &ActivityContext,
+    ) -> cairn_activities::Result<ToolOutput> {
+        Ok(ToolOutput::text(self.pool))
+    }
+}
+
+/// A model that asks for `tools` (ids `c0`, `c1`, ...) in its first answer, then answers with
+/// the name of the pool it runs in.
+fn pool_model(pool: &'static str, tools: &'static [&'static str]) -> Arc<FnModel> {
+    let ask: ModelStep = Box::new(move |_, _| {
+        Ok(response(
+            tools
+                .iter()
+                .enumerate()
+                .map(|(i, name)| {
+                    Part::ToolUse(ToolUse {
+                        id: format!("c{i}"),
+                        name: (*name).into(),
+                        arguments: "{}".into(),
+                        signature: None,
+                    })
+                })
+                .collect(),
+        ))
+    });
+    FnModel::new(vec![ask, answer(&format!("answered in {pool}"))])
+}
+
+fn pool(
+    engine: &Engine,
+    model: Arc<FnModel>,
+    tools: ToolRegistry,
+    config: WorkerConfig,
+) -> WorkerPool {
+    cairn_workers::WorkerPool::start(
+        engine.clone(),
+        Activities {
+            models: Arc::new(Fixed(model)),
+            tools: Arc::new(tools),
+        },
+        config,
+    )
+}
+
+/// Every tool result of `session`: (tool_use id, attempt, content).
+fn tool_results(history: &[EventEnvelope]) -> Vec<(String, u32, ToolResultContent)> {
+    history
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ToolCallCompleted {
+                tool_use_id,
+                attempt,
+                content,
+                ..
+            } => Some((tool_use_id.clone(), *attempt, content.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Polls `check` every 5 ms until it holds (at most 10 s).
+async fn until<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !check().await {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("timed out waiting for {what}"));
+}
+
+/// Two pools on one engine, only one of which hosts the tool `where`: a pool that does not
+/// host it never leases its calls (even when it is the only pool, leasing the call scheduled
+/// with it), and every call of it runs on the pool that does.
+#[tokio::test]
+async fn only_a_pool_that_hosts_a_tool_runs_its_calls() {
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(store.clone(), Arc::new(SystemClock));
+    let client = Client::new(engine.clone());
+    let hosting = || {
+        ToolRegistry::new()
+            .with(Named {
+                name: "where",
+                pool: "hosting",
+            })
+            .with(Named {
+                name: "common",
+                pool: "hosting",
+            })
+    };
+    let session = client
+        .start_session(options(&hosting(), "routed-tool"))
+        .await
+        .unwrap();
+    let other = pool(
+        &engine,
+        pool_model("other", &["where", "common", "where"]),
+        ToolRegistry::new().with(Named {
+            name: "common",
+            pool: "other",
+        }),
+        workers(),
+    );
+    let turn = client.send(&session, "go").await.unwrap();
+    // The other pool runs the model and `common`, leased with the `where` calls beside it.
+    until("the other pool's result for common", || async {
+        !tool_results(&client.history(&session).await.unwrap()).is_empty()
+    })
+    .await;
+    let history = client.history(&session).await.unwrap();
+    assert_eq!(
+        tool_results(&history),
+        [("c1".to_owned(), 1, ToolResultContent::Text("other".into()))]
+    );
+    let waiting: Vec<(String, u32)> = store
+        .list_tasks()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.target, t.lease_attempt))
+        .collect();
+    assert_eq!(
+        waiting,
+        [("where".to_owned(), 0), ("where".to_owned(), 0)],
+        "the pool that does not host `where` never leased its calls"
+    );
+    let hosting_pool = pool(&engine, pool_model("hosting", &[]), hosting(), workers());
+    let outcome = tokio::time::timeout(Duration::from_secs(10), client.wait_turn(&session, turn))
+        .await
+        .unwrap()
+        .unwrap();
+    other.shutdown().await;
+    hosting_pool.shutdown().await;
+    assert!(
         matches!(outcome, TurnOutcome::Completed { .. }),
         "{outcome:?}"
     );
     let history = replays(&client, &session).await;
-    let failed = history.iter().find_map(|e| match &e.event {
-        Event::ModelCallFailed {
-            attempt: 1,
-            failure,
-            ..
-        } => Some(failure.clone()),
-        _ => None,
-    });
-    let failed = failed.expect("attempt 1 timed out");
-    assert_eq!(failed.class, ErrorClass::Timeout);
+    let mut results = tool_results(&history);
+    results.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        results,
+        [
+            (
+                "c0".to_owned(),
+                1,
+                ToolResultContent::Text("hosting".into())
+            ),
+            ("c1".to_owned(), 1, ToolResultContent::Text("other".into())),
+            (
+                "c2".to_owned(),
+                1,
+                ToolResultContent::Text("hosting".into())
+            ),
+        ],
+        "every `where` call ran on the hosting pool, once"
+    );
+    assert!(!history.iter().any(|e| e.kind == "tool_call_failed"));
+}
+
+/// A pool serving only the `gpu` queue gets only the tasks of sessions that route there, and a
+/// pool of the default queue never gets those.
+#[tokio::test]
+async fn a_pool_on_the_gpu_queue_gets_only_the_tasks_routed_there() {
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(store.clone(), Arc::new(SystemClock));
+    let client = Client::new(engine.clone());
+    let whoami = |pool: &'static str| {
+        ToolRegistry::new().with(Named {
+            name: "whoami",
+            pool,
+        })
+    };
+    let queues = |name: &str| Some(std::iter::once(name.to_owned()).collect());
+    let default_pool = pool(
+        &engine,
+        pool_model("default", &["whoami", "whoami"]),
+        whoami("default"),
+        WorkerConfig {
+            queues: queues(DEFAULT_QUEUE),
+            ..workers()
+        },
+    );
+    let mut o = options(&whoami("spec"), "route-gpu");
+    o.queues.tool = Some("gpu".into());
+    let gpu_session = client.start_session(o).await.unwrap();
+    let plain_session = client
+        .start_session(options(&whoami("spec"), "route-plain"))
+        .await
+        .unwrap();
+    // The gpu session's model call runs on the default queue; its tool calls wait for a gpu
+    // worker while the default pool runs two whole turns scheduled after them.
+    let gpu_turn = client.send(&gpu_session, "go").await.unwrap();
+    until("the gpu session's tool calls", || async {
+        client
+            .history(&gpu_session)
+            .await
+            .unwrap()
+            .iter()
+            .any(|e| e.kind == "tool_call_scheduled")
+    })
+    .await;
+    for text in ["first", "second"] {
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(10),
+            client.run_turn(&plain_session, text),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        assert!(
+            matches!(outcome, TurnOutcome::Completed { ref answer, .. } if answer == "answered in default"),
+            "{outcome:?}"
+        );
+    }
+    let waiting: Vec<(String, String, u32)> = store
+        .list_tasks()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.id.session_id, t.queue, t.lease_attempt))
+        .collect();
+    assert_eq!(
+        waiting,
+        [
+            ("route-gpu".to_owned(), "gpu".to_owned(), 0),
+            ("route-gpu".to_owned(), "gpu".to_owned(), 0)
+        ],
+        "the default pool never leased the gpu session's tool calls"
+    );
+    let gpu_pool = pool(
+        &engine,
+        pool_model("gpu", &["whoami", "whoami"]),
+        whoami("gpu"),
+        WorkerConfig {
+            queues: queues("gpu"),
+            ..workers()
+        },
+    );
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.wait_turn(&gpu_session, gpu_turn),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let outcome_again = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.run_turn(&plain_session, "third"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    default_pool.shutdown().await;
+    gpu_pool.shutdown().await;
     assert!(
-        failed.message.contains("schedule-to-start"),
-        "{}",
-        failed.message
+        matches!(outcome, TurnOutcome::Completed { ref answer, .. } if answer == "answered in default"),
+        "the gpu session's model calls stay on the default queue: {outcome:?}"
+    );
+    assert!(
+        matches!(outcome_again, TurnOutcome::Completed { .. }),
+        "{outcome_again:?}"
+    );
+    let gpu_history = replays(&client, &gpu_session).await;
+    let plain_history = replays(&client, &plain_session).await;
+    let pools = |history: &[EventEnvelope]| -> Vec<ToolResultContent> {
+        tool_results(history).into_iter().map(|r| r.2).collect()
+    };
+    assert_eq!(
+        pools(&gpu_history),
+        vec![ToolResultContent::Text("gpu".into()); 2],
+        "the gpu session's tools ran on the gpu pool"
+    );
+    assert_eq!(
+        pools(&plain_history),
+        vec![ToolResultContent::Text("default".into()); 2],
+        "the plain session's tools ran on the default pool"
     );
 }
 

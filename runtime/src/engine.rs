@@ -739,11 +739,12 @@ impl Engine {
 
     /// Finds every session with a turn in progress, loads it, and makes sure each of its
     /// outstanding activities has a queued task (they normally do: tasks are written with their
-    /// events). Expired leases need nothing here: leasing picks them up again.
+    /// events). Lapsed leases need nothing here: [`Engine::fire_timers`] records them as failed
+    /// attempts and the retry policy schedules the next.
     ///
     /// With `reclaim_leases`, first releases every lease in the store
     /// ([`Store::release_leases`]), so tasks leased by workers of a dead process run again at
-    /// once rather than when their leases lapse. Only for a store no other process can hold
+    /// once, as the same attempt, rather than fail as lapsed leases. Only for a store no other process can hold
     /// leases on (an embedded store the OS locks to this process, like sled); with a shared
     /// store pass `false` and let leases lapse.
     pub async fn resume(&self, reclaim_leases: bool) -> Result<ResumeReport> {

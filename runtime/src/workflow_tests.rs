@@ -947,15 +947,20 @@ fn stale_reports_get_their_own_error_and_change_nothing() {
     live.check_replay();
 }
 
-fn task(seq: u64, kind: TaskKind, visible_at_ms: u64) -> NewTask {
-    NewTask::new(
-        TaskId {
-            session_id: SID.into(),
-            scheduled_seq: seq,
-        },
-        kind,
-        visible_at_ms,
-    )
+/// The task a session with default queues and no schedule-to-start limit enqueues: on the
+/// default queue, for a worker hosting `target` (the tool, or the model's provider).
+fn task(seq: u64, kind: TaskKind, visible_at_ms: u64, target: &str) -> NewTask {
+    NewTask {
+        target: target.into(),
+        ..NewTask::new(
+            TaskId {
+                session_id: SID.into(),
+                scheduled_seq: seq,
+            },
+            kind,
+            visible_at_ms,
+        )
+    }
 }
 
 #[test]
@@ -965,7 +970,7 @@ fn step_returns_the_tasks_and_the_outcome_of_a_turn_with_two_parallel_tools() {
     let t = live.step(user(1, "what is (17+25)*3?"));
     assert_eq!(t.events.iter().map(|e| e.seq).collect::<Vec<_>>(), [2, 3]);
     assert!(t.events.iter().all(|e| e.recorded_at_ms == live.now));
-    assert_eq!(t.enqueue, [task(3, TaskKind::Model, live.now)]);
+    assert_eq!(t.enqueue, [task(3, TaskKind::Model, live.now, "scripted")]);
     assert!(t.cancel.is_empty() && t.outcome.is_none());
     // seq 4: the answer with two calls; seqs 5 and 6 schedule them, in declaration order.
     let t = live.step(model_done(
@@ -989,8 +994,8 @@ fn step_returns_the_tasks_and_the_outcome_of_a_turn_with_two_parallel_tools() {
     assert_eq!(
         t.enqueue,
         [
-            task(5, TaskKind::Tool, live.now),
-            task(6, TaskKind::Tool, live.now)
+            task(5, TaskKind::Tool, live.now, "calculator"),
+            task(6, TaskKind::Tool, live.now, "read_file")
         ]
     );
     // The reported model task is completed by its report, not cancelled.
@@ -1003,7 +1008,7 @@ fn step_returns_the_tasks_and_the_outcome_of_a_turn_with_two_parallel_tools() {
     // The last result: the next model call (seq 9 is scheduled by seq 8).
     let t = live.step(tool_done(1, "t1", 1, r#"{"value":126}"#));
     assert_eq!(t.events.len(), 2);
-    assert_eq!(t.enqueue, [task(9, TaskKind::Model, live.now)]);
+    assert_eq!(t.enqueue, [task(9, TaskKind::Model, live.now, "scripted")]);
     assert!(t.cancel.is_empty() && t.outcome.is_none());
     // The answer ends the turn: no task, and the outcome.
     let t = live.step(model_done(
@@ -1025,6 +1030,114 @@ fn step_returns_the_tasks_and_the_outcome_of_a_turn_with_two_parallel_tools() {
             answer: "It is 126.".into()
         })
     );
+    live.check_replay();
+}
+
+#[test]
+fn step_routes_tasks_on_the_session_queues_with_targets_and_start_deadlines() {
+    let mut started = started(8);
+    started.queues = Queues {
+        model: Some("llm".into()),
+        tool: Some("gpu".into()),
+    };
+    started.model_retry.schedule_to_start_timeout_ms = Some(2_000);
+    started.tool_retry.schedule_to_start_timeout_ms = Some(500);
+    let mut live = Live::new(started);
+    let routed =
+        |seq: u64, kind, visible_at_ms: u64, queue: &str, target: &str, limit: u64| NewTask {
+            queue: queue.into(),
+            start_by_ms: Some(visible_at_ms + limit),
+            ..task(seq, kind, visible_at_ms, target)
+        };
+    // seq 3: the model call, on the model queue, for a worker hosting the "scripted" provider,
+    // to be started within the model policy's 2 s.
+    let t = live.step(user(1, "go"));
+    assert_eq!(
+        t.enqueue,
+        [routed(
+            3,
+            TaskKind::Model,
+            live.now,
+            "llm",
+            "scripted",
+            2_000
+        )]
+    );
+    assert_eq!(
+        live.state.queued_task(3),
+        Some(t.enqueue[0].clone()),
+        "resume puts back the task the step enqueued"
+    );
+    // seq 5: the tool call, on the tool queue, for a worker hosting "calculator".
+    let t = live.step(model_done(
+        1,
+        0,
+        1,
+        response(
+            vec![tool_use("t1", "calculator", r#"{"expression":"1+1"}"#)],
+            StopReason::ToolUse,
+        ),
+    ));
+    assert_eq!(
+        t.enqueue,
+        [routed(
+            5,
+            TaskKind::Tool,
+            live.now,
+            "gpu",
+            "calculator",
+            500
+        )]
+    );
+    assert_eq!(live.state.queued_task(5), Some(t.enqueue[0].clone()));
+    assert_eq!(
+        live.state.queued_task(3),
+        None,
+        "the model call is answered"
+    );
+    // A timed-out attempt: the retry waits for its backoff, and its start deadline counts
+    // from when it is due, not from when it was scheduled.
+    let mut timeout = failed(ErrorClass::Timeout);
+    timeout.message = "lease lapsed".into();
+    let t = live.step(Event::ToolCallFailed {
+        turn: 1,
+        tool_use_id: "t1".into(),
+        attempt: 1,
+        failure: timeout,
+    });
+    let due = live.now + 1_000;
+    assert_eq!(
+        t.enqueue,
+        [routed(7, TaskKind::Tool, due, "gpu", "calculator", 500)]
+    );
+    assert_eq!(live.state.queued_task(5), None, "attempt 1 is over");
+    assert_eq!(live.state.queued_task(7), Some(t.enqueue[0].clone()));
+    live.input(tool_done(1, "t1", 2, "2"));
+    live.input(model_done(
+        1,
+        1,
+        1,
+        response(vec![text("2")], StopReason::EndTurn),
+    ));
+    // A turn on another model: its calls need a worker hosting that model's provider.
+    let t = live.step(Event::UserMessage {
+        turn: 2,
+        text: "again".into(),
+        model: Some(ModelSpec::parse("anthropic:claude-test").unwrap()),
+    });
+    let seq = t.events[1].seq;
+    assert_eq!(
+        t.enqueue,
+        [routed(
+            seq,
+            TaskKind::Model,
+            live.now,
+            "llm",
+            "anthropic",
+            2_000
+        )]
+    );
+    assert_eq!(live.state.queued_task(seq), Some(t.enqueue[0].clone()));
     live.check_replay();
 }
 

@@ -26,11 +26,11 @@ use tracing::{debug, info, info_span, warn, Instrument};
 pub struct WorkerConfig {
     /// Activities run at once at most.
     pub concurrency: usize,
-    /// Lease length; a running activity renews it every third of it (heartbeat). A crashed
-    /// worker's tasks become leasable again this long after its last renewal.
+    /// Lease length; a running activity renews it every third of it (heartbeat). This long
+    /// after a crashed worker's last renewal its leases lapse, and the engine's timers record
+    /// those attempts as failed, so their retries run.
     pub lease_ms: u64,
-    /// How often to look for due tasks when not woken (catches retry backoffs and expired
-    /// leases of other workers).
+    /// How often to look for due tasks when not woken (catches retries whose backoff ended).
     pub poll_interval_ms: u64,
     /// How often at most a streaming model attempt records what it streamed since its
     /// previous record (a `model_attempt_progress` event), so output a person already saw

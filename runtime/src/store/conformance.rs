@@ -10,11 +10,13 @@
 
 use super::TaskKind;
 use super::{
-    AppendRequest, Lease, NewTask, SessionInfo, SessionStatus, Store, Task, TaskFilter, TaskId,
+    AppendRequest, Lease, NewTask, Overdue, SessionInfo, SessionStatus, Store, Task, TaskFilter,
+    TaskId,
 };
 use crate::error::Error;
 use crate::event::{ErrorClass, Event, EventEnvelope};
-use std::collections::BTreeMap;
+use cairn_ledger::JsonText;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 /// Runs every check, each on a store from `fresh`. With `reopen` (a function that drops a store
@@ -41,6 +43,10 @@ pub async fn run_all<S: Store>(
     cancel_removes_tasks(&fresh()).await;
     extend_lease(&fresh()).await;
     release_leases_keeps_attempts(&fresh()).await;
+    lease_filters_by_queue_target_session_and_namespace(&fresh()).await;
+    overdue_tasks_are_listed_and_never_leased(&fresh()).await;
+    heartbeat_details_are_kept_until_the_next_lease(&fresh()).await;
+    released_tasks_are_leased_again_and_not_overdue(&fresh()).await;
     concurrent_appends(Arc::new(fresh())).await;
     if let Some(reopen) = reopen {
         reopen_keeps_everything(fresh(), reopen).await;
@@ -91,6 +97,22 @@ fn new_task(id: &TaskId, kind: TaskKind, visible_at_ms: u64) -> NewTask {
     NewTask::new(id.clone(), kind, visible_at_ms)
 }
 
+fn routed_task(
+    id: &TaskId,
+    kind: TaskKind,
+    visible_at_ms: u64,
+    queue: &str,
+    target: &str,
+    start_by_ms: Option<u64>,
+) -> NewTask {
+    NewTask {
+        queue: queue.to_owned(),
+        target: target.to_owned(),
+        start_by_ms,
+        ..NewTask::new(id.clone(), kind, visible_at_ms)
+    }
+}
+
 /// The fields of a task record that these checks leave at their new-task values.
 fn unleased() -> Task {
     Task::queued(&NewTask::new(
@@ -132,12 +154,50 @@ async fn tasks(store: &dyn Store) -> Vec<Task> {
 }
 
 async fn lease(store: &dyn Store, now_ms: u64, lease_ms: u64, max: usize) -> Vec<Lease> {
+    lease_where(store, now_ms, lease_ms, max, &TaskFilter::any()).await
+}
+
+async fn lease_where(
+    store: &dyn Store,
+    now_ms: u64,
+    lease_ms: u64,
+    max: usize,
+    filter: &TaskFilter,
+) -> Vec<Lease> {
     store
-        .lease_tasks(now_ms, lease_ms, max, &TaskFilter::default())
+        .lease_tasks(now_ms, lease_ms, max, filter)
         .await
         .unwrap_or_else(|e| {
-            panic!("lease_tasks({now_ms}, {lease_ms}, {max}) must succeed, got {e:?}")
+            panic!("lease_tasks({now_ms}, {lease_ms}, {max}, {filter:?}) must succeed, got {e:?}")
         })
+}
+
+async fn overdue(store: &dyn Store, now_ms: u64, max: usize) -> Vec<Task> {
+    store
+        .overdue_tasks(now_ms, max)
+        .await
+        .unwrap_or_else(|e| panic!("overdue_tasks({now_ms}, {max}) must succeed, got {e:?}"))
+}
+
+/// The ids of `tasks` with why each is overdue at `now_ms`.
+fn overdue_ids(tasks: &[Task], now_ms: u64) -> Vec<(TaskId, Option<Overdue>)> {
+    tasks
+        .iter()
+        .map(|t| (t.id.clone(), t.overdue(now_ms)))
+        .collect()
+}
+
+/// `(id, visible_at_ms, lease_attempt, held)` of every queued task, ordered by id.
+async fn lease_states(store: &dyn Store) -> Vec<(TaskId, u64, u32, bool)> {
+    tasks(store)
+        .await
+        .into_iter()
+        .map(|t| (t.id, t.visible_at_ms, t.lease_attempt, t.held))
+        .collect()
+}
+
+fn json(text: &str) -> JsonText {
+    JsonText::parse(text).unwrap_or_else(|e| panic!("{text:?} is not JSON: {e}"))
 }
 
 fn lease_ids(leases: &[Lease]) -> Vec<(TaskId, u32, u64)> {
@@ -499,7 +559,9 @@ fn large_events_fixture() -> Vec<(String, Vec<EventEnvelope>)> {
 }
 
 /// Tasks lease oldest first, not before `visible_at_ms`, at most `max`; a lease bumps the
-/// attempt and hides the task until it expires, after which it leases again.
+/// attempt, marks the task held and hides it until it expires. A lease that expires while held
+/// has lapsed: the task is never leased again (its worker died; the engine records the attempt
+/// as failed), and `overdue_tasks` lists it.
 pub async fn enqueue_and_lease(store: &dyn Store) {
     let s = "lease";
     let (t1, t2, t3) = (task_id(s, 1), task_id(s, 2), task_id(s, 3));
@@ -564,27 +626,53 @@ pub async fn enqueue_and_lease(store: &dyn Store) {
         "leases hide tasks until expiry"
     );
     assert_eq!(
-        tasks(store)
-            .await
-            .iter()
-            .map(|t| (t.visible_at_ms, t.lease_attempt))
-            .collect::<Vec<_>>(),
-        vec![(1_100, 1), (1_100, 1), (2_000, 0)],
-        "a leased task's visible_at is its lease expiry"
+        lease_states(store).await,
+        vec![
+            (t1.clone(), 1_100, 1, true),
+            (t2.clone(), 1_100, 1, true),
+            (t3.clone(), 2_000, 0, false)
+        ],
+        "a leased task is held, its visible_at is its lease expiry; t3 is not leased"
     );
     assert_eq!(
-        lease_ids(&lease(store, 1_100, 50, 10).await),
-        vec![(t1.clone(), 2, 1_150), (t2.clone(), 2, 1_150)],
-        "expired leases lease again with attempt + 1; equal times order by id"
+        overdue(store, 1_099, 10).await,
+        vec![],
+        "nothing is overdue while the leases hold"
+    );
+    assert_eq!(
+        lease(store, 1_100, 50, 10).await,
+        vec![],
+        "lapsed leases (held past their expiry) are never leased again"
+    );
+    assert_eq!(
+        overdue_ids(&overdue(store, 1_100, 10).await, 1_100),
+        vec![
+            (t1.clone(), Some(Overdue::LeaseLapsed)),
+            (t2.clone(), Some(Overdue::LeaseLapsed))
+        ],
+        "lapsed leases are overdue at their expiry; equal times order by id"
     );
     assert_eq!(
         lease_ids(&lease(store, 5_000, 10, 10).await),
+        vec![(t3.clone(), 1, 5_010)],
+        "only t3, never leased, leases once visible; t1 and t2 stay lapsed"
+    );
+    assert_eq!(
+        lease_states(store).await,
         vec![
-            (t1.clone(), 3, 5_010),
-            (t2.clone(), 3, 5_010),
-            (t3.clone(), 1, 5_010)
+            (t1.clone(), 1_100, 1, true),
+            (t2.clone(), 1_100, 1, true),
+            (t3.clone(), 5_010, 1, true)
         ],
-        "oldest first: t1 and t2 (1150) before t3 (2000)"
+        "lapsed tasks keep their lease attempt and expiry until the engine drops them"
+    );
+    assert_eq!(
+        overdue_ids(&overdue(store, 5_000, 10).await, 5_000),
+        vec![
+            (t1.clone(), Some(Overdue::LeaseLapsed)),
+            (t2.clone(), Some(Overdue::LeaseLapsed))
+        ],
+        "t3's current lease is not overdue"
     );
 }
 
@@ -676,9 +764,14 @@ pub async fn complete_with_stale_attempt_writes_nothing(store: &dyn Store) {
         vec![(t.clone(), 1, 110)]
     );
     assert_eq!(
+        store.release_leases(50).await.ok(),
+        Some(1),
+        "releasing the lease of attempt 1"
+    );
+    assert_eq!(
         lease_ids(&lease(store, 200, 100, 10).await),
         vec![(t.clone(), 2, 300)],
-        "the expired lease is re-leased as attempt 2"
+        "the released task is leased again as attempt 2"
     );
 
     let mut request = append_request(s, 2, vec![message(s, 2, "late result")], 250);
@@ -707,6 +800,7 @@ pub async fn complete_with_stale_attempt_writes_nothing(store: &dyn Store) {
             kind: TaskKind::Tool,
             visible_at_ms: 300,
             lease_attempt: 2,
+            held: true,
             ..unleased()
         }],
         "a LeaseLost append must neither enqueue nor cancel"
@@ -810,7 +904,8 @@ pub async fn cancel_removes_tasks(store: &dyn Store) {
 }
 
 /// `extend_lease` moves the expiry of a current lease, and is `LeaseLost` for a stale attempt,
-/// an expired lease or a task that is gone.
+/// an expired lease or a task that is gone. A lease that was not extended in time lapses: it
+/// is not leased again but listed by `overdue_tasks`.
 pub async fn extend_lease(store: &dyn Store) {
     let s = "extend";
     let t = task_id(s, 1);
@@ -856,13 +951,25 @@ pub async fn extend_lease(store: &dyn Store) {
         "extending at the expiry is LeaseLost"
     );
     assert_eq!(
-        tasks(store).await[0].visible_at_ms,
-        150,
+        lease_states(store).await,
+        vec![(t.clone(), 150, 1, true)],
         "failed extensions change nothing"
     );
     assert_eq!(
+        lease(store, 150, 100, 10).await,
+        vec![],
+        "a lease that lapsed at its extended expiry is not leased again"
+    );
+    assert_eq!(
+        overdue_ids(&overdue(store, 150, 10).await, 150),
+        vec![(t.clone(), Some(Overdue::LeaseLapsed))],
+        "the lapsed lease is overdue"
+    );
+    assert_eq!(store.release_leases(150).await.ok(), Some(1));
+    assert_eq!(
         lease_ids(&lease(store, 150, 100, 10).await),
-        vec![(t.clone(), 2, 250)]
+        vec![(t.clone(), 2, 250)],
+        "once released, the task leases again with attempt 2"
     );
     assert!(
         matches!(
@@ -889,6 +996,468 @@ pub async fn extend_lease(store: &dyn Store) {
             Err(Error::LeaseLost { .. })
         ),
         "extending an unknown task is LeaseLost"
+    );
+}
+
+/// `lease_tasks` leases only what the filter accepts — the worker's queues, the tools and model
+/// providers it hosts (an empty target is anything), its sessions, its namespace (`Some("")`:
+/// ids without a `:`; `Some("acme")`: ids `acme:...`) — and `max` counts only accepted tasks:
+/// tasks it refuses neither block the ones behind them nor change.
+pub async fn lease_filters_by_queue_target_session_and_namespace(store: &dyn Store) {
+    let set = |names: &[&str]| {
+        Some(
+            names
+                .iter()
+                .map(|n| (*n).to_owned())
+                .collect::<BTreeSet<_>>(),
+        )
+    };
+    // (session, seq, kind, visible at, queue, target)
+    let fixture: [(&str, u64, TaskKind, u64, &str, &str); 7] = [
+        ("plain", 1, TaskKind::Model, 10, "default", "scripted"),
+        ("plain", 2, TaskKind::Tool, 20, "default", "calculator"),
+        ("acme:one", 1, TaskKind::Tool, 30, "gpu", "read_file"),
+        ("acme:one", 2, TaskKind::Model, 40, "gpu", "anthropic"),
+        ("acme:two", 1, TaskKind::Tool, 50, "default", ""),
+        ("acmeco:three", 1, TaskKind::Model, 60, "default", ""),
+        ("other:four", 1, TaskKind::Tool, 70, "gpu", "calculator"),
+    ];
+    let ids: Vec<TaskId> = fixture.iter().map(|f| task_id(f.0, f.1)).collect();
+    for session in [
+        "plain",
+        "acme:one",
+        "acme:two",
+        "acmeco:three",
+        "other:four",
+    ] {
+        let enqueue: Vec<NewTask> = fixture
+            .iter()
+            .filter(|f| f.0 == session)
+            .map(|f| routed_task(&task_id(f.0, f.1), f.2, f.3, f.4, f.5, None))
+            .collect();
+        let mut request = append_request(
+            session,
+            1,
+            (1..=enqueue.len() as u64)
+                .map(|seq| message(session, seq, "x"))
+                .collect(),
+            1,
+        );
+        request.enqueue = enqueue;
+        must_append(store, request, "enqueueing routed tasks").await;
+    }
+    let gpu = TaskFilter {
+        queues: set(&["gpu"]),
+        ..TaskFilter::any()
+    };
+    assert_eq!(
+        lease_ids(&lease_where(store, 100, 100, 1, &gpu).await),
+        vec![(ids[2].clone(), 1, 200)],
+        "max 1 on the gpu queue leases the oldest gpu task, passing the older default ones"
+    );
+    assert_eq!(store.release_leases(100).await.ok(), Some(1));
+    let mut leased = vec![0u32, 0, 1, 0, 0, 0, 0];
+    let cases: Vec<(&str, TaskFilter, Vec<usize>)> = vec![
+        ("any", TaskFilter::any(), vec![0, 1, 2, 3, 4, 5, 6]),
+        ("gpu queue", gpu.clone(), vec![2, 3, 6]),
+        (
+            "both queues",
+            TaskFilter {
+                queues: set(&["default", "gpu"]),
+                ..TaskFilter::any()
+            },
+            vec![0, 1, 2, 3, 4, 5, 6],
+        ),
+        (
+            "no queue",
+            TaskFilter {
+                queues: set(&[]),
+                ..TaskFilter::any()
+            },
+            vec![],
+        ),
+        (
+            "a queue nobody uses",
+            TaskFilter {
+                queues: set(&["cpu"]),
+                ..TaskFilter::any()
+            },
+            vec![],
+        ),
+        (
+            "calculator, any provider",
+            TaskFilter {
+                tools: set(&["calculator"]),
+                ..TaskFilter::any()
+            },
+            vec![0, 1, 3, 4, 5, 6],
+        ),
+        (
+            "no tools, no providers: untargeted tasks only",
+            TaskFilter {
+                tools: set(&[]),
+                providers: set(&[]),
+                ..TaskFilter::any()
+            },
+            vec![4, 5],
+        ),
+        (
+            "scripted, no tools",
+            TaskFilter {
+                tools: set(&[]),
+                providers: set(&["scripted"]),
+                ..TaskFilter::any()
+            },
+            vec![0, 4, 5],
+        ),
+        (
+            "two sessions",
+            TaskFilter {
+                sessions: set(&["plain", "other:four"]),
+                ..TaskFilter::any()
+            },
+            vec![0, 1, 6],
+        ),
+        (
+            "the default namespace",
+            TaskFilter {
+                namespace: Some(String::new()),
+                ..TaskFilter::any()
+            },
+            vec![0, 1],
+        ),
+        (
+            "namespace acme (not acmeco)",
+            TaskFilter {
+                namespace: Some("acme".to_owned()),
+                ..TaskFilter::any()
+            },
+            vec![2, 3, 4],
+        ),
+        (
+            "gpu, anthropic, no tools",
+            TaskFilter {
+                queues: set(&["gpu"]),
+                tools: set(&[]),
+                providers: set(&["anthropic"]),
+                ..TaskFilter::any()
+            },
+            vec![3],
+        ),
+        (
+            "namespace other, calculator",
+            TaskFilter {
+                tools: set(&["calculator"]),
+                namespace: Some("other".to_owned()),
+                ..TaskFilter::any()
+            },
+            vec![6],
+        ),
+    ];
+    let mut now = 1_000;
+    for (what, filter, accepted) in cases {
+        now += 1_000;
+        let mut got: Vec<TaskId> = lease_where(store, now, 100, 10, &filter)
+            .await
+            .into_iter()
+            .map(|l| {
+                assert_eq!(l.expires_at_ms, now + 100, "{what}: the lease's expiry");
+                l.id
+            })
+            .collect();
+        got.sort();
+        let mut want: Vec<TaskId> = accepted.iter().map(|i| ids[*i].clone()).collect();
+        want.sort();
+        assert_eq!(
+            got, want,
+            "filter {what:?} ({filter:?}) leases exactly these"
+        );
+        for i in &accepted {
+            leased[*i] += 1;
+        }
+        assert_eq!(
+            store.release_leases(now).await.ok(),
+            Some(accepted.len()),
+            "{what}: releasing what it leased"
+        );
+        let attempts: Vec<u32> = tasks(store)
+            .await
+            .into_iter()
+            .map(|t| {
+                let i = ids.iter().position(|id| *id == t.id).unwrap_or_else(|| {
+                    panic!("{what}: an unexpected task {t:?}");
+                });
+                assert!(!t.held, "{what}: released tasks are not held");
+                assert_eq!(
+                    (t.queue.as_str(), t.target.as_str()),
+                    (fixture[i].4, fixture[i].5),
+                    "{what}: leasing keeps the routing of {}",
+                    t.id
+                );
+                (i, t.lease_attempt)
+            })
+            .collect::<BTreeMap<_, _>>()
+            .into_values()
+            .collect();
+        assert_eq!(
+            attempts, leased,
+            "{what}: only accepted tasks were leased (lease attempts by fixture index)"
+        );
+    }
+}
+
+/// A task is overdue when its lease lapsed (held past its expiry) or when it was never leased
+/// and its schedule-to-start deadline came. `overdue_tasks` lists them oldest first (by
+/// visibility time), at most `max`, and changes nothing; `lease_tasks` never hands them out.
+/// A task leased before its deadline is not overdue while its lease holds; dropping an overdue
+/// task (as the engine does when it records the failed attempt) ends it.
+pub async fn overdue_tasks_are_listed_and_never_leased(store: &dyn Store) {
+    let s = "overdue";
+    let (a, b, c, d) = (task_id(s, 1), task_id(s, 2), task_id(s, 3), task_id(s, 4));
+    let mut request = append_request(s, 1, (1..=4).map(|seq| message(s, seq, "x")).collect(), 10);
+    request.enqueue = vec![
+        routed_task(&a, TaskKind::Tool, 0, "default", "", None),
+        routed_task(&b, TaskKind::Model, 0, "slow", "", Some(500)),
+        routed_task(&c, TaskKind::Tool, 0, "slow", "", Some(1_000)),
+        routed_task(&d, TaskKind::Tool, 2_000, "default", "", Some(2_500)),
+    ];
+    must_append(store, request, "enqueueing four tasks").await;
+    let default_queue = TaskFilter {
+        queues: Some(BTreeSet::from([super::DEFAULT_QUEUE.to_owned()])),
+        ..TaskFilter::any()
+    };
+    assert_eq!(
+        lease_ids(&lease_where(store, 100, 100, 10, &default_queue).await),
+        vec![(a.clone(), 1, 200)]
+    );
+    assert_eq!(
+        overdue(store, 199, 10).await,
+        vec![],
+        "nothing is overdue before a lease expires or a deadline comes"
+    );
+    assert_eq!(
+        overdue_ids(&overdue(store, 200, 10).await, 200),
+        vec![(a.clone(), Some(Overdue::LeaseLapsed))],
+        "a's lease lapsed at its expiry"
+    );
+    assert_eq!(
+        lease_where(store, 200, 100, 10, &default_queue).await,
+        vec![],
+        "a lapsed lease is not leased again"
+    );
+    let listed = overdue(store, 500, 10).await;
+    assert_eq!(
+        overdue_ids(&listed, 500),
+        vec![
+            (b.clone(), Some(Overdue::NotStarted)),
+            (a.clone(), Some(Overdue::LeaseLapsed))
+        ],
+        "b, never leased, is overdue at its start deadline; oldest first (b visible at 0, a at 200)"
+    );
+    assert_eq!(
+        listed[0],
+        Task::queued(&routed_task(&b, TaskKind::Model, 0, "slow", "", Some(500))),
+        "an overdue task is listed as stored"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 900, 1_000, 10).await),
+        vec![(c.clone(), 1, 1_900)],
+        "only c is leased: b is past its deadline, a lapsed, d not visible yet"
+    );
+    assert_eq!(
+        overdue_ids(&overdue(store, 1_500, 10).await, 1_500),
+        vec![
+            (b.clone(), Some(Overdue::NotStarted)),
+            (a.clone(), Some(Overdue::LeaseLapsed))
+        ],
+        "c, leased before its deadline, is not overdue after it while its lease holds"
+    );
+    assert_eq!(
+        store.extend_lease(&c, 1, 1_500, 1_000, None).await.ok(),
+        Some(2_500),
+        "a lease taken before the start deadline is renewed after it"
+    );
+    assert_eq!(
+        overdue_ids(&overdue(store, 2_499, 10).await, 2_499),
+        vec![
+            (b.clone(), Some(Overdue::NotStarted)),
+            (a.clone(), Some(Overdue::LeaseLapsed))
+        ],
+        "d, visible since 2000, is not overdue before its deadline"
+    );
+    let before = tasks(store).await;
+    assert_eq!(
+        overdue_ids(&overdue(store, 2_600, 10).await, 2_600),
+        vec![
+            (b.clone(), Some(Overdue::NotStarted)),
+            (a.clone(), Some(Overdue::LeaseLapsed)),
+            (d.clone(), Some(Overdue::NotStarted)),
+            (c.clone(), Some(Overdue::LeaseLapsed))
+        ],
+        "d missed its deadline and c's renewed lease lapsed at 2500; ordered by visibility"
+    );
+    assert_eq!(
+        overdue_ids(&overdue(store, 2_600, 2).await, 2_600),
+        vec![
+            (b.clone(), Some(Overdue::NotStarted)),
+            (a.clone(), Some(Overdue::LeaseLapsed))
+        ],
+        "at most max, oldest first"
+    );
+    assert_eq!(
+        lease(store, 2_600, 100, 10).await,
+        vec![],
+        "no overdue task is ever leased"
+    );
+    assert_eq!(
+        tasks(store).await,
+        before,
+        "listing overdue tasks (and refusing to lease them) changes nothing"
+    );
+    let mut late = append_request(s, 5, vec![message(s, 5, "late")], 2_600);
+    late.complete = Some((c.clone(), 1));
+    match store.append(late).await {
+        Err(Error::LeaseLost { .. }) => {}
+        other => panic!("completing with a lapsed lease must be LeaseLost, got {other:?}"),
+    }
+    let mut dropped = append_request(s, 5, vec![message(s, 5, "timed out")], 2_600);
+    dropped.cancel = vec![a.clone(), b.clone()];
+    must_append(store, dropped, "dropping two overdue tasks").await;
+    assert_eq!(
+        overdue_ids(&overdue(store, 2_600, 10).await, 2_600),
+        vec![
+            (d.clone(), Some(Overdue::NotStarted)),
+            (c.clone(), Some(Overdue::LeaseLapsed))
+        ],
+        "dropped tasks are no longer overdue"
+    );
+}
+
+/// `extend_lease` with details stores them in the task record (durably, like the lease);
+/// without details it keeps the stored ones; a failed extension changes none; a lapsed task
+/// keeps them for the engine to record; a new lease starts without any.
+pub async fn heartbeat_details_are_kept_until_the_next_lease(store: &dyn Store) {
+    let s = "details";
+    let t = task_id(s, 1);
+    let mut request = append_request(s, 1, vec![message(s, 1, "a")], 0);
+    request.enqueue = vec![new_task(&t, TaskKind::Tool, 0)];
+    must_append(store, request, "enqueue").await;
+    let stored = |tasks: Vec<Task>| -> Option<JsonText> {
+        assert_eq!(tasks.len(), 1, "one task: {tasks:?}");
+        tasks[0].heartbeat_details.clone()
+    };
+    assert_eq!(
+        lease_ids(&lease(store, 0, 100, 10).await),
+        vec![(t.clone(), 1, 100)]
+    );
+    assert_eq!(
+        stored(tasks(store).await),
+        None,
+        "a new lease has no details"
+    );
+    let (one, two) = (json(r#"{"done":1}"#), json(r#"{"done":2,"of":[3,4]}"#));
+    assert_eq!(
+        store
+            .extend_lease(&t, 1, 10, 100, Some(one.clone()))
+            .await
+            .ok(),
+        Some(110)
+    );
+    assert_eq!(
+        stored(tasks(store).await),
+        Some(one.clone()),
+        "a heartbeat's details are stored"
+    );
+    assert_eq!(
+        store.extend_lease(&t, 1, 20, 100, None).await.ok(),
+        Some(120)
+    );
+    assert_eq!(
+        stored(tasks(store).await),
+        Some(one.clone()),
+        "a heartbeat without details keeps the stored ones"
+    );
+    assert_eq!(
+        store
+            .extend_lease(&t, 1, 30, 100, Some(two.clone()))
+            .await
+            .ok(),
+        Some(130)
+    );
+    assert_eq!(
+        stored(tasks(store).await),
+        Some(two.clone()),
+        "newer details replace older ones"
+    );
+    assert!(
+        matches!(
+            store
+                .extend_lease(&t, 2, 40, 100, Some(json(r#""stale""#)))
+                .await,
+            Err(Error::LeaseLost { .. })
+        ),
+        "a heartbeat with a stale attempt is LeaseLost"
+    );
+    assert_eq!(
+        stored(tasks(store).await),
+        Some(two.clone()),
+        "a failed heartbeat stores nothing"
+    );
+    assert_eq!(
+        stored(overdue(store, 130, 10).await),
+        Some(two),
+        "the lapsed task carries its last details"
+    );
+    assert_eq!(store.release_leases(130).await.ok(), Some(1));
+    assert_eq!(
+        lease_ids(&lease(store, 140, 100, 10).await),
+        vec![(t.clone(), 2, 240)]
+    );
+    assert_eq!(
+        stored(tasks(store).await),
+        None,
+        "a new lease clears the previous lease's details"
+    );
+    assert_eq!(
+        store
+            .extend_lease(&t, 2, 150, 100, Some(one.clone()))
+            .await
+            .ok(),
+        Some(250)
+    );
+    assert_eq!(stored(tasks(store).await), Some(one));
+}
+
+/// A released task is leased again at once, is no longer held and so never reported overdue
+/// (not even past its start deadline: it was started once), and its next lease is a normal one
+/// that can lapse again.
+pub async fn released_tasks_are_leased_again_and_not_overdue(store: &dyn Store) {
+    let s = "released";
+    let t = task_id(s, 1);
+    let mut request = append_request(s, 1, vec![message(s, 1, "a")], 0);
+    request.enqueue = vec![routed_task(&t, TaskKind::Tool, 0, "default", "", Some(300))];
+    must_append(store, request, "enqueue").await;
+    assert_eq!(
+        lease_ids(&lease(store, 100, 1_000, 10).await),
+        vec![(t.clone(), 1, 1_100)]
+    );
+    assert_eq!(store.release_leases(200).await.ok(), Some(1));
+    assert_eq!(lease_states(store).await, vec![(t.clone(), 200, 1, false)]);
+    assert_eq!(
+        overdue(store, 5_000, 10).await,
+        vec![],
+        "a released task is not overdue, even past its start deadline"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 5_000, 100, 10).await),
+        vec![(t.clone(), 2, 5_100)],
+        "a released task leases again"
+    );
+    assert_eq!(lease_states(store).await, vec![(t.clone(), 5_100, 2, true)]);
+    assert_eq!(
+        overdue_ids(&overdue(store, 5_100, 10).await, 5_100),
+        vec![(t, Some(Overdue::LeaseLapsed))],
+        "its new lease lapses like any other"
     );
 }
 
@@ -1014,9 +1583,10 @@ pub async fn concurrent_appends(store: Arc<dyn Store>) {
     );
 }
 
-/// `release_leases` makes leased tasks leasable now, keeps their lease attempts (so the next
-/// lease bumps them and the released leases are fenced off), and leaves tasks that are not
-/// leased (waiting for a backoff, or due) and lapsed leases alone.
+/// `release_leases` makes every held lease — current or lapsed — leasable and no longer held,
+/// keeps its lease attempt (so the next lease bumps it and the released leases are fenced
+/// off), and leaves tasks that are not leased (waiting for a backoff, or due) alone. A current
+/// lease becomes visible at `now_ms`; a lapsed one keeps its (earlier) expiry.
 pub async fn release_leases_keeps_attempts(store: &dyn Store) {
     let s = "release";
     let (a, b, c, d) = (task_id(s, 1), task_id(s, 2), task_id(s, 3), task_id(s, 4));
@@ -1040,78 +1610,105 @@ pub async fn release_leases_keeps_attempts(store: &dyn Store) {
     );
     assert_eq!(
         lease_ids(&lease(store, 200, 1_000, 10).await),
-        vec![
-            (b.clone(), 1, 1_200),
-            (d.clone(), 1, 1_200),
-            (a.clone(), 2, 1_200)
-        ],
-        "after a's lapse, b, d and a (oldest first) are leased until 1200"
+        vec![(b.clone(), 1, 1_200), (d.clone(), 1, 1_200)],
+        "after a's lapse, b and d are leased until 1200; a, lapsed, is not"
     );
     match store.release_leases(300).await {
         Ok(3) => {}
-        other => panic!("release_leases(300) must release a, b and d, got {other:?}"),
+        other => {
+            panic!("release_leases(300) must release a (lapsed), b and d (current), got {other:?}")
+        }
     }
-    let listed: Vec<(TaskId, u64, u32)> = tasks(store)
-        .await
-        .into_iter()
-        .map(|t| (t.id, t.visible_at_ms, t.lease_attempt))
-        .collect();
     assert_eq!(
-        listed,
+        lease_states(store).await,
         vec![
-            (a.clone(), 300, 2),
-            (b.clone(), 300, 1),
-            (c.clone(), 5_000, 0),
-            (d.clone(), 300, 1)
+            (a.clone(), 150, 1, false),
+            (b.clone(), 300, 1, false),
+            (c.clone(), 5_000, 0, false),
+            (d.clone(), 300, 1, false)
         ],
-        "released tasks are visible at now with their lease attempts; c, waiting, is untouched"
+        "released tasks are no longer held, keep their lease attempts and are visible at \
+         now (a, lapsed at 150, at its expiry); c, waiting, is untouched"
     );
-    match store.extend_lease(&a, 2, 300, 1_000, None).await {
+    assert_eq!(
+        overdue(store, 300, 10).await,
+        vec![],
+        "a released lapsed lease is no longer overdue"
+    );
+    match store.extend_lease(&a, 1, 300, 1_000, None).await {
+        Err(Error::LeaseLost { .. }) => {}
+        other => panic!("a heartbeat of a released lease must be LeaseLost, got {other:?}"),
+    }
+    match store.extend_lease(&b, 1, 300, 1_000, None).await {
         Err(Error::LeaseLost { .. }) => {}
         other => panic!("a heartbeat of a released lease must be LeaseLost, got {other:?}"),
     }
     assert_eq!(
         lease_ids(&lease(store, 300, 1_000, 10).await),
         vec![
-            (a.clone(), 3, 1_300),
+            (a.clone(), 2, 1_300),
             (b.clone(), 2, 1_300),
             (d.clone(), 2, 1_300)
         ],
-        "released tasks lease again at once, with their attempts bumped"
+        "released tasks lease again at once (a first: visible since 150), attempts bumped"
     );
     let mut stale = append_request(s, 5, vec![message(s, 5, "stale")], 400);
-    stale.complete = Some((a.clone(), 2));
+    stale.complete = Some((a.clone(), 1));
     match store.append(stale).await {
         Err(Error::LeaseLost { .. }) => {}
         other => panic!("a completion from a released lease must be LeaseLost, got {other:?}"),
     }
     let mut current = append_request(s, 5, vec![message(s, 5, "current")], 400);
-    current.complete = Some((a.clone(), 3));
+    current.complete = Some((a.clone(), 2));
     must_append(store, current, "completing a with its new lease").await;
+    assert_eq!(
+        overdue_ids(&overdue(store, 2_000, 10).await, 2_000),
+        vec![
+            (b.clone(), Some(Overdue::LeaseLapsed)),
+            (d.clone(), Some(Overdue::LeaseLapsed))
+        ],
+        "b's and d's leases lapsed at 1300"
+    );
+    assert_eq!(
+        store.release_leases(2_000).await.ok(),
+        Some(2),
+        "lapsed leases are still held: releasing them releases b and d"
+    );
+    let released = vec![
+        (b.clone(), 1_300, 2, false),
+        (c.clone(), 5_000, 0, false),
+        (d.clone(), 1_300, 2, false),
+    ];
+    assert_eq!(lease_states(store).await, released);
     assert_eq!(
         store.release_leases(2_000).await.ok(),
         Some(0),
-        "lapsed leases are already leasable: nothing to release"
+        "nothing is held any more: nothing to release"
     );
     assert_eq!(
-        tasks(store)
-            .await
-            .into_iter()
-            .map(|t| (t.id, t.visible_at_ms, t.lease_attempt))
-            .collect::<Vec<_>>(),
-        vec![(b, 1_300, 2), (c, 5_000, 0), (d, 1_300, 2)],
+        lease_states(store).await,
+        released,
         "releasing nothing changes nothing"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 2_000, 100, 10).await),
+        vec![(b, 3, 2_100), (d, 3, 2_100)],
+        "released lapsed leases lease again"
     );
 }
 
-/// Everything (histories, sessions, tasks with their lease state) survives closing and
-/// reopening the store, and work continues from it: seqs and lease attempts go on.
+/// Everything (histories, sessions, tasks with their routing, deadlines, lease state and
+/// heartbeat details) survives closing and reopening the store, and work continues from it:
+/// seqs and lease attempts go on, and leases and deadlines that ran out while the store was
+/// closed are overdue after it.
 pub async fn reopen_keeps_everything<S: Store>(store: S, reopen: &mut dyn FnMut(S) -> S) {
-    let (a, t1, t2) = ("keep-a", task_id("keep-a", 1), task_id("keep-a", 2));
+    let a = "keep-a";
+    let (t1, t2, t3) = (task_id(a, 1), task_id(a, 2), task_id(a, 3));
     let mut request = append_request(a, 1, vec![message(a, 1, "one"), message(a, 2, "two")], 10);
     request.enqueue = vec![
-        new_task(&t1, TaskKind::Model, 0),
-        new_task(&t2, TaskKind::Tool, 500),
+        routed_task(&t1, TaskKind::Model, 0, "gpu", "scripted", None),
+        routed_task(&t2, TaskKind::Tool, 500, "default", "calculator", Some(900)),
+        routed_task(&t3, TaskKind::Tool, 0, "default", "read_file", Some(150)),
     ];
     must_append(&store, request, "session a").await;
     let mut request = append_request("keep-b", 1, vec![message("keep-b", 1, "b")], 20);
@@ -1120,9 +1717,22 @@ pub async fn reopen_keeps_everything<S: Store>(store: S, reopen: &mut dyn FnMut(
     for (s, events) in large_events_fixture() {
         must_append(&store, append_request(&s, 1, events, 30), "large events").await;
     }
+    let gpu = TaskFilter {
+        queues: Some(BTreeSet::from(["gpu".to_owned()])),
+        ..TaskFilter::any()
+    };
     assert_eq!(
-        lease_ids(&lease(&store, 100, 100, 1).await),
+        lease_ids(&lease_where(&store, 100, 100, 10, &gpu).await),
         vec![(t1.clone(), 1, 200)]
+    );
+    let step = json(r#"{"step":3}"#);
+    assert_eq!(
+        store
+            .extend_lease(&t1, 1, 120, 80, Some(step.clone()))
+            .await
+            .ok(),
+        Some(200),
+        "a heartbeat with details"
     );
 
     let before = snapshot(&store).await;
@@ -1132,21 +1742,59 @@ pub async fn reopen_keeps_everything<S: Store>(store: S, reopen: &mut dyn FnMut(
         before == after,
         "after a reopen, sessions, histories and tasks must be unchanged"
     );
+    assert_eq!(
+        after.2.iter().find(|t| t.id == t1),
+        Some(&Task {
+            id: t1.clone(),
+            kind: TaskKind::Model,
+            visible_at_ms: 200,
+            lease_attempt: 1,
+            queue: "gpu".to_owned(),
+            target: "scripted".to_owned(),
+            start_by_ms: None,
+            held: true,
+            heartbeat_details: Some(step.clone()),
+        }),
+        "t1's routing, lease and heartbeat details survive the reopen"
+    );
 
     assert_eq!(
         lease(&store, 150, 100, 10).await,
         vec![],
-        "the lease taken before the reopen still hides t1"
+        "the lease taken before the reopen still hides t1, and t3 is past its start deadline"
     );
     assert_eq!(
-        lease_ids(&lease(&store, 200, 100, 10).await),
+        overdue_ids(&overdue(&store, 150, 10).await, 150),
+        vec![(t3.clone(), Some(Overdue::NotStarted))],
+        "t3's schedule-to-start deadline survives the reopen"
+    );
+    let lapsed = overdue(&store, 200, 10).await;
+    assert_eq!(
+        overdue_ids(&lapsed, 200),
+        vec![
+            (t3.clone(), Some(Overdue::NotStarted)),
+            (t1.clone(), Some(Overdue::LeaseLapsed))
+        ],
+        "the lease taken before the reopen lapses at its expiry"
+    );
+    assert_eq!(
+        lapsed[1].heartbeat_details,
+        Some(step),
+        "the lapsed lease's heartbeat details are there for the engine to record"
+    );
+    assert_eq!(lease(&store, 200, 100, 10).await, vec![]);
+    assert_eq!(store.release_leases(200).await.ok(), Some(1));
+    assert_eq!(
+        lease_ids(&lease_where(&store, 200, 100, 10, &gpu).await),
         vec![(t1.clone(), 2, 300)],
-        "after its expiry t1 leases again with attempt 2: attempts survive the reopen"
+        "released, t1 leases again with attempt 2: attempts survive the reopen"
     );
     let mut request = append_request(a, 3, vec![message(a, 3, "three")], 250);
     request.complete = Some((t1, 2));
+    request.cancel = vec![t3];
     must_append(&store, request, "continuing a after the reopen at seq 3").await;
     let expected_a = history(&store, a).await;
+    let expected_tasks = tasks(&store).await;
     let store = reopen(store);
     assert_eq!(
         history(&store, a).await,
@@ -1154,13 +1802,21 @@ pub async fn reopen_keeps_everything<S: Store>(store: S, reopen: &mut dyn FnMut(
         "the second reopen keeps the appends made after the first"
     );
     assert_eq!(
-        tasks(&store)
-            .await
-            .iter()
-            .map(|t| t.id.clone())
-            .collect::<Vec<_>>(),
-        vec![t2],
-        "t1, completed after the first reopen, stays gone"
+        tasks(&store).await,
+        expected_tasks,
+        "the second reopen keeps the task changes made after the first"
+    );
+    assert_eq!(
+        expected_tasks,
+        vec![Task::queued(&routed_task(
+            &t2,
+            TaskKind::Tool,
+            500,
+            "default",
+            "calculator",
+            Some(900)
+        ))],
+        "t1, completed, and t3, cancelled, after the first reopen stay gone; t2 is as enqueued"
     );
     match store
         .append(append_request(a, 3, vec![message(a, 3, "dup")], 300))
@@ -1276,6 +1932,10 @@ mod tests {
         cancel_removes_tasks,
         extend_lease,
         release_leases_keeps_attempts,
+        lease_filters_by_queue_target_session_and_namespace,
+        overdue_tasks_are_listed_and_never_leased,
+        heartbeat_details_are_kept_until_the_next_lease,
+        released_tasks_are_leased_again_and_not_overdue,
     );
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

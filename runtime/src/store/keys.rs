@@ -136,3 +136,91 @@ where
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{NewTask, Overdue, TaskFilter, TaskKind, DEFAULT_QUEUE};
+    use cairn_ledger::JsonText;
+
+    /// A task record as stores wrote it before routing, deadlines, the holder flag and durable
+    /// heartbeat details existed.
+    #[derive(serde::Serialize)]
+    struct OldTask {
+        id: TaskId,
+        kind: TaskKind,
+        visible_at_ms: u64,
+        lease_attempt: u32,
+    }
+
+    fn id(seq: u64) -> TaskId {
+        TaskId {
+            session_id: "old".to_owned(),
+            scheduled_seq: seq,
+        }
+    }
+
+    #[test]
+    fn an_old_task_record_decodes_as_a_default_queue_task_for_any_worker_never_held() {
+        let old = OldTask {
+            id: id(7),
+            kind: TaskKind::Tool,
+            visible_at_ms: 5_000,
+            lease_attempt: 2,
+        };
+        let bytes = rmp_serde::to_vec_named(&old).expect("encode the old shape");
+        let task = decode_task(&"old/7", &bytes, "tree").expect("an old record must decode");
+        assert_eq!(
+            task,
+            Task {
+                id: id(7),
+                kind: TaskKind::Tool,
+                visible_at_ms: 5_000,
+                lease_attempt: 2,
+                queue: DEFAULT_QUEUE.to_owned(),
+                target: String::new(),
+                start_by_ms: None,
+                held: false,
+                heartbeat_details: None,
+            }
+        );
+        // Any worker may lease it, whatever it declares.
+        let picky = TaskFilter {
+            queues: Some([DEFAULT_QUEUE.to_owned()].into()),
+            tools: Some(Default::default()),
+            providers: Some(Default::default()),
+            ..TaskFilter::any()
+        };
+        assert!(picky.accepts(&task));
+        // The lease an old process left is treated as released: once expired, the task is due
+        // again (as before routing), never a lapsed lease or a missed start deadline.
+        assert_eq!(task.overdue(4_999), None);
+        assert_eq!(task.overdue(1_000_000), None);
+        let mut held = task.clone();
+        held.held = true;
+        assert_eq!(held.overdue(5_000), Some(Overdue::LeaseLapsed));
+    }
+
+    #[test]
+    fn a_task_record_round_trips_with_every_field() {
+        let task = Task {
+            lease_attempt: 3,
+            held: true,
+            heartbeat_details: Some(JsonText::parse(r#"{"rows":12}"#).expect("json")),
+            ..Task::queued(&NewTask {
+                queue: "gpu".to_owned(),
+                target: "anthropic".to_owned(),
+                start_by_ms: Some(9_000),
+                ..NewTask::new(id(3), TaskKind::Model, 8_000)
+            })
+        };
+        let bytes = encode_meta("task record", &task).expect("encode");
+        assert_eq!(decode_task(&"old/3", &bytes, "tree").expect("decode"), task);
+        let unrouted = Task::queued(&NewTask::new(id(4), TaskKind::Tool, 0));
+        let bytes = encode_meta("task record", &unrouted).expect("encode");
+        assert_eq!(
+            decode_task(&"old/4", &bytes, "tree").expect("decode"),
+            unrouted
+        );
+    }
+}

@@ -230,7 +230,8 @@ pub struct Lease {
     pub kind: TaskKind,
     /// The fencing token: completions must present it.
     pub lease_attempt: u32,
-    /// When the lease lapses and the task becomes leasable again.
+    /// When the lease lapses unless renewed: from then on the task is overdue
+    /// ([`Task::overdue`]), never leased again, and the engine records the attempt as failed.
     pub expires_at_ms: u64,
 }
 
