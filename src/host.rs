@@ -10,9 +10,6 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// How often the engine looks for overdue tasks (lapsed leases, schedule-to-start deadlines).
-const TIMER_INTERVAL: std::time::Duration = std::time::Duration::from_millis(200);
-
 /// Everything a CLI command needs: store, engine, client and (optionally) workers.
 pub struct Host {
     /// The store.
@@ -25,11 +22,8 @@ pub struct Host {
     pub client: Client,
     /// The tools the workers run.
     pub tools: Arc<ToolRegistry>,
+    /// The worker pool; it also runs the engine's timers (lapsed leases, start deadlines).
     workers: Option<WorkerPool>,
-    timers: Option<(
-        tokio::sync::oneshot::Sender<()>,
-        tokio::task::JoinHandle<()>,
-    )>,
 }
 
 impl Host {
@@ -58,7 +52,6 @@ impl Host {
             engine,
             tools: Arc::new(ToolRegistry::builtin(workdir)),
             workers: None,
-            timers: None,
         })
     }
 
@@ -91,20 +84,6 @@ impl Host {
     }
 
     fn start_pool(&mut self, only_sessions: Option<BTreeSet<String>>) {
-        if self.timers.is_none() {
-            // Lapsed leases and schedule-to-start deadlines are recorded by the engine, not
-            // by a worker noticing.
-            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            let engine = self.engine.clone();
-            let timers = tokio::spawn(async move {
-                engine
-                    .run_timers(TIMER_INTERVAL, async {
-                        let _ = stopped.await;
-                    })
-                    .await
-            });
-            self.timers = Some((stop, timers));
-        }
         if self.workers.is_none() {
             let activities = Activities {
                 models: Arc::new(StandardModels::new()),
@@ -129,10 +108,6 @@ impl Host {
     pub async fn shutdown(mut self) {
         if let Some(pool) = self.workers.take() {
             pool.shutdown().await;
-        }
-        if let Some((stop, timers)) = self.timers.take() {
-            let _ = stop.send(());
-            let _ = timers.await;
         }
     }
 }

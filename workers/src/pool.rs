@@ -82,12 +82,30 @@ pub struct Activities {
 pub struct WorkerPool {
     stop: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
+    /// The engine's timer loop, for a pool started on an in-process engine.
+    timers: Option<tokio::task::JoinHandle<()>>,
 }
 
+/// How often an in-process pool's engine fires its timers.
+const TIMER_INTERVAL: Duration = Duration::from_millis(200);
+
 impl WorkerPool {
-    /// Starts leasing and running tasks of an engine in this process.
+    /// Starts leasing and running tasks of an engine in this process, and the engine's timer
+    /// loop beside it (lapsed leases and start deadlines are recorded by the engine, and an
+    /// in-process pool is often all there is; a second timer loop on the same engine, as a
+    /// server or host runs, only finds nothing left to fire).
     pub fn start(engine: Engine, activities: Activities, config: WorkerConfig) -> Self {
-        Self::start_with(Arc::new(EngineSource::new(engine)), activities, config)
+        let timers_engine = engine.clone();
+        let mut pool = Self::start_with(Arc::new(EngineSource::new(engine)), activities, config);
+        let mut stopped = pool.stop.subscribe();
+        pool.timers = Some(tokio::spawn(async move {
+            timers_engine
+                .run_timers(TIMER_INTERVAL, async move {
+                    let _ = stopped.wait_for(|stop| *stop).await;
+                })
+                .await
+        }));
+        pool
     }
 
     /// Starts leasing and running tasks from `source` (in-process, or a server).
@@ -98,7 +116,11 @@ impl WorkerPool {
     ) -> Self {
         let (stop, stop_rx) = watch::channel(false);
         let task = tokio::spawn(lease_loop(source, activities, config, stop_rx));
-        WorkerPool { stop, task }
+        WorkerPool {
+            stop,
+            task,
+            timers: None,
+        }
     }
 
     /// Stops leasing and waits for the running activities to finish and report.
@@ -106,6 +128,9 @@ impl WorkerPool {
         let _ = self.stop.send(true);
         if let Err(e) = self.task.await {
             warn!(error = %e, "worker pool loop ended abnormally");
+        }
+        if let Some(timers) = self.timers {
+            let _ = timers.await;
         }
     }
 }
