@@ -1,8 +1,8 @@
-//! A test server: the `/v1` routes as `cairn_runtime::wire` describes them, over an
-//! in-process engine, with faults to inject (failed reports, event streams cut short, events
-//! resent or left out, small history pages), served on TCP or on a unix socket. It stands in
-//! for the server crate so the transport and the task source can be tested on their own;
-//! it is not that server.
+//! A test server (feature `test-server`): the `/v1` routes as `cairn_runtime::wire`
+//! describes them, over an in-process engine, with faults to inject (failed reports, event
+//! streams cut short, events resent or left out, small history pages), served on TCP or on a
+//! unix socket. It stands in for the server crate so the transport, the task source and the
+//! CLI can be tested on their own; it is not that server (no namespaces, no roles, one token).
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, Request, State};
@@ -30,7 +30,7 @@ use std::time::Duration;
 
 /// Faults the server injects.
 #[derive(Default)]
-pub(crate) struct Faults {
+pub struct Faults {
     /// Answer this many reports with 503 before accepting one.
     pub fail_reports: AtomicU32,
     /// Close each event stream after this many history events.
@@ -47,26 +47,39 @@ pub(crate) struct Faults {
 
 /// One request the server saw.
 #[derive(Debug, Clone)]
-pub(crate) struct Seen {
+pub struct Seen {
+    /// The path and query.
     pub uri: String,
+    /// Its `Last-Event-ID` header.
     pub last_event_id: Option<String>,
 }
 
-pub(crate) struct FakeServer {
+/// The test server's state.
+pub struct FakeServer {
+    /// The engine it serves.
     pub engine: Engine,
     client: Client,
     token: Option<String>,
+    /// The faults it injects.
     pub faults: Faults,
-    pub seen: Mutex<Vec<Seen>>,
+    seen: Mutex<Vec<Seen>>,
+    /// Reports received (failed ones included).
     pub reports: AtomicU32,
+    /// The size of each delta batch received.
     pub delta_batches: Mutex<Vec<usize>>,
 }
 
 type Shared = Arc<FakeServer>;
 
 impl FakeServer {
+    /// A server over a new in-memory store, asking for `token` when given.
     pub fn new(token: Option<&str>, faults: Faults) -> Shared {
         let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
+        Self::with_engine(engine, token, faults)
+    }
+
+    /// A server over `engine`.
+    pub fn with_engine(engine: Engine, token: Option<&str>, faults: Faults) -> Shared {
         Arc::new(FakeServer {
             client: Client::new(engine.clone()),
             engine,
@@ -78,10 +91,12 @@ impl FakeServer {
         })
     }
 
+    /// The requests seen so far.
     pub fn seen(&self) -> Vec<Seen> {
         self.seen.lock().unwrap().clone()
     }
 
+    /// Its routes.
     pub fn router(self: &Shared) -> Router {
         Router::new()
             .route(
@@ -447,7 +462,8 @@ async fn deltas(State(server): State<Shared>, Json(body): Json<DeltaBatch>) -> R
 }
 
 /// A router serving until dropped, and its address.
-pub(crate) struct Served {
+pub struct Served {
+    /// `http://127.0.0.1:PORT` or `unix:PATH`.
     pub url: String,
     task: tokio::task::JoinHandle<()>,
     _dir: Option<tempfile::TempDir>,
@@ -459,36 +475,38 @@ impl Drop for Served {
     }
 }
 
-pub(crate) async fn serve_tcp(router: Router) -> Served {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
+/// Serves `router` on a free local port.
+pub async fn serve_tcp(router: Router) -> std::io::Result<Served> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
     let task = tokio::spawn(async move {
         let _ = axum::serve(listener, router).await;
     });
-    Served {
+    Ok(Served {
         url,
         task,
         _dir: None,
-    }
+    })
 }
 
-pub(crate) async fn serve_unix(router: Router) -> Served {
-    let dir = tempfile::tempdir().unwrap();
+/// Serves `router` on a unix socket in a new temporary directory.
+pub async fn serve_unix(router: Router) -> std::io::Result<Served> {
+    let dir = tempfile::tempdir()?;
     let path = dir.path().join("cairn.sock");
-    let mut served = serve_unix_at(&path, router);
+    let mut served = serve_unix_at(&path, router)?;
     served._dir = Some(dir);
-    served
+    Ok(served)
 }
 
-/// Serves on a unix socket at `path` (which must not exist).
-pub(crate) fn serve_unix_at(path: &std::path::Path, router: Router) -> Served {
-    let listener = tokio::net::UnixListener::bind(path).unwrap();
+/// Serves `router` on a unix socket at `path` (which must not exist).
+pub fn serve_unix_at(path: &std::path::Path, router: Router) -> std::io::Result<Served> {
+    let listener = tokio::net::UnixListener::bind(path)?;
     let task = tokio::spawn(async move {
         let _ = axum::serve(listener, router).await;
     });
-    Served {
+    Ok(Served {
         url: format!("unix:{}", path.display()),
         task,
         _dir: None,
-    }
+    })
 }

@@ -12,8 +12,8 @@ mod source;
 mod sse;
 mod transport;
 
-#[cfg(test)]
-mod fake_server;
+#[cfg(any(test, feature = "test-server"))]
+pub mod fake_server;
 #[cfg(test)]
 mod tests;
 

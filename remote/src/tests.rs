@@ -113,9 +113,9 @@ async fn a_turn_runs_on_a_remote_worker_pool_and_streams_to_a_remote_client() {
         };
         let server = FakeServer::new(Some("s3cret"), faults);
         let served = if unix {
-            serve_unix(server.router()).await
+            serve_unix(server.router()).await.unwrap()
         } else {
-            serve_tcp(server.router()).await
+            serve_tcp(server.router()).await.unwrap()
         };
         let workdir = tempfile::tempdir().unwrap();
         std::fs::write(
@@ -140,7 +140,7 @@ async fn a_turn_runs_on_a_remote_worker_pool_and_streams_to_a_remote_client() {
             .await
             .unwrap();
 
-        let mut seen = read_until(&mut stream, |e| {
+        let seen = read_until(&mut stream, |e| {
             matches!(e, StreamEvent::Event(e) if matches!(e.event, Event::TurnCompleted { .. }))
         })
         .await;
@@ -233,7 +233,7 @@ async fn an_event_left_out_of_the_stream_is_read_from_the_history() {
             ..Faults::default()
         },
     );
-    let served = serve_unix(server.router()).await;
+    let served = serve_unix(server.router()).await.unwrap();
     let client = connect(&served.url, None).unwrap();
     let session = client
         .start_session(SessionOptions::new(demo_model(), Vec::new()))
@@ -370,8 +370,8 @@ fn failing_router() -> Router {
 #[tokio::test]
 async fn error_answers_map_back_to_runtime_errors() {
     for served in [
-        serve_unix(failing_router()).await,
-        serve_tcp(failing_router()).await,
+        serve_unix(failing_router()).await.unwrap(),
+        serve_tcp(failing_router()).await.unwrap(),
     ] {
         let url = served.url.clone();
         let client = connect(&url, Some("t".to_owned())).unwrap();
@@ -522,7 +522,7 @@ async fn a_report_is_tried_again_while_the_server_fails() {
             ..Faults::default()
         },
     );
-    let served = serve_tcp(server.router()).await;
+    let served = serve_tcp(server.router()).await.unwrap();
     let source = HttpTaskSource::new(&served.url, None).unwrap();
     let lease = leased_model_task(&server, &source).await;
     source.report(&lease, completion()).await.unwrap();
@@ -544,7 +544,7 @@ async fn a_report_survives_a_server_restart() {
     let server = FakeServer::new(None, Faults::default());
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cairn.sock");
-    let served = serve_unix_at(&path, server.router());
+    let served = serve_unix_at(&path, server.router()).unwrap();
     let source = Arc::new(HttpTaskSource::new(&served.url, None).unwrap());
     let lease = leased_model_task(&server, &source).await;
     // The server goes away; in its place, a socket that hangs up on every connection.
@@ -566,7 +566,7 @@ async fn a_report_survives_a_server_restart() {
     .await;
     drop(hang_up);
     std::fs::remove_file(&path).unwrap();
-    let _back = serve_unix_at(&path, server.router());
+    let _back = serve_unix_at(&path, server.router()).unwrap();
     guarded("the report", reporting).await.unwrap().unwrap();
     assert_eq!(refused.load(Ordering::Relaxed), 1);
     assert_eq!(
@@ -579,7 +579,7 @@ async fn a_report_survives_a_server_restart() {
 #[tokio::test]
 async fn deltas_are_batched_in_order_and_sent_before_the_report() {
     let server = FakeServer::new(None, Faults::default());
-    let served = serve_tcp(server.router()).await;
+    let served = serve_tcp(server.router()).await.unwrap();
     let source = HttpTaskSource::new(&served.url, None).unwrap();
     let mut deltas = server.engine.subscribe_deltas();
     let origin = ActivityRef {
@@ -623,7 +623,7 @@ async fn deltas_are_batched_in_order_and_sent_before_the_report() {
 #[tokio::test]
 async fn health_and_the_transport_address() {
     let server = FakeServer::new(None, Faults::default());
-    let served: Served = serve_unix(server.router()).await;
+    let served: Served = serve_unix(server.router()).await.unwrap();
     let transport = HttpTransport::new(&served.url, None).unwrap();
     assert_eq!(transport.url(), served.url);
     assert_eq!(transport.health().await.unwrap().status, "ok");
