@@ -62,20 +62,6 @@ impl HttpTransport {
             )
             .await
     }
-
-    /// The body the server would send `format`'s provider next for this session
-    /// (`GET /v1/sessions/{id}/transcript?as=FORMAT`): `anthropic`, `openai-chat`,
-    /// `openai-responses` or `bedrock`.
-    pub async fn transcript_as(&self, session_id: &str, format: &str) -> Result<serde_json::Value> {
-        let path = format!(
-            "{}/transcript?as={}",
-            session_path(session_id),
-            encode(format)
-        );
-        self.connection
-            .call_json(Request::get(path), session(session_id), REQUEST_TIMEOUT)
-            .await
-    }
 }
 
 fn session_path(session_id: &str) -> String {
