@@ -1,18 +1,21 @@
 //! The `cairn` command line: run the offline demo, run turns, inspect and replay histories.
 
+mod cli;
+
 use anyhow::{bail, Context};
 use cairn::demo::{DEMO_NOTES, DEMO_PROMPT, DEMO_SCRIPT};
 use cairn::host::Host;
 use cairn_activities::providers::{render_request, RequestFormat};
 use cairn_activities::{CallContext, ModelRequest, ScriptedProvider};
-use cairn_ledger::{Delta, ModelSpec};
+use cairn_ledger::ModelSpec;
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::{
     interrupted_output, replay, Error as RuntimeError, Event, SessionOptions, StreamedOutput,
     TurnOutcome,
 };
 use clap::{Parser, Subcommand};
-use std::io::{IsTerminal, Write};
+use cli::Access;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -42,7 +45,9 @@ enum Command {
     Run {
         /// Store directory (created if missing).
         #[arg(long)]
-        data: PathBuf,
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
         /// Storage engine of a new store: fjall (default) or sled; an existing store must
         /// match.
         #[arg(long, value_parser = parse_engine)]
@@ -79,13 +84,17 @@ enum Command {
     Sessions {
         /// Store directory.
         #[arg(long)]
-        data: PathBuf,
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
     },
     /// Print a session's events, one per line.
     History {
         /// Store directory.
         #[arg(long)]
-        data: PathBuf,
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
         /// Session id.
         session: String,
         /// One JSON object per event (the documented form).
@@ -96,7 +105,9 @@ enum Command {
     Transcript {
         /// Store directory.
         #[arg(long)]
-        data: PathBuf,
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
         /// Session id.
         session: String,
         /// Print instead the exact request body this provider would be sent next:
@@ -119,7 +130,9 @@ enum Command {
     Cancel {
         /// Store directory.
         #[arg(long)]
-        data: PathBuf,
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
         /// Session id.
         session: String,
         /// Cancel only the running turn; the session takes further turns.
@@ -195,6 +208,22 @@ enum Command {
         #[arg(long)]
         repair: bool,
     },
+    /// Run a server's model and tool calls in this process (providers configured from this
+    /// process's environment; API keys are never sent) until SIGTERM or SIGINT, then drain.
+    Worker {
+        #[command(flatten)]
+        server: cli::ServerArgs,
+        /// A task queue to serve; repeat for several (default: the `default` queue, where
+        /// sessions put their tasks unless they name queues).
+        #[arg(long = "queue", value_name = "NAME")]
+        queues: Vec<String>,
+        /// Activities run at once at most.
+        #[arg(long, default_value_t = 16)]
+        concurrency: usize,
+        /// The directory read_file may read (default: the current directory).
+        #[arg(long)]
+        workdir: Option<PathBuf>,
+    },
     /// Continue every session whose turn was interrupted.
     Resume {
         /// Store directory.
@@ -239,6 +268,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Demo { data, engine } => demo(data, engine).await,
         Command::Run {
             data,
+            server,
             engine,
             model,
             session,
@@ -256,7 +286,21 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ..parse_model(&model)?
             };
             let workdir = workdir_or_cwd(workdir)?;
-            let mut host = Host::open(&data, OpenMode::Create, engine, workdir).await?;
+            let access = Access::open(data, &server, OpenMode::Create, engine, workdir).await?;
+            let (mut host, data) = match access {
+                Access::Local { host, data } => (*host, data),
+                Access::Remote(remote) => {
+                    let request = cli::remote::RunRequest {
+                        model,
+                        session,
+                        system,
+                        max_rounds,
+                        prompt,
+                        show_thinking: !hide_thinking,
+                    };
+                    return Ok(outcome_code(&remote.run(request).await?));
+                }
+            };
             let session_id = match session {
                 Some(id) if session_exists(&host, &id).await? => id,
                 requested => {
@@ -284,9 +328,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             host.shutdown().await;
             Ok(outcome_code(&outcome))
         }
-        Command::Sessions { data } => {
-            let host = Host::open(&data, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
-            let sessions = host.client.sessions().await?;
+        Command::Sessions { data, server } => {
+            let access =
+                Access::open(data, &server, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
+            let sessions = access.client().sessions().await?;
             if sessions.is_empty() {
                 println!("no sessions");
             }
@@ -302,11 +347,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::History {
             data,
+            server,
             session,
             json,
         } => {
-            let host = Host::open(&data, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
-            let events = host.client.history(&session).await?;
+            let access =
+                Access::open(data, &server, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
+            let events = access.client().history(&session).await?;
             let mut out = std::io::stdout().lock();
             let first_ms = events.first().map_or(0, |e| e.recorded_at_ms);
             for e in &events {
@@ -329,18 +376,22 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Transcript {
             data,
+            server,
             session,
             format,
             model,
         } => {
-            let host = Host::open(&data, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
-            let state = host.engine.state(&session).await?;
-            let mut out = std::io::stdout().lock();
+            let access =
+                Access::open(data, &server, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
             let Some(format) = format else {
-                out.write_all(&state.transcript.canonical_json())?;
+                let transcript = access.client().transcript(&session).await?;
+                let mut out = std::io::stdout().lock();
+                out.write_all(&transcript.canonical_json())?;
                 writeln!(out)?;
                 return Ok(ExitCode::SUCCESS);
             };
+            let state = access.state(&session).await?;
+            let mut out = std::io::stdout().lock();
             let format = RequestFormat::parse(&format)?;
             let Some(started) = &state.started else {
                 bail!("session {session} has not started");
@@ -394,16 +445,18 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Cancel {
             data,
+            server,
             session,
             turn,
             reason,
         } => {
-            let host = Host::open(&data, OpenMode::Existing, None, PathBuf::from(".")).await?;
+            let access =
+                Access::open(data, &server, OpenMode::Existing, None, PathBuf::from(".")).await?;
             if turn {
-                let cancelled = host.engine.cancel_turn(&session, &reason).await?;
+                let cancelled = access.client().cancel_turn(&session, &reason).await?;
                 println!("cancelled turn {cancelled} of session {session}");
             } else {
-                host.client.cancel(&session, &reason).await?;
+                access.client().cancel(&session, &reason).await?;
                 println!("cancelled session {session}");
             }
             Ok(ExitCode::SUCCESS)
@@ -462,6 +515,24 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::from(1)
             })
+        }
+        Command::Worker {
+            server,
+            queues,
+            concurrency,
+            workdir,
+        } => {
+            let Some((url, token)) = server.resolve(None)? else {
+                bail!("cairn worker needs a server: --server URL, or CAIRN_SERVER");
+            };
+            cli::worker::run(cli::worker::WorkerRequest {
+                url,
+                token,
+                queues,
+                concurrency,
+                workdir: workdir_or_cwd(workdir)?,
+            })
+            .await
         }
         Command::Resume { data, workdir } => {
             let workdir = workdir_or_cwd(workdir)?;
@@ -633,12 +704,10 @@ impl Printer {
     fn start(host: &Host, session_id: &str, show_thinking: bool) -> Printer {
         let mut deltas = host.engine.subscribe_deltas();
         let printer_session = session_id.to_owned();
-        let dim = std::io::stdout().is_terminal();
+        let mut writer = cli::deltas::DeltaWriter::new(show_thinking);
         let (done, mut done_rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             use tokio::sync::broadcast::error::{RecvError, TryRecvError};
-            let mut last_origin = None;
-            let mut in_thinking = false;
             let mut draining = false;
             loop {
                 // Once the turn is over every delta is already queued: drain them, then stop.
@@ -664,35 +733,7 @@ impl Printer {
                 if event.origin.session_id != printer_session {
                     continue;
                 }
-                let mut out = std::io::stdout().lock();
-                let origin = (event.origin.activity.clone(), event.origin.attempt);
-                if last_origin.as_ref() != Some(&origin) {
-                    if last_origin.is_some() {
-                        let _ = writeln!(out);
-                    }
-                    if origin.1 > 1 {
-                        let _ = writeln!(out, "[retry: attempt {}]", origin.1);
-                    }
-                    last_origin = Some(origin);
-                }
-                match event.delta {
-                    Delta::Thinking(text) if show_thinking => {
-                        if !in_thinking {
-                            in_thinking = true;
-                            let _ = write!(out, "{}", if dim { "\x1b[2m" } else { "[thinking] " });
-                        }
-                        let _ = write!(out, "{text}");
-                    }
-                    Delta::Text(text) => {
-                        if in_thinking {
-                            in_thinking = false;
-                            let _ = write!(out, "{}", if dim { "\x1b[0m\n" } else { "\n" });
-                        }
-                        let _ = write!(out, "{text}");
-                    }
-                    _ => {}
-                }
-                let _ = out.flush();
+                writer.write(&event);
             }
         });
         Printer { done, task }

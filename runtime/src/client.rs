@@ -435,6 +435,21 @@ impl Follower {
     ) -> Option<Result<()>> {
         loop {
             tokio::select! {
+                // Deltas first: a worker publishes an answer's deltas before it reports the
+                // answer, so when both are waiting the deltas are older, and a follower that
+                // stops at the turn's end has printed all of its text.
+                biased;
+                received = self.deltas.recv() => match received {
+                    Ok(delta) => {
+                        if delta.origin.session_id == self.session_id {
+                            backlog.push_back(StreamEvent::Delta(delta));
+                            return Some(Ok(()));
+                        }
+                    }
+                    // Deltas are presentation only: a lagging reader skips some.
+                    Err(broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                },
                 received = self.events.recv() => match received {
                     Ok(appended) => {
                         if appended.session_id != self.session_id {
@@ -456,17 +471,6 @@ impl Follower {
                     Err(broadcast::error::RecvError::Lagged(_)) => {
                         return Some(self.catch_up(backlog).await);
                     }
-                    Err(broadcast::error::RecvError::Closed) => return None,
-                },
-                received = self.deltas.recv() => match received {
-                    Ok(delta) => {
-                        if delta.origin.session_id == self.session_id {
-                            backlog.push_back(StreamEvent::Delta(delta));
-                            return Some(Ok(()));
-                        }
-                    }
-                    // Deltas are presentation only: a lagging reader skips some.
-                    Err(broadcast::error::RecvError::Lagged(_)) => {}
                     Err(broadcast::error::RecvError::Closed) => return None,
                 },
             }

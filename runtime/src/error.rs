@@ -1,5 +1,8 @@
 //! The runtime's one error type.
 
+/// How the reason of [`Error::StoreOpen`] begins when another process holds the store's lock.
+pub const STORE_IN_USE: &str = "the store is in use by another process";
+
 /// Result alias for runtime operations.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -138,6 +141,44 @@ pub enum Error {
     /// The engine is shutting down.
     #[error("the engine is shut down")]
     Shutdown,
+    /// A cairn server answered with an error no other variant stands for (a failure of the
+    /// server, a refused token), or with an error status but no cairn error body (a proxy).
+    #[error("the cairn server at {url} answered {status} {code}: {message}")]
+    Remote {
+        /// The server.
+        url: String,
+        /// The HTTP status.
+        status: u16,
+        /// The API's error code (`internal`, `unauthorized`, ...), or `http_STATUS` when the
+        /// answer had no cairn error body.
+        code: String,
+        /// What the server said.
+        message: String,
+    },
+    /// A cairn server could not be reached, or the connection broke before it answered.
+    #[error("cannot reach the cairn server at {url}: {reason}")]
+    Unreachable {
+        /// The server.
+        url: String,
+        /// Why, with the whole cause chain (e.g. `connection refused`).
+        reason: String,
+    },
+    /// A cairn server answered something the API does not allow (a body that does not
+    /// decode, a stream in another format).
+    #[error("unexpected answer from the cairn server at {url}: {reason}")]
+    BadAnswer {
+        /// The server.
+        url: String,
+        /// What was wrong with it.
+        reason: String,
+    },
+    /// An operation this transport cannot carry (e.g. leasing only some sessions' tasks over
+    /// HTTP, where the server scopes a worker by its token).
+    #[error("not supported over this transport: {what}")]
+    Unsupported {
+        /// What was asked.
+        what: String,
+    },
 }
 
 impl Error {
@@ -146,5 +187,11 @@ impl Error {
     /// already holds the truth and nothing was changed.
     pub fn is_stale_report(&self) -> bool {
         matches!(self, Error::LeaseLost { .. } | Error::StaleReport { .. })
+    }
+
+    /// Whether opening a store failed because another process holds it (its lock): that
+    /// process may serve the store on its socket instead.
+    pub fn is_store_in_use(&self) -> bool {
+        matches!(self, Error::StoreOpen { reason, .. } if reason.starts_with(STORE_IN_USE))
     }
 }

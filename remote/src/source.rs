@@ -1,0 +1,410 @@
+//! The worker's side of the lease protocol over the `/v1/worker` routes: a [`TaskSource`]
+//! that a [`cairn_workers::WorkerPool`] runs over, in a process other than the server's.
+//!
+//! Results are what a worker must not lose: a report or a heartbeat that fails on the way
+//! (the server restarting, a broken connection, a 5xx) is tried again with backoff for as
+//! long as its lease lasts; a 409 (`stale_report`, `lease_lost`) is final. Deltas are
+//! presentation only: they are batched off the activity's path and may be dropped.
+
+use crate::connection::{Connection, Request, Subject, REQUEST_TIMEOUT};
+use crate::transport::retryable;
+use async_trait::async_trait;
+use cairn_ledger::JsonText;
+use cairn_runtime::wire::{
+    DeltaBatch, HeartbeatRequest, HeartbeatResponse, LeaseRequest, LeaseResponse, ProgressRequest,
+    ReportRequest,
+};
+use cairn_runtime::{
+    ActivityReport, DeltaEvent, Error, Lease, LeasedTask, Result, TaskFilter, TaskId,
+};
+use cairn_workers::TaskSource;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::time::Instant;
+use tracing::debug;
+
+/// Deltas are sent at most this long after they were published...
+const DELTA_BATCH_INTERVAL: Duration = Duration::from_millis(50);
+/// ...or as soon as this many are waiting.
+const DELTA_BATCH_MAX: usize = 256;
+/// Deltas waiting to be sent at most; past it new ones are dropped rather than waited for.
+const DELTA_QUEUE: usize = 8192;
+/// How long one batch may take to send.
+const DELTA_POST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a report waits for the deltas published before it to be sent (so a session's
+/// followers see an answer's text before its completion).
+const DELTA_FLUSH_WAIT: Duration = Duration::from_secs(6);
+
+/// The first and the longest pause between tries of a report or a heartbeat.
+const RETRY_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(2));
+/// The first and the longest pause after a failed lease request, so that a worker whose
+/// server is down does not spin.
+const LEASE_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
+
+/// A task source whose tasks come from a cairn server (`http(s)://HOST:PORT` or
+/// `unix:PATH`).
+pub struct HttpTaskSource {
+    connection: Arc<Connection>,
+    /// The delta batcher's queue, started by the first delta.
+    deltas: OnceLock<mpsc::Sender<Batched>>,
+    /// The latest expiry known of each lease this source handed out: a retry stops there.
+    expiries: Mutex<HashMap<(TaskId, u32), u64>>,
+    contact: watch::Sender<Contact>,
+    lease_failures: AtomicU32,
+}
+
+/// Whether the server has answered a lease request yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Contact {
+    Waiting,
+    Reached,
+    /// It answered with an error that asking again will not change (a refused token).
+    Refused {
+        status: u16,
+        code: String,
+        message: String,
+    },
+}
+
+enum Batched {
+    Delta(DeltaEvent),
+    /// Send everything queued before this, then acknowledge.
+    Flush(oneshot::Sender<()>),
+}
+
+impl HttpTaskSource {
+    /// A source leasing from the server at `url`, sending `token` as a bearer token when
+    /// given. Nothing is sent until the pool first leases.
+    pub fn new(url: &str, token: Option<String>) -> Result<Self> {
+        let (contact, _) = watch::channel(Contact::Waiting);
+        Ok(HttpTaskSource {
+            connection: Arc::new(Connection::new(url, token)?),
+            deltas: OnceLock::new(),
+            expiries: Mutex::default(),
+            contact,
+            lease_failures: AtomicU32::new(0),
+        })
+    }
+
+    /// The server's address as given.
+    pub fn url(&self) -> &str {
+        self.connection.url()
+    }
+
+    /// Waits until the server first answered a lease request: `Ok` once it did, the error
+    /// when it refused one in a way asking again will not change (a token it does not know
+    /// or of the wrong role, a request it finds invalid). A server that cannot be reached
+    /// is waited for: the pool keeps trying.
+    pub async fn reached(&self) -> Result<()> {
+        let mut contact = self.contact.subscribe();
+        let state = contact
+            .wait_for(|c| *c != Contact::Waiting)
+            .await
+            .map(|c| c.clone())
+            // The sender lives in `self`, so it cannot be gone while we wait.
+            .unwrap_or(Contact::Waiting);
+        match state {
+            Contact::Refused {
+                status,
+                code,
+                message,
+            } => Err(Error::Remote {
+                url: self.url().to_owned(),
+                status,
+                code,
+                message,
+            }),
+            Contact::Reached | Contact::Waiting => Ok(()),
+        }
+    }
+
+    fn lock_expiries(&self) -> std::sync::MutexGuard<'_, HashMap<(TaskId, u32), u64>> {
+        self.expiries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// When `lease` lapses, as far as this source knows.
+    fn expiry(&self, lease: &Lease) -> u64 {
+        let known = self
+            .lock_expiries()
+            .get(&(lease.id.clone(), lease.lease_attempt))
+            .copied();
+        known.unwrap_or(0).max(lease.expires_at_ms)
+    }
+
+    /// Sends `request` until it succeeds, fails for good, or `lease` has lapsed (no later
+    /// try could be accepted then).
+    async fn with_retries(&self, lease: &Lease, request: impl Fn() -> Request) -> Result<Vec<u8>> {
+        let subject = Subject {
+            session_id: Some(&lease.id.session_id),
+            lease: Some(lease),
+        };
+        let mut backoff = RETRY_BACKOFF.0;
+        loop {
+            match self
+                .connection
+                .call(request(), subject, REQUEST_TIMEOUT)
+                .await
+            {
+                Ok(body) => return Ok(body),
+                Err(e) if retryable(&e) => {
+                    let pause_ms = u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX);
+                    if self.now_ms().saturating_add(pause_ms) >= self.expiry(lease) {
+                        return Err(e);
+                    }
+                    debug!(task = %lease.id, error = %e, "trying again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(RETRY_BACKOFF.1);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Waits (briefly) until the deltas published so far have been sent.
+    async fn flush_deltas(&self) {
+        let Some(queue) = self.deltas.get() else {
+            return;
+        };
+        let (ack, acked) = oneshot::channel();
+        if queue.send(Batched::Flush(ack)).await.is_ok() {
+            let _ = tokio::time::timeout(DELTA_FLUSH_WAIT, acked).await;
+        }
+    }
+}
+
+#[async_trait]
+impl TaskSource for HttpTaskSource {
+    async fn lease(
+        &self,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+        wait: Duration,
+    ) -> Result<Vec<LeasedTask>> {
+        if filter.sessions.is_some() || filter.namespace.is_some() {
+            return Err(Error::Unsupported {
+                what: "leasing only some sessions' tasks (a server gives a worker the tasks of its token's namespace)".to_owned(),
+            });
+        }
+        let body = LeaseRequest {
+            max: u32::try_from(max).unwrap_or(u32::MAX),
+            wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+            lease_ms,
+            queues: filter.queues.clone(),
+            tools: filter.tools.clone(),
+            providers: filter.providers.clone(),
+        };
+        let answer = self
+            .connection
+            .call_json::<LeaseResponse>(
+                Request::post("/v1/worker/lease", &body),
+                Subject::default(),
+                REQUEST_TIMEOUT + wait,
+            )
+            .await;
+        match answer {
+            Ok(answer) => {
+                self.lease_failures.store(0, Ordering::Relaxed);
+                self.contact.send_if_modified(|c| {
+                    let first = *c == Contact::Waiting;
+                    *c = Contact::Reached;
+                    first
+                });
+                let mut expiries = self.lock_expiries();
+                for task in &answer.tasks {
+                    let lease = &task.lease;
+                    expiries.insert((lease.id.clone(), lease.lease_attempt), lease.expires_at_ms);
+                }
+                Ok(answer.tasks)
+            }
+            Err(e) => {
+                if !retryable(&e) {
+                    let (status, code) = match &e {
+                        Error::Remote { status, code, .. } => (*status, code.clone()),
+                        _ => (0, "refused".to_owned()),
+                    };
+                    let message = match &e {
+                        Error::Remote { message, .. } => message.clone(),
+                        other => other.to_string(),
+                    };
+                    self.contact.send_if_modified(|c| {
+                        let first = *c == Contact::Waiting;
+                        if first {
+                            *c = Contact::Refused {
+                                status,
+                                code,
+                                message,
+                            };
+                        }
+                        first
+                    });
+                }
+                // Pause before answering, so that a pool asking again at once does not spin
+                // on a server that is down; the pool's own pause comes on top.
+                let failures = self.lease_failures.fetch_add(1, Ordering::Relaxed);
+                let pause = LEASE_BACKOFF
+                    .0
+                    .saturating_mul(1 << failures.min(16))
+                    .min(LEASE_BACKOFF.1);
+                tokio::time::sleep(pause).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn heartbeat(
+        &self,
+        lease: &Lease,
+        lease_ms: u64,
+        details: Option<JsonText>,
+    ) -> Result<u64> {
+        let body = HeartbeatRequest {
+            lease: lease.clone(),
+            lease_ms,
+            details,
+        };
+        let answer = self
+            .with_retries(lease, || Request::post("/v1/worker/heartbeat", &body))
+            .await?;
+        let answer: HeartbeatResponse = self
+            .connection
+            .decode("POST /v1/worker/heartbeat", &answer)?;
+        self.lock_expiries().insert(
+            (lease.id.clone(), lease.lease_attempt),
+            answer.expires_at_ms,
+        );
+        Ok(answer.expires_at_ms)
+    }
+
+    async fn record_progress(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+    ) -> Result<()> {
+        // Presentation only, and the next record carries on from what this one held: one try.
+        let body = ProgressRequest {
+            lease: lease.clone(),
+            text_appended,
+            thinking_appended,
+        };
+        let subject = Subject {
+            session_id: Some(&lease.id.session_id),
+            lease: Some(lease),
+        };
+        self.connection
+            .call(
+                Request::post("/v1/worker/progress", &body),
+                subject,
+                REQUEST_TIMEOUT,
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()> {
+        // The followers of the session see the streamed text before the response that ends it.
+        self.flush_deltas().await;
+        let body = ReportRequest {
+            lease: lease.clone(),
+            report,
+        };
+        let result = self
+            .with_retries(lease, || Request::post("/v1/worker/report", &body))
+            .await;
+        self.lock_expiries()
+            .remove(&(lease.id.clone(), lease.lease_attempt));
+        result.map(|_| ())
+    }
+
+    fn publish_delta(&self, delta: DeltaEvent) {
+        let queue = self.deltas.get_or_init(|| {
+            let (queue, batches) = mpsc::channel(DELTA_QUEUE);
+            // Pools publish from their tasks, so a runtime is there; without one the
+            // batcher's end of the queue is dropped and deltas with it.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(send_deltas(self.connection.clone(), batches));
+            }
+            queue
+        });
+        if let Err(e) = queue.try_send(Batched::Delta(delta)) {
+            // Never wait in the activity's path: a delta is presentation only.
+            debug!(error = %e, "delta dropped");
+        }
+    }
+
+    fn cancellations(&self) -> Option<broadcast::Receiver<String>> {
+        // A server cannot push to a worker: a cancelled activity learns of it when its next
+        // heartbeat finds the lease gone (see `WorkerConfig::renew_interval_ms`).
+        None
+    }
+
+    // The worker's own clock, against the server's lease expiries: they are meant to run on
+    // synchronised clocks, and a skew only moves when a retry gives up.
+    #[allow(clippy::disallowed_methods)]
+    fn now_ms(&self) -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+}
+
+/// Sends the queued deltas in batches, in order, until the source is dropped (its end of the
+/// queue closes). A batch goes when [`DELTA_BATCH_MAX`] are waiting or [`DELTA_BATCH_INTERVAL`]
+/// after its first delta, and at once on a flush.
+async fn send_deltas(connection: Arc<Connection>, mut queue: mpsc::Receiver<Batched>) {
+    let mut batch = Vec::new();
+    let mut acks = Vec::new();
+    while let Some(first) = queue.recv().await {
+        let mut open = true;
+        match first {
+            Batched::Delta(delta) => {
+                batch.push(delta);
+                let deadline = Instant::now() + DELTA_BATCH_INTERVAL;
+                while batch.len() < DELTA_BATCH_MAX {
+                    tokio::select! {
+                        next = queue.recv() => match next {
+                            Some(Batched::Delta(delta)) => batch.push(delta),
+                            Some(Batched::Flush(ack)) => {
+                                acks.push(ack);
+                                break;
+                            }
+                            None => {
+                                open = false;
+                                break;
+                            }
+                        },
+                        _ = tokio::time::sleep_until(deadline) => break,
+                    }
+                }
+            }
+            Batched::Flush(ack) => acks.push(ack),
+        }
+        if !batch.is_empty() {
+            let body = DeltaBatch {
+                deltas: std::mem::take(&mut batch),
+            };
+            let sent = connection
+                .call(
+                    Request::post("/v1/worker/deltas", &body),
+                    Subject::default(),
+                    DELTA_POST_TIMEOUT,
+                )
+                .await;
+            if let Err(e) = sent {
+                debug!(error = %e, deltas = body.deltas.len(), "sending model deltas failed; they are dropped");
+            }
+        }
+        for ack in acks.drain(..) {
+            let _ = ack.send(());
+        }
+        if !open {
+            return;
+        }
+    }
+}

@@ -1,0 +1,665 @@
+//! The transport and the task source against routers on TCP and on unix sockets: a whole turn
+//! through a remote worker pool and a remote client (over the test server of
+//! `fake_server.rs`), event streams that are cut, resend or leave out events, reports that
+//! meet a failing or restarting server, and every error answer mapped back.
+
+use crate::fake_server::{serve_tcp, serve_unix, serve_unix_at, FakeServer, Faults, Served};
+use crate::{connect, HttpTaskSource, HttpTransport};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::Router;
+use cairn_activities::ToolRegistry;
+use cairn_ledger::{Delta, ModelSpec};
+use cairn_runtime::wire::StreamEvent;
+use cairn_runtime::{
+    ActivityFailure, ActivityRef, ActivityReport, Client, DeltaEvent, Error, ErrorClass, Event,
+    EventStream, Lease, SessionOptions, SessionQuery, SessionStatus, TaskFilter, TaskId, TaskKind,
+    TurnOutcome,
+};
+use cairn_workers::{Activities, StandardModels, TaskSource, WorkerConfig, WorkerPool};
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A guard against a hang, not a timing assertion: what it waits for happens in well under
+/// a second when things work.
+const HANG_GUARD: Duration = Duration::from_secs(60);
+
+async fn guarded<T>(what: &str, future: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(HANG_GUARD, future).await {
+        Ok(value) => value,
+        Err(_) => panic!("{what} did not happen within {HANG_GUARD:?}"),
+    }
+}
+
+fn demo_script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../activities/scripts/demo.json")
+}
+
+fn demo_model() -> ModelSpec {
+    ModelSpec::parse(&format!("scripted:{}", demo_script().display())).unwrap()
+}
+
+/// A worker pool of this process over the server at `url`, as `cairn worker` runs one.
+fn remote_pool(
+    url: &str,
+    token: Option<&str>,
+    workdir: &std::path::Path,
+) -> (WorkerPool, Arc<HttpTaskSource>) {
+    let source = Arc::new(HttpTaskSource::new(url, token.map(str::to_owned)).unwrap());
+    let activities = Activities {
+        models: Arc::new(StandardModels::new()),
+        tools: Arc::new(ToolRegistry::builtin(workdir)),
+    };
+    let config = WorkerConfig {
+        poll_interval_ms: 1_000,
+        renew_interval_ms: Some(1_000),
+        queues: Some(BTreeSet::from(["default".to_owned()])),
+        ..WorkerConfig::default()
+    };
+    let pool = WorkerPool::start_with(source.clone(), activities, config);
+    (pool, source)
+}
+
+/// Reads `stream` until `done` says so.
+async fn read_until(
+    stream: &mut EventStream,
+    mut done: impl FnMut(&StreamEvent) -> bool,
+) -> Vec<StreamEvent> {
+    let mut seen = Vec::new();
+    guarded("the awaited stream event", async {
+        loop {
+            let event = stream
+                .next()
+                .await
+                .expect("the stream went on")
+                .expect("no stream error");
+            let stop = done(&event);
+            seen.push(event);
+            if stop {
+                return;
+            }
+        }
+    })
+    .await;
+    seen
+}
+
+fn seqs(events: &[StreamEvent]) -> Vec<u64> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            StreamEvent::Event(e) => Some(e.seq),
+            StreamEvent::Delta(_) => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_turn_runs_on_a_remote_worker_pool_and_streams_to_a_remote_client() {
+    // Over TCP and a unix socket; then with every event stream cut after 4 events and a
+    // reconnect sent the last 2 again: the client must still see each event once (deltas
+    // sent while it reconnects are missed: they are presentation only).
+    for (unix, cut) in [(false, false), (true, false), (true, true)] {
+        let faults = Faults {
+            events_per_connection: cut.then_some(4),
+            resend_on_reconnect: if cut { 2 } else { 0 },
+            page_limit: 3,
+            ..Faults::default()
+        };
+        let server = FakeServer::new(Some("s3cret"), faults);
+        let served = if unix {
+            serve_unix(server.router()).await.unwrap()
+        } else {
+            serve_tcp(server.router()).await.unwrap()
+        };
+        let workdir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            workdir.path().join("notes.txt"),
+            "The launch is on Tuesday.\n",
+        )
+        .unwrap();
+        let (pool, source) = remote_pool(&served.url, Some("s3cret"), workdir.path());
+        let client = connect(&served.url, Some("s3cret".to_owned())).unwrap();
+
+        let tools = ToolRegistry::builtin(workdir.path()).specs();
+        let mut options = SessionOptions::new(demo_model(), tools);
+        options.session_id = Some("remote-1".to_owned());
+        let session = client.start_session(options).await.unwrap();
+        assert_eq!(session, "remote-1");
+        let mut stream = client.subscribe(&session, 0).await.unwrap();
+        let turn = client
+            .send(&session, "What is (17 + 25) * 3?")
+            .await
+            .unwrap();
+        guarded("the pool's first lease", source.reached())
+            .await
+            .unwrap();
+
+        let seen = read_until(&mut stream, |e| {
+            matches!(e, StreamEvent::Event(e) if matches!(e.event, Event::TurnCompleted { .. }))
+        })
+        .await;
+        let outcome = client.wait_turn(&session, turn).await.unwrap();
+        let TurnOutcome::Completed { answer, .. } = &outcome else {
+            panic!("{outcome:?}");
+        };
+        // Every delta of the answering model call arrives before the turn's end: the worker
+        // sends them before its report, and followers pass deltas on first.
+        let answer_text = |seen: &[StreamEvent]| -> String {
+            seen.iter()
+                .filter_map(|e| match e {
+                    StreamEvent::Delta(DeltaEvent {
+                        origin,
+                        delta: Delta::Text(text),
+                    }) if origin.activity == "model:1" => Some(text.as_str()),
+                    _ => None,
+                })
+                .collect()
+        };
+        if !cut {
+            assert_eq!(
+                answer_text(&seen),
+                *answer,
+                "unix {unix}: the text came before the end"
+            );
+        }
+
+        // Each history event exactly once, in order, although the stream was cut 3 times and
+        // events were resent.
+        let history = client.history(&session).await.unwrap();
+        let last = history.last().unwrap().seq;
+        assert_eq!(
+            seqs(&seen),
+            (1..=last).collect::<Vec<_>>(),
+            "unix {unix}, cut {cut}"
+        );
+        let streamed: Vec<_> = seen
+            .iter()
+            .filter_map(|e| match e {
+                StreamEvent::Event(e) => Some(e.clone()),
+                StreamEvent::Delta(_) => None,
+            })
+            .collect();
+        assert_eq!(
+            streamed, history,
+            "the stream and the (paged) history agree"
+        );
+        let reconnects: Vec<u64> = server
+            .seen()
+            .iter()
+            .filter(|s| s.uri.contains("/events"))
+            .filter_map(|s| s.last_event_id.as_ref()?.parse().ok())
+            .collect();
+        if cut {
+            assert!(reconnects.len() >= 3, "{reconnects:?}");
+            assert!(reconnects.windows(2).all(|w| w[0] < w[1]), "{reconnects:?}");
+        } else {
+            assert!(
+                reconnects.is_empty(),
+                "the stream was never cut: {reconnects:?}"
+            );
+        }
+
+        // Reads agree with the engine's own.
+        let local = Client::new(server.engine.clone());
+        assert_eq!(
+            client.transcript(&session).await.unwrap(),
+            local.transcript(&session).await.unwrap()
+        );
+        let description = client.describe(&session).await.unwrap();
+        assert_eq!(description, local.describe(&session).await.unwrap());
+        assert_eq!(description.status, SessionStatus::Idle);
+        assert_eq!(description.last_outcome, Some(outcome.clone()));
+        assert_eq!(
+            client.sessions().await.unwrap(),
+            local.sessions().await.unwrap()
+        );
+        pool.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn an_event_left_out_of_the_stream_is_read_from_the_history() {
+    let server = FakeServer::new(
+        None,
+        Faults {
+            withhold_seq: Some(2),
+            bare_stream: true,
+            ..Faults::default()
+        },
+    );
+    let served = serve_unix(server.router()).await.unwrap();
+    let client = connect(&served.url, None).unwrap();
+    let session = client
+        .start_session(SessionOptions::new(demo_model(), Vec::new()))
+        .await
+        .unwrap();
+    let mut stream = client.subscribe(&session, 0).await.unwrap();
+    let turn = client.send(&session, "hello").await.unwrap();
+    let seen = read_until(
+        &mut stream,
+        |e| matches!(e, StreamEvent::Event(e) if e.seq == 3),
+    )
+    .await;
+    assert_eq!(seqs(&seen), [1, 2, 3]);
+    // No worker runs: the turn does not end, and a bounded wait says so.
+    assert_eq!(
+        client
+            .wait_turn_for(&session, turn, Duration::from_millis(200))
+            .await
+            .unwrap(),
+        None
+    );
+    let polls: Vec<_> = server
+        .seen()
+        .into_iter()
+        .filter(|s| s.uri.contains("/turns/1?timeout_ms="))
+        .collect();
+    assert!(!polls.is_empty());
+    // Queries carry their parameters.
+    let page = client
+        .list_sessions(&SessionQuery {
+            status: Some(SessionStatus::Running),
+            after: Some("a b".to_owned()),
+            limit: Some(5),
+        })
+        .await
+        .unwrap();
+    assert_eq!(page.sessions.len(), 1);
+    assert!(
+        server
+            .seen()
+            .iter()
+            .any(|s| s.uri == "/v1/sessions?status=running&after=a%20b&limit=5"),
+        "{:?}",
+        server.seen()
+    );
+    // A turn-only cancel answers with the turn.
+    assert_eq!(client.cancel_turn(&session, "enough").await.unwrap(), turn);
+}
+
+fn lease_of(session: &str, seq: u64) -> Lease {
+    Lease {
+        id: TaskId {
+            session_id: session.to_owned(),
+            scheduled_seq: seq,
+        },
+        kind: TaskKind::Model,
+        lease_attempt: 2,
+        // Far ahead: retries are not cut short by the lease in these tests.
+        expires_at_ms: u64::MAX / 2,
+    }
+}
+
+fn failure() -> ActivityReport {
+    ActivityReport::Failed(ActivityFailure::new(ErrorClass::Transient, "test"))
+}
+
+fn error_body(status: u16, code: &str, message: &str) -> axum::response::Response {
+    (
+        StatusCode::from_u16(status).unwrap(),
+        [("content-type", "application/json")],
+        serde_json::json!({"error": {"code": code, "message": message}}).to_string(),
+    )
+        .into_response()
+}
+
+/// A router answering each route with a fixed error.
+fn failing_router() -> Router {
+    Router::new()
+        .route(
+            "/v1/sessions/{id}",
+            get(|| async { error_body(404, "not_found", "unknown session \"nope\"") }),
+        )
+        .route(
+            "/v1/sessions/{id}/messages",
+            post(|| async {
+                error_body(
+                    409,
+                    "conflict",
+                    "session \"s1\" seq 7: event rejected: turn 2 is running",
+                )
+            }),
+        )
+        .route(
+            "/v1/sessions/{id}/cancel",
+            post(|| async { error_body(409, "conflict", "nothing to cancel") }),
+        )
+        .route(
+            "/v1/sessions",
+            get(|| async { error_body(500, "internal", "store error: disk full") }),
+        )
+        .route(
+            "/v1/sessions/{id}/history",
+            get(|| async {
+                (
+                    StatusCode::BAD_GATEWAY,
+                    [("content-type", "text/html")],
+                    "<html>bad gateway</html>",
+                )
+            }),
+        )
+        .route("/v1/sessions/{id}/transcript", get(|| async { "not json" }))
+        .route(
+            "/v1/sessions/{id}/events",
+            get(|| async { error_body(403, "forbidden", "a worker token") }),
+        )
+        .route(
+            "/v1/worker/report",
+            post(|| async { error_body(409, "stale_report", "the workflow waits for attempt 3") }),
+        )
+        .route(
+            "/v1/worker/heartbeat",
+            post(|| async { error_body(409, "lease_lost", "lease attempt 3 is current") }),
+        )
+        .route(
+            "/v1/worker/progress",
+            post(|| async { error_body(418, "teapot", "short and stout") }),
+        )
+        .route(
+            "/v1/worker/lease",
+            post(|| async { error_body(401, "unauthorized", "unknown token") }),
+        )
+}
+
+#[tokio::test]
+async fn error_answers_map_back_to_runtime_errors() {
+    for served in [
+        serve_unix(failing_router()).await.unwrap(),
+        serve_tcp(failing_router()).await.unwrap(),
+    ] {
+        let url = served.url.clone();
+        let client = connect(&url, Some("t".to_owned())).unwrap();
+        let err = client.describe("nope").await.unwrap_err();
+        assert!(
+            matches!(&err, Error::UnknownSession { session_id } if session_id == "nope"),
+            "{err:?}"
+        );
+        let err = client.send("s1", "hi").await.unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidEvent { session_id, seq: 7, reason } if session_id == "s1" && reason == "turn 2 is running"),
+            "{err:?}"
+        );
+        let err = client.cancel("s1", "why").await.unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidEvent { seq: 0, reason, .. } if reason == "nothing to cancel"),
+            "{err:?}"
+        );
+        let err = client.sessions().await.unwrap_err();
+        assert!(
+            matches!(&err, Error::Remote { status: 500, code, message, url: u } if code == "internal" && message == "store error: disk full" && *u == url),
+            "{err:?}"
+        );
+        let err = client.history("s1").await.unwrap_err();
+        assert!(
+            matches!(&err, Error::Remote { status: 502, code, message, .. } if code == "http_502" && message == "<html>bad gateway</html>"),
+            "{err:?}"
+        );
+        let err = client.transcript("s1").await.unwrap_err();
+        assert!(
+            matches!(&err, Error::BadAnswer { reason, .. } if reason.contains("does not decode")),
+            "{err:?}"
+        );
+        let err = client.subscribe("s1", 0).await.err().expect("refused");
+        assert!(
+            matches!(&err, Error::Remote { status: 403, code, .. } if code == "forbidden"),
+            "{err:?}"
+        );
+
+        let source = HttpTaskSource::new(&url, None).unwrap();
+        let lease = lease_of("s1", 3);
+        let err = source.report(&lease, failure()).await.unwrap_err();
+        assert!(
+            matches!(&err, Error::StaleReport { session_id, seq: 3, reason } if session_id == "s1" && reason.contains("attempt 3")),
+            "{err:?}"
+        );
+        assert!(err.is_stale_report());
+        let err = source.heartbeat(&lease, 1_000, None).await.unwrap_err();
+        assert!(
+            matches!(&err, Error::LeaseLost { task, .. } if task == "s1/3"),
+            "{err:?}"
+        );
+        let err = source
+            .record_progress(&lease, "a".into(), String::new())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Remote { status: 418, code, message, .. } if code == "teapot" && message == "short and stout"),
+            "{err:?}"
+        );
+        // A refused lease ends the wait for the server with the reason.
+        let leased = source
+            .lease(&TaskFilter::default(), 1, 1_000, Duration::ZERO)
+            .await;
+        assert!(
+            matches!(leased, Err(Error::Remote { status: 401, .. })),
+            "{leased:?}"
+        );
+        let err = source.reached().await.unwrap_err();
+        assert!(
+            matches!(&err, Error::Remote { status: 401, code, .. } if code == "unauthorized"),
+            "{err:?}"
+        );
+        // What HTTP cannot carry is refused before anything is sent.
+        let only = TaskFilter {
+            sessions: Some(BTreeSet::from(["s1".to_owned()])),
+            ..TaskFilter::default()
+        };
+        let err = source
+            .lease(&only, 1, 1_000, Duration::ZERO)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Unsupported { .. }), "{err:?}");
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_server_is_named_with_the_cause() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    drop(listener);
+    let err = connect(&url, None).unwrap().sessions().await.unwrap_err();
+    let Error::Unreachable { url: u, reason } = &err else {
+        panic!("{err:?}");
+    };
+    assert_eq!(*u, url);
+    assert!(
+        reason.to_lowercase().contains("connection refused"),
+        "{reason}"
+    );
+    assert!(err
+        .to_string()
+        .starts_with(&format!("cannot reach the cairn server at {url}: ")));
+
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("unix:{}", dir.path().join("cairn.sock").display());
+    let err = connect(&url, None).unwrap().sessions().await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Unreachable { reason, .. } if reason.contains("No such file")),
+        "{err:?}"
+    );
+    assert!(matches!(
+        HttpTransport::new("localhost:7070", None).err(),
+        Some(Error::Unreachable { .. })
+    ));
+}
+
+/// A session with a model task queued, on `server`; returns its lease through `source`.
+async fn leased_model_task(server: &FakeServer, source: &HttpTaskSource) -> Lease {
+    let local = Client::new(server.engine.clone());
+    let session = local
+        .start_session(SessionOptions::new(demo_model(), Vec::new()))
+        .await
+        .unwrap();
+    local.send(&session, "hello").await.unwrap();
+    let tasks = source
+        .lease(&TaskFilter::default(), 1, 30_000, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(tasks.len(), 1);
+    tasks[0].lease.clone()
+}
+
+/// A report the engine records (a failure the retry policy does not retry).
+fn completion() -> ActivityReport {
+    ActivityReport::Failed(ActivityFailure::new(
+        ErrorClass::InvalidRequest,
+        "refused by the test",
+    ))
+}
+
+#[tokio::test]
+async fn a_report_is_tried_again_while_the_server_fails() {
+    let server = FakeServer::new(
+        None,
+        Faults {
+            fail_reports: 3.into(),
+            ..Faults::default()
+        },
+    );
+    let served = serve_tcp(server.router()).await.unwrap();
+    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let lease = leased_model_task(&server, &source).await;
+    source.report(&lease, completion()).await.unwrap();
+    assert_eq!(server.reports.load(Ordering::Relaxed), 4);
+    let history = Client::new(server.engine.clone())
+        .history(&lease.id.session_id)
+        .await
+        .unwrap();
+    assert!(
+        history
+            .iter()
+            .any(|e| matches!(e.event, Event::ModelCallFailed { .. })),
+        "the report was recorded once it got through"
+    );
+}
+
+#[tokio::test]
+async fn a_report_survives_a_server_restart() {
+    let server = FakeServer::new(None, Faults::default());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cairn.sock");
+    let served = serve_unix_at(&path, server.router()).unwrap();
+    let source = Arc::new(HttpTaskSource::new(&served.url, None).unwrap());
+    let lease = leased_model_task(&server, &source).await;
+    // The server goes away; in its place, a socket that hangs up on every connection.
+    drop(served);
+    std::fs::remove_file(&path).unwrap();
+    let hang_up = tokio::net::UnixListener::bind(&path).unwrap();
+    let reporting = tokio::spawn({
+        let source = source.clone();
+        let lease = lease.clone();
+        async move { source.report(&lease, completion()).await }
+    });
+    // Once a try has failed on the dead socket, the server comes back.
+    let refused = Arc::new(AtomicUsize::new(0));
+    guarded("a failed try", async {
+        let (connection, _) = hang_up.accept().await.unwrap();
+        drop(connection);
+        refused.fetch_add(1, Ordering::Relaxed);
+    })
+    .await;
+    drop(hang_up);
+    std::fs::remove_file(&path).unwrap();
+    let _back = serve_unix_at(&path, server.router()).unwrap();
+    guarded("the report", reporting).await.unwrap().unwrap();
+    assert_eq!(refused.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        server.reports.load(Ordering::Relaxed),
+        1,
+        "the restarted server got it"
+    );
+}
+
+#[tokio::test]
+async fn deltas_are_batched_in_order_and_sent_before_the_report() {
+    let server = FakeServer::new(None, Faults::default());
+    let served = serve_tcp(server.router()).await.unwrap();
+    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let mut deltas = server.engine.subscribe_deltas();
+    let origin = ActivityRef {
+        session_id: "s1".to_owned(),
+        turn: 1,
+        activity: "model:0".to_owned(),
+        attempt: 1,
+    };
+    for n in 0..1000 {
+        source.publish_delta(DeltaEvent {
+            origin: origin.clone(),
+            delta: Delta::Text(format!("{n} ")),
+        });
+    }
+    // A report for a lease the server does not know: refused, but only after the deltas.
+    let err = source
+        .report(&lease_of("s1", 3), failure())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::UnknownSession { .. }), "{err:?}");
+    let mut received = Vec::new();
+    while let Ok(delta) = deltas.try_recv() {
+        received.push(delta);
+    }
+    let expected: Vec<DeltaEvent> = (0..1000)
+        .map(|n| DeltaEvent {
+            origin: origin.clone(),
+            delta: Delta::Text(format!("{n} ")),
+        })
+        .collect();
+    assert_eq!(received, expected);
+    let batches = server.delta_batches.lock().unwrap().clone();
+    assert_eq!(batches.iter().sum::<usize>(), 1000);
+    assert!(
+        batches.iter().all(|&b| (1..=256).contains(&b)),
+        "{batches:?}"
+    );
+    assert!(batches.len() >= 4, "{batches:?}");
+}
+
+#[tokio::test]
+async fn health_and_the_transport_address() {
+    let server = FakeServer::new(None, Faults::default());
+    let served: Served = serve_unix(server.router()).await.unwrap();
+    let transport = HttpTransport::new(&served.url, None).unwrap();
+    assert_eq!(transport.url(), served.url);
+    assert_eq!(transport.health().await.unwrap().status, "ok");
+}
+
+#[tokio::test]
+async fn a_follower_passes_on_waiting_deltas_before_a_later_event() {
+    // What the server's event stream relies on for an answer's text to precede its end.
+    let server = FakeServer::new(None, Faults::default());
+    let local = Client::new(server.engine.clone());
+    let session = local
+        .start_session(SessionOptions::new(demo_model(), Vec::new()))
+        .await
+        .unwrap();
+    let mut follower = cairn_runtime::client::follow(server.engine.clone(), session.clone(), 1);
+    let deltas: Vec<DeltaEvent> = (0..8)
+        .map(|n| DeltaEvent {
+            origin: ActivityRef {
+                session_id: session.clone(),
+                turn: 1,
+                activity: "model:0".to_owned(),
+                attempt: 1,
+            },
+            delta: Delta::Text(format!("{n}")),
+        })
+        .collect();
+    for delta in &deltas {
+        server.engine.publish_delta(delta.clone());
+    }
+    // Appended after the deltas were published, before the follower looks.
+    local.send(&session, "hello").await.unwrap();
+    let mut backlog = std::collections::VecDeque::new();
+    while backlog.len() < deltas.len() {
+        follower.next(&mut backlog).await.unwrap().unwrap();
+    }
+    let first: Vec<StreamEvent> = backlog.drain(..deltas.len()).collect();
+    let expected: Vec<StreamEvent> = deltas.into_iter().map(StreamEvent::Delta).collect();
+    assert_eq!(first, expected);
+}

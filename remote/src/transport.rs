@@ -1,0 +1,466 @@
+//! The client's transport over the `/v1` API: every [`Transport`] operation as the request
+//! the route table of `cairn_runtime::wire` names, and a session's event stream that
+//! reconnects by itself without losing or repeating a history event.
+
+use crate::connection::{encode, Connection, Request, Subject, REQUEST_TIMEOUT};
+use crate::sse::StreamDecoder;
+use async_trait::async_trait;
+use cairn_ledger::{ModelSpec, Transcript};
+use cairn_runtime::wire::{
+    CancelRequest, Cancelled, CreateSession, Health, HistoryPage, SendMessage, SessionCreated,
+    SessionDescription, SessionPage, StreamEvent, TurnStarted, TurnWait,
+};
+use cairn_runtime::{
+    Error, EventEnvelope, EventStream, Result, SessionOptions, SessionQuery, Transport, TurnOutcome,
+};
+use futures_util::StreamExt;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tracing::debug;
+
+/// How long one long poll for a turn's outcome asks the server to wait; the client asks
+/// again until the turn ends (or its own deadline passes).
+const TURN_POLL: Duration = Duration::from_secs(30);
+
+/// How long an event stream keeps trying to reconnect to a server that stays unreachable
+/// (or keeps failing) before it ends with the error; a restart of the server takes less.
+const RECONNECT_GIVE_UP: Duration = Duration::from_secs(60);
+
+/// The first and the longest pause between reconnection attempts.
+const RECONNECT_BACKOFF: (Duration, Duration) =
+    (Duration::from_millis(100), Duration::from_secs(5));
+
+/// A client transport to a cairn server (`http(s)://HOST:PORT` or `unix:PATH`).
+#[derive(Clone)]
+pub struct HttpTransport {
+    connection: Arc<Connection>,
+}
+
+impl HttpTransport {
+    /// A transport to the server at `url`, sending `token` as a bearer token when given.
+    /// Nothing is sent until the first operation.
+    pub fn new(url: &str, token: Option<String>) -> Result<Self> {
+        Ok(HttpTransport {
+            connection: Arc::new(Connection::new(url, token)?),
+        })
+    }
+
+    /// The server's address as given.
+    pub fn url(&self) -> &str {
+        self.connection.url()
+    }
+
+    /// `GET /v1/health`.
+    pub async fn health(&self) -> Result<Health> {
+        self.connection
+            .call_json(
+                Request::get("/v1/health"),
+                Subject::default(),
+                REQUEST_TIMEOUT,
+            )
+            .await
+    }
+}
+
+fn session_path(session_id: &str) -> String {
+    format!("/v1/sessions/{}", encode(session_id))
+}
+
+fn session(session_id: &str) -> Subject<'_> {
+    Subject {
+        session_id: Some(session_id),
+        lease: None,
+    }
+}
+
+#[async_trait]
+impl Transport for HttpTransport {
+    async fn start_session(&self, options: SessionOptions) -> Result<String> {
+        let body = CreateSession {
+            session_id: options.session_id,
+            model: options.model,
+            tools: options.tools,
+            system_prompt: options.system_prompt,
+            // Sent explicitly, so the session records what this client asked for, not the
+            // server build's defaults.
+            limits: Some(options.limits),
+            model_retry: Some(options.model_retry),
+            tool_retry: Some(options.tool_retry),
+            queues: (!options.queues.is_default()).then_some(options.queues),
+        };
+        let subject = Subject {
+            session_id: body.session_id.as_deref(),
+            lease: None,
+        };
+        let created: SessionCreated = self
+            .connection
+            .call_json(
+                Request::post("/v1/sessions", &body),
+                subject,
+                REQUEST_TIMEOUT,
+            )
+            .await?;
+        Ok(created.session_id)
+    }
+
+    async fn send(&self, session_id: &str, text: &str, model: Option<ModelSpec>) -> Result<u32> {
+        let body = SendMessage {
+            text: text.to_owned(),
+            model,
+        };
+        let path = format!("{}/messages", session_path(session_id));
+        let started: TurnStarted = self
+            .connection
+            .call_json(
+                Request::post(path, &body),
+                session(session_id),
+                REQUEST_TIMEOUT,
+            )
+            .await?;
+        Ok(started.turn)
+    }
+
+    async fn wait_turn(
+        &self,
+        session_id: &str,
+        turn: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Option<TurnOutcome>> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            let wait = match deadline {
+                Some(deadline) => deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(TURN_POLL),
+                None => TURN_POLL,
+            };
+            let path = format!(
+                "{}/turns/{turn}?timeout_ms={}",
+                session_path(session_id),
+                wait.as_millis()
+            );
+            let answer: TurnWait = self
+                .connection
+                .call_json(
+                    Request::get(path),
+                    session(session_id),
+                    REQUEST_TIMEOUT + wait,
+                )
+                .await?;
+            match answer {
+                TurnWait {
+                    done: true,
+                    outcome: Some(outcome),
+                } => return Ok(Some(outcome)),
+                TurnWait { done: true, .. } => {
+                    return Err(self.connection.bad_answer(format!(
+                        "turn {turn} of session {session_id:?} is done without an outcome"
+                    )))
+                }
+                TurnWait { done: false, .. } => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+    }
+
+    async fn cancel(&self, session_id: &str, reason: &str) -> Result<()> {
+        self.cancel_request(session_id, reason, false).await?;
+        Ok(())
+    }
+
+    async fn cancel_turn(&self, session_id: &str, reason: &str) -> Result<u32> {
+        match self.cancel_request(session_id, reason, true).await? {
+            Cancelled { turn: Some(turn) } => Ok(turn),
+            Cancelled { turn: None } => Err(self.connection.bad_answer(format!(
+                "a cancelled turn of session {session_id:?} without its number"
+            ))),
+        }
+    }
+
+    async fn history(
+        &self,
+        session_id: &str,
+        from_seq: u64,
+        limit: Option<usize>,
+    ) -> Result<Vec<EventEnvelope>> {
+        // The server caps a page: ask again from where it stopped until the history (or the
+        // limit) is exhausted.
+        let mut events = Vec::new();
+        let mut from = from_seq;
+        loop {
+            let wanted = limit.map(|l| l - events.len());
+            if wanted == Some(0) {
+                return Ok(events);
+            }
+            let mut path = format!("{}/history?from_seq={from}", session_path(session_id));
+            if let Some(wanted) = wanted {
+                path.push_str(&format!("&limit={wanted}"));
+            }
+            let page: HistoryPage = self
+                .connection
+                .call_json(Request::get(path), session(session_id), REQUEST_TIMEOUT)
+                .await?;
+            let Some(last) = page.events.last().map(|e| e.seq) else {
+                return Ok(events);
+            };
+            if last < from || page.next_seq <= last {
+                return Err(self.connection.bad_answer(format!(
+                    "a history page of session {session_id:?} asked from seq {from} ends at seq {last} with next_seq {}",
+                    page.next_seq
+                )));
+            }
+            from = page.next_seq;
+            events.extend(page.events);
+            if let Some(limit) = limit {
+                events.truncate(limit);
+            }
+        }
+    }
+
+    async fn transcript(&self, session_id: &str) -> Result<Transcript> {
+        let path = format!("{}/transcript", session_path(session_id));
+        self.connection
+            .call_json(Request::get(path), session(session_id), REQUEST_TIMEOUT)
+            .await
+    }
+
+    async fn describe(&self, session_id: &str) -> Result<SessionDescription> {
+        self.connection
+            .call_json(
+                Request::get(session_path(session_id)),
+                session(session_id),
+                REQUEST_TIMEOUT,
+            )
+            .await
+    }
+
+    async fn sessions(&self, query: &SessionQuery) -> Result<SessionPage> {
+        let mut params = Vec::new();
+        if let Some(status) = query.status {
+            params.push(format!("status={}", status.as_str()));
+        }
+        if let Some(after) = &query.after {
+            params.push(format!("after={}", encode(after)));
+        }
+        if let Some(limit) = query.limit {
+            params.push(format!("limit={limit}"));
+        }
+        let mut path = "/v1/sessions".to_owned();
+        if !params.is_empty() {
+            path.push('?');
+            path.push_str(&params.join("&"));
+        }
+        self.connection
+            .call_json(Request::get(path), Subject::default(), REQUEST_TIMEOUT)
+            .await
+    }
+
+    async fn subscribe(&self, session_id: &str, after_seq: u64) -> Result<EventStream> {
+        let follower = Follower {
+            connection: self.connection.clone(),
+            session_id: session_id.to_owned(),
+            last_seq: after_seq,
+        };
+        // The first connection is opened here, so an unknown session or a refused token is
+        // this call's error rather than the stream's.
+        let body = follower.connect(false).await?;
+        let (sender, receiver) = mpsc::channel(1024);
+        tokio::spawn(follower.run(body, sender));
+        Ok(EventStream::new(receiver))
+    }
+}
+
+impl HttpTransport {
+    async fn cancel_request(
+        &self,
+        session_id: &str,
+        reason: &str,
+        turn_only: bool,
+    ) -> Result<Cancelled> {
+        let body = CancelRequest {
+            reason: Some(reason.to_owned()),
+            turn_only,
+        };
+        let path = format!("{}/cancel", session_path(session_id));
+        self.connection
+            .call_json(
+                Request::post(path, &body),
+                session(session_id),
+                REQUEST_TIMEOUT,
+            )
+            .await
+    }
+}
+
+/// Follows a session's event stream across connections: after a dropped connection it
+/// reconnects with `Last-Event-ID` (and `after_seq`) set to the last seq it passed on, skips
+/// events it already passed on and reads any it was not sent from the history, so every
+/// history event reaches the consumer exactly once, in order. Deltas sent while it was
+/// disconnected are missed: they are presentation only.
+struct Follower {
+    connection: Arc<Connection>,
+    session_id: String,
+    last_seq: u64,
+}
+
+impl Follower {
+    /// Opens the stream from after `last_seq`.
+    async fn connect(&self, reconnect: bool) -> Result<crate::connection::ByteStream> {
+        let mut request = Request::get(format!(
+            "{}/events?after_seq={}",
+            session_path(&self.session_id),
+            self.last_seq
+        ));
+        request.event_stream = true;
+        if reconnect {
+            request.last_event_id = Some(self.last_seq);
+        }
+        let response = tokio::time::timeout(REQUEST_TIMEOUT, self.connection.send(request))
+            .await
+            .map_err(|_| {
+                self.connection
+                    .unreachable_because("the event stream did not open in time")
+            })??;
+        if (200..300).contains(&response.status) {
+            return Ok(response.body);
+        }
+        let status = response.status;
+        let body = self.connection.read_body(response.body).await?;
+        Err(self
+            .connection
+            .error_answer(status, &body, session(&self.session_id)))
+    }
+
+    async fn run(
+        mut self,
+        first: crate::connection::ByteStream,
+        sender: mpsc::Sender<Result<StreamEvent>>,
+    ) {
+        let mut body = Some(first);
+        let mut backoff = RECONNECT_BACKOFF.0;
+        let mut failing_since: Option<Instant> = None;
+        loop {
+            let Some(stream) = body.take() else {
+                tokio::select! {
+                    _ = sender.closed() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(RECONNECT_BACKOFF.1);
+                match self.connect(true).await {
+                    Ok(stream) => {
+                        body = Some(stream);
+                        failing_since = None;
+                        backoff = RECONNECT_BACKOFF.0;
+                    }
+                    Err(e) => {
+                        let since = *failing_since.get_or_insert_with(Instant::now);
+                        if !retryable(&e) || since.elapsed() >= RECONNECT_GIVE_UP {
+                            let _ = sender.send(Err(e)).await;
+                            return;
+                        }
+                        debug!(session_id = %self.session_id, error = %e, "reconnecting the event stream");
+                    }
+                }
+                continue;
+            };
+            match self.read(stream, &sender).await {
+                Ok(()) => {
+                    debug!(session_id = %self.session_id, last_seq = self.last_seq, "event stream ended; reconnecting");
+                }
+                Err(Some(e)) => {
+                    let _ = sender.send(Err(e)).await;
+                    return;
+                }
+                // The consumer is gone.
+                Err(None) => return,
+            }
+        }
+    }
+
+    /// Passes on one connection's messages until it ends (`Ok`), the consumer is gone
+    /// (`Err(None)`) or the stream is broken beyond a reconnect (`Err(Some)`).
+    async fn read(
+        &mut self,
+        mut stream: crate::connection::ByteStream,
+        sender: &mpsc::Sender<Result<StreamEvent>>,
+    ) -> std::result::Result<(), Option<Error>> {
+        let mut decoder = StreamDecoder::new();
+        loop {
+            let chunk = tokio::select! {
+                _ = sender.closed() => return Err(None),
+                chunk = stream.next() => chunk,
+            };
+            let chunk = match chunk {
+                None => return Ok(()),
+                Some(Err(reason)) => {
+                    debug!(session_id = %self.session_id, %reason, "event stream broke");
+                    return Ok(());
+                }
+                Some(Ok(chunk)) => chunk,
+            };
+            decoder
+                .push(&chunk)
+                .map_err(|reason| Some(self.connection.bad_answer(reason)))?;
+            while let Some(message) = decoder.next() {
+                match message.map_err(|reason| Some(self.connection.bad_answer(reason)))? {
+                    None => {}
+                    Some(StreamEvent::Event(event)) => self.deliver(event, sender).await?,
+                    Some(delta) => sender.send(Ok(delta)).await.map_err(|_| None)?,
+                }
+            }
+        }
+    }
+
+    /// Passes on a history event unless it was passed on already, after any events between
+    /// the last one passed on and it (read from the history).
+    async fn deliver(
+        &mut self,
+        event: EventEnvelope,
+        sender: &mpsc::Sender<Result<StreamEvent>>,
+    ) -> std::result::Result<(), Option<Error>> {
+        if event.seq <= self.last_seq {
+            return Ok(());
+        }
+        let mut events = Vec::new();
+        if event.seq > self.last_seq + 1 {
+            let missing = (event.seq - self.last_seq - 1) as usize;
+            let transport = HttpTransport {
+                connection: self.connection.clone(),
+            };
+            let read = transport
+                .history(&self.session_id, self.last_seq + 1, Some(missing))
+                .await
+                .map_err(Some)?;
+            events.extend(read.into_iter().filter(|e| e.seq < event.seq));
+        }
+        events.push(event);
+        for event in events {
+            if event.seq != self.last_seq + 1 {
+                return Err(Some(self.connection.bad_answer(format!(
+                    "the event stream of session {:?} skipped from seq {} to {}, and the history does not have them",
+                    self.session_id, self.last_seq, event.seq
+                ))));
+            }
+            self.last_seq = event.seq;
+            if sender.send(Ok(StreamEvent::Event(event))).await.is_err() {
+                return Err(None);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether a failed request may succeed when tried again: the server was unreachable, or
+/// failed (5xx: a store error, draining, a proxy without its backend).
+pub(crate) fn retryable(error: &Error) -> bool {
+    match error {
+        Error::Unreachable { .. } => true,
+        Error::Remote { status, .. } => *status >= 500,
+        _ => false,
+    }
+}

@@ -1,0 +1,130 @@
+//! `cairn run` through a server: start (or continue) a session, send the message, print the
+//! answer as it streams from the session's event stream, and the outcome.
+
+use super::deltas::DeltaWriter;
+use cairn_activities::ToolRegistry;
+use cairn_ledger::ModelSpec;
+use cairn_runtime::wire::StreamEvent;
+use cairn_runtime::{
+    Client, Error as RuntimeError, Event, EventStream, SessionOptions, TurnOutcome,
+};
+
+/// A server and a client of it.
+pub struct Remote {
+    /// The client.
+    pub client: Client,
+}
+
+/// What `cairn run` was asked.
+pub struct RunRequest {
+    pub model: ModelSpec,
+    pub session: Option<String>,
+    pub system: Option<String>,
+    pub max_rounds: u32,
+    pub prompt: String,
+    pub show_thinking: bool,
+}
+
+impl Remote {
+    /// A client of the server at `url`.
+    pub fn connect(url: &str, token: Option<String>) -> anyhow::Result<Remote> {
+        Ok(Remote {
+            client: cairn_remote::connect(url, token)?,
+        })
+    }
+
+    /// Runs one turn as `cairn run` does, the server's workers running its activities; the
+    /// outcome, as the embedded run gives it.
+    pub async fn run(&self, request: RunRequest) -> anyhow::Result<TurnOutcome> {
+        let client = &self.client;
+        let existing = match &request.session {
+            Some(id) => match client.describe(id).await {
+                Ok(description) => Some(description),
+                Err(RuntimeError::UnknownSession { .. }) => None,
+                Err(e) => return Err(e.into()),
+            },
+            None => None,
+        };
+        let description = match existing {
+            Some(description) => description,
+            None => {
+                // The session declares the built-in tools; the server's workers host them.
+                let tools = ToolRegistry::builtin(".").specs();
+                let mut options = SessionOptions::new(request.model.clone(), tools);
+                options.session_id = request.session.clone();
+                options.system_prompt = request.system.clone();
+                options.limits.max_rounds = request.max_rounds;
+                let session_id = client.start_session(options).await?;
+                client.describe(&session_id).await?
+            }
+        };
+        let session_id = description.session_id.clone();
+        // Subscribed before anything is sent, from the last event recorded: every event and
+        // delta of what follows comes through it.
+        let mut stream = client.subscribe(&session_id, description.events).await?;
+        let mut writer = DeltaWriter::new(request.show_thinking);
+        if let Some(turn) = description.running_turn {
+            // The server carries a running turn on by itself: wait for it, showing it.
+            println!("[session {session_id}: turn {turn} is still running; following it first]");
+            let outcome = follow_turn(client, &mut stream, &mut writer, &session_id, turn).await?;
+            println!();
+            if !matches!(outcome, TurnOutcome::Completed { .. }) {
+                eprintln!("{}", crate::describe(&outcome));
+            }
+        }
+        let turn = match description.model {
+            Some(model) if model != request.model => {
+                client
+                    .send_with_model(&session_id, &request.prompt, request.model)
+                    .await?
+            }
+            _ => client.send(&session_id, &request.prompt).await?,
+        };
+        let outcome = follow_turn(client, &mut stream, &mut writer, &session_id, turn).await?;
+        println!();
+        if !matches!(outcome, TurnOutcome::Completed { .. }) {
+            eprintln!("{}", crate::describe(&outcome));
+        }
+        eprintln!("session {session_id}");
+        Ok(outcome)
+    }
+}
+
+/// Prints `turn`'s deltas from `stream` until its end is recorded; then its outcome. A
+/// broken stream stops the printing, not the wait.
+async fn follow_turn(
+    client: &Client,
+    stream: &mut EventStream,
+    writer: &mut DeltaWriter,
+    session_id: &str,
+    turn: u32,
+) -> anyhow::Result<TurnOutcome> {
+    while let Some(next) = stream.next().await {
+        match next {
+            Ok(StreamEvent::Delta(delta)) => {
+                if delta.origin.turn == turn {
+                    writer.write(&delta);
+                }
+            }
+            Ok(StreamEvent::Event(event)) => {
+                let ended = match event.event {
+                    Event::TurnCompleted { turn: t, .. }
+                    | Event::TurnFailed { turn: t, .. }
+                    | Event::TurnCancelled { turn: t, .. } => t >= turn,
+                    Event::SessionCancelled { .. } => true,
+                    _ => false,
+                };
+                if ended {
+                    break;
+                }
+            }
+            Err(e) => {
+                eprintln!(
+                    "warning: the session's event stream broke ({e}); waiting for the outcome"
+                );
+                break;
+            }
+        }
+    }
+    Ok(client.wait_turn(session_id, turn).await?)
+}

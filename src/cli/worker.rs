@@ -1,0 +1,108 @@
+//! `cairn worker`: a worker pool of this process running a server's tasks — model calls with
+//! the providers configured in this process's environment (API keys never leave it) and the
+//! built-in tools in `--workdir` — until SIGTERM or SIGINT, then draining.
+
+use anyhow::Context;
+use cairn_activities::ToolRegistry;
+use cairn_remote::HttpTaskSource;
+use cairn_runtime::DEFAULT_QUEUE;
+use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use tokio::signal::unix::{signal, Signal, SignalKind};
+
+/// How long a remote lease request waits for a task (a long poll), and the pause after a
+/// failed one.
+const LEASE_WAIT_MS: u64 = 5_000;
+
+/// How often a running activity renews its lease: a cancelled activity learns of its
+/// cancellation by its next renewal finding the lease gone, so this bounds how long it runs on.
+const RENEW_INTERVAL_MS: u64 = 1_000;
+
+/// What `cairn worker` was asked.
+pub struct WorkerRequest {
+    pub url: String,
+    pub token: Option<String>,
+    /// The queues served; empty: the default queue.
+    pub queues: Vec<String>,
+    pub concurrency: usize,
+    pub workdir: PathBuf,
+}
+
+/// Runs the pool until a signal, then drains it; exit 0 when drained, 1 when interrupted
+/// again while draining.
+pub async fn run(request: WorkerRequest) -> anyhow::Result<ExitCode> {
+    let mut signals = Signals {
+        terminate: signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?,
+        interrupt: signal(SignalKind::interrupt()).context("cannot listen for SIGINT")?,
+    };
+    let source = Arc::new(HttpTaskSource::new(&request.url, request.token)?);
+    let queues: BTreeSet<String> = if request.queues.is_empty() {
+        BTreeSet::from([DEFAULT_QUEUE.to_owned()])
+    } else {
+        request.queues.into_iter().collect()
+    };
+    let tools = ToolRegistry::builtin(request.workdir);
+    eprintln!(
+        "worker: queues {}; tools {}; {} at once; server {}",
+        queues.iter().cloned().collect::<Vec<_>>().join(", "),
+        tools.names().join(", "),
+        request.concurrency,
+        request.url
+    );
+    let activities = Activities {
+        models: Arc::new(StandardModels::new()),
+        tools: Arc::new(tools),
+    };
+    let config = WorkerConfig {
+        concurrency: request.concurrency.max(1),
+        poll_interval_ms: LEASE_WAIT_MS,
+        queues: Some(queues),
+        // It declares what it hosts, and is given nothing else.
+        take_unhosted: false,
+        renew_interval_ms: Some(RENEW_INTERVAL_MS),
+        ..WorkerConfig::default()
+    };
+    let pool = WorkerPool::start_with(source.clone(), activities, config);
+    tokio::select! {
+        reached = source.reached() => {
+            if let Err(e) = reached {
+                pool.shutdown().await;
+                return Err(e).context("the server refused this worker");
+            }
+            println!("worker ready");
+            let _ = std::io::stdout().flush();
+            signals.next().await;
+        }
+        _ = signals.next() => {}
+    }
+    eprintln!("worker: draining (running activities finish and report; again to stop at once)");
+    tokio::select! {
+        _ = pool.shutdown() => {
+            eprintln!("worker: drained");
+            Ok(ExitCode::SUCCESS)
+        }
+        _ = signals.next() => {
+            eprintln!("worker: stopped without draining; the tasks it held run again when their leases lapse");
+            Ok(ExitCode::from(1))
+        }
+    }
+}
+
+struct Signals {
+    terminate: Signal,
+    interrupt: Signal,
+}
+
+impl Signals {
+    /// The next SIGTERM or SIGINT.
+    async fn next(&mut self) {
+        tokio::select! {
+            _ = self.terminate.recv() => {}
+            _ = self.interrupt.recv() => {}
+        }
+    }
+}
