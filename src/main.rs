@@ -223,6 +223,14 @@ enum Command {
         /// The directory read_file may read (default: the current directory).
         #[arg(long)]
         workdir: Option<PathBuf>,
+        /// Host only these built-in tools (comma-separated; default: all of them). The server
+        /// never gives this worker a call of a tool it does not host.
+        #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
+        tools: Option<Vec<String>>,
+        /// Lease length in ms: a task this worker holds runs again elsewhere (as a new,
+        /// timed-out attempt) this long after the worker stops renewing it.
+        #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(100..))]
+        lease_ms: u64,
     },
     /// Continue every session whose turn was interrupted.
     Resume {
@@ -521,6 +529,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             queues,
             concurrency,
             workdir,
+            tools,
+            lease_ms,
         } => {
             let Some((url, token)) = server.resolve(None)? else {
                 bail!("cairn worker needs a server: --server URL, or CAIRN_SERVER");
@@ -531,6 +541,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 queues,
                 concurrency,
                 workdir: workdir_or_cwd(workdir)?,
+                tools,
+                lease_ms,
             })
             .await
         }

@@ -191,6 +191,13 @@ impl TaskSource for HttpTaskSource {
                 what: "leasing only some sessions' tasks (a server gives a worker the tasks of its token's namespace)".to_owned(),
             });
         }
+        // The first request answers at once, so the worker knows soon that the server took it
+        // (`reached`), rather than after a whole long poll of an empty queue.
+        let wait = if *self.contact.borrow() == Contact::Waiting {
+            Duration::ZERO
+        } else {
+            wait
+        };
         let body = LeaseRequest {
             max: u32::try_from(max).unwrap_or(u32::MAX),
             wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),

@@ -30,6 +30,10 @@ pub struct WorkerRequest {
     pub queues: Vec<String>,
     pub concurrency: usize,
     pub workdir: PathBuf,
+    /// The built-in tools hosted; `None`: all.
+    pub tools: Option<Vec<String>>,
+    /// Lease length.
+    pub lease_ms: u64,
 }
 
 /// Runs the pool until a signal, then drains it; exit 0 when drained, 1 when interrupted
@@ -45,7 +49,7 @@ pub async fn run(request: WorkerRequest) -> anyhow::Result<ExitCode> {
     } else {
         request.queues.into_iter().collect()
     };
-    let tools = ToolRegistry::builtin(request.workdir);
+    let tools = hosted_tools(ToolRegistry::builtin(request.workdir), request.tools)?;
     eprintln!(
         "worker: queues {}; tools {}; {} at once; server {}",
         queues.iter().cloned().collect::<Vec<_>>().join(", "),
@@ -64,6 +68,7 @@ pub async fn run(request: WorkerRequest) -> anyhow::Result<ExitCode> {
         // It declares what it hosts, and is given nothing else.
         take_unhosted: false,
         renew_interval_ms: Some(RENEW_INTERVAL_MS),
+        lease_ms: request.lease_ms,
         ..WorkerConfig::default()
     };
     let pool = WorkerPool::start_with(source.clone(), activities, config);
@@ -90,6 +95,24 @@ pub async fn run(request: WorkerRequest) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::from(1))
         }
     }
+}
+
+/// The tools of `all` named in `only` (all of them for `None`); an unknown name is an error.
+fn hosted_tools(all: ToolRegistry, only: Option<Vec<String>>) -> anyhow::Result<ToolRegistry> {
+    let Some(names) = only else {
+        return Ok(all);
+    };
+    let mut hosted = ToolRegistry::new();
+    for name in names {
+        let tool = all.get(&name).with_context(|| {
+            format!(
+                "--tools: no built-in tool {name:?} (there are: {})",
+                all.names().join(", ")
+            )
+        })?;
+        hosted.register(tool);
+    }
+    Ok(hosted)
 }
 
 struct Signals {
