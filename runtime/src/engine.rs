@@ -483,6 +483,7 @@ impl Engine {
     }
 
     /// Runs [`Engine::fire_timers`] every `every` until `stop` completes.
+    #[allow(clippy::disallowed_methods)] // the timer loop waits on real time by design
     pub async fn run_timers(
         &self,
         every: std::time::Duration,

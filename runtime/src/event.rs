@@ -44,6 +44,8 @@ impl EventEnvelope {
 /// Everything that can happen to a session.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+// Boxing the large variants would change nothing on the wire but cost an allocation per event.
+#[allow(clippy::large_enum_variant)]
 pub enum Event {
     /// The session exists, with its model, tools and limits.
     SessionStarted(SessionStarted),
