@@ -16,6 +16,8 @@ use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+mod serve;
+
 #[derive(Parser)]
 #[command(
     name = "cairn",
@@ -194,6 +196,36 @@ enum Command {
         /// changes into `set-aside/` first. Without it, fsck changes nothing.
         #[arg(long)]
         repair: bool,
+    },
+    /// Serve the `/v1` HTTP API: this process owns the store and runs the engine; clients and
+    /// workers connect over HTTP. Drains and exits 0 on SIGTERM or SIGINT.
+    Server {
+        /// Store directory (created if missing).
+        #[arg(long)]
+        data: PathBuf,
+        /// Address to listen on, e.g. 127.0.0.1:8080 (port 0: any free port, printed).
+        #[arg(long)]
+        listen: std::net::SocketAddr,
+        /// Bearer tokens: {"tokens": [{"token", "namespace", "role": "client"|"worker"}]}.
+        /// Without it, only loopback addresses are served and every request acts for
+        /// namespace `default` with both roles.
+        #[arg(long)]
+        tokens: Option<PathBuf>,
+        /// Storage engine of a new store: fjall (default) or sled; an existing store must
+        /// match.
+        #[arg(long, value_parser = parse_engine)]
+        engine: Option<StorageEngine>,
+        /// Run this many activities at once in this process (workers for the tools and model
+        /// providers built in); 0: only remote workers run tasks.
+        #[arg(long, default_value_t = 0)]
+        local_workers: usize,
+        /// The directory the in-process workers' read_file may read (default: the current
+        /// directory).
+        #[arg(long)]
+        workdir: Option<PathBuf>,
+        /// Long polls (waiting for a turn, leasing) answer after at most this many ms.
+        #[arg(long, default_value_t = 300_000)]
+        max_poll_ms: u64,
     },
     /// Continue every session whose turn was interrupted.
     Resume {
@@ -462,6 +494,26 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::from(1)
             })
+        }
+        Command::Server {
+            data,
+            listen,
+            tokens,
+            engine,
+            local_workers,
+            workdir,
+            max_poll_ms,
+        } => {
+            serve::run(serve::ServeArgs {
+                data,
+                listen,
+                tokens,
+                engine,
+                local_workers,
+                workdir: workdir_or_cwd(workdir)?,
+                max_poll_ms,
+            })
+            .await
         }
         Command::Resume { data, workdir } => {
             let workdir = workdir_or_cwd(workdir)?;
