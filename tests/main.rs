@@ -12,6 +12,7 @@ mod golden;
 mod lifecycle;
 mod powercut;
 mod providers;
+mod server;
 mod store_crash;
 mod support;
 mod wire;
