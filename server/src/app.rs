@@ -59,6 +59,13 @@ impl AppState {
                 .min(self.config.max_poll_ms),
         )
     }
+
+    /// When a wait of `wait` from now ends; waits past what the clock can say end in a year.
+    pub fn deadline(wait: Duration) -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        now.checked_add(wait)
+            .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600))
+    }
 }
 
 /// The API over `state`.

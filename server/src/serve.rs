@@ -117,7 +117,7 @@ impl Server {
 
 /// Waits until no worker holds a lease, or `limit` passed.
 async fn wait_for_leases(engine: &Engine, limit: Duration) {
-    let deadline = tokio::time::Instant::now() + limit;
+    let deadline = AppState::deadline(limit);
     loop {
         let now = engine.now_ms();
         let held = match engine.store().list_tasks().await {

@@ -95,7 +95,7 @@ pub async fn lease(
     if max == 0 {
         return Ok(Json(LeaseResponse { tasks: Vec::new() }));
     }
-    let deadline = tokio::time::Instant::now() + state.poll_wait(Some(request.wait_ms), 0);
+    let deadline = AppState::deadline(state.poll_wait(Some(request.wait_ms), 0));
     loop {
         // Listen before leasing, so an enqueue between an empty lease and the wait wakes us.
         let ready = state.engine.tasks_ready();
