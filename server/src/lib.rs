@@ -21,7 +21,7 @@ mod worker;
 pub use auth::{Caller, Role, Tokens};
 pub use errors::ApiError;
 pub use openapi::openapi;
-pub use serve::{check_exposure, serve, Server};
+pub use serve::{check_exposure, router, serve, Server};
 
 /// How a server behaves.
 #[derive(Debug)]

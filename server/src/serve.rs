@@ -3,7 +3,7 @@
 //! heartbeats while workers hold leases (up to the drain time), end long polls and event
 //! streams, and close gracefully.
 
-use crate::app::{router, AppState};
+use crate::app::{self, AppState};
 use crate::{Error, Result, ServerConfig};
 use cairn_runtime::Engine;
 use std::future::{Future, IntoFuture};
@@ -32,7 +32,7 @@ impl Server {
 
     /// The whole API, to serve on any transport (TCP, a unix socket) or call in-process.
     pub fn router(&self) -> axum::Router {
-        router(self.state.clone())
+        app::router(self.state.clone())
     }
 
     /// Starts draining: leasing answers 503 and health says `draining`.
@@ -151,6 +151,12 @@ pub fn check_exposure(addr: SocketAddr, config: &ServerConfig) -> Result<()> {
         return Err(Error::Exposed { addr });
     }
     Ok(())
+}
+
+/// The API of a new server over `engine`, for a caller that serves it itself. Use
+/// [`Server::router`] to serve one server on several transports that drain together.
+pub fn router(engine: Engine, config: ServerConfig) -> axum::Router {
+    Server::new(engine, config).router()
 }
 
 /// [`Server::serve`] of a new server over `engine`.
