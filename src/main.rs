@@ -19,6 +19,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+mod serve;
+
 #[derive(Parser)]
 #[command(
     name = "cairn",
@@ -231,6 +233,36 @@ enum Command {
         /// timed-out attempt) this long after the worker stops renewing it.
         #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(100..))]
         lease_ms: u64,
+    },
+    /// Serve the `/v1` HTTP API: this process owns the store and runs the engine; clients and
+    /// workers connect over HTTP. Drains and exits 0 on SIGTERM or SIGINT.
+    Server {
+        /// Store directory (created if missing).
+        #[arg(long)]
+        data: PathBuf,
+        /// Address to listen on, e.g. 127.0.0.1:8080 (port 0: any free port, printed).
+        #[arg(long)]
+        listen: std::net::SocketAddr,
+        /// Bearer tokens: {"tokens": [{"token", "namespace", "role": "client"|"worker"}]}.
+        /// Without it, only loopback addresses are served and every request acts for
+        /// namespace `default` with both roles.
+        #[arg(long)]
+        tokens: Option<PathBuf>,
+        /// Storage engine of a new store: fjall (default) or sled; an existing store must
+        /// match.
+        #[arg(long, value_parser = parse_engine)]
+        engine: Option<StorageEngine>,
+        /// Run this many activities at once in this process (workers for the tools and model
+        /// providers built in); 0: only remote workers run tasks.
+        #[arg(long, default_value_t = 0)]
+        local_workers: usize,
+        /// The directory the in-process workers' read_file may read (default: the current
+        /// directory).
+        #[arg(long)]
+        workdir: Option<PathBuf>,
+        /// Long polls (waiting for a turn, leasing) answer after at most this many ms.
+        #[arg(long, default_value_t = 300_000)]
+        max_poll_ms: u64,
     },
     /// Continue every session whose turn was interrupted.
     Resume {
@@ -543,6 +575,26 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 workdir: workdir_or_cwd(workdir)?,
                 tools,
                 lease_ms,
+            })
+            .await
+        }
+        Command::Server {
+            data,
+            listen,
+            tokens,
+            engine,
+            local_workers,
+            workdir,
+            max_poll_ms,
+        } => {
+            serve::run(serve::ServeArgs {
+                data,
+                listen,
+                tokens,
+                engine,
+                local_workers,
+                workdir: workdir_or_cwd(workdir)?,
+                max_poll_ms,
             })
             .await
         }

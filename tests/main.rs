@@ -13,6 +13,7 @@ mod lifecycle;
 mod powercut;
 mod providers;
 mod remote;
+mod server;
 mod store_crash;
 mod support;
 mod wire;

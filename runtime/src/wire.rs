@@ -43,6 +43,7 @@ use crate::workflow::TurnOutcome;
 use cairn_ledger::{JsonText, ModelSpec, ToolSpec, Usage};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
+use utoipa::ToSchema;
 
 /// The namespace of a server without a tokens file, and of sessions stored without a prefix.
 pub const DEFAULT_NAMESPACE: &str = "default";
@@ -51,71 +52,82 @@ pub const DEFAULT_NAMESPACE: &str = "default";
 pub const NAMESPACE_SEPARATOR: char = ':';
 
 /// `POST /v1/sessions`: how to start a session.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSession {
-    /// A chosen id (1-128 of `[A-Za-z0-9._-]`); generated when absent.
+    /// A chosen id (1-128 of `[A-Za-z0-9._-]`; in a namespace `N` other than `default`, at
+    /// most 127 - len(N), since the store keeps `N:ID`); generated when absent.
     #[serde(default)]
+    #[schema(pattern = r"^[A-Za-z0-9._-]{1,128}$", min_length = 1, max_length = 128)]
     pub session_id: Option<String>,
     /// The default model.
+    #[schema(value_type = schema::ModelSpec)]
     pub model: ModelSpec,
     /// Tools offered to the model.
     #[serde(default)]
+    #[schema(value_type = Vec<schema::ToolSpec>)]
     pub tools: Vec<ToolSpec>,
     /// A system prompt.
     #[serde(default)]
     pub system_prompt: Option<String>,
     /// Turn limits; defaults when absent.
     #[serde(default)]
+    #[schema(value_type = Option<schema::Limits>)]
     pub limits: Option<Limits>,
     /// Model call retries; defaults when absent.
     #[serde(default)]
+    #[schema(value_type = Option<schema::RetryPolicy>)]
     pub model_retry: Option<RetryPolicy>,
     /// Tool call retries; defaults when absent.
     #[serde(default)]
+    #[schema(value_type = Option<schema::RetryPolicy>)]
     pub tool_retry: Option<RetryPolicy>,
     /// The queues of its model and tool calls; `default` when absent.
     #[serde(default)]
+    #[schema(value_type = Option<schema::Queues>)]
     pub queues: Option<Queues>,
 }
 
 /// `201` to [`CreateSession`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct SessionCreated {
     /// The session's id.
     pub session_id: String,
 }
 
 /// `POST /v1/sessions/{id}/messages`: a user message, starting a turn.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SendMessage {
-    /// The message.
+    /// The message; not empty.
+    #[schema(min_length = 1)]
     pub text: String,
     /// A model for this turn only.
     #[serde(default)]
+    #[schema(value_type = Option<schema::ModelSpec>)]
     pub model: Option<ModelSpec>,
 }
 
 /// `202` to [`SendMessage`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct TurnStarted {
     /// The turn's number.
     pub turn: u32,
 }
 
 /// The answer to a long poll for a turn's outcome.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct TurnWait {
     /// Whether the turn has ended (`outcome` is set).
     pub done: bool,
     /// How it ended.
     #[serde(default)]
+    #[schema(value_type = Option<schema::TurnOutcome>)]
     pub outcome: Option<TurnOutcome>,
 }
 
 /// `POST /v1/sessions/{id}/cancel`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CancelRequest {
     /// Why; recorded in the history.
@@ -127,7 +139,7 @@ pub struct CancelRequest {
 }
 
 /// The answer to [`CancelRequest`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Cancelled {
     /// The turn that was cancelled, when `turn_only`.
     #[serde(default)]
@@ -135,11 +147,12 @@ pub struct Cancelled {
 }
 
 /// One session in a listing.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct SessionSummary {
     /// Its id (in the caller's namespace).
     pub session_id: String,
     /// Its status after the last append.
+    #[schema(value_type = schema::SessionStatus)]
     pub status: SessionStatus,
     /// Events recorded.
     pub events: u64,
@@ -148,7 +161,7 @@ pub struct SessionSummary {
 }
 
 /// `GET /v1/sessions`: one page, ordered by id.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct SessionPage {
     /// The sessions.
     pub sessions: Vec<SessionSummary>,
@@ -158,7 +171,7 @@ pub struct SessionPage {
 }
 
 /// A pending activity task of a session.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct PendingTask {
     /// The seq of the event that scheduled it.
     pub scheduled_seq: u64,
@@ -169,11 +182,12 @@ pub struct PendingTask {
 }
 
 /// `GET /v1/sessions/{id}`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct SessionDescription {
     /// Its id.
     pub session_id: String,
     /// Its status.
+    #[schema(value_type = schema::SessionStatus)]
     pub status: SessionStatus,
     /// Events recorded.
     pub events: u64,
@@ -184,27 +198,31 @@ pub struct SessionDescription {
     pub running_turn: Option<u32>,
     /// How the last finished turn ended.
     #[serde(default)]
+    #[schema(value_type = Option<schema::TurnOutcome>)]
     pub last_outcome: Option<TurnOutcome>,
     /// Token usage of every model call attempt so far.
+    #[schema(value_type = schema::Usage)]
     pub usage: Usage,
     /// Activities the running turn waits for.
     pub pending_tasks: Vec<PendingTask>,
     /// The session's default model.
     #[serde(default)]
+    #[schema(value_type = Option<schema::ModelSpec>)]
     pub model: Option<ModelSpec>,
 }
 
 /// `GET /v1/sessions/{id}/history`: events from a seq on.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct HistoryPage {
     /// The events, in seq order.
+    #[schema(value_type = Vec<schema::EventEnvelope>)]
     pub events: Vec<EventEnvelope>,
     /// The seq to ask from for the next page (one past the last event given).
     pub next_seq: u64,
 }
 
-/// One message of a session's SSE stream. The SSE `event` field is `event` or `delta`; an
-/// `event` message's `id` is its seq.
+/// One message of a session's SSE stream. The SSE `event` field is `event` (its `data` the
+/// [`EventEnvelope`], its `id` the seq) or `delta` (its `data` the [`DeltaEvent`], no `id`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", content = "data", rename_all = "snake_case")]
 // Both variants are built to be sent at once; boxing would only add an allocation.
@@ -217,7 +235,7 @@ pub enum StreamEvent {
 }
 
 /// `POST /v1/worker/lease`: what this worker can run and how long to wait for it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseRequest {
     /// Tasks wanted at most.
@@ -228,48 +246,56 @@ pub struct LeaseRequest {
     /// Lease length (ms); renew it with heartbeats before it runs out.
     pub lease_ms: u64,
     /// The queues it serves; absent: every queue.
+    // Declared as a plain array: a repeated name is accepted (it is a set), not an error.
     #[serde(default)]
+    #[schema(value_type = Option<Vec<String>>)]
     pub queues: Option<BTreeSet<String>>,
     /// The tools it hosts; absent: any.
     #[serde(default)]
+    #[schema(value_type = Option<Vec<String>>)]
     pub tools: Option<BTreeSet<String>>,
     /// The model providers it hosts; absent: any.
     #[serde(default)]
+    #[schema(value_type = Option<Vec<String>>)]
     pub providers: Option<BTreeSet<String>>,
 }
 
 /// The answer to [`LeaseRequest`]: possibly empty after `wait_ms`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct LeaseResponse {
     /// Leased tasks with what they run.
+    #[schema(value_type = Vec<schema::LeasedTask>)]
     pub tasks: Vec<LeasedTask>,
 }
 
 /// `POST /v1/worker/heartbeat`: renews a lease, recording progress details durably.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct HeartbeatRequest {
     /// The lease.
+    #[schema(value_type = schema::Lease)]
     pub lease: Lease,
     /// Renew for this long from now (ms).
     pub lease_ms: u64,
-    /// Progress to hand the next attempt if this one fails.
+    /// Progress to hand the next attempt if this one fails: any JSON value.
     #[serde(default)]
+    #[schema(value_type = Option<Value>)]
     pub details: Option<JsonText>,
 }
 
 /// The answer to [`HeartbeatRequest`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct HeartbeatResponse {
     /// The lease's new expiry (epoch ms).
     pub expires_at_ms: u64,
 }
 
 /// `POST /v1/worker/progress`: what a model attempt streamed since its last record.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ProgressRequest {
     /// The lease.
+    #[schema(value_type = schema::Lease)]
     pub lease: Lease,
     /// Text streamed since the last record.
     pub text_appended: String,
@@ -278,39 +304,42 @@ pub struct ProgressRequest {
 }
 
 /// `POST /v1/worker/report`: an attempt's result, fenced by its lease attempt.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReportRequest {
     /// The lease.
+    #[schema(value_type = schema::Lease)]
     pub lease: Lease,
     /// The result.
+    #[schema(value_type = schema::ActivityReport)]
     pub report: ActivityReport,
 }
 
 /// `POST /v1/worker/deltas`: model deltas for the sessions' live streams.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DeltaBatch {
     /// The deltas, in order.
+    #[schema(value_type = Vec<schema::DeltaEvent>)]
     pub deltas: Vec<DeltaEvent>,
 }
 
 /// `GET /v1/health`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Health {
     /// `ok`, or `draining` once the server stopped handing out tasks.
     pub status: String,
 }
 
 /// Every error answer: `{"error": {"code", "message"}}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct ErrorBody {
     /// The error.
     pub error: ErrorDetail,
 }
 
 /// What went wrong.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct ErrorDetail {
     /// A stable code to branch on.
     pub code: ErrorCode,
@@ -319,7 +348,7 @@ pub struct ErrorDetail {
 }
 
 /// The error codes of the API, with their HTTP status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
     /// 400: malformed JSON, a wrong type, a missing field, an invalid value.
@@ -399,5 +428,432 @@ pub fn split_session_id(stored: &str) -> (&str, &str) {
     match stored.split_once(NAMESPACE_SEPARATOR) {
         Some((namespace, id)) => (namespace, id),
         None => (DEFAULT_NAMESPACE, stored),
+    }
+}
+
+/// OpenAPI schemas of the types the wire types embed from other modules and crates (the
+/// ledger's model spec, the engine's reports, the store's leases, ...), which carry no schema
+/// derive themselves: each mirrors its type's serde form field for field, with the
+/// constraints the server checks (an empty model provider is refused, so `min_length = 1`).
+/// Only the OpenAPI document uses them; the server's conformance test (schemathesis) checks
+/// real answers and accepted requests against them, so a drifting mirror fails it.
+pub mod schema {
+    #![allow(dead_code)]
+
+    use serde::Serialize;
+    use utoipa::ToSchema;
+
+    /// Which model to call and how.
+    #[derive(Serialize, ToSchema)]
+    pub struct ModelSpec {
+        /// Provider family: `scripted`, `anthropic`, `openai`, `openai-responses`, `bedrock`.
+        #[schema(min_length = 1)]
+        pub provider: String,
+        /// Model name; for `scripted`, the script file's path.
+        #[schema(min_length = 1)]
+        pub model: String,
+        /// Output token limit, when set.
+        pub max_tokens: Option<u32>,
+        /// Extended-thinking budget, when thinking is enabled.
+        pub thinking_budget_tokens: Option<u32>,
+    }
+
+    /// A tool as the model sees it.
+    #[derive(Serialize, ToSchema)]
+    pub struct ToolSpec {
+        /// Tool name, unique within a session.
+        pub name: String,
+        /// What the tool does, for the model.
+        pub description: String,
+        /// JSON Schema of the tool's input object (any JSON value, kept as its exact text).
+        #[schema(value_type = Value)]
+        pub input_schema: (),
+    }
+
+    /// Limits of a turn.
+    #[derive(Serialize, ToSchema)]
+    pub struct Limits {
+        /// Model calls per turn at most; a turn that needs more fails.
+        pub max_rounds: u32,
+    }
+
+    /// A class of activity failure, for retry decisions.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum ErrorClass {
+        /// A passing fault: connection reset, 5xx, stream ended early.
+        Transient,
+        /// The provider asked us to slow down (429).
+        RateLimited,
+        /// The provider is overloaded (529).
+        Overloaded,
+        /// The attempt ran past its timeout, or its lease expired.
+        Timeout,
+        /// The request itself is wrong; retrying cannot help.
+        InvalidRequest,
+        /// The provider answered, but the response failed validation.
+        InvalidResponse,
+        /// Credentials were refused.
+        Auth,
+        /// A tool reported failure.
+        ToolFailed,
+        /// The activity was cancelled.
+        Cancelled,
+        /// A bug or an unexpected state on our side.
+        Internal,
+    }
+
+    /// When and how often an activity is retried.
+    #[derive(Serialize, ToSchema)]
+    pub struct RetryPolicy {
+        /// Delay before the second attempt.
+        pub initial_interval_ms: u64,
+        /// Each further delay is the previous one times this.
+        pub backoff_coefficient: f64,
+        /// Delays never exceed this.
+        pub maximum_interval_ms: u64,
+        /// Attempts at most, counting the first; 0 means unlimited.
+        pub maximum_attempts: u32,
+        /// Classes that are never retried.
+        pub non_retryable: Vec<ErrorClass>,
+        /// How long one attempt may run before it is failed as timed out.
+        pub start_to_close_timeout_ms: u64,
+        /// How long a scheduled attempt may wait for a worker before it is failed as timed out.
+        pub schedule_to_start_timeout_ms: Option<u64>,
+        /// The overall deadline of all attempts, from the first schedule.
+        pub schedule_to_close_timeout_ms: Option<u64>,
+        /// A running attempt that does not heartbeat for this long is failed as timed out.
+        pub heartbeat_timeout_ms: Option<u64>,
+    }
+
+    /// The task queues of a session's activities; absent is the `default` queue.
+    #[derive(Serialize, ToSchema)]
+    pub struct Queues {
+        /// The queue of model calls.
+        pub model: Option<String>,
+        /// The queue of tool calls.
+        pub tool: Option<String>,
+    }
+
+    /// A session's status as listed.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum SessionStatus {
+        /// No turn running.
+        Idle,
+        /// A turn is running.
+        Running,
+        /// Cancelled; takes no more turns.
+        Cancelled,
+    }
+
+    /// How a turn ended.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    #[serde(tag = "status")]
+    pub enum TurnOutcome {
+        /// The model ended the turn; `answer` is the final message's text.
+        Completed {
+            /// Turn.
+            turn: u32,
+            /// Final visible text.
+            answer: String,
+        },
+        /// The turn failed.
+        Failed {
+            /// Turn.
+            turn: u32,
+            /// Why.
+            reason: String,
+        },
+        /// The session was cancelled during or after the turn.
+        Cancelled {
+            /// Turn.
+            turn: u32,
+            /// Why.
+            reason: String,
+        },
+    }
+
+    /// Token usage.
+    #[derive(Serialize, ToSchema)]
+    pub struct Usage {
+        /// Input tokens (not counting cache reads).
+        pub input_tokens: u64,
+        /// Output tokens.
+        pub output_tokens: u64,
+        /// Input tokens read from the prompt cache.
+        pub cache_read_tokens: u64,
+        /// Input tokens written to the prompt cache.
+        pub cache_write_tokens: u64,
+        /// Reasoning tokens, where the provider reports them separately.
+        pub reasoning_tokens: u64,
+    }
+
+    /// One history event with its envelope (the form of `cairn history --json`).
+    #[derive(Serialize, ToSchema)]
+    pub struct EventEnvelope {
+        /// Schema version of the event body.
+        pub schema_version: u16,
+        /// The event kind's tag, also the single key of `event`.
+        pub kind: String,
+        /// The session (in the caller's namespace).
+        pub session_id: String,
+        /// Position in the session's history, from 1, without gaps.
+        pub seq: u64,
+        /// Milliseconds since the Unix epoch, when the engine appended the event.
+        pub recorded_at_ms: u64,
+        /// The event: `{"KIND": {...}}` (see the README's `history --json`).
+        #[schema(value_type = Object)]
+        pub event: (),
+    }
+
+    /// Which kind of activity a task runs.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum TaskKind {
+        /// A model call.
+        Model,
+        /// A tool call.
+        Tool,
+    }
+
+    /// A task's name: its session (as stored: `N:ID` in namespace `N`) and the seq of the
+    /// event that scheduled it.
+    #[derive(Serialize, ToSchema)]
+    pub struct TaskId {
+        /// Session, as stored.
+        pub session_id: String,
+        /// Seq of the `*_scheduled` event.
+        pub scheduled_seq: u64,
+    }
+
+    /// A worker's time-limited claim on a task.
+    #[derive(Serialize, ToSchema)]
+    pub struct Lease {
+        /// The task.
+        pub id: TaskId,
+        /// What it runs.
+        pub kind: TaskKind,
+        /// The fencing token: heartbeats and reports must present it.
+        pub lease_attempt: u32,
+        /// When the lease lapses (epoch ms).
+        pub expires_at_ms: u64,
+    }
+
+    /// A leased task with what it runs.
+    #[derive(Serialize, ToSchema)]
+    pub struct LeasedTask {
+        /// The lease.
+        pub lease: Lease,
+        /// What to run: `{"model": {...}}` or `{"tool": {...}}` (an `ActivityInput`).
+        #[schema(value_type = Object)]
+        pub input: (),
+    }
+
+    /// Why the model stopped, normalized across providers.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum StopReason {
+        /// The model finished its answer.
+        EndTurn,
+        /// The model wants tool results.
+        ToolUse,
+        /// The output limit was reached.
+        MaxTokens,
+        /// A stop sequence matched.
+        StopSequence,
+        /// The provider paused a long turn.
+        PauseTurn,
+        /// The model refused.
+        Refusal,
+        /// A content filter or guardrail intervened.
+        ContentFilter,
+        /// Anything else.
+        Other,
+    }
+
+    /// A tool call the model made.
+    #[derive(Serialize, ToSchema)]
+    pub struct ToolUse {
+        /// The provider's call id.
+        pub id: String,
+        /// Tool name.
+        pub name: String,
+        /// The arguments as the exact JSON text the model produced.
+        pub arguments: String,
+        /// A per-call provider signature.
+        pub signature: Option<String>,
+    }
+
+    /// The content of a tool result.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum ToolResultContent {
+        /// A JSON value, kept as its exact text.
+        Json(serde_json::Value),
+        /// Plain text.
+        Text(String),
+    }
+
+    /// The answer to one tool_use.
+    #[derive(Serialize, ToSchema)]
+    pub struct ToolResult {
+        /// The id of the tool_use this answers.
+        pub tool_use_id: String,
+        /// What the tool returned.
+        pub content: ToolResultContent,
+        /// Whether the content describes a failure.
+        pub is_error: bool,
+    }
+
+    /// One block of a message, in provider order.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum Part {
+        /// Visible text.
+        Text {
+            /// The text.
+            text: String,
+            /// The provider's output item id, when it must be sent back.
+            item_id: Option<String>,
+        },
+        /// Reasoning with the provider's signature.
+        Thinking {
+            /// Reasoning text.
+            text: String,
+            /// The provider's signature.
+            signature: String,
+        },
+        /// Reasoning the provider encrypted.
+        RedactedThinking {
+            /// Opaque data.
+            data: String,
+        },
+        /// Unsigned reasoning text.
+        Reasoning {
+            /// The reasoning text.
+            text: String,
+        },
+        /// A provider's reasoning item kept raw.
+        ReasoningItem {
+            /// The item exactly as the provider produced it (any JSON value).
+            #[schema(value_type = Value)]
+            item: (),
+        },
+        /// A tool call.
+        ToolUse(ToolUse),
+        /// A tool call's answer.
+        ToolResult(ToolResult),
+        /// An image, by reference to its data.
+        Image {
+            /// MIME type.
+            media_type: String,
+            /// A content hash or URI.
+            data_ref: String,
+        },
+    }
+
+    /// One complete model response in canonical form.
+    #[derive(Serialize, ToSchema)]
+    pub struct ModelResponse {
+        /// Provider family that produced it.
+        pub provider: String,
+        /// Model name.
+        pub model: String,
+        /// Assistant parts in provider order.
+        pub parts: Vec<Part>,
+        /// The stop reason exactly as the provider sent it.
+        pub stop_reason_raw: String,
+        /// The normalized stop reason.
+        pub stop_reason: StopReason,
+        /// Token usage.
+        pub usage: Usage,
+    }
+
+    /// How far an attempt got before it failed.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum FailurePhase {
+        /// Nothing was received.
+        BeforeStream,
+        /// Output had started streaming.
+        Streaming,
+        /// A complete response failed validation.
+        Validation,
+    }
+
+    /// A failed activity attempt.
+    #[derive(Serialize, ToSchema)]
+    pub struct ActivityFailure {
+        /// The class that drives the retry decision.
+        pub class: ErrorClass,
+        /// The error, for people.
+        pub message: String,
+        /// Usage the failed attempt consumed, when known.
+        pub usage: Option<Usage>,
+        /// How far a model call got before it failed.
+        pub phase: Option<FailurePhase>,
+        /// The progress details the attempt heartbeated last (any JSON value).
+        #[schema(value_type = Option<Value>)]
+        pub heartbeat_details: Option<()>,
+        /// How long the provider asked us to wait, in milliseconds.
+        pub retry_after_ms: Option<u64>,
+    }
+
+    /// What a worker reports for a leased task.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum ActivityReport {
+        /// The model answered.
+        ModelCompleted(ModelResponse),
+        /// The tool returned.
+        ToolCompleted {
+            /// Result content.
+            content: ToolResultContent,
+            /// Whether it is an error result.
+            is_error: bool,
+        },
+        /// The attempt failed.
+        Failed(ActivityFailure),
+    }
+
+    /// Identifies one activity attempt.
+    #[derive(Serialize, ToSchema)]
+    pub struct ActivityRef {
+        /// Session (as stored, on worker routes; the caller's id on a session's stream).
+        pub session_id: String,
+        /// Turn.
+        pub turn: u32,
+        /// `model:ROUND` or `tool:TOOL_USE_ID`.
+        pub activity: String,
+        /// Activity attempt.
+        pub attempt: u32,
+    }
+
+    /// A fragment of a response while it streams.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum Delta {
+        /// Visible text.
+        Text(String),
+        /// Reasoning text.
+        Thinking(String),
+        /// A fragment of a tool call's arguments.
+        ToolArguments {
+            /// The call's id.
+            tool_use_id: String,
+            /// The fragment.
+            fragment: String,
+        },
+    }
+
+    /// A streamed fragment with its origin.
+    #[derive(Serialize, ToSchema)]
+    pub struct DeltaEvent {
+        /// Where it comes from.
+        pub origin: ActivityRef,
+        /// The fragment.
+        pub delta: Delta,
     }
 }

@@ -1,0 +1,322 @@
+//! The worker routes: lease tasks (a long poll), fetch a lease's input again, heartbeat,
+//! record streamed progress, report a result, pass on model deltas. Leases name sessions as
+//! stored (`N:ID` in namespace `N`), so idempotency keys stay unique across namespaces; a
+//! worker token of namespace `N` leases only `N`'s tasks and may touch no other lease (404).
+
+use crate::app::AppState;
+use crate::auth::{Caller, WorkerCaller};
+use crate::errors::{ApiError, JsonBody};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use cairn_runtime::wire::{
+    schema, split_session_id, DeltaBatch, ErrorBody, ErrorCode, HeartbeatRequest,
+    HeartbeatResponse, LeaseRequest, LeaseResponse, ProgressRequest, ReportRequest,
+    DEFAULT_NAMESPACE,
+};
+use cairn_runtime::{ActivityInput, Lease, TaskFilter};
+use tracing::Instrument;
+
+/// A lease asks for at most this many tasks...
+const MAX_TASKS: usize = 256;
+/// ...each leased for at most this long (a worker renews it with heartbeats), so a worker
+/// that vanished holds nothing for long.
+const MAX_LEASE_MS: u64 = 3_600_000;
+
+/// Checks the lease is of the caller's namespace (404 otherwise: other namespaces' sessions
+/// do not exist for it).
+fn check_lease(caller: &Caller, lease: &Lease) -> Result<(), ApiError> {
+    check_session(caller, &lease.id.session_id)
+}
+
+fn check_session(caller: &Caller, stored: &str) -> Result<(), ApiError> {
+    if split_session_id(stored).0 == caller.namespace {
+        Ok(())
+    } else {
+        Err(ApiError::not_found(format!(
+            "no session {stored:?} in namespace {:?}",
+            caller.namespace
+        )))
+    }
+}
+
+fn lease_span(lease: &Lease) -> tracing::Span {
+    tracing::info_span!("session", session_id = %lease.id.session_id, task = %lease.id)
+}
+
+fn unavailable() -> ApiError {
+    ApiError::new(
+        ErrorCode::Unavailable,
+        "the server is draining: it hands out no more tasks",
+    )
+}
+
+/// Leases due tasks this worker can run, waiting up to `wait_ms` for the first.
+#[utoipa::path(
+    post,
+    path = "/v1/worker/lease",
+    tag = "worker",
+    request_body = LeaseRequest,
+    responses(
+        (status = 200, description = "Leased tasks, possibly none after `wait_ms`", body = LeaseResponse),
+        (status = 400, description = "Malformed or invalid request", body = ErrorBody),
+        (status = 401, description = "No token, or an unknown one", body = ErrorBody),
+        (status = 403, description = "Not a worker token", body = ErrorBody),
+        (status = 413, description = "The body is too large", body = ErrorBody),
+        (status = 415, description = "The body is not JSON", body = ErrorBody),
+        (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The server is draining", body = ErrorBody),
+    )
+)]
+pub async fn lease(
+    State(state): State<AppState>,
+    WorkerCaller(caller): WorkerCaller,
+    JsonBody(request): JsonBody<LeaseRequest>,
+) -> Result<Json<LeaseResponse>, ApiError> {
+    if state.is_draining() {
+        return Err(unavailable());
+    }
+    let filter = TaskFilter {
+        queues: request.queues,
+        tools: request.tools,
+        providers: request.providers,
+        sessions: None,
+        // `Some("")` is the default namespace: ids without a prefix.
+        namespace: Some(if caller.namespace == DEFAULT_NAMESPACE {
+            String::new()
+        } else {
+            caller.namespace.clone()
+        }),
+    };
+    let max = usize::try_from(request.max)
+        .unwrap_or(MAX_TASKS)
+        .min(MAX_TASKS);
+    let lease_ms = request.lease_ms.min(MAX_LEASE_MS);
+    if max == 0 {
+        return Ok(Json(LeaseResponse { tasks: Vec::new() }));
+    }
+    let deadline = AppState::deadline(state.poll_wait(Some(request.wait_ms), 0));
+    loop {
+        // Listen before leasing, so an enqueue between an empty lease and the wait wakes us.
+        let ready = state.engine.tasks_ready();
+        tokio::pin!(ready);
+        ready.as_mut().enable();
+        let tasks = state
+            .engine
+            .lease_tasks(&filter, max, lease_ms)
+            .await
+            .map_err(|e| ApiError::internal(&e))?;
+        if !tasks.is_empty() || tokio::time::Instant::now() >= deadline {
+            return Ok(Json(LeaseResponse { tasks }));
+        }
+        tokio::select! {
+            _ = ready => {}
+            _ = tokio::time::sleep_until(deadline) => {}
+            // A wait that outlives the start of the drain answers at once.
+            _ = state.draining.cancelled() => return Err(unavailable()),
+        }
+    }
+}
+
+/// What a lease runs, again (for a worker that lost the lease answer, or restarted).
+#[utoipa::path(
+    post,
+    path = "/v1/worker/input",
+    tag = "worker",
+    request_body = schema::Lease,
+    responses(
+        (status = 200, description = "What the task runs: `{\"model\": {...}}` or `{\"tool\": {...}}`", body = Object),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 401, description = "No token, or an unknown one", body = ErrorBody),
+        (status = 403, description = "Not a worker token", body = ErrorBody),
+        (status = 404, description = "No such session in this namespace", body = ErrorBody),
+        (status = 409, description = "The lease is not current (`lease_lost`)", body = ErrorBody),
+        (status = 413, description = "The body is too large", body = ErrorBody),
+        (status = 415, description = "The body is not JSON", body = ErrorBody),
+        (status = 500, description = "The server failed", body = ErrorBody),
+    )
+)]
+pub async fn input(
+    State(state): State<AppState>,
+    WorkerCaller(caller): WorkerCaller,
+    JsonBody(lease): JsonBody<Lease>,
+) -> Result<Json<ActivityInput>, ApiError> {
+    check_lease(&caller, &lease)?;
+    let lost = |reason: &str| {
+        ApiError::new(
+            ErrorCode::LeaseLost,
+            format!(
+                "lease {} of task {}: {reason}",
+                lease.lease_attempt, lease.id
+            ),
+        )
+    };
+    // The store answers for a lease only through a heartbeat, which would renew it; so look
+    // the task up (this route is for recovery, not for every task).
+    let now = state.engine.now_ms();
+    let tasks = state
+        .engine
+        .store()
+        .list_tasks()
+        .await
+        .map_err(|e| ApiError::internal(&e))?;
+    let current = tasks.iter().any(|t| {
+        t.id == lease.id
+            && t.lease_attempt == lease.lease_attempt
+            && t.held
+            && t.visible_at_ms > now
+    });
+    if !current {
+        return Err(lost(
+            "it is not current (lapsed, superseded, completed or cancelled)",
+        ));
+    }
+    match state
+        .engine
+        .activity(&lease)
+        .instrument(lease_span(&lease))
+        .await
+        .map_err(|e| ApiError::from_runtime(e, &lease.id.session_id))?
+    {
+        Some(input) => Ok(Json(input)),
+        None => Err(lost("the workflow no longer waits for this task")),
+    }
+}
+
+/// Renews a lease, storing progress details durably.
+#[utoipa::path(
+    post,
+    path = "/v1/worker/heartbeat",
+    tag = "worker",
+    request_body = HeartbeatRequest,
+    responses(
+        (status = 200, description = "The lease's new expiry", body = HeartbeatResponse),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 401, description = "No token, or an unknown one", body = ErrorBody),
+        (status = 403, description = "Not a worker token", body = ErrorBody),
+        (status = 404, description = "No such session in this namespace", body = ErrorBody),
+        (status = 409, description = "The lease is not current (`lease_lost`): stop the attempt", body = ErrorBody),
+        (status = 413, description = "The body is too large", body = ErrorBody),
+        (status = 415, description = "The body is not JSON", body = ErrorBody),
+        (status = 500, description = "The server failed", body = ErrorBody),
+    )
+)]
+pub async fn heartbeat(
+    State(state): State<AppState>,
+    WorkerCaller(caller): WorkerCaller,
+    JsonBody(request): JsonBody<HeartbeatRequest>,
+) -> Result<Json<HeartbeatResponse>, ApiError> {
+    check_lease(&caller, &request.lease)?;
+    let expires_at_ms = state
+        .engine
+        .heartbeat(
+            &request.lease,
+            request.lease_ms.min(MAX_LEASE_MS),
+            request.details,
+        )
+        .instrument(lease_span(&request.lease))
+        .await
+        .map_err(|e| ApiError::from_runtime(e, &request.lease.id.session_id))?;
+    Ok(Json(HeartbeatResponse { expires_at_ms }))
+}
+
+/// Records what a model attempt streamed since its last record.
+#[utoipa::path(
+    post,
+    path = "/v1/worker/progress",
+    tag = "worker",
+    request_body = ProgressRequest,
+    responses(
+        (status = 204, description = "Recorded"),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 401, description = "No token, or an unknown one", body = ErrorBody),
+        (status = 403, description = "Not a worker token", body = ErrorBody),
+        (status = 404, description = "No such session in this namespace", body = ErrorBody),
+        (status = 409, description = "Stale (`stale_report`): the attempt goes on, the record is dropped", body = ErrorBody),
+        (status = 413, description = "The body is too large", body = ErrorBody),
+        (status = 415, description = "The body is not JSON", body = ErrorBody),
+        (status = 500, description = "The server failed", body = ErrorBody),
+    )
+)]
+pub async fn progress(
+    State(state): State<AppState>,
+    WorkerCaller(caller): WorkerCaller,
+    JsonBody(request): JsonBody<ProgressRequest>,
+) -> Result<StatusCode, ApiError> {
+    check_lease(&caller, &request.lease)?;
+    state
+        .engine
+        .record_progress(
+            &request.lease,
+            request.text_appended,
+            request.thinking_appended,
+        )
+        .instrument(lease_span(&request.lease))
+        .await
+        .map_err(|e| ApiError::from_runtime(e, &request.lease.id.session_id))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Reports an attempt's result, fenced by its lease attempt.
+#[utoipa::path(
+    post,
+    path = "/v1/worker/report",
+    tag = "worker",
+    request_body = ReportRequest,
+    responses(
+        (status = 204, description = "Recorded"),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 401, description = "No token, or an unknown one", body = ErrorBody),
+        (status = 403, description = "Not a worker token", body = ErrorBody),
+        (status = 404, description = "No such session in this namespace", body = ErrorBody),
+        (status = 409, description = "Stale (`stale_report`, `lease_lost`): nothing changed; or a report that does not fit its task (`conflict`)", body = ErrorBody),
+        (status = 413, description = "The body is too large", body = ErrorBody),
+        (status = 415, description = "The body is not JSON", body = ErrorBody),
+        (status = 500, description = "The server failed", body = ErrorBody),
+    )
+)]
+pub async fn report(
+    State(state): State<AppState>,
+    WorkerCaller(caller): WorkerCaller,
+    JsonBody(request): JsonBody<ReportRequest>,
+) -> Result<StatusCode, ApiError> {
+    check_lease(&caller, &request.lease)?;
+    state
+        .engine
+        .report(&request.lease, request.report)
+        .instrument(lease_span(&request.lease))
+        .await
+        .map_err(|e| ApiError::from_runtime(e, &request.lease.id.session_id))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Passes model deltas on to the sessions' event streams (presentation only).
+#[utoipa::path(
+    post,
+    path = "/v1/worker/deltas",
+    tag = "worker",
+    request_body = DeltaBatch,
+    responses(
+        (status = 204, description = "Passed on"),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 401, description = "No token, or an unknown one", body = ErrorBody),
+        (status = 403, description = "Not a worker token", body = ErrorBody),
+        (status = 404, description = "A delta of a session of another namespace", body = ErrorBody),
+        (status = 413, description = "The body is too large", body = ErrorBody),
+        (status = 415, description = "The body is not JSON", body = ErrorBody),
+        (status = 500, description = "The server failed", body = ErrorBody),
+    )
+)]
+pub async fn deltas(
+    State(state): State<AppState>,
+    WorkerCaller(caller): WorkerCaller,
+    JsonBody(batch): JsonBody<DeltaBatch>,
+) -> Result<StatusCode, ApiError> {
+    for delta in &batch.deltas {
+        check_session(&caller, &delta.origin.session_id)?;
+    }
+    for delta in batch.deltas {
+        state.engine.publish_delta(delta);
+    }
+    Ok(StatusCode::NO_CONTENT)
+}

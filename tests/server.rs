@@ -1,0 +1,1537 @@
+//! `cairn server` as a real process on loopback: the client routes end to end, the worker
+//! protocol driven by hand (lease, report, fencing), in-process workers, tokens and
+//! namespaces, malformed requests, the event stream across a reconnect, the drain on SIGTERM,
+//! a SIGKILL mid-turn and a restart, and schemathesis against the OpenAPI document.
+
+use futures_util::StreamExt;
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+/// A `cairn server` child process; killed when dropped.
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Server {
+    /// Starts `cairn server` on a free loopback port and waits for its `listening on` line.
+    fn start(data: &Path, extra: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .args(["server", "--data"])
+            .arg(data)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start cairn server");
+        let stdout = child.stdout.take().expect("stdout");
+        let (sender, receiver) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { return };
+                if let Some(url) = line.strip_prefix("listening on ") {
+                    let _ = sender.send(url.to_owned());
+                }
+            }
+        });
+        let base = receiver
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap_or_else(|_| {
+                let status = child.try_wait();
+                panic!("cairn server did not say where it listens (exit: {status:?})")
+            });
+        Server { child, base }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn signal(&self, signal: libc::c_int) {
+        let pid = libc::pid_t::try_from(self.child.id()).expect("pid");
+        // SAFETY: kill(2) on our own child's pid, which we have not waited for yet.
+        let rc = unsafe { libc::kill(pid, signal) };
+        assert_eq!(rc, 0, "kill({pid}, {signal})");
+    }
+
+    /// Waits for the process to exit.
+    async fn exit(&mut self) -> ExitStatus {
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// SIGKILL, and wait until it is gone.
+    async fn kill(&mut self) {
+        self.signal(libc::SIGKILL);
+        self.exit().await;
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One answer: status and JSON body (`Value::Null` when empty).
+struct Answer {
+    status: StatusCode,
+    body: Value,
+    headers: reqwest::header::HeaderMap,
+}
+
+impl Answer {
+    /// The error code of an error body, checking its shape.
+    fn code(&self) -> &str {
+        let message = self.body["error"]["message"].as_str();
+        assert!(
+            message.is_some_and(|m| !m.is_empty()),
+            "not an error body: {}",
+            self.body
+        );
+        self.body["error"]["code"].as_str().unwrap_or_default()
+    }
+}
+
+async fn send(
+    http: &reqwest::Client,
+    method: Method,
+    url: String,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> Answer {
+    let mut request = http.request(method, url);
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.expect("request");
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = response.bytes().await.expect("body");
+    let body = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&bytes)))
+    };
+    Answer {
+        status,
+        body,
+        headers,
+    }
+}
+
+/// A scripted model spec playing `responses` (one text answer each).
+fn script(dir: &Path, answers: &[&str]) -> Value {
+    let path = dir.join("script.json");
+    let responses: Vec<Value> = answers
+        .iter()
+        .map(|a| json!({"parts": [{"type": "text", "text": a}]}))
+        .collect();
+    std::fs::write(&path, json!({"responses": responses}).to_string()).expect("script");
+    json!({"provider": "scripted", "model": path.display().to_string()})
+}
+
+/// What a worker reports for a model task: a final text answer.
+fn answer(text: &str) -> Value {
+    json!({"model_completed": {
+        "provider": "scripted", "model": "by-hand",
+        "parts": [{"text": {"text": text}}],
+        "stop_reason_raw": "end_turn", "stop_reason": "end_turn",
+        "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
+                  "cache_write_tokens": 0, "reasoning_tokens": 0}
+    }})
+}
+
+/// Fast retries, so a lapsed lease's attempt is retried at once.
+fn fast_retry() -> Value {
+    json!({"initial_interval_ms": 0, "backoff_coefficient": 1.0, "maximum_interval_ms": 0,
+           "maximum_attempts": 5, "non_retryable": [], "start_to_close_timeout_ms": 60000})
+}
+
+/// Long-polls a turn until it ends (the server answers `done: false` every `timeout_ms`).
+async fn wait_turn(
+    http: &reqwest::Client,
+    server: &Server,
+    token: Option<&str>,
+    id: &str,
+    turn: u32,
+) -> Value {
+    for _ in 0..120 {
+        let wait = send(
+            http,
+            Method::GET,
+            server.url(&format!("/v1/sessions/{id}/turns/{turn}?timeout_ms=1000")),
+            token,
+            None,
+        )
+        .await;
+        assert_eq!(wait.status, StatusCode::OK, "{}", wait.body);
+        if wait.body["done"] == true {
+            return wait.body["outcome"].clone();
+        }
+    }
+    panic!("turn {turn} of {id} did not end");
+}
+
+/// Leases one task, waiting for it.
+async fn lease_one(
+    http: &reqwest::Client,
+    server: &Server,
+    token: Option<&str>,
+    lease_ms: u64,
+) -> Value {
+    let leased = send(
+        http,
+        Method::POST,
+        server.url("/v1/worker/lease"),
+        token,
+        Some(json!({"max": 1, "wait_ms": 30000, "lease_ms": lease_ms})),
+    )
+    .await;
+    assert_eq!(leased.status, StatusCode::OK, "{}", leased.body);
+    let tasks = leased.body["tasks"].as_array().expect("tasks");
+    assert_eq!(tasks.len(), 1, "{}", leased.body);
+    tasks[0].clone()
+}
+
+async fn history(
+    http: &reqwest::Client,
+    server: &Server,
+    token: Option<&str>,
+    id: &str,
+) -> Vec<Value> {
+    let page = send(
+        http,
+        Method::GET,
+        server.url(&format!("/v1/sessions/{id}/history")),
+        token,
+        None,
+    )
+    .await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    page.body["events"].as_array().expect("events").clone()
+}
+
+fn kinds(events: &[Value]) -> Vec<&str> {
+    events
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap_or("?"))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_session_runs_through_the_client_routes_with_a_worker_driven_by_hand() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let http = reqwest::Client::new();
+    let model = json!({"provider": "scripted", "model": "unused.json"});
+
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "s1", "model": model, "system_prompt": "Be brief."})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    assert_eq!(created.body["session_id"], "s1");
+    let again = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "s1", "model": model})),
+    )
+    .await;
+    assert_eq!(
+        (again.status, again.code()),
+        (StatusCode::CONFLICT, "conflict")
+    );
+    let generated = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"model": model})),
+    )
+    .await;
+    assert_eq!(generated.status, StatusCode::CREATED);
+    let generated_id = generated.body["session_id"].as_str().unwrap().to_owned();
+    for bad in [
+        json!({"model": {"provider": "", "model": "m"}}),
+        json!({"session_id": "no spaces", "model": model}),
+        json!({"session_id": "a:b", "model": model}),
+    ] {
+        let refused = send(
+            &http,
+            Method::POST,
+            server.url("/v1/sessions"),
+            None,
+            Some(bad.clone()),
+        )
+        .await;
+        assert_eq!(
+            (refused.status, refused.code()),
+            (StatusCode::BAD_REQUEST, "invalid_request"),
+            "{bad}"
+        );
+    }
+
+    let listed = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions?limit=1"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(listed.status, StatusCode::OK);
+    let first = listed.body["sessions"][0]["session_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let next = listed.body["next_after"]
+        .as_str()
+        .expect("a second page")
+        .to_owned();
+    assert_eq!(first, next);
+    let rest = send(
+        &http,
+        Method::GET,
+        server.url(&format!("/v1/sessions?after={next}")),
+        None,
+        None,
+    )
+    .await;
+    let mut ids: Vec<String> = std::iter::once(first)
+        .chain(
+            rest.body["sessions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["session_id"].as_str().unwrap().to_owned()),
+        )
+        .collect();
+    ids.sort();
+    let mut expected = vec!["s1".to_owned(), generated_id];
+    expected.sort();
+    assert_eq!(ids, expected);
+    assert!(rest.body["next_after"].is_null());
+
+    let empty = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/s1/messages"),
+        None,
+        Some(json!({"text": ""})),
+    )
+    .await;
+    assert_eq!(empty.status, StatusCode::BAD_REQUEST);
+    let started = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/s1/messages"),
+        None,
+        Some(json!({"text": "What is 6 * 7?"})),
+    )
+    .await;
+    assert_eq!(started.status, StatusCode::ACCEPTED, "{}", started.body);
+    assert_eq!(started.body["turn"], 1);
+    let busy = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/s1/messages"),
+        None,
+        Some(json!({"text": "And 7 * 8?"})),
+    )
+    .await;
+    assert_eq!(
+        (busy.status, busy.code()),
+        (StatusCode::CONFLICT, "conflict")
+    );
+    let pending = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/s1/turns/1?timeout_ms=10"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(pending.body, json!({"done": false, "outcome": null}));
+    let no_turn = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/s1/turns/2?timeout_ms=10"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(no_turn.status, StatusCode::NOT_FOUND);
+    let running = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/s1"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(running.body["status"], "running");
+    assert_eq!(running.body["running_turn"], 1);
+    assert_eq!(running.body["pending_tasks"][0]["activity"], "model:0");
+
+    // The worker's side: what the task runs, then the answer.
+    let task = lease_one(&http, &server, None, 30_000).await;
+    assert_eq!(task["lease"]["id"]["session_id"], "s1");
+    let transcript = &task["input"]["model"]["transcript"]["messages"];
+    assert_eq!(
+        transcript[1]["parts"][0]["text"]["text"], "What is 6 * 7?",
+        "{task}"
+    );
+    let input = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/input"),
+        None,
+        Some(task["lease"].clone()),
+    )
+    .await;
+    assert_eq!(input.status, StatusCode::OK, "{}", input.body);
+    assert_eq!(input.body, task["input"]);
+    let renewed = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/heartbeat"),
+        None,
+        Some(json!({"lease": task["lease"], "lease_ms": 30000, "details": {"step": 1.0}})),
+    )
+    .await;
+    assert_eq!(renewed.status, StatusCode::OK, "{}", renewed.body);
+    assert!(
+        renewed.body["expires_at_ms"].as_u64().unwrap()
+            >= task["lease"]["expires_at_ms"].as_u64().unwrap()
+    );
+    let progress = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/progress"),
+        None,
+        Some(json!({"lease": task["lease"], "text_appended": "4", "thinking_appended": ""})),
+    )
+    .await;
+    assert_eq!(progress.status, StatusCode::NO_CONTENT, "{}", progress.body);
+    let reported = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": task["lease"], "report": answer("42")})),
+    )
+    .await;
+    assert_eq!(reported.status, StatusCode::NO_CONTENT, "{}", reported.body);
+
+    let outcome = wait_turn(&http, &server, None, "s1", 1).await;
+    assert_eq!(
+        outcome,
+        json!({"status": "completed", "turn": 1, "answer": "42"})
+    );
+    let described = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/s1"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(described.body["status"], "idle");
+    assert_eq!(described.body["turns"], 1);
+    assert_eq!(described.body["usage"]["input_tokens"], 3);
+    assert_eq!(described.body["model"], model);
+
+    let events = history(&http, &server, None, "s1").await;
+    assert_eq!(
+        kinds(&events),
+        [
+            "session_started",
+            "user_message",
+            "model_call_scheduled",
+            "model_attempt_progress",
+            "model_call_completed",
+            "turn_completed"
+        ]
+    );
+    for (i, event) in events.iter().enumerate() {
+        assert_eq!(event["seq"], i as u64 + 1);
+        assert_eq!(event["session_id"], "s1");
+    }
+    let page = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/s1/history?from_seq=3&limit=2"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(page.body["events"].as_array().unwrap().len(), 2);
+    assert_eq!(page.body["events"][0], events[2]);
+    assert_eq!(page.body["next_seq"], 5);
+
+    let ledger = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/s1/transcript"),
+        None,
+        None,
+    )
+    .await;
+    let messages = ledger.body["messages"].as_array().expect("messages");
+    assert_eq!(messages.len(), 3, "{}", ledger.body);
+    assert_eq!(messages[2]["parts"][0]["text"]["text"], "42");
+    let anthropic = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/s1/transcript?as=anthropic&model=claude-x"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(anthropic.status, StatusCode::OK, "{}", anthropic.body);
+    assert_eq!(anthropic.body["model"], "claude-x");
+    assert_eq!(
+        anthropic.body["system"][0]["text"], "Be brief.",
+        "{}",
+        anthropic.body
+    );
+    let unknown_format = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/s1/transcript?as=gopher"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(unknown_format.status, StatusCode::BAD_REQUEST);
+
+    let nothing_runs = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/s1/cancel"),
+        None,
+        Some(json!({"turn_only": true})),
+    )
+    .await;
+    assert_eq!(
+        (nothing_runs.status, nothing_runs.code()),
+        (StatusCode::CONFLICT, "conflict")
+    );
+    let turn2 = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/s1/messages"),
+        None,
+        Some(json!({"text": "More?"})),
+    )
+    .await;
+    assert_eq!(turn2.body["turn"], 2);
+    let cancelled_turn = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/s1/cancel"),
+        None,
+        Some(json!({"turn_only": true, "reason": "changed my mind"})),
+    )
+    .await;
+    assert_eq!(cancelled_turn.body, json!({"turn": 2}));
+    let outcome = wait_turn(&http, &server, None, "s1", 2).await;
+    assert_eq!(
+        outcome,
+        json!({"status": "cancelled", "turn": 2, "reason": "changed my mind"})
+    );
+    let cancelled = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/s1/cancel"),
+        None,
+        Some(json!({})),
+    )
+    .await;
+    assert_eq!(cancelled.status, StatusCode::OK, "{}", cancelled.body);
+    let after = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/s1/messages"),
+        None,
+        Some(json!({"text": "Hello?"})),
+    )
+    .await;
+    assert_eq!(
+        (after.status, after.code()),
+        (StatusCode::CONFLICT, "conflict")
+    );
+    let listed = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions?status=cancelled"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(listed.body["sessions"].as_array().unwrap().len(), 1);
+    assert_eq!(listed.body["sessions"][0]["session_id"], "s1");
+
+    for path in [
+        "/v1/sessions/nope",
+        "/v1/sessions/nope/history",
+        "/v1/sessions/nope/transcript",
+        "/v1/sessions/nope/turns/1",
+        "/v1/sessions/nope/events",
+    ] {
+        let missing = send(&http, Method::GET, server.url(path), None, None).await;
+        assert_eq!(
+            (missing.status, missing.code()),
+            (StatusCode::NOT_FOUND, "not_found"),
+            "{path}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_turn_completes_end_to_end_with_in_process_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(dir.path(), &["The answer is 42."]);
+    let server = Server::start(&dir.path().join("store"), &["--local-workers", "2"]);
+    let http = reqwest::Client::new();
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"model": model})),
+    )
+    .await;
+    let id = created.body["session_id"].as_str().unwrap().to_owned();
+    let started = send(
+        &http,
+        Method::POST,
+        server.url(&format!("/v1/sessions/{id}/messages")),
+        None,
+        Some(json!({"text": "What is 6 * 7?"})),
+    )
+    .await;
+    assert_eq!(started.status, StatusCode::ACCEPTED);
+    let outcome = wait_turn(&http, &server, None, &id, 1).await;
+    assert_eq!(
+        outcome,
+        json!({"status": "completed", "turn": 1, "answer": "The answer is 42."})
+    );
+    // Tasks of a provider the in-process workers do not host stay queued for a remote worker.
+    let elsewhere = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "remote", "model": {"provider": "custom", "model": "m"}})),
+    )
+    .await;
+    assert_eq!(elsewhere.status, StatusCode::CREATED);
+    send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/remote/messages"),
+        None,
+        Some(json!({"text": "hi"})),
+    )
+    .await;
+    let task = lease_one(&http, &server, None, 30_000).await;
+    assert_eq!(task["lease"]["id"]["session_id"], "remote");
+    assert_eq!(task["input"]["model"]["model"]["provider"], "custom");
+}
+
+#[tokio::test]
+async fn tokens_keep_roles_apart_and_namespaces_from_seeing_each_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.json");
+    std::fs::write(
+        &tokens,
+        json!({"tokens": [
+            {"token": "acme-client", "namespace": "acme", "role": "client"},
+            {"token": "acme-worker", "namespace": "acme", "role": "worker"},
+            {"token": "beta-client", "namespace": "beta", "role": "client"},
+            {"token": "beta-worker", "namespace": "beta", "role": "worker"},
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    let server = Server::start(
+        &dir.path().join("store"),
+        &["--tokens", tokens.to_str().unwrap()],
+    );
+    let http = reqwest::Client::new();
+    let model = json!({"provider": "scripted", "model": "unused.json"});
+    let (acme, acme_worker) = (Some("acme-client"), Some("acme-worker"));
+    let (beta, beta_worker) = (Some("beta-client"), Some("beta-worker"));
+
+    let anonymous = send(&http, Method::GET, server.url("/v1/sessions"), None, None).await;
+    assert_eq!(
+        (anonymous.status, anonymous.code()),
+        (StatusCode::UNAUTHORIZED, "unauthorized")
+    );
+    assert_eq!(anonymous.headers["www-authenticate"], "Bearer");
+    let unknown = send(
+        &http,
+        Method::GET,
+        server.url("/v1/health"),
+        Some("guess"),
+        None,
+    )
+    .await;
+    assert_eq!(unknown.status, StatusCode::UNAUTHORIZED);
+    let health = send(
+        &http,
+        Method::GET,
+        server.url("/v1/health"),
+        acme_worker,
+        None,
+    )
+    .await;
+    assert_eq!(health.body, json!({"status": "ok"}));
+    let wrong_role = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions"),
+        acme_worker,
+        None,
+    )
+    .await;
+    assert_eq!(
+        (wrong_role.status, wrong_role.code()),
+        (StatusCode::FORBIDDEN, "forbidden")
+    );
+    let wrong_role = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/lease"),
+        acme,
+        Some(json!({"max": 1, "lease_ms": 1000})),
+    )
+    .await;
+    assert_eq!(wrong_role.status, StatusCode::FORBIDDEN);
+
+    for token in [acme, beta] {
+        let created = send(
+            &http,
+            Method::POST,
+            server.url("/v1/sessions"),
+            token,
+            Some(json!({"session_id": "s1", "model": model})),
+        )
+        .await;
+        assert_eq!(
+            created.status,
+            StatusCode::CREATED,
+            "the same id in two namespaces: {}",
+            created.body
+        );
+    }
+    send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        acme,
+        Some(json!({"session_id": "only-acme", "model": model})),
+    )
+    .await;
+    let hidden = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/only-acme"),
+        beta,
+        None,
+    )
+    .await;
+    assert_eq!(
+        (hidden.status, hidden.code()),
+        (StatusCode::NOT_FOUND, "not_found")
+    );
+    let hidden = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/only-acme/messages"),
+        beta,
+        Some(json!({"text": "hi"})),
+    )
+    .await;
+    assert_eq!(hidden.status, StatusCode::NOT_FOUND);
+    let listed = |token| {
+        let http = http.clone();
+        let url = server.url("/v1/sessions");
+        async move {
+            let page = send(&http, Method::GET, url, token, None).await;
+            page.body["sessions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["session_id"].as_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(listed(acme).await, ["only-acme", "s1"]);
+    assert_eq!(listed(beta).await, ["s1"]);
+
+    send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/s1/messages"),
+        acme,
+        Some(json!({"text": "for acme"})),
+    )
+    .await;
+    let nothing = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/lease"),
+        beta_worker,
+        Some(json!({"max": 8, "wait_ms": 0, "lease_ms": 1000})),
+    )
+    .await;
+    assert_eq!(
+        nothing.body,
+        json!({"tasks": []}),
+        "beta's worker never sees acme's task"
+    );
+    let task = lease_one(&http, &server, acme_worker, 30_000).await;
+    // Workers see the stored id, so idempotency keys stay unique across namespaces.
+    assert_eq!(task["lease"]["id"]["session_id"], "acme:s1");
+    for route in [
+        "/v1/worker/report",
+        "/v1/worker/heartbeat",
+        "/v1/worker/input",
+    ] {
+        let body = match route {
+            "/v1/worker/report" => json!({"lease": task["lease"], "report": answer("stolen")}),
+            "/v1/worker/heartbeat" => json!({"lease": task["lease"], "lease_ms": 1000}),
+            _ => task["lease"].clone(),
+        };
+        let foreign = send(
+            &http,
+            Method::POST,
+            server.url(route),
+            beta_worker,
+            Some(body),
+        )
+        .await;
+        assert_eq!(
+            (foreign.status, foreign.code()),
+            (StatusCode::NOT_FOUND, "not_found"),
+            "{route}"
+        );
+    }
+    let reported = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        acme_worker,
+        Some(json!({"lease": task["lease"], "report": answer("for acme only")})),
+    )
+    .await;
+    assert_eq!(reported.status, StatusCode::NO_CONTENT, "{}", reported.body);
+    let outcome = wait_turn(&http, &server, acme, "s1", 1).await;
+    assert_eq!(outcome["answer"], "for acme only");
+    let events = history(&http, &server, acme, "s1").await;
+    assert!(
+        events.iter().all(|e| e["session_id"] == "s1"),
+        "clients see their own ids"
+    );
+    assert_eq!(
+        history(&http, &server, beta, "s1").await.len(),
+        1,
+        "beta's s1 is untouched"
+    );
+}
+
+#[test]
+fn a_server_without_tokens_refuses_to_listen_beyond_loopback() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .args(["server", "--data"])
+        .arg(dir.path().join("store"))
+        .args(["--listen", "0.0.0.0:0"])
+        .output()
+        .expect("run cairn server");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("without a tokens file") && stderr.contains("--tokens"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("store").exists(), "nothing was created");
+}
+
+#[tokio::test]
+async fn a_report_from_an_old_lease_is_refused_and_changes_no_byte_of_the_history() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let http = reqwest::Client::new();
+    send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({
+            "session_id": "fenced", "model": {"provider": "scripted", "model": "unused.json"},
+            "model_retry": fast_retry()
+        })),
+    )
+    .await;
+    send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/fenced/messages"),
+        None,
+        Some(json!({"text": "hi"})),
+    )
+    .await;
+    // A short lease that lapses: the timers record the attempt as timed out and the retry is a
+    // new task, which the next lease waits for.
+    let old = lease_one(&http, &server, None, 200).await;
+    let new = lease_one(&http, &server, None, 30_000).await;
+    assert_ne!(old["lease"]["id"], new["lease"]["id"], "{old} {new}");
+    let history_url = server.url("/v1/sessions/fenced/history");
+    let before = http
+        .get(&history_url)
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+
+    let stale = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": old["lease"], "report": answer("late")})),
+    )
+    .await;
+    assert_eq!(stale.status, StatusCode::CONFLICT, "{}", stale.body);
+    assert!(
+        ["stale_report", "lease_lost"].contains(&stale.code()),
+        "{}",
+        stale.body
+    );
+    let mut forged = new["lease"].clone();
+    forged["lease_attempt"] = json!(new["lease"]["lease_attempt"].as_u64().unwrap() + 1);
+    let lost = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": forged, "report": answer("forged")})),
+    )
+    .await;
+    assert_eq!(
+        (lost.status, lost.code()),
+        (StatusCode::CONFLICT, "lease_lost")
+    );
+    let beat = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/heartbeat"),
+        None,
+        Some(json!({"lease": old["lease"], "lease_ms": 1000})),
+    )
+    .await;
+    assert_eq!(
+        (beat.status, beat.code()),
+        (StatusCode::CONFLICT, "lease_lost")
+    );
+    let input = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/input"),
+        None,
+        Some(old["lease"].clone()),
+    )
+    .await;
+    assert_eq!(
+        (input.status, input.code()),
+        (StatusCode::CONFLICT, "lease_lost")
+    );
+    let after = http
+        .get(&history_url)
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    assert_eq!(before, after, "a refused report changes nothing");
+
+    let reported = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": new["lease"], "report": answer("on time")})),
+    )
+    .await;
+    assert_eq!(reported.status, StatusCode::NO_CONTENT, "{}", reported.body);
+    assert_eq!(
+        wait_turn(&http, &server, None, "fenced", 1).await["answer"],
+        "on time"
+    );
+    let events = history(&http, &server, None, "fenced").await;
+    let failed = events
+        .iter()
+        .find(|e| e["kind"] == "model_call_failed")
+        .expect("the lapsed attempt");
+    assert_eq!(
+        failed["event"]["model_call_failed"]["failure"]["class"],
+        "timeout"
+    );
+}
+
+#[tokio::test]
+async fn malformed_requests_get_json_errors_and_the_server_stays_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let http = reqwest::Client::new();
+    let raw = |method: Method, path: &str, content_type: Option<&str>, body: Vec<u8>| {
+        let mut request = http.request(method, server.url(path)).body(body);
+        if let Some(content_type) = content_type {
+            request = request.header("content-type", content_type);
+        }
+        request
+    };
+    let json_type = Some("application/json");
+    let deep = "[".repeat(100_000);
+    let huge = format!("{{\"text\": \"{}\"}}", "x".repeat(5 * 1024 * 1024));
+    let cases: Vec<(reqwest::RequestBuilder, StatusCode, &str)> = vec![
+        (
+            raw(Method::POST, "/v1/sessions", json_type, b"{".to_vec()),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(
+                Method::POST,
+                "/v1/sessions",
+                json_type,
+                br#"{"model": 5}"#.to_vec(),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(
+                Method::POST,
+                "/v1/sessions",
+                json_type,
+                br#"{"tools": []}"#.to_vec(),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(
+                Method::POST,
+                "/v1/sessions",
+                json_type,
+                br#"["p", "m"]"#.to_vec(),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(
+                Method::POST,
+                "/v1/sessions",
+                json_type,
+                br#"{"model": {"provider": "p", "model": "m"}, "bogus": 1}"#.to_vec(),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(Method::POST, "/v1/sessions", json_type, deep.into_bytes()),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(
+                Method::POST,
+                "/v1/sessions",
+                json_type,
+                vec![0xff, 0xfe, 0x00],
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(
+                Method::POST,
+                "/v1/sessions",
+                None,
+                br#"{"model": {"provider": "p", "model": "m"}}"#.to_vec(),
+            ),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+        ),
+        (
+            raw(
+                Method::POST,
+                "/v1/sessions",
+                Some("text/plain"),
+                b"{}".to_vec(),
+            ),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+        ),
+        (
+            raw(
+                Method::POST,
+                "/v1/sessions/s/messages",
+                json_type,
+                huge.into_bytes(),
+            ),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+        ),
+        (
+            raw(
+                Method::POST,
+                "/v1/worker/report",
+                json_type,
+                br#"{"lease": {}, "report": {"failed": {}, "x": 1}}"#.to_vec(),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(Method::GET, "/v1/sessions?limit=abc", None, Vec::new()),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(Method::GET, "/v1/sessions?limit=0", None, Vec::new()),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(
+                Method::GET,
+                "/v1/sessions?status=sleeping",
+                None,
+                Vec::new(),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(Method::GET, "/v1/sessions/s/turns/abc", None, Vec::new()),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(
+                Method::GET,
+                "/v1/sessions/s/turns/99999999999",
+                None,
+                Vec::new(),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(Method::GET, "/v1/nowhere", None, Vec::new()),
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+        (
+            raw(Method::DELETE, "/v1/sessions", None, Vec::new()),
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+        ),
+        (
+            raw(Method::GET, "/v1/sessions/s/events", None, Vec::new())
+                .header("last-event-id", "yesterday"),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+    ];
+    for (i, (request, status, code)) in cases.into_iter().enumerate() {
+        let response = request.send().await.expect("send");
+        assert_eq!(response.status(), status, "case {i}");
+        let allow = response.headers().get("allow").cloned();
+        let body: Value = serde_json::from_slice(&response.bytes().await.unwrap())
+            .unwrap_or_else(|e| panic!("case {i}: not JSON: {e}"));
+        assert_eq!(body["error"]["code"], code, "case {i}: {body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "case {i}"
+        );
+        if status == StatusCode::METHOD_NOT_ALLOWED {
+            assert!(
+                allow.is_some_and(|a| a.to_str().unwrap().contains("POST")),
+                "case {i}"
+            );
+        }
+    }
+    let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
+    assert_eq!(health.body, json!({"status": "ok"}));
+    let doc = send(
+        &http,
+        Method::GET,
+        server.url("/v1/openapi.json"),
+        None,
+        None,
+    )
+    .await;
+    assert!(doc.body["paths"]["/v1/worker/report"]["post"].is_object());
+}
+
+/// One message of an event stream.
+#[derive(Debug)]
+struct Message {
+    event: String,
+    id: Option<u64>,
+    data: Value,
+}
+
+/// Reads an event stream until `stop` says so; returns what it read.
+async fn read_stream(
+    response: reqwest::Response,
+    mut stop: impl FnMut(&Message) -> bool,
+) -> Vec<Message> {
+    let mut bytes = response.bytes_stream();
+    let mut buffer = String::new();
+    let mut messages = Vec::new();
+    while let Some(chunk) = bytes.next().await {
+        buffer.push_str(&String::from_utf8_lossy(&chunk.expect("stream chunk")));
+        while let Some(end) = buffer.find("\n\n") {
+            let block: String = buffer.drain(..end + 2).collect();
+            let (mut event, mut id, mut data) = (String::new(), None, String::new());
+            for line in block.lines() {
+                if let Some(v) = line.strip_prefix("event:") {
+                    event = v.trim().to_owned();
+                } else if let Some(v) = line.strip_prefix("id:") {
+                    id = Some(v.trim().parse().expect("numeric id"));
+                } else if let Some(v) = line.strip_prefix("data:") {
+                    data.push_str(v.strip_prefix(' ').unwrap_or(v));
+                }
+            }
+            if event.is_empty() {
+                continue; // a keep-alive comment
+            }
+            let message = Message {
+                event,
+                id,
+                data: serde_json::from_str(&data).expect("JSON data"),
+            };
+            let done = stop(&message);
+            messages.push(message);
+            if done {
+                return messages;
+            }
+        }
+    }
+    panic!("the stream ended early after {messages:?}");
+}
+
+#[tokio::test]
+async fn the_event_stream_resumes_after_last_event_id_with_every_event_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(
+        dir.path(),
+        &["First answer, streamed in words.", "Second answer."],
+    );
+    let server = Server::start(&dir.path().join("store"), &["--local-workers", "1"]);
+    let http = reqwest::Client::new();
+    send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "sse", "model": model})),
+    )
+    .await;
+    let stream = http
+        .get(server.url("/v1/sessions/sse/events"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), StatusCode::OK);
+    assert!(stream.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+
+    send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/sse/messages"),
+        None,
+        Some(json!({"text": "one"})),
+    )
+    .await;
+    // Read turn 1 to its end, then hang up.
+    let first = read_stream(stream, |m| {
+        m.event == "event" && m.data["kind"] == "turn_completed"
+    })
+    .await;
+    let mut seen: Vec<u64> = first.iter().filter_map(|m| m.id).collect();
+    assert!(
+        first
+            .iter()
+            .any(|m| m.event == "delta" && m.data["delta"]["text"].is_string()),
+        "{first:?}"
+    );
+    assert!(first
+        .iter()
+        .all(|m| m.event != "delta" || m.data["origin"]["session_id"] == "sse"));
+    let last = *seen.last().unwrap();
+
+    // Turn 2 runs while nobody listens; the reconnect names the last id seen.
+    send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/sse/messages"),
+        None,
+        Some(json!({"text": "two"})),
+    )
+    .await;
+    let resumed = http
+        .get(server.url("/v1/sessions/sse/events"))
+        .header("last-event-id", last.to_string())
+        .send()
+        .await
+        .unwrap();
+    let second = read_stream(resumed, |m| {
+        m.event == "event"
+            && m.data["kind"] == "turn_completed"
+            && m.data["event"]["turn_completed"]["turn"] == 2
+    })
+    .await;
+    seen.extend(second.iter().filter_map(|m| m.id));
+
+    let events = history(&http, &server, None, "sse").await;
+    let all: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert_eq!(
+        seen, all,
+        "every event exactly once, in order, across the reconnect"
+    );
+    let streamed: Vec<&Value> = first
+        .iter()
+        .chain(&second)
+        .filter(|m| m.event == "event")
+        .map(|m| &m.data)
+        .collect();
+    assert_eq!(
+        streamed,
+        events.iter().collect::<Vec<_>>(),
+        "the same envelopes as the history"
+    );
+
+    // `after_seq` is the same for clients that cannot set headers.
+    let from_query = http
+        .get(server.url(&format!(
+            "/v1/sessions/sse/events?after_seq={}",
+            all.len() - 1
+        )))
+        .send()
+        .await
+        .unwrap();
+    let tail = read_stream(from_query, |m| m.event == "event").await;
+    assert_eq!(tail.last().unwrap().id, Some(all.len() as u64));
+}
+
+#[tokio::test]
+async fn sigterm_stops_leasing_takes_the_last_reports_and_exits_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start(&dir.path().join("store"), &[]);
+    let http = reqwest::Client::new();
+    send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "d", "model": {"provider": "scripted", "model": "unused.json"}})),
+    )
+    .await;
+    send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/d/messages"),
+        None,
+        Some(json!({"text": "hi"})),
+    )
+    .await;
+    let task = lease_one(&http, &server, None, 60_000).await;
+    // A worker waiting for more work when the drain begins is told at once.
+    let waiting = {
+        let http = http.clone();
+        let url = server.url("/v1/worker/lease");
+        tokio::spawn(async move {
+            send(
+                &http,
+                Method::POST,
+                url,
+                None,
+                Some(json!({"max": 1, "wait_ms": 60000, "lease_ms": 1000})),
+            )
+            .await
+        })
+    };
+
+    server.signal(libc::SIGTERM);
+    loop {
+        let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
+        if health.body["status"] == "draining" {
+            break;
+        }
+        assert_eq!(health.body["status"], "ok");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let waited = waiting.await.unwrap();
+    assert_eq!(
+        (waited.status, waited.code()),
+        (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+    );
+    let refused = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/lease"),
+        None,
+        Some(json!({"max": 1, "lease_ms": 1000})),
+    )
+    .await;
+    assert_eq!(
+        (refused.status, refused.code()),
+        (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+    );
+    // The held lease's report still lands; with no lease held the drain ends.
+    let reported = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": task["lease"], "report": answer("just in time")})),
+    )
+    .await;
+    assert_eq!(reported.status, StatusCode::NO_CONTENT, "{}", reported.body);
+    let status = server.exit().await;
+    assert_eq!(status.code(), Some(0), "{status:?}");
+
+    let restarted = Server::start(&dir.path().join("store"), &[]);
+    let outcome = wait_turn(&http, &restarted, None, "d", 1).await;
+    assert_eq!(outcome["answer"], "just in time");
+}
+
+#[tokio::test]
+async fn a_sigkill_mid_turn_loses_nothing_acknowledged_and_the_restarted_server_completes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(dir.path(), &["Survived the crash."]);
+    let data: PathBuf = dir.path().join("store");
+    let mut server = Server::start(&data, &[]);
+    let http = reqwest::Client::new();
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "k", "model": model, "model_retry": fast_retry()})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    let started = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/k/messages"),
+        None,
+        Some(json!({"text": "hi"})),
+    )
+    .await;
+    assert_eq!(started.status, StatusCode::ACCEPTED);
+    // A worker holds the model call when the server dies.
+    let task = lease_one(&http, &server, None, 1_000).await;
+    server.kill().await;
+
+    let server = Server::start(&data, &["--local-workers", "1"]);
+    let described = send(&http, Method::GET, server.url("/v1/sessions/k"), None, None).await;
+    assert_eq!(
+        described.status,
+        StatusCode::OK,
+        "the acknowledged session is there"
+    );
+    assert_eq!(
+        described.body["turns"], 1,
+        "and so is the acknowledged turn"
+    );
+    let outcome = wait_turn(&http, &server, None, "k", 1).await;
+    assert_eq!(
+        outcome,
+        json!({"status": "completed", "turn": 1, "answer": "Survived the crash."})
+    );
+    // The dead worker's lease lapsed and was recorded; its late report changes nothing.
+    let late = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": task["lease"], "report": answer("too late")})),
+    )
+    .await;
+    assert_eq!(late.status, StatusCode::CONFLICT, "{}", late.body);
+    let events = history(&http, &server, None, "k").await;
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e["kind"] == "model_call_completed")
+            .count(),
+        1
+    );
+    assert!(
+        events.iter().any(|e| e["kind"] == "model_call_failed"),
+        "{:?}",
+        kinds(&events)
+    );
+}
+
+#[test]
+fn schemathesis_finds_no_failure_against_the_openapi_document() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(root.join("scripts/schemathesis"))
+        .env("CAIRN_BIN", env!("CARGO_BIN_EXE_cairn"))
+        .output()
+        .expect("run scripts/schemathesis (needs bash and python3)");
+    let report = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "scripts/schemathesis failed:\n{report}"
+    );
+    assert!(
+        report.contains("No issues found") || report.contains("passed"),
+        "{report}"
+    );
+}
