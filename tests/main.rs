@@ -14,6 +14,7 @@ mod powercut;
 mod providers;
 mod remote;
 mod server;
+mod service;
 mod store_crash;
 mod support;
 mod wire;

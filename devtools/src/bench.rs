@@ -81,11 +81,11 @@ impl BenchResult {
 /// The scripted turn: two parallel calculator calls, then an answer.
 fn script(latency_ms: u64) -> String {
     format!(
-        r#"{{"delay_ms": {latency_ms}, "responses": [
-  {{"parts": [
+        r#"{{"responses": [
+  {{"delay_ms": {latency_ms}, "parts": [
     {{"type": "tool_use", "id": "t1", "name": "calculator", "input": {{"expression": "1+2"}}}},
     {{"type": "tool_use", "id": "t2", "name": "calculator", "input": {{"expression": "3*4"}}}}]}},
-  {{"parts": [{{"type": "text", "text": "3 and 12"}}]}}
+  {{"delay_ms": {latency_ms}, "parts": [{{"type": "text", "text": "3 and 12"}}]}}
 ]}}"#
     )
 }
