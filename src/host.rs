@@ -1,6 +1,7 @@
 //! An embedded host: a store opened through `store::embedded`, an engine and a worker pool in
 //! this process.
 
+use crate::socket::StoreSocket;
 use cairn_activities::ToolRegistry;
 use cairn_runtime::store::embedded::{self, OpenMode, OpenedStore, StorageEngine};
 use cairn_runtime::store::marks::Loss;
@@ -24,6 +25,8 @@ pub struct Host {
     pub tools: Arc<ToolRegistry>,
     /// The worker pool; it also runs the engine's timers (lapsed leases, start deadlines).
     workers: Option<WorkerPool>,
+    /// The API on the store's socket, while this process holds the store for writing.
+    socket: Option<StoreSocket>,
 }
 
 impl Host {
@@ -45,6 +48,21 @@ impl Host {
         }
         let store = opened.store.clone();
         let engine = Engine::new(store.clone(), Arc::new(SystemClock));
+        // A writer holds the store's lock: other commands reach the store through its socket.
+        let socket = match mode {
+            OpenMode::Create | OpenMode::Existing => match StoreSocket::serve(data, engine.clone())
+            {
+                Ok(socket) => Some(socket),
+                Err(e) => {
+                    eprintln!(
+                        "note: cannot serve the store's socket in {} ({e}); other commands cannot reach this store while it runs",
+                        data.display()
+                    );
+                    None
+                }
+            },
+            OpenMode::ReadOnly | OpenMode::Repair => None,
+        };
         Ok(Host {
             store,
             opened,
@@ -52,6 +70,7 @@ impl Host {
             engine,
             tools: Arc::new(ToolRegistry::builtin(workdir)),
             workers: None,
+            socket,
         })
     }
 
@@ -108,6 +127,9 @@ impl Host {
     pub async fn shutdown(mut self) {
         if let Some(pool) = self.workers.take() {
             pool.shutdown().await;
+        }
+        if let Some(socket) = self.socket.take() {
+            socket.close().await;
         }
     }
 }

@@ -9,3 +9,4 @@ pub use cairn_workers as workers;
 
 pub mod demo;
 pub mod host;
+pub mod socket;

@@ -84,8 +84,22 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             let _ = stopped.wait_for(|s| *s).await;
         }
     };
+    // Commands run on this machine against the store directory reach it through its socket.
+    let socket = match cairn::socket::StoreSocket::serve(&args.data, engine.clone()) {
+        Ok(socket) => Some(socket),
+        Err(e) => {
+            eprintln!(
+                "note: cannot serve the store's socket in {} ({e}); commands with --data cannot reach this store while the server runs",
+                args.data.display()
+            );
+            None
+        }
+    };
     let served = cairn_server::serve(engine, listener, config, shutdown).await;
     signals.abort();
+    if let Some(socket) = socket {
+        socket.close().await;
+    }
     served?;
     // Activities still running past the drain are cut off with the process: their leases
     // lapse, and the next start records the attempts as timed out and retries them.

@@ -375,3 +375,94 @@ async fn a_tool_goes_only_to_the_worker_that_hosts_it_and_a_task_nobody_runs_tim
     );
     replay(&id, &history).expect("replays");
 }
+
+/// Runs `cairn ARGS` to completion.
+fn cairn(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .args(args)
+        .output()
+        .expect("run cairn")
+}
+
+#[test]
+fn while_cairn_run_holds_the_store_other_commands_act_through_its_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("store");
+    // The model thinks for 20 s: long enough that the turn is surely running when cancelled.
+    let model = scripted(dir.path(), "slow.json", 20_000, TOOL_TURN);
+    let model = format!("{}:{}", model.provider, model.model);
+    let run = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .args([
+            "run",
+            "--data",
+            data.to_str().unwrap(),
+            "--session",
+            "busy",
+            "--model",
+            &model,
+            "what are 1+2 and 3*4?",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start cairn run");
+    let mut run = Process { child: run };
+    // Wait until the run serves its socket and the session exists.
+    let mut listed = String::new();
+    for _ in 0..200 {
+        let out = cairn(&["sessions", "--data", data.to_str().unwrap()]);
+        listed = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() && listed.contains("busy") && listed.contains("running") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        listed.contains("busy") && listed.contains("running"),
+        "{listed}"
+    );
+    let history = cairn(&["history", "--data", data.to_str().unwrap(), "busy"]);
+    assert!(history.status.success());
+    assert!(String::from_utf8_lossy(&history.stdout).contains("model_call_scheduled"));
+
+    let cancel = cairn(&[
+        "cancel",
+        "--data",
+        data.to_str().unwrap(),
+        "busy",
+        "--turn",
+        "--reason",
+        "changed my mind",
+    ]);
+    assert!(
+        cancel.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cancel.stderr)
+    );
+    assert!(String::from_utf8_lossy(&cancel.stderr).contains("socket"));
+    // The run ends with its turn cancelled, long before the model would have answered.
+    let status = run.child.wait().expect("wait for cairn run");
+    let mut stdout = String::new();
+    use std::io::Read as _;
+    if let Some(mut out) = run.child.stdout.take() {
+        out.read_to_string(&mut stdout).unwrap();
+    }
+    assert!(
+        stdout.contains("changed my mind") || !status.success(),
+        "{status:?} {stdout}"
+    );
+    // The run is gone: its socket with it, and the store opens directly again.
+    assert!(!data.join("cairn.sock").exists());
+    let history = cairn(&[
+        "history",
+        "--data",
+        data.to_str().unwrap(),
+        "busy",
+        "--json",
+    ]);
+    let text = String::from_utf8_lossy(&history.stdout);
+    assert!(
+        text.contains("turn_cancelled") && text.contains("changed my mind"),
+        "{text}"
+    );
+}

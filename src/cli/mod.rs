@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 /// The socket a process that holds a store open serves the `/v1` API on, in the store's
 /// directory.
-pub const SOCKET_NAME: &str = "cairn.sock";
+pub use cairn_runtime::store::embedded::SOCKET_FILE as SOCKET_NAME;
 
 /// Where a session command finds its sessions: a cairn server.
 #[derive(clap::Args, Debug, Clone, Default)]

@@ -33,6 +33,7 @@
 //! | `cairn-store`   | `cairn-store v1 engine=<name>`: the engine, fixed at creation     |
 //! | `cairn.lock`    | `flock`ed: exclusive by the one writer, shared by readers         |
 //! | `cairn-hwm`     | per-session high-water marks ([`marks`](super::marks))            |
+//! | `cairn.sock`    | the API of the process holding the store, for other commands      |
 //! | `set-aside/`    | files moved out of the engine's way, kept for inspection          |
 //! | `.cairn-open/`  | the engine's files as they were before the open in progress       |
 //!
@@ -54,6 +55,8 @@ use std::sync::Arc;
 pub const MARKER_FILE: &str = "cairn-store";
 /// The lock file.
 pub const LOCK_FILE: &str = "cairn.lock";
+/// The socket on which the process holding the store serves its API.
+pub const SOCKET_FILE: &str = "cairn.sock";
 /// Where files moved out of the engine's way are kept.
 pub const SET_ASIDE_DIR: &str = "set-aside";
 /// The engine's files as they were before the open in progress.
@@ -103,6 +106,7 @@ impl StorageEngine {
         ![
             MARKER_FILE,
             LOCK_FILE,
+            SOCKET_FILE,
             MARKS_FILE,
             SET_ASIDE_DIR,
             BACKUP_DIR,
