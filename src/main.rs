@@ -19,6 +19,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+mod bench;
 mod serve;
 
 #[derive(Parser)]
@@ -143,6 +144,28 @@ enum Command {
         /// Why, recorded in the history.
         #[arg(long, default_value = "cancelled from the command line")]
         reason: String,
+    },
+    /// Benchmark durable turns: embedded, and through `cairn server` with worker processes.
+    Bench {
+        /// Sessions in flight (a closed loop of clients, a fresh session per turn); repeat
+        /// or separate with commas for several measurements.
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 64])]
+        sessions: Vec<usize>,
+        /// Worker process counts to measure through a server (empty: none).
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 2, 4])]
+        workers: Vec<usize>,
+        /// The scripted model's latency per call.
+        #[arg(long, default_value_t = 0)]
+        model_latency_ms: u64,
+        /// Seconds per measurement (after a warm-up of a tenth of it).
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+        /// Measure only through a server.
+        #[arg(long)]
+        no_embedded: bool,
+        /// Storage engine: fjall (default) or sled.
+        #[arg(long, value_parser = parse_engine)]
+        engine: Option<StorageEngine>,
     },
     /// Chaos test: a child process runs many sessions and is killed with SIGKILL at random
     /// moments, a new one resumes each time; then every promise of the log is checked and the
@@ -500,6 +523,28 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("cancelled session {session}");
             }
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            sessions,
+            workers,
+            model_latency_ms,
+            seconds,
+            no_embedded,
+            engine,
+        } => {
+            let exe = std::env::current_exe().context("cannot find the cairn executable")?;
+            bench::run(
+                bench::BenchArgs {
+                    sessions,
+                    workers,
+                    model_latency_ms,
+                    seconds,
+                    no_embedded,
+                    engine: engine.unwrap_or(StorageEngine::DEFAULT),
+                },
+                &exe,
+            )
+            .await
         }
         Command::Chaos {
             kills,

@@ -204,7 +204,8 @@ fn start_and_wait(exe: &Path, args: &[String], ready: &str) -> anyhow::Result<(P
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        // Their notes would break the table; a child that fails says so by exiting early.
+        .stderr(Stdio::null())
         .spawn()
         .with_context(|| format!("starting {} {}", exe.display(), args.join(" ")))?;
     let stdout = child.stdout.take().context("the child's stdout")?;
