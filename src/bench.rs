@@ -21,13 +21,15 @@ pub struct BenchArgs {
     pub no_embedded: bool,
     /// The store engine.
     pub engine: StorageEngine,
+    /// Activities each worker process runs at once.
+    pub worker_concurrency: usize,
 }
 
 /// Runs every measurement asked for and prints a table (Markdown).
 pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
     println!(
-        "durable turns (fresh session, model → 2 parallel tools → model), {} s each, {} store, model latency {} ms",
-        args.seconds, args.engine, args.model_latency_ms
+        "durable turns (fresh session, model → 2 parallel tools → model), {} s each, {} store, model latency {} ms, {} activities at once per worker process",
+        args.seconds, args.engine, args.model_latency_ms, args.worker_concurrency
     );
     println!("{}", BenchResult::header());
     for &sessions in &args.sessions {
@@ -36,6 +38,7 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
             seconds: args.seconds,
             model_latency_ms: args.model_latency_ms,
             engine: args.engine,
+            worker_concurrency: args.worker_concurrency,
         };
         if !args.no_embedded {
             let result = bench::embedded(&config).await.context("embedded bench")?;

@@ -163,6 +163,9 @@ enum Command {
         /// Measure only through a server.
         #[arg(long)]
         no_embedded: bool,
+        /// Activities each worker process runs at once.
+        #[arg(long, default_value_t = 16)]
+        worker_concurrency: usize,
         /// Storage engine: fjall (default) or sled.
         #[arg(long, value_parser = parse_engine)]
         engine: Option<StorageEngine>,
@@ -530,6 +533,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             model_latency_ms,
             seconds,
             no_embedded,
+            worker_concurrency,
             engine,
         } => {
             let exe = std::env::current_exe().context("cannot find the cairn executable")?;
@@ -540,6 +544,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     model_latency_ms,
                     seconds,
                     no_embedded,
+                    worker_concurrency,
                     engine: engine.unwrap_or(StorageEngine::DEFAULT),
                 },
                 &exe,

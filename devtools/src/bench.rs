@@ -37,6 +37,9 @@ pub struct BenchConfig {
     pub model_latency_ms: u64,
     /// The store engine.
     pub engine: StorageEngine,
+    /// Activities each worker process runs at once (`cairn worker --concurrency`), so that
+    /// more worker processes mean more capacity, as when they run on more machines.
+    pub worker_concurrency: usize,
 }
 
 /// What one measurement found.
@@ -251,7 +254,7 @@ pub async fn through_server(
         ],
         "listening on",
     )?;
-    let per_worker = (2 * config.sessions).div_ceil(workers.max(1)).max(16);
+    let per_worker = config.worker_concurrency.max(1);
     let mut processes = Vec::new();
     for _ in 0..workers {
         let (worker, _) = start_and_wait(
