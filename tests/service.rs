@@ -466,3 +466,125 @@ fn while_cairn_run_holds_the_store_other_commands_act_through_its_socket() {
         "{text}"
     );
 }
+
+/// A provider that refuses every request and echoes the API key it was sent in its error, as
+/// real providers do ("invalid x-api-key: ..."); answers until the test ends.
+fn echoing_provider() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            use std::io::{Read as _, Write as _};
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            // Headers are enough: the key is in one of them.
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                match stream.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+            }
+            let text = String::from_utf8_lossy(&request);
+            let key = text
+                .lines()
+                .find_map(|l| l.strip_prefix("x-api-key: "))
+                .unwrap_or("none")
+                .to_owned();
+            let body = format!(
+                r#"{{"type":"error","error":{{"type":"authentication_error","message":"invalid x-api-key: {key}"}}}}"#
+            );
+            let _ = write!(
+                stream,
+                "HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_keys_stay_with_the_worker_process() {
+    const KEY: &str = "sk-ant-test-KEEP-THIS-SECRET-0123456789";
+    let dir = tempfile::tempdir().unwrap();
+    let provider = echoing_provider();
+    let data = dir.path().join("store");
+    // The server's own log is kept to be searched for the key.
+    let server_log = std::fs::File::create(dir.path().join("server.log")).unwrap();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .args([
+            "server",
+            "--data",
+            data.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(server_log)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(server.stdout.take().unwrap()).lines();
+    let url = loop {
+        let line = lines.next().expect("server output").unwrap();
+        if let Some(url) = line.strip_prefix("listening on ") {
+            break url.trim().to_owned();
+        }
+    };
+    std::thread::spawn(move || for _ in lines.by_ref() {});
+    let _server = Process { child: server };
+    let worker = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .args(["worker", "--server", &url])
+        .env("ANTHROPIC_API_KEY", KEY)
+        .env("ANTHROPIC_BASE_URL", &provider)
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut worker = Process { child: worker };
+    let mut ready = BufReader::new(worker.child.stdout.take().unwrap()).lines();
+    assert_eq!(ready.next().unwrap().unwrap(), "worker ready");
+
+    let client = cairn_remote::connect(&url, None).unwrap();
+    let model = ModelSpec::parse("anthropic:claude-test").unwrap();
+    let mut o = SessionOptions::new(model, Vec::new());
+    o.session_id = Some("keyed".into());
+    let id = client.start_session(o).await.unwrap();
+    let outcome = client.run_turn(&id, "hello").await.unwrap();
+    // The provider refused the key, and said which: the failure is recorded, scrubbed.
+    let TurnOutcome::Failed { reason, .. } = outcome else {
+        panic!("the provider refuses every key: {outcome:?}");
+    };
+    assert!(reason.contains("invalid x-api-key"), "{reason}");
+    let history = serde_json::to_string(&client.history(&id).await.unwrap()).unwrap();
+    assert!(history.contains("[redacted]"), "{history}");
+    assert!(!history.contains(KEY), "the key reached the history");
+    drop(_server);
+    let log = std::fs::read_to_string(dir.path().join("server.log")).unwrap();
+    assert!(!log.contains(KEY), "the key reached the server's log");
+    // Nor any file of the store.
+    for entry in walk(&data) {
+        let bytes = std::fs::read(&entry).unwrap_or_default();
+        assert!(
+            !bytes.windows(KEY.len()).any(|w| w == KEY.as_bytes()),
+            "the key is in {}",
+            entry.display()
+        );
+    }
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else if path.is_file() {
+            out.push(path);
+        }
+    }
+    out
+}
