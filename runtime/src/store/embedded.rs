@@ -239,7 +239,9 @@ impl std::fmt::Debug for OpenedStore {
 }
 
 /// Opens the embedded store in `dir`; see the module docs. `engine` is required to match the
-/// store's (a clear error otherwise) and chooses the engine of a new store.
+/// store's (a clear error otherwise) and chooses the engine of a new store. A new store is made
+/// only in a new or empty directory (or one a creation cut short left): a directory holding
+/// other files is refused, naming them.
 pub async fn open(
     dir: &Path,
     mode: OpenMode,
