@@ -1,6 +1,7 @@
 //! `cairn bench`: durable turns per second and turn latency, embedded and through a server
 //! with 1, 2 and 4 worker processes (the harness is `cairn_devtools::bench`).
 
+use crate::cli::out::outln;
 use anyhow::Context;
 use cairn_devtools::bench::{self, BenchConfig, BenchResult};
 use cairn_runtime::store::embedded::StorageEngine;
@@ -27,11 +28,11 @@ pub struct BenchArgs {
 
 /// Runs every measurement asked for and prints a table (Markdown).
 pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
-    println!(
+    outln!(
         "durable turns (fresh session, model → 2 parallel tools → model), {} s each, {} store, model latency {} ms, {} activities at once per worker process",
         args.seconds, args.engine, args.model_latency_ms, args.worker_concurrency
-    );
-    println!("{}", BenchResult::header());
+    )?;
+    outln!("{}", BenchResult::header())?;
     for &sessions in &args.sessions {
         let config = BenchConfig {
             sessions,
@@ -42,7 +43,7 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
         };
         if !args.no_embedded {
             let result = bench::embedded(&config).await.context("embedded bench")?;
-            println!("{}", result.row());
+            outln!("{}", result.row())?;
         }
         for &workers in &args.workers {
             let result = bench::through_server(exe, workers, &config, |url| {
@@ -50,7 +51,7 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
             })
             .await
             .with_context(|| format!("bench through a server with {workers} workers"))?;
-            println!("{}", result.row());
+            outln!("{}", result.row())?;
         }
     }
     Ok(ExitCode::SUCCESS)

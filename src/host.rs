@@ -41,10 +41,10 @@ impl Host {
     ) -> anyhow::Result<Host> {
         let opened = embedded::open(data, mode, engine).await?;
         for note in &opened.notes {
-            eprintln!("note: {note}");
+            say(format_args!("note: {note}"));
         }
         if !opened.losses.is_empty() {
-            eprintln!("warning: {}", describe_losses(&opened.losses));
+            say(format_args!("warning: {}", describe_losses(&opened.losses)));
         }
         let store = opened.store.clone();
         let engine = Engine::new(store.clone(), Arc::new(SystemClock));
@@ -54,10 +54,10 @@ impl Host {
             {
                 Ok(socket) => Some(socket),
                 Err(e) => {
-                    eprintln!(
+                    say(format_args!(
                         "note: cannot serve the store's socket in {} ({e}); other commands cannot reach this store while it runs",
                         data.display()
-                    );
+                    ));
                     None
                 }
             },
@@ -132,6 +132,12 @@ impl Host {
             socket.close().await;
         }
     }
+}
+
+/// Writes a line on stderr; a closed stderr is ignored (`eprintln!` would panic).
+fn say(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{args}");
 }
 
 /// A warning about acknowledged events a store no longer has.

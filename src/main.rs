@@ -1,5 +1,8 @@
 //! The `cairn` command line: run the offline demo, run turns, inspect and replay histories.
 
+// Printing goes through `cli::out`: a closed pipe must not panic.
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
 mod cli;
 
 use anyhow::{bail, Context};
@@ -14,8 +17,8 @@ use cairn_runtime::{
     TurnOutcome,
 };
 use clap::{Parser, Subcommand};
-use cli::Access;
-use std::io::Write;
+use cli::out::{note, out, outln, showln};
+use cli::{Access, StoreDir, Target};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -35,10 +38,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run a complete offline session (scripted model, two parallel tool calls) on an embedded store.
+    /// Run a complete offline session (scripted model, two parallel tool calls) in a store,
+    /// the default one unless --data names another; the session stays there to inspect.
     Demo {
-        /// Store directory (default: a new temporary directory, kept for inspection).
-        #[arg(long)]
+        #[arg(long, value_name = "DIR", help = cli::DATA_HELP)]
         data: Option<PathBuf>,
         /// Storage engine of a new store: fjall (default) or sled.
         #[arg(long, value_parser = parse_engine)]
@@ -46,8 +49,10 @@ enum Command {
     },
     /// Start (or continue) a session and run one turn.
     Run {
-        /// Store directory (created if missing).
-        #[arg(long)]
+        /// The store directory, created if missing (default: the server of --server or
+        /// $CAIRN_SERVER when given, else $CAIRN_DATA, else $XDG_DATA_HOME/cairn, else
+        /// ~/.local/share/cairn).
+        #[arg(long, value_name = "DIR")]
         data: Option<PathBuf>,
         #[command(flatten)]
         server: cli::ServerArgs,
@@ -61,12 +66,14 @@ enum Command {
         /// Continue this session, or start it with this id.
         #[arg(long)]
         session: Option<String>,
-        /// A system prompt for a new session.
+        /// A system prompt for a new session (refused for an existing one: it is fixed when
+        /// the session starts).
         #[arg(long)]
         system: Option<String>,
-        /// Model calls per turn at most.
-        #[arg(long, default_value_t = 16)]
-        max_rounds: u32,
+        /// Model calls per turn at most, for a new session (default 16; refused for an
+        /// existing one: it is fixed when the session starts).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        max_rounds: Option<u32>,
         /// The directory read_file may read (default: the current directory).
         #[arg(long)]
         workdir: Option<PathBuf>,
@@ -85,16 +92,14 @@ enum Command {
     },
     /// List sessions.
     Sessions {
-        /// Store directory.
-        #[arg(long)]
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
         data: Option<PathBuf>,
         #[command(flatten)]
         server: cli::ServerArgs,
     },
     /// Print a session's events, one per line.
     History {
-        /// Store directory.
-        #[arg(long)]
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
         data: Option<PathBuf>,
         #[command(flatten)]
         server: cli::ServerArgs,
@@ -106,8 +111,7 @@ enum Command {
     },
     /// Print a session's transcript (the ledger) as canonical JSON.
     Transcript {
-        /// Store directory.
-        #[arg(long)]
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
         data: Option<PathBuf>,
         #[command(flatten)]
         server: cli::ServerArgs,
@@ -123,16 +127,14 @@ enum Command {
     },
     /// Re-fold a history with this code and check determinism (exit 1 on divergence).
     Replay {
-        /// Store directory.
-        #[arg(long)]
-        data: PathBuf,
+        #[arg(long, value_name = "DIR", help = cli::DATA_HELP)]
+        data: Option<PathBuf>,
         /// Session id.
         session: String,
     },
     /// Cancel a session (or only its running turn): open tool calls get error results.
     Cancel {
-        /// Store directory.
-        #[arg(long)]
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
         data: Option<PathBuf>,
         #[command(flatten)]
         server: cli::ServerArgs,
@@ -227,9 +229,8 @@ enum Command {
     /// Check a store: every record decodes, histories are complete and replay, queued tasks
     /// match their sessions (exit 0 when clean, 1 on any problem).
     Fsck {
-        /// Store directory.
-        #[arg(long)]
-        data: PathBuf,
+        #[arg(long, value_name = "DIR", help = cli::DATA_HELP)]
+        data: Option<PathBuf>,
         /// Make a damaged store usable again: set aside leftovers, write back a damaged sled
         /// `conf`, and accept acknowledged events the storage engine lost. Copies what it
         /// changes into `set-aside/` first. Without it, fsck changes nothing.
@@ -263,9 +264,10 @@ enum Command {
     /// Serve the `/v1` HTTP API: this process owns the store and runs the engine; clients and
     /// workers connect over HTTP. Drains and exits 0 on SIGTERM or SIGINT.
     Server {
-        /// Store directory (created if missing).
-        #[arg(long)]
-        data: PathBuf,
+        /// The store directory, created if missing (default: $CAIRN_DATA, else
+        /// $XDG_DATA_HOME/cairn, else ~/.local/share/cairn).
+        #[arg(long, value_name = "DIR")]
+        data: Option<PathBuf>,
         /// Address to listen on, e.g. 127.0.0.1:8080 (port 0: any free port, printed).
         #[arg(long)]
         listen: std::net::SocketAddr,
@@ -292,9 +294,8 @@ enum Command {
     },
     /// Continue every session whose turn was interrupted.
     Resume {
-        /// Store directory.
-        #[arg(long)]
-        data: PathBuf,
+        #[arg(long, value_name = "DIR", help = cli::DATA_HELP)]
+        data: Option<PathBuf>,
         /// The directory read_file may read (default: the current directory).
         #[arg(long)]
         workdir: Option<PathBuf>,
@@ -302,31 +303,55 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal, never into a pipe or a log file.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let cli = Cli::parse();
+    let cli = parse_cli();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
+            note!("error: cannot start the async runtime: {e}");
             return ExitCode::from(1);
         }
     };
     match runtime.block_on(run(cli)) {
         Ok(code) => code,
+        // The reader of our output went away (`cairn history | head`): nothing to say.
+        Err(e) if cli::out::is_stdout_closed(&e) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // `{:#}`: the whole chain of causes, each in words, on one line.
+            note!("error: {e:#}");
             ExitCode::from(1)
         }
     }
+}
+
+/// The command line, with `--help` saying where the default store is on this machine.
+fn parse_cli() -> Cli {
+    use clap::{CommandFactory, FromArgMatches};
+    let here = match cli::default_data_dir() {
+        Ok(dir) => format!("here: {}", dir.display()),
+        Err(e) => format!("here: none, {e:#}"),
+    };
+    let command = Cli::command().after_help(format!(
+        "The store: commands that open one take its directory as --data DIR. Without --data \
+         they use the default data directory: {} ({here}). The session commands (run, \
+         sessions, history, transcript, cancel) act through a cairn server instead when given \
+         --server URL, or $CAIRN_SERVER and no --data.",
+        cli::DEFAULT_DATA_RULE
+    ));
+    let mut matches = command.get_matches();
+    Cli::from_arg_matches_mut(&mut matches).unwrap_or_else(|e| e.exit())
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -346,13 +371,25 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             thinking_budget,
             prompt,
         } => {
+            // Everything that can be checked is checked before anything is written.
+            if prompt.trim().is_empty() {
+                bail!("the prompt is empty: give the message to send as the last argument");
+            }
             let model = ModelSpec {
                 max_tokens,
                 thinking_budget_tokens: thinking_budget,
                 ..parse_model(&model)?
             };
             let workdir = workdir_or_cwd(workdir)?;
-            let access = Access::open(data, &server, OpenMode::Create, engine, workdir).await?;
+            let target = Target::resolve(data, &server)?;
+            // A store opened here runs the model from this process: its configuration must be
+            // here. (A store held by another process is run by that one, through its socket.)
+            if let Target::Store(store) = &target {
+                if embedded::detect(&store.path)?.is_none() {
+                    check_provider(&model)?;
+                }
+            }
+            let access = Access::open(target, OpenMode::Create, engine, workdir).await?;
             let (mut host, data) = match access {
                 Access::Local { host, data } => (*host, data),
                 Access::Remote(remote) => {
@@ -367,14 +404,22 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     return Ok(outcome_code(&remote.run(request).await?));
                 }
             };
+            check_provider(&model)?;
             let session_id = match session {
-                Some(id) if session_exists(&host, &id).await? => id,
+                Some(id) if session_exists(&host, &id).await? => {
+                    refuse_start_options(&id, &system, max_rounds)?;
+                    id
+                }
                 requested => {
                     let mut options = SessionOptions::new(model.clone(), host.tools.specs());
                     options.session_id = requested;
                     options.system_prompt = system;
-                    options.limits.max_rounds = max_rounds;
-                    host.client.start_session(options).await?
+                    if let Some(max_rounds) = max_rounds {
+                        options.limits.max_rounds = max_rounds;
+                    }
+                    let id = host.client.start_session(options).await?;
+                    note!("new session {id}");
+                    id
                 }
             };
             // Only this session's work runs here: an interrupted turn of it is carried on
@@ -390,24 +435,24 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 _ => None,
             };
             let outcome = run_turn(&host, &session_id, &prompt, turn_model, !hide_thinking).await?;
-            eprintln!("session {session_id}");
+            note!("session {session_id}");
             host.shutdown().await;
             Ok(outcome_code(&outcome))
         }
         Command::Sessions { data, server } => {
-            let access =
-                Access::open(data, &server, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
             let sessions = access.client().sessions().await?;
             if sessions.is_empty() {
-                println!("no sessions");
+                outln!("no sessions")?;
             }
             for s in sessions {
-                println!(
+                outln!(
                     "{:<40} {:<10} {:>6} events",
                     s.session_id,
                     s.status.as_str(),
                     s.events
-                );
+                )?;
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -417,18 +462,16 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             session,
             json,
         } => {
-            let access =
-                Access::open(data, &server, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
             let events = access.client().history(&session).await?;
-            let mut out = std::io::stdout().lock();
             let first_ms = events.first().map_or(0, |e| e.recorded_at_ms);
             for e in &events {
                 if json {
-                    writeln!(out, "{}", serde_json::to_string(e)?)?;
+                    outln!("{}", serde_json::to_string(e)?)?;
                 } else {
                     let elapsed = e.recorded_at_ms.saturating_sub(first_ms);
-                    writeln!(
-                        out,
+                    outln!(
                         "{:>5}  +{:>4}.{:03}s  {:<22} {}",
                         e.seq,
                         elapsed / 1000,
@@ -447,17 +490,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             format,
             model,
         } => {
-            let access =
-                Access::open(data, &server, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
             let Some(format) = format else {
                 let transcript = access.client().transcript(&session).await?;
-                let mut out = std::io::stdout().lock();
-                out.write_all(&transcript.canonical_json())?;
-                writeln!(out)?;
+                outln!("{}", String::from_utf8_lossy(&transcript.canonical_json()))?;
                 return Ok(ExitCode::SUCCESS);
             };
             let state = access.state(&session).await?;
-            let mut out = std::io::stdout().lock();
             let format = RequestFormat::parse(&format)?;
             let Some(started) = &state.started else {
                 bail!("session {session} has not started");
@@ -481,21 +521,24 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 tools: started.tools.clone(),
             };
             let body = render_request(format, &request)?;
-            writeln!(out, "{}", serde_json::to_string_pretty(&body)?)?;
+            outln!("{}", serde_json::to_string_pretty(&body)?)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Replay { data, session } => {
-            let host = Host::open(&data, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
+            let store = StoreDir::resolve(data)?;
+            store.check_exists()?;
+            let host =
+                Host::open(&store.path, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
             let events = host.client.history(&session).await?;
             match replay(&session, &events) {
                 Ok(replayed) => {
                     let bytes = replayed.state.transcript.canonical_json();
-                    println!(
+                    outln!(
                         "ok: {} events of session {session} replay deterministically ({} commands, ledger {} bytes)",
                         events.len(),
                         replayed.commands.len(),
                         bytes.len()
-                    );
+                    )?;
                     Ok(ExitCode::SUCCESS)
                 }
                 Err(
@@ -503,7 +546,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     | RuntimeError::InvalidEvent { .. }
                     | RuntimeError::StaleReport { .. }),
                 ) => {
-                    println!("divergence: {e}");
+                    outln!("divergence: {e}")?;
                     Ok(ExitCode::from(1))
                 }
                 Err(e) => Err(e.into()),
@@ -516,14 +559,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             turn,
             reason,
         } => {
-            let access =
-                Access::open(data, &server, OpenMode::Existing, None, PathBuf::from(".")).await?;
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::Existing, None, PathBuf::from(".")).await?;
             if turn {
                 let cancelled = access.client().cancel_turn(&session, &reason).await?;
-                println!("cancelled turn {cancelled} of session {session}");
+                outln!("cancelled turn {cancelled} of session {session}")?;
             } else {
                 access.client().cancel(&session, &reason).await?;
-                println!("cancelled session {session}");
+                outln!("cancelled session {session}")?;
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -591,15 +634,17 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 OpenMode::ReadOnly
             };
-            let opened = embedded::open(&data, mode, None).await?;
+            let store = StoreDir::resolve(data)?;
+            store.check_exists()?;
+            let opened = embedded::open(&store.path, mode, None).await?;
             for note in &opened.notes {
-                println!("{}: {note}", if repair { "repaired" } else { "note" });
+                outln!("{}: {note}", if repair { "repaired" } else { "note" })?;
             }
             let mut report = cairn_runtime::fsck::fsck(opened.store.as_ref()).await?;
             if !repair {
                 report.add_losses(&opened.losses);
             }
-            print!("{report}");
+            out!("{report}")?;
             Ok(if report.is_clean() {
                 ExitCode::SUCCESS
             } else {
@@ -638,7 +683,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             max_poll_ms,
         } => {
             serve::run(serve::ServeArgs {
-                data,
+                data: StoreDir::resolve(data)?.path,
                 listen,
                 tokens,
                 engine,
@@ -650,13 +695,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Resume { data, workdir } => {
             let workdir = workdir_or_cwd(workdir)?;
-            let mut host = Host::open(&data, OpenMode::Existing, None, workdir).await?;
+            let store = StoreDir::resolve(data)?;
+            store.check_exists()?;
+            let mut host = Host::open(&store.path, OpenMode::Existing, None, workdir).await?;
             let report = host.engine.resume(true).await?;
             if report.running_sessions.is_empty() {
-                println!("nothing to resume");
+                showln!("nothing to resume");
                 return Ok(ExitCode::SUCCESS);
             }
-            println!(
+            showln!(
                 "resuming {} session(s), {} outstanding activit{}{}",
                 report.running_sessions.len(),
                 report.outstanding_tasks,
@@ -672,7 +719,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
             );
             if report.reclaimed_leases > 0 {
-                println!(
+                showln!(
                     "released {} lease(s) held by the previous process",
                     report.reclaimed_leases
                 );
@@ -681,7 +728,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 let state = host.engine.state(session_id).await?;
                 let history = host.client.history(session_id).await?;
                 if let Some(cut) = interrupted_output(&state, &history) {
-                    println!("{session_id}: {}", interrupted_notice(&cut));
+                    showln!("{session_id}: {}", interrupted_notice(&cut));
                 }
             }
             host.start_workers();
@@ -689,7 +736,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             for session_id in &report.running_sessions {
                 let turn = host.engine.state(session_id).await?.turns_started;
                 let outcome = host.client.wait_turn(session_id, turn).await?;
-                println!("{session_id}: {}", describe(&outcome));
+                showln!("{session_id}: {}", describe(&outcome));
                 if !matches!(outcome, TurnOutcome::Completed { .. }) {
                     code = ExitCode::from(1);
                 }
@@ -729,11 +776,59 @@ fn parse_model(text: &str) -> anyhow::Result<ModelSpec> {
     }
 }
 
+/// `--workdir`, which must be a directory, or the current directory.
 fn workdir_or_cwd(workdir: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     match workdir {
-        Some(w) => Ok(w),
+        Some(w) if w.is_dir() => Ok(w),
+        Some(w) if w.exists() => bail!("--workdir {}: not a directory", w.display()),
+        Some(w) => bail!("--workdir {}: no such directory", w.display()),
         None => std::env::current_dir().context("cannot read the current directory"),
     }
+}
+
+/// Refuses a model this process could not call: a provider whose configuration (an API key,
+/// a region) is missing from the environment, found as the workers here would find it —
+/// without a network call — before a session is written that could only fail.
+fn check_provider(model: &ModelSpec) -> anyhow::Result<()> {
+    use cairn_workers::ModelResolver;
+    cairn_workers::StandardModels::new()
+        .resolve(model)
+        .map(drop)
+        .with_context(|| {
+            format!(
+                "cannot call {}:{} from this process",
+                model.provider, model.model
+            )
+        })
+}
+
+/// Refuses `--system` and `--max-rounds` for a session that exists: both are recorded when a
+/// session starts and cannot change, so taking them silently would mislead.
+pub(crate) fn refuse_start_options(
+    session_id: &str,
+    system: &Option<String>,
+    max_rounds: Option<u32>,
+) -> anyhow::Result<()> {
+    let given: Vec<&str> = [
+        system.as_ref().map(|_| "--system"),
+        max_rounds.map(|_| "--max-rounds"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if !given.is_empty() {
+        let (verb, them) = if given.len() == 1 {
+            ("applies", "it")
+        } else {
+            ("apply", "them")
+        };
+        bail!(
+            "session {session_id} exists, and {} {verb} only when a session starts (its history \
+             records it); leave {them} out to continue the session, or start a new one",
+            given.join(" and "),
+        );
+    }
+    Ok(())
 }
 
 async fn session_exists(host: &Host, session_id: &str) -> anyhow::Result<bool> {
@@ -768,10 +863,10 @@ async fn continue_interrupted(
             data.display()
         )
     };
-    println!("[session {session_id}: turn {turn} was interrupted; continuing it first]");
+    showln!("[session {session_id}: turn {turn} was interrupted; continuing it first]");
     let history = host.client.history(session_id).await.with_context(cannot)?;
     if let Some(cut) = interrupted_output(&state, &history) {
-        println!("{}", interrupted_notice(&cut));
+        showln!("{}", interrupted_notice(&cut));
     }
     // Subscribed before the workers start, so no delta of the re-run is missed.
     let printer = Printer::start(host, session_id, show_thinking);
@@ -781,9 +876,9 @@ async fn continue_interrupted(
         .await
         .with_context(cannot)?;
     printer.finish().await;
-    println!();
+    showln!();
     if !matches!(outcome, TurnOutcome::Completed { .. }) {
-        eprintln!("{}", describe(&outcome));
+        note!("{}", describe(&outcome));
     }
     Ok(())
 }
@@ -879,9 +974,9 @@ async fn run_turn(
     };
     let outcome = host.client.wait_turn(session_id, turn).await?;
     printer.finish().await;
-    println!();
+    showln!();
     if !matches!(outcome, TurnOutcome::Completed { .. }) {
-        eprintln!("{}", describe(&outcome));
+        note!("{}", describe(&outcome));
     }
     Ok(outcome)
 }
@@ -1050,7 +1145,7 @@ async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         data,
     } = args;
     let data = match data {
-        Some(d) => d,
+        Some(d) => refuse_store_as_chaos_dir(d)?,
         None => tempfile::Builder::new()
             .prefix("cairn-chaos-")
             .tempdir()
@@ -1075,17 +1170,17 @@ async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         ..cairn_devtools::chaos::ChaosConfig::new(&data, seed)
     };
     let exe = std::env::current_exe().context("cannot find this executable")?;
-    println!(
+    outln!(
         "chaos on {engine}: {sessions} sessions x {turns} turns, {kills} SIGKILLs (most {}-{} ms after the child is ready), {startup_kills} startup kills, {power_cuts} power cuts, seed {seed}, data {}",
         kill_after_ms.0,
         kill_after_ms.1,
         data.display()
-    );
+    )?;
     let report =
         tokio::task::spawn_blocking(move || cairn_devtools::chaos::run_chaos(&config, &exe))
             .await
             .context("the chaos run panicked")??;
-    println!("{report}");
+    outln!("{report}")?;
     Ok(if report.passed() {
         ExitCode::SUCCESS
     } else {
@@ -1103,30 +1198,29 @@ fn chaos_seed() -> u64 {
 }
 
 async fn demo(data: Option<PathBuf>, engine: Option<StorageEngine>) -> anyhow::Result<ExitCode> {
-    let data = match data {
-        Some(d) => d,
-        None => tempfile::Builder::new()
-            .prefix("cairn-demo-")
-            .tempdir()
-            .context("cannot create a temporary directory")?
-            .keep(),
-    };
-    std::fs::create_dir_all(&data).with_context(|| format!("cannot create {}", data.display()))?;
-    let workdir = data.join("work");
+    let store = StoreDir::resolve(data)?;
+    // The scripted model and the file its tool call reads: the demo's own, removed when it
+    // ends (the session stays in the store).
+    let fixtures = tempfile::Builder::new()
+        .prefix("cairn-demo-")
+        .tempdir()
+        .context("cannot create a temporary directory")?;
+    let workdir = fixtures.path().join("work");
     std::fs::create_dir_all(&workdir)?;
     std::fs::write(workdir.join("notes.txt"), DEMO_NOTES)?;
-    let script = data.join("demo-script.json");
+    let script = fixtures.path().join("demo-script.json");
     std::fs::write(&script, DEMO_SCRIPT)?;
-    let store_dir = data.join("store");
-    let mut host = Host::open(&store_dir, OpenMode::Create, engine, workdir).await?;
-    host.start().await?;
     let model = parse_model(&format!("scripted:{}", script.display()))?;
+    let mut host = Host::open(&store.path, OpenMode::Create, engine, workdir).await?;
     let options = SessionOptions {
         system_prompt: Some("You are a concise assistant. Use tools when they help.".to_owned()),
         ..SessionOptions::new(model, host.tools.specs())
     };
     let session_id = host.client.start_session(options).await?;
-    println!("> {DEMO_PROMPT}\n");
+    note!("new session {session_id}");
+    // Only the demo's session runs: the store may be one with other sessions in it.
+    host.start_for(&session_id).await?;
+    showln!("> {DEMO_PROMPT}\n");
     let outcome = run_turn(&host, &session_id, DEMO_PROMPT, None, true).await?;
     let events = host.client.history(&session_id).await?;
     let tool_calls = events
@@ -1135,33 +1229,42 @@ async fn demo(data: Option<PathBuf>, engine: Option<StorageEngine>) -> anyhow::R
         .count();
     let engine = host.opened.engine;
     host.shutdown().await;
-    let size = dir_size(&store_dir);
-    println!("\n--- summary");
-    println!("session      {session_id}");
-    println!("outcome      {}", describe(&outcome));
-    println!(
+    drop(fixtures);
+    let size = dir_size(&store.path);
+    let data = store.flag();
+    showln!("\n--- summary");
+    showln!("session      {session_id}");
+    showln!("outcome      {}", describe(&outcome));
+    showln!(
         "events       {} written durably ({} tool calls ran in parallel)",
         events.len(),
         tool_calls
     );
-    println!(
-        "store        {} ({engine}, {} KiB on disk)",
-        store_dir.display(),
+    showln!(
+        "store        {}{} ({engine}, {} KiB on disk)",
+        store.path.display(),
+        if store.defaulted { ", the default" } else { "" },
         size / 1024
     );
-    println!(
-        "inspect      cairn history --data {} {session_id}",
-        store_dir.display()
-    );
-    println!(
-        "             cairn transcript --data {} {session_id}",
-        store_dir.display()
-    );
-    println!(
-        "             cairn replay --data {} {session_id}",
-        store_dir.display()
-    );
+    showln!("inspect      cairn sessions{data}");
+    showln!("             cairn history{data} {session_id}");
+    showln!("             cairn transcript{data} {session_id}");
+    showln!("             cairn replay{data} {session_id}");
     Ok(outcome_code(&outcome))
+}
+
+/// `cairn chaos --data DIR` takes a work directory of its own (its children's store is
+/// `DIR/store`, beside their side-effect files): a store given there is refused, so that the
+/// run's sessions never mix with a store's.
+fn refuse_store_as_chaos_dir(dir: PathBuf) -> anyhow::Result<PathBuf> {
+    if embedded::detect(&dir)?.is_some() {
+        bail!(
+            "{} is a cairn store; cairn chaos --data takes a work directory of its own (the \
+             chaos children's store is made in DIR/store): name a new directory",
+            dir.display()
+        );
+    }
+    Ok(dir)
 }
 
 fn dir_size(path: &Path) -> u64 {

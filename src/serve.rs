@@ -2,6 +2,7 @@
 //! it listens, and serves the `/v1` API (`cairn-server`) until SIGTERM or SIGINT, then drains
 //! and exits 0. Optional in-process workers run the tasks they host.
 
+use crate::cli::out::{note, showln};
 use anyhow::Context;
 use cairn::host::describe_losses;
 use cairn_activities::ToolRegistry;
@@ -46,10 +47,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     cairn_server::check_exposure(args.listen, &config)?;
     let opened = embedded::open(&args.data, OpenMode::Create, args.engine).await?;
     for note in &opened.notes {
-        eprintln!("note: {note}");
+        note!("note: {note}");
     }
     if !opened.losses.is_empty() {
-        eprintln!("warning: {}", describe_losses(&opened.losses));
+        note!("warning: {}", describe_losses(&opened.losses));
     }
     let engine = Engine::new(opened.store.clone(), Arc::new(SystemClock));
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -57,7 +58,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr()?;
     // The line tests and scripts wait for; with port 0 it names the port the OS chose.
-    println!("listening on http://{addr}");
+    showln!("listening on http://{addr}");
     std::io::stdout().flush()?;
 
     let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -88,7 +89,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let socket = match cairn::socket::StoreSocket::serve(&args.data, engine.clone()) {
         Ok(socket) => Some(socket),
         Err(e) => {
-            eprintln!(
+            note!(
                 "note: cannot serve the store's socket in {} ({e}); commands with --data cannot reach this store while the server runs",
                 args.data.display()
             );
@@ -107,7 +108,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .await
         .is_err()
     {
-        eprintln!(
+        note!(
             "note: in-process workers still running at exit; their tasks are retried after a restart"
         );
     }
@@ -145,7 +146,7 @@ async fn wait_for_signal() {
                 }
             }
             Err(e) => {
-                eprintln!("warning: cannot listen for SIGTERM ({e}); stop with SIGINT");
+                note!("warning: cannot listen for SIGTERM ({e}); stop with SIGINT");
                 let _ = tokio::signal::ctrl_c().await;
             }
         }

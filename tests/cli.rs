@@ -1,14 +1,11 @@
 //! The `cairn` binary: the demo, a run, inspection commands, and clear errors.
 
-use crate::support::demo_files;
+use crate::support::{cairn_command, demo_files};
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 fn cairn(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_cairn"))
-        .args(args)
-        .output()
-        .expect("run cairn")
+    cairn_command().args(args).output().expect("run cairn")
 }
 
 fn text(out: &[u8]) -> String {
@@ -38,8 +35,8 @@ fn demo_runs_offline_and_its_store_can_be_inspected_and_replayed() {
         stdout.contains(&format!("events       {events} written durably")),
         "{stdout}"
     );
-    let store = data.join("store");
-    let store = store.to_str().unwrap();
+    // `--data` names the store itself, for the demo as for every other command.
+    let store = data.to_str().unwrap();
     let sessions = cairn(&["sessions", "--data", store]);
     let listing = text(&sessions.stdout);
     let session = listing.split_whitespace().next().unwrap().to_owned();
@@ -247,7 +244,7 @@ struct Streaming {
 impl Streaming {
     fn spawn(args: &[&str]) -> Streaming {
         use std::io::Read;
-        let mut child = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        let mut child = cairn_command()
             .args(args)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
@@ -460,4 +457,536 @@ fn run_on_an_interrupted_session_finishes_that_turn_first_and_touches_no_other_s
         "{stdout}"
     );
     assert!(cairn(&["fsck", "--data", data]).status.success());
+}
+
+/// Runs `cairn` with `default` as its default data directory (`CAIRN_DATA`).
+fn cairn_in(default: &Path, args: &[&str]) -> Output {
+    cairn_command()
+        .env("CAIRN_DATA", default)
+        .args(args)
+        .output()
+        .expect("run cairn")
+}
+
+/// A store at `data` (made if missing) with session `id` interrupted mid-turn: the engine took
+/// its message, no worker ran.
+fn interrupted_session(data: &Path, id: &str, script: &Path) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let opened = cairn_runtime::store::embedded::open(
+            data,
+            cairn_runtime::store::embedded::OpenMode::Create,
+            None,
+        )
+        .await
+        .unwrap();
+        let engine = cairn_runtime::Engine::new(
+            opened.store.clone(),
+            std::sync::Arc::new(cairn_runtime::SystemClock),
+        );
+        let client = cairn_runtime::Client::new(engine);
+        let tools = cairn_activities::ToolRegistry::builtin(".");
+        let model =
+            cairn_ledger::ModelSpec::parse(&format!("scripted:{}", script.display())).unwrap();
+        let mut options = cairn_runtime::SessionOptions::new(model, tools.specs());
+        options.session_id = Some(id.into());
+        client.start_session(options).await.unwrap();
+        client.send(id, "go").await.unwrap();
+    });
+}
+
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names
+}
+
+/// `cairn demo` then `cairn sessions`, with no flags: both use the default data directory,
+/// the demo's session is there to inspect, and the demo left the store's other sessions as
+/// they were (an interrupted one stays for `cairn resume`).
+#[test]
+fn demo_then_sessions_meet_in_the_default_data_directory() {
+    let files = demo_files(cairn::demo::DEMO_SCRIPT);
+    let default = files.dir.path().join("data");
+    // No store yet: said plainly, naming the directory and what makes one.
+    let out = cairn_in(&default, &["sessions"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&format!("no store yet at {}", default.display()))
+            && err.contains("cairn demo"),
+        "{err}"
+    );
+    assert!(!default.exists(), "a read made nothing");
+
+    interrupted_session(&default, "stuck", &files.script);
+    let default_str = default.to_str().unwrap();
+    let stuck_before = history_json(default_str, "stuck");
+
+    let demo = cairn_in(&default, &["demo"]);
+    let stdout = text(&demo.stdout);
+    assert!(demo.status.success(), "{stdout}\n{}", text(&demo.stderr));
+    let session = text(&demo.stderr)
+        .lines()
+        .find_map(|l| l.strip_prefix("new session "))
+        .unwrap_or_else(|| panic!("no new session line: {}", text(&demo.stderr)))
+        .to_owned();
+    assert!(
+        stdout.contains(&format!("store        {}, the default", default.display()))
+            && stdout.contains(&format!("cairn history {session}\n")),
+        "{stdout}"
+    );
+    let listing = text(&cairn_in(&default, &["sessions"]).stdout);
+    assert!(
+        listing
+            .lines()
+            .any(|l| l.starts_with(&format!("{session} ")) && l.contains("idle")),
+        "{listing}"
+    );
+    for args in [
+        vec!["history", &session],
+        vec!["transcript", &session],
+        vec!["replay", &session],
+        vec!["fsck"],
+    ] {
+        let out = cairn_in(&default, &args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+    }
+    // The other session: untouched, still waiting for `cairn resume`.
+    assert!(
+        listing
+            .lines()
+            .any(|l| l.starts_with("stuck ") && l.contains("running")),
+        "{listing}"
+    );
+    assert_eq!(history_json(default_str, "stuck"), stuck_before);
+    // The demo's script and the file it reads went with it: the directory is the store.
+    let names = names_in(&default);
+    assert!(
+        !names.iter().any(|n| n.contains("demo") || n == "work"),
+        "{names:?}"
+    );
+
+    // A server (CAIRN_SERVER) comes before the default directory; an explicit --data before
+    // the server.
+    let via_server = cairn_command()
+        .env("CAIRN_DATA", &default)
+        .env("CAIRN_SERVER", "http://127.0.0.1:1")
+        .arg("sessions")
+        .output()
+        .unwrap();
+    assert_eq!(via_server.status.code(), Some(1));
+    assert!(
+        text(&via_server.stderr).contains("cannot reach the cairn server at http://127.0.0.1:1"),
+        "{}",
+        text(&via_server.stderr)
+    );
+    let explicit = cairn_command()
+        .env("CAIRN_SERVER", "http://127.0.0.1:1")
+        .args(["sessions", "--data", default_str])
+        .output()
+        .unwrap();
+    assert!(explicit.status.success(), "{}", text(&explicit.stderr));
+    assert!(text(&explicit.stdout).contains(&session));
+}
+
+/// Without `CAIRN_DATA` the default is `$XDG_DATA_HOME/cairn` (when absolute, as the XDG spec
+/// says), else `~/.local/share/cairn`; `--help` says so, and where it is on this machine.
+#[test]
+fn the_default_data_directory_follows_xdg_then_home_and_help_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path().join("home");
+    let xdg = dir.path().join("xdg");
+    let sessions = |xdg: &Path| {
+        let out = cairn_command()
+            .env_remove("CAIRN_DATA")
+            .env("XDG_DATA_HOME", xdg)
+            .env("HOME", &home)
+            .arg("sessions")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        text(&out.stderr)
+    };
+    let err = sessions(&xdg);
+    assert!(
+        err.contains(&format!("no store yet at {}", xdg.join("cairn").display())),
+        "{err}"
+    );
+    let err = sessions(Path::new("relative/xdg"));
+    assert!(
+        err.contains(&format!(
+            "no store yet at {}",
+            home.join(".local/share/cairn").display()
+        )),
+        "{err}"
+    );
+
+    let default = dir.path().join("mine");
+    let help = text(&cairn_in(&default, &["--help"]).stdout);
+    assert!(
+        help.contains("$CAIRN_DATA, else $XDG_DATA_HOME/cairn, else ~/.local/share/cairn")
+            && help.contains(&format!("(here: {})", default.display())),
+        "{help}"
+    );
+    for command in ["demo", "run", "sessions", "fsck", "server"] {
+        let help = text(&cairn_in(&default, &[command, "--help"]).stdout);
+        assert!(help.contains("$CAIRN_DATA"), "{command}: {help}");
+    }
+}
+
+/// `--data` means the store directory for every command: a directory holding other files
+/// (here, the layout the demo used to make: its store in `DIR/store`) is never made a store,
+/// and `cairn chaos --data` refuses a store.
+#[test]
+fn a_directory_of_other_files_is_not_made_a_store() {
+    let files = demo_files(r#"{"responses": [{"parts": [{"type": "text", "text": "hi"}]}]}"#);
+    let old = files.dir.path().join("old-demo");
+    let inner = old.join("store");
+    interrupted_session(&inner, "s", &files.script);
+    std::fs::write(old.join("demo-script.json"), cairn::demo::DEMO_SCRIPT).unwrap();
+    std::fs::create_dir(old.join("work")).unwrap();
+    let old_str = old.to_str().unwrap();
+    let before = names_in(&old);
+
+    let out = cairn(&["sessions", "--data", old_str]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("no store here") && err.contains(&format!("({} is one)", inner.display())),
+        "{err}"
+    );
+    let model = format!("scripted:{}", files.script.display());
+    for args in [
+        vec!["run", "--data", old_str, "--model", &model, "hello"],
+        vec!["demo", "--data", old_str],
+    ] {
+        let out = cairn(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = text(&out.stderr);
+        assert!(
+            err.starts_with(&format!("error: cannot open store at {old_str}: "))
+                && err.contains("not empty")
+                && err.contains("demo-script.json, store/, work/"),
+            "{err}"
+        );
+        assert_eq!(names_in(&old), before, "{args:?} wrote nothing");
+    }
+
+    let inner_str = inner.to_str().unwrap();
+    let store_before = history_json(inner_str, "s");
+    let out = cairn(&["chaos", "--data", inner_str, "--kills", "0"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("is a cairn store"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(history_json(inner_str, "s"), store_before);
+    assert!(!inner.join("store").exists());
+}
+
+/// `run` checks what it can before it writes anything (no store made, no session started),
+/// says "new session X" when it starts one, and refuses options that only a new session takes.
+#[test]
+fn run_checks_before_writing_and_says_when_it_starts_a_session() {
+    let files = demo_files(
+        r#"{"responses": [
+            {"parts": [{"type": "text", "text": "one"}]},
+            {"parts": [{"type": "text", "text": "two"}]},
+            {"parts": [{"type": "text", "text": "three"}]}
+        ]}"#,
+    );
+    let data = files.dir.path().join("store");
+    let data_str = data.to_str().unwrap();
+    let model = format!("scripted:{}", files.script.display());
+    let workdir = files.workdir.to_str().unwrap();
+    let missing = files.dir.path().join("missing");
+    let missing = missing.to_str().unwrap();
+    let no_keys = |args: &[&str]| {
+        let mut command = cairn_command();
+        for var in [
+            "ANTHROPIC_API_KEY",
+            "OPENAI_API_KEY",
+            "OPENAI_BASE_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+        ] {
+            command.env_remove(var);
+        }
+        command.args(args).output().unwrap()
+    };
+    let refusals: Vec<(Vec<&str>, i32, &str)> = vec![
+        (
+            vec!["--model", &model, "  \n"],
+            1,
+            "error: the prompt is empty",
+        ),
+        (
+            vec!["--model", "anthropic:claude-sonnet-4-5", "hi"],
+            1,
+            "ANTHROPIC_API_KEY is not set",
+        ),
+        (
+            vec!["--model", "openai:gpt-5", "hi"],
+            1,
+            "OPENAI_API_KEY is not set",
+        ),
+        (
+            vec!["--model", "openai-responses:gpt-5", "hi"],
+            1,
+            "OPENAI_API_KEY is not set",
+        ),
+        (
+            vec!["--model", "bedrock:anthropic.claude", "hi"],
+            1,
+            "AWS_ACCESS_KEY_ID is not set",
+        ),
+        (
+            vec!["--model", &model, "--workdir", missing, "hi"],
+            1,
+            "no such directory",
+        ),
+        (
+            vec!["--model", &model, "--max-rounds", "0", "hi"],
+            2,
+            "--max-rounds",
+        ),
+    ];
+    let refuse_all = |session: &str| {
+        for (args, code, says) in &refusals {
+            let mut full = vec!["run", "--data", data_str, "--session", session];
+            full.extend(args);
+            let out = no_keys(&full);
+            let err = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(*code), "{full:?}: {err}");
+            assert!(err.contains(says), "{full:?}: {err}");
+        }
+    };
+    // On no store: none is made.
+    refuse_all("chat");
+    assert!(!data.exists(), "a refused run made a store");
+
+    let run = |args: &[&str]| {
+        let mut full = vec![
+            "run",
+            "--data",
+            data_str,
+            "--workdir",
+            workdir,
+            "--model",
+            &model,
+        ];
+        full.extend(args);
+        cairn(&full)
+    };
+    let first = run(&["--session", "chat", "hello"]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    assert!(
+        text(&first.stderr).lines().any(|l| l == "new session chat"),
+        "{}",
+        text(&first.stderr)
+    );
+    let history = history_json(data_str, "chat");
+    let listing = text(&cairn(&["sessions", "--data", data_str]).stdout);
+
+    // On a store and a session that exist: nothing is written either.
+    refuse_all("chat");
+    refuse_all("other");
+    for (options, says) in [
+        (
+            vec!["--system", "be brief"],
+            "session chat exists, and --system applies only when a session starts",
+        ),
+        (
+            vec!["--max-rounds", "3"],
+            "session chat exists, and --max-rounds applies only when a session starts",
+        ),
+        (
+            vec!["--system", "be brief", "--max-rounds", "3"],
+            "--system and --max-rounds apply only",
+        ),
+    ] {
+        let mut args = vec!["--session", "chat"];
+        args.extend(options);
+        args.push("again");
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(text(&out.stderr).contains(says), "{}", text(&out.stderr));
+    }
+    assert_eq!(history_json(data_str, "chat"), history);
+    assert_eq!(
+        text(&cairn(&["sessions", "--data", data_str]).stdout),
+        listing
+    );
+
+    // Continuing says nothing of a new session; a run without --session names the one it made.
+    let second = run(&["--session", "chat", "again"]);
+    assert!(second.status.success(), "{}", text(&second.stderr));
+    assert!(!text(&second.stderr).contains("new session"));
+    let fresh = run(&["--max-rounds", "4", "--system", "be brief", "hi"]);
+    assert!(fresh.status.success(), "{}", text(&fresh.stderr));
+    let id = text(&fresh.stderr)
+        .lines()
+        .find_map(|l| l.strip_prefix("new session "))
+        .expect("the new session is named")
+        .to_owned();
+    let started = &events_of(&history_json(data_str, &id))[0]["event"]["session_started"];
+    assert_eq!(started["limits"]["max_rounds"], 4, "{started}");
+    assert_eq!(started["system_prompt"], "be brief", "{started}");
+}
+
+/// Runs `cairn` with its standard output a pipe whose reader is already gone, as `cairn
+/// sessions | head -c 10` leaves it once head has read enough (without a race: the reader is
+/// closed before the child starts).
+fn cairn_into_a_closed_pipe(args: &[&str]) -> Output {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    cairn_command()
+        .args(args)
+        .stdout(writer)
+        .output()
+        .expect("run cairn")
+}
+
+/// Writing into a closed pipe ends a command quietly with exit 0, never a panic (exit 101); a
+/// turn goes on to its end all the same.
+#[test]
+fn a_closed_pipe_ends_the_output_quietly() {
+    let files = demo_files(
+        r#"{"responses": [
+            {"parts": [{"type": "text", "text": "one"}]},
+            {"parts": [{"type": "text", "text": "two"}]}
+        ]}"#,
+    );
+    let data = files.dir.path().join("store");
+    let data = data.to_str().unwrap();
+    let model = format!("scripted:{}", files.script.display());
+    let workdir = files.workdir.to_str().unwrap();
+    let demo_store = files.dir.path().join("demo");
+    let demo_store = demo_store.to_str().unwrap();
+    let quiet = |args: &[&str]| {
+        let out = cairn_into_a_closed_pipe(args);
+        let err = text(&out.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
+        err
+    };
+    let err = quiet(&[
+        "run",
+        "--data",
+        data,
+        "--model",
+        &model,
+        "--workdir",
+        workdir,
+        "--session",
+        "s",
+        "hello",
+    ]);
+    assert!(err.contains("new session s"), "{err}");
+    quiet(&["demo", "--data", demo_store]);
+    for args in [
+        vec!["sessions", "--data", data],
+        vec!["history", "--data", data, "s"],
+        vec!["history", "--data", data, "s", "--json"],
+        vec!["transcript", "--data", data, "s"],
+        vec!["transcript", "--data", data, "s", "--as", "anthropic"],
+        vec!["replay", "--data", data, "s"],
+        vec!["fsck", "--data", data],
+        vec!["resume", "--data", data],
+        vec!["sessions", "--data", demo_store],
+    ] {
+        quiet(&args);
+    }
+    // The turns ran to their end though nobody read them.
+    for store in [data, demo_store] {
+        let listing = text(&cairn(&["sessions", "--data", store]).stdout);
+        assert!(
+            listing.lines().count() == 1 && listing.contains("idle"),
+            "{listing}"
+        );
+    }
+    let turn = events_of(&history_json(data, "s"));
+    assert!(
+        turn.iter().any(|e| e["kind"] == "turn_completed"),
+        "{turn:?}"
+    );
+}
+
+/// Errors say their whole cause once, in words: no repeated "cannot open store at", no Rust
+/// `Debug` forms (`Os { code: 11, kind: WouldBlock, .. }`), the cause of a refused
+/// connection, and no colour codes when stderr is not a terminal.
+#[test]
+fn errors_say_their_whole_cause_once_in_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("store");
+    let data_str = data.to_str().unwrap();
+    let plain = |out: &Output| {
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        for debug in ["Os {", "kind:", "FjallError", "Error(", "\x1b["] {
+            assert!(!err.contains(debug), "{debug:?} in {err}");
+        }
+        assert!(err.matches("cannot open store at").count() <= 1, "{err}");
+        err
+    };
+
+    // A store another process holds (this test): who holds it, in words.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let held = rt
+        .block_on(cairn_runtime::store::embedded::open(
+            &data,
+            cairn_runtime::store::embedded::OpenMode::Create,
+            None,
+        ))
+        .unwrap();
+    for args in [
+        vec!["sessions", "--data", data_str],
+        vec!["fsck", "--data", data_str],
+        vec!["replay", "--data", data_str, "x"],
+        vec!["resume", "--data", data_str],
+    ] {
+        let err = plain(&cairn(&args));
+        assert!(
+            err.starts_with(&format!(
+                "error: cannot open store at {data_str}: the store is in use by another process ("
+            )) && !err.contains("os error"),
+            "{args:?}: {err}"
+        );
+    }
+    drop(held);
+
+    // An engine that cannot read its files: the store named once, the cause in words.
+    assert!(cairn(&["sessions", "--data", data_str]).status.success());
+    let keyspaces = data.join("keyspaces");
+    std::fs::remove_dir_all(&keyspaces).unwrap();
+    std::fs::write(&keyspaces, "not a directory").unwrap();
+    for args in [
+        vec!["sessions", "--data", data_str],
+        vec!["resume", "--data", data_str],
+    ] {
+        let err = plain(&cairn(&args));
+        assert!(
+            err.starts_with(&format!("error: cannot open store at {data_str}: "))
+                && err.contains("Not a directory"),
+            "{args:?}: {err}"
+        );
+    }
+
+    // A refused connection: the cause, not only "error sending request".
+    let err = plain(&cairn(&["sessions", "--server", "http://127.0.0.1:1"]));
+    assert!(err.contains("Connection refused"), "{err}");
+
+    // A command that logs (RUST_LOG=debug): plain text into a pipe.
+    let logged = cairn_command()
+        .env("RUST_LOG", "debug")
+        .args(["sessions", "--data", data_str])
+        .output()
+        .unwrap();
+    let err = text(&logged.stderr);
+    assert!(err.contains("DEBUG") && !err.contains('\x1b'), "{err}");
 }

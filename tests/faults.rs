@@ -590,7 +590,7 @@ async fn a_full_disk_fails_appends_clearly_and_keeps_every_acknowledged_event() 
 }
 
 fn cairn(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_cairn"))
+    crate::support::cairn_command()
         .args(args)
         .output()
         .expect("run cairn")
@@ -600,7 +600,7 @@ fn text(out: &[u8]) -> String {
     String::from_utf8_lossy(out).into_owned()
 }
 
-/// Runs the demo into `dir` and returns the store directory, the session id and its number of
+/// Runs the demo into the store `dir` and returns it, the session id and its number of
 /// events (from the demo's summary, so the store is not opened again). The count is 11, plus
 /// the progress records of what it streamed, which depend on how fast the stream ran.
 fn demo_store(dir: &Path) -> (PathBuf, String, usize) {
@@ -621,7 +621,7 @@ fn demo_store(dir: &Path) -> (PathBuf, String, usize) {
         .and_then(|n| n.parse().ok())
         .expect("the summary counts the events");
     assert!(events >= 11, "{stdout}");
-    (dir.join("store"), session, events)
+    (dir.to_path_buf(), session, events)
 }
 
 #[test]

@@ -129,3 +129,20 @@ pub async fn reopen_sled(data: &std::path::Path) -> cairn_runtime::store::sled::
         }
     }
 }
+
+/// The `cairn` binary as a command, with its environment pinned: no server from
+/// `CAIRN_SERVER`, and a default data directory no store can be made in (a path under a
+/// file), so a command that was not given `--data` fails instead of touching a real home.
+/// Tests of the default directory set `CAIRN_DATA` themselves.
+pub fn cairn_command() -> std::process::Command {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_cairn"));
+    command
+        .env(
+            "CAIRN_DATA",
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml/no-default-store"),
+        )
+        .env_remove("CAIRN_SERVER")
+        .env_remove("CAIRN_TOKEN")
+        .env_remove("RUST_LOG");
+    command
+}

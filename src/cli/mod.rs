@@ -1,15 +1,19 @@
-//! The parts of the `cairn` command line that reach a store through a server: choosing
-//! between opening the store and a server (`--server`, `CAIRN_SERVER`, or the socket of the
-//! process that holds the store), the session commands over a server, `cairn worker`, and
-//! the printing of streamed deltas both share.
+//! The parts of the `cairn` command line shared by its commands: where the store is (`--data`,
+//! else the default data directory), choosing between opening the store and a server
+//! (`--server`, `CAIRN_SERVER`, or the socket of the process that holds the store), the
+//! session commands over a server, `cairn worker`, the printing of streamed deltas, and
+//! printing that survives a closed pipe (`out`).
 
 pub mod deltas;
+pub mod out;
 pub mod remote;
 pub mod worker;
 
+use out::note;
+
 use anyhow::{bail, Context};
 use cairn::host::Host;
-use cairn_runtime::store::embedded::{OpenMode, StorageEngine};
+use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::{replay, Client, Error as RuntimeError, SessionState};
 use std::path::{Path, PathBuf};
 
@@ -50,6 +54,115 @@ fn env_value(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
+/// How the default data directory is found, for help texts and errors.
+pub const DEFAULT_DATA_RULE: &str =
+    "$CAIRN_DATA, else $XDG_DATA_HOME/cairn, else ~/.local/share/cairn";
+
+/// The help of `--data` on commands that only open a store.
+pub const DATA_HELP: &str = "The store directory (default: $CAIRN_DATA, else \
+    $XDG_DATA_HOME/cairn, else ~/.local/share/cairn)";
+
+/// The help of `--data` on the session commands, which may act through a server instead.
+pub const SESSION_DATA_HELP: &str = "The store directory (default: the server of --server or \
+    $CAIRN_SERVER when given, else $CAIRN_DATA, else $XDG_DATA_HOME/cairn, else \
+    ~/.local/share/cairn)";
+
+/// The store a command uses when given no `--data` (and, for the session commands, no
+/// server): `$CAIRN_DATA`, else `$XDG_DATA_HOME/cairn` (when absolute, as the XDG spec
+/// requires), else `$HOME/.local/share/cairn`.
+pub fn default_data_dir() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("CAIRN_DATA").filter(|v| !v.is_empty()) {
+        return Ok(PathBuf::from(dir));
+    }
+    if let Some(xdg) = std::env::var_os("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+    {
+        return Ok(xdg.join("cairn"));
+    }
+    match std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+        Some(home) => Ok(PathBuf::from(home).join(".local/share/cairn")),
+        None => bail!(
+            "no default data directory: neither CAIRN_DATA, XDG_DATA_HOME nor HOME is set; give \
+             the store with --data DIR"
+        ),
+    }
+}
+
+/// A command's store directory: given with `--data`, or the default one.
+#[derive(Debug, Clone)]
+pub struct StoreDir {
+    /// The directory.
+    pub path: PathBuf,
+    /// Whether it is the default (no `--data` given).
+    pub defaulted: bool,
+}
+
+impl StoreDir {
+    /// `--data`, else the default data directory.
+    pub fn resolve(data: Option<PathBuf>) -> anyhow::Result<StoreDir> {
+        Ok(match data {
+            Some(path) => StoreDir {
+                path,
+                defaulted: false,
+            },
+            None => StoreDir {
+                path: default_data_dir()?,
+                defaulted: true,
+            },
+        })
+    }
+
+    /// For a command that needs an existing store: the default one not made yet is said
+    /// plainly, with what makes it (a named directory gets the store's own "no store here").
+    pub fn check_exists(&self) -> anyhow::Result<()> {
+        if self.defaulted && embedded::detect(&self.path)?.is_none() {
+            bail!(
+                "no store yet at {} (the default data directory: {DEFAULT_DATA_RULE}); `cairn \
+                 demo` or `cairn run` makes one there, or name a store with --data DIR",
+                self.path.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// How to name this store on a command line printed for the user: nothing for the
+    /// default (unless `CAIRN_SERVER` would then send the command to a server), else
+    /// ` --data DIR`.
+    pub fn flag(&self) -> String {
+        if self.defaulted && env_value("CAIRN_SERVER").is_none() {
+            String::new()
+        } else {
+            format!(" --data {}", self.path.display())
+        }
+    }
+}
+
+/// Where a session command acts: a server, or a store opened here.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// The server at `url`.
+    Server {
+        /// Its URL.
+        url: String,
+        /// The bearer token.
+        token: Option<String>,
+    },
+    /// A store directory.
+    Store(StoreDir),
+}
+
+impl Target {
+    /// `--data`, else `--server`, else `CAIRN_SERVER`, else the default data directory (both
+    /// flags at once are a mistake).
+    pub fn resolve(data: Option<PathBuf>, server: &ServerArgs) -> anyhow::Result<Target> {
+        Ok(match server.resolve(data.as_deref())? {
+            Some((url, token)) => Target::Server { url, token },
+            None => Target::Store(StoreDir::resolve(data)?),
+        })
+    }
+}
+
 /// A store opened in this process, or a server.
 pub enum Access {
     /// The store, opened here.
@@ -64,25 +177,30 @@ pub enum Access {
 }
 
 impl Access {
-    /// Opens the store at `data` as `mode` says, or connects to the server `server` names.
-    /// When the store is held by another process that serves it on `DATA/cairn.sock`, that
-    /// process is asked instead (said on stderr).
+    /// Opens the store `target` names as `mode` says, or connects to its server. When the
+    /// store is held by another process that serves it on `DATA/cairn.sock`, that process is
+    /// asked instead (said on stderr).
     pub async fn open(
-        data: Option<PathBuf>,
-        server: &ServerArgs,
+        target: Target,
         mode: OpenMode,
         engine: Option<StorageEngine>,
         workdir: PathBuf,
     ) -> anyhow::Result<Access> {
-        if let Some((url, token)) = server.resolve(data.as_deref())? {
-            if let Some(engine) = engine {
-                bail!("--engine {engine} applies to a store opened here, not to --server {url}");
+        let store = match target {
+            Target::Server { url, token } => {
+                if let Some(engine) = engine {
+                    bail!(
+                        "--engine {engine} applies to a store opened here, not to --server {url}"
+                    );
+                }
+                return Ok(Access::Remote(remote::Remote::connect(&url, token)?));
             }
-            return Ok(Access::Remote(remote::Remote::connect(&url, token)?));
-        }
-        let Some(data) = data else {
-            bail!("give the store (--data DIR) or a server (--server URL, or CAIRN_SERVER)");
+            Target::Store(store) => store,
         };
+        if mode != OpenMode::Create {
+            store.check_exists()?;
+        }
+        let data = store.path;
         match Host::open(&data, mode, engine, workdir).await {
             Ok(host) => Ok(Access::Local {
                 host: Box::new(host),
@@ -98,7 +216,7 @@ impl Access {
                 }
                 let socket = std::path::absolute(&socket)
                     .with_context(|| format!("cannot resolve {}", socket.display()))?;
-                eprintln!(
+                note!(
                     "note: the store is in use by another process; acting through its socket {}",
                     socket.display()
                 );

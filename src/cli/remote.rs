@@ -2,6 +2,7 @@
 //! answer as it streams from the session's event stream, and the outcome.
 
 use super::deltas::DeltaWriter;
+use super::out::{note, showln};
 use cairn_activities::ToolRegistry;
 use cairn_ledger::ModelSpec;
 use cairn_runtime::wire::StreamEvent;
@@ -20,7 +21,7 @@ pub struct RunRequest {
     pub model: ModelSpec,
     pub session: Option<String>,
     pub system: Option<String>,
-    pub max_rounds: u32,
+    pub max_rounds: Option<u32>,
     pub prompt: String,
     pub show_thinking: bool,
 }
@@ -46,15 +47,25 @@ impl Remote {
             None => None,
         };
         let description = match existing {
-            Some(description) => description,
+            Some(description) => {
+                crate::refuse_start_options(
+                    &description.session_id,
+                    &request.system,
+                    request.max_rounds,
+                )?;
+                description
+            }
             None => {
                 // The session declares the built-in tools; the server's workers host them.
                 let tools = ToolRegistry::builtin(".").specs();
                 let mut options = SessionOptions::new(request.model.clone(), tools);
                 options.session_id = request.session.clone();
                 options.system_prompt = request.system.clone();
-                options.limits.max_rounds = request.max_rounds;
+                if let Some(max_rounds) = request.max_rounds {
+                    options.limits.max_rounds = max_rounds;
+                }
                 let session_id = client.start_session(options).await?;
+                note!("new session {session_id}");
                 client.describe(&session_id).await?
             }
         };
@@ -65,11 +76,11 @@ impl Remote {
         let mut writer = DeltaWriter::new(request.show_thinking);
         if let Some(turn) = description.running_turn {
             // The server carries a running turn on by itself: wait for it, showing it.
-            println!("[session {session_id}: turn {turn} is still running; following it first]");
+            showln!("[session {session_id}: turn {turn} is still running; following it first]");
             let outcome = follow_turn(client, &mut stream, &mut writer, &session_id, turn).await?;
-            println!();
+            showln!();
             if !matches!(outcome, TurnOutcome::Completed { .. }) {
-                eprintln!("{}", crate::describe(&outcome));
+                note!("{}", crate::describe(&outcome));
             }
         }
         let turn = match description.model {
@@ -81,11 +92,11 @@ impl Remote {
             _ => client.send(&session_id, &request.prompt).await?,
         };
         let outcome = follow_turn(client, &mut stream, &mut writer, &session_id, turn).await?;
-        println!();
+        showln!();
         if !matches!(outcome, TurnOutcome::Completed { .. }) {
-            eprintln!("{}", crate::describe(&outcome));
+            note!("{}", crate::describe(&outcome));
         }
-        eprintln!("session {session_id}");
+        note!("session {session_id}");
         Ok(outcome)
     }
 }
@@ -119,9 +130,7 @@ async fn follow_turn(
                 }
             }
             Err(e) => {
-                eprintln!(
-                    "warning: the session's event stream broke ({e}); waiting for the outcome"
-                );
+                note!("warning: the session's event stream broke ({e}); waiting for the outcome");
                 break;
             }
         }

@@ -2,6 +2,7 @@
 //! the providers configured in this process's environment (API keys never leave it) and the
 //! built-in tools in `--workdir` — until SIGTERM or SIGINT, then draining.
 
+use super::out::{note, showln};
 use anyhow::Context;
 use cairn_activities::ToolRegistry;
 use cairn_remote::HttpTaskSource;
@@ -50,7 +51,7 @@ pub async fn run(request: WorkerRequest) -> anyhow::Result<ExitCode> {
         request.queues.into_iter().collect()
     };
     let tools = hosted_tools(ToolRegistry::builtin(request.workdir), request.tools)?;
-    eprintln!(
+    note!(
         "worker: queues {}; tools {}; {} at once; server {}",
         queues.iter().cloned().collect::<Vec<_>>().join(", "),
         tools.names().join(", "),
@@ -78,20 +79,20 @@ pub async fn run(request: WorkerRequest) -> anyhow::Result<ExitCode> {
                 pool.shutdown().await;
                 return Err(e).context("the server refused this worker");
             }
-            println!("worker ready");
+            showln!("worker ready");
             let _ = std::io::stdout().flush();
             signals.next().await;
         }
         _ = signals.next() => {}
     }
-    eprintln!("worker: draining (running activities finish and report; again to stop at once)");
+    note!("worker: draining (running activities finish and report; again to stop at once)");
     tokio::select! {
         _ = pool.shutdown() => {
-            eprintln!("worker: drained");
+            note!("worker: drained");
             Ok(ExitCode::SUCCESS)
         }
         _ = signals.next() => {
-            eprintln!("worker: stopped without draining; the tasks it held run again when their leases lapse");
+            note!("worker: stopped without draining; the tasks it held run again when their leases lapse");
             Ok(ExitCode::from(1))
         }
     }

@@ -44,7 +44,7 @@ use super::fjall::FjallStore;
 use super::marks::{sync_dir, Loss, MarkedStore, Marks, MARKS_FILE};
 use super::sled::SledStore;
 use super::{SessionInfo, Store};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, STORE_IN_USE};
 use std::fs::{self, File};
 use std::io::Write as _;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -239,7 +239,9 @@ impl std::fmt::Debug for OpenedStore {
 }
 
 /// Opens the embedded store in `dir`; see the module docs. `engine` is required to match the
-/// store's (a clear error otherwise) and chooses the engine of a new store.
+/// store's (a clear error otherwise) and chooses the engine of a new store. A new store is made
+/// only in a new or empty directory (or one a creation cut short left): a directory holding
+/// other files is refused, naming them.
 pub async fn open(
     dir: &Path,
     mode: OpenMode,
@@ -257,12 +259,21 @@ pub async fn open(
             ))
         }
         (Some(found), _) => found,
-        (None, wanted) if mode == OpenMode::Create => wanted.unwrap_or(StorageEngine::DEFAULT),
+        (None, wanted) if mode == OpenMode::Create => {
+            refuse_foreign_files(dir)?;
+            wanted.unwrap_or(StorageEngine::DEFAULT)
+        }
         (None, _) => {
+            // The demo and `cairn chaos` of earlier versions made their store in `DIR/store`.
+            let inner = dir.join("store");
+            let hint = match detect(&inner) {
+                Ok(Some(_)) => format!(" ({} is one)", inner.display()),
+                _ => String::new(),
+            };
             return Err(open_error(
                 dir,
-                "no store here: the directory has no cairn store".to_owned(),
-            ))
+                format!("no store here: the directory has no cairn store{hint}"),
+            ));
         }
     };
     if mode.writes() {
@@ -270,6 +281,65 @@ pub async fn open(
     } else {
         open_read_only(dir, engine).await
     }
+}
+
+/// Refuses to make a store in a directory that holds files no store creation leaves (a
+/// creation killed midway leaves cairn's files and the engine's first ones, which are fine):
+/// a store never mixes with other files, and a mistyped directory is not silently taken.
+fn refuse_foreign_files(dir: &Path) -> Result<()> {
+    let foreign: Vec<String> = names_in(dir)
+        .into_iter()
+        .filter(|name| !created_by_a_store(name))
+        .map(|name| {
+            if dir.join(&name).is_dir() {
+                format!("{name}/")
+            } else {
+                name
+            }
+        })
+        .collect();
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    const SHOWN: usize = 5;
+    let mut listed = foreign
+        .iter()
+        .take(SHOWN)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if foreign.len() > SHOWN {
+        listed.push_str(&format!(" and {} more", foreign.len() - SHOWN));
+    }
+    Err(open_error(
+        dir,
+        format!(
+            "the directory is not empty and holds no cairn store (it holds {listed}); a new \
+             store is made only in a new or empty directory"
+        ),
+    ))
+}
+
+/// Whether `name` may be in a store directory whose creation was cut short: cairn's own files
+/// and the first files of fjall (`*.jnl`, `lock`, `version`, `keyspaces`) and sled (`conf`,
+/// `db`, `blobs`, `snap.*`).
+fn created_by_a_store(name: &str) -> bool {
+    let cairn = [
+        MARKER_FILE,
+        LOCK_FILE,
+        SOCKET_FILE,
+        MARKS_FILE,
+        SET_ASIDE_DIR,
+        BACKUP_DIR,
+        BACKUP_TMP_DIR,
+        BACKUP_OLD_DIR,
+    ];
+    let engines = ["lock", "version", "keyspaces", "conf", "db", "blobs"];
+    cairn.contains(&name)
+        || engines.contains(&name)
+        || name.ends_with(".tmp")
+        || name.ends_with(".jnl")
+        || name.starts_with("snap.")
 }
 
 /// The engine of the store in `dir`: from its marker, or sled for a store older than the
@@ -409,7 +479,8 @@ async fn open_writable(dir: &Path, mode: OpenMode, engine: StorageEngine) -> Res
             return Err(open_error(
                 dir,
                 format!(
-                    "{e}; the store's files are as they were. {}",
+                    "{}; the store's files are as they were. {}",
+                    reason_of(&e),
                     affected(&marks, "`cairn fsck` tells what is readable")
                 ),
             ));
@@ -525,8 +596,9 @@ async fn open_read_only(dir: &Path, engine: StorageEngine) -> Result<OpenedStore
         open_error(
             dir,
             format!(
-                "{e}. The {engine} engine cannot read its own files, so no session can be read. \
+                "{}. The {engine} engine cannot read its own files, so no session can be read. \
                  {}",
+                reason_of(&e),
                 affected(
                     &marks,
                     "`cairn fsck --repair` tries a writable recovery after copying the files \
@@ -602,17 +674,21 @@ fn lock(dir: &Path, exclusive: bool) -> Result<Option<File>> {
     }
     .map_err(|e| open_error(dir, format!("cannot open {}: {e}", path.display())))?;
     flock(&file, exclusive).map_err(|e| {
-        open_error(
-            dir,
-            format!(
-                "the store is in use by another process ({}: {e})",
-                if exclusive {
-                    "another process has it open"
-                } else {
-                    "a writer has it open"
-                }
-            ),
-        )
+        if e.kind() == std::io::ErrorKind::WouldBlock {
+            open_error(
+                dir,
+                format!(
+                    "{STORE_IN_USE} ({})",
+                    if exclusive {
+                        "another process has it open"
+                    } else {
+                        "a writer has it open"
+                    }
+                ),
+            )
+        } else {
+            open_error(dir, format!("cannot lock {}: {e}", path.display()))
+        }
     })?;
     Ok(Some(file))
 }
@@ -923,6 +999,16 @@ fn remove_tree(path: &Path) -> std::io::Result<()> {
         Ok(_) => fs::remove_file(path),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e),
+    }
+}
+
+/// Why an open failed, without the "cannot open store at PATH" its message begins with when it
+/// is itself an open error (of this store, or of the private copy a read-only open reads), for
+/// an error that says it once.
+fn reason_of(e: &Error) -> String {
+    match e {
+        Error::StoreOpen { reason, .. } => reason.clone(),
+        e => e.to_string(),
     }
 }
 

@@ -436,3 +436,65 @@ async fn an_interrupted_fjall_creation_is_set_aside_and_the_store_created() {
         kept.keys()
     );
 }
+
+#[tokio::test]
+async fn a_store_is_made_only_in_a_new_or_empty_directory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let busy = dir.path().join("busy");
+    fs::create_dir_all(busy.join("photos")).expect("mkdir");
+    fs::write(busy.join("notes.txt"), "mine").expect("write");
+    for engine in StorageEngine::ALL {
+        let err = open(&busy, OpenMode::Create, Some(engine))
+            .await
+            .expect_err("a directory of other files is not a store");
+        let text = err.to_string();
+        assert!(
+            text.starts_with(&format!("cannot open store at {}: ", busy.display()))
+                && text.contains("not empty")
+                && text.contains("notes.txt, photos/"),
+            "{text}"
+        );
+        assert_eq!(text.matches("cannot open store").count(), 1, "{text}");
+    }
+    let left: Vec<String> = names_in(&busy);
+    assert_eq!(left, ["notes.txt", "photos"], "nothing was added");
+
+    // An empty directory, and one a creation killed midway left, are fine.
+    let empty = dir.path().join("empty");
+    fs::create_dir(&empty).expect("mkdir");
+    drop(open(&empty, OpenMode::Create, None).await.expect("empty"));
+    let cut = dir.path().join("cut");
+    fs::create_dir(&cut).expect("mkdir");
+    fs::write(cut.join(LOCK_FILE), "").expect("write");
+    fs::write(cut.join("0.jnl"), [0u8; 64]).expect("write");
+    fs::write(cut.join("lock"), "").expect("write");
+    drop(
+        open(&cut, OpenMode::Create, Some(StorageEngine::Fjall))
+            .await
+            .expect("an interrupted creation"),
+    );
+    // The store itself may hold other files once it exists.
+    fs::write(empty.join("README"), "a store").expect("write");
+    drop(open(&empty, OpenMode::Create, None).await.expect("a store"));
+}
+
+#[test]
+fn no_store_here_points_at_a_store_in_its_store_subdirectory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let inner = dir.path().join("store");
+    fs::create_dir(&inner).expect("mkdir");
+    write_marker(&inner, StorageEngine::Fjall).expect("marker");
+    let err = detect(dir.path()).expect("readable");
+    assert_eq!(err, None);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    let err = rt
+        .block_on(open(dir.path(), OpenMode::ReadOnly, None))
+        .expect_err("no store");
+    assert!(
+        err.to_string()
+            .contains(&format!("({} is one)", inner.display())),
+        "{err}"
+    );
+}

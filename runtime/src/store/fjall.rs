@@ -253,9 +253,9 @@ impl FjallStore {
             .map_err(|e| match e {
                 fjall::Error::Locked => open_error(
                     dir,
-                    format!("the store is in use by another process (could not acquire lock): {e}"),
+                    "the store is in use by another process (fjall's lock is held)".to_owned(),
                 ),
-                e => open_error(dir, format!("fjall: {e}")),
+                e => open_error(dir, format!("fjall cannot open its files: {}", words(&e))),
             })?;
         let keyspace = |name: &str| {
             catch_unwind(AssertUnwindSafe(|| {
@@ -272,7 +272,7 @@ impl FjallStore {
                     ),
                 )
             })?
-            .map_err(|e| open_error(dir, format!("cannot open keyspace {name:?}: {e}")))
+            .map_err(|e| open_error(dir, format!("cannot open keyspace {name:?}: {}", words(&e))))
         };
         let handles = Handles {
             events: keyspace(EVENTS)?,
@@ -318,7 +318,7 @@ impl FjallStore {
         self.handles()?
             .db
             .disk_space()
-            .map_err(|e| fjall_error(&self.path, "measuring the size on disk", e))
+            .map_err(|e| fjall_error(&self.path, "measuring the size on disk", &e))
     }
 
     /// Persists (journal fdatasyncs) done since the store was opened: with group commit,
@@ -441,12 +441,13 @@ impl Writer {
         }
         batch
             .commit()
-            .map_err(|e| format!("fjall commit failed: {e}"))?;
-        let persisted = self
-            .handles
-            .db
-            .persist(PersistMode::SyncData)
-            .map_err(|e| format!("fjall persist (fdatasync of the journal) failed: {e}"));
+            .map_err(|e| format!("fjall commit failed: {}", words(&e)))?;
+        let persisted = self.handles.db.persist(PersistMode::SyncData).map_err(|e| {
+            format!(
+                "fjall persist (fdatasync of the journal) failed: {}",
+                words(&e)
+            )
+        });
         self.shared.syncs.fetch_add(1, Ordering::Relaxed);
         persisted
     }
@@ -533,7 +534,7 @@ impl Writer {
             .keyspace(ks)
             .get(key)
             .map(|v| v.map(|v| v.to_vec()))
-            .map_err(|e| fjall_error(&self.path, "reading", e))
+            .map_err(|e| fjall_error(&self.path, "reading", &e))
     }
 
     /// A task record as `staged` (then the batch) leaves it.
@@ -619,8 +620,12 @@ impl Writer {
         mut keep: impl FnMut(&[u8]) -> Result<bool>,
     ) -> Result<Vec<Vec<u8>>> {
         let start = from_ms.to_be_bytes().to_vec();
-        let scan_error =
-            |e: &dyn std::fmt::Display| fjall_error(&self.path, "scanning the queue", e);
+        let scan_error = |reason: String| Error::Store {
+            reason: format!(
+                "fjall store at {}: scanning the queue: {reason}",
+                self.path.display()
+            ),
+        };
         let mut stored: Peekable<_> = self
             .handles
             .queue
@@ -640,7 +645,7 @@ impl Writer {
                     let Some(Err(e)) = stored.next() else {
                         unreachable!("peeked an error")
                     };
-                    return Err(scan_error(&e));
+                    return Err(scan_error(words(&e)));
                 }
                 (Some(Ok(s)), Some((o, _))) => s < *o,
                 (Some(Ok(_)), None) => true,
@@ -665,7 +670,7 @@ impl Writer {
                 }
             };
             let visible =
-                key_visible(&key).ok_or_else(|| scan_error(&format!("bad key {key:?}")))?;
+                key_visible(&key).ok_or_else(|| scan_error(format!("bad key {key:?}")))?;
             if until_ms.is_some_and(|until| visible > until) {
                 break;
             }
@@ -851,9 +856,70 @@ pub(crate) fn interrupted_creation(dir: &Path) -> std::result::Result<bool, Stri
     }
 }
 
-fn fjall_error(path: &Path, doing: &str, e: impl std::fmt::Display) -> Error {
+fn fjall_error(path: &Path, doing: &str, e: &fjall::Error) -> Error {
     Error::Store {
-        reason: format!("fjall store at {}: {doing}: {e}", path.display()),
+        reason: format!("fjall store at {}: {doing}: {}", path.display(), words(e)),
+    }
+}
+
+/// What a fjall error says, in words: fjall's own `Display` prints its `Debug` form
+/// (`FjallError: Storage(Io(Os { code: 20, kind: NotADirectory, .. }))`), which must not
+/// reach people.
+pub(crate) fn words(e: &fjall::Error) -> String {
+    use fjall::JournalRecoveryError as Journal;
+    match e {
+        fjall::Error::Io(e) => e.to_string(),
+        fjall::Error::Storage(e) => lsm_words(e),
+        fjall::Error::JournalRecovery(e) => format!(
+            "the journal cannot be recovered: {}",
+            match e {
+                Journal::InsufficientLength => "a batch is shorter than its header says",
+                Journal::TooManyItems => "a batch holds more items than its header says",
+                Journal::ChecksumMismatch => "a batch fails its checksum",
+                Journal::InvalidFileName => "a journal file has a name fjall does not know",
+            }
+        ),
+        fjall::Error::InvalidVersion(Some(version)) => {
+            format!(
+                "the database's format version {} is not supported",
+                u8::from(*version)
+            )
+        }
+        fjall::Error::InvalidVersion(None) => {
+            "the database's format version cannot be read".to_owned()
+        }
+        fjall::Error::Decompress(kind) => format!("a {kind} block does not decompress"),
+        fjall::Error::InvalidTrailer => "a journal entry has an invalid trailer".to_owned(),
+        fjall::Error::InvalidTag((what, tag)) => format!("invalid {what} tag {tag}"),
+        fjall::Error::Poisoned => "an earlier write to the journal failed, so fjall takes no \
+                                   more writes (poisoned); reopen the store"
+            .to_owned(),
+        fjall::Error::KeyspaceDeleted => "the keyspace was deleted".to_owned(),
+        fjall::Error::Locked => "the database is locked by another process".to_owned(),
+        fjall::Error::Unrecoverable => {
+            "the database cannot be recovered (fjall logged why)".to_owned()
+        }
+        _ => "an error fjall does not describe".to_owned(),
+    }
+}
+
+/// What an error of fjall's LSM trees says, in words (see [`words`]).
+fn lsm_words(e: &fjall::LsmError) -> String {
+    match e {
+        fjall::LsmError::Io(e) => e.to_string(),
+        fjall::LsmError::Decompress(kind) => format!("a {kind} block does not decompress"),
+        fjall::LsmError::InvalidVersion(version) => {
+            format!("a table's format version {version} is not supported")
+        }
+        fjall::LsmError::Unrecoverable => "files a tree needs cannot be recovered".to_owned(),
+        fjall::LsmError::ChecksumMismatch { got, expected } => {
+            format!("a block fails its checksum (recorded {expected}, computed {got})")
+        }
+        fjall::LsmError::InvalidTag((what, tag)) => format!("invalid {what} tag {tag}"),
+        fjall::LsmError::InvalidTrailer => "a block has an invalid trailer".to_owned(),
+        fjall::LsmError::InvalidHeader(what) => format!("invalid {what} header"),
+        fjall::LsmError::Utf8(e) => format!("invalid UTF-8: {e}"),
+        _ => "an error fjall's trees do not describe".to_owned(),
     }
 }
 
@@ -880,7 +946,7 @@ impl Store for FjallStore {
         let snapshot = h.db.snapshot();
         let info = match snapshot
             .get(&h.sessions, session_id.as_bytes())
-            .map_err(|e| fjall_error(&self.path, "reading the sessions keyspace", e))?
+            .map_err(|e| fjall_error(&self.path, "reading the sessions keyspace", &e))?
         {
             Some(bytes) => decode_info(session_id, &bytes, SPACE)?,
             None => return Err(unknown()),
@@ -888,7 +954,7 @@ impl Store for FjallStore {
         read_events(session_id, info.events, from_seq, limit, |range| {
             snapshot.range(&h.events, range).map(|item| {
                 item.into_inner().map_err(|e| {
-                    fjall_error(&self.path, &format!("reading session {session_id:?}"), e)
+                    fjall_error(&self.path, &format!("reading session {session_id:?}"), &e)
                 })
             })
         })
@@ -900,7 +966,7 @@ impl Store for FjallStore {
         for item in h.db.snapshot().iter(&h.sessions) {
             let (key, bytes) = item
                 .into_inner()
-                .map_err(|e| fjall_error(&self.path, "reading the sessions keyspace", e))?;
+                .map_err(|e| fjall_error(&self.path, "reading the sessions keyspace", &e))?;
             out.push(decode_info(&String::from_utf8_lossy(&key), &bytes, SPACE)?);
         }
         Ok(out)
@@ -940,11 +1006,11 @@ impl Store for FjallStore {
             }
             let key = item
                 .key()
-                .map_err(|e| fjall_error(&self.path, "scanning the queue", e))?;
+                .map_err(|e| fjall_error(&self.path, "scanning the queue", &e))?;
             let tkey = &key[8.min(key.len())..];
             let bytes = snapshot
                 .get(&h.tasks, tkey)
-                .map_err(|e| fjall_error(&self.path, "reading the tasks keyspace", e))?;
+                .map_err(|e| fjall_error(&self.path, "reading the tasks keyspace", &e))?;
             if let Some(bytes) = bytes {
                 let task = decode_task(&String::from_utf8_lossy(tkey), &bytes, SPACE)?;
                 if task.overdue(now_ms).is_some() {
@@ -961,7 +1027,7 @@ impl Store for FjallStore {
         for item in h.db.snapshot().iter(&h.tasks) {
             let (key, bytes) = item
                 .into_inner()
-                .map_err(|e| fjall_error(&self.path, "reading the tasks keyspace", e))?;
+                .map_err(|e| fjall_error(&self.path, "reading the tasks keyspace", &e))?;
             out.push(decode_task(&String::from_utf8_lossy(&key), &bytes, SPACE)?);
         }
         Ok(out)
@@ -982,6 +1048,32 @@ mod tests {
     use tokio::sync::oneshot;
 
     // The conformance suite runs on this store in `conformance`'s tests, beside memory and sled.
+
+    #[test]
+    fn fjall_errors_are_put_in_words_not_in_their_debug_form() {
+        let cases = [
+            fjall::Error::Io(std::io::Error::from_raw_os_error(11)),
+            fjall::Error::Storage(fjall::LsmError::Io(std::io::Error::from_raw_os_error(20))),
+            fjall::Error::JournalRecovery(fjall::JournalRecoveryError::ChecksumMismatch),
+            fjall::Error::Locked,
+            fjall::Error::Poisoned,
+        ];
+        for e in &cases {
+            let text = words(e);
+            assert!(
+                !text.contains("Os {")
+                    && !text.contains("kind:")
+                    && !text.contains("Error(")
+                    && !text.contains("FjallError"),
+                "{text}"
+            );
+        }
+        assert_eq!(
+            words(&cases[0]),
+            "Resource temporarily unavailable (os error 11)"
+        );
+        assert_eq!(words(&cases[1]), "Not a directory (os error 20)");
+    }
 
     fn reopen(store: FjallStore) -> FjallStore {
         let dir = store.path().to_path_buf();

@@ -185,16 +185,19 @@ impl SledStore {
                 )
             })?
             .map_err(|e| {
-                let e = e.to_string();
-                if e.contains("could not acquire lock") {
-                    open_error(dir, format!("the store is in use by another process: {e}"))
+                let words = Words(&e).to_string();
+                if words.contains("could not acquire lock") {
+                    open_error(
+                        dir,
+                        "the store is in use by another process (sled's lock is held)".to_owned(),
+                    )
                 } else {
-                    open_error(dir, format!("sled: {e}"))
+                    open_error(dir, format!("sled cannot open its files: {words}"))
                 }
             })?;
         let tree = |name: &str| {
             db.open_tree(name)
-                .map_err(|e| open_error(dir, format!("cannot open tree {name:?}: {e}")))
+                .map_err(|e| open_error(dir, format!("cannot open tree {name:?}: {}", Words(&e))))
         };
         let handles = Handles {
             events: tree(EVENTS)?,
@@ -237,7 +240,7 @@ impl SledStore {
         self.handles()?
             .db
             .size_on_disk()
-            .map_err(|e| sled_error(&self.path, "measuring the size on disk", e))
+            .map_err(|e| sled_error(&self.path, "measuring the size on disk", Words(&e)))
     }
 
     fn handles(&self) -> Result<&Handles> {
@@ -399,7 +402,7 @@ impl Writer {
         match r {
             Ok(v) => Ok(v),
             Err(TransactionError::Abort(e)) => Err(e),
-            Err(TransactionError::Storage(e)) => Err(sled_error(&self.path, doing, e)),
+            Err(TransactionError::Storage(e)) => Err(sled_error(&self.path, doing, Words(&e))),
         }
     }
 
@@ -418,7 +421,8 @@ impl Writer {
             if due.len() >= max {
                 break;
             }
-            let (key, _) = item.map_err(|e| sled_error(&self.path, "scanning the queue", e))?;
+            let (key, _) =
+                item.map_err(|e| sled_error(&self.path, "scanning the queue", Words(&e)))?;
             let visible = key_visible(&key).ok_or_else(|| {
                 sled_error(&self.path, "scanning the queue", format!("bad key {key:?}"))
             })?;
@@ -429,7 +433,7 @@ impl Writer {
             let task = h
                 .tasks
                 .get(tkey)
-                .map_err(|e| sled_error(&self.path, "reading the tasks tree", e))?;
+                .map_err(|e| sled_error(&self.path, "reading the tasks tree", Words(&e)))?;
             if let Some(bytes) = task {
                 let task = decode_task(&String::from_utf8_lossy(tkey), &bytes, SPACE)?;
                 if !filter.accepts(&task) || task.overdue(now_ms).is_some() {
@@ -522,7 +526,8 @@ impl Writer {
         // This thread is the only writer: the queue cannot change between scan and transaction.
         let mut later: Vec<sled::IVec> = Vec::new();
         for item in h.queue.iter() {
-            let (key, _) = item.map_err(|e| sled_error(&self.path, "scanning the queue", e))?;
+            let (key, _) =
+                item.map_err(|e| sled_error(&self.path, "scanning the queue", Words(&e)))?;
             later.push(key);
         }
         if later.is_empty() {
@@ -593,7 +598,8 @@ impl Syncer {
 
     /// Makes everything committed so far durable.
     fn sync(&mut self, db: &sled::Db) -> std::result::Result<(), String> {
-        db.flush().map_err(|e| format!("sled flush failed: {e}"))?;
+        db.flush()
+            .map_err(|e| format!("sled flush failed: {}", Words(&e)))?;
         self.db_file
             .sync_data()
             .map_err(|e| format!("fdatasync of {} failed: {e}", self.dir.join("db").display()))?;
@@ -630,6 +636,22 @@ impl Syncer {
         }
         self.synced_blobs = seen;
         Ok(())
+    }
+}
+
+/// A sled error in words: sled's `Display` prints a corruption's place and backtrace in their
+/// `Debug` form, which must not reach people.
+struct Words<'a>(&'a sled::Error);
+
+impl std::fmt::Display for Words<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            sled::Error::Io(e) => write!(f, "{e}"),
+            sled::Error::Corruption { .. } => {
+                f.write_str("sled read corrupted data from its files")
+            }
+            e => write!(f, "{e}"),
+        }
     }
 }
 
@@ -765,7 +787,7 @@ impl Store for SledStore {
         let info = match h
             .sessions
             .get(session_id.as_bytes())
-            .map_err(|e| sled_error(&self.path, "reading the sessions tree", e))?
+            .map_err(|e| sled_error(&self.path, "reading the sessions tree", Words(&e)))?
         {
             Some(bytes) => decode_info(session_id, &bytes, SPACE)?,
             None => return Err(unknown()),
@@ -773,7 +795,11 @@ impl Store for SledStore {
         read_events(session_id, info.events, from_seq, limit, |range| {
             h.events.range(range).map(|item| {
                 item.map_err(|e| {
-                    sled_error(&self.path, &format!("reading session {session_id:?}"), e)
+                    sled_error(
+                        &self.path,
+                        &format!("reading session {session_id:?}"),
+                        Words(&e),
+                    )
                 })
             })
         })
@@ -784,7 +810,7 @@ impl Store for SledStore {
         let mut out = Vec::new();
         for item in h.sessions.iter() {
             let (key, bytes) =
-                item.map_err(|e| sled_error(&self.path, "reading the sessions tree", e))?;
+                item.map_err(|e| sled_error(&self.path, "reading the sessions tree", Words(&e)))?;
             out.push(decode_info(&String::from_utf8_lossy(&key), &bytes, SPACE)?);
         }
         Ok(out)
@@ -820,7 +846,8 @@ impl Store for SledStore {
             if out.len() >= max {
                 break;
             }
-            let (key, _) = item.map_err(|e| sled_error(&self.path, "scanning the queue", e))?;
+            let (key, _) =
+                item.map_err(|e| sled_error(&self.path, "scanning the queue", Words(&e)))?;
             if key_visible(&key).is_none_or(|visible| visible > now_ms) {
                 break;
             }
@@ -828,7 +855,7 @@ impl Store for SledStore {
             let bytes = h
                 .tasks
                 .get(tkey)
-                .map_err(|e| sled_error(&self.path, "reading the tasks tree", e))?;
+                .map_err(|e| sled_error(&self.path, "reading the tasks tree", Words(&e)))?;
             if let Some(bytes) = bytes {
                 let task = decode_task(&String::from_utf8_lossy(tkey), &bytes, SPACE)?;
                 if task.overdue(now_ms).is_some() {
@@ -844,7 +871,7 @@ impl Store for SledStore {
         let mut out = Vec::new();
         for item in h.tasks.iter() {
             let (key, bytes) =
-                item.map_err(|e| sled_error(&self.path, "reading the tasks tree", e))?;
+                item.map_err(|e| sled_error(&self.path, "reading the tasks tree", Words(&e)))?;
             out.push(decode_task(&String::from_utf8_lossy(&key), &bytes, SPACE)?);
         }
         Ok(out)
