@@ -1497,8 +1497,7 @@ pub async fn run_chaos_worker(server: &str, data: &Path, lease_ms: u64) -> anyho
     };
     let config = WorkerConfig {
         lease_ms,
-        // The long poll of a lease request, and the pause after a failed one (the server
-        // down): short, so that a restarted server gets its workers back soon.
+        // How long a lease request waits for a task.
         poll_interval_ms: remote::WORKER_POLL_MS,
         renew_interval_ms: Some(lease_ms / 3),
         take_unhosted: false,

@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 /// attempt is retried) soon; long enough that a worker that lives renews it (every third of
 /// it) with a wide margin on a loaded machine.
 pub const LEASE_MS: u64 = 1_500;
-/// A chaos worker's long poll for tasks, which is also its pause after a failed lease request
-/// (the server down): short, so that a restarted server gets its workers back soon.
-pub(super) const WORKER_POLL_MS: u64 = 250;
+/// A chaos worker's long poll for tasks: as long as `cairn worker`'s, since it also decided
+/// how long a worker paused after a failed lease request, until that pause was capped.
+pub(super) const WORKER_POLL_MS: u64 = 5_000;
 /// Attempts allowed per activity beyond one per kill of the run: only a kill fails an
 /// attempt (its worker's lease lapses, or the server is down until it does), so a turn that
 /// still fails had attempts fail for no kill.
