@@ -71,24 +71,23 @@
 //! is tested in `tests/server.rs`.) A server kill also kills the drivers; they resume with the
 //! next child.
 //!
-//! Each kill falls on the server (the child) or on one of the workers, half and half, seeded;
-//! the last kill goes to a kind not yet killed, so that a run has both. The victim is
-//! restarted at once, a server on the same port. A server kill falls
-//! [`ChaosConfig::kill_after_ms`] after the later of the previous kill and the server's
-//! `ready` — or, one in five while the server is still starting, at a random moment of its
-//! estimated startup —, a worker kill that long after the previous kill. One server kill in
-//! three is an outage: the next server starts only after a lease and up to 0.5 s more, so the
-//! workers' leases lapse while nobody serves (their reports, retried until then, are lost) and
-//! the next server's timers record them. Work goes on between
-//! kills, so there is no separate final child: after the last kill the server running then
-//! finishes the turns, unkilled, says `done`, stops serving and exits; then the workers are
-//! stopped (each must drain and exit 0) and the store is verified as below. When the sessions
-//! finish while kills remain, turns are added as in-process, and the workers restart with the
-//! next server (they load the script once). Every lapsed lease is a failed attempt, so the
-//! sessions' retry policies are set explicitly: at most the run's kills plus 5 attempts (only
-//! a kill fails an attempt: a worker's, or the server's when it stays down until the lease
-//! lapses) and a backoff of 50 ms doubling to 400 ms. Startup kills, power cuts and the checks
-//! after each fault run in-process only.
+//! Each kill falls on the server (the child) or on one of the workers, half and half, seeded; the
+//! last kill goes to a kind not yet killed, so that a run has both. The victim is restarted at
+//! once, a server on the same port. A server kill falls [`ChaosConfig::kill_after_ms`] after the
+//! later of the previous kill and the server's `ready` — or, one in five while the server is still
+//! starting, at a random moment of its estimated startup —, a worker kill that long after the
+//! previous kill. One server kill in three is an outage: the next server starts only after a lease
+//! and up to 0.5 s more, so the workers' leases lapse while nobody serves (their reports, retried
+//! until then, are lost) and the next server's timers record them. Work goes on between kills, so
+//! there is no separate final child: after the last kill the server running then finishes the
+//! turns, unkilled, says `done`, stops serving and exits; then the workers are stopped (each must
+//! drain and exit 0) and the store is verified as below. When the sessions finish while kills
+//! remain, turns are added as in-process, and the workers restart with the next server (they load
+//! the script once). Every lapsed lease is a failed attempt, so the sessions' retry policies are
+//! set explicitly: at most the run's kills plus 5 attempts (only a kill fails an attempt: a
+//! worker's, or the server's when it stays down until the lease lapses) and a backoff of 50 ms
+//! doubling to 400 ms. Startup kills, power cuts and the checks after each fault run in-process
+//! only.
 //!
 //! # The side effect
 //!
@@ -105,18 +104,17 @@
 //! # The checks
 //!
 //! At the end `verify` opens the store and checks, per session: it is idle with all its turns
-//! completed (no failed or cancelled turn); its history replays with the current code; the
-//! ledger validates; every acknowledged state is there (events `1..=SEQ` exist and fold to a
-//! ledger with the acknowledged fingerprint, and no seq was acknowledged with two different
-//! ledgers); every tool_use has exactly one `tool_call_completed`, whose result carries its
-//! idempotency key; every failed attempt is a timeout (a lapsed lease: nothing but the kills
-//! may fail an attempt); and the task queue is empty. In the side-effect file every line's key names
-//! its own tool_use (`SESSION/TOOL_USE_ID`), every tool_use ran, the recorded result is the one
-//! of its key's last run, and every earlier run was made by a process the parent killed, or
-//! (remote mode) the server was killed after that run's lease was taken (at most a lease
-//! before the record's `at_ms`) and before the next run of its key (the lapse is recorded, and
-//! the retry scheduled, only after the kill): each repeat is explained by a kill. The repeats
-//! (lines − distinct keys) are counted.
+//! completed (no failed or cancelled turn); its history replays with the current code; the ledger
+//! validates; every acknowledged state is there (events `1..=SEQ` exist and fold to a ledger with
+//! the acknowledged fingerprint, and no seq was acknowledged with two different ledgers); every
+//! tool_use has exactly one `tool_call_completed`, whose result carries its idempotency key; every
+//! failed attempt is a timeout (a lapsed lease: nothing but the kills may fail an attempt); and the
+//! task queue is empty. In the side-effect file every line's key names its own tool_use
+//! (`SESSION/TOOL_USE_ID`), every tool_use ran, the recorded result is the one of its key's last
+//! run, and every earlier run was made by a process the parent killed, or (remote mode) the server
+//! was killed after that run's lease was taken (at most a lease before the record's `at_ms`) and
+//! before the next run of its key (the lapse is recorded, and the retry scheduled, only after the
+//! kill): each repeat is explained by a kill. The repeats (lines − distinct keys) are counted.
 
 // Chaos is the impure edge: it waits on real time, reads clocks and kills processes at random
 // (seeded) moments; the clock and sleep ban is for pure code.
