@@ -206,6 +206,12 @@ enum Command {
         /// Storage engine of the children's store: fjall (default) or sled.
         #[arg(long, value_parser = parse_engine, default_value = "fjall")]
         engine: StorageEngine,
+        /// Run the activities in this many worker processes (over HTTP, 1.5 s leases) beside
+        /// a child that serves the /v1 API instead of running a pool; each kill then falls
+        /// on the child or on a worker (restarted at once). 0: the child runs its own pool.
+        /// Not with --startup-kills or --power-cuts.
+        #[arg(long, default_value_t = 0)]
+        remote_workers: usize,
         /// Data directory (default: a new temporary directory, kept).
         #[arg(long)]
         data: Option<PathBuf>,
@@ -225,6 +231,27 @@ enum Command {
         /// The store engine.
         #[arg(long, default_value = "fjall")]
         store: cairn_devtools::chaos::StoreEngine,
+        /// Serve the /v1 API on this loopback port for remote workers instead of running a
+        /// pool.
+        #[arg(long)]
+        serve: Option<u16>,
+        /// With --serve: attempts at most of each activity of the sessions it creates.
+        #[arg(long, default_value_t = 100)]
+        max_attempts: u32,
+    },
+    /// A worker process of `cairn chaos --remote-workers`: runs the chaos sessions' model and
+    /// tool calls for the server at --server until its stdin closes.
+    #[command(hide = true)]
+    ChaosWorker {
+        /// The server, http://HOST:PORT.
+        #[arg(long)]
+        server: String,
+        /// Data directory (the side-effect file).
+        #[arg(long)]
+        data: PathBuf,
+        /// Lease length in ms.
+        #[arg(long)]
+        lease_ms: u64,
     },
     /// Check a store: every record decodes, histories are complete and replay, queued tasks
     /// match their sessions (exit 0 when clean, 1 on any problem).
@@ -604,6 +631,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             startup_kills,
             power_cuts,
             engine,
+            remote_workers,
             data,
         } => {
             chaos(ChaosArgs {
@@ -615,6 +643,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 startup_kills,
                 power_cuts,
                 engine,
+                remote_workers,
                 data,
             })
             .await
@@ -624,8 +653,20 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             sessions,
             turns,
             store,
+            serve,
+            max_attempts,
         } => {
-            cairn_devtools::chaos::run_chaos_child(&data, sessions, turns, store).await?;
+            let serve =
+                serve.map(|port| cairn_devtools::chaos::ServeOptions { port, max_attempts });
+            cairn_devtools::chaos::run_chaos_child(&data, sessions, turns, store, serve).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::ChaosWorker {
+            server,
+            data,
+            lease_ms,
+        } => {
+            cairn_devtools::chaos::run_chaos_worker(&server, &data, lease_ms).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Fsck { data, repair } => {
@@ -1129,6 +1170,7 @@ struct ChaosArgs {
     startup_kills: usize,
     power_cuts: usize,
     engine: StorageEngine,
+    remote_workers: usize,
     data: Option<PathBuf>,
 }
 
@@ -1142,6 +1184,7 @@ async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         startup_kills,
         power_cuts,
         engine,
+        remote_workers,
         data,
     } = args;
     let data = match data {
@@ -1167,11 +1210,17 @@ async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         power_cuts,
         check_each_fault: startup_kills + power_cuts > 0,
         store: engine,
+        remote_workers,
         ..cairn_devtools::chaos::ChaosConfig::new(&data, seed)
     };
     let exe = std::env::current_exe().context("cannot find this executable")?;
+    let workers = if remote_workers == 0 {
+        String::new()
+    } else {
+        format!(", {remote_workers} remote workers (kills fall on the server or a worker)")
+    };
     outln!(
-        "chaos on {engine}: {sessions} sessions x {turns} turns, {kills} SIGKILLs (most {}-{} ms after the child is ready), {startup_kills} startup kills, {power_cuts} power cuts, seed {seed}, data {}",
+        "chaos on {engine}: {sessions} sessions x {turns} turns, {kills} SIGKILLs (most {}-{} ms after the child is ready), {startup_kills} startup kills, {power_cuts} power cuts{workers}, seed {seed}, data {}",
         kill_after_ms.0,
         kill_after_ms.1,
         data.display()

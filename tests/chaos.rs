@@ -5,16 +5,24 @@
 //! event be present, every tool_use have exactly one recorded result, and the repeated tool runs
 //! be few and each carry its call's key. The protocol and the checks are in `cairn_devtools::chaos`.
 //!
+//! The same with remote workers: the child serves the `/v1` API, two `cairn chaos-worker`
+//! processes run the model and tool calls over HTTP, and each kill falls on the server or on a
+//! worker; the same checks, with a repeat explained also by a server kill that lost a live
+//! worker's report.
+//!
 //! The seed is printed; rerun a failure with `CAIRN_CHAOS_SEED=<seed>`; `CAIRN_CHAOS_KILLS`
-//! changes the number of kills (100). A failed run keeps its data directory and prints where.
+//! changes the number of kills (100), `CAIRN_CHAOS_REMOTE_KILLS` those of the remote test (8).
+//! A failed run keeps its data directory and prints where.
 #![cfg(unix)]
 
-use cairn_devtools::chaos::{run_chaos, ChaosConfig};
+use cairn_devtools::chaos::{run_chaos, ChaosConfig, ChaosReport};
 use std::path::Path;
 
 const SEED_ENV: &str = "CAIRN_CHAOS_SEED";
 const KILLS_ENV: &str = "CAIRN_CHAOS_KILLS";
 const DEFAULT_KILLS: usize = 100;
+const REMOTE_KILLS_ENV: &str = "CAIRN_CHAOS_REMOTE_KILLS";
+const DEFAULT_REMOTE_KILLS: usize = 8;
 
 fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
     std::env::var(name).ok().and_then(|s| s.parse().ok())
@@ -37,11 +45,44 @@ fn sessions_complete_and_keep_every_promise_across_random_sigkills() {
         kill_after_ms: (10, 150),
         ..ChaosConfig::new(root.path().join("data"), seed)
     };
-    let checked = run_chaos(&config, Path::new(env!("CARGO_BIN_EXE_cairn")))
+    run_and_check(seed, root, &config, |report| check(report, kills));
+}
+
+#[test]
+fn remote_workers_and_their_server_keep_every_promise_across_random_sigkills() {
+    let seed = env_number(SEED_ENV).unwrap_or_else(rand::random::<u64>);
+    let kills = env_number(REMOTE_KILLS_ENV).unwrap_or(DEFAULT_REMOTE_KILLS);
+    eprintln!("chaos with remote workers: seed {seed} (rerun with {SEED_ENV}={seed})");
+    let root = tempfile::Builder::new()
+        .prefix("cairn-chaos-remote-test-")
+        .tempdir()
+        .expect("tempdir");
+    let config = ChaosConfig {
+        sessions: 4,
+        turns_per_session: 3,
+        kills,
+        // A killed worker's tasks wait for its lease (1.5 s) to lapse: kills further apart
+        // than in-process, so that work goes on between them.
+        kill_after_ms: (100, 400),
+        remote_workers: 2,
+        ..ChaosConfig::new(root.path().join("data"), seed)
+    };
+    run_and_check(seed, root, &config, |report| check_remote(report, kills));
+}
+
+/// Runs `config`, prints the report and applies `check`; on failure keeps the data directory
+/// and panics with the seed.
+fn run_and_check(
+    seed: u64,
+    root: tempfile::TempDir,
+    config: &ChaosConfig,
+    check: impl FnOnce(&ChaosReport) -> Result<(), String>,
+) {
+    let checked = run_chaos(config, Path::new(env!("CARGO_BIN_EXE_cairn")))
         .map_err(|e| format!("{e:#}"))
         .and_then(|report| {
             eprintln!("{report}");
-            check(&report, kills)
+            check(&report)
         });
     if let Err(what) = checked {
         let kept = root.keep();
@@ -52,7 +93,43 @@ fn sessions_complete_and_keep_every_promise_across_random_sigkills() {
     }
 }
 
-fn check(report: &cairn_devtools::chaos::ChaosReport, kills: usize) -> Result<(), String> {
+fn check_remote(report: &ChaosReport, kills: usize) -> Result<(), String> {
+    if !report.passed() {
+        return Err(format!("verification failed:\n{report}"));
+    }
+    let server_kills = report.kills - report.worker_kills;
+    if report.kills < kills || (kills >= 2 && (server_kills == 0 || report.worker_kills == 0)) {
+        return Err(format!(
+            "{server_kills} server and {} worker kills, expected {kills} with both kinds\n{report}",
+            report.worker_kills
+        ));
+    }
+    // Every worker started is one of the first, a restart after a kill, or one of those the
+    // turns added restarted with the server.
+    let expected_starts = report.remote_workers * (1 + report.early_exits) + report.worker_kills;
+    if report.worker_starts != expected_starts {
+        return Err(format!(
+            "{} worker processes started, expected {expected_starts}\n{report}",
+            report.worker_starts
+        ));
+    }
+    if report.acked_states == 0 || report.tool_runs == 0 {
+        return Err(format!(
+            "nothing was acknowledged or no tool ran: the test tested nothing\n{report}"
+        ));
+    }
+    // One kill repeats at most the tool calls in flight: 3 parallel calls per session.
+    if report.max_repeats_per_kill > 3 * report.sessions {
+        return Err(format!(
+            "one kill caused {} repeated tool runs, more than the {} calls that can be in flight\n{report}",
+            report.max_repeats_per_kill,
+            3 * report.sessions
+        ));
+    }
+    Ok(())
+}
+
+fn check(report: &ChaosReport, kills: usize) -> Result<(), String> {
     if !report.passed() {
         return Err(format!("verification failed:\n{report}"));
     }

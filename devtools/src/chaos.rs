@@ -1,5 +1,6 @@
 //! Chaos: many concurrent sessions run in a child process that is killed with SIGKILL at random
-//! moments and resumed by a new child each time; then everything the log promises is checked.
+//! moments and resumed by a new child each time (their activities run in the child, or in
+//! worker processes that are killed too); then everything the log promises is checked.
 //!
 //! # Parent and child
 //!
@@ -45,27 +46,75 @@
 //!   milliseconds (tool results arrive between steps).
 //! - `done` — every session has completed all its turns.
 //!
+//! # Remote workers
+//!
+//! With [`ChaosConfig::remote_workers`] N > 0 (`cairn chaos --remote-workers N`) the
+//! activities run in other processes over the `/v1` HTTP API, as with `cairn server` and
+//! `cairn worker` (the parent's loop is in `chaos/remote.rs`). The parent picks a free loopback
+//! port once and starts `cairn chaos-child --serve PORT --max-attempts A`: the same child,
+//! but it runs no pool; it resumes with `Engine::resume(false)` (workers may still hold
+//! leases, and report once it is back) and serves the API with [`cairn_server::serve`], whose
+//! timers record a lapsed lease as a failed attempt of class `timeout`. Beside it run N
+//! `cairn chaos-worker --server URL --data DATA` processes: a [`WorkerPool`] over
+//! [`cairn_remote::HttpTaskSource`] hosting the scripted model and `side_effect`, with a
+//! 1.5 s lease renewed every 0.5 s. A worker drains and exits when its stdin closes; a
+//! serving child exits when its stdin closes, so that a parent that dies leaves nothing
+//! behind.
+//!
+//! The drivers stay in the child, beside the engine, and the acks are taken from the engine's
+//! own state as above. An ack so means the same in both modes — a state folded from events the
+//! store acknowledged — and the workers' results reach that state only through the engine, so
+//! every state a remote report produced is acknowledged and checked like any other. Drivers in
+//! the parent (`cairn_remote::connect`) could ack only what the API shows, and the API has no
+//! read of one whole state: a session's seq (`describe`) and its ledger (`transcript`) are two
+//! requests, which a concurrent step can fall between. (The client's side of a server restart
+//! is tested in `tests/server.rs`.) A server kill also kills the drivers; they resume with the
+//! next child.
+//!
+//! Each kill falls on the server (the child) or on one of the workers, half and half, seeded; the
+//! last kill goes to a kind not yet killed, so that a run has both. The victim is restarted at
+//! once, a server on the same port. A server kill falls [`ChaosConfig::kill_after_ms`] after the
+//! later of the previous kill and the server's `ready` — or, one in five while the server is still
+//! starting, at a random moment of its estimated startup —, a worker kill that long after the
+//! previous kill. One server kill in three is an outage: the next server starts only after a lease
+//! and up to 0.5 s more, so the workers' leases lapse while nobody serves (their reports, retried
+//! until then, are lost) and the next server's timers record them. Work goes on between kills, so
+//! there is no separate final child: after the last kill the server running then finishes the
+//! turns, unkilled, says `done`, stops serving and exits; then the workers are stopped (each must
+//! drain and exit 0) and the store is verified as below. When the sessions finish while kills
+//! remain, turns are added as in-process, and the workers restart with the next server (they load
+//! the script once). Every lapsed lease is a failed attempt, so the sessions' retry policies are
+//! set explicitly: at most the run's kills plus 5 attempts (only a kill fails an attempt: a
+//! worker's, or the server's when it stays down until the lease lapses) and a backoff of 50 ms
+//! doubling to 400 ms. Startup kills, power cuts and the checks after each fault run in-process
+//! only.
+//!
 //! # The side effect
 //!
-//! The only tool, `side_effect`, appends one record `{"key", "tool_use_id", "pid", "attempt"}`
-//! to `DATA/side-effects.jsonl` (one `write`, then `fdatasync`), works a few milliseconds and
-//! returns `{"key", "pid"}`. A kill can cut even one `write` at a page boundary, so records are
-//! framed and checksummed ([`record`]): a torn record is told from damage, and must be by a
-//! killed process. A kill after the record is written and before the result is recorded
-//! runs the call again after the resume, with the same idempotency key: that is the
-//! at-least-once contract of activities, and the file counts how often it happens.
+//! The only tool, `side_effect`, appends one record `{"key", "tool_use_id", "pid", "attempt",
+//! "at_ms"}` to `DATA/side-effects.jsonl` (one `write`, then `fdatasync`), works a few
+//! milliseconds and returns `{"key", "pid"}`. A kill can cut even one `write` at a page
+//! boundary, so records are framed and checksummed ([`record`]): a torn record is told from
+//! damage, and must be by a killed process. A kill after the record is written and before the
+//! result is recorded runs the call again after the resume, with the same idempotency key:
+//! that is the at-least-once contract of activities, and the file counts how often it happens.
+//! With remote workers a run is repeated also when its worker lives but the server is killed
+//! and stays down until the run's lease lapses, so its report is never recorded.
 //!
 //! # The checks
 //!
 //! At the end `verify` opens the store and checks, per session: it is idle with all its turns
-//! completed (no failed or cancelled turn); its history replays with the current code; the
-//! ledger validates; every acknowledged state is there (events `1..=SEQ` exist and fold to a
-//! ledger with the acknowledged fingerprint, and no seq was acknowledged with two different
-//! ledgers); every tool_use has exactly one `tool_call_completed`, whose result carries its
-//! idempotency key; and the task queue is empty. In the side-effect file every line's key names
-//! its own tool_use (`SESSION/TOOL_USE_ID`), every tool_use ran, the recorded result is the one
-//! of its key's last run, and every earlier run was made by a process the parent killed: each
-//! repeat is explained by a kill. The repeats (lines − distinct keys) are counted.
+//! completed (no failed or cancelled turn); its history replays with the current code; the ledger
+//! validates; every acknowledged state is there (events `1..=SEQ` exist and fold to a ledger with
+//! the acknowledged fingerprint, and no seq was acknowledged with two different ledgers); every
+//! tool_use has exactly one `tool_call_completed`, whose result carries its idempotency key; every
+//! failed attempt is a timeout (a lapsed lease: nothing but the kills may fail an attempt); and the
+//! task queue is empty. In the side-effect file every line's key names its own tool_use
+//! (`SESSION/TOOL_USE_ID`), every tool_use ran, the recorded result is the one of its key's last
+//! run, and every earlier run was made by a process the parent killed, or (remote mode) the server
+//! was killed after that run's lease was taken (at most a lease before the record's `at_ms`) and
+//! before the next run of its key (the lapse is recorded, and the retry scheduled, only after the
+//! kill): each repeat is explained by a kill. The repeats (lines − distinct keys) are counted.
 
 // Chaos is the impure edge: it waits on real time, reads clocks and kills processes at random
 // (seeded) moments; the clock and sleep ban is for pure code.
@@ -78,8 +127,8 @@ use cairn_activities::{ActivityContext, Tool, ToolCall, ToolOutput, ToolRegistry
 use cairn_ledger::{validate_transcript, JsonText, ModelSpec, Part, Role, ToolSpec, Transcript};
 use cairn_runtime::store::embedded::{self, OpenMode, OpenedStore, StorageEngine};
 use cairn_runtime::{
-    replay, Client, Engine, Error as RuntimeError, Event, SessionOptions, SessionState,
-    SessionStatus, SystemClock, TurnOutcome,
+    replay, Client, Engine, Error as RuntimeError, ErrorClass, Event, RetryPolicy, SessionOptions,
+    SessionState, SessionStatus, SystemClock, TurnOutcome,
 };
 use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
 use serde::Deserialize;
@@ -150,6 +199,10 @@ pub struct ChaosConfig {
     pub check_each_fault: bool,
     /// The store the children use.
     pub store: StoreEngine,
+    /// Worker processes (`cairn chaos-worker`) beside a child that serves the `/v1` API
+    /// instead of running a pool; the kills then fall on the child or on one of them (see
+    /// the module doc, "Remote workers"). 0: the child runs its own pool, as always.
+    pub remote_workers: usize,
 }
 
 impl ChaosConfig {
@@ -168,6 +221,7 @@ impl ChaosConfig {
             power_cuts: 0,
             check_each_fault: false,
             store: StoreEngine::DEFAULT,
+            remote_workers: 0,
         }
     }
 }
@@ -209,6 +263,14 @@ pub struct ChaosReport {
     pub kills: usize,
     /// Of them, kills before the child reported `ready` (while opening the store or resuming).
     pub kills_before_ready: usize,
+    /// Worker processes beside the child ([`ChaosConfig::remote_workers`]).
+    pub remote_workers: usize,
+    /// Of the kills, those of a worker process rather than the child (the server).
+    pub worker_kills: usize,
+    /// Worker processes started, restarts included.
+    pub worker_starts: usize,
+    /// Of the server kills, those after which it stayed down longer than a lease.
+    pub server_outages: usize,
     /// Startup kills delivered ([`ChaosConfig::startup_kills`]).
     pub startup_kills: usize,
     /// Of them, kills before the child reported `ready` (store opened and resume done).
@@ -270,6 +332,9 @@ pub struct ChaosReport {
     pub max_runs_per_key: usize,
     /// Repeats whose runs were in the same process (a lapsed lease, not a kill).
     pub same_process_repeats: usize,
+    /// Repeats after a run in a worker that was not killed: its report was lost because the
+    /// server was killed while the run held its lease (see the module doc).
+    pub server_kill_repeats: usize,
     /// Failed activity attempts recorded (`model_call_failed` + `tool_call_failed`), retried.
     pub failed_attempts: usize,
     /// Time spent in the kill phase.
@@ -308,11 +373,33 @@ impl fmt::Display for ChaosReport {
                 String::new()
             }
         )?;
-        writeln!(
-            f,
-            "  kills               {} SIGKILLs ({} before the child was ready), {} child runs, {} finished early",
-            self.kills, self.kills_before_ready, self.child_runs, self.early_exits
-        )?;
+        if self.remote_workers == 0 {
+            writeln!(
+                f,
+                "  kills               {} SIGKILLs ({} before the child was ready), {} child runs, {} finished early",
+                self.kills, self.kills_before_ready, self.child_runs, self.early_exits
+            )?;
+        } else {
+            writeln!(
+                f,
+                "  kills               {} SIGKILLs: {} of the server ({} before it was ready, {} followed by an outage longer than a lease), {} of workers; {} server runs, {} finished early",
+                self.kills,
+                self.kills - self.worker_kills,
+                self.kills_before_ready,
+                self.server_outages,
+                self.worker_kills,
+                self.child_runs,
+                self.early_exits
+            )?;
+            writeln!(
+                f,
+                "  remote workers      {} worker processes ({} started in all, lease {} ms); {} repeated runs by workers that lived on, each after a server kill",
+                self.remote_workers,
+                self.worker_starts,
+                remote::LEASE_MS,
+                self.server_kill_repeats
+            )?;
+        }
         if self.startup_kills > 0 {
             writeln!(
                 f,
@@ -455,6 +542,9 @@ pub fn run_chaos(config: &ChaosConfig, child_exe: &Path) -> anyhow::Result<Chaos
     }
     std::fs::create_dir_all(&config.data)
         .with_context(|| format!("cannot create {}", config.data.display()))?;
+    if config.remote_workers > 0 {
+        return remote::run(config, child_exe, started);
+    }
     let mut rng = SplitMix64(config.seed);
     let mut report = ChaosReport {
         seed: config.seed,
@@ -536,21 +626,7 @@ pub fn run_chaos(config: &ChaosConfig, child_exe: &Path) -> anyhow::Result<Chaos
             }
             (End::Exited(status), _) if status.success() && run.output.done => {
                 report.early_exits += 1;
-                // Everything is done before the faults are spent: give the sessions more
-                // turns, so that the remaining faults land on work: as many as the faults so
-                // far took per turn suggest, with a margin, but at most twice as many (later
-                // turns are slower: longer ledgers, longer resumes), and at least the
-                // configured turns again.
-                let so_far = report.turns_per_session;
-                let remaining = (faults - faults_done) as f64;
-                let estimate = if faults_done == 0 {
-                    so_far
-                } else {
-                    (1.25 * remaining * so_far as f64 / faults_done as f64).ceil() as usize
-                };
-                report.turns_per_session += estimate.min(so_far).max(config.turns_per_session);
-                report.turn_extensions += 1;
-                write_script(&config.data, report.turns_per_session, config.seed)?;
+                extend_turns(config, &mut report, faults, faults_done)?;
                 continue;
             }
             (end, _) => bail!(
@@ -607,9 +683,49 @@ pub fn run_chaos(config: &ChaosConfig, child_exe: &Path) -> anyhow::Result<Chaos
     }
     report.mean_ready_ms = mean(&ready_ms);
 
-    verify(config, &acks, &killed_pids, &mut report)?;
+    let explanations = Explanations {
+        killed_pids,
+        ..Explanations::default()
+    };
+    verify(config, &acks, &explanations, &mut report)?;
     report.wall_time = started.elapsed();
     Ok(report)
+}
+
+/// What explains a repeated tool run: a kill of the process that made the earlier run, or (in
+/// remote mode) a kill of the server while that run held its lease.
+#[derive(Debug, Default)]
+struct Explanations {
+    /// Every process the parent killed: children, and in remote mode workers.
+    killed_pids: BTreeSet<u32>,
+    /// When the server was killed, in ms since the Unix epoch (the clock of the side-effect
+    /// records' `at_ms`); remote mode only.
+    server_kills_ms: Vec<u64>,
+    /// The workers' lease: a run's lease was taken at most this long before it wrote its
+    /// record (or it could not have reported).
+    lease_ms: u64,
+}
+
+/// Everything is done before the faults are spent: gives the sessions more turns (and the
+/// script their responses), so that the remaining faults land on work: as many as the faults
+/// so far took per turn suggest, with a margin, but at most twice as many (later turns are
+/// slower: longer ledgers, longer resumes), and at least the configured turns again.
+fn extend_turns(
+    config: &ChaosConfig,
+    report: &mut ChaosReport,
+    faults: usize,
+    faults_done: usize,
+) -> anyhow::Result<()> {
+    let so_far = report.turns_per_session;
+    let remaining = (faults - faults_done) as f64;
+    let estimate = if faults_done == 0 {
+        so_far
+    } else {
+        (1.25 * remaining * so_far as f64 / faults_done as f64).ceil() as usize
+    };
+    report.turns_per_session += estimate.min(so_far).max(config.turns_per_session);
+    report.turn_extensions += 1;
+    write_script(&config.data, report.turns_per_session, config.seed)
 }
 
 fn mean(values: &[f64]) -> f64 {
@@ -843,6 +959,13 @@ fn killed(status: &ExitStatus) -> bool {
 /// dropped.
 fn read_child_output(stdout: impl Read, spawned: Instant) -> ChildOutput {
     let mut output = ChildOutput::default();
+    read_child_lines(stdout, |text| parse_child_line(text, spawned, &mut output));
+    output
+}
+
+/// Calls `each` with every whole line of the child's stdout (without its newline), until the
+/// stream ends; a last line without its newline (cut by the kill) is dropped.
+fn read_child_lines(stdout: impl Read, mut each: impl FnMut(&str)) {
     let mut reader = BufReader::new(stdout);
     let mut line = Vec::new();
     loop {
@@ -854,31 +977,34 @@ fn read_child_output(stdout: impl Read, spawned: Instant) -> ChildOutput {
         if line.last() != Some(&b'\n') {
             break;
         }
-        let Ok(text) = std::str::from_utf8(&line[..line.len() - 1]) else {
-            continue;
-        };
-        let words: Vec<&str> = text.split(' ').collect();
-        match words.as_slice() {
-            ["ack", session, seq, hash] => {
-                if let (Ok(seq), Ok(hash)) = (seq.parse(), u64::from_str_radix(hash, 16)) {
-                    output.acks.push(((*session).to_owned(), seq, hash));
-                }
-            }
-            ["ready", running, _outstanding, requeued, released] => {
-                let n = |s: &str| s.parse::<usize>().unwrap_or(0);
-                output.ready = Some(Ready {
-                    after: spawned.elapsed(),
-                    running: n(running),
-                    requeued: n(requeued),
-                    released: n(released),
-                });
-            }
-            ["done"] => output.done = true,
-            ["opened"] => output.opened = true,
-            _ => {}
+        if let Ok(text) = std::str::from_utf8(&line[..line.len() - 1]) {
+            each(text);
         }
     }
-    output
+}
+
+/// Takes one protocol line of a child started at `spawned` into `output`.
+fn parse_child_line(text: &str, spawned: Instant, output: &mut ChildOutput) {
+    let words: Vec<&str> = text.split(' ').collect();
+    match words.as_slice() {
+        ["ack", session, seq, hash] => {
+            if let (Ok(seq), Ok(hash)) = (seq.parse(), u64::from_str_radix(hash, 16)) {
+                output.acks.push(((*session).to_owned(), seq, hash));
+            }
+        }
+        ["ready", running, _outstanding, requeued, released] => {
+            let n = |s: &str| s.parse::<usize>().unwrap_or(0);
+            output.ready = Some(Ready {
+                after: spawned.elapsed(),
+                running: n(running),
+                requeued: n(requeued),
+                released: n(released),
+            });
+        }
+        ["done"] => output.done = true,
+        ["opened"] => output.opened = true,
+        _ => {}
+    }
 }
 
 /// The last `keep` lines of a stream.
@@ -1000,6 +1126,7 @@ fn write_script(data: &Path, turns: usize, seed: u64) -> anyhow::Result<()> {
 }
 
 pub mod record;
+mod remote;
 
 // ---- The side-effect tool ----------------------------------------------------------------------
 
@@ -1027,6 +1154,19 @@ pub struct SideEffectRecord {
     pub pid: u32,
     /// The activity attempt.
     pub attempt: u32,
+    /// When it ran, in ms since the Unix epoch by the machine's clock, which the parent's
+    /// record of server kills shares: a repeat after a run in a worker that was not killed
+    /// must follow a server kill (see the module doc, "The checks").
+    #[serde(default)]
+    pub at_ms: u64,
+}
+
+/// The machine's clock in ms since the Unix epoch: the one clock the parent and every process
+/// it starts share.
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 fn append_durably(path: &Path, record: &[u8]) -> std::io::Result<()> {
@@ -1062,6 +1202,7 @@ impl Tool for SideEffect {
             tool_use_id: call.tool_use_id.clone(),
             pid,
             attempt: context.attempt(),
+            at_ms: wall_ms(),
         };
         let line = record::encode(&record);
         let path = self.path.clone();
@@ -1127,23 +1268,105 @@ fn say(line: &str) {
     let _ = out.flush();
 }
 
+/// How a child serves remote workers instead of running its own pool (remote mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServeOptions {
+    /// The loopback port it serves the `/v1` API on: the same for every child of a run, so
+    /// that the workers find each one where the killed one was.
+    pub port: u16,
+    /// Attempts at most of each activity, in the retry policies of the sessions it creates.
+    pub max_attempts: u32,
+}
+
+/// The retry policy of the chaos sessions in remote mode: every lease a kill lets lapse is a
+/// failed attempt (class `timeout`), so `max_attempts` (more than the kills of the run) and a
+/// short backoff, so that kills delay turns but never fail them.
+fn chaos_retry(defaults: RetryPolicy, max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        initial_interval_ms: 50,
+        backoff_coefficient: 2.0,
+        maximum_interval_ms: 400,
+        maximum_attempts: max_attempts,
+        ..defaults
+    }
+}
+
+/// The exit status of a remote-mode child or worker whose parent went away.
+const ORPHANED_EXIT_STATUS: i32 = 3;
+
+/// Ends this process when its stdin closes, which happens when the parent dies without
+/// killing it (a remote-mode child would otherwise drive sessions no worker runs, forever).
+fn exit_when_stdin_closes() {
+    std::thread::spawn(|| {
+        let mut sink = [0u8; 64];
+        let mut stdin = std::io::stdin();
+        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+        std::process::exit(ORPHANED_EXIT_STATUS);
+    });
+}
+
+/// Binds the loopback `port`, trying again for a while: the killed predecessor's socket may
+/// not be released yet.
+async fn bind_loopback(port: u16) -> anyhow::Result<tokio::net::TcpListener> {
+    let addr = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port));
+    let mut tries = 0;
+    loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(listener) => return Ok(listener),
+            Err(e) if tries < 100 => {
+                tries += 1;
+                eprintln!("note: cannot listen on {addr} yet ({e}); trying again");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => return Err(e).with_context(|| format!("cannot listen on {addr}")),
+        }
+    }
+}
+
 /// The child: opens the store, resumes, and drives `sessions` sessions to `turns` completed
-/// turns each; returns when they are all done. Run by `cairn chaos-child`.
+/// turns each; returns when they are all done. Run by `cairn chaos-child`. With `serve`, it
+/// runs no pool: it serves the `/v1` API for remote workers (`cairn chaos-worker`), resumes
+/// keeping their leases, and stops serving when the sessions are done.
 pub async fn run_chaos_child(
     data: &Path,
     sessions: usize,
     turns: usize,
     store: StoreEngine,
+    serve: Option<ServeOptions>,
 ) -> anyhow::Result<()> {
+    if serve.is_some() {
+        exit_when_stdin_closes();
+    }
     let opened = embedded::open(&data.join(STORE_DIR), OpenMode::Create, Some(store))
         .await
         .with_context(|| format!("cannot open the store in {}", data.display()))?;
     say("opened");
     let store = opened.store.clone();
     let engine = Engine::new(store.clone(), Arc::new(SystemClock));
-    // This process holds sled's lock: every lease in the store belongs to a killed child, so
-    // reclaim them rather than wait for them to lapse.
-    let resumed = engine.resume(true).await?;
+    // In-process, this process holds the store's lock: every lease in the store belongs to a
+    // killed child, so reclaim them rather than wait for them to lapse. Remote workers may
+    // still hold theirs and report: keep them (a lapsed one is recorded by the timers).
+    let resumed = engine.resume(serve.is_none()).await?;
+    let mut server = None;
+    if let Some(options) = serve {
+        let listener = bind_loopback(options.port).await?;
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let config = cairn_server::ServerConfig {
+            drain_ms: 2_000,
+            ..cairn_server::ServerConfig::default()
+        };
+        let shutdown = async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        };
+        // `serve` resumes again (finding nothing left to do) and fires the engine's timers.
+        let task = tokio::spawn(cairn_server::serve(
+            engine.clone(),
+            listener,
+            config,
+            shutdown,
+        ));
+        server = Some((stop, task));
+    }
     say(&format!(
         "ready {} {} {} {}",
         resumed.running_sessions.len(),
@@ -1153,18 +1376,20 @@ pub async fn run_chaos_child(
     ));
 
     let tools = Arc::new(ToolRegistry::new().with(SideEffect::new(data.join(SIDE_EFFECTS_FILE))));
-    let pool = WorkerPool::start(
-        engine.clone(),
-        Activities {
-            models: Arc::new(StandardModels::new()),
-            tools: tools.clone(),
-        },
-        WorkerConfig {
-            lease_ms: 10_000,
-            poll_interval_ms: 20,
-            ..WorkerConfig::default()
-        },
-    );
+    let pool = serve.is_none().then(|| {
+        WorkerPool::start(
+            engine.clone(),
+            Activities {
+                models: Arc::new(StandardModels::new()),
+                tools: tools.clone(),
+            },
+            WorkerConfig {
+                lease_ms: 10_000,
+                poll_interval_ms: 20,
+                ..WorkerConfig::default()
+            },
+        )
+    });
     let client = Client::new(engine.clone());
     let script = std::path::absolute(data.join(SCRIPT_FILE)).context("the script's path")?;
     let model = ModelSpec::parse(&format!("scripted:{}", script.display()))
@@ -1174,11 +1399,15 @@ pub async fn run_chaos_child(
         match engine.state(id).await {
             Ok(_) => {}
             Err(RuntimeError::UnknownSession { .. }) => {
-                let options = SessionOptions {
+                let mut options = SessionOptions {
                     session_id: Some(id.clone()),
                     system_prompt: Some("You are a chaos test. Call side_effect.".to_owned()),
                     ..SessionOptions::new(model.clone(), tools.specs())
                 };
+                if let Some(serve) = serve {
+                    options.model_retry = chaos_retry(options.model_retry, serve.max_attempts);
+                    options.tool_retry = chaos_retry(options.tool_retry, serve.max_attempts);
+                }
                 client.start_session(options).await?;
             }
             Err(e) => return Err(e.into()),
@@ -1207,23 +1436,84 @@ pub async fn run_chaos_child(
             }
         })
     };
-    let mut result = Ok(());
-    while let Some(joined) = drivers.join_next().await {
-        match joined {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                result = Err(e);
-                break;
-            }
-            Err(e) => {
-                result = Err(anyhow!("a session driver panicked: {e}"));
-                break;
+    let driven = async {
+        while let Some(joined) = drivers.join_next().await {
+            match joined {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e),
+                Err(e) => return Err(anyhow!("a session driver panicked: {e}")),
             }
         }
-    }
+        Ok(())
+    };
+    let result = match &mut server {
+        None => driven.await,
+        Some((_, task)) => tokio::select! {
+            result = driven => result,
+            served = task => Err(match served {
+                Ok(Ok(())) => anyhow!("the server stopped before the sessions were done"),
+                Ok(Err(e)) => anyhow::Error::new(e).context("the server failed"),
+                Err(e) => anyhow!("the server panicked: {e}"),
+            }),
+        },
+    };
     poller.abort();
     result?;
     say("done");
+    if let Some(pool) = pool {
+        pool.shutdown().await;
+    }
+    if let Some((stop, task)) = server {
+        // Nothing is leased any more: the drain ends at once, long polls are ended.
+        let _ = stop.send(true);
+        task.await
+            .map_err(|e| anyhow!("the server panicked: {e}"))?
+            .context("the server failed")?;
+    }
+    Ok(())
+}
+
+/// A remote worker of a chaos run (`cairn chaos-worker`): a pool over the server at `server`
+/// hosting the scripted model and the `side_effect` tool (recording in `data`'s side-effect
+/// file), with a `lease_ms` lease renewed every third of it. Says `worker ready` once the
+/// server answered; drains and returns when its stdin closes (the parent stops it so, or died).
+pub async fn run_chaos_worker(server: &str, data: &Path, lease_ms: u64) -> anyhow::Result<()> {
+    let (closed, stdin_closed) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        let mut sink = [0u8; 64];
+        let mut stdin = std::io::stdin();
+        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+        let _ = closed.send(());
+    });
+    let source = Arc::new(
+        cairn_remote::HttpTaskSource::new(server, None)
+            .with_context(|| format!("cannot use the server address {server}"))?,
+    );
+    let activities = Activities {
+        models: Arc::new(StandardModels::new()),
+        tools: Arc::new(ToolRegistry::new().with(SideEffect::new(data.join(SIDE_EFFECTS_FILE)))),
+    };
+    let config = WorkerConfig {
+        lease_ms,
+        // How long a lease request waits for a task.
+        poll_interval_ms: remote::WORKER_POLL_MS,
+        renew_interval_ms: Some(lease_ms / 3),
+        take_unhosted: false,
+        ..WorkerConfig::default()
+    };
+    let pool = WorkerPool::start_with(source.clone(), activities, config);
+    tokio::pin!(stdin_closed);
+    tokio::select! {
+        reached = source.reached() => {
+            if let Err(e) = reached {
+                pool.shutdown().await;
+                return Err(e).context("the server refused this worker");
+            }
+            say("worker ready");
+            let _ = stdin_closed.await;
+        }
+        _ = &mut stdin_closed => {}
+    }
     pool.shutdown().await;
     Ok(())
 }
@@ -1267,12 +1557,12 @@ struct Ledgers {
     recorded: BTreeMap<String, Option<u32>>,
 }
 
-/// Checks the store and the side-effect file against the acks and the killed children; fills in
+/// Checks the store and the side-effect file against the acks and the kills; fills in
 /// the report's figures and problems. `Err` only when the store cannot be read at all.
 fn verify(
     config: &ChaosConfig,
     acks: &Acks,
-    killed_pids: &BTreeSet<u32>,
+    explanations: &Explanations,
     report: &mut ChaosReport,
 ) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -1338,7 +1628,7 @@ fn verify(
     check_side_effects(
         &config.data.join(SIDE_EFFECTS_FILE),
         &ledgers,
-        killed_pids,
+        explanations,
         report,
     )
 }
@@ -1380,8 +1670,20 @@ fn check_session(
             Event::TurnFailed { turn, reason } => {
                 problems.push(format!("{id}: turn {turn} failed: {reason}"))
             }
-            Event::ModelCallFailed { .. } | Event::ToolCallFailed { .. } => {
-                report.failed_attempts += 1
+            Event::ModelCallFailed { failure, .. } | Event::ToolCallFailed { failure, .. } => {
+                report.failed_attempts += 1;
+                // A kill fails an attempt only as a lapsed lease (a remote worker's, or one
+                // held while the server was down): any other failure is not the kills'.
+                if failure.class != ErrorClass::Timeout {
+                    problems.push(format!(
+                        "{id}: seq {} ({}) failed with class {}: {}; only kills, as lapsed \
+                         leases, should fail attempts",
+                        e.seq,
+                        e.event.kind(),
+                        failure.class.as_str(),
+                        failure.message
+                    ));
+                }
             }
             Event::ToolCallCompleted {
                 tool_use_id,
@@ -1655,13 +1957,15 @@ impl ToolResultJson {
 
 /// The side-effect file against the ledgers: every run names a tool_use by its key; every
 /// tool_use ran; the recorded result is its last run's; every earlier run was cut short by a
-/// kill of the process that made it.
+/// kill of the process that made it, or (remote mode) lost its report to a kill of the server
+/// between the run and the next run of its key.
 fn check_side_effects(
     path: &Path,
     ledgers: &Ledgers,
-    killed_pids: &BTreeSet<u32>,
+    explanations: &Explanations,
     report: &mut ChaosReport,
 ) -> anyhow::Result<()> {
+    let killed_pids = &explanations.killed_pids;
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
@@ -1707,7 +2011,7 @@ fn check_side_effects(
             ));
         }
     }
-    let mut repeats_by_pid: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut repeats_by_kill: BTreeMap<Kill, usize> = BTreeMap::new();
     for (key, records) in &runs {
         report.max_runs_per_key = report.max_runs_per_key.max(records.len());
         let Some((last, earlier)) = records.split_last() else {
@@ -1729,18 +2033,57 @@ fn check_side_effects(
         report.repeated_tool_runs += earlier.len();
         let pids: BTreeSet<u32> = records.iter().map(|r| r.pid).collect();
         report.same_process_repeats += records.len() - pids.len();
-        for run in earlier {
-            *repeats_by_pid.entry(run.pid).or_default() += 1;
-            if !killed_pids.contains(&run.pid) {
+        for (run, next) in earlier.iter().zip(&records[1..]) {
+            let kill = if killed_pids.contains(&run.pid) {
+                Kill::Process(run.pid)
+            } else if let Some(at_ms) = explanations.server_kill_between(run, next) {
+                report.server_kill_repeats += 1;
+                Kill::Server(at_ms)
+            } else {
                 report.problems.push(format!(
-                    "{key} ran again after a run in process {}, which was not killed",
-                    run.pid
+                    "{key} ran again after a run in process {}, which was not killed{}",
+                    run.pid,
+                    if explanations.server_kills_ms.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            ", and the server was not killed between that run (at {} ms, \
+                             lease {} ms) and the next (at {} ms)",
+                            run.at_ms, explanations.lease_ms, next.at_ms
+                        )
+                    }
                 ));
-            }
+                continue;
+            };
+            *repeats_by_kill.entry(kill).or_default() += 1;
         }
     }
-    report.max_repeats_per_kill = repeats_by_pid.values().copied().max().unwrap_or(0);
+    report.max_repeats_per_kill = repeats_by_kill.values().copied().max().unwrap_or(0);
     Ok(())
+}
+
+/// The kill a repeated run is put down to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kill {
+    /// Of the process that made the earlier run.
+    Process(u32),
+    /// Of the server, at this moment (ms since the epoch).
+    Server(u64),
+}
+
+impl Explanations {
+    /// The first server kill that can have lost `run`'s report, if any: one after its lease
+    /// was taken (at most a lease before its record) and before `next` ran. A report is lost
+    /// only when the server is down until the lease lapses; the lapse is recorded, and only
+    /// then is the next attempt scheduled, so that kill comes before `next`.
+    fn server_kill_between(&self, run: &SideEffectRecord, next: &SideEffectRecord) -> Option<u64> {
+        let leased_after = run.at_ms.saturating_sub(self.lease_ms);
+        self.server_kills_ms
+            .iter()
+            .copied()
+            .filter(|k| (leased_after..=next.at_ms).contains(k))
+            .min()
+    }
 }
 
 #[cfg(test)]
@@ -1792,17 +2135,34 @@ mod tests {
     }
 
     fn record(key: &str, pid: u32) -> Vec<u8> {
+        record_at(key, pid, 0)
+    }
+
+    fn record_at(key: &str, pid: u32, at_ms: u64) -> Vec<u8> {
         let tool_use_id = key.split_once('/').map_or(key, |(_, t)| t);
         record::encode(&SideEffectRecord {
             key: key.to_owned(),
             tool_use_id: tool_use_id.to_owned(),
             pid,
             attempt: 1,
+            at_ms,
         })
     }
 
     /// Runs the side-effect check on `lines` against two recorded tool uses, with pid 10 killed.
     fn side_effects(records: &[Vec<u8>], recorded: &[(&str, u32)]) -> ChaosReport {
+        let explanations = Explanations {
+            killed_pids: BTreeSet::from([10]),
+            ..Explanations::default()
+        };
+        side_effects_explained(records, recorded, &explanations)
+    }
+
+    fn side_effects_explained(
+        records: &[Vec<u8>],
+        recorded: &[(&str, u32)],
+        explanations: &Explanations,
+    ) -> ChaosReport {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(SIDE_EFFECTS_FILE);
         std::fs::write(&path, records.concat()).unwrap();
@@ -1813,8 +2173,54 @@ mod tests {
                 .collect(),
         };
         let mut report = ChaosReport::default();
-        check_side_effects(&path, &ledgers, &BTreeSet::from([10]), &mut report).unwrap();
+        check_side_effects(&path, &ledgers, explanations, &mut report).unwrap();
         report
+    }
+
+    #[test]
+    fn a_repeat_after_a_live_workers_run_is_explained_only_by_a_server_kill_between_the_runs() {
+        let recorded = [("s/a", 11), ("s/b", 12)];
+        // Worker 11 (never killed) ran s/a at 10 000 ms and again at 13 000 ms, after its
+        // first report was lost; its lease was taken at most 1 500 ms before the first run.
+        let records = [
+            record_at("s/a", 11, 10_000),
+            record_at("s/b", 12, 10_500),
+            record_at("s/a", 11, 13_000),
+        ];
+        let check = |server_kills_ms: &[u64]| {
+            let explanations = Explanations {
+                killed_pids: BTreeSet::from([10]),
+                server_kills_ms: server_kills_ms.to_vec(),
+                lease_ms: 1_500,
+            };
+            side_effects_explained(&records, &recorded, &explanations)
+        };
+        for explained in [&[10_200][..], &[8_600], &[13_000], &[5_000, 12_000, 20_000]] {
+            let report = check(explained);
+            assert!(report.passed(), "{explained:?}: {:?}", report.problems);
+            assert_eq!(
+                (report.server_kill_repeats, report.same_process_repeats),
+                (1, 1)
+            );
+            assert_eq!(report.max_repeats_per_kill, 1);
+        }
+        for unexplained in [&[][..], &[8_400], &[13_001], &[1_000, 14_000]] {
+            let report = check(unexplained);
+            let problems = report.problems.join("\n");
+            let expected = if unexplained.is_empty() {
+                // No server kill at all: in-process mode's problem.
+                "s/a ran again after a run in process 11, which was not killed\n"
+            } else {
+                "s/a ran again after a run in process 11, which was not killed, and the server \
+                 was not killed between that run (at 10000 ms, lease 1500 ms) and the next (at \
+                 13000 ms)"
+            };
+            assert!(
+                format!("{problems}\n").contains(expected),
+                "{unexplained:?}: {problems}"
+            );
+            assert_eq!(report.server_kill_repeats, 0);
+        }
     }
 
     #[test]
@@ -1870,6 +2276,7 @@ mod tests {
                     tool_use_id: "b".to_owned(),
                     pid: 11,
                     attempt: 1,
+                    at_ms: 0,
                 }),
                 flipped,
             ],
@@ -1889,11 +2296,20 @@ mod tests {
     fn a_torn_side_effect_record_is_accepted_only_from_a_killed_process() {
         let recorded = [("s/a", 11), ("s/b", 11)];
         // Process 10 (killed) tore its record of s/b at a 4 KiB page boundary; 11 ran it again.
-        let mut file = Vec::new();
-        while file.len() + record("s/a", 11).len() < 4096 - 20 {
-            file.extend_from_slice(&record("s/a", 11));
-        }
         let torn = record("s/b", 10);
+        // Records of s/a up to 10 bytes or more before the boundary; the first one's `at_ms`
+        // (1 to 13 digits) moves the boundary into the torn record, past its pid.
+        let filled = |first_at_ms: u64| {
+            let mut file = record_at("s/a", 11, first_at_ms);
+            while file.len() + record("s/a", 11).len() < 4096 - 10 {
+                file.extend_from_slice(&record("s/a", 11));
+            }
+            file
+        };
+        let mut file = (0..13)
+            .map(|digits| filled(10u64.pow(digits)))
+            .find(|file| 4096 - file.len() < torn.len())
+            .unwrap();
         let cut = 4096 - file.len();
         assert!(cut > 9 && cut < torn.len());
         file.extend_from_slice(&torn[..cut]);

@@ -15,8 +15,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
-/// How long a remote lease request waits for a task (a long poll), and the pause after a
-/// failed one.
+/// How long a remote lease request waits for a task (a long poll).
 const LEASE_WAIT_MS: u64 = 5_000;
 
 /// How often a running activity renews its lease: a cancelled activity learns of its

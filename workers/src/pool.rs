@@ -30,7 +30,9 @@ pub struct WorkerConfig {
     /// after a crashed worker's last renewal its leases lapse, and the engine's timers record
     /// those attempts as failed, so their retries run.
     pub lease_ms: u64,
-    /// How often to look for due tasks when not woken (catches retries whose backoff ended).
+    /// How often to look for due tasks when not woken (catches retries whose backoff ended);
+    /// for a remote source, how long a lease request waits for a task. After a failed lease
+    /// request the pool asks again after at most 100 ms, whatever this is.
     pub poll_interval_ms: u64,
     /// How often at most a streaming model attempt records what it streamed since its
     /// previous record (a `model_attempt_progress` event), so output a person already saw
@@ -85,6 +87,12 @@ pub struct WorkerPool {
     /// The engine's timer loop, for a pool started on an in-process engine.
     timers: Option<tokio::task::JoinHandle<()>>,
 }
+
+/// The longest pause after a failed lease request. The poll interval is not the pause: for a
+/// remote source it is the long poll's wait (5 s in `cairn worker`), and such a source backs
+/// off by itself, so pausing the poll interval on top left a worker idle for seconds after
+/// every restart of its server.
+const LEASE_ERROR_PAUSE: Duration = Duration::from_millis(100);
 
 /// How often an in-process pool's engine fires its timers.
 const TIMER_INTERVAL: Duration = Duration::from_millis(200);
@@ -240,9 +248,10 @@ async fn lease_loop(
             Ok(leased) => leased,
             Err(e) => {
                 warn!(error = %e, "leasing tasks failed");
-                // Do not spin on a source that fails at once (a server that is down).
+                // Do not spin on a source that fails at once (a store error; a remote source
+                // pauses by itself, backing off while its server is down).
                 tokio::select! {
-                    _ = tokio::time::sleep(poll) => {}
+                    _ = tokio::time::sleep(poll.min(LEASE_ERROR_PAUSE)) => {}
                     _ = stop.changed() => {}
                 }
                 continue;
@@ -642,5 +651,112 @@ async fn run_activity(
                 ),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::StandardModels;
+    use async_trait::async_trait;
+    use tokio::sync::{broadcast, Notify};
+    use tokio::time::Instant;
+
+    /// A remote source whose server is down at the first lease request: the request fails at
+    /// once. It records when it is asked, and says when it is asked again.
+    #[derive(Default)]
+    struct DownOnce {
+        asked_at: Mutex<Vec<Instant>>,
+        asked_again: Notify,
+    }
+
+    #[async_trait]
+    impl TaskSource for DownOnce {
+        async fn lease(
+            &self,
+            _filter: &TaskFilter,
+            _max: usize,
+            _lease_ms: u64,
+            wait: Duration,
+        ) -> cairn_runtime::Result<Vec<LeasedTask>> {
+            let asked = {
+                let mut asked_at = self.asked_at.lock().unwrap();
+                asked_at.push(Instant::now());
+                asked_at.len()
+            };
+            if asked == 1 {
+                return Err(Error::Unreachable {
+                    url: "http://127.0.0.1:1".to_owned(),
+                    reason: "connection refused".to_owned(),
+                });
+            }
+            self.asked_again.notify_one();
+            // Back, with nothing to do: a whole long poll.
+            tokio::time::sleep(wait).await;
+            Ok(Vec::new())
+        }
+
+        async fn heartbeat(
+            &self,
+            _lease: &Lease,
+            _lease_ms: u64,
+            _details: Option<JsonText>,
+        ) -> cairn_runtime::Result<u64> {
+            unreachable!("nothing is leased")
+        }
+
+        async fn record_progress(
+            &self,
+            _lease: &Lease,
+            _text_appended: String,
+            _thinking_appended: String,
+        ) -> cairn_runtime::Result<()> {
+            unreachable!("nothing is leased")
+        }
+
+        async fn report(
+            &self,
+            _lease: &Lease,
+            _report: ActivityReport,
+        ) -> cairn_runtime::Result<()> {
+            unreachable!("nothing is leased")
+        }
+
+        fn publish_delta(&self, _delta: DeltaEvent) {}
+
+        fn cancellations(&self) -> Option<broadcast::Receiver<String>> {
+            None
+        }
+
+        fn now_ms(&self) -> u64 {
+            0
+        }
+    }
+
+    // The clock is paused: the pauses are measured in virtual time, exactly.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_lease_request_is_retried_soon_not_after_a_whole_long_poll() {
+        let source = Arc::new(DownOnce::default());
+        let long_poll = Duration::from_secs(5);
+        let pool = WorkerPool::start_with(
+            source.clone(),
+            Activities {
+                models: Arc::new(StandardModels::new()),
+                tools: Arc::new(ToolRegistry::new()),
+            },
+            WorkerConfig {
+                // As `cairn worker` sets it: the poll interval is the long poll's wait.
+                poll_interval_ms: long_poll.as_millis() as u64,
+                ..WorkerConfig::default()
+            },
+        );
+        source.asked_again.notified().await;
+        let asked_at = source.asked_at.lock().unwrap().clone();
+        pool.shutdown().await;
+        let pause = asked_at[1] - asked_at[0];
+        assert!(
+            pause <= LEASE_ERROR_PAUSE,
+            "the pool asked again {pause:?} after a failed lease request (long poll {long_poll:?})"
+        );
     }
 }

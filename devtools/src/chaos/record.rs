@@ -165,6 +165,7 @@ mod tests {
             tool_use_id: format!("toolu_t{n}_r0_0"),
             pid: 4000 + n,
             attempt: 1,
+            at_ms: 1_700_000_000_000 + u64::from(n),
         }
     }
 
