@@ -1238,3 +1238,52 @@ async fn model_failures_record_how_far_the_call_got_and_the_usage_of_failed_atte
     assert_eq!(usage.input_tokens, 6);
     host.shutdown().await;
 }
+
+/// Overdue tasks the timers cannot record (here, of a session with no history) stay first in
+/// line; they must not keep the timers from the ones behind them.
+#[tokio::test]
+async fn overdue_tasks_that_cannot_fire_do_not_starve_the_others() {
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(store.clone(), clock.clone());
+    let client = Client::new(engine.clone());
+    // 300 tasks of a session that does not exist, overdue since long before the real one.
+    let mut orphans = AppendRequest {
+        session_id: "ghost".into(),
+        expected_next_seq: 1,
+        events: Vec::new(),
+        status: SessionStatus::Running,
+        enqueue: Vec::new(),
+        complete: None,
+        cancel: Vec::new(),
+        now_ms: 0,
+    };
+    for seq in 1..=300 {
+        let mut task = NewTask::new(
+            TaskId {
+                session_id: "ghost".into(),
+                scheduled_seq: seq,
+            },
+            TaskKind::Tool,
+            0,
+        );
+        task.start_by_ms = Some(1);
+        orphans.enqueue.push(task);
+    }
+    store.append(orphans).await.unwrap();
+    let mut o = options(&ToolRegistry::new(), "waiting");
+    o.model_retry.maximum_attempts = 1;
+    o.model_retry.schedule_to_start_timeout_ms = Some(10);
+    let session = client.start_session(o).await.unwrap();
+    let turn = client.send(&session, "anyone?").await.unwrap();
+    clock.advance(100);
+    // The first round spends itself on orphans; the next asks past them.
+    assert_eq!(engine.fire_timers().await.unwrap(), 0);
+    assert_eq!(engine.fire_timers().await.unwrap(), 1);
+    let outcome = client.wait_turn(&session, turn).await.unwrap();
+    let TurnOutcome::Failed { reason, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(reason.contains("schedule-to-start"), "{reason}");
+    replays(&client, &session).await;
+}

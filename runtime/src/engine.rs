@@ -150,6 +150,9 @@ pub struct ResumeReport {
     pub reclaimed_leases: usize,
 }
 
+/// Overdue tasks one round of timers records at most (besides those that failed last round).
+const TIMER_BATCH: usize = 256;
+
 type SessionSlot = Arc<tokio::sync::Mutex<Option<SessionState>>>;
 
 struct Inner {
@@ -162,6 +165,8 @@ struct Inner {
     cancellations: broadcast::Sender<String>,
     appended: broadcast::Sender<Arc<AppendedEvents>>,
     id_counter: AtomicU64,
+    /// Overdue tasks the last round of timers could not record (see [`Engine::fire_timers`]).
+    timers_stuck: std::sync::atomic::AtomicUsize,
     cache_capacity: usize,
 }
 
@@ -188,6 +193,7 @@ impl Engine {
                 cancellations,
                 appended,
                 id_counter: AtomicU64::new(0),
+                timers_stuck: std::sync::atomic::AtomicUsize::new(0),
                 cache_capacity: 10_000,
             }),
         }
@@ -469,16 +475,28 @@ impl Engine {
     /// needed to notice. Returns how many attempts it recorded as failed.
     pub async fn fire_timers(&self) -> Result<usize> {
         let now = self.now_ms();
-        let overdue = self.inner.store.overdue_tasks(now, 256).await?;
+        // Tasks that failed to fire stay overdue and first in line; asking for that many more
+        // keeps them (a session that cannot load, say) from starving the ones behind them.
+        let stuck = self.inner.timers_stuck.load(Ordering::Relaxed);
+        let overdue = self
+            .inner
+            .store
+            .overdue_tasks(now, TIMER_BATCH.saturating_add(stuck))
+            .await?;
         let mut fired = 0;
+        let mut failed = 0;
         for task in overdue {
             match self.record_overdue(&task, now).await {
                 Ok(true) => fired += 1,
                 Ok(false) => {}
                 Err(e) if e.is_stale_report() => {}
-                Err(e) => warn!(task = %task.id, error = %e, "cannot record an overdue task"),
+                Err(e) => {
+                    failed += 1;
+                    warn!(task = %task.id, error = %e, "cannot record an overdue task");
+                }
             }
         }
+        self.inner.timers_stuck.store(failed, Ordering::Relaxed);
         Ok(fired)
     }
 
