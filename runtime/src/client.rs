@@ -5,7 +5,7 @@
 use crate::engine::{status_of, AppendedEvents, DeltaEvent, Engine};
 use crate::error::{Error, Result};
 use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy, SessionStarted};
-use crate::store::SessionStatus;
+use crate::store::{SessionInfo, SessionStatus};
 use crate::wire::{PendingTask, SessionDescription, SessionPage, SessionSummary, StreamEvent};
 use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
 use async_trait::async_trait;
@@ -305,6 +305,43 @@ pub fn describe_state(state: &SessionState, status: SessionStatus) -> SessionDes
     }
 }
 
+/// One page of a store's listing (ordered by stored id): the sessions `shown` gives an id to
+/// (the id the caller sees, e.g. without a namespace prefix; `None` hides the session), whose
+/// shown id sorts after `after`, with `status` when given, at most `limit` (at least 1).
+/// `shown` must keep the order, as stripping one namespace's common prefix does.
+pub fn page_sessions(
+    sessions: Vec<SessionInfo>,
+    shown: impl Fn(&str) -> Option<&str>,
+    after: Option<&str>,
+    status: Option<SessionStatus>,
+    limit: usize,
+) -> SessionPage {
+    let limit = limit.max(1);
+    let mut page: Vec<SessionSummary> = sessions
+        .iter()
+        .filter_map(|s| shown(&s.session_id).map(|id| (id, s)))
+        .filter(|(id, _)| after.is_none_or(|after| *id > after))
+        .filter(|(_, s)| status.is_none_or(|status| s.status == status))
+        .take(limit.saturating_add(1))
+        .map(|(id, s)| SessionSummary {
+            session_id: id.to_owned(),
+            status: s.status,
+            events: s.events,
+            updated_at_ms: s.updated_at_ms,
+        })
+        .collect();
+    let next_after = if page.len() > limit {
+        page.truncate(limit);
+        page.last().map(|s| s.session_id.clone())
+    } else {
+        None
+    };
+    SessionPage {
+        sessions: page,
+        next_after,
+    }
+}
+
 /// The in-process transport: calls the engine.
 struct Local {
     engine: Engine,
@@ -367,33 +404,13 @@ impl Transport for Local {
     }
 
     async fn sessions(&self, query: &SessionQuery) -> Result<SessionPage> {
-        let limit = query.limit.unwrap_or(usize::MAX).max(1);
-        let mut sessions: Vec<SessionSummary> = self
-            .engine
-            .store()
-            .list_sessions()
-            .await?
-            .into_iter()
-            .filter(|s| query.after.as_ref().is_none_or(|a| s.session_id > *a))
-            .filter(|s| query.status.is_none_or(|st| s.status == st))
-            .take(limit.saturating_add(1))
-            .map(|s| SessionSummary {
-                session_id: s.session_id,
-                status: s.status,
-                events: s.events,
-                updated_at_ms: s.updated_at_ms,
-            })
-            .collect();
-        let next_after = if sessions.len() > limit {
-            sessions.truncate(limit);
-            sessions.last().map(|s| s.session_id.clone())
-        } else {
-            None
-        };
-        Ok(SessionPage {
-            sessions,
-            next_after,
-        })
+        Ok(page_sessions(
+            self.engine.store().list_sessions().await?,
+            |id: &str| Some(id),
+            query.after.as_deref(),
+            query.status,
+            query.limit.unwrap_or(usize::MAX),
+        ))
     }
 
     async fn subscribe(&self, session_id: &str, after_seq: u64) -> Result<EventStream> {

@@ -13,13 +13,13 @@ use cairn_activities::providers::{render_request, RequestFormat};
 use cairn_activities::{CallContext, ModelRequest};
 use cairn_ledger::ModelSpec;
 use cairn_runtime::client::describe_state;
+use cairn_runtime::client::page_sessions;
 use cairn_runtime::engine::status_of;
 use cairn_runtime::event::{EventEnvelope, RetryPolicy, SessionStarted};
 use cairn_runtime::store::{check_session_id, SessionStatus};
 use cairn_runtime::wire::{
     schema, split_session_id, store_session_id, CancelRequest, Cancelled, CreateSession, ErrorBody,
-    HistoryPage, SessionCreated, SessionDescription, SessionPage, SessionSummary, TurnStarted,
-    TurnWait,
+    HistoryPage, SessionCreated, SessionDescription, SessionPage, TurnStarted, TurnWait,
 };
 use cairn_runtime::SessionState;
 use serde::Deserialize;
@@ -208,34 +208,16 @@ pub async fn list_sessions(
         .map_err(|e| ApiError::internal(&e))?;
     // Stored ids of one namespace share its prefix, so the store's order is the order of the
     // namespace's own ids.
-    let mut sessions: Vec<SessionSummary> = all
-        .into_iter()
-        .filter(|s| split_session_id(&s.session_id).0 == caller.namespace)
-        .filter(|s| {
-            query
-                .after
-                .as_deref()
-                .is_none_or(|after| client_id(&s.session_id) > after)
-        })
-        .filter(|s| query.status.is_none_or(|status| s.status == status))
-        .take(limit.saturating_add(1))
-        .map(|s| SessionSummary {
-            session_id: client_id(&s.session_id).to_owned(),
-            status: s.status,
-            events: s.events,
-            updated_at_ms: s.updated_at_ms,
-        })
-        .collect();
-    let next_after = if sessions.len() > limit {
-        sessions.truncate(limit);
-        sessions.last().map(|s| s.session_id.clone())
-    } else {
-        None
-    };
-    Ok(Json(SessionPage {
-        sessions,
-        next_after,
-    }))
+    Ok(Json(page_sessions(
+        all,
+        |stored| {
+            let (namespace, id) = split_session_id(stored);
+            (namespace == caller.namespace).then_some(id)
+        },
+        query.after.as_deref(),
+        query.status,
+        limit,
+    )))
 }
 
 /// A session in the path.
