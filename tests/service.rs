@@ -1,6 +1,7 @@
 //! The service end to end: `cairn server` and `cairn worker` as real processes on loopback,
 //! driven through the remote client; workers and the server killed with SIGKILL.
 
+use cairn_devtools::process::{start_and_wait, Process};
 use cairn_ledger::{validate_transcript, ModelSpec, ToolSpec};
 use cairn_runtime::{
     replay, Client, Event, EventEnvelope, Queues, RetryPolicy, SessionOptions, TurnOutcome,
@@ -8,53 +9,19 @@ use cairn_runtime::{
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
-
-/// A child process killed (SIGKILL) and reaped when dropped.
-pub struct Process {
-    child: Child,
-}
-
-impl Process {
-    /// SIGKILLs it now and reaps it.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 /// Starts `cairn ARGS` and waits for a stdout line starting with `ready`; returns the process
 /// and the rest of that line. Its stderr goes to the test's.
 pub fn start(args: &[String], ready: &str) -> (Process, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_cairn"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .env("RUST_LOG", "warn")
-        .spawn()
-        .expect("start cairn");
-    let stdout = child.stdout.take().expect("stdout");
-    let process = Process { child };
-    let mut lines = BufReader::new(stdout).lines();
-    loop {
-        let line = lines
-            .next()
-            .unwrap_or_else(|| panic!("cairn {} exited before {ready:?}", args.join(" ")))
-            .expect("read stdout");
-        if let Some(rest) = line.strip_prefix(ready) {
-            // Keep reading so the child never blocks on a full pipe.
-            std::thread::spawn(move || for _ in lines.by_ref() {});
-            return (process, rest.trim().to_owned());
-        }
-    }
+    start_and_wait(
+        Path::new(env!("CARGO_BIN_EXE_cairn")),
+        args,
+        ready,
+        Stdio::inherit(),
+    )
+    .expect("start cairn")
 }
 
 /// A loopback address with a free port (bound and released, so a restarted server can take

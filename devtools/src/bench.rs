@@ -14,15 +14,15 @@
 // A benchmark reads clocks and waits on real time.
 #![allow(clippy::disallowed_methods)]
 
+use crate::process::start_and_wait;
 use anyhow::{bail, Context};
 use cairn_activities::ToolRegistry;
 use cairn_ledger::ModelSpec;
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::{Client, Engine, SessionOptions, SystemClock, TurnOutcome};
 use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -190,47 +190,6 @@ pub async fn embedded(config: &BenchConfig) -> anyhow::Result<BenchResult> {
     result
 }
 
-/// A child process that is killed when dropped.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `exe args`, waits for a stdout line starting with `ready`, and returns the process
-/// and the rest of that line.
-fn start_and_wait(exe: &Path, args: &[String], ready: &str) -> anyhow::Result<(Process, String)> {
-    let mut child = Command::new(exe)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        // Their notes would break the table; a child that fails says so by exiting early.
-        .stderr(Stdio::null())
-        .spawn()
-        .with_context(|| format!("starting {} {}", exe.display(), args.join(" ")))?;
-    let stdout = child.stdout.take().context("the child's stdout")?;
-    let process = Process(child);
-    let mut lines = BufReader::new(stdout).lines();
-    loop {
-        let line = match lines.next() {
-            Some(line) => line.context("reading the child's stdout")?,
-            None => bail!(
-                "{} {} exited before saying {ready:?}",
-                exe.display(),
-                args.join(" ")
-            ),
-        };
-        if let Some(rest) = line.strip_prefix(ready) {
-            // Keep draining stdout so the child never blocks on a full pipe.
-            std::thread::spawn(move || for _ in lines.by_ref() {});
-            return Ok((process, rest.trim().to_owned()));
-        }
-    }
-}
-
 /// Through a server: `cairn server` and `workers` `cairn worker` processes started from `exe`,
 /// the turns driven by the client `connect` makes for the server's URL.
 pub async fn through_server(
@@ -253,6 +212,8 @@ pub async fn through_server(
             config.engine.to_string(),
         ],
         "listening on",
+        // Their notes would break the table; a child that fails says so by exiting early.
+        Stdio::null(),
     )?;
     let per_worker = config.worker_concurrency.max(1);
     let mut processes = Vec::new();
@@ -269,6 +230,7 @@ pub async fn through_server(
                 dir.path().display().to_string(),
             ],
             "worker ready",
+            Stdio::null(),
         )?;
         processes.push(worker);
     }

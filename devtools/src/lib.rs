@@ -6,3 +6,4 @@
 pub mod bench;
 pub mod chaos;
 pub mod powercut;
+pub mod process;
