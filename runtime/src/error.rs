@@ -117,6 +117,15 @@ pub enum Error {
         /// What failed.
         reason: String,
     },
+    /// The store is unreachable for now, or a transaction lost a race it may win when tried
+    /// again: a lost database connection, a serialization failure, an exhausted connection
+    /// pool. Retryable ([`Error::is_retryable`]); whether an append that failed this way was
+    /// written is unknown until the history is read again.
+    #[error("store unavailable: {reason}")]
+    StoreUnavailable {
+        /// What failed.
+        reason: String,
+    },
     /// The store could not be opened.
     #[error("cannot open store at {path}: {reason}")]
     StoreOpen {
@@ -187,6 +196,13 @@ impl Error {
     /// already holds the truth and nothing was changed.
     pub fn is_stale_report(&self) -> bool {
         matches!(self, Error::LeaseLost { .. } | Error::StaleReport { .. })
+    }
+
+    /// Whether the same operation may succeed when tried again later: the store was
+    /// unavailable ([`Error::StoreUnavailable`]). Constraint violations, corrupt records and
+    /// rejections are not retryable.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::StoreUnavailable { .. })
     }
 
     /// Whether opening a store failed because another process holds it (its lock): that

@@ -73,6 +73,16 @@ impl ApiError {
             RuntimeError::Shutdown => {
                 Self::new(ErrorCode::Unavailable, "the server is shutting down")
             }
+            // The database is restarting or its connections are all taken: the client may
+            // retry. Whether a failed write landed is read back from the session.
+            RuntimeError::StoreUnavailable { reason } => {
+                tracing::warn!(reason = %reason, "store unavailable");
+                Self::new(
+                    ErrorCode::Unavailable,
+                    "the store is unavailable for now; retry (a write that failed this way may \
+                     have landed: read the session first)",
+                )
+            }
             other => Self::internal(&other),
         }
     }

@@ -292,9 +292,39 @@ pub struct AppendRequest {
     pub now_ms: u64,
 }
 
+/// A hint that a session changed in a store: an append took its history to `last_seq`
+/// (`last_seq` is 0 for an append of task changes only), and queued tasks when `enqueued`.
+///
+/// Hints wake engines up; they are never the truth. They may come late, twice or not at all
+/// (a database connection that broke loses the ones sent meanwhile), so an engine that waits
+/// on a shared store also polls, and reads the store before it decides anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreChange {
+    /// The session appended to.
+    pub session_id: String,
+    /// The session's last seq after the append; 0 when the append had no events.
+    pub last_seq: u64,
+    /// Whether the append queued tasks.
+    pub enqueued: bool,
+}
+
 /// The storage boundary every backend implements; one conformance suite checks them all.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
+    /// Whether processes other than this one may write to the store (a database server that
+    /// several cairn servers share). An engine over a shared store polls it for changes made
+    /// elsewhere, besides listening to [`Store::subscribe_changes`]; every engine reads the
+    /// events it did not write before it decides anything, shared store or not.
+    fn shared(&self) -> bool {
+        false
+    }
+
+    /// Hints of the appends made to this store by any writer this store can hear of (this
+    /// process's included), or `None` when it gives none. See [`StoreChange`]: a hint only.
+    fn subscribe_changes(&self) -> Option<tokio::sync::broadcast::Receiver<StoreChange>> {
+        None
+    }
+
     /// Appends atomically and durably: when this returns `Ok`, everything in the request
     /// survives a crash or power loss. Fails with `Conflict` when `expected_next_seq` is not the
     /// session's next seq, and with `LeaseLost` when `complete` names a task whose lease is not
