@@ -2,7 +2,7 @@
 //! events. One API over two transports: an in-process engine ([`Client::new`]) or a server
 //! (a [`Transport`] over HTTP, from the `cairn-remote` crate), with the same types.
 
-use crate::engine::{status_of, AppendedEvents, DeltaEvent, Engine};
+use crate::engine::{status_of, AppendedEvents, DeltaEvent, Engine, WatchGuard};
 use crate::error::{Error, Result};
 use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy, SessionStarted};
 use crate::store::{SessionInfo, SessionStatus};
@@ -430,11 +430,14 @@ pub struct Follower {
     last_seq: u64,
     events: broadcast::Receiver<Arc<AppendedEvents>>,
     deltas: broadcast::Receiver<DeltaEvent>,
+    /// Appends by other writers of the store reach `events` while the session is watched.
+    _watch: WatchGuard,
 }
 
 /// A follower of `session_id` from after `after_seq`; subscribed from this moment.
 pub fn follow(engine: Engine, session_id: String, after_seq: u64) -> Follower {
     Follower {
+        _watch: engine.watch(&session_id),
         events: engine.subscribe_events(),
         deltas: engine.subscribe_deltas(),
         engine,

@@ -4,6 +4,11 @@
 //! decision ([`SessionState::step`]), not the engine's.
 //!
 //! Folded session state is cached; a miss (or any failed append) reloads it from the history.
+//! The cache is never trusted blindly: before it decides anything the engine reads the events
+//! other writers appended since its cached next seq (another engine in this process, or
+//! another server on a shared database), and an append that still loses the race is a
+//! `Conflict` on which it catches up and decides again. Waiters and followers of a session
+//! hear of foreign appends through [`Engine::follow_store`].
 
 use crate::clock::Clock;
 use crate::error::{Error, Result};
@@ -153,6 +158,10 @@ pub struct ResumeReport {
 /// Overdue tasks one round of timers records at most (besides those that failed last round).
 const TIMER_BATCH: usize = 256;
 
+/// How many times a decision is taken again after its append lost a race with another
+/// writer of the session, before the conflict is returned.
+const CONFLICT_RETRIES: usize = 16;
+
 type SessionSlot = Arc<tokio::sync::Mutex<Option<SessionState>>>;
 
 struct Inner {
@@ -167,7 +176,35 @@ struct Inner {
     id_counter: AtomicU64,
     /// Overdue tasks the last round of timers could not record (see [`Engine::fire_timers`]).
     timers_stuck: std::sync::atomic::AtomicUsize,
+    /// Sessions somebody waits on or follows, with how many do: [`Engine::follow_store`]
+    /// reads their foreign appends.
+    watched: Mutex<HashMap<String, (usize, SessionSlot)>>,
     cache_capacity: usize,
+}
+
+/// Keeps a session watched (see [`Engine::watch`]) while it lives.
+pub struct WatchGuard {
+    engine: Engine,
+    session_id: String,
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        let mut watched = lock(&self.engine.inner.watched);
+        if let Some((count, _)) = watched.get_mut(&self.session_id) {
+            *count -= 1;
+            if *count == 0 {
+                watched.remove(&self.session_id);
+            }
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match mutex.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    }
 }
 
 /// The engine handle; cheap to clone.
@@ -194,6 +231,7 @@ impl Engine {
                 appended,
                 id_counter: AtomicU64::new(0),
                 timers_stuck: std::sync::atomic::AtomicUsize::new(0),
+                watched: Mutex::new(HashMap::new()),
                 cache_capacity: 10_000,
             }),
         }
@@ -243,8 +281,14 @@ impl Engine {
             None => self.new_session_id(),
         };
         crate::store::check_session_id(&session_id)?;
-        self.submit(&session_id, Event::SessionStarted(started), None)
-            .await?;
+        self.submit_with(
+            &session_id,
+            |_| Ok(Some(Event::SessionStarted(started.clone()))),
+            None,
+            None,
+            true,
+        )
+        .await?;
         Ok(session_id)
     }
 
@@ -260,18 +304,16 @@ impl Engine {
         text: &str,
         model: Option<ModelSpec>,
     ) -> Result<u32> {
-        let turn = {
-            let slot = self.slot(session_id);
-            let mut guard = slot.lock().await;
-            let state = self.loaded(session_id, &mut guard).await?;
-            state.turns_started + 1
-        };
+        let mut turn = 0;
         self.submit(
             session_id,
-            Event::UserMessage {
-                turn,
-                text: text.to_owned(),
-                model,
+            |state| {
+                turn = state.turns_started + 1;
+                Ok(Some(Event::UserMessage {
+                    turn,
+                    text: text.to_owned(),
+                    model: model.clone(),
+                }))
             },
             None,
         )
@@ -284,8 +326,10 @@ impl Engine {
     pub async fn cancel(&self, session_id: &str, reason: &str) -> Result<()> {
         self.submit(
             session_id,
-            Event::SessionCancelled {
-                reason: reason.to_owned(),
+            |_| {
+                Ok(Some(Event::SessionCancelled {
+                    reason: reason.to_owned(),
+                }))
             },
             None,
         )
@@ -296,26 +340,22 @@ impl Engine {
 
     /// Cancels the running turn only; returns its number. The session takes further turns.
     pub async fn cancel_turn(&self, session_id: &str, reason: &str) -> Result<u32> {
-        let turn = {
-            let slot = self.slot(session_id);
-            let mut guard = slot.lock().await;
-            let state = self.loaded(session_id, &mut guard).await?;
-            match &state.active {
-                Some(active) => active.turn,
-                None => {
-                    return Err(Error::InvalidEvent {
-                        session_id: session_id.to_owned(),
-                        seq: state.next_seq,
-                        reason: "no turn is running".to_owned(),
-                    })
-                }
-            }
-        };
+        let mut turn = 0;
         self.submit(
             session_id,
-            Event::TurnCancelled {
-                turn,
-                reason: reason.to_owned(),
+            |state| match &state.active {
+                Some(active) => {
+                    turn = active.turn;
+                    Ok(Some(Event::TurnCancelled {
+                        turn,
+                        reason: reason.to_owned(),
+                    }))
+                }
+                None => Err(Error::InvalidEvent {
+                    session_id: session_id.to_owned(),
+                    seq: state.next_seq,
+                    reason: "no turn is running".to_owned(),
+                }),
             },
             None,
         )
@@ -332,6 +372,8 @@ impl Engine {
     /// Waits until turn `turn` has an outcome.
     pub async fn wait_turn(&self, session_id: &str, turn: u32) -> Result<TurnOutcome> {
         let mut rx = self.outcome_sender(session_id).subscribe();
+        // Another writer of the store may record the outcome: follow the session meanwhile.
+        let _watch = self.watch(session_id);
         {
             let slot = self.slot(session_id);
             let mut guard = slot.lock().await;
@@ -525,21 +567,11 @@ impl Engine {
             return Ok(false);
         };
         let session_id = &task.id.session_id;
-        let activity = {
-            let slot = self.slot(session_id);
-            let mut guard = slot.lock().await;
-            let state = self.loaded(session_id, &mut guard).await?;
-            state.scheduled_activity(task.id.scheduled_seq)
-        };
         let lease = Lease {
             id: task.id.clone(),
             kind: task.kind,
             lease_attempt: task.lease_attempt,
             expires_at_ms: task.visible_at_ms,
-        };
-        let Some(activity) = activity else {
-            self.discard_task(&lease).await?;
-            return Ok(false);
         };
         let message = match why {
             Overdue::LeaseLapsed => format!(
@@ -556,32 +588,22 @@ impl Engine {
         };
         let mut failure = ActivityFailure::new(ErrorClass::Timeout, message);
         failure.heartbeat_details = task.heartbeat_details.clone();
-        let event = match activity {
-            ScheduledActivity::Model {
-                turn,
-                round,
-                attempt,
-                ..
-            } => Event::ModelCallFailed {
-                turn,
-                round,
-                attempt,
-                failure,
-            },
-            ScheduledActivity::Tool {
-                turn,
-                attempt,
-                tool_use,
-                ..
-            } => Event::ToolCallFailed {
-                turn,
-                tool_use_id: tool_use.id,
-                attempt,
-                failure,
-            },
-        };
-        self.submit_with(session_id, event, None, Some(task.id.clone()))
+        let submitted = self
+            .submit_with(
+                session_id,
+                |state| match state.scheduled_activity(task.id.scheduled_seq) {
+                    Some(activity) => Ok(Some(failed_event(activity, failure.clone()))),
+                    None => Ok(None),
+                },
+                None,
+                Some(task.id.clone()),
+                false,
+            )
             .await?;
+        if submitted.is_none() {
+            self.discard_task(&lease).await?;
+            return Ok(false);
+        }
         Ok(true)
     }
 
@@ -589,22 +611,27 @@ impl Engine {
         let session_id = &lease.id.session_id;
         let slot = self.slot(session_id);
         let mut guard = slot.lock().await;
-        let state = self.loaded(session_id, &mut guard).await?;
-        let request = AppendRequest {
-            session_id: session_id.clone(),
-            expected_next_seq: state.next_seq,
-            events: Vec::new(),
-            status: status_of(state),
-            enqueue: Vec::new(),
-            complete: None,
-            cancel: vec![lease.id.clone()],
-            now_ms: self.now_ms(),
-        };
-        match self.inner.store.append(request).await {
-            Ok(()) | Err(Error::LeaseLost { .. }) => Ok(()),
-            Err(e) => {
-                *guard = None;
-                Err(e)
+        let mut conflicts = 0;
+        loop {
+            let state = self.loaded(session_id, &mut guard).await?;
+            let request = AppendRequest {
+                session_id: session_id.clone(),
+                expected_next_seq: state.next_seq,
+                events: Vec::new(),
+                status: status_of(state),
+                enqueue: Vec::new(),
+                complete: None,
+                cancel: vec![lease.id.clone()],
+                now_ms: self.now_ms(),
+            };
+            match self.inner.store.append(request).await {
+                Ok(()) | Err(Error::LeaseLost { .. }) => return Ok(()),
+                // Another writer appended meanwhile: catch up and drop it again.
+                Err(Error::Conflict { .. }) if conflicts < CONFLICT_RETRIES => conflicts += 1,
+                Err(e) => {
+                    *guard = None;
+                    return Err(e);
+                }
             }
         }
     }
@@ -614,13 +641,17 @@ impl Engine {
     /// lapsed): the worker drops it, the history is unchanged.
     pub async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()> {
         let session_id = &lease.id.session_id;
-        let activity = {
-            let slot = self.slot(session_id);
-            let mut guard = slot.lock().await;
-            let state = self.loaded(session_id, &mut guard).await?;
-            state.scheduled_activity(lease.id.scheduled_seq)
-        };
-        let Some(activity) = activity else {
+        let submitted = self
+            .submit(
+                session_id,
+                |state| match state.scheduled_activity(lease.id.scheduled_seq) {
+                    Some(activity) => report_event(lease, activity, report.clone()).map(Some),
+                    None => Ok(None),
+                },
+                Some((lease.id.clone(), lease.lease_attempt)),
+            )
+            .await?;
+        if submitted.is_none() {
             // Nothing will run it again, so the queue drops it; the report itself changes nothing.
             self.discard_task(lease).await?;
             return Err(Error::StaleReport {
@@ -628,79 +659,8 @@ impl Engine {
                 seq: lease.id.scheduled_seq,
                 reason: format!("the workflow no longer waits for task {}", lease.id),
             });
-        };
-        let event = match (activity, report) {
-            (
-                ScheduledActivity::Model {
-                    turn,
-                    round,
-                    attempt,
-                    ..
-                },
-                ActivityReport::ModelCompleted(response),
-            ) => Event::ModelCallCompleted {
-                turn,
-                round,
-                attempt,
-                response,
-            },
-            (
-                ScheduledActivity::Model {
-                    turn,
-                    round,
-                    attempt,
-                    ..
-                },
-                ActivityReport::Failed(failure),
-            ) => Event::ModelCallFailed {
-                turn,
-                round,
-                attempt,
-                failure,
-            },
-            (
-                ScheduledActivity::Tool {
-                    turn,
-                    attempt,
-                    tool_use,
-                    ..
-                },
-                ActivityReport::ToolCompleted { content, is_error },
-            ) => Event::ToolCallCompleted {
-                turn,
-                tool_use_id: tool_use.id,
-                attempt,
-                content,
-                is_error,
-            },
-            (
-                ScheduledActivity::Tool {
-                    turn,
-                    attempt,
-                    tool_use,
-                    ..
-                },
-                ActivityReport::Failed(failure),
-            ) => Event::ToolCallFailed {
-                turn,
-                tool_use_id: tool_use.id,
-                attempt,
-                failure,
-            },
-            (activity, report) => {
-                return Err(Error::InvalidEvent {
-                    session_id: session_id.clone(),
-                    seq: lease.id.scheduled_seq,
-                    reason: format!("report {report:?} does not fit activity {activity:?}"),
-                })
-            }
-        };
-        self.submit(
-            session_id,
-            event,
-            Some((lease.id.clone(), lease.lease_attempt)),
-        )
-        .await
+        }
+        Ok(())
     }
 
     /// Records what a leased model attempt streamed since its previous record, as a
@@ -716,43 +676,37 @@ impl Engine {
         thinking_appended: String,
     ) -> Result<()> {
         let session_id = &lease.id.session_id;
-        let activity = {
-            let slot = self.slot(session_id);
-            let mut guard = slot.lock().await;
-            let state = self.loaded(session_id, &mut guard).await?;
-            state.scheduled_activity(lease.id.scheduled_seq)
-        };
-        let Some(ScheduledActivity::Model {
-            turn,
-            round,
-            attempt,
-            ..
-        }) = activity
-        else {
-            return Err(Error::StaleReport {
-                session_id: session_id.clone(),
-                seq: lease.id.scheduled_seq,
-                reason: format!(
-                    "progress of task {} for a model call the workflow no longer waits for",
-                    lease.id
-                ),
-            });
-        };
-        // The workflow checks the attempt again under the session lock, so a completion that
-        // lands in between makes this progress stale rather than misplaced.
+        // The workflow checks the attempt again when it steps, so a completion that lands
+        // in between makes this progress stale rather than misplaced.
         self.submit(
             session_id,
-            Event::ModelAttemptProgress {
-                turn,
-                round,
-                attempt,
-                lease_attempt: lease.lease_attempt,
-                text_appended,
-                thinking_appended,
+            |state| match state.scheduled_activity(lease.id.scheduled_seq) {
+                Some(ScheduledActivity::Model {
+                    turn,
+                    round,
+                    attempt,
+                    ..
+                }) => Ok(Some(Event::ModelAttemptProgress {
+                    turn,
+                    round,
+                    attempt,
+                    lease_attempt: lease.lease_attempt,
+                    text_appended: text_appended.clone(),
+                    thinking_appended: thinking_appended.clone(),
+                })),
+                _ => Err(Error::StaleReport {
+                    session_id: session_id.clone(),
+                    seq: lease.id.scheduled_seq,
+                    reason: format!(
+                        "progress of task {} for a model call the workflow no longer waits for",
+                        lease.id
+                    ),
+                }),
             },
             None,
         )
-        .await
+        .await?;
+        Ok(())
     }
 
     /// Finds every session with a turn in progress, loads it, and makes sure each of its
@@ -873,125 +827,400 @@ impl Engine {
             .clone()
     }
 
+    /// The session's state, caught up with the store: a cached state reads only the events
+    /// appended after its next seq (by another writer: this engine's own appends are applied
+    /// as they are made), and publishes them to subscribers and waiters as its own appends
+    /// are; a miss folds the whole history.
     async fn loaded<'a>(
         &self,
         session_id: &str,
         guard: &'a mut Option<SessionState>,
     ) -> Result<&'a mut SessionState> {
-        if guard.is_none() {
-            let events = self.inner.store.read_history(session_id, 1, None).await?;
-            let state = SessionState::fold(session_id, &events)?;
-            *guard = Some(state);
+        match guard {
+            None => {
+                let events = self.inner.store.read_history(session_id, 1, None).await?;
+                *guard = Some(SessionState::fold(session_id, &events)?);
+            }
+            Some(state) => {
+                let events = match self
+                    .inner
+                    .store
+                    .read_history(session_id, state.next_seq, None)
+                    .await
+                {
+                    Ok(events) => events,
+                    // A session being started has nothing stored yet.
+                    Err(Error::UnknownSession { .. }) if state.next_seq == 1 => Vec::new(),
+                    Err(e) => {
+                        *guard = None;
+                        return Err(e);
+                    }
+                };
+                if !events.is_empty() {
+                    if let Err(e) = self.apply_foreign(state, events) {
+                        *guard = None;
+                        return Err(e);
+                    }
+                }
+            }
         }
         guard.as_mut().ok_or_else(|| Error::UnknownSession {
             session_id: session_id.to_owned(),
         })
     }
 
-    /// Steps the workflow with an input, appends the transition atomically, updates the cache.
+    /// Applies events another writer appended to a cached state, then tells subscribers and
+    /// turn waiters as if this engine had appended them.
+    fn apply_foreign(&self, state: &mut SessionState, events: Vec<EventEnvelope>) -> Result<()> {
+        let outcome_before = state.last_outcome.as_ref().map(TurnOutcome::turn);
+        for event in &events {
+            state.apply(event)?;
+        }
+        state.finish_replay()?;
+        debug!(
+            session_id = %state.session_id,
+            events = events.len(),
+            "caught up with appends of another writer"
+        );
+        let outcome = state
+            .last_outcome
+            .clone()
+            .filter(|o| Some(o.turn()) != outcome_before);
+        self.publish(&state.session_id, events, outcome);
+        Ok(())
+    }
+
+    /// Tells event subscribers and turn waiters what was appended.
+    fn publish(&self, session_id: &str, events: Vec<EventEnvelope>, outcome: Option<TurnOutcome>) {
+        if self.inner.appended.receiver_count() > 0 {
+            // No subscriber left is fine: they read the store when they come back.
+            let _ = self.inner.appended.send(Arc::new(AppendedEvents {
+                session_id: session_id.to_owned(),
+                events,
+            }));
+        }
+        if let Some(outcome) = outcome {
+            self.outcome_sender(session_id).send_if_modified(|current| {
+                if current.as_ref() != Some(&outcome) {
+                    *current = Some(outcome);
+                    true
+                } else {
+                    false
+                }
+            });
+        }
+    }
+
+    /// Marks a session as watched while the guard lives: [`Engine::follow_store`] then reads
+    /// what other writers append to it, so its waiters and followers hear of it.
+    pub fn watch(&self, session_id: &str) -> WatchGuard {
+        let slot = self.slot(session_id);
+        let mut watched = lock(&self.inner.watched);
+        let entry = watched
+            .entry(session_id.to_owned())
+            .or_insert_with(|| (0, slot));
+        entry.0 += 1;
+        WatchGuard {
+            engine: self.clone(),
+            session_id: session_id.to_owned(),
+        }
+    }
+
+    /// Reads a watched session's foreign appends, if any (see [`Engine::loaded`]).
+    async fn refresh(&self, session_id: &str) {
+        let slot = self.slot(session_id);
+        let mut guard = slot.lock().await;
+        let fresh = guard.is_none();
+        match self.loaded(session_id, &mut guard).await {
+            Ok(state) if fresh => {
+                // Loaded anew, so what is new to its followers is unknown: the last event
+                // makes any follower behind it read the store, and the outcome is as folded.
+                let last = self
+                    .inner
+                    .store
+                    .read_history(session_id, state.next_seq.saturating_sub(1), Some(1))
+                    .await
+                    .unwrap_or_default();
+                let outcome = state.last_outcome.clone();
+                self.publish(session_id, last, outcome);
+            }
+            Ok(_) => {}
+            Err(Error::UnknownSession { .. }) => {}
+            Err(e) => debug!(session_id, error = %e, "cannot read a watched session"),
+        }
+    }
+
+    /// Follows what other writers do to the store until `stop` completes: on every hint
+    /// ([`Store::subscribe_changes`]) and every `poll` (hints may be lost), reads the appends
+    /// of the watched sessions ([`Engine::watch`]: turn waiters, event followers) and wakes
+    /// leasing waiters when tasks may have been queued elsewhere. Needed only when the store
+    /// is shared with other processes ([`Store::shared`]) or other engines.
+    // Polling is the one other place the engine waits on time.
+    #[allow(clippy::disallowed_methods)]
+    pub async fn follow_store(
+        &self,
+        poll: std::time::Duration,
+        stop: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(stop);
+        let mut changes = self.inner.store.subscribe_changes();
+        let mut ticker = tokio::time::interval(poll);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let hint = async {
+                match changes.as_mut() {
+                    Some(rx) => Some(rx.recv().await),
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = &mut stop => break,
+                _ = ticker.tick() => {
+                    self.inner.tasks_ready.notify_waiters();
+                    self.refresh_watched().await;
+                }
+                received = hint => match received {
+                    Some(Ok(change)) => {
+                        if change.enqueued {
+                            self.inner.tasks_ready.notify_waiters();
+                        }
+                        let watched = lock(&self.inner.watched).contains_key(&change.session_id);
+                        if watched {
+                            self.refresh(&change.session_id).await;
+                        }
+                    }
+                    Some(Err(broadcast::error::RecvError::Lagged(_))) => {
+                        self.inner.tasks_ready.notify_waiters();
+                        self.refresh_watched().await;
+                    }
+                    Some(Err(broadcast::error::RecvError::Closed)) | None => changes = None,
+                },
+            }
+        }
+    }
+
+    async fn refresh_watched(&self) {
+        let sessions: Vec<String> = lock(&self.inner.watched).keys().cloned().collect();
+        for session_id in sessions {
+            self.refresh(&session_id).await;
+        }
+    }
+
+    /// Steps the workflow with the input `decide` makes of the session's current state, and
+    /// appends the transition atomically (see [`Engine::submit_with`]).
     async fn submit(
         &self,
         session_id: &str,
-        input: Event,
+        decide: impl FnMut(&SessionState) -> Result<Option<Event>> + Send,
         complete: Option<(TaskId, u32)>,
-    ) -> Result<()> {
-        self.submit_with(session_id, input, complete, None).await
+    ) -> Result<Option<u64>> {
+        self.submit_with(session_id, decide, complete, None, false)
+            .await
     }
 
-    /// [`Engine::submit`] that also drops `drop_task` from the queue (the task of an overdue
-    /// attempt the input records as failed: it has no current lease to complete it with).
+    /// Steps the workflow with the input `decide` makes of the session's state, caught up
+    /// with the store, appends the transition atomically (with `complete` fencing it, and
+    /// dropping `drop_task` from the queue: the task of an overdue attempt the input records
+    /// as failed, which has no current lease to complete it with), updates the cache and
+    /// tells waiters. When the append loses a race with another writer, catches up and
+    /// decides again. Returns the input's seq, or `None` when `decide` found nothing to do.
+    /// `starting`: the input starts the session, deciding on an empty state (the store
+    /// refuses it if the session exists).
     async fn submit_with(
         &self,
         session_id: &str,
-        input: Event,
+        mut decide: impl FnMut(&SessionState) -> Result<Option<Event>> + Send,
         complete: Option<(TaskId, u32)>,
         drop_task: Option<TaskId>,
-    ) -> Result<()> {
-        let span = info_span!("session", session_id = %session_id, event = input.kind());
+        starting: bool,
+    ) -> Result<Option<u64>> {
+        let span = info_span!("session", session_id = %session_id);
         async move {
             let slot = self.slot(session_id);
             let mut guard = slot.lock().await;
-            let is_start = matches!(input, Event::SessionStarted(_));
-            if is_start {
-                *guard = Some(SessionState::new(session_id));
-            }
-            let state = match self.loaded(session_id, &mut guard).await {
-                Ok(state) => state,
-                Err(e) => {
-                    *guard = None;
-                    return Err(e);
-                }
-            };
-            let now = self.now_ms();
-            let first_seq = state.next_seq;
-            let input = EventEnvelope::new(session_id, first_seq, now, input);
-            let transition = match state.step(input) {
-                Ok(transition) => transition,
-                Err(e) => {
-                    // A rejected input — a stale report (`StaleReport`, the common case: a late
-                    // worker), misuse or a rejection (`InvalidEvent`) — leaves the state as it
-                    // was, so the cache stays. A new session's state is dropped, and so is one a
-                    // failed step advanced part way (its seq moved): it reloads from the store.
-                    if is_start || state.next_seq != first_seq {
-                        *guard = None;
+            let mut conflicts = 0;
+            loop {
+                match self
+                    .try_submit(
+                        session_id,
+                        &mut guard,
+                        &mut decide,
+                        (&complete, &drop_task),
+                        starting,
+                    )
+                    .await
+                {
+                    // The session changed under us: the state was dropped, so the next try
+                    // reloads it with the other writer's events and decides again.
+                    Err(Error::Conflict { .. })
+                        if conflicts < CONFLICT_RETRIES && guard.is_none() =>
+                    {
+                        conflicts += 1;
+                        debug!(
+                            conflicts,
+                            "append lost a race with another writer; retrying"
+                        );
                     }
-                    return Err(e);
+                    result => return result,
                 }
-            };
-            let Transition {
-                events,
-                enqueue,
-                mut cancel,
-                outcome,
-                ..
-            } = transition;
-            cancel.extend(drop_task);
-            let request = AppendRequest {
-                session_id: session_id.to_owned(),
-                expected_next_seq: first_seq,
-                events,
-                status: status_of(state),
-                enqueue,
-                complete,
-                cancel,
-                now_ms: now,
-            };
-            let has_tasks = !request.enqueue.is_empty();
-            let appended = (self.inner.appended.receiver_count() > 0).then(|| AppendedEvents {
-                session_id: session_id.to_owned(),
-                events: request.events.clone(),
-            });
-            debug!(
-                events = request.events.len(),
-                tasks = request.enqueue.len(),
-                "append"
-            );
-            if let Err(e) = self.inner.store.append(request).await {
-                *guard = None;
-                return Err(e);
             }
-            drop(guard);
-            if has_tasks {
-                self.inner.tasks_ready.notify_waiters();
-            }
-            if let Some(appended) = appended {
-                // No subscriber left is fine: they read the store when they come back.
-                let _ = self.inner.appended.send(Arc::new(appended));
-            }
-            if let Some(outcome) = outcome {
-                self.outcome_sender(session_id).send_if_modified(|current| {
-                    if current.as_ref() != Some(&outcome) {
-                        *current = Some(outcome);
-                        true
-                    } else {
-                        false
-                    }
-                });
-            }
-            Ok(())
         }
         .instrument(span)
         .await
+    }
+
+    async fn try_submit(
+        &self,
+        session_id: &str,
+        guard: &mut Option<SessionState>,
+        decide: &mut (impl FnMut(&SessionState) -> Result<Option<Event>> + Send),
+        (complete, drop_task): (&Option<(TaskId, u32)>, &Option<TaskId>),
+        is_start: bool,
+    ) -> Result<Option<u64>> {
+        let state = if is_start {
+            guard.insert(SessionState::new(session_id))
+        } else {
+            self.loaded(session_id, guard).await?
+        };
+        let Some(input) = decide(state)? else {
+            return Ok(None);
+        };
+        let now = self.now_ms();
+        let first_seq = state.next_seq;
+        debug!(event = input.kind(), seq = first_seq, "step");
+        let input = EventEnvelope::new(session_id, first_seq, now, input);
+        let transition = match state.step(input) {
+            Ok(transition) => transition,
+            Err(e) => {
+                // A rejected input — a stale report (`StaleReport`, the common case: a late
+                // worker), misuse or a rejection (`InvalidEvent`) — leaves the state as it
+                // was, so the cache stays. A new session's state is dropped, and so is one a
+                // failed step advanced part way (its seq moved): it reloads from the store.
+                if is_start || state.next_seq != first_seq {
+                    *guard = None;
+                }
+                return Err(e);
+            }
+        };
+        let Transition {
+            events,
+            enqueue,
+            mut cancel,
+            outcome,
+            ..
+        } = transition;
+        cancel.extend(drop_task.iter().cloned());
+        let request = AppendRequest {
+            session_id: session_id.to_owned(),
+            expected_next_seq: first_seq,
+            events,
+            status: status_of(state),
+            enqueue,
+            complete: complete.clone(),
+            cancel,
+            now_ms: now,
+        };
+        let has_tasks = !request.enqueue.is_empty();
+        let published = (self.inner.appended.receiver_count() > 0).then(|| request.events.clone());
+        debug!(
+            events = request.events.len(),
+            tasks = request.enqueue.len(),
+            "append"
+        );
+        if let Err(e) = self.inner.store.append(request).await {
+            *guard = None;
+            if is_start {
+                if let Error::Conflict { .. } = e {
+                    // The session exists: a start is never retried.
+                    return Err(Error::InvalidEvent {
+                        session_id: session_id.to_owned(),
+                        seq: first_seq,
+                        reason: "the session already exists".to_owned(),
+                    });
+                }
+            }
+            return Err(e);
+        }
+        if has_tasks {
+            self.inner.tasks_ready.notify_waiters();
+        }
+        self.publish(session_id, published.unwrap_or_default(), outcome);
+        Ok(Some(first_seq))
+    }
+}
+
+/// The event that records `report` for `activity`, the activity `lease` ran.
+fn report_event(
+    lease: &Lease,
+    activity: ScheduledActivity,
+    report: ActivityReport,
+) -> Result<Event> {
+    Ok(match (activity, report) {
+        (
+            ScheduledActivity::Model {
+                turn,
+                round,
+                attempt,
+                ..
+            },
+            ActivityReport::ModelCompleted(response),
+        ) => Event::ModelCallCompleted {
+            turn,
+            round,
+            attempt,
+            response,
+        },
+        (
+            ScheduledActivity::Tool {
+                turn,
+                attempt,
+                tool_use,
+                ..
+            },
+            ActivityReport::ToolCompleted { content, is_error },
+        ) => Event::ToolCallCompleted {
+            turn,
+            tool_use_id: tool_use.id,
+            attempt,
+            content,
+            is_error,
+        },
+        (activity, ActivityReport::Failed(failure)) => failed_event(activity, failure),
+        (activity, report) => {
+            return Err(Error::InvalidEvent {
+                session_id: lease.id.session_id.clone(),
+                seq: lease.id.scheduled_seq,
+                reason: format!("report {report:?} does not fit activity {activity:?}"),
+            })
+        }
+    })
+}
+
+/// The event that records a failed attempt of `activity`.
+fn failed_event(activity: ScheduledActivity, failure: ActivityFailure) -> Event {
+    match activity {
+        ScheduledActivity::Model {
+            turn,
+            round,
+            attempt,
+            ..
+        } => Event::ModelCallFailed {
+            turn,
+            round,
+            attempt,
+            failure,
+        },
+        ScheduledActivity::Tool {
+            turn,
+            attempt,
+            tool_use,
+            ..
+        } => Event::ToolCallFailed {
+            turn,
+            tool_use_id: tool_use.id,
+            attempt,
+            failure,
+        },
     }
 }
 

@@ -25,7 +25,7 @@ pub use client::{Client, EventStream, SessionOptions, SessionQuery, Transport};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{
     ActivityInput, ActivityRef, ActivityReport, ActivityTimeouts, AppendedEvents, DeltaEvent,
-    Engine, LeasedTask, ResumeReport,
+    Engine, LeasedTask, ResumeReport, WatchGuard,
 };
 pub use error::{Error, Result};
 pub use event::{

@@ -38,6 +38,10 @@ pub struct ServerConfig {
     pub drain_ms: u64,
     /// How often the engine's durable timers (lapsed leases, start deadlines) fire.
     pub timer_interval_ms: u64,
+    /// On a store other servers write too ([`cairn_runtime::store::Store::shared`]): how
+    /// often the engine polls for their appends, besides the store's change hints (which
+    /// may be lost).
+    pub store_poll_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -48,6 +52,7 @@ impl Default for ServerConfig {
             max_poll_ms: 300_000,
             drain_ms: 10_000,
             timer_interval_ms: 200,
+            store_poll_ms: 500,
         }
     }
 }

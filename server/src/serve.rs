@@ -81,6 +81,14 @@ impl Server {
             let every = Duration::from_millis(config.timer_interval_ms.max(1));
             async move { engine.run_timers(every, stop.cancelled_owned()).await }
         });
+        // Other servers on the same database append too: follow them, so that turn waiters,
+        // event streams and long-polling workers here hear of what they record.
+        let follower = engine.store().shared().then(|| {
+            let engine = engine.clone();
+            let stop = timers_stop.clone();
+            let poll = Duration::from_millis(config.store_poll_ms.max(1));
+            tokio::spawn(async move { engine.follow_store(poll, stop.cancelled_owned()).await })
+        });
 
         let app = self.router();
         let state = self.state.clone();
@@ -109,6 +117,11 @@ impl Server {
         timers_stop.cancel();
         if let Err(e) = timers.await {
             warn!(error = %e, "the timer task ended abnormally");
+        }
+        if let Some(follower) = follower {
+            if let Err(e) = follower.await {
+                warn!(error = %e, "the store follower ended abnormally");
+            }
         }
         info!("shut down");
         result

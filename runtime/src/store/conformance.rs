@@ -19,11 +19,19 @@ use cairn_ledger::JsonText;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+mod concurrency;
+pub use concurrency::{
+    a_lapsed_lease_changes_nothing, concurrent_leases_hand_each_task_once,
+    racing_appends_on_two_handles, two_engines_on_one_store,
+};
+
 /// Runs every check, each on a store from `fresh`. With `reopen` (a function that drops a store
 /// and opens the same storage again), also checks that everything survives a reopen.
 ///
 /// [`concurrent_appends`] spawns tokio tasks: call this from a multi-threaded runtime to make
-/// them really concurrent.
+/// them really concurrent. The concurrency checks (two handles on one store) run here with
+/// one handle passed twice; a backend with a second handle (another connection pool, like
+/// another process) runs them with it as well.
 pub async fn run_all<S: Store>(
     mut fresh: impl FnMut() -> S,
     reopen: Option<&mut dyn FnMut(S) -> S>,
@@ -48,6 +56,18 @@ pub async fn run_all<S: Store>(
     heartbeat_details_are_kept_until_the_next_lease(&fresh()).await;
     released_tasks_are_leased_again_and_not_overdue(&fresh()).await;
     concurrent_appends(Arc::new(fresh())).await;
+    let twice = |store: S| {
+        let store: Arc<dyn Store> = Arc::new(store);
+        (store.clone(), store)
+    };
+    let (a, b) = twice(fresh());
+    concurrent_leases_hand_each_task_once(a, b).await;
+    let (a, b) = twice(fresh());
+    a_lapsed_lease_changes_nothing(a, b).await;
+    let (a, b) = twice(fresh());
+    racing_appends_on_two_handles(a, b).await;
+    let (a, b) = twice(fresh());
+    two_engines_on_one_store(a, b).await;
     if let Some(reopen) = reopen {
         reopen_keeps_everything(fresh(), reopen).await;
     }
@@ -1936,6 +1956,43 @@ mod tests {
         overdue_tasks_are_listed_and_never_leased,
         heartbeat_details_are_kept_until_the_next_lease,
         released_tasks_are_leased_again_and_not_overdue,
+    );
+
+    macro_rules! each_concurrency_check {
+        ($($check:ident),* $(,)?) => {
+            mod two_handles {
+                use super::*;
+                $(
+                    mod $check {
+                        use super::*;
+                        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                        async fn memory() {
+                            let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+                            super::super::super::$check(store.clone(), store).await;
+                        }
+                        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                        async fn sled() {
+                            let root = tempfile::tempdir().expect("tempdir");
+                            let store: Arc<dyn Store> = Arc::new(sled_factory(root.path())());
+                            super::super::super::$check(store.clone(), store).await;
+                        }
+                        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                        async fn fjall() {
+                            let root = tempfile::tempdir().expect("tempdir");
+                            let store: Arc<dyn Store> = Arc::new(fjall_factory(root.path())());
+                            super::super::super::$check(store.clone(), store).await;
+                        }
+                    }
+                )*
+            }
+        };
+    }
+
+    each_concurrency_check!(
+        concurrent_leases_hand_each_task_once,
+        a_lapsed_lease_changes_nothing,
+        racing_appends_on_two_handles,
+        two_engines_on_one_store,
     );
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

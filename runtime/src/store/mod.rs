@@ -14,6 +14,7 @@ use std::fmt;
 
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
+pub mod copy;
 pub mod embedded;
 #[cfg(test)]
 mod engine_tests;
