@@ -87,6 +87,15 @@ impl ApiError {
         }
     }
 
+    /// A failure of the store outside any session: 503 when it is retryable (the database
+    /// restarting, its connections all taken), else 500 `internal`.
+    pub fn from_store(error: RuntimeError) -> Self {
+        if error.is_retryable() {
+            return Self::from_runtime(error, "");
+        }
+        Self::internal(&error)
+    }
+
     /// 500 `internal`: the details go to the log, the client gets a sentence without them
     /// (store paths and engine internals are the operator's business).
     pub fn internal(error: &dyn std::fmt::Display) -> Self {

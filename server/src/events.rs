@@ -55,6 +55,7 @@ pub struct EventsQuery {
         (status = 403, description = "Not a client token", body = ErrorBody),
         (status = 404, description = "No such session in this namespace", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn events(
@@ -127,7 +128,7 @@ impl Feed {
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
                     self.ended = true;
-                    let error = ApiError::internal(&e);
+                    let error = ApiError::from_store(e);
                     return Some(
                         SseEvent::default()
                             .event("error")

@@ -114,6 +114,7 @@ fn session_span(caller: &Caller, id: &str) -> tracing::Span {
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 415, description = "The body is not JSON", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn create_session(
@@ -188,6 +189,7 @@ pub struct ListQuery {
         (status = 401, description = "No token, or an unknown one", body = ErrorBody),
         (status = 403, description = "Not a client token", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn list_sessions(
@@ -205,7 +207,7 @@ pub async fn list_sessions(
         .store()
         .list_sessions()
         .await
-        .map_err(|e| ApiError::internal(&e))?;
+        .map_err(ApiError::from_store)?;
     // Stored ids of one namespace share its prefix, so the store's order is the order of the
     // namespace's own ids.
     Ok(Json(page_sessions(
@@ -242,6 +244,7 @@ pub struct SessionPath {
         (status = 403, description = "Not a client token", body = ErrorBody),
         (status = 404, description = "No such session in this namespace", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn describe_session(
@@ -272,6 +275,7 @@ pub async fn describe_session(
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 415, description = "The body is not JSON", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn send_message(
@@ -331,6 +335,7 @@ pub struct WaitQuery {
         (status = 403, description = "Not a client token", body = ErrorBody),
         (status = 404, description = "No such session in this namespace, or no such turn", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn wait_turn(
@@ -385,6 +390,7 @@ pub struct HistoryQuery {
         (status = 403, description = "Not a client token", body = ErrorBody),
         (status = 404, description = "No such session in this namespace", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn history(
@@ -474,6 +480,7 @@ pub struct TranscriptQuery {
         (status = 404, description = "No such session in this namespace", body = ErrorBody),
         (status = 409, description = "The transcript breaks the provider's rules", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn transcript(
@@ -534,6 +541,7 @@ pub async fn transcript(
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 415, description = "The body is not JSON", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn cancel(

@@ -105,7 +105,7 @@ pub async fn lease(
             .engine
             .lease_tasks(&filter, max, lease_ms)
             .await
-            .map_err(|e| ApiError::internal(&e))?;
+            .map_err(ApiError::from_store)?;
         if !tasks.is_empty() || tokio::time::Instant::now() >= deadline {
             return Ok(Json(LeaseResponse { tasks }));
         }
@@ -134,6 +134,7 @@ pub async fn lease(
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 415, description = "The body is not JSON", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn input(
@@ -159,7 +160,7 @@ pub async fn input(
         .store()
         .list_tasks()
         .await
-        .map_err(|e| ApiError::internal(&e))?;
+        .map_err(ApiError::from_store)?;
     let current = tasks.iter().any(|t| {
         t.id == lease.id
             && t.lease_attempt == lease.lease_attempt
@@ -199,6 +200,7 @@ pub async fn input(
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 415, description = "The body is not JSON", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn heartbeat(
@@ -236,6 +238,7 @@ pub async fn heartbeat(
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 415, description = "The body is not JSON", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn progress(
@@ -273,6 +276,7 @@ pub async fn progress(
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 415, description = "The body is not JSON", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn report(
@@ -305,6 +309,7 @@ pub async fn report(
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 415, description = "The body is not JSON", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
 )]
 pub async fn deltas(
