@@ -1,0 +1,221 @@
+//! Change hints ([`StoreChange`]): sent with `pg_notify` after each append, heard by a
+//! `PgListener` that the store owns, and handed to this process's subscribers through one
+//! broadcast channel.
+//!
+//! Hints are never the truth, so nothing here is allowed to fail an operation: a NOTIFY that
+//! fails is logged at debug and dropped, a payload that does not parse is ignored, and the
+//! listener reconnects after any error (hints sent while it was away are lost; engines poll a
+//! shared store anyway). A database without LISTEN/NOTIFY (CockroachDB) only loses the hints
+//! of other processes.
+
+use cairn_runtime::store::{check_session_id, StoreChange};
+use sqlx::postgres::{PgListener, PgPool};
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::sync::broadcast;
+use tokio::task::JoinHandle;
+
+/// The NOTIFY channel every cairn store of a database shares.
+pub(crate) const CHANNEL: &str = "cairn_changes";
+
+/// Hints a subscriber may fall behind by before it misses some (it then gets `Lagged` and
+/// should read the store, as after any missed hint).
+const BACKLOG: usize = 1024;
+
+/// The first pause before the listener reconnects, doubled after each failure up to
+/// [`PAUSE_MAX`], so that a database without LISTEN is not asked many times a second.
+const PAUSE_MIN: Duration = Duration::from_millis(100);
+const PAUSE_MAX: Duration = Duration::from_secs(5);
+
+/// A hint as a NOTIFY payload: `v1 LAST_SEQ ENQUEUED SESSION_ID`, with ENQUEUED `0` or `1`.
+/// Session ids hold no spaces ([`check_session_id`]), so the id is the rest of the line.
+pub(crate) fn payload(change: &StoreChange) -> String {
+    format!(
+        "v1 {} {} {}",
+        change.last_seq,
+        u8::from(change.enqueued),
+        change.session_id
+    )
+}
+
+/// The hint of a NOTIFY payload, or `None` when it is not one this code writes.
+pub(crate) fn parse(payload: &str) -> Option<StoreChange> {
+    let mut fields = payload.splitn(4, ' ');
+    if fields.next()? != "v1" {
+        return None;
+    }
+    let last_seq = fields.next()?.parse().ok()?;
+    let enqueued = match fields.next()? {
+        "0" => false,
+        "1" => true,
+        _ => return None,
+    };
+    let session_id = fields.next()?;
+    check_session_id(session_id).ok()?;
+    Some(StoreChange {
+        session_id: session_id.to_owned(),
+        last_seq,
+        enqueued,
+    })
+}
+
+/// The hints of one store: its subscribers' channel and, once someone subscribes, the task
+/// that listens to the database (aborted when the store is dropped).
+pub(crate) struct Hints {
+    sender: broadcast::Sender<StoreChange>,
+    /// Where to listen from: a pool of one connection of its own (a LISTEN holds its
+    /// connection for good, which must not take one of the store's), and the runtime the store
+    /// was connected in. `None` when NOTIFY is off.
+    source: Option<(PgPool, tokio::runtime::Handle)>,
+    listener: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Hints {
+    pub(crate) fn new(source: Option<(PgPool, tokio::runtime::Handle)>) -> Self {
+        Hints {
+            sender: broadcast::channel(BACKLOG).0,
+            source,
+            listener: Mutex::new(None),
+        }
+    }
+
+    /// Whether appends should NOTIFY.
+    pub(crate) fn notify(&self) -> bool {
+        self.source.is_some()
+    }
+
+    /// A new subscriber; starts the listener on the first subscription.
+    pub(crate) fn subscribe(&self) -> broadcast::Receiver<StoreChange> {
+        let receiver = self.sender.subscribe();
+        if let Some((pool, runtime)) = &self.source {
+            // A poisoned lock only means a subscriber panicked while starting the listener;
+            // the handle inside is still right.
+            let mut listener = self
+                .listener
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            // A closed store (`PgStore::close`) listens no more.
+            if listener.is_none() && !pool.is_closed() {
+                *listener = Some(runtime.spawn(listen(pool.clone(), self.sender.clone())));
+            }
+        }
+        receiver
+    }
+
+    /// Hands a hint of this process's own append to its subscribers at once (no round trip
+    /// through the database; the NOTIFY echo comes later as a duplicate, which hints allow).
+    pub(crate) fn local(&self, change: StoreChange) {
+        // No subscriber: nobody to tell.
+        let _ = self.sender.send(change);
+    }
+
+    /// Stops listening (for [`PgStore::close`](crate::PgStore::close) and drop).
+    pub(crate) fn stop(&self) {
+        let listener = self
+            .listener
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take();
+        if let Some(listener) = listener {
+            listener.abort();
+        }
+        if let Some((pool, _)) = &self.source {
+            // Closing the listener's pool lets its connection go at once; the store's own
+            // pool is closed by its owner.
+            let pool = pool.clone();
+            drop(pool.close());
+        }
+    }
+}
+
+impl Drop for Hints {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Listens on [`CHANNEL`] for good, reconnecting after every error.
+#[allow(clippy::disallowed_methods)] // the pause before reconnecting is real time, by design
+async fn listen(pool: PgPool, sender: broadcast::Sender<StoreChange>) {
+    let mut pause = PAUSE_MIN;
+    loop {
+        let error = listen_until_error(&pool, &sender, &mut pause).await;
+        tracing::debug!(error = %error, pause_ms = pause.as_millis(), "listening for cairn change hints failed; reconnecting");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(PAUSE_MAX);
+    }
+}
+
+/// Listens until the connection fails; resets `pause` once listening works.
+async fn listen_until_error(
+    pool: &PgPool,
+    sender: &broadcast::Sender<StoreChange>,
+    pause: &mut Duration,
+) -> sqlx::Error {
+    let mut listener = match PgListener::connect_with(pool).await {
+        Ok(listener) => listener,
+        Err(e) => return e,
+    };
+    if let Err(e) = listener.listen(CHANNEL).await {
+        return e;
+    }
+    *pause = PAUSE_MIN;
+    loop {
+        match listener.try_recv().await {
+            Ok(Some(notification)) => match parse(notification.payload()) {
+                Some(change) => {
+                    let _ = sender.send(change);
+                }
+                None => tracing::debug!(
+                    payload = notification.payload(),
+                    "ignoring a {CHANNEL} notification that is not a cairn hint"
+                ),
+            },
+            // The connection broke and the listener connected and listened again: hints
+            // sent in between are lost, which hints allow.
+            Ok(None) => tracing::debug!("the change hint listener reconnected"),
+            Err(e) => return e,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_round_trip() {
+        for change in [
+            StoreChange {
+                session_id: "acme:s-1.x_y".to_owned(),
+                last_seq: 42,
+                enqueued: true,
+            },
+            StoreChange {
+                session_id: "s".to_owned(),
+                last_seq: 0,
+                enqueued: false,
+            },
+        ] {
+            assert_eq!(parse(&payload(&change)), Some(change));
+        }
+    }
+
+    #[test]
+    fn malformed_payloads_are_ignored() {
+        for bad in [
+            "",
+            "v1",
+            "v1 1 1",
+            "v2 1 1 s",
+            "v1 x 1 s",
+            "v1 -1 1 s",
+            "v1 1 2 s",
+            "v1 1 1 has space",
+            "v1 1 1 ",
+            "hello world",
+        ] {
+            assert_eq!(parse(bad), None, "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,319 @@
+//! [`PgStore`]: connecting (pool, migrations) and the [`Store`] operations, each one statement
+//! or one transaction (the queue's in `tasks`, the append's in `append`).
+
+use crate::append;
+use crate::changes::{self, Hints};
+use crate::failure::{classify, retrying};
+use crate::rows::{self, count_to_db};
+use crate::tasks;
+use crate::url::redact;
+use async_trait::async_trait;
+use cairn_ledger::JsonText;
+use cairn_runtime::codec;
+use cairn_runtime::event::EventEnvelope;
+use cairn_runtime::store::{
+    check_session_id, AppendRequest, Lease, SessionInfo, Store, StoreChange, Task, TaskFilter,
+    TaskId,
+};
+use cairn_runtime::{Error, Result};
+use sqlx::migrate::MigrateError;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, Postgres};
+use std::str::FromStr;
+use std::time::Duration;
+use tokio::sync::broadcast;
+
+/// How a [`PgStore`] uses the database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PgOptions {
+    /// The most connections the store's pool opens (the change listener has one more of its
+    /// own, once someone subscribes). Default 10.
+    pub max_connections: u32,
+    /// How long an operation waits for a pooled connection before it fails with
+    /// [`Error::StoreUnavailable`]. Default 5 s.
+    pub acquire_timeout: Duration,
+    /// Whether appends send a NOTIFY hint and [`Store::subscribe_changes`] listens for the
+    /// hints of other processes. Off, subscribers hear only this process's appends. Default on.
+    pub notify: bool,
+}
+
+impl Default for PgOptions {
+    fn default() -> Self {
+        PgOptions {
+            max_connections: 10,
+            acquire_timeout: Duration::from_secs(5),
+            notify: true,
+        }
+    }
+}
+
+/// The store on a PostgreSQL database, which several processes may share (see the crate
+/// documentation for the schema and the statements).
+pub struct PgStore {
+    pool: PgPool,
+    hints: Hints,
+    /// The URL without its password, for errors.
+    shown_url: String,
+}
+
+/// How many times connecting runs the migrations when they fail: two processes starting on a
+/// new database create the tables at once, and the loser finds them on its next run.
+const MIGRATION_TRIES: u32 = 3;
+
+impl PgStore {
+    /// Connects to the database at `url` (`postgres://user:password@host:port/database`),
+    /// creates or upgrades cairn's tables (the embedded migrations), and returns the store.
+    ///
+    /// Errors name the URL without its password: [`Error::StoreUnavailable`] when the server
+    /// cannot be reached now (retryable), [`Error::StoreOpen`] otherwise (a bad URL, refused
+    /// credentials, a schema this version does not know).
+    pub async fn connect(url: &str, options: PgOptions) -> Result<PgStore> {
+        let shown_url = redact(url);
+        let open_error = |reason: String| Error::StoreOpen {
+            path: shown_url.clone(),
+            reason,
+        };
+        // sqlx reads any scheme as PostgreSQL's: refuse the others here, so that a URL meant
+        // for another database is named as such, not tried.
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            return Err(open_error(
+                "not a PostgreSQL URL (postgres://user:password@host:port/database)".to_owned(),
+            ));
+        }
+        let connect_options = PgConnectOptions::from_str(url)
+            .map_err(|e| open_error(format!("not a PostgreSQL URL: {e}")))?
+            .application_name("cairn")
+            // An `Ok` from an append must mean durable, whatever the server's or the role's
+            // default: session-start options override both.
+            .options([("synchronous_commit", "on")]);
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|e| open_error(format!("connecting needs a tokio runtime: {e}")))?;
+        let failed = |what: &str, e: &sqlx::Error| match classify(what, e) {
+            Error::StoreUnavailable { reason } => Error::StoreUnavailable {
+                reason: format!("PostgreSQL at {shown_url}: {reason}"),
+            },
+            _ => open_error(format!("{what}: {e}")),
+        };
+        let pool = PgPoolOptions::new()
+            .max_connections(options.max_connections)
+            .acquire_timeout(options.acquire_timeout)
+            .connect_with(connect_options.clone())
+            .await
+            .map_err(|e| failed("connecting", &e))?;
+        migrate(&pool).await.map_err(|e| match e {
+            MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _) => {
+                failed("creating cairn's tables", &e)
+            }
+            e => open_error(format!("creating cairn's tables: {e}")),
+        })?;
+        let source = options.notify.then(|| {
+            // One connection, kept for good (no idle or age limit): a LISTEN lives as long as
+            // its connection.
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(options.acquire_timeout)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .connect_lazy_with(connect_options);
+            (pool, runtime)
+        });
+        Ok(PgStore {
+            pool,
+            hints: Hints::new(source),
+            shown_url,
+        })
+    }
+
+    /// The database's URL without its password.
+    pub fn url(&self) -> &str {
+        &self.shown_url
+    }
+
+    /// Closes the store's connections: operations fail with [`Error::StoreUnavailable`] from
+    /// then on. Waits for the connections in use to come back.
+    pub async fn close(&self) {
+        self.hints.stop();
+        self.pool.close().await;
+    }
+
+    /// Sends the hint of an append on the connection that committed it. Failing only loses a
+    /// hint, so it is logged at debug and dropped; a connection that does not answer within
+    /// the acquire timeout is not waited for longer.
+    async fn notify(&self, conn: &mut PoolConnection<Postgres>, change: &StoreChange) {
+        let sent = sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(changes::CHANNEL)
+            .bind(changes::payload(change))
+            .execute(&mut **conn);
+        match tokio::time::timeout(self.pool.options().get_acquire_timeout(), sent).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(session_id = %change.session_id, error = %e, "sending a change hint failed")
+            }
+            Err(_) => {
+                tracing::debug!(session_id = %change.session_id, "sending a change hint timed out")
+            }
+        }
+    }
+}
+
+/// Runs the embedded migrations (`postgres/migrations/`), without sqlx's advisory lock, which
+/// CockroachDB does not have: every statement of a migration tolerates a concurrent creator,
+/// and a migration that lost such a race runs again and finds its work done.
+#[allow(clippy::disallowed_methods)] // the pause between tries is real time, by design
+async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
+    let mut migrator = sqlx::migrate!("./migrations");
+    migrator.set_locking(false);
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match migrator.run(pool).await {
+            Err(MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _))
+                if tries < MIGRATION_TRIES =>
+            {
+                tracing::debug!(error = %e, tries, "creating cairn's tables failed; trying again");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            outcome => return outcome,
+        }
+    }
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore")
+            .field("url", &self.shown_url)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for PgStore {
+    fn drop(&mut self) {
+        self.hints.stop();
+    }
+}
+
+#[async_trait]
+impl Store for PgStore {
+    fn shared(&self) -> bool {
+        true
+    }
+
+    fn subscribe_changes(&self) -> Option<broadcast::Receiver<StoreChange>> {
+        Some(self.hints.subscribe())
+    }
+
+    async fn append(&self, request: AppendRequest) -> Result<()> {
+        let prepared = append::prepare(&request)?;
+        let mut conn = append::append(&self.pool, &prepared).await?;
+        let change = StoreChange {
+            session_id: request.session_id.clone(),
+            last_seq: request.events.last().map_or(0, |event| event.seq),
+            enqueued: !request.enqueue.is_empty(),
+        };
+        self.hints.local(change.clone());
+        if self.hints.notify() {
+            self.notify(&mut conn, &change).await;
+        }
+        Ok(())
+    }
+
+    async fn read_history(
+        &self,
+        session_id: &str,
+        from_seq: u64,
+        limit: Option<usize>,
+    ) -> Result<Vec<EventEnvelope>> {
+        let unknown = || Error::UnknownSession {
+            session_id: session_id.to_owned(),
+        };
+        // No session of an invalid id was ever stored (appends check ids).
+        if check_session_id(session_id).is_err() {
+            return Err(unknown());
+        }
+        // Past i64::MAX there is no seq: reading from there reads nothing.
+        let from = i64::try_from(from_seq.max(1)).unwrap_or(i64::MAX);
+        let limit = limit.map_or(i64::MAX, count_to_db);
+        // One statement, so one snapshot: the session row says whether the session exists
+        // (it has events), the lateral join brings the range, possibly empty.
+        let rows = retrying("reading a history", || async {
+            Ok(sqlx::query(
+                "SELECT e.seq, e.record FROM cairn_sessions AS s \
+                 LEFT JOIN LATERAL ( \
+                     SELECT seq, record FROM cairn_events \
+                     WHERE session_id = s.session_id AND seq >= $2 \
+                     ORDER BY seq LIMIT $3 \
+                 ) AS e ON TRUE \
+                 WHERE s.session_id = $1 \
+                 ORDER BY e.seq",
+            )
+            .bind(session_id)
+            .bind(from)
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await?)
+        })
+        .await?;
+        if rows.is_empty() {
+            return Err(unknown());
+        }
+        let mut events = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let Some(seq) = rows::get::<Option<i64>>(row, "seq")? else {
+                continue;
+            };
+            let record: Vec<u8> = rows::get(row, "record")?;
+            events.push(codec::decode(
+                session_id,
+                rows::from_db("seq", seq)?,
+                &record,
+            )?);
+        }
+        Ok(events)
+    }
+
+    async fn list_sessions(&self) -> Result<Vec<SessionInfo>> {
+        let rows = retrying("listing sessions", || async {
+            Ok(sqlx::query(
+                "SELECT session_id, status, last_seq, updated_at_ms FROM cairn_sessions \
+                 ORDER BY session_id COLLATE \"C\"",
+            )
+            .fetch_all(&self.pool)
+            .await?)
+        })
+        .await?;
+        rows.iter().map(rows::session).collect()
+    }
+
+    async fn lease_tasks(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
+        tasks::lease(&self.pool, now_ms, lease_ms, max, filter).await
+    }
+
+    async fn extend_lease(
+        &self,
+        id: &TaskId,
+        lease_attempt: u32,
+        now_ms: u64,
+        lease_ms: u64,
+        details: Option<JsonText>,
+    ) -> Result<u64> {
+        tasks::extend(&self.pool, id, lease_attempt, now_ms, lease_ms, details).await
+    }
+
+    async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
+        tasks::overdue(&self.pool, now_ms, max).await
+    }
+
+    async fn list_tasks(&self) -> Result<Vec<Task>> {
+        tasks::list(&self.pool).await
+    }
+
+    async fn release_leases(&self, now_ms: u64) -> Result<usize> {
+        tasks::release(&self.pool, now_ms).await
+    }
+}
