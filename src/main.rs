@@ -264,6 +264,17 @@ enum Command {
         #[arg(long)]
         repair: bool,
     },
+    /// Copy every session of a store directory (histories, statuses, queued tasks) into a
+    /// database that several servers can share; the directory is read, never changed. The
+    /// database must hold none of the sessions.
+    Migrate {
+        /// The store directory to copy from.
+        #[arg(long, value_name = "DIR")]
+        from: PathBuf,
+        /// The database to copy into, e.g. postgres://USER@HOST:PORT/DATABASE.
+        #[arg(long, value_name = "URL")]
+        to: String,
+    },
     /// Run a server's model and tool calls in this process (providers configured from this
     /// process's environment; API keys are never sent) until SIGTERM or SIGINT, then drain.
     Worker {
@@ -292,9 +303,14 @@ enum Command {
     /// workers connect over HTTP. Drains and exits 0 on SIGTERM or SIGINT.
     Server {
         /// The store directory, created if missing (default: $CAIRN_DATA, else
-        /// $XDG_DATA_HOME/cairn, else ~/.local/share/cairn).
+        /// $XDG_DATA_HOME/cairn, else ~/.local/share/cairn; $DATABASE_URL, when set, is used
+        /// before the default directory).
         #[arg(long, value_name = "DIR")]
         data: Option<PathBuf>,
+        /// A database store several servers may share, e.g.
+        /// postgres://USER@HOST:PORT/DATABASE (its schema is created or upgraded on start).
+        #[arg(long, value_name = "URL", env = "CAIRN_STORE", hide_env_values = true)]
+        store: Option<String>,
         /// Address to listen on, e.g. 127.0.0.1:8080 (port 0: any free port, printed).
         #[arg(long)]
         listen: std::net::SocketAddr,
@@ -669,6 +685,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cairn_devtools::chaos::run_chaos_worker(&server, &data, lease_ms).await?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Migrate { from, to } => {
+            StoreDir::resolve(Some(from.clone()))?.check_exists()?;
+            cli::database::migrate(&from, &to).await?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Fsck { data, repair } => {
             let mode = if repair {
                 OpenMode::Repair
@@ -716,6 +737,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Server {
             data,
+            store,
             listen,
             tokens,
             engine,
@@ -724,7 +746,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             max_poll_ms,
         } => {
             serve::run(serve::ServeArgs {
-                data: StoreDir::resolve(data)?.path,
+                store: cli::database::StoreLocation::resolve(store, data)?,
                 listen,
                 tokens,
                 engine,

@@ -2,6 +2,7 @@
 //! it listens, and serves the `/v1` API (`cairn-server`) until SIGTERM or SIGINT, then drains
 //! and exits 0. Optional in-process workers run the tasks they host.
 
+use crate::cli::database::{self, StoreLocation};
 use crate::cli::out::{note, showln};
 use anyhow::Context;
 use cairn::host::describe_losses;
@@ -19,8 +20,8 @@ use std::time::Duration;
 
 /// What `cairn server` was asked for.
 pub struct ServeArgs {
-    /// The store directory.
-    pub data: PathBuf,
+    /// The store: a directory, or a database several servers may share.
+    pub store: StoreLocation,
     /// Where to listen.
     pub listen: SocketAddr,
     /// The tokens file.
@@ -45,14 +46,27 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     };
     // Checked before the store is opened: a refused address changes nothing.
     cairn_server::check_exposure(args.listen, &config)?;
-    let opened = embedded::open(&args.data, OpenMode::Create, args.engine).await?;
-    for note in &opened.notes {
-        note!("note: {note}");
-    }
-    if !opened.losses.is_empty() {
-        note!("warning: {}", describe_losses(&opened.losses));
-    }
-    let engine = Engine::new(opened.store.clone(), Arc::new(SystemClock));
+    let (store, opened, dir) = match &args.store {
+        StoreLocation::Dir(dir) => {
+            let opened = embedded::open(dir, OpenMode::Create, args.engine).await?;
+            for note in &opened.notes {
+                note!("note: {note}");
+            }
+            if !opened.losses.is_empty() {
+                note!("warning: {}", describe_losses(&opened.losses));
+            }
+            (opened.store.clone(), Some(opened), Some(dir.clone()))
+        }
+        StoreLocation::Url(url) => {
+            if args.engine.is_some() {
+                anyhow::bail!(
+                    "--engine chooses an embedded store's engine; it does not apply to --store"
+                );
+            }
+            (database::connect(url).await?, None, None)
+        }
+    };
+    let engine = Engine::new(store, Arc::new(SystemClock));
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -86,16 +100,16 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
     };
     // Commands run on this machine against the store directory reach it through its socket.
-    let socket = match cairn::socket::StoreSocket::serve(&args.data, engine.clone()) {
+    let socket = dir.and_then(|dir| match cairn::socket::StoreSocket::serve(&dir, engine.clone()) {
         Ok(socket) => Some(socket),
         Err(e) => {
             note!(
                 "note: cannot serve the store's socket in {} ({e}); commands with --data cannot reach this store while the server runs",
-                args.data.display()
+                dir.display()
             );
             None
         }
-    };
+    });
     let served = cairn_server::serve(engine, listener, config, shutdown).await;
     signals.abort();
     if let Some(socket) = socket {

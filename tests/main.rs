@@ -10,6 +10,7 @@ mod engine;
 mod faults;
 mod golden;
 mod lifecycle;
+mod postgres;
 mod powercut;
 mod providers;
 mod remote;

@@ -65,7 +65,7 @@ pub fn scripted(dir: &Path, name: &str, delay_ms: u64, responses: &str) -> Model
 }
 
 /// Two parallel calculator calls, then an answer.
-const TOOL_TURN: &str = r#"[
+pub const TOOL_TURN: &str = r#"[
   {"parts": [
     {"type": "tool_use", "id": "t1", "name": "calculator", "input": {"expression": "1+2"}},
     {"type": "tool_use", "id": "t2", "name": "calculator", "input": {"expression": "3*4"}}]},

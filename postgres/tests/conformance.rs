@@ -94,3 +94,28 @@ async fn run_all() {
     };
     conformance::run_all(fresh, Some(&mut |store| reopen(store, &urls))).await;
 }
+
+/// The concurrency checks with two handles that are two stores on one database, each with
+/// its own connection pool and change listener, as two processes would have.
+macro_rules! each_concurrency_check {
+    ($($check:ident),* $(,)?) => {
+        mod two_processes {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $check() {
+                    let (a, url) = fresh_store().await;
+                    let b = connect(&url, PgOptions::default()).await;
+                    conformance::$check(Arc::new(a), Arc::new(b)).await;
+                }
+            )*
+        }
+    };
+}
+
+each_concurrency_check!(
+    concurrent_leases_hand_each_task_once,
+    a_lapsed_lease_changes_nothing,
+    racing_appends_on_two_handles,
+    two_engines_on_one_store,
+);
