@@ -311,6 +311,8 @@ enum Command {
         /// postgres://USER@HOST:PORT/DATABASE (its schema is created or upgraded on start).
         #[arg(long, value_name = "URL", env = "CAIRN_STORE", hide_env_values = true)]
         store: Option<String>,
+        #[command(flatten)]
+        pool: cli::database::PoolArgs,
         /// Address to listen on, e.g. 127.0.0.1:8080 (port 0: any free port, printed).
         #[arg(long)]
         listen: std::net::SocketAddr,
@@ -738,6 +740,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Server {
             data,
             store,
+            pool,
             listen,
             tokens,
             engine,
@@ -747,6 +750,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => {
             serve::run(serve::ServeArgs {
                 store: cli::database::StoreLocation::resolve(store, data)?,
+                pool,
                 listen,
                 tokens,
                 engine,

@@ -22,6 +22,8 @@ use std::time::Duration;
 pub struct ServeArgs {
     /// The store: a directory, or a database several servers may share.
     pub store: StoreLocation,
+    /// How a database store uses its connections.
+    pub pool: database::PoolArgs,
     /// Where to listen.
     pub listen: SocketAddr,
     /// The tokens file.
@@ -63,7 +65,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
                     "--engine chooses an embedded store's engine; it does not apply to --store"
                 );
             }
-            (database::connect(url).await?, None, None)
+            (database::connect(url, &args.pool).await?, None, None)
         }
     };
     let engine = Engine::new(store, Arc::new(SystemClock));

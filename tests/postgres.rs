@@ -166,3 +166,284 @@ async fn a_migrated_interrupted_session_resumes_on_postgres() {
         "the copied prefix is the history as it was"
     );
 }
+
+/// Retries `op` while it fails (a server or the database restarting), up to `PATIENCE`.
+async fn patiently<T, F, Fut>(what: &str, mut op: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = cairn_runtime::Result<T>>,
+{
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        match op().await {
+            Ok(value) => return value,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                eprintln!("{what}: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("{what} still failed after {PATIENCE:?}: {e}"),
+        }
+    }
+}
+
+/// How long a fault test waits for the system to come back before it fails.
+const PATIENCE: Duration = Duration::from_secs(90);
+
+/// A PostgreSQL cluster of the test's own (`scripts/postgres start` with no `DATABASE_URL`),
+/// so the test may restart it; stopped and removed when dropped.
+struct OwnCluster {
+    env: Vec<(String, String)>,
+}
+
+impl OwnCluster {
+    fn start() -> OwnCluster {
+        let out =
+            std::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/postgres"))
+                .arg("start")
+                .env_remove("DATABASE_URL")
+                .env_remove("CAIRN_PG_DIR")
+                .stderr(std::process::Stdio::inherit())
+                .output()
+                .expect("run scripts/postgres start");
+        assert!(
+            out.status.success(),
+            "scripts/postgres could not start a PostgreSQL of this test's own"
+        );
+        let exports = String::from_utf8(out.stdout).expect("utf-8 exports");
+        let env = exports
+            .split_whitespace()
+            .filter_map(|word| word.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.trim_matches(['\'', '"']).to_owned()))
+            .collect::<Vec<_>>();
+        assert!(
+            env.iter().any(|(k, _)| k == "CAIRN_PG_DIR"),
+            "scripts/postgres printed no CAIRN_PG_DIR: {exports}"
+        );
+        OwnCluster { env }
+    }
+
+    fn url(&self) -> String {
+        self.var("DATABASE_URL")
+    }
+
+    fn var(&self, name: &str) -> String {
+        self.env
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| panic!("scripts/postgres printed no {name}"))
+    }
+
+    fn run(&self, what: &str) -> bool {
+        std::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/postgres"))
+            .arg(what)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdout(std::process::Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
+    }
+}
+
+impl Drop for OwnCluster {
+    fn drop(&mut self) {
+        self.run("stop");
+    }
+}
+
+/// PostgreSQL restarted (`pg_ctl restart`) while two servers run turns: the servers
+/// reconnect, and every turn a client was told about completes with a valid history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_restart_mid_run_loses_nothing_acknowledged() {
+    let cluster = OwnCluster::start();
+    let database = cluster.url();
+    let dir = tempfile::tempdir().unwrap();
+    // Each model call takes 400 ms, so turns are running when the database goes away.
+    let model = scripted(dir.path(), "turn.json", 400, TOOL_TURN);
+    let (_a, url_a) = server_on(&database, &[]);
+    let (_b, url_b) = server_on(&database, &[]);
+    let _workers: Vec<Process> = [&url_a, &url_b]
+        .into_iter()
+        .map(|url| worker(url, &["--lease-ms", "3000"]))
+        .collect();
+    let clients = [client(&url_a), client(&url_b)];
+    let mut acked = Vec::new();
+    for i in 0..12 {
+        let c = &clients[i % 2];
+        let id = c
+            .start_session(options(&model, &format!("r{i:02}")))
+            .await
+            .unwrap();
+        let turn = c.send(&id, "go").await.unwrap();
+        acked.push((id, turn));
+    }
+    let mut running = 0;
+    for (id, _) in &acked {
+        if clients[0]
+            .describe(id)
+            .await
+            .unwrap()
+            .running_turn
+            .is_some()
+        {
+            running += 1;
+        }
+    }
+    assert!(running > 0, "the restart must land in the middle of turns");
+    assert!(cluster.run("restart"), "scripts/postgres restart failed");
+    for (i, (id, turn)) in acked.iter().enumerate() {
+        let c = clients[(i + 1) % 2].clone();
+        let outcome = patiently("waiting for a turn across the restart", || {
+            let c = c.clone();
+            let id = id.clone();
+            let turn = *turn;
+            async move { c.wait_turn(&id, turn).await }
+        })
+        .await;
+        assert!(
+            matches!(outcome, TurnOutcome::Completed { .. }),
+            "{id}: {outcome:?}"
+        );
+        check_session(&c, id).await;
+    }
+    // Both servers still serve after the restart: a new session on each completes.
+    for (i, c) in clients.iter().enumerate() {
+        let id = patiently("starting a session after the restart", || {
+            c.start_session(options(&model, &format!("after{i}")))
+        })
+        .await;
+        let outcome = c.run_turn(&id, "again").await.unwrap();
+        assert!(
+            matches!(outcome, TurnOutcome::Completed { .. }),
+            "{outcome:?}"
+        );
+    }
+}
+
+/// One of two servers SIGKILLed mid-turn, with its worker cut off: the leases that worker
+/// held lapse, the other server's timers record them, and its worker finishes every turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_servers_sessions_continue_on_the_other() {
+    let database = cairn_postgres::testing::fresh_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let model = scripted(dir.path(), "turn.json", 1_500, TOOL_TURN);
+    let (mut a, url_a) = server_on(&database, &[]);
+    let (_b, url_b) = server_on(&database, &[]);
+    let _worker_a = worker(&url_a, &["--lease-ms", "1500"]);
+    let via_a = client(&url_a);
+    let mut acked = Vec::new();
+    for i in 0..8 {
+        let id = via_a
+            .start_session(options(&model, &format!("k{i:02}")))
+            .await
+            .unwrap();
+        let turn = via_a.send(&id, "go").await.unwrap();
+        acked.push((id, turn));
+    }
+    // Server A's worker is inside model calls when A dies.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let via_b = client(&url_b);
+    let mut running = 0;
+    for (id, _) in &acked {
+        if via_b.describe(id).await.unwrap().running_turn.is_some() {
+            running += 1;
+        }
+    }
+    assert!(running > 0, "the kill must land in the middle of turns");
+    a.kill();
+    let _worker_b = worker(&url_b, &["--lease-ms", "1500"]);
+    for (id, turn) in &acked {
+        let outcome = tokio::time::timeout(PATIENCE, via_b.wait_turn(id, *turn))
+            .await
+            .unwrap_or_else(|_| panic!("{id}: the turn never completed on server B"))
+            .unwrap();
+        assert!(
+            matches!(outcome, TurnOutcome::Completed { .. }),
+            "{id}: {outcome:?}"
+        );
+        let history = check_session(&via_b, id).await;
+        assert_eq!(
+            history
+                .iter()
+                .filter(|e| matches!(e.event, Event::ToolCallCompleted { .. }))
+                .count(),
+            2,
+            "{id}"
+        );
+    }
+}
+
+/// Every connection of a server's pool held up by a lock another client of the database
+/// holds: requests are answered 503 `unavailable` — after the acquire deadline, or the
+/// statement timeout for those holding a connection — never left hanging, and nothing they
+/// tried was written; once the lock goes, the server serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_pool_answers_503_and_never_hangs() {
+    use sqlx::{Connection, Executor};
+    let database = cairn_postgres::testing::fresh_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let model = scripted(dir.path(), "turn.json", 0, TOOL_TURN);
+    let (_server, url) = server_on(
+        &database,
+        &[
+            "--store-connections",
+            "2",
+            "--store-acquire-ms",
+            "300",
+            "--store-statement-ms",
+            "2000",
+            "--local-workers",
+            "2",
+        ],
+    );
+    let c = client(&url);
+    let ids: Vec<String> = {
+        let mut ids = Vec::new();
+        for i in 0..6 {
+            ids.push(
+                c.start_session(options(&model, &format!("x{i}")))
+                    .await
+                    .unwrap(),
+            );
+        }
+        ids
+    };
+    let mut other = sqlx::PgConnection::connect(&database).await.unwrap();
+    let mut lock = other.begin().await.unwrap();
+    lock.execute("LOCK TABLE cairn_sessions IN EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let http = reqwest::Client::new();
+    let sends: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let request = http
+                .post(format!("{url}/v1/sessions/{id}/messages"))
+                .json(&serde_json::json!({ "text": "go" }));
+            tokio::spawn(async move {
+                let answer = request.send().await.expect("an answer");
+                let status = answer.status().as_u16();
+                let body: serde_json::Value = answer.json().await.expect("a JSON body");
+                (status, body)
+            })
+        })
+        .collect();
+    for send in sends {
+        let (status, body) = tokio::time::timeout(Duration::from_secs(30), send)
+            .await
+            .expect("a request on an exhausted pool must be answered, not hang")
+            .unwrap();
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(body["error"]["code"], "unavailable", "{body}");
+    }
+    lock.rollback().await.unwrap();
+    for id in &ids {
+        let history = c.history(id).await.unwrap();
+        assert_eq!(history.len(), 1, "{id}: a refused message wrote nothing");
+    }
+    let outcome = c.run_turn(&ids[0], "now").await.unwrap();
+    assert!(
+        matches!(outcome, TurnOutcome::Completed { .. }),
+        "{outcome:?}"
+    );
+}

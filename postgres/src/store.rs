@@ -35,6 +35,10 @@ pub struct PgOptions {
     /// Whether appends send a NOTIFY hint and [`Store::subscribe_changes`] listens for the
     /// hints of other processes. Off, subscribers hear only this process's appends. Default on.
     pub notify: bool,
+    /// The longest one statement may run (PostgreSQL's `statement_timeout`), so that an
+    /// operation held up by a lock or an overloaded server fails ([`Error::StoreUnavailable`],
+    /// SQLSTATE 57014) rather than hanging a request. Default 30 s.
+    pub statement_timeout: Duration,
 }
 
 impl Default for PgOptions {
@@ -43,6 +47,7 @@ impl Default for PgOptions {
             max_connections: 10,
             acquire_timeout: Duration::from_secs(5),
             notify: true,
+            statement_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -85,7 +90,13 @@ impl PgStore {
             .application_name("cairn")
             // An `Ok` from an append must mean durable, whatever the server's or the role's
             // default: session-start options override both.
-            .options([("synchronous_commit", "on")]);
+            .options([
+                ("synchronous_commit", "on".to_owned()),
+                (
+                    "statement_timeout",
+                    options.statement_timeout.as_millis().max(1).to_string(),
+                ),
+            ]);
         let runtime = tokio::runtime::Handle::try_current()
             .map_err(|e| open_error(format!("connecting needs a tokio runtime: {e}")))?;
         let failed = |what: &str, e: &sqlx::Error| match classify(what, e) {

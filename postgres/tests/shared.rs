@@ -339,6 +339,7 @@ async fn exhausted_pool_fails_after_the_acquire_timeout() {
         max_connections: 1,
         acquire_timeout: Duration::from_millis(300),
         notify: false,
+        ..PgOptions::default()
     };
     let store = Arc::new(connect(&url, options).await);
     store

@@ -53,27 +53,49 @@ pub fn redact(_url: &str) -> String {
     "the database URL".to_owned()
 }
 
+/// How a database store uses its connections (`cairn server --store`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct PoolArgs {
+    /// Connections to the database this server opens at most.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub store_connections: u32,
+    /// A request that finds every connection taken waits this long for one, then is
+    /// answered 503 (retry).
+    #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub store_acquire_ms: u64,
+    /// One database statement may run this long (a lock held elsewhere, an overloaded
+    /// server), then fails and the request is answered 503.
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub store_statement_ms: u64,
+}
+
 /// Connects to the database store at `url` (its schema migrated to this build's).
-pub async fn connect(url: &str) -> anyhow::Result<Arc<dyn Store>> {
+pub async fn connect(url: &str, pool: &PoolArgs) -> anyhow::Result<Arc<dyn Store>> {
     if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
         bail!(
             "unsupported store URL {}: use postgres://USER@HOST:PORT/DATABASE",
             redact(url)
         );
     }
-    connect_postgres(url).await
+    connect_postgres(url, pool).await
 }
 
 #[cfg(feature = "postgres")]
-async fn connect_postgres(url: &str) -> anyhow::Result<Arc<dyn Store>> {
-    let store = cairn_postgres::PgStore::connect(url, cairn_postgres::PgOptions::default())
+async fn connect_postgres(url: &str, pool: &PoolArgs) -> anyhow::Result<Arc<dyn Store>> {
+    let options = cairn_postgres::PgOptions {
+        max_connections: pool.store_connections,
+        acquire_timeout: std::time::Duration::from_millis(pool.store_acquire_ms),
+        statement_timeout: std::time::Duration::from_millis(pool.store_statement_ms),
+        ..cairn_postgres::PgOptions::default()
+    };
+    let store = cairn_postgres::PgStore::connect(url, options)
         .await
         .with_context(|| format!("cannot use the PostgreSQL store at {}", redact(url)))?;
     Ok(Arc::new(store))
 }
 
 #[cfg(not(feature = "postgres"))]
-async fn connect_postgres(url: &str) -> anyhow::Result<Arc<dyn Store>> {
+async fn connect_postgres(url: &str, _pool: &PoolArgs) -> anyhow::Result<Arc<dyn Store>> {
     bail!(
         "this cairn was built without PostgreSQL support (the `postgres` feature), so it cannot use {}",
         redact(url)
@@ -94,7 +116,15 @@ pub async fn migrate(from: &Path, to: &str) -> anyhow::Result<()> {
             cairn::host::describe_losses(&source.losses)
         );
     }
-    let destination = connect(to).await?;
+    let destination = connect(
+        to,
+        &PoolArgs {
+            store_connections: 2,
+            store_acquire_ms: 30_000,
+            store_statement_ms: 300_000,
+        },
+    )
+    .await?;
     let now = SystemClock.now_ms();
     let report = cairn_runtime::store::copy::copy_sessions(&*source.store, &*destination, now)
         .await
