@@ -447,3 +447,43 @@ async fn an_exhausted_pool_answers_503_and_never_hangs() {
         "{outcome:?}"
     );
 }
+
+/// A server on a shared database drains for the leases it handed out only: SIGTERMed while
+/// the other server's worker holds a long lease, it exits without waiting out its drain time
+/// (10 s) for a lease that is not its own, and the other server finishes the turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_server_waits_for_its_own_leases_only() {
+    let database = cairn_postgres::testing::fresh_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let model = scripted(dir.path(), "turn.json", 4_000, TOOL_TURN);
+    let (mut a, _url_a) = server_on(&database, &[]);
+    let (_b, url_b) = server_on(&database, &[]);
+    let _worker_b = worker(&url_b, &[]);
+    let via_b = client(&url_b);
+    let id = via_b.start_session(options(&model, "drain")).await.unwrap();
+    let turn = via_b.send(&id, "go").await.unwrap();
+    // Server B's worker is inside the model call.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(via_b.describe(&id).await.unwrap().running_turn.is_some());
+    let pid = a.child.id() as libc::pid_t;
+    // SAFETY: a plain signal to a child process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let exited = tokio::task::spawn_blocking(move || {
+        for _ in 0..60 {
+            if let Ok(Some(status)) = a.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        None
+    })
+    .await
+    .unwrap();
+    let status = exited.expect("server A must not wait out its drain time for B's lease");
+    assert!(status.success(), "a drained server exits 0: {status:?}");
+    let outcome = via_b.wait_turn(&id, turn).await.unwrap();
+    assert!(
+        matches!(outcome, TurnOutcome::Completed { .. }),
+        "{outcome:?}"
+    );
+}

@@ -32,6 +32,7 @@ each_check!(
     large_events_round_trip,
     enqueue_and_lease,
     reenqueue_replaces_task,
+    duplicate_ids_in_one_enqueue_keep_the_last,
     complete_with_current_lease,
     complete_with_stale_attempt_writes_nothing,
     complete_after_expiry_is_lost,

@@ -179,6 +179,9 @@ struct Inner {
     /// Sessions somebody waits on or follows, with how many do: [`Engine::follow_store`]
     /// reads their foreign appends.
     watched: Mutex<HashMap<String, (usize, SessionSlot)>>,
+    /// Leases this engine handed out and has not seen reported, with their attempt and
+    /// expiry: on a shared store, a draining server waits for these, not for other servers'.
+    leased_here: Mutex<HashMap<TaskId, (u32, u64)>>,
     cache_capacity: usize,
 }
 
@@ -232,6 +235,7 @@ impl Engine {
                 id_counter: AtomicU64::new(0),
                 timers_stuck: std::sync::atomic::AtomicUsize::new(0),
                 watched: Mutex::new(HashMap::new()),
+                leased_here: Mutex::new(HashMap::new()),
                 cache_capacity: 10_000,
             }),
         }
@@ -473,6 +477,12 @@ impl Engine {
             .store
             .lease_tasks(self.now_ms(), lease_ms, max, filter)
             .await?;
+        if !leases.is_empty() {
+            let mut here = lock(&self.inner.leased_here);
+            for lease in &leases {
+                here.insert(lease.id.clone(), (lease.lease_attempt, lease.expires_at_ms));
+            }
+        }
         let mut out = Vec::with_capacity(leases.len());
         for lease in leases {
             match self.activity(&lease).await {
@@ -497,7 +507,8 @@ impl Engine {
         lease_ms: u64,
         details: Option<JsonText>,
     ) -> Result<u64> {
-        self.inner
+        let expires_at_ms = self
+            .inner
             .store
             .extend_lease(
                 &lease.id,
@@ -506,7 +517,24 @@ impl Engine {
                 lease_ms,
                 details,
             )
-            .await
+            .await?;
+        if let Some(entry) = lock(&self.inner.leased_here).get_mut(&lease.id) {
+            if entry.0 == lease.lease_attempt {
+                entry.1 = expires_at_ms;
+            }
+        }
+        Ok(expires_at_ms)
+    }
+
+    /// The leases this engine handed out that have neither been reported nor run out, by
+    /// task and attempt (a draining server waits for these). Forgets the ones that ran out.
+    pub fn leases_held_here(&self) -> Vec<(TaskId, u32)> {
+        let now = self.now_ms();
+        let mut here = lock(&self.inner.leased_here);
+        here.retain(|_, (_, expires_at_ms)| *expires_at_ms > now);
+        here.iter()
+            .map(|(id, (attempt, _))| (id.clone(), *attempt))
+            .collect()
     }
 
     /// Fires the durable timers that are due: every overdue task ([`Task::overdue`]) — a
@@ -641,6 +669,15 @@ impl Engine {
     /// lapsed): the worker drops it, the history is unchanged.
     pub async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()> {
         let session_id = &lease.id.session_id;
+        {
+            let mut here = lock(&self.inner.leased_here);
+            if here
+                .get(&lease.id)
+                .is_some_and(|(attempt, _)| *attempt == lease.lease_attempt)
+            {
+                here.remove(&lease.id);
+            }
+        }
         let submitted = self
             .submit(
                 session_id,
@@ -717,8 +754,8 @@ impl Engine {
     /// With `reclaim_leases`, first releases every lease in the store
     /// ([`Store::release_leases`]), so tasks leased by workers of a dead process run again at
     /// once, as the same attempt, rather than fail as lapsed leases. Only for a store no other process can hold
-    /// leases on (an embedded store the OS locks to this process, like sled); with a shared
-    /// store pass `false` and let leases lapse.
+    /// leases on (an embedded store the OS locks to this process, like sled); on a shared
+    /// store ([`Store::shared`]) it is ignored and leases lapse.
     pub async fn resume(&self, reclaim_leases: bool) -> Result<ResumeReport> {
         self.resume_where(reclaim_leases, |_| true).await
     }
@@ -743,7 +780,9 @@ impl Engine {
         wanted: impl Fn(&str) -> bool,
     ) -> Result<ResumeReport> {
         let mut report = ResumeReport::default();
-        if reclaim_leases {
+        // On a store other processes write, a lease may be a live worker's elsewhere:
+        // releasing it would hand its task out twice. There leases only lapse.
+        if reclaim_leases && !self.inner.store.shared() {
             report.reclaimed_leases = self.inner.store.release_leases(self.now_ms()).await?;
         }
         let queued: BTreeSet<TaskId> = self

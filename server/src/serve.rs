@@ -128,19 +128,29 @@ impl Server {
     }
 }
 
-/// Waits until no worker holds a lease, or `limit` passed.
+/// Waits until no worker holds a lease this server handed out, or `limit` passed. Leases
+/// other servers of a shared store handed out are theirs to wait for.
 async fn wait_for_leases(engine: &Engine, limit: Duration) {
     let deadline = AppState::deadline(limit);
     loop {
         let now = engine.now_ms();
-        let held = match engine.store().list_tasks().await {
-            Ok(tasks) => tasks
-                .iter()
-                .filter(|t| t.held && t.visible_at_ms > now)
-                .count(),
-            Err(e) => {
-                warn!(error = %e, "cannot list the held leases while draining");
-                0
+        let here: std::collections::BTreeSet<_> = engine.leases_held_here().into_iter().collect();
+        let held = if here.is_empty() {
+            0
+        } else {
+            match engine.store().list_tasks().await {
+                Ok(tasks) => tasks
+                    .iter()
+                    .filter(|t| {
+                        t.held
+                            && t.visible_at_ms > now
+                            && here.contains(&(t.id.clone(), t.lease_attempt))
+                    })
+                    .count(),
+                Err(e) => {
+                    warn!(error = %e, "cannot list the held leases while draining");
+                    0
+                }
             }
         };
         if held == 0 {

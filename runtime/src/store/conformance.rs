@@ -45,6 +45,7 @@ pub async fn run_all<S: Store>(
     large_events_round_trip(&fresh()).await;
     enqueue_and_lease(&fresh()).await;
     reenqueue_replaces_task(&fresh()).await;
+    duplicate_ids_in_one_enqueue_keep_the_last(&fresh()).await;
     complete_with_current_lease(&fresh()).await;
     complete_with_stale_attempt_writes_nothing(&fresh()).await;
     complete_after_expiry_is_lost(&fresh()).await;
@@ -721,6 +722,32 @@ pub async fn reenqueue_replaces_task(store: &dyn Store) {
         lease_ids(&lease(store, 1_000, 10, 10).await),
         vec![(t, 1, 1_010)],
         "a re-enqueued task leases once, not once per enqueue"
+    );
+}
+
+/// One append that enqueues the same task id twice keeps the last: one task, leased once.
+pub async fn duplicate_ids_in_one_enqueue_keep_the_last(store: &dyn Store) {
+    let s = "duplicates";
+    let t = task_id(s, 1);
+    let mut request = append_request(s, 1, vec![message(s, 1, "a")], 0);
+    request.enqueue = vec![
+        new_task(&t, TaskKind::Model, 100),
+        new_task(&t, TaskKind::Tool, 50),
+    ];
+    must_append(store, request, "enqueueing one id twice").await;
+    assert_eq!(
+        tasks(store).await,
+        vec![Task {
+            id: t.clone(),
+            kind: TaskKind::Tool,
+            visible_at_ms: 50,
+            ..unleased()
+        }],
+        "the last of two enqueues of one id in one append stands"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 1_000, 10, 10).await),
+        vec![(t, 1, 1_010)]
     );
 }
 
@@ -1946,6 +1973,7 @@ mod tests {
         large_events_round_trip,
         enqueue_and_lease,
         reenqueue_replaces_task,
+        duplicate_ids_in_one_enqueue_keep_the_last,
         complete_with_current_lease,
         complete_with_stale_attempt_writes_nothing,
         complete_after_expiry_is_lost,
