@@ -3,10 +3,12 @@
 //! database comes from `DATABASE_URL` (scripts/test starts a throwaway PostgreSQL); without
 //! one these tests fail, never skip.
 
-use crate::service::{check_session, free_addr, scripted, start, worker, TOOL_TURN};
+use crate::service::{
+    check_session, free_addr, running, scripted, start, tool_results, worker, TOOL_TURN,
+};
 use cairn_devtools::process::Process;
 use cairn_ledger::{ModelSpec, ToolSpec};
-use cairn_runtime::{Client, Event, SessionOptions, TurnOutcome};
+use cairn_runtime::{Client, SessionOptions, TurnOutcome};
 use std::time::Duration;
 
 /// `cairn server` on a free loopback port over the database at `store`; returns it and its
@@ -92,10 +94,7 @@ async fn two_servers_on_one_database_complete_every_session() {
             "{}: both servers read the same history",
             s.session_id
         );
-        let results = history
-            .iter()
-            .filter(|e| matches!(e.event, Event::ToolCallCompleted { .. }))
-            .count();
+        let results = tool_results(&history);
         assert_eq!(results, 2, "{}", s.session_id);
     }
 }
@@ -277,19 +276,10 @@ async fn a_postgres_restart_mid_run_loses_nothing_acknowledged() {
         let turn = c.send(&id, "go").await.unwrap();
         acked.push((id, turn));
     }
-    let mut running = 0;
-    for (id, _) in &acked {
-        if clients[0]
-            .describe(id)
-            .await
-            .unwrap()
-            .running_turn
-            .is_some()
-        {
-            running += 1;
-        }
-    }
-    assert!(running > 0, "the restart must land in the middle of turns");
+    assert!(
+        running(&clients[0], &acked).await > 0,
+        "the restart must land in the middle of turns"
+    );
     assert!(cluster.run("restart"), "scripts/postgres restart failed");
     for (i, (id, turn)) in acked.iter().enumerate() {
         let c = clients[(i + 1) % 2].clone();
@@ -343,13 +333,10 @@ async fn a_killed_servers_sessions_continue_on_the_other() {
     // Server A's worker is inside model calls when A dies.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let via_b = client(&url_b);
-    let mut running = 0;
-    for (id, _) in &acked {
-        if via_b.describe(id).await.unwrap().running_turn.is_some() {
-            running += 1;
-        }
-    }
-    assert!(running > 0, "the kill must land in the middle of turns");
+    assert!(
+        running(&via_b, &acked).await > 0,
+        "the kill must land in the middle of turns"
+    );
     a.kill();
     let _worker_b = worker(&url_b, &["--lease-ms", "1500"]);
     for (id, turn) in &acked {
@@ -362,14 +349,7 @@ async fn a_killed_servers_sessions_continue_on_the_other() {
             "{id}: {outcome:?}"
         );
         let history = check_session(&via_b, id).await;
-        assert_eq!(
-            history
-                .iter()
-                .filter(|e| matches!(e.event, Event::ToolCallCompleted { .. }))
-                .count(),
-            2,
-            "{id}"
-        );
+        assert_eq!(tool_results(&history), 2, "{id}");
     }
 }
 

@@ -113,6 +113,25 @@ pub async fn check_session(client: &Client, session: &str) -> Vec<EventEnvelope>
     history
 }
 
+/// How many tool results a history records.
+pub fn tool_results(history: &[EventEnvelope]) -> usize {
+    history
+        .iter()
+        .filter(|e| matches!(e.event, Event::ToolCallCompleted { .. }))
+        .count()
+}
+
+/// How many of `sessions` have a turn running, as `client` describes them.
+pub async fn running(client: &Client, sessions: &[(String, u32)]) -> usize {
+    let mut running = 0;
+    for (id, _) in sessions {
+        if client.describe(id).await.unwrap().running_turn.is_some() {
+            running += 1;
+        }
+    }
+    running
+}
+
 fn options(model: &ModelSpec, id: &str) -> SessionOptions {
     let mut o = SessionOptions::new(model.clone(), calculator());
     o.session_id = Some(id.to_owned());
@@ -151,11 +170,7 @@ async fn fifty_sessions_run_through_a_server_and_three_worker_processes() {
     assert_eq!(sessions.len(), 50);
     for s in sessions {
         let history = check_session(&client, &s.session_id).await;
-        let tool_results = history
-            .iter()
-            .filter(|e| matches!(e.event, Event::ToolCallCompleted { .. }))
-            .count();
-        assert_eq!(tool_results, 2, "{}", s.session_id);
+        assert_eq!(tool_results(&history), 2, "{}", s.session_id);
     }
 }
 
@@ -242,13 +257,10 @@ async fn a_server_killed_mid_turns_restarts_and_every_acknowledged_turn_complete
         acked.push((id, turn));
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let mut running = 0;
-    for (id, _) in &acked {
-        if client.describe(id).await.unwrap().running_turn.is_some() {
-            running += 1;
-        }
-    }
-    assert!(running > 0, "the kill must land in the middle of turns");
+    assert!(
+        running(&client, &acked).await > 0,
+        "the kill must land in the middle of turns"
+    );
     server_process.kill();
     let (_server, url_again) = server(&data, &listen);
     assert_eq!(url, url_again);
