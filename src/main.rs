@@ -131,6 +131,47 @@ enum Command {
         data: Option<PathBuf>,
         /// Session id.
         session: String,
+        /// Print every event with the commands the current code decides on it.
+        #[arg(long)]
+        trace: bool,
+    },
+    /// Print a session as it was right after one event: status, usage, pending tasks, open
+    /// tool calls and the transcript.
+    Show {
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
+        /// Session id.
+        session: String,
+        /// The event (default: the last).
+        #[arg(long, value_name = "SEQ")]
+        at: Option<u64>,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a session's history as a file (JSON lines: a header, then `history --json`'s
+    /// lines) that `cairn import` reads.
+    Export {
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
+        /// Session id.
+        session: String,
+        /// The file to write (default: stdout).
+        #[arg(short, long, value_name = "FILE")]
+        output: Option<PathBuf>,
+    },
+    /// Make a session in a store from a `cairn export` file; an interrupted turn resumes
+    /// with `cairn resume`. A file that is damaged or out of order is refused, naming the
+    /// line, and nothing is written.
+    Import {
+        #[arg(long, value_name = "DIR", help = cli::DATA_HELP)]
+        data: Option<PathBuf>,
+        /// The export file.
+        file: PathBuf,
     },
     /// Cancel a session (or only its running turn): open tool calls get error results.
     Cancel {
@@ -569,12 +610,19 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             outln!("{}", serde_json::to_string_pretty(&body)?)?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Replay { data, session } => {
+        Command::Replay {
+            data,
+            session,
+            trace,
+        } => {
             let store = StoreDir::resolve(data)?;
             store.check_exists()?;
             let host =
                 Host::open(&store.path, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
             let events = host.client.history(&session).await?;
+            if trace {
+                return cli::history_files::print_trace(&session, &events);
+            }
             match replay(&session, &events) {
                 Ok(replayed) => {
                     let bytes = replayed.state.transcript.canonical_json();
@@ -596,6 +644,35 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 Err(e) => Err(e.into()),
             }
+        }
+        Command::Show {
+            data,
+            server,
+            session,
+            at,
+            json,
+        } => {
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
+            let events = access.client().history(&session).await?;
+            cli::history_files::show(&session, &events, at, json)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Export {
+            data,
+            server,
+            session,
+            output,
+        } => {
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
+            let events = access.client().history(&session).await?;
+            cli::history_files::export(&session, &events, output.as_deref())?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Import { data, file } => {
+            cli::history_files::import(&StoreDir::resolve(data)?.path, &file).await?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Cancel {
             data,

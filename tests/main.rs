@@ -9,6 +9,7 @@ mod corruption;
 mod engine;
 mod faults;
 mod golden;
+mod history_files;
 mod lifecycle;
 mod postgres;
 mod powercut;

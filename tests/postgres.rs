@@ -416,6 +416,11 @@ async fn an_exhausted_pool_answers_503_and_never_hangs() {
         assert_eq!(status, 503, "{body}");
         assert_eq!(body["error"]["code"], "unavailable", "{body}");
     }
+    let refused = c.send(&ids[0], "refused").await.unwrap_err();
+    assert!(
+        refused.is_retryable(),
+        "the client sees the 503 as retryable: {refused:?}"
+    );
     lock.rollback().await.unwrap();
     for id in &ids {
         let history = c.history(id).await.unwrap();

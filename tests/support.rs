@@ -131,7 +131,8 @@ pub async fn reopen_sled(data: &std::path::Path) -> cairn_runtime::store::sled::
 }
 
 /// The `cairn` binary as a command, with its environment pinned: no server from
-/// `CAIRN_SERVER`, and a default data directory no store can be made in (a path under a
+/// `CAIRN_SERVER`, no database from `CAIRN_STORE` or `DATABASE_URL` (scripts/test sets the
+/// latter for the PostgreSQL tests), and a default data directory no store can be made in (a path under a
 /// file), so a command that was not given `--data` fails instead of touching a real home.
 /// Tests of the default directory set `CAIRN_DATA` themselves.
 pub fn cairn_command() -> std::process::Command {
@@ -143,6 +144,8 @@ pub fn cairn_command() -> std::process::Command {
         )
         .env_remove("CAIRN_SERVER")
         .env_remove("CAIRN_TOKEN")
+        .env_remove("CAIRN_STORE")
+        .env_remove("DATABASE_URL")
         .env_remove("RUST_LOG");
     command
 }

@@ -147,6 +147,14 @@ pub enum Error {
         /// What is missing, by session and seq.
         lost: Vec<crate::store::marks::Loss>,
     },
+    /// A history file to import (`cairn import`) that cannot be taken as it is.
+    #[error("cannot import line {line}: {reason}; nothing was imported")]
+    InvalidImport {
+        /// The line of the file (from 1; the header is line 1).
+        line: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The engine is shutting down.
     #[error("the engine is shut down")]
     Shutdown,
@@ -199,10 +207,16 @@ impl Error {
     }
 
     /// Whether the same operation may succeed when tried again later: the store was
-    /// unavailable ([`Error::StoreUnavailable`]). Constraint violations, corrupt records and
-    /// rejections are not retryable.
+    /// unavailable ([`Error::StoreUnavailable`]), or, through a server, the server could not
+    /// be reached or answered 503 (draining, or its store unavailable). Constraint
+    /// violations, corrupt records and rejections are not retryable.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::StoreUnavailable { .. })
+        matches!(
+            self,
+            Error::StoreUnavailable { .. }
+                | Error::Unreachable { .. }
+                | Error::Remote { status: 503, .. }
+        )
     }
 
     /// Whether opening a store failed because another process holds it (its lock): that

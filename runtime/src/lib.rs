@@ -7,6 +7,7 @@ pub mod codec;
 pub mod engine;
 pub mod error;
 pub mod event;
+pub mod export;
 pub mod fsck;
 pub mod progress;
 pub mod replay;

@@ -49,3 +49,62 @@ pub fn step_through<'a>(
         }
     })
 }
+
+/// The state of a session right after its event `seq`: the history folded up to it with the
+/// current code. A transition may be cut anywhere (an input whose command events come after
+/// `seq`), so the end-of-history check of [`replay`] is not made; what the cut input decided
+/// shows as the commands the state still expects. `InvalidEvent` when `seq` is not in the
+/// history.
+pub fn state_at(session_id: &str, events: &[EventEnvelope], seq: u64) -> Result<SessionState> {
+    let last = events.last().map_or(0, |e| e.seq);
+    if seq == 0 || seq > last {
+        return Err(crate::error::Error::InvalidEvent {
+            session_id: session_id.to_owned(),
+            seq,
+            reason: format!("no event {seq}: the history holds seqs 1..={last}"),
+        });
+    }
+    let mut state = SessionState::new(session_id);
+    for envelope in events.iter().take_while(|e| e.seq <= seq) {
+        state.apply(envelope)?;
+    }
+    Ok(state)
+}
+
+/// The tool calls of the running turn's current round that have no result yet.
+pub fn open_tool_calls(state: &SessionState) -> Vec<&crate::workflow::ToolSlot> {
+    match state.active.as_ref().map(|a| &a.phase) {
+        Some(crate::workflow::Phase::Tools(slots)) => slots
+            .iter()
+            .filter(|slot| !matches!(slot.state, crate::workflow::ToolSlotState::Done(_)))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// One event of a traced replay, with what the current code decided on it.
+#[derive(Debug, Clone)]
+pub struct TraceStep<'a> {
+    /// The event.
+    pub event: &'a EventEnvelope,
+    /// For an input event, the commands the current code decides on it (recorded by the
+    /// events that follow it); empty for a command event, which is checked against them.
+    pub decided: Vec<Command>,
+}
+
+/// A replay that keeps every step: each event with the commands the current code decides on
+/// it, up to the end or to the first divergence, which is returned beside the steps.
+pub fn trace<'a>(
+    session_id: &str,
+    events: &'a [EventEnvelope],
+) -> (Vec<TraceStep<'a>>, Option<crate::error::Error>) {
+    let mut state = SessionState::new(session_id);
+    let mut steps = Vec::with_capacity(events.len());
+    for event in events {
+        match state.apply(event) {
+            Ok(decided) => steps.push(TraceStep { event, decided }),
+            Err(e) => return (steps, Some(e)),
+        }
+    }
+    (steps, state.finish_replay().err())
+}

@@ -6,6 +6,7 @@
 
 pub mod database;
 pub mod deltas;
+pub mod history_files;
 pub mod out;
 pub mod remote;
 pub mod worker;

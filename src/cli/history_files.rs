@@ -1,0 +1,190 @@
+//! Looking into and moving histories: `cairn export` and `cairn import` (the JSON-lines format
+//! of `runtime/src/export.rs`), `cairn show --at SEQ` (a session as it was at one event) and
+//! `cairn replay --trace` (every event with what the current code decides on it).
+
+use super::out::{outln, showln};
+use anyhow::Context;
+use cairn_runtime::client::describe_state;
+use cairn_runtime::engine::status_of;
+use cairn_runtime::export::{export_lines, import_session};
+use cairn_runtime::replay::{open_tool_calls, state_at, trace};
+use cairn_runtime::store::embedded::{self, OpenMode};
+use cairn_runtime::workflow::ToolSlotState;
+use cairn_runtime::{Clock, EventEnvelope, SystemClock};
+use std::path::Path;
+use std::process::ExitCode;
+
+/// `cairn export`: the session's history as an export, to `output` or stdout.
+pub fn export(
+    session: &str,
+    events: &[EventEnvelope],
+    output: Option<&Path>,
+) -> anyhow::Result<()> {
+    let lines = export_lines(session, events)?;
+    match output {
+        Some(path) => {
+            std::fs::write(path, lines.as_bytes())
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            showln!(
+                "exported {} events of session {session} to {}",
+                events.len(),
+                path.display()
+            );
+        }
+        None => outln!("{}", lines.trim_end_matches('\n'))?,
+    }
+    Ok(())
+}
+
+/// `cairn import FILE`: a new session in the store at `data` (made when missing) from an
+/// export; an interrupted turn resumes with `cairn resume`.
+pub async fn import(data: &Path, file: &Path) -> anyhow::Result<()> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+    // Checked before the store is opened (or made): a refused file changes nothing.
+    cairn_runtime::export::parse_export(&text)
+        .with_context(|| format!("{} is refused", file.display()))?;
+    let opened = embedded::open(data, OpenMode::Create, None).await?;
+    let report = import_session(&*opened.store, &text, SystemClock.now_ms())
+        .await
+        .with_context(|| format!("importing {}", file.display()))?;
+    showln!(
+        "imported session {} ({} events) into {}{}",
+        report.session_id,
+        report.events,
+        data.display(),
+        if report.running {
+            format!(
+                "; its turn was interrupted ({} activit{} queued): `cairn resume --data {}` carries it on",
+                report.tasks,
+                if report.tasks == 1 { "y" } else { "ies" },
+                data.display()
+            )
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}
+
+/// `cairn show SESSION [--at SEQ]`: status, usage, pending tasks, open tool calls and the
+/// transcript as they were right after event `at` (default: the last).
+pub fn show(
+    session: &str,
+    events: &[EventEnvelope],
+    at: Option<u64>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let last = events.last().map_or(0, |e| e.seq);
+    let seq = at.unwrap_or(last);
+    let state = state_at(session, events, seq)?;
+    let description = describe_state(&state, status_of(&state));
+    let open: Vec<_> = open_tool_calls(&state);
+    if json {
+        let open: Vec<serde_json::Value> = open
+            .iter()
+            .map(|slot| {
+                let attempt = match &slot.state {
+                    ToolSlotState::Scheduled { attempt, .. } => Some(*attempt),
+                    _ => None,
+                };
+                serde_json::json!({
+                    "tool_use_id": slot.tool_use.id,
+                    "name": slot.tool_use.name,
+                    "arguments": slot.tool_use.arguments,
+                    "attempt": attempt,
+                })
+            })
+            .collect();
+        let transcript: serde_json::Value =
+            serde_json::from_slice(&state.transcript.canonical_json())?;
+        let shown = serde_json::json!({
+            "at_seq": seq,
+            "of_seqs": last,
+            "session": description,
+            "open_tool_calls": open,
+            "transcript": transcript,
+        });
+        outln!("{}", serde_json::to_string(&shown)?)?;
+        return Ok(());
+    }
+    let at_event = events
+        .iter()
+        .find(|e| e.seq == seq)
+        .map_or("", |e| e.kind.as_str());
+    outln!("session {session} at seq {seq} of {last} ({at_event})")?;
+    outln!(
+        "status: {}{}",
+        description.status.as_str(),
+        match description.running_turn {
+            Some(turn) => format!(" (turn {turn} running)"),
+            None => String::new(),
+        }
+    )?;
+    outln!("turns started: {}", description.turns)?;
+    if let Some(outcome) = &description.last_outcome {
+        outln!("last outcome: {}", serde_json::to_string(outcome)?)?;
+    }
+    let usage = &description.usage;
+    outln!(
+        "usage so far: {} input, {} output tokens ({} cache read, {} cache write)",
+        usage.input_tokens,
+        usage.output_tokens,
+        usage.cache_read_tokens,
+        usage.cache_write_tokens
+    )?;
+    if description.pending_tasks.is_empty() {
+        outln!("pending tasks: none")?;
+    }
+    for task in &description.pending_tasks {
+        outln!(
+            "pending task: {} attempt {} (scheduled at seq {})",
+            task.activity,
+            task.attempt,
+            task.scheduled_seq
+        )?;
+    }
+    for slot in &open {
+        outln!(
+            "open tool call: {} {} {}",
+            slot.tool_use.id,
+            slot.tool_use.name,
+            slot.tool_use.arguments
+        )?;
+    }
+    outln!("transcript:")?;
+    outln!(
+        "{}",
+        String::from_utf8_lossy(&state.transcript.canonical_json())
+    )?;
+    Ok(())
+}
+
+/// `cairn replay --trace`: every event with the commands the current code decides on it;
+/// exit 1 at the first divergence, named after the events that replayed.
+pub fn print_trace(session: &str, events: &[EventEnvelope]) -> anyhow::Result<ExitCode> {
+    let (steps, divergence) = trace(session, events);
+    for step in &steps {
+        let decided = if step.decided.is_empty() {
+            String::new()
+        } else {
+            let commands: Vec<String> = step
+                .decided
+                .iter()
+                .map(|c| c.clone().into_event().kind().to_owned())
+                .collect();
+            format!("  => decides {}", commands.join(", "))
+        };
+        outln!("{:>5}  {}{decided}", step.event.seq, step.event.kind)?;
+    }
+    match divergence {
+        None => {
+            outln!("ok: {} events replay deterministically", events.len())?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(e) => {
+            outln!("divergence: {e}")?;
+            Ok(ExitCode::from(1))
+        }
+    }
+}
