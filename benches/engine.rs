@@ -11,6 +11,7 @@ use std::sync::Arc;
 fn started() -> SessionStarted {
     SessionStarted {
         queues: Default::default(),
+        forked_from: None,
         model: ModelSpec::parse("scripted:bench.json").unwrap(),
         tools: vec![ToolSpec {
             name: "calculator".into(),

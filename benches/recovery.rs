@@ -23,6 +23,7 @@ const SESSIONS: usize = 1_000;
 fn started() -> SessionStarted {
     SessionStarted {
         queues: Default::default(),
+        forked_from: None,
         model: ModelSpec::parse("scripted:bench.json").unwrap(),
         tools: vec![ToolSpec {
             name: "calculator".into(),

@@ -164,6 +164,43 @@ enum Command {
         #[arg(short, long, value_name = "FILE")]
         output: Option<PathBuf>,
     },
+    /// Start a new session whose history is a session's prefix up to an event (cut where
+    /// no decision is half recorded), going on from there: the prefix's model and tool calls
+    /// are not run again. The fork records its parent and seq.
+    Fork {
+        #[arg(long, value_name = "DIR", help = cli::DATA_HELP)]
+        data: Option<PathBuf>,
+        /// The session to fork.
+        session: String,
+        /// The last event to copy.
+        #[arg(long, value_name = "SEQ")]
+        at: u64,
+        /// The fork's id (default: generated).
+        #[arg(long, value_name = "ID")]
+        id: Option<String>,
+        /// Another default model, PROVIDER:MODEL (the running turn's too, when the fork is
+        /// cut inside one, unless that would switch a tool loop to another provider).
+        #[arg(long, value_name = "PROVIDER:MODEL")]
+        model: Option<String>,
+        /// Another system prompt.
+        #[arg(long, value_name = "TEXT")]
+        system: Option<String>,
+    },
+    /// A semantic diff of two sessions: where their histories part, their transcripts'
+    /// differences by message and part, and their usage.
+    Diff {
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
+        /// Session A.
+        a: String,
+        /// Session B.
+        b: String,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Make a session in a store from a `cairn export` file; an interrupted turn resumes
     /// with `cairn resume`. A file that is damaged or out of order is refused, naming the
     /// line, and nothing is written.
@@ -668,6 +705,46 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let access = Access::open(target, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
             let events = access.client().history(&session).await?;
             cli::history_files::export(&session, &events, output.as_deref())?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Fork {
+            data,
+            session,
+            at,
+            id,
+            model,
+            system,
+        } => {
+            let store = StoreDir::resolve(data)?;
+            store.check_exists()?;
+            let model = model.as_deref().map(parse_model).transpose()?;
+            let request = cairn_runtime::fork::ForkRequest {
+                session_id: id.unwrap_or_else(|| {
+                    format!(
+                        "{session}-fork-{at}-{:x}",
+                        cairn_runtime::Clock::now_ms(&cairn_runtime::SystemClock)
+                    )
+                }),
+                parent: session,
+                at_seq: at,
+                model,
+                system_prompt: system,
+            };
+            cli::history_files::fork(&store.path, &request).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Diff {
+            data,
+            server,
+            a,
+            b,
+            json,
+        } => {
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
+            let events_a = access.client().history(&a).await?;
+            let events_b = access.client().history(&b).await?;
+            cli::history_files::diff((&a, &events_a), (&b, &events_b), json)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Import { data, file } => {

@@ -65,6 +65,7 @@ fn sample_events() -> Vec<Event> {
     vec![
         Event::SessionStarted(SessionStarted {
             queues: Default::default(),
+            forked_from: None,
             model: ModelSpec {
                 provider: "scripted".into(),
                 model: "demo.json".into(),
@@ -202,6 +203,36 @@ fn every_event_kind_has_golden_bytes_that_decode_and_reencode_identically() {
     expected.sort();
     assert_eq!(found, expected);
     assert_eq!(kinds.len(), 13);
+}
+
+/// A forked session's first event records its parent and seq; the field, added after v1,
+/// is left out of every other record (the v1 files above are unchanged by it).
+#[test]
+fn a_forked_session_started_has_golden_bytes() {
+    let Event::SessionStarted(mut started) = sample_events().remove(0) else {
+        panic!("the first sample is a session_started");
+    };
+    started.forked_from = Some(ForkOrigin {
+        session_id: "parent".into(),
+        seq: 7,
+    });
+    let envelope = EventEnvelope::new(
+        "golden-fork",
+        1,
+        1_700_000_000_000,
+        Event::SessionStarted(started),
+    );
+    let path = golden_dir().join("events/fork-session_started.bin");
+    let bytes = codec::encode(&envelope).unwrap();
+    if bless() || !path.exists() {
+        std::fs::write(&path, &bytes).unwrap();
+    }
+    let stored = std::fs::read(&path).unwrap();
+    assert_eq!(codec::decode("golden-fork", 1, &stored).unwrap(), envelope);
+    assert_eq!(
+        bytes, stored,
+        "the encoding of a fork's session_started changed"
+    );
 }
 
 #[test]

@@ -178,6 +178,7 @@ async fn an_imported_interrupted_session_resumes() {
             model_retry: cairn_runtime::RetryPolicy::model_default(),
             tool_retry: cairn_runtime::RetryPolicy::tool_default(),
             queues: Default::default(),
+            forked_from: None,
         };
         engine
             .start_session(Some(session.into()), started)
@@ -291,4 +292,153 @@ fn show_at_an_event_gives_the_session_as_it_was_and_replay_trace_gives_every_dec
         "{trace}"
     );
     assert!(lines.last().unwrap().starts_with("ok: "), "{trace}");
+}
+
+fn events_of(data: &Path, session: &str) -> Vec<EventEnvelope> {
+    ok(&cairn(&[
+        "history",
+        "--data",
+        path(data),
+        session,
+        "--json",
+    ]))
+    .lines()
+    .map(|l| serde_json::from_str(l).unwrap())
+    .collect()
+}
+
+/// A fork cut after the demo's tool results, with another model: resumed, it runs only the
+/// model call that was pending — no tool again — and completes with the other model's
+/// answer; its first event names the parent and seq, the copied prefix is the parent's, and
+/// its history replays. A cut inside a transition, and a switch of provider inside a tool
+/// loop, are refused with the reason.
+#[test]
+fn a_fork_goes_on_from_its_cut_without_running_the_prefix_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a");
+    let parent = demo_store(&a);
+    let parent_events = events_of(&a, &parent);
+    // The cut: right after the model call that follows the tool results was scheduled.
+    let cut = parent_events
+        .iter()
+        .filter(|e| matches!(e.event, Event::ModelCallScheduled { .. }))
+        .nth(1)
+        .expect("the demo's second model call")
+        .seq;
+    let other = dir.path().join("other.json");
+    std::fs::write(
+        &other,
+        r#"{"responses": [{"parts": [{"type": "text", "text": "unused"}]}, {"parts": [{"type": "text", "text": "Another model's answer."}]}]}"#,
+    )
+    .unwrap();
+    let model = format!("scripted:{}", other.display());
+    let said = ok(&cairn(&[
+        "fork",
+        "--data",
+        path(&a),
+        &parent,
+        "--at",
+        &cut.to_string(),
+        "--model",
+        &model,
+        "--id",
+        "child",
+    ]));
+    assert!(said.contains("forked session child"), "{said}");
+    assert!(said.contains("1 activity queued"), "{said}");
+    ok(&cairn(&["resume", "--data", path(&a)]));
+    let child = events_of(&a, "child");
+    let Event::SessionStarted(started) = &child[0].event else {
+        panic!("a fork begins with session_started");
+    };
+    let origin = started
+        .forked_from
+        .as_ref()
+        .expect("the fork names its parent");
+    assert_eq!(
+        (origin.session_id.as_str(), origin.seq),
+        (parent.as_str(), cut)
+    );
+    for (copied, original) in child
+        .iter()
+        .zip(&parent_events)
+        .skip(1)
+        .take(cut as usize - 1)
+    {
+        assert_eq!(copied.event, original.event, "seq {} is copied", copied.seq);
+    }
+    let after_cut = &child[cut as usize..];
+    assert!(
+        !after_cut.iter().any(|e| matches!(
+            e.event,
+            Event::ToolCallScheduled { .. } | Event::ToolCallCompleted { .. }
+        )),
+        "no tool runs again in the fork: {after_cut:?}"
+    );
+    assert_eq!(
+        after_cut
+            .iter()
+            .filter(|e| matches!(e.event, Event::ModelCallCompleted { .. }))
+            .count(),
+        1,
+        "only the pending model call runs"
+    );
+    let shown = ok(&cairn(&["show", "--data", path(&a), "child"]));
+    assert!(shown.contains("Another model's answer."), "{shown}");
+    ok(&cairn(&["replay", "--data", path(&a), "child"]));
+
+    // The diff of the fork against its parent.
+    let diff: serde_json::Value = serde_json::from_str(&ok(&cairn(&[
+        "diff",
+        "--data",
+        path(&a),
+        &parent,
+        "child",
+        "--json",
+    ])))
+    .unwrap();
+    assert_eq!(diff["config"], serde_json::json!(["model"]));
+    assert!(diff["parting"]["seq"].as_u64().unwrap() > cut, "{diff}");
+    let changed = &diff["messages"][0];
+    assert_eq!(changed["change"], "changed", "{diff}");
+    assert!(
+        changed["parts"]
+            .to_string()
+            .contains("Another model's answer."),
+        "{diff}"
+    );
+    assert!(diff["usage"]["delta"][1].as_i64().unwrap() < 0, "{diff}");
+    let text = ok(&cairn(&["diff", "--data", path(&a), &parent, "child"]));
+    assert!(text.contains("configuration differs: model"), "{text}");
+
+    // Refusals: a cut inside a transition, a provider switch inside the tool loop.
+    let inside = cairn(&["fork", "--data", path(&a), &parent, "--at", "2"]);
+    assert!(!inside.status.success());
+    assert!(
+        String::from_utf8_lossy(&inside.stderr).contains("cuts the transition of seq 2"),
+        "{}",
+        String::from_utf8_lossy(&inside.stderr)
+    );
+    let switch = cairn(&[
+        "fork",
+        "--data",
+        path(&a),
+        &parent,
+        "--at",
+        &cut.to_string(),
+        "--model",
+        "openai:gpt-4o",
+    ]);
+    assert!(!switch.status.success());
+    assert!(
+        String::from_utf8_lossy(&switch.stderr).contains("inside a tool loop"),
+        "{}",
+        String::from_utf8_lossy(&switch.stderr)
+    );
+    let listed = ok(&cairn(&["sessions", "--data", path(&a)]));
+    assert_eq!(
+        listed.lines().count(),
+        2,
+        "refused forks write nothing: {listed}"
+    );
 }

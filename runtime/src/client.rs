@@ -60,6 +60,7 @@ impl SessionOptions {
             model_retry: self.model_retry.clone(),
             tool_retry: self.tool_retry.clone(),
             queues: self.queues.clone(),
+            forked_from: None,
         }
     }
 }

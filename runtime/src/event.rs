@@ -233,6 +233,20 @@ pub struct SessionStarted {
     /// the default, so histories written before routing existed read the same.
     #[serde(default, skip_serializing_if = "Queues::is_default")]
     pub queues: Queues,
+    /// The session and seq this one was forked from (`cairn fork`): its history up to here
+    /// is a copy of that prefix. Omitted from the record when not a fork, so other histories
+    /// read the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<ForkOrigin>,
+}
+
+/// Where a forked session came from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkOrigin {
+    /// The parent session.
+    pub session_id: String,
+    /// The last seq of the parent's history the fork copied.
+    pub seq: u64,
 }
 
 /// The task queues of a session's activities; `None` is [`DEFAULT_QUEUE`](crate::store::DEFAULT_QUEUE).

@@ -192,32 +192,43 @@ pub fn parse_export(text: &str) -> Result<(ExportHeader, Vec<EventEnvelope>, Ses
     Ok((header, events, state))
 }
 
-/// Imports an export into `store` as a new session, in one atomic append: its events as
-/// they were, its status, and, when its turn was interrupted, a task for every activity the
-/// turn waits for, so that it resumes. Nothing is written when the file is refused
-/// ([`parse_export`]) or the session exists (`InvalidEvent`).
+/// Imports an export into `store` as a new session (see [`write_new_session`]). Nothing is
+/// written when the file is refused ([`parse_export`]) or the session exists.
 pub async fn import_session(store: &dyn Store, text: &str, now_ms: u64) -> Result<ImportReport> {
-    let (header, events, state) = parse_export(text)?;
+    let (_, events, state) = parse_export(text)?;
+    write_new_session(store, events, &state, now_ms).await
+}
+
+/// Writes a whole checked history (`state` is its fold) as a new session, in one atomic
+/// append: its events as they are, its status, and, when its turn is in progress, a task
+/// for every activity the turn waits for, due at once, so that it goes on. `InvalidEvent`
+/// when the session exists; nothing is written then.
+pub async fn write_new_session(
+    store: &dyn Store,
+    events: Vec<EventEnvelope>,
+    state: &SessionState,
+    now_ms: u64,
+) -> Result<ImportReport> {
+    let session_id = state.session_id.clone();
     let enqueue: Vec<_> = state
         .outstanding_tasks()
         .into_iter()
         .filter_map(|seq| state.queued_task(seq))
         .map(|mut task| {
-            // Due at once: the attempt it schedules was waiting when the export was made.
             task.visible_at_ms = task.visible_at_ms.min(now_ms);
             task
         })
         .collect();
     let report = ImportReport {
-        session_id: header.session_id.clone(),
+        session_id: session_id.clone(),
         events: events.len() as u64,
         running: state.is_running(),
         tasks: enqueue.len(),
     };
     let request = AppendRequest {
-        session_id: header.session_id.clone(),
+        session_id: session_id.clone(),
         expected_next_seq: 1,
-        status: status_of(&state),
+        status: status_of(state),
         now_ms: events.last().map_or(now_ms, |e| e.recorded_at_ms),
         events,
         enqueue,
@@ -227,9 +238,9 @@ pub async fn import_session(store: &dyn Store, text: &str, now_ms: u64) -> Resul
     match store.append(request).await {
         Ok(()) => Ok(report),
         Err(Error::Conflict { .. }) => Err(Error::InvalidEvent {
-            session_id: header.session_id,
+            session_id,
             seq: 1,
-            reason: "the store already has a session of this id; nothing was imported".into(),
+            reason: "the store already has a session of this id; nothing was written".into(),
         }),
         Err(e) => Err(e),
     }

@@ -478,6 +478,7 @@ mod tests {
     fn started() -> Event {
         Event::SessionStarted(SessionStarted {
             queues: Default::default(),
+            forked_from: None,
             model: ModelSpec::parse("scripted:x.json").expect("model spec"),
             tools: Vec::new(),
             system_prompt: None,

@@ -4,10 +4,12 @@
 pub mod client;
 pub mod clock;
 pub mod codec;
+pub mod diff;
 pub mod engine;
 pub mod error;
 pub mod event;
 pub mod export;
+pub mod fork;
 pub mod fsck;
 pub mod progress;
 pub mod replay;
@@ -30,8 +32,8 @@ pub use engine::{
 };
 pub use error::{Error, Result};
 pub use event::{
-    ActivityFailure, ErrorClass, Event, EventEnvelope, FailurePhase, Limits, Queues, RetryPolicy,
-    SessionStarted, SCHEMA_VERSION,
+    ActivityFailure, ErrorClass, Event, EventEnvelope, FailurePhase, ForkOrigin, Limits, Queues,
+    RetryPolicy, SessionStarted, SCHEMA_VERSION,
 };
 pub use progress::{interrupted_output, streamed_outputs, StreamedOutput};
 pub use replay::{replay, Replay};

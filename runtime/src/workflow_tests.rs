@@ -71,6 +71,7 @@ impl Live {
 fn started(max_rounds: u32) -> SessionStarted {
     SessionStarted {
         queues: Default::default(),
+        forked_from: None,
         model: ModelSpec::parse("scripted:test.json").unwrap(),
         tools: vec![
             ToolSpec {

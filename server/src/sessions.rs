@@ -143,6 +143,7 @@ pub async fn create_session(
             .unwrap_or_else(RetryPolicy::model_default),
         tool_retry: request.tool_retry.unwrap_or_else(RetryPolicy::tool_default),
         queues: request.queues.unwrap_or_default(),
+        forked_from: None,
     };
     async {
         match state.engine.start_session(Some(stored), started).await {

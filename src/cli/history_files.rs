@@ -188,3 +188,98 @@ pub fn print_trace(session: &str, events: &[EventEnvelope]) -> anyhow::Result<Ex
         }
     }
 }
+
+/// `cairn fork`: a new session in the store at `data` from a prefix of `request.parent`.
+pub async fn fork(data: &Path, request: &cairn_runtime::fork::ForkRequest) -> anyhow::Result<()> {
+    let opened = embedded::open(data, OpenMode::Existing, None).await?;
+    let report =
+        cairn_runtime::fork::fork_session(&*opened.store, request, SystemClock.now_ms()).await?;
+    showln!(
+        "forked session {} from {} at seq {} ({} events copied){}",
+        report.session_id,
+        request.parent,
+        request.at_seq,
+        report.events,
+        if report.running {
+            format!(
+                "; its turn goes on from there ({} activit{} queued): `cairn resume --data {}`",
+                report.tasks,
+                if report.tasks == 1 { "y" } else { "ies" },
+                data.display()
+            )
+        } else {
+            format!(
+                "; continue it with `cairn run --data {} --session {} ...`",
+                data.display(),
+                report.session_id
+            )
+        }
+    );
+    Ok(())
+}
+
+/// `cairn diff A B`: where two sessions part, their transcripts' differences by message and
+/// part, and their usage.
+pub fn diff(
+    (a, events_a): (&str, &[EventEnvelope]),
+    (b, events_b): (&str, &[EventEnvelope]),
+    json: bool,
+) -> anyhow::Result<()> {
+    use cairn_runtime::diff::{diff_sessions, MessageDiff};
+    let diff = diff_sessions(a, events_a, b, events_b)?;
+    if json {
+        outln!("{}", serde_json::to_string(&diff)?)?;
+        return Ok(());
+    }
+    match &diff.parting {
+        None => outln!("histories: the same {} events", events_a.len())?,
+        Some(p) => outln!(
+            "histories part at seq {}: {} | {}",
+            p.seq,
+            p.a.as_deref().unwrap_or("(end)"),
+            p.b.as_deref().unwrap_or("(end)")
+        )?,
+    }
+    if !diff.config.is_empty() {
+        outln!("configuration differs: {}", diff.config.join(", "))?;
+    }
+    outln!("transcript: {} messages in common", diff.common_messages)?;
+    for message in &diff.messages {
+        match message {
+            MessageDiff::OnlyInA { index, message } => {
+                outln!("  message {index} only in {a}: {message}")?
+            }
+            MessageDiff::OnlyInB { index, message } => {
+                outln!("  message {index} only in {b}: {message}")?
+            }
+            MessageDiff::Changed {
+                index,
+                roles,
+                parts,
+            } => {
+                if let Some((ra, rb)) = roles {
+                    outln!("  message {index}: role {ra} | {rb}")?;
+                }
+                for (part, pa, pb) in parts {
+                    outln!("  message {index} part {part}:")?;
+                    outln!("    {a}: {pa}")?;
+                    outln!("    {b}: {pb}")?;
+                }
+            }
+        }
+    }
+    let u = &diff.usage;
+    outln!(
+        "usage: {a} {} in / {} out, {b} {} in / {} out (delta {:+} / {:+}; cache read {:+}, cache write {:+}, reasoning {:+})",
+        u.a.input_tokens,
+        u.a.output_tokens,
+        u.b.input_tokens,
+        u.b.output_tokens,
+        u.delta[0],
+        u.delta[1],
+        u.delta[2],
+        u.delta[3],
+        u.delta[4]
+    )?;
+    Ok(())
+}

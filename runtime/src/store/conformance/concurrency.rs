@@ -171,6 +171,7 @@ fn started() -> SessionStarted {
     let schema = JsonText::parse(r#"{"type":"object"}"#).unwrap_or_else(|e| panic!("{e}"));
     SessionStarted {
         queues: Default::default(),
+        forked_from: None,
         model: ModelSpec::parse("scripted:two-engines.json")
             .unwrap_or_else(|| panic!("scripted:two-engines.json is a model spec")),
         tools: vec![ToolSpec {
