@@ -12,6 +12,7 @@ fn started() -> SessionStarted {
     SessionStarted {
         queues: Default::default(),
         forked_from: None,
+        workflow_version: cairn_runtime::WORKFLOW_VERSION,
         model: ModelSpec::parse("scripted:bench.json").unwrap(),
         tools: vec![ToolSpec {
             name: "calculator".into(),

@@ -130,7 +130,12 @@ enum Command {
         #[arg(long, value_name = "DIR", help = cli::DATA_HELP)]
         data: Option<PathBuf>,
         /// Session id.
-        session: String,
+        #[arg(required_unless_present = "dir")]
+        session: Option<String>,
+        /// Instead of a stored session, replay every export (`*.jsonl`) in this folder with
+        /// the current code, naming the first divergence of each (exit 1 if any diverges).
+        #[arg(long, value_name = "EXPORTS", conflicts_with_all = ["data", "trace"])]
+        dir: Option<PathBuf>,
         /// Print every event with the commands the current code decides on it.
         #[arg(long)]
         trace: bool,
@@ -650,8 +655,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Replay {
             data,
             session,
+            dir,
             trace,
         } => {
+            let Some(session) = session else {
+                let dir = dir.context("replay needs a SESSION or --dir")?;
+                return cli::history_files::check_exports(&dir);
+            };
             let store = StoreDir::resolve(data)?;
             store.check_exists()?;
             let host =

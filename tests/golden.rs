@@ -66,6 +66,7 @@ fn sample_events() -> Vec<Event> {
         Event::SessionStarted(SessionStarted {
             queues: Default::default(),
             forked_from: None,
+            workflow_version: 1,
             model: ModelSpec {
                 provider: "scripted".into(),
                 model: "demo.json".into(),

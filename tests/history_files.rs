@@ -179,6 +179,7 @@ async fn an_imported_interrupted_session_resumes() {
             tool_retry: cairn_runtime::RetryPolicy::tool_default(),
             queues: Default::default(),
             forked_from: None,
+            workflow_version: cairn_runtime::WORKFLOW_VERSION,
         };
         engine
             .start_session(Some(session.into()), started)

@@ -19,4 +19,5 @@ mod server;
 mod service;
 mod store_crash;
 mod support;
+mod versions;
 mod wire;

@@ -61,6 +61,7 @@ impl SessionOptions {
             tool_retry: self.tool_retry.clone(),
             queues: self.queues.clone(),
             forked_from: None,
+            workflow_version: crate::workflow::WORKFLOW_VERSION,
         }
     }
 }

@@ -238,6 +238,23 @@ pub struct SessionStarted {
     /// read the same.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forked_from: Option<ForkOrigin>,
+    /// The version of the workflow's rules the session started under
+    /// ([`WORKFLOW_VERSION`](crate::workflow::WORKFLOW_VERSION) then): it keeps them for
+    /// good, so its history replays and resumes as recorded after an upgrade. Histories
+    /// recorded before versions existed read as 1, and 1 is left out of the record.
+    #[serde(
+        default = "first_workflow_version",
+        skip_serializing_if = "is_first_workflow_version"
+    )]
+    pub workflow_version: u32,
+}
+
+fn first_workflow_version() -> u32 {
+    1
+}
+
+fn is_first_workflow_version(version: &u32) -> bool {
+    *version == 1
 }
 
 /// Where a forked session came from.

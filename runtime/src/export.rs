@@ -245,3 +245,49 @@ pub async fn write_new_session(
         Err(e) => Err(e),
     }
 }
+
+/// The verdict on one export file of a folder ([`check_exports`]).
+#[derive(Debug)]
+pub struct ExportCheck {
+    /// The file.
+    pub path: std::path::PathBuf,
+    /// Its events, when it was read.
+    pub events: usize,
+    /// Why it does not replay with the current code (the first divergence, named by line),
+    /// or why it could not be read; `None` when it replays.
+    pub divergence: Option<Error>,
+}
+
+/// Replays every export (`*.jsonl`) in `dir`, in name order, with the current code: what a
+/// user's CI runs against a folder of exported histories before deploying new workflow code.
+/// Each file gets its verdict; only failing to list the folder is an error.
+pub fn check_exports(dir: &std::path::Path) -> std::io::Result<Vec<ExportCheck>> {
+    let mut paths: Vec<_> = std::fs::read_dir(dir)?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|path| path.extension().is_some_and(|ext| ext == "jsonl"))
+        .collect();
+    paths.sort();
+    Ok(paths
+        .into_iter()
+        .map(|path| {
+            let verdict = std::fs::read_to_string(&path)
+                .map_err(|e| Error::InvalidImport {
+                    line: 0,
+                    reason: format!("cannot read the file: {e}"),
+                })
+                .and_then(|text| parse_export(&text));
+            match verdict {
+                Ok((_, events, _)) => ExportCheck {
+                    path,
+                    events: events.len(),
+                    divergence: None,
+                },
+                Err(e) => ExportCheck {
+                    path,
+                    events: 0,
+                    divergence: Some(e),
+                },
+            }
+        })
+        .collect())
+}

@@ -479,6 +479,7 @@ mod tests {
         Event::SessionStarted(SessionStarted {
             queues: Default::default(),
             forked_from: None,
+            workflow_version: crate::workflow::WORKFLOW_VERSION,
             model: ModelSpec::parse("scripted:x.json").expect("model spec"),
             tools: Vec::new(),
             system_prompt: None,

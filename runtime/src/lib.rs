@@ -42,4 +42,4 @@ pub use store::{
     AppendRequest, Lease, NewTask, SessionInfo, SessionStatus, Store, Task, TaskFilter, TaskId,
     TaskKind, DEFAULT_QUEUE,
 };
-pub use workflow::{Command, SessionState, Transition, TurnOutcome};
+pub use workflow::{Command, SessionState, Transition, TurnOutcome, WORKFLOW_VERSION};

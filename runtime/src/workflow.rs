@@ -19,6 +19,17 @@ use cairn_ledger::{
 };
 use std::collections::{BTreeSet, VecDeque};
 
+/// The version of the workflow's rules this code decides new sessions by. A session keeps
+/// the version it started under (`SessionStarted::workflow_version`), and the rules of every
+/// version that may still have sessions stay here, each change behind a check of it:
+///
+/// 1. The first rules.
+/// 2. A tool call whose JSON arguments lack a field its tool's `input_schema` requires is
+///    answered at once with an error result naming the field, like an unknown tool, instead
+///    of being scheduled for the tool to refuse (a worker round trip and two durable writes
+///    saved, and the model told exactly what is missing). Version 1 sessions schedule it.
+pub const WORKFLOW_VERSION: u32 = 2;
+
 /// A decision of the workflow; the engine records it as an event before anything runs.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
@@ -1004,6 +1015,12 @@ impl SessionState {
             .as_ref()
             .map(|s| s.tools.iter().map(|t| t.name.as_str()).collect())
             .unwrap_or_default();
+        let version = self.started.as_ref().map_or(1, |s| s.workflow_version);
+        let tools = self
+            .started
+            .as_ref()
+            .map(|s| s.tools.as_slice())
+            .unwrap_or_default();
         let over_limit = active.round + 1 >= max_rounds;
         let mut commands = Vec::new();
         let mut slots = Vec::with_capacity(tool_uses.len());
@@ -1015,9 +1032,11 @@ impl SessionState {
                     tool_names.iter().copied().collect::<Vec<_>>().join(", ")
                 ))
             } else {
-                serde_json::from_str::<serde::de::IgnoredAny>(&tool_use.arguments)
-                    .err()
-                    .map(|e| format!("invalid tool arguments (not JSON): {e}"))
+                match serde_json::from_str::<serde_json::Value>(&tool_use.arguments) {
+                    Err(e) => Some(format!("invalid tool arguments (not JSON): {e}")),
+                    Ok(_) if version < 2 => None,
+                    Ok(arguments) => missing_required(tools, &tool_use.name, &arguments),
+                }
             };
             let state = match immediate_error {
                 Some(message) => ToolSlotState::Done(ToolResult {
@@ -1252,4 +1271,44 @@ impl SessionState {
             self.transcript.push_tool_results(results);
         }
     }
+}
+
+/// Version 2's check of a tool call's arguments against its tool's `input_schema`: the
+/// arguments must be an object holding every field the schema's `required` names. The
+/// error result's text when they do not.
+fn missing_required(
+    tools: &[cairn_ledger::ToolSpec],
+    name: &str,
+    arguments: &serde_json::Value,
+) -> Option<String> {
+    let schema = tools
+        .iter()
+        .find(|t| t.name == name)?
+        .input_schema
+        .to_value()
+        .ok()?;
+    let required: Vec<&str> = schema
+        .get("required")
+        .and_then(|r| r.as_array())
+        .map(|r| r.iter().filter_map(|v| v.as_str()).collect())
+        .unwrap_or_default();
+    let Some(object) = arguments.as_object() else {
+        return Some(format!(
+            "invalid tool arguments: {name} takes a JSON object (requires: {})",
+            required.join(", ")
+        ));
+    };
+    let missing: Vec<String> = required
+        .iter()
+        .filter(|field| !object.contains_key(**field))
+        .map(|field| format!("{field:?}"))
+        .collect();
+    (!missing.is_empty()).then(|| {
+        format!(
+            "invalid tool arguments: missing required argument{} {} ({name} requires: {})",
+            if missing.len() == 1 { "" } else { "s" },
+            missing.join(", "),
+            required.join(", ")
+        )
+    })
 }

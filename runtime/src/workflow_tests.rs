@@ -72,6 +72,7 @@ fn started(max_rounds: u32) -> SessionStarted {
     SessionStarted {
         queues: Default::default(),
         forked_from: None,
+        workflow_version: crate::workflow::WORKFLOW_VERSION,
         model: ModelSpec::parse("scripted:test.json").unwrap(),
         tools: vec![
             ToolSpec {

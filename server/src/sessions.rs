@@ -144,6 +144,7 @@ pub async fn create_session(
         tool_retry: request.tool_retry.unwrap_or_else(RetryPolicy::tool_default),
         queues: request.queues.unwrap_or_default(),
         forked_from: None,
+        workflow_version: cairn_runtime::WORKFLOW_VERSION,
     };
     async {
         match state.engine.start_session(Some(stored), started).await {

@@ -283,3 +283,37 @@ pub fn diff(
     )?;
     Ok(())
 }
+
+/// `cairn replay --dir EXPORTS`: every export of the folder replayed with the current code.
+pub fn check_exports(dir: &Path) -> anyhow::Result<ExitCode> {
+    let checks = cairn_runtime::export::check_exports(dir)
+        .with_context(|| format!("cannot list {}", dir.display()))?;
+    let mut clean = 0;
+    for check in &checks {
+        let name = check.path.file_name().map_or_else(
+            || check.path.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        match &check.divergence {
+            None => {
+                clean += 1;
+                outln!("{name}: ok ({} events)", check.events)?;
+            }
+            Some(e) => outln!("{name}: diverges: {e}")?,
+        }
+    }
+    outln!(
+        "{}: {clean} of {} histories replay with this code",
+        if clean == checks.len() {
+            "ok"
+        } else {
+            "failed"
+        },
+        checks.len()
+    )?;
+    Ok(if clean == checks.len() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}

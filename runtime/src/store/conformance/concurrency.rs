@@ -172,6 +172,7 @@ fn started() -> SessionStarted {
     SessionStarted {
         queues: Default::default(),
         forked_from: None,
+        workflow_version: crate::workflow::WORKFLOW_VERSION,
         model: ModelSpec::parse("scripted:two-engines.json")
             .unwrap_or_else(|| panic!("scripted:two-engines.json is a model spec")),
         tools: vec![ToolSpec {
