@@ -108,23 +108,30 @@ pub struct BenchResult {
 
 impl BenchResult {
     /// This measurement's turns/s over `workers` × those of `one_worker` (the same setup with
-    /// one worker process): 1.0 is linear scaling in worker processes. `None` embedded.
+    /// one worker process): 1.0 is linear scaling in worker processes.
+    /// `None` embedded, and when the one-worker measurement completed no turn.
     pub fn scaling(&self, one_worker: &BenchResult) -> Option<f64> {
         let workers = self.worker_processes?;
-        Some(self.turns_per_sec / (workers as f64 * one_worker.turns_per_sec))
+        (one_worker.turns > 0)
+            .then(|| self.turns_per_sec / (workers as f64 * one_worker.turns_per_sec))
     }
 
-    /// One row of the report table, with the [`scaling`](Self::scaling) when known.
+    /// One row of the report table, with the [`scaling`](Self::scaling) when known. Without
+    /// a completed turn the latencies are `–`: the window was shorter than one turn.
     pub fn row(&self, scaling: Option<f64>) -> String {
-        let scaling = scaling.map_or_else(|| "–".to_owned(), |ratio| format!("{ratio:.2}"));
+        let shown = |value: Option<f64>, format: fn(f64) -> String| {
+            value.map_or_else(|| "–".to_owned(), format)
+        };
+        let latency = |ms: f64| (self.turns > 0).then_some(ms);
         format!(
-            "| {} | {} | {} ms | {:.0} turns/s | {:.2} ms | {:.2} ms | {scaling} |",
+            "| {} | {} | {} ms | {:.0} turns/s | {} | {} | {} |",
             self.setup,
             self.sessions,
             self.model_latency_ms,
             self.turns_per_sec,
-            self.p50_ms,
-            self.p99_ms
+            shown(latency(self.p50_ms), |ms| format!("{ms:.2} ms")),
+            shown(latency(self.p99_ms), |ms| format!("{ms:.2} ms")),
+            shown(scaling, |ratio| format!("{ratio:.2}")),
         )
     }
 
