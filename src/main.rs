@@ -230,7 +230,8 @@ enum Command {
         #[arg(long, default_value = "cancelled from the command line")]
         reason: String,
     },
-    /// Benchmark durable turns: embedded, and through `cairn server` with worker processes.
+    /// Benchmark durable turns: embedded, and through `cairn server` processes with worker
+    /// processes, over an embedded store or a PostgreSQL database.
     Bench {
         /// Sessions in flight (a closed loop of clients, a fresh session per turn); repeat
         /// or separate with commas for several measurements.
@@ -239,6 +240,15 @@ enum Command {
         /// Worker process counts to measure through a server (empty: none).
         #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 2, 4])]
         workers: Vec<usize>,
+        /// Server process counts to measure, the worker processes split across them round
+        /// robin and the clients spread over all; more than one needs --store.
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1usize])]
+        servers: Vec<usize>,
+        /// Serve from PostgreSQL: each measurement through servers creates a new database on
+        /// the server of this URL (postgres://USER@HOST:PORT/DATABASE; any database there
+        /// names the server) and drops it afterwards.
+        #[arg(long, value_name = "URL")]
+        store: Option<String>,
         /// The scripted model's latency per call.
         #[arg(long, default_value_t = 0)]
         model_latency_ms: u64,
@@ -251,7 +261,7 @@ enum Command {
         /// Activities each worker process runs at once.
         #[arg(long, default_value_t = 16)]
         worker_concurrency: usize,
-        /// Storage engine: fjall (default) or sled.
+        /// Storage engine of the embedded stores: fjall (default) or sled.
         #[arg(long, value_parser = parse_engine)]
         engine: Option<StorageEngine>,
     },
@@ -782,6 +792,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench {
             sessions,
             workers,
+            servers,
+            store,
             model_latency_ms,
             seconds,
             no_embedded,
@@ -793,6 +805,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 bench::BenchArgs {
                     sessions,
                     workers,
+                    servers,
+                    store,
                     model_latency_ms,
                     seconds,
                     no_embedded,

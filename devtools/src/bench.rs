@@ -1,5 +1,5 @@
-//! `cairn bench`: durable agent turns per second and per-turn latency, embedded and through a
-//! server with worker processes, measured on whole processes in a closed loop.
+//! `cairn bench`: durable agent turns per second and per-turn latency, embedded and through
+//! servers with worker processes, measured on whole processes in a closed loop.
 //!
 //! The workload is the one the README's figures use: a fresh session per turn, then a model
 //! call, two parallel tool calls (`calculator`) and a model call, every step durable. The
@@ -7,14 +7,17 @@
 //! back to back for `seconds`; the figures are completed turns per second and the p50 and p99
 //! of one turn's latency (send → outcome).
 //!
-//! Through a server, the parent starts `cairn server` on a loopback port with a new store and
-//! `workers` `cairn worker` processes, and drives the turns with the remote client; embedded,
-//! one process holds the store, the engine and a worker pool, as `cairn run` does.
+//! Through servers, the parent starts `servers` `cairn server` processes on loopback ports,
+//! over a new embedded store (one server) or a scratch database on a PostgreSQL server (any
+//! number, sharing it), and `workers` `cairn worker` processes split across the servers round
+//! robin; client `i` drives its turns through server `i mod servers` with the remote client.
+//! Embedded, one process holds the store, the engine and a worker pool, as `cairn run` does.
 
 // A benchmark reads clocks and waits on real time.
 #![allow(clippy::disallowed_methods)]
 
-use crate::process::start_and_wait;
+use crate::process::{start_and_wait, Process};
+use crate::scratch_database::ScratchDatabase;
 use anyhow::{bail, Context};
 use cairn_activities::ToolRegistry;
 use cairn_ledger::ModelSpec;
@@ -25,8 +28,9 @@ use std::path::Path;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tracing::warn;
 
-/// One measurement's settings.
+/// One measurement's load.
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
     /// Clients running turns at once (sessions in flight).
@@ -35,18 +39,59 @@ pub struct BenchConfig {
     pub seconds: f64,
     /// The scripted model's latency per call.
     pub model_latency_ms: u64,
-    /// The store engine.
-    pub engine: StorageEngine,
     /// Activities each worker process runs at once (`cairn worker --concurrency`), so that
     /// more worker processes mean more capacity, as when they run on more machines.
     pub worker_concurrency: usize,
 }
 
+/// Where the servers keep their sessions. (No `Debug`: a URL may hold a password.)
+#[derive(Clone)]
+pub enum ServerStore {
+    /// A new embedded store of this engine, which one server holds.
+    Embedded(StorageEngine),
+    /// A scratch database created for the measurement on the PostgreSQL server this URL
+    /// names, shared by every server.
+    Postgres {
+        /// The URL of any database on that server (the scratch database replaces its name).
+        server_url: String,
+    },
+}
+
+/// The processes of one measurement through servers.
+#[derive(Clone)]
+pub struct Deployment {
+    /// The store the servers use.
+    pub store: ServerStore,
+    /// `cairn server` processes.
+    pub servers: usize,
+    /// `cairn worker` processes, split across the servers round robin.
+    pub workers: usize,
+}
+
+impl Deployment {
+    /// The row label: `server, 2 worker processes` over an embedded store, `postgres, 2
+    /// servers, 4 worker processes` over a database.
+    pub fn label(&self) -> String {
+        let plural =
+            |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+        let workers = plural(self.workers, "worker process", "worker processes");
+        match self.store {
+            ServerStore::Embedded(_) => format!("server, {workers}"),
+            ServerStore::Postgres { .. } => format!(
+                "postgres, {}, {workers}",
+                plural(self.servers, "server", "servers")
+            ),
+        }
+    }
+}
+
 /// What one measurement found.
 #[derive(Debug, Clone)]
 pub struct BenchResult {
-    /// Where it ran: `embedded`, or `server, N workers`.
+    /// Where it ran: `embedded`, or a [`Deployment::label`].
     pub setup: String,
+    /// Worker processes, through servers; `None` embedded.
+    pub worker_processes: Option<usize>,
     /// Sessions in flight.
     pub sessions: usize,
     /// The model latency.
@@ -62,22 +107,37 @@ pub struct BenchResult {
 }
 
 impl BenchResult {
-    /// One row of the report table.
-    pub fn row(&self) -> String {
+    /// This measurement's turns/s over `workers` × those of `one_worker` (the same setup with
+    /// one worker process): 1.0 is linear scaling in worker processes.
+    /// `None` embedded, and when the one-worker measurement completed no turn.
+    pub fn scaling(&self, one_worker: &BenchResult) -> Option<f64> {
+        let workers = self.worker_processes?;
+        (one_worker.turns > 0)
+            .then(|| self.turns_per_sec / (workers as f64 * one_worker.turns_per_sec))
+    }
+
+    /// One row of the report table, with the [`scaling`](Self::scaling) when known. Without
+    /// a completed turn the latencies are `–`: the window was shorter than one turn.
+    pub fn row(&self, scaling: Option<f64>) -> String {
+        let shown = |value: Option<f64>, format: fn(f64) -> String| {
+            value.map_or_else(|| "–".to_owned(), format)
+        };
+        let latency = |ms: f64| (self.turns > 0).then_some(ms);
         format!(
-            "| {} | {} | {} ms | {:.0} turns/s | {:.2} ms | {:.2} ms |",
+            "| {} | {} | {} ms | {:.0} turns/s | {} | {} | {} |",
             self.setup,
             self.sessions,
             self.model_latency_ms,
             self.turns_per_sec,
-            self.p50_ms,
-            self.p99_ms
+            shown(latency(self.p50_ms), |ms| format!("{ms:.2} ms")),
+            shown(latency(self.p99_ms), |ms| format!("{ms:.2} ms")),
+            shown(scaling, |ratio| format!("{ratio:.2}")),
         )
     }
 
     /// The header of the report table.
     pub fn header() -> &'static str {
-        "| setup | sessions in flight | model latency | throughput | p50 turn | p99 turn |\n|---|---|---|---|---|---|"
+        "| setup | sessions in flight | model latency | throughput | p50 turn | p99 turn | turns/s ÷ (N × 1 worker's) |\n|---|---|---|---|---|---|---|"
     }
 }
 
@@ -100,13 +160,21 @@ fn write_script(dir: &Path, latency_ms: u64) -> anyhow::Result<ModelSpec> {
     ModelSpec::parse(&format!("scripted:{}", path.display())).context("the bench model spec")
 }
 
-/// Runs the closed loop on `client` and measures it.
+/// Runs the closed loop, client `i` on `clients[i % clients.len()]`, and measures it.
+///
+/// Throughput counts the turns that ended in the measured window, wherever they began, so
+/// that a long turn latency does not lower it (turns cut by either end of the window would
+/// otherwise be missing); the latencies are those of the same turns.
 async fn closed_loop(
-    client: Client,
+    clients: &[Client],
     model: ModelSpec,
     config: &BenchConfig,
     setup: String,
+    worker_processes: Option<usize>,
 ) -> anyhow::Result<BenchResult> {
+    if clients.is_empty() {
+        bail!("no client to run the bench turns on");
+    }
     let tools = ToolRegistry::builtin(".").specs();
     let warmup = Duration::from_secs_f64(config.seconds / 10.0);
     let measured = Duration::from_secs_f64(config.seconds);
@@ -115,7 +183,7 @@ async fn closed_loop(
     let measure_until = measure_from + measured;
     let mut runners = Vec::new();
     for client_no in 0..config.sessions {
-        let client = client.clone();
+        let client = clients[client_no % clients.len()].clone();
         let model = model.clone();
         let tools = tools.clone();
         runners.push(tokio::spawn(async move {
@@ -135,7 +203,7 @@ async fn closed_loop(
                     bail!("a bench turn did not complete: {outcome:?}");
                 }
                 let end = Instant::now();
-                if begin >= measure_from && end <= measure_until {
+                if end >= measure_from && end <= measure_until {
                     latencies.push(end.duration_since(begin));
                 }
             }
@@ -154,6 +222,7 @@ async fn closed_loop(
     };
     Ok(BenchResult {
         setup,
+        worker_processes,
         sessions: config.sessions,
         model_latency_ms: config.model_latency_ms,
         turns: latencies.len(),
@@ -163,16 +232,11 @@ async fn closed_loop(
     })
 }
 
-/// Embedded: the store, the engine and a worker pool in this process.
-pub async fn embedded(config: &BenchConfig) -> anyhow::Result<BenchResult> {
+/// Embedded: a new store of `engine`, the engine and a worker pool in this process.
+pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Result<BenchResult> {
     let dir = tempfile::tempdir().context("a temporary directory")?;
     let model = write_script(dir.path(), config.model_latency_ms)?;
-    let opened = embedded::open(
-        &dir.path().join("store"),
-        OpenMode::Create,
-        Some(config.engine),
-    )
-    .await?;
+    let opened = embedded::open(&dir.path().join("store"), OpenMode::Create, Some(engine)).await?;
     let engine = Engine::new(opened.store.clone(), Arc::new(SystemClock));
     let pool = WorkerPool::start(
         engine.clone(),
@@ -185,45 +249,100 @@ pub async fn embedded(config: &BenchConfig) -> anyhow::Result<BenchResult> {
             ..WorkerConfig::default()
         },
     );
-    let result = closed_loop(Client::new(engine), model, config, "embedded".into()).await;
+    let result = closed_loop(
+        &[Client::new(engine)],
+        model,
+        config,
+        "embedded".into(),
+        None,
+    )
+    .await;
     pool.shutdown().await;
     result
 }
 
-/// Through a server: `cairn server` and `workers` `cairn worker` processes started from `exe`,
-/// the turns driven by the client `connect` makes for the server's URL.
-pub async fn through_server(
+/// Through servers: the `cairn server` and `cairn worker` processes of `deployment`, started
+/// from `exe`, the turns driven by the clients `connect` makes for the servers' URLs. A
+/// database store is a scratch database, dropped afterwards.
+pub async fn through_servers(
     exe: &Path,
-    workers: usize,
+    deployment: &Deployment,
     config: &BenchConfig,
     connect: impl Fn(&str) -> anyhow::Result<Client>,
 ) -> anyhow::Result<BenchResult> {
+    let database = match &deployment.store {
+        ServerStore::Embedded(_) => None,
+        ServerStore::Postgres { server_url } => Some(ScratchDatabase::create(server_url).await?),
+    };
+    let result = run_deployment(
+        exe,
+        deployment,
+        database.as_ref().map(ScratchDatabase::url),
+        config,
+        connect,
+    )
+    .await;
+    if let Some(database) = database {
+        let name = database.name().to_owned();
+        if let Err(e) = database.drop_database().await {
+            warn!(database = %name, error = %e, "cannot drop a bench database; it was left behind");
+        }
+    }
+    result
+}
+
+/// Starts the processes (every one of them killed when this returns) and measures.
+async fn run_deployment(
+    exe: &Path,
+    deployment: &Deployment,
+    database_url: Option<&str>,
+    config: &BenchConfig,
+    connect: impl Fn(&str) -> anyhow::Result<Client>,
+) -> anyhow::Result<BenchResult> {
+    if deployment.servers == 0 {
+        bail!("no server to measure through");
+    }
     let dir = tempfile::tempdir().context("a temporary directory")?;
     let model = write_script(dir.path(), config.model_latency_ms)?;
-    let (_server, url) = start_and_wait(
-        exe,
-        &[
-            "server".into(),
-            "--data".into(),
-            dir.path().join("store").display().to_string(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--engine".into(),
-            config.engine.to_string(),
-        ],
-        "listening on",
+    let store_args: Vec<String> = match (&deployment.store, database_url) {
+        (ServerStore::Embedded(engine), _) => {
+            if deployment.servers != 1 {
+                bail!(
+                    "an embedded store is held by one server; {} servers need a database store (--store)",
+                    deployment.servers
+                );
+            }
+            vec![
+                "--data".into(),
+                dir.path().join("store").display().to_string(),
+                "--engine".into(),
+                engine.to_string(),
+            ]
+        }
+        (ServerStore::Postgres { .. }, Some(url)) => vec!["--store".into(), url.to_owned()],
+        (ServerStore::Postgres { .. }, None) => bail!("no scratch database for the servers"),
+    };
+    // Every process is SIGKILLed when dropped, also on an early return.
+    let mut servers: Vec<Process> = Vec::new();
+    let mut urls = Vec::new();
+    for _ in 0..deployment.servers {
+        let mut args: Vec<String> = vec!["server".into()];
+        args.extend(store_args.iter().cloned());
+        args.extend(["--listen".into(), "127.0.0.1:0".into()]);
         // Their notes would break the table; a child that fails says so by exiting early.
-        Stdio::null(),
-    )?;
+        let (server, url) = start_and_wait(exe, &args, "listening on", Stdio::null())?;
+        servers.push(server);
+        urls.push(url);
+    }
     let per_worker = config.worker_concurrency.max(1);
-    let mut processes = Vec::new();
-    for _ in 0..workers {
+    let mut workers = Vec::new();
+    for worker_no in 0..deployment.workers {
         let (worker, _) = start_and_wait(
             exe,
             &[
                 "worker".into(),
                 "--server".into(),
-                url.clone(),
+                urls[worker_no % urls.len()].clone(),
                 "--concurrency".into(),
                 per_worker.to_string(),
                 "--workdir".into(),
@@ -232,12 +351,22 @@ pub async fn through_server(
             "worker ready",
             Stdio::null(),
         )?;
-        processes.push(worker);
+        workers.push(worker);
     }
-    let client = connect(&url)?;
-    let setup = format!(
-        "server, {workers} worker process{}",
-        if workers == 1 { "" } else { "es" }
-    );
-    closed_loop(client, model, config, setup).await
+    let clients = urls
+        .iter()
+        .map(|url| connect(url))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let result = closed_loop(
+        &clients,
+        model,
+        config,
+        deployment.label(),
+        Some(deployment.workers),
+    )
+    .await;
+    // Workers first, so that none of them sees its server go and retries against it.
+    drop(workers);
+    drop(servers);
+    result
 }
