@@ -46,6 +46,8 @@ const LEASE_MS: u64 = 60_000;
 fn started() -> SessionStarted {
     SessionStarted {
         queues: Default::default(),
+        forked_from: None,
+        workflow_version: cairn_runtime::WORKFLOW_VERSION,
         model: ModelSpec::parse("scripted:bench.json").expect("model spec"),
         tools: vec![ToolSpec {
             name: "calculator".into(),
