@@ -27,32 +27,11 @@ impl ScratchDatabase {
     }
 }
 
-/// `url` naming database `name` instead of its own: the path after the host (which follows
-/// the user info's last `@`) is replaced, and the query kept.
-pub fn url_with_database(url: &str, name: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((base, query)) => (base, Some(query)),
-        None => (url, None),
-    };
-    let host_start = base.find("://").map_or(0, |i| i + 3);
-    let host_start = base[host_start..]
-        .rfind('@')
-        .map_or(host_start, |at| host_start + at + 1);
-    let server = match base[host_start..].find('/') {
-        Some(slash) => &base[..host_start + slash],
-        None => base,
-    };
-    match query {
-        Some(query) => format!("{server}/{name}?{query}"),
-        None => format!("{server}/{name}"),
-    }
-}
-
 #[cfg(feature = "postgres")]
 mod postgres {
-    use super::{url_with_database, ScratchDatabase};
+    use super::ScratchDatabase;
     use anyhow::Context;
-    use cairn_postgres::redact_url;
+    use cairn_postgres::{redact_url, url_with_database};
     use sqlx::{Connection, Executor, PgConnection};
     use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -131,29 +110,5 @@ impl ScratchDatabase {
     /// Nothing was created, so nothing is dropped.
     pub async fn drop_database(self) -> anyhow::Result<()> {
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::url_with_database;
-
-    #[test]
-    fn database_is_replaced() {
-        let cases = [
-            (
-                "postgres://postgres@127.0.0.1:5432/postgres",
-                "postgres://postgres@127.0.0.1:5432/t",
-            ),
-            ("postgres://u:p/w@h:1", "postgres://u:p/w@h:1/t"),
-            (
-                "postgres://h/db?sslmode=disable",
-                "postgres://h/t?sslmode=disable",
-            ),
-            ("postgresql://h", "postgresql://h/t"),
-        ];
-        for (url, want) in cases {
-            assert_eq!(url_with_database(url, "t"), want, "{url}");
-        }
     }
 }

@@ -71,4 +71,4 @@ pub mod testing;
 mod url;
 
 pub use store::{PgOptions, PgStore};
-pub use url::redact as redact_url;
+pub use url::{redact as redact_url, with_database as url_with_database};

@@ -40,33 +40,12 @@ pub async fn fresh_database() -> String {
         .await
         .unwrap_or_else(|e| panic!("cannot create database {name} on {}: {e}", redact(&server)));
     let _ = conn.close().await;
-    with_database(&server, &name)
-}
-
-/// `url` naming database `name` instead of its own.
-pub fn with_database(url: &str, name: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((base, query)) => (base, Some(query)),
-        None => (url, None),
-    };
-    // The path starts at the first `/` after the host, which follows the user info's `@`.
-    let host_start = base.find("://").map_or(0, |i| i + 3);
-    let host_start = base[host_start..]
-        .rfind('@')
-        .map_or(host_start, |at| host_start + at + 1);
-    let server = match base[host_start..].find('/') {
-        Some(slash) => &base[..host_start + slash],
-        None => base,
-    };
-    match query {
-        Some(query) => format!("{server}/{name}?{query}"),
-        None => format!("{server}/{name}"),
-    }
+    crate::url::with_database(&server, &name)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::with_database;
+    use crate::url::with_database;
 
     #[test]
     fn database_is_replaced() {

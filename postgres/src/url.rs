@@ -33,6 +33,28 @@ fn redact_query(text: &str) -> String {
     format!("{base}?{}", params.join("&"))
 }
 
+/// `url` naming database `name` instead of its own: the path after the host (which follows
+/// the user info's last `@`) is replaced, and the query kept.
+pub fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    // The path starts at the first `/` after the host, which follows the user info's `@`.
+    let host_start = base.find("://").map_or(0, |i| i + 3);
+    let host_start = base[host_start..]
+        .rfind('@')
+        .map_or(host_start, |at| host_start + at + 1);
+    let server = match base[host_start..].find('/') {
+        Some(slash) => &base[..host_start + slash],
+        None => base,
+    };
+    match query {
+        Some(query) => format!("{server}/{name}?{query}"),
+        None => format!("{server}/{name}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::redact;
