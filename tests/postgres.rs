@@ -4,7 +4,8 @@
 //! one these tests fail, never skip.
 
 use crate::service::{
-    check_session, free_addr, running, scripted, start, tool_results, worker, TOOL_TURN,
+    acknowledged_turns, check_session, free_addr, running, scripted, start, tool_results, worker,
+    TOOL_TURN,
 };
 use cairn_devtools::process::Process;
 use cairn_ledger::{ModelSpec, ToolSpec};
@@ -321,15 +322,7 @@ async fn a_killed_servers_sessions_continue_on_the_other() {
     let (_b, url_b) = server_on(&database, &[]);
     let _worker_a = worker(&url_a, &["--lease-ms", "1500"]);
     let via_a = client(&url_a);
-    let mut acked = Vec::new();
-    for i in 0..8 {
-        let id = via_a
-            .start_session(options(&model, &format!("k{i:02}")))
-            .await
-            .unwrap();
-        let turn = via_a.send(&id, "go").await.unwrap();
-        acked.push((id, turn));
-    }
+    let acked = acknowledged_turns(&via_a, &model, 8).await;
     // Server A's worker is inside model calls when A dies.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let via_b = client(&url_b);

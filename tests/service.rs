@@ -132,6 +132,25 @@ pub async fn running(client: &Client, sessions: &[(String, u32)]) -> usize {
     running
 }
 
+/// Starts `count` sessions (`k00`, `k01`, ...) through `client`, each with a turn sent:
+/// what the server acknowledged, as (session, turn).
+pub async fn acknowledged_turns(
+    client: &Client,
+    model: &ModelSpec,
+    count: usize,
+) -> Vec<(String, u32)> {
+    let mut acked = Vec::new();
+    for i in 0..count {
+        let id = client
+            .start_session(options(model, &format!("k{i:02}")))
+            .await
+            .unwrap();
+        let turn = client.send(&id, "go").await.unwrap();
+        acked.push((id, turn));
+    }
+    acked
+}
+
 fn options(model: &ModelSpec, id: &str) -> SessionOptions {
     let mut o = SessionOptions::new(model.clone(), calculator());
     o.session_id = Some(id.to_owned());
@@ -247,15 +266,7 @@ async fn a_server_killed_mid_turns_restarts_and_every_acknowledged_turn_complete
     let _workers: Vec<Process> = (0..2).map(|_| worker(&url, &[])).collect();
     let client = cairn_remote::connect(&url, None).expect("client");
     // Acknowledged: each session created and its turn sent before the kill.
-    let mut acked = Vec::new();
-    for i in 0..20 {
-        let id = client
-            .start_session(options(&model, &format!("k{i:02}")))
-            .await
-            .unwrap();
-        let turn = client.send(&id, "go").await.unwrap();
-        acked.push((id, turn));
-    }
+    let acked = acknowledged_turns(&client, &model, 20).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
         running(&client, &acked).await > 0,
