@@ -1,30 +1,35 @@
-//! The append: one transaction that checks the session's next seq and the completed task's
+//! The append: one statement that checks the session's next seq and the completed task's
 //! lease, then writes the events, the session row and the queue changes, or nothing.
 //!
+//! One statement rather than a transaction of six to eight: every statement is a round trip
+//! and a parse-bind-execute in the backend, and PostgreSQL's CPU is what a durable turn on this
+//! store is bound by. The statement is a chain of data-modifying CTEs (see [`APPEND`]):
+//!
 //! ```text
-//! BEGIN
-//! SELECT last_seq FROM cairn_sessions WHERE session_id = $1 FOR UPDATE    -- next seq, row locked
-//! SELECT lease_attempt, visible_at_ms FROM cairn_tasks WHERE ... FOR UPDATE  -- with `complete`
-//! INSERT INTO cairn_sessions ... / UPDATE cairn_sessions ...              -- when it has events
-//! INSERT INTO cairn_events SELECT $1, * FROM UNNEST($2::BIGINT[], $3::BYTEA[])
-//! DELETE FROM cairn_tasks WHERE (session_id, scheduled_seq) IN (SELECT * FROM UNNEST(...))
-//! INSERT INTO cairn_tasks SELECT ... FROM UNNEST(...) ON CONFLICT ... DO UPDATE  -- re-enqueue resets
-//! COMMIT
+//! WITH s  AS (SELECT last_seq ... FROM cairn_sessions ... FOR UPDATE)          -- next seq, row locked
+//!      l  AS (SELECT lease_attempt, visible_at_ms FROM cairn_tasks ... FOR UPDATE)  -- with `complete`
+//!      ok AS (the seq and the lease checks)
+//!      UPDATE / INSERT cairn_sessions, INSERT cairn_events (UNNEST), DELETE and upsert
+//!      cairn_tasks (UNNEST)                                 -- each only WHERE the checks passed
+//! SELECT ok, last_seq, lease_attempt, lease expiry                        -- why, when they failed
 //! ```
 //!
-//! Appends to one session queue on its row lock, so each sees the one before it committed. A
-//! new session has no row to lock: two first appends race on inserting it, and the loser's
-//! unique violation (`23505`; a serialization failure on CockroachDB, which the retry turns
-//! into the same answer) becomes `Conflict` with the winner's next seq.
+//! It runs as its own transaction: when a check fails, nothing is written and the answer says
+//! which. Appends to one session queue on its row lock (`FOR UPDATE` waits, then reads the
+//! row as the append before it committed it), so each sees the one before. A new session has
+//! no row to lock: two first appends race on inserting it, and the loser's unique violation
+//! (`23505`; a serialization failure on CockroachDB, which the retry turns into the same
+//! answer) becomes `Conflict` with the winner's next seq. The sub-statements never touch one
+//! row twice, which PostgreSQL leaves unpredictable: a task both removed and enqueued is only
+//! enqueued (the upsert replaces it anyway).
 
 use crate::failure::{retrying, sqlstate, Failure};
 use crate::rows::{attempt_from_db, from_db, kind_name, storable, to_db};
 use cairn_runtime::codec;
 use cairn_runtime::store::{check_session_id, AppendRequest, TaskId};
 use cairn_runtime::{Error, Result};
-use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnection, PgPool, Postgres};
-use sqlx::{Connection, Row};
+use sqlx::postgres::{PgConnection, PgPool};
+use sqlx::Row;
 use std::collections::BTreeMap;
 
 /// An append checked and converted to column values, before any IO.
@@ -95,22 +100,26 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
     let complete = request.complete.as_ref().and_then(|(id, attempt)| {
         storable_id(id).map(|(session_id, seq)| (session_id, seq, *attempt))
     });
+    // One row per id, the last enqueue winning as in the memory store: an INSERT ... ON
+    // CONFLICT cannot change one row twice.
+    let mut last: BTreeMap<&TaskId, usize> = BTreeMap::new();
+    for (i, task) in request.enqueue.iter().enumerate() {
+        last.insert(&task.id, i);
+    }
+    // A task both removed and enqueued is only enqueued: the upsert replaces it with a new,
+    // never leased one, which is what removing it first gave; and one statement must not
+    // change a row twice.
     let mut removed = Removed::default();
     for (session_id, seq) in request
         .complete
         .iter()
         .map(|(id, _)| id)
         .chain(&request.cancel)
+        .filter(|id| !last.contains_key(id))
         .filter_map(storable_id)
     {
         removed.session_ids.push(session_id);
         removed.seqs.push(seq);
-    }
-    // One row per id, the last enqueue winning as in the memory store: an INSERT ... ON
-    // CONFLICT cannot change one row twice.
-    let mut last: BTreeMap<&TaskId, usize> = BTreeMap::new();
-    for (i, task) in request.enqueue.iter().enumerate() {
-        last.insert(&task.id, i);
     }
     let mut enqueued = Enqueued::default();
     for (i, task) in request.enqueue.iter().enumerate() {
@@ -161,16 +170,68 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
     })
 }
 
-/// Runs the append transaction, again while it loses races. Answers the connection it
-/// committed on, for the hint that follows.
-pub(crate) async fn append(
-    pool: &PgPool,
-    prepared: &Prepared<'_>,
-) -> Result<PoolConnection<Postgres>> {
+/// The append statement. Parameters: `$1` session id, `$2` the last seq the append expects
+/// (its first seq − 1), `$3` status, `$4` the new last seq (NULL without events), `$5` now,
+/// `$6`/`$7` the events' seqs and records, `$8` whether it completes a task, `$9`/`$10`/`$11`
+/// that task's session, scheduled seq and lease attempt (NULL when the id cannot be stored),
+/// `$12`/`$13` the tasks to remove, `$14`..`$20` the tasks to enqueue.
+///
+/// The checks are evaluated once (`ok`, materialized) and every write is conditional on them;
+/// the last SELECT says what the checks found. The session row is written before the events
+/// that reference it: foreign keys are checked at the end of the statement, when a new
+/// session's row is there.
+const APPEND: &str = "\
+WITH s AS MATERIALIZED ( \
+    SELECT last_seq FROM cairn_sessions WHERE session_id = $1 FOR UPDATE \
+), l AS MATERIALIZED ( \
+    SELECT lease_attempt, visible_at_ms FROM cairn_tasks \
+    WHERE $8 AND session_id = $9 AND scheduled_seq = $10 FOR UPDATE \
+), ok AS MATERIALIZED ( \
+    SELECT COALESCE((SELECT last_seq FROM s), 0) = $2 \
+       AND (NOT $8 OR EXISTS (SELECT 1 FROM l WHERE lease_attempt = $11 AND visible_at_ms > $5)) \
+       AS passed \
+), session_updated AS ( \
+    UPDATE cairn_sessions SET status = $3, last_seq = COALESCE($4, last_seq), updated_at_ms = $5 \
+    WHERE session_id = $1 AND (SELECT passed FROM ok) \
+    RETURNING 1 \
+), session_inserted AS ( \
+    INSERT INTO cairn_sessions (session_id, status, last_seq, updated_at_ms) \
+    SELECT $1, $3, $4, $5 \
+    WHERE (SELECT passed FROM ok) AND $4 IS NOT NULL AND NOT EXISTS (SELECT 1 FROM s) \
+    RETURNING 1 \
+), events_inserted AS ( \
+    INSERT INTO cairn_events (session_id, seq, record) \
+    SELECT $1, e.seq, e.record FROM UNNEST($6::BIGINT[], $7::BYTEA[]) AS e (seq, record) \
+    WHERE (SELECT passed FROM ok) \
+    RETURNING 1 \
+), tasks_removed AS ( \
+    DELETE FROM cairn_tasks \
+    WHERE (session_id, scheduled_seq) IN (SELECT * FROM UNNEST($12::TEXT[], $13::BIGINT[])) \
+      AND (SELECT passed FROM ok) \
+    RETURNING 1 \
+), tasks_enqueued AS ( \
+    INSERT INTO cairn_tasks (session_id, scheduled_seq, kind, visible_at_ms, lease_attempt, \
+        queue, target, start_by_ms, held, heartbeat_details) \
+    SELECT n.session_id, n.scheduled_seq, n.kind, n.visible_at_ms, 0, n.queue, n.target, \
+        n.start_by_ms, FALSE, NULL \
+    FROM UNNEST($14::TEXT[], $15::BIGINT[], $16::TEXT[], $17::BIGINT[], $18::TEXT[], \
+        $19::TEXT[], $20::BIGINT[]) \
+        AS n (session_id, scheduled_seq, kind, visible_at_ms, queue, target, start_by_ms) \
+    WHERE (SELECT passed FROM ok) \
+    ON CONFLICT (session_id, scheduled_seq) DO UPDATE SET \
+        kind = EXCLUDED.kind, visible_at_ms = EXCLUDED.visible_at_ms, lease_attempt = 0, \
+        queue = EXCLUDED.queue, target = EXCLUDED.target, start_by_ms = EXCLUDED.start_by_ms, \
+        held = FALSE, heartbeat_details = NULL \
+    RETURNING 1 \
+) \
+SELECT (SELECT passed FROM ok) AS passed, (SELECT last_seq FROM s) AS last_seq, \
+    (SELECT lease_attempt FROM l) AS lease_attempt, (SELECT visible_at_ms FROM l) AS expiry";
+
+/// Runs the append statement, again while it loses races.
+pub(crate) async fn append(pool: &PgPool, prepared: &Prepared<'_>) -> Result<()> {
     retrying("appending", || async {
         let mut conn = pool.acquire().await?;
-        transaction(&mut conn, prepared).await?;
-        Ok(conn)
+        statement(&mut conn, prepared).await
     })
     .await
 }
@@ -201,15 +262,56 @@ async fn lost_first_append(conn: &mut PgConnection, p: &Prepared<'_>, e: sqlx::E
     }
 }
 
-async fn transaction(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Failure> {
-    let mut tx = conn.begin().await?;
-    let last_seq: Option<i64> =
-        sqlx::query("SELECT last_seq FROM cairn_sessions WHERE session_id = $1 FOR UPDATE")
-            .bind(p.session_id)
-            .fetch_optional(&mut *tx)
-            .await?
-            .map(|row| row.try_get("last_seq"))
-            .transpose()?;
+async fn statement(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Failure> {
+    let expected_last = to_db(
+        "expected next seq",
+        p.request.expected_next_seq.saturating_sub(1),
+    )?;
+    let (complete_session, complete_seq, complete_attempt) = match &p.complete {
+        Some((session_id, seq, attempt)) => (
+            Some(session_id.as_str()),
+            Some(*seq),
+            Some(i64::from(*attempt)),
+        ),
+        None => (None, None, None),
+    };
+    let e = &p.enqueued;
+    let row = sqlx::query(APPEND)
+        .bind(p.session_id)
+        .bind(expected_last)
+        .bind(p.status)
+        .bind(p.seqs.last().copied())
+        .bind(p.now_ms)
+        .bind(&p.seqs)
+        .bind(&p.records)
+        .bind(p.request.complete.is_some())
+        .bind(complete_session)
+        .bind(complete_seq)
+        .bind(complete_attempt)
+        .bind(&p.removed.session_ids)
+        .bind(&p.removed.seqs)
+        .bind(&e.session_ids)
+        .bind(&e.seqs)
+        .bind(&e.kinds)
+        .bind(&e.visible_at_ms)
+        .bind(&e.queues)
+        .bind(&e.targets)
+        .bind(&e.start_by_ms)
+        .fetch_one(&mut *conn)
+        .await;
+    let row = match row {
+        Ok(row) => row,
+        // Two first appends of a session met on its row (or on its first event).
+        Err(e) if p.request.expected_next_seq == 1 && sqlstate(&e).as_deref() == Some("23505") => {
+            return Err(lost_first_append(conn, p, e).await)
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let passed: bool = row.try_get("passed")?;
+    if passed {
+        return Ok(());
+    }
+    let last_seq: Option<i64> = row.try_get("last_seq")?;
     let actual = from_db("last_seq", last_seq.unwrap_or(0))?.saturating_add(1);
     if actual != p.request.expected_next_seq {
         return Err(Error::Conflict {
@@ -219,124 +321,38 @@ async fn transaction(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Fa
         }
         .into());
     }
-    if let Some((id, _)) = &p.request.complete {
-        check_lease(&mut tx, p, id).await?;
-    }
-    // The session's event count after the append is its last seq.
-    let count = p.seqs.last().copied().or(last_seq).unwrap_or(0);
-    if count > 0 {
-        // The session row goes first: events reference it, and a new session's insert is where
-        // two first appends meet.
-        let statement = if last_seq.is_some() {
-            "UPDATE cairn_sessions SET status = $2, last_seq = $3, updated_at_ms = $4 \
-             WHERE session_id = $1"
-        } else {
-            "INSERT INTO cairn_sessions (session_id, status, last_seq, updated_at_ms) \
-             VALUES ($1, $2, $3, $4)"
-        };
-        let written = sqlx::query(statement)
-            .bind(p.session_id)
-            .bind(p.status)
-            .bind(count)
-            .bind(p.now_ms)
-            .execute(&mut *tx)
-            .await;
-        if let Err(e) = written {
-            if last_seq.is_none() && sqlstate(&e).as_deref() == Some("23505") {
-                drop(tx);
-                return Err(lost_first_append(conn, p, e).await);
-            }
-            return Err(e.into());
-        }
-    }
-    // Else: nothing recorded for this session yet, and an empty append creates nothing.
-    if !p.seqs.is_empty() {
-        sqlx::query(
-            "INSERT INTO cairn_events (session_id, seq, record) \
-             SELECT $1, e.seq, e.record FROM UNNEST($2::BIGINT[], $3::BYTEA[]) AS e (seq, record)",
-        )
-        .bind(p.session_id)
-        .bind(&p.seqs)
-        .bind(&p.records)
-        .execute(&mut *tx)
-        .await?;
-    }
-    if !p.removed.seqs.is_empty() {
-        sqlx::query(
-            "DELETE FROM cairn_tasks WHERE (session_id, scheduled_seq) IN \
-             (SELECT * FROM UNNEST($1::TEXT[], $2::BIGINT[]))",
-        )
-        .bind(&p.removed.session_ids)
-        .bind(&p.removed.seqs)
-        .execute(&mut *tx)
-        .await?;
-    }
-    let e = &p.enqueued;
-    if !e.seqs.is_empty() {
-        // Enqueueing a queued id replaces the task with a new, never leased one.
-        sqlx::query(
-            "INSERT INTO cairn_tasks (session_id, scheduled_seq, kind, visible_at_ms, \
-                 lease_attempt, queue, target, start_by_ms, held, heartbeat_details) \
-             SELECT n.session_id, n.scheduled_seq, n.kind, n.visible_at_ms, 0, n.queue, \
-                 n.target, n.start_by_ms, FALSE, NULL \
-             FROM UNNEST($1::TEXT[], $2::BIGINT[], $3::TEXT[], $4::BIGINT[], $5::TEXT[], \
-                 $6::TEXT[], $7::BIGINT[]) \
-                 AS n (session_id, scheduled_seq, kind, visible_at_ms, queue, target, start_by_ms) \
-             ON CONFLICT (session_id, scheduled_seq) DO UPDATE SET \
-                 kind = EXCLUDED.kind, visible_at_ms = EXCLUDED.visible_at_ms, \
-                 lease_attempt = 0, queue = EXCLUDED.queue, target = EXCLUDED.target, \
-                 start_by_ms = EXCLUDED.start_by_ms, held = FALSE, heartbeat_details = NULL",
-        )
-        .bind(&e.session_ids)
-        .bind(&e.seqs)
-        .bind(&e.kinds)
-        .bind(&e.visible_at_ms)
-        .bind(&e.queues)
-        .bind(&e.targets)
-        .bind(&e.start_by_ms)
-        .execute(&mut *tx)
-        .await?;
-    }
-    tx.commit().await?;
-    Ok(())
+    let lease: Option<(i64, i64)> = match (
+        row.try_get::<Option<i64>, _>("lease_attempt")?,
+        row.try_get::<Option<i64>, _>("expiry")?,
+    ) {
+        (Some(attempt), Some(expiry)) => Some((attempt, expiry)),
+        _ => None,
+    };
+    Err(lease_lost(p, lease))
 }
 
-/// The memory store's lease check of `complete` (`lease_current`), on the task's row locked
-/// until the append commits, so no lease or heartbeat slips in between.
-async fn check_lease(tx: &mut PgConnection, p: &Prepared<'_>, id: &TaskId) -> Result<(), Failure> {
-    let lost = |reason: String| {
-        Failure::Done(Error::LeaseLost {
-            task: id.to_string(),
-            reason,
-        })
+/// Why the completed task's lease is not current (the memory store's `lease_current`), from
+/// the task row the append found: `None` when the task is gone.
+fn lease_lost(p: &Prepared<'_>, lease: Option<(i64, i64)>) -> Failure {
+    let task = match &p.request.complete {
+        Some((id, _)) => id.to_string(),
+        None => String::new(),
     };
-    let gone = || lost("the task is gone (completed or cancelled)".to_owned());
-    let Some((session_id, scheduled_seq, attempt)) = &p.complete else {
-        return Err(gone());
+    let lost = |reason: String| Failure::Done(Error::LeaseLost { task, reason });
+    let (Some((_, _, attempt)), Some((current, expires_at_ms))) = (&p.complete, lease) else {
+        return lost("the task is gone (completed or cancelled)".to_owned());
     };
-    let row = sqlx::query(
-        "SELECT lease_attempt, visible_at_ms FROM cairn_tasks \
-         WHERE session_id = $1 AND scheduled_seq = $2 FOR UPDATE",
-    )
-    .bind(session_id)
-    .bind(scheduled_seq)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let Some(row) = row else {
-        return Err(gone());
+    let current = match attempt_from_db(current) {
+        Ok(current) => current,
+        Err(e) => return e.into(),
     };
-    let current = attempt_from_db(row.try_get("lease_attempt")?)?;
-    let expires_at_ms: i64 = row.try_get("visible_at_ms")?;
     if current != *attempt {
-        return Err(lost(format!(
+        return lost(format!(
             "lease attempt {attempt} is stale; the current one is {current}"
-        )));
+        ));
     }
-    if expires_at_ms <= p.now_ms {
-        return Err(lost(format!(
-            "the lease expired at {expires_at_ms} (now {})",
-            p.now_ms
-        )));
-    }
-    Ok(())
+    lost(format!(
+        "the lease expired at {expires_at_ms} (now {})",
+        p.now_ms
+    ))
 }

@@ -2,6 +2,12 @@
 //! `PgListener` that the store owns, and handed to this process's subscribers through one
 //! broadcast channel.
 //!
+//! The NOTIFYs leave the append's path: an append hands its hint to the store's sender task,
+//! which sends whatever has gathered since its last statement as one `SELECT pg_notify(...)
+//! FROM UNNEST(...)` (one hint per session, its highest seq), outside any data transaction.
+//! Under load many appends share one statement, and no append waits for a round trip it does
+//! not need.
+//!
 //! Hints are never the truth, so nothing here is allowed to fail an operation: a NOTIFY that
 //! fails is logged at debug and dropped, a payload that does not parse is ignored, and the
 //! listener reconnects after any error (hints sent while it was away are lost; engines poll a
@@ -10,9 +16,10 @@
 
 use cairn_runtime::store::{check_session_id, StoreChange};
 use sqlx::postgres::{PgListener, PgPool};
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::Duration;
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinHandle;
 
 /// The NOTIFY channel every cairn store of a database shares.
@@ -21,6 +28,13 @@ pub(crate) const CHANNEL: &str = "cairn_changes";
 /// Hints a subscriber may fall behind by before it misses some (it then gets `Lagged` and
 /// should read the store, as after any missed hint).
 const BACKLOG: usize = 1024;
+
+/// Hints waiting to be sent before the sender drops new ones (a database that does not
+/// answer); more than any burst of appends between two sends.
+const UNSENT_MAX: usize = 4096;
+
+/// The most hints one NOTIFY statement carries.
+const BATCH_MAX: usize = 512;
 
 /// The first pause before the listener reconnects, doubled after each failure up to
 /// [`PAUSE_MAX`], so that a database without LISTEN is not asked many times a second.
@@ -68,20 +82,39 @@ pub(crate) struct Hints {
     /// was connected in. `None` when NOTIFY is off.
     source: Option<(PgPool, tokio::runtime::Handle)>,
     listener: Mutex<Option<JoinHandle<()>>>,
+    /// The queue of hints to NOTIFY, and the task that sends them; `None` when NOTIFY is off.
+    sender_task: Option<(mpsc::Sender<StoreChange>, JoinHandle<()>)>,
 }
 
 impl Hints {
-    pub(crate) fn new(source: Option<(PgPool, tokio::runtime::Handle)>) -> Self {
+    /// Hints for a store whose appends run on `pool`; `source` is where to listen from, and
+    /// `None` turns NOTIFY off.
+    pub(crate) fn new(
+        pool: &PgPool,
+        source: Option<(PgPool, tokio::runtime::Handle)>,
+        send_timeout: Duration,
+    ) -> Self {
+        let sender_task = source.as_ref().map(|(_, runtime)| {
+            let (queue, unsent) = mpsc::channel(UNSENT_MAX);
+            let task = runtime.spawn(send(pool.clone(), unsent, send_timeout));
+            (queue, task)
+        });
         Hints {
             sender: broadcast::channel(BACKLOG).0,
             source,
             listener: Mutex::new(None),
+            sender_task,
         }
     }
 
-    /// Whether appends should NOTIFY.
-    pub(crate) fn notify(&self) -> bool {
-        self.source.is_some()
+    /// Queues the NOTIFY of an append that committed. A full queue drops it (the database is
+    /// not answering; hints may be lost).
+    pub(crate) fn notify(&self, change: StoreChange) {
+        if let Some((queue, _)) = &self.sender_task {
+            if queue.try_send(change).is_err() {
+                tracing::debug!("the change hint queue is full; dropping a hint");
+            }
+        }
     }
 
     /// A new subscriber; starts the listener on the first subscription.
@@ -119,6 +152,9 @@ impl Hints {
         if let Some(listener) = listener {
             listener.abort();
         }
+        if let Some((_, task)) = &self.sender_task {
+            task.abort();
+        }
         if let Some((pool, _)) = &self.source {
             // Closing the listener's pool lets its connection go at once; the store's own
             // pool is closed by its owner.
@@ -132,6 +168,46 @@ impl Drop for Hints {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Sends the queued hints until the queue closes: whatever gathered while the last statement
+/// ran goes in the next, one hint per session (the highest seq, queued tasks if any of its
+/// hints had them). A failed or slow send loses its hints, which hints allow.
+#[allow(clippy::disallowed_methods)] // a send that does not answer is given up on, in real time
+async fn send(pool: PgPool, mut unsent: mpsc::Receiver<StoreChange>, send_timeout: Duration) {
+    let mut batch = Vec::with_capacity(BATCH_MAX);
+    while unsent.recv_many(&mut batch, BATCH_MAX).await > 0 {
+        let payloads = merged(batch.drain(..));
+        let sent = sqlx::query("SELECT pg_notify($1, p) FROM UNNEST($2::TEXT[]) AS p")
+            .bind(CHANNEL)
+            .bind(&payloads)
+            .execute(&pool);
+        match tokio::time::timeout(send_timeout, sent).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(hints = payloads.len(), error = %e, "sending change hints failed")
+            }
+            Err(_) => tracing::debug!(hints = payloads.len(), "sending change hints timed out"),
+        }
+    }
+}
+
+/// The payloads of `changes`, one per session: its highest seq, and queued tasks when any
+/// change queued some.
+fn merged(changes: impl Iterator<Item = StoreChange>) -> Vec<String> {
+    let mut sessions: BTreeMap<String, StoreChange> = BTreeMap::new();
+    for change in changes {
+        match sessions.get_mut(&change.session_id) {
+            Some(merged) => {
+                merged.last_seq = merged.last_seq.max(change.last_seq);
+                merged.enqueued |= change.enqueued;
+            }
+            None => {
+                sessions.insert(change.session_id.clone(), change);
+            }
+        }
+    }
+    sessions.values().map(payload).collect()
 }
 
 /// Listens on [`CHANNEL`] for good, reconnecting after every error.
@@ -199,6 +275,25 @@ mod tests {
         ] {
             assert_eq!(parse(&payload(&change)), Some(change));
         }
+    }
+
+    #[test]
+    fn hints_of_one_session_merge() {
+        let change = |session_id: &str, last_seq, enqueued| StoreChange {
+            session_id: session_id.to_owned(),
+            last_seq,
+            enqueued,
+        };
+        let payloads = merged(
+            [
+                change("b", 4, true),
+                change("a", 2, false),
+                change("b", 7, false),
+                change("a", 3, false),
+            ]
+            .into_iter(),
+        );
+        assert_eq!(payloads, ["v1 3 0 a", "v1 7 1 b"]);
     }
 
     #[test]

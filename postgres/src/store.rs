@@ -2,7 +2,7 @@
 //! or one transaction (the queue's in `tasks`, the append's in `append`).
 
 use crate::append;
-use crate::changes::{self, Hints};
+use crate::changes::Hints;
 use crate::failure::{classify, retrying};
 use crate::rows::{self, count_to_db};
 use crate::tasks;
@@ -17,8 +17,7 @@ use cairn_runtime::store::{
 };
 use cairn_runtime::{Error, Result};
 use sqlx::migrate::MigrateError;
-use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, Postgres};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use std::str::FromStr;
 use std::time::Duration;
 use tokio::sync::broadcast;
@@ -128,9 +127,10 @@ impl PgStore {
                 .connect_lazy_with(connect_options);
             (pool, runtime)
         });
+        let hints = Hints::new(&pool, source, options.acquire_timeout);
         Ok(PgStore {
             pool,
-            hints: Hints::new(source),
+            hints,
             shown_url,
         })
     }
@@ -145,25 +145,6 @@ impl PgStore {
     pub async fn close(&self) {
         self.hints.stop();
         self.pool.close().await;
-    }
-
-    /// Sends the hint of an append on the connection that committed it. Failing only loses a
-    /// hint, so it is logged at debug and dropped; a connection that does not answer within
-    /// the acquire timeout is not waited for longer.
-    async fn notify(&self, conn: &mut PoolConnection<Postgres>, change: &StoreChange) {
-        let sent = sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(changes::CHANNEL)
-            .bind(changes::payload(change))
-            .execute(&mut **conn);
-        match tokio::time::timeout(self.pool.options().get_acquire_timeout(), sent).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                tracing::debug!(session_id = %change.session_id, error = %e, "sending a change hint failed")
-            }
-            Err(_) => {
-                tracing::debug!(session_id = %change.session_id, "sending a change hint timed out")
-            }
-        }
     }
 }
 
@@ -215,16 +196,14 @@ impl Store for PgStore {
 
     async fn append(&self, request: AppendRequest) -> Result<()> {
         let prepared = append::prepare(&request)?;
-        let mut conn = append::append(&self.pool, &prepared).await?;
+        append::append(&self.pool, &prepared).await?;
         let change = StoreChange {
             session_id: request.session_id.clone(),
             last_seq: request.events.last().map_or(0, |event| event.seq),
             enqueued: !request.enqueue.is_empty(),
         };
         self.hints.local(change.clone());
-        if self.hints.notify() {
-            self.notify(&mut conn, &change).await;
-        }
+        self.hints.notify(change);
         Ok(())
     }
 

@@ -720,8 +720,55 @@ pub async fn reenqueue_replaces_task(store: &dyn Store) {
     );
     assert_eq!(
         lease_ids(&lease(store, 1_000, 10, 10).await),
-        vec![(t, 1, 1_010)],
+        vec![(t.clone(), 1, 1_010)],
         "a re-enqueued task leases once, not once per enqueue"
+    );
+
+    // A retry: the append that completes the leased task enqueues the same id again, and
+    // another cancels and enqueues it in one go. Each leaves one new, never leased task.
+    let mut request = append_request(s, 3, vec![message(s, 3, "retry")], 1_005);
+    request.complete = Some((t.clone(), 1));
+    request.enqueue = vec![new_task(&t, TaskKind::Tool, 2_000)];
+    must_append(
+        store,
+        request,
+        "completing a task and enqueueing its id again",
+    )
+    .await;
+    assert_eq!(
+        tasks(store).await,
+        vec![Task {
+            id: t.clone(),
+            kind: TaskKind::Tool,
+            visible_at_ms: 2_000,
+            lease_attempt: 0,
+            ..unleased()
+        }],
+        "a task completed and enqueued in one append is queued anew"
+    );
+    let mut request = append_request(s, 4, vec![message(s, 4, "again")], 1_010);
+    request.cancel = vec![t.clone()];
+    request.enqueue = vec![new_task(&t, TaskKind::Model, 3_000)];
+    must_append(
+        store,
+        request,
+        "cancelling a task and enqueueing its id again",
+    )
+    .await;
+    assert_eq!(
+        tasks(store).await,
+        vec![Task {
+            id: t.clone(),
+            kind: TaskKind::Model,
+            visible_at_ms: 3_000,
+            lease_attempt: 0,
+            ..unleased()
+        }],
+        "a task cancelled and enqueued in one append is queued anew"
+    );
+    assert_eq!(
+        lease_ids(&lease(store, 3_000, 10, 10).await),
+        vec![(t, 1, 3_010)]
     );
 }
 
