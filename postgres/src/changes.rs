@@ -1,6 +1,8 @@
 //! Change hints ([`StoreChange`]): sent with `pg_notify` after each append, heard by a
-//! `PgListener` that the store owns, and handed to this process's subscribers through one
-//! broadcast channel.
+//! `PgListener` that the store owns, and handed to the store's subscribers through one
+//! broadcast channel. A store's subscribers hear the appends made through other store handles
+//! (other processes): each handle marks its hints with a random origin and drops their echo,
+//! since the engine that appended through it knows what it appended.
 //!
 //! The NOTIFYs leave the append's path: an append hands its hint to the store's sender task,
 //! which sends whatever has gathered since its last statement as one `SELECT pg_notify(...)
@@ -11,8 +13,7 @@
 //! Hints are never the truth, so nothing here is allowed to fail an operation: a NOTIFY that
 //! fails is logged at debug and dropped, a payload that does not parse is ignored, and the
 //! listener reconnects after any error (hints sent while it was away are lost; engines poll a
-//! shared store anyway). A database without LISTEN/NOTIFY (CockroachDB) only loses the hints
-//! of other processes.
+//! shared store anyway). A database without LISTEN/NOTIFY (CockroachDB) has no hints.
 
 use cairn_runtime::store::{check_session_id, StoreChange};
 use sqlx::postgres::{PgListener, PgPool};
@@ -41,23 +42,51 @@ const BATCH_MAX: usize = 512;
 const PAUSE_MIN: Duration = Duration::from_millis(100);
 const PAUSE_MAX: Duration = Duration::from_secs(5);
 
-/// A hint as a NOTIFY payload: `v1 LAST_SEQ ENQUEUED SESSION_ID`, with ENQUEUED `0` or `1`.
-/// Session ids hold no spaces ([`check_session_id`]), so the id is the rest of the line.
-pub(crate) fn payload(change: &StoreChange) -> String {
+/// A hint as a NOTIFY payload: `v2 ORIGIN LAST_SEQ ENQUEUED SESSION_ID`, with ORIGIN the
+/// sending store's [`Origin`] and ENQUEUED `0` or `1`. Session ids hold no spaces
+/// ([`check_session_id`]), so the id is the rest of the line. (`v1` payloads, without ORIGIN,
+/// came from versions that sent hints inside the append; they still parse, as foreign.)
+pub(crate) fn payload(origin: Origin, change: &StoreChange) -> String {
     format!(
-        "v1 {} {} {}",
+        "v2 {origin} {} {} {}",
         change.last_seq,
         u8::from(change.enqueued),
         change.session_id
     )
 }
 
-/// The hint of a NOTIFY payload, or `None` when it is not one this code writes.
-pub(crate) fn parse(payload: &str) -> Option<StoreChange> {
-    let mut fields = payload.splitn(4, ' ');
-    if fields.next()? != "v1" {
-        return None;
+/// Which store handle sent a hint: random per [`Hints`], so that a store hears other
+/// handles' hints (other processes') and not the echo of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Origin(u64);
+
+impl Origin {
+    // An origin only tells store handles apart; nothing is decided on it.
+    #[allow(clippy::disallowed_methods)]
+    pub(crate) fn random() -> Self {
+        Origin(rand::random())
     }
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// The hint of a NOTIFY payload, with its origin when it names one, or `None` when it is not
+/// one this code writes.
+pub(crate) fn parse(payload: &str) -> Option<(Option<Origin>, StoreChange)> {
+    let (origin, rest) = if let Some(rest) = payload.strip_prefix("v2 ") {
+        let (origin, rest) = rest.split_once(' ')?;
+        if origin.len() != 16 {
+            return None;
+        }
+        (Some(Origin(u64::from_str_radix(origin, 16).ok()?)), rest)
+    } else {
+        (None, payload.strip_prefix("v1 ")?)
+    };
+    let mut fields = rest.splitn(3, ' ');
     let last_seq = fields.next()?.parse().ok()?;
     let enqueued = match fields.next()? {
         "0" => false,
@@ -66,11 +95,14 @@ pub(crate) fn parse(payload: &str) -> Option<StoreChange> {
     };
     let session_id = fields.next()?;
     check_session_id(session_id).ok()?;
-    Some(StoreChange {
-        session_id: session_id.to_owned(),
-        last_seq,
-        enqueued,
-    })
+    Some((
+        origin,
+        StoreChange {
+            session_id: session_id.to_owned(),
+            last_seq,
+            enqueued,
+        },
+    ))
 }
 
 /// The hints of one store: its subscribers' channel and, once someone subscribes, the task
@@ -84,6 +116,8 @@ pub(crate) struct Hints {
     listener: Mutex<Option<JoinHandle<()>>>,
     /// The queue of hints to NOTIFY, and the task that sends them; `None` when NOTIFY is off.
     sender_task: Option<(mpsc::Sender<StoreChange>, JoinHandle<()>)>,
+    /// What this handle's hints carry, so that its listener drops their echo.
+    origin: Origin,
 }
 
 impl Hints {
@@ -94,9 +128,10 @@ impl Hints {
         source: Option<(PgPool, tokio::runtime::Handle)>,
         send_timeout: Duration,
     ) -> Self {
+        let origin = Origin::random();
         let sender_task = source.as_ref().map(|(_, runtime)| {
             let (queue, unsent) = mpsc::channel(UNSENT_MAX);
-            let task = runtime.spawn(send(pool.clone(), unsent, send_timeout));
+            let task = runtime.spawn(send(pool.clone(), origin, unsent, send_timeout));
             (queue, task)
         });
         Hints {
@@ -104,6 +139,7 @@ impl Hints {
             source,
             listener: Mutex::new(None),
             sender_task,
+            origin,
         }
     }
 
@@ -129,17 +165,11 @@ impl Hints {
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             // A closed store (`PgStore::close`) listens no more.
             if listener.is_none() && !pool.is_closed() {
-                *listener = Some(runtime.spawn(listen(pool.clone(), self.sender.clone())));
+                *listener =
+                    Some(runtime.spawn(listen(pool.clone(), self.origin, self.sender.clone())));
             }
         }
         receiver
-    }
-
-    /// Hands a hint of this process's own append to its subscribers at once (no round trip
-    /// through the database; the NOTIFY echo comes later as a duplicate, which hints allow).
-    pub(crate) fn local(&self, change: StoreChange) {
-        // No subscriber: nobody to tell.
-        let _ = self.sender.send(change);
     }
 
     /// Stops listening (for [`PgStore::close`](crate::PgStore::close) and drop).
@@ -174,10 +204,15 @@ impl Drop for Hints {
 /// ran goes in the next, one hint per session (the highest seq, queued tasks if any of its
 /// hints had them). A failed or slow send loses its hints, which hints allow.
 #[allow(clippy::disallowed_methods)] // a send that does not answer is given up on, in real time
-async fn send(pool: PgPool, mut unsent: mpsc::Receiver<StoreChange>, send_timeout: Duration) {
+async fn send(
+    pool: PgPool,
+    origin: Origin,
+    mut unsent: mpsc::Receiver<StoreChange>,
+    send_timeout: Duration,
+) {
     let mut batch = Vec::with_capacity(BATCH_MAX);
     while unsent.recv_many(&mut batch, BATCH_MAX).await > 0 {
-        let payloads = merged(batch.drain(..));
+        let payloads = merged(origin, batch.drain(..));
         let sent = sqlx::query("SELECT pg_notify($1, p) FROM UNNEST($2::TEXT[]) AS p")
             .bind(CHANNEL)
             .bind(&payloads)
@@ -194,7 +229,7 @@ async fn send(pool: PgPool, mut unsent: mpsc::Receiver<StoreChange>, send_timeou
 
 /// The payloads of `changes`, one per session: its highest seq, and queued tasks when any
 /// change queued some.
-fn merged(changes: impl Iterator<Item = StoreChange>) -> Vec<String> {
+fn merged(origin: Origin, changes: impl Iterator<Item = StoreChange>) -> Vec<String> {
     let mut sessions: BTreeMap<String, StoreChange> = BTreeMap::new();
     for change in changes {
         match sessions.get_mut(&change.session_id) {
@@ -207,15 +242,18 @@ fn merged(changes: impl Iterator<Item = StoreChange>) -> Vec<String> {
             }
         }
     }
-    sessions.values().map(payload).collect()
+    sessions
+        .values()
+        .map(|change| payload(origin, change))
+        .collect()
 }
 
 /// Listens on [`CHANNEL`] for good, reconnecting after every error.
 #[allow(clippy::disallowed_methods)] // the pause before reconnecting is real time, by design
-async fn listen(pool: PgPool, sender: broadcast::Sender<StoreChange>) {
+async fn listen(pool: PgPool, origin: Origin, sender: broadcast::Sender<StoreChange>) {
     let mut pause = PAUSE_MIN;
     loop {
-        let error = listen_until_error(&pool, &sender, &mut pause).await;
+        let error = listen_until_error(&pool, origin, &sender, &mut pause).await;
         tracing::debug!(error = %error, pause_ms = pause.as_millis(), "listening for cairn change hints failed; reconnecting");
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(PAUSE_MAX);
@@ -225,6 +263,7 @@ async fn listen(pool: PgPool, sender: broadcast::Sender<StoreChange>) {
 /// Listens until the connection fails; resets `pause` once listening works.
 async fn listen_until_error(
     pool: &PgPool,
+    origin: Origin,
     sender: &broadcast::Sender<StoreChange>,
     pause: &mut Duration,
 ) -> sqlx::Error {
@@ -239,7 +278,9 @@ async fn listen_until_error(
     loop {
         match listener.try_recv().await {
             Ok(Some(notification)) => match parse(notification.payload()) {
-                Some(change) => {
+                // The echo of this handle's own append: its engine knows it.
+                Some((Some(from), _)) if from == origin => {}
+                Some((_, change)) => {
                     let _ = sender.send(change);
                 }
                 None => tracing::debug!(
@@ -273,7 +314,18 @@ mod tests {
                 enqueued: false,
             },
         ] {
-            assert_eq!(parse(&payload(&change)), Some(change));
+            let origin = Origin::random();
+            assert_eq!(
+                parse(&payload(origin, &change)),
+                Some((Some(origin), change.clone()))
+            );
+            let v1 = format!(
+                "v1 {} {} {}",
+                change.last_seq,
+                u8::from(change.enqueued),
+                change.session_id
+            );
+            assert_eq!(parse(&v1), Some((None, change)), "v1 payloads still parse");
         }
     }
 
@@ -284,7 +336,9 @@ mod tests {
             last_seq,
             enqueued,
         };
+        let origin = Origin(0xfe);
         let payloads = merged(
+            origin,
             [
                 change("b", 4, true),
                 change("a", 2, false),
@@ -293,7 +347,10 @@ mod tests {
             ]
             .into_iter(),
         );
-        assert_eq!(payloads, ["v1 3 0 a", "v1 7 1 b"]);
+        assert_eq!(
+            payloads,
+            ["v2 00000000000000fe 3 0 a", "v2 00000000000000fe 7 1 b"]
+        );
     }
 
     #[test]
@@ -302,7 +359,11 @@ mod tests {
             "",
             "v1",
             "v1 1 1",
+            "v3 1 1 s",
             "v2 1 1 s",
+            "v2 00000000000000fe 1 1",
+            "v2 0000000000000xfe 1 1 s",
+            "v2 fe 1 1 s",
             "v1 x 1 s",
             "v1 -1 1 s",
             "v1 1 2 s",

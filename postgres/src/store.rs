@@ -202,7 +202,6 @@ impl Store for PgStore {
             last_seq: request.events.last().map_or(0, |event| event.seq),
             enqueued: !request.enqueue.is_empty(),
         };
-        self.hints.local(change.clone());
         self.hints.notify(change);
         Ok(())
     }

@@ -4,17 +4,23 @@
 //! decision ([`SessionState::step`]), not the engine's.
 //!
 //! Folded session state is cached; a miss (or any failed append) reloads it from the history.
-//! The cache is never trusted blindly: before it decides anything the engine reads the events
-//! other writers appended since its cached next seq (another engine in this process, or
-//! another server on a shared database), and an append that still loses the race is a
-//! `Conflict` on which it catches up and decides again. Waiters and followers of a session
-//! hear of foreign appends through [`Engine::follow_store`].
+//! The cache is never trusted blindly, but it is trusted first: a decision on the cached state
+//! is appended with the seq it expects next, so a decision taken on a state that missed
+//! another writer's events (another engine in this process, or another server on a shared
+//! database) fails with `Conflict`, and the engine catches up and decides again. Every other
+//! answer — nothing to do, a rejected input — is given only on a state caught up with the
+//! store (the events appended since its cached next seq are read first). A cached state that
+//! a change hint says is behind is caught up before deciding, which saves the conflict.
+//! Waiters and followers of a session hear of foreign appends through [`Engine::follow_store`].
 
 use crate::clock::Clock;
 use crate::error::{Error, Result};
 use crate::event::ErrorClass;
 use crate::event::{ActivityFailure, Event, EventEnvelope, SessionStarted};
-use crate::store::{AppendRequest, Lease, Overdue, SessionStatus, Store, Task, TaskFilter, TaskId};
+use crate::store::{
+    AppendRequest, Lease, Overdue, SessionStatus, Store, StoreChange, Task, TaskFilter, TaskId,
+};
+use crate::task_waiters::TaskWaiters;
 use crate::workflow::{ScheduledActivity, SessionState, Transition, TurnOutcome};
 use cairn_ledger::{
     Delta, JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, ToolUse, Transcript,
@@ -22,7 +28,7 @@ use cairn_ledger::{
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use tokio::sync::{broadcast, watch, Notify};
+use tokio::sync::{broadcast, watch};
 use tracing::{debug, info_span, warn, Instrument};
 
 /// Identifies one activity attempt, so that consumers can tell a retry's stream from the first.
@@ -169,7 +175,8 @@ struct Inner {
     clock: Arc<dyn Clock>,
     sessions: Mutex<HashMap<String, SessionSlot>>,
     outcomes: Mutex<HashMap<String, watch::Sender<Option<TurnOutcome>>>>,
-    tasks_ready: Notify,
+    /// Leases waiting for tasks ([`Engine::lease_tasks_waiting`]).
+    waiters: TaskWaiters,
     deltas: broadcast::Sender<DeltaEvent>,
     cancellations: broadcast::Sender<String>,
     appended: broadcast::Sender<Arc<AppendedEvents>>,
@@ -182,6 +189,10 @@ struct Inner {
     /// Leases this engine handed out and has not seen reported, with their attempt and
     /// expiry: on a shared store, a draining server waits for these, not for other servers'.
     leased_here: Mutex<HashMap<TaskId, (u32, u64)>>,
+    /// The highest seq change hints reported for cached sessions ([`Engine::follow_store`]):
+    /// a cached state whose next seq is not past it missed another writer's append, and is
+    /// caught up before it decides.
+    heard_seqs: Mutex<HashMap<String, u64>>,
     cache_capacity: usize,
 }
 
@@ -228,7 +239,7 @@ impl Engine {
                 clock,
                 sessions: Mutex::new(HashMap::new()),
                 outcomes: Mutex::new(HashMap::new()),
-                tasks_ready: Notify::new(),
+                waiters: TaskWaiters::default(),
                 deltas,
                 cancellations,
                 appended,
@@ -236,6 +247,7 @@ impl Engine {
                 timers_stuck: std::sync::atomic::AtomicUsize::new(0),
                 watched: Mutex::new(HashMap::new()),
                 leased_here: Mutex::new(HashMap::new()),
+                heard_seqs: Mutex::new(HashMap::new()),
                 cache_capacity: 10_000,
             }),
         }
@@ -251,10 +263,46 @@ impl Engine {
         self.inner.clock.now_ms()
     }
 
-    /// Completes when tasks may have been enqueued. Create it (and `enable` it) before leasing,
-    /// so an enqueue between an empty lease and the wait is not missed.
-    pub fn tasks_ready(&self) -> tokio::sync::futures::Notified<'_> {
-        self.inner.tasks_ready.notified()
+    /// Leases like [`Engine::lease_tasks`], waiting until `deadline` for the first task if
+    /// none is due (a long poll). An enqueue wakes one waiting lease per task, one whose
+    /// filter accepts it; tasks queued by other processes wake every waiting lease. When
+    /// `stop` completes during the wait, answers at once with no task.
+    // A long poll waits on real time.
+    #[allow(clippy::disallowed_methods)]
+    pub async fn lease_tasks_waiting(
+        &self,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+        deadline: tokio::time::Instant,
+        stop: impl std::future::Future<Output = ()>,
+    ) -> Result<Vec<LeasedTask>> {
+        tokio::pin!(stop);
+        // Registered before leasing, so an enqueue between an empty lease and the wait wakes it.
+        let mut waiter = self.inner.waiters.register(filter);
+        let mut leased = self.lease_tasks(filter, max, lease_ms).await?;
+        loop {
+            if !leased.is_empty() || tokio::time::Instant::now() >= deadline {
+                // A wake this waiter got may be for a task queued after the lease looked: it
+                // passes on every wake whose task it did not take.
+                waiter.leased(leased.iter().map(|task| &task.lease.id));
+                return Ok(leased);
+            }
+            tokio::select! {
+                _ = waiter.woken() => {}
+                _ = tokio::time::sleep_until(deadline) => {}
+                // Dropped, the waiter passes its wakes on.
+                _ = &mut stop => return Ok(Vec::new()),
+            }
+            let woken = waiter;
+            waiter = self.inner.waiters.register(filter);
+            leased = self.lease_tasks(filter, max, lease_ms).await?;
+            // The woken waiter's wakes came before this lease looked.
+            woken.leased_after_wake(
+                leased.iter().map(|task| &task.lease.id),
+                leased.len() >= max,
+            );
+        }
     }
 
     /// Subscribes to the live deltas of every running model call.
@@ -834,7 +882,7 @@ impl Engine {
             }
             report.running_sessions.push(session_id);
         }
-        self.inner.tasks_ready.notify_waiters();
+        self.inner.waiters.wake_all();
         Ok(report)
     }
 
@@ -849,10 +897,35 @@ impl Engine {
         if sessions.len() >= self.inner.cache_capacity {
             // Drop idle entries nobody holds; they reload from the history on the next miss.
             sessions.retain(|_, slot| Arc::strong_count(slot) > 1);
+            lock(&self.inner.heard_seqs).retain(|id, _| sessions.contains_key(id));
         }
         let slot: SessionSlot = Arc::new(tokio::sync::Mutex::new(None));
         sessions.insert(session_id.to_owned(), slot.clone());
         slot
+    }
+
+    /// Notes a change hint of a cached session (one not cached loads anew anyway).
+    fn hear(&self, change: &StoreChange) {
+        let cached = lock(&self.inner.sessions).contains_key(&change.session_id);
+        if cached {
+            let mut heard = lock(&self.inner.heard_seqs);
+            let seq = heard.entry(change.session_id.clone()).or_default();
+            *seq = (*seq).max(change.last_seq);
+        }
+    }
+
+    /// Whether a hint said the session has events past the cached state's (then it is caught
+    /// up before deciding); forgets hints the state has caught up with.
+    fn heard_ahead(&self, state: &SessionState) -> bool {
+        let mut heard = lock(&self.inner.heard_seqs);
+        match heard.get(&state.session_id) {
+            Some(&seq) if seq >= state.next_seq => true,
+            Some(_) => {
+                heard.remove(&state.session_id);
+                false
+            }
+            None => false,
+        }
     }
 
     fn outcome_sender(&self, session_id: &str) -> watch::Sender<Option<TurnOutcome>> {
@@ -965,10 +1038,17 @@ impl Engine {
         }
     }
 
-    /// Reads a watched session's foreign appends, if any (see [`Engine::loaded`]).
-    async fn refresh(&self, session_id: &str) {
+    /// Reads a watched session's foreign appends, if any (see [`Engine::loaded`]); with
+    /// `hinted_seq`, only when the cached state does not have that seq yet (the hint of an
+    /// append this engine made, or one it caught up with, needs no read).
+    async fn refresh(&self, session_id: &str, hinted_seq: Option<u64>) {
         let slot = self.slot(session_id);
         let mut guard = slot.lock().await;
+        if let (Some(state), Some(seq)) = (guard.as_ref(), hinted_seq) {
+            if seq < state.next_seq {
+                return;
+            }
+        }
         let fresh = guard.is_none();
         match self.loaded(session_id, &mut guard).await {
             Ok(state) if fresh => {
@@ -1015,21 +1095,22 @@ impl Engine {
             tokio::select! {
                 _ = &mut stop => break,
                 _ = ticker.tick() => {
-                    self.inner.tasks_ready.notify_waiters();
+                    self.inner.waiters.wake_all();
                     self.refresh_watched().await;
                 }
                 received = hint => match received {
                     Some(Ok(change)) => {
                         if change.enqueued {
-                            self.inner.tasks_ready.notify_waiters();
+                            self.inner.waiters.wake_all();
                         }
+                        self.hear(&change);
                         let watched = lock(&self.inner.watched).contains_key(&change.session_id);
                         if watched {
-                            self.refresh(&change.session_id).await;
+                            self.refresh(&change.session_id, Some(change.last_seq)).await;
                         }
                     }
                     Some(Err(broadcast::error::RecvError::Lagged(_))) => {
-                        self.inner.tasks_ready.notify_waiters();
+                        self.inner.waiters.wake_all();
                         self.refresh_watched().await;
                     }
                     Some(Err(broadcast::error::RecvError::Closed)) | None => changes = None,
@@ -1041,7 +1122,7 @@ impl Engine {
     async fn refresh_watched(&self) {
         let sessions: Vec<String> = lock(&self.inner.watched).keys().cloned().collect();
         for session_id in sessions {
-            self.refresh(&session_id).await;
+            self.refresh(&session_id, None).await;
         }
     }
 
@@ -1116,29 +1197,55 @@ impl Engine {
         (complete, drop_task): (&Option<(TaskId, u32)>, &Option<TaskId>),
         is_start: bool,
     ) -> Result<Option<u64>> {
-        let state = if is_start {
-            guard.insert(SessionState::new(session_id))
-        } else {
-            self.loaded(session_id, guard).await?
-        };
-        let Some(input) = decide(state)? else {
-            return Ok(None);
-        };
-        let now = self.now_ms();
-        let first_seq = state.next_seq;
-        debug!(event = input.kind(), seq = first_seq, "step");
-        let input = EventEnvelope::new(session_id, first_seq, now, input);
-        let transition = match state.step(input) {
-            Ok(transition) => transition,
-            Err(e) => {
-                // A rejected input — a stale report (`StaleReport`, the common case: a late
-                // worker), misuse or a rejection (`InvalidEvent`) — leaves the state as it
-                // was, so the cache stays. A new session's state is dropped, and so is one a
-                // failed step advanced part way (its seq moved): it reloads from the store.
-                if is_start || state.next_seq != first_seq {
-                    *guard = None;
+        // The cached state is decided on as it is, unless a hint says it is behind: an append
+        // of a decision on a state that missed another writer's events fails with `Conflict`.
+        // Any other answer is given on a state caught up with the store (`caught_up`).
+        let mut caught_up = is_start
+            || match guard.as_ref() {
+                Some(state) => self.heard_ahead(state),
+                None => true,
+            };
+        let (state, first_seq, transition, now) = loop {
+            let state = if is_start {
+                guard.insert(SessionState::new(session_id))
+            } else if caught_up {
+                self.loaded(session_id, guard).await?
+            } else {
+                match guard.as_mut() {
+                    Some(state) => state,
+                    None => self.loaded(session_id, guard).await?,
                 }
-                return Err(e);
+            };
+            let input = match decide(state) {
+                Ok(Some(input)) => input,
+                Ok(None) | Err(_) if !caught_up => {
+                    caught_up = true;
+                    continue;
+                }
+                Ok(None) => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            let now = self.now_ms();
+            let first_seq = state.next_seq;
+            debug!(event = input.kind(), seq = first_seq, "step");
+            let input = EventEnvelope::new(session_id, first_seq, now, input);
+            match state.step(input) {
+                Ok(transition) => break (state, first_seq, transition, now),
+                Err(e) => {
+                    // A rejected input — a stale report (`StaleReport`, the common case: a
+                    // late worker), misuse or a rejection (`InvalidEvent`) — leaves the state
+                    // as it was, so the cache stays. A new session's state is dropped, and so
+                    // is one a failed step advanced part way (its seq moved): it reloads from
+                    // the store.
+                    if is_start || state.next_seq != first_seq {
+                        *guard = None;
+                    }
+                    if !caught_up {
+                        caught_up = true;
+                        continue;
+                    }
+                    return Err(e);
+                }
             }
         };
         let Transition {
@@ -1159,7 +1266,7 @@ impl Engine {
             cancel,
             now_ms: now,
         };
-        let has_tasks = !request.enqueue.is_empty();
+        let enqueued = request.enqueue.clone();
         let published = (self.inner.appended.receiver_count() > 0).then(|| request.events.clone());
         debug!(
             events = request.events.len(),
@@ -1180,9 +1287,7 @@ impl Engine {
             }
             return Err(e);
         }
-        if has_tasks {
-            self.inner.tasks_ready.notify_waiters();
-        }
+        self.inner.waiters.wake_for(&enqueued);
         self.publish(session_id, published.unwrap_or_default(), outcome);
         Ok(Some(first_seq))
     }

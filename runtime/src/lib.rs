@@ -14,6 +14,7 @@ pub mod fsck;
 pub mod progress;
 pub mod replay;
 pub mod store;
+mod task_waiters;
 pub mod wire;
 pub mod workflow;
 

@@ -96,26 +96,16 @@ pub async fn lease(
         return Ok(Json(LeaseResponse { tasks: Vec::new() }));
     }
     let deadline = AppState::deadline(state.poll_wait(Some(request.wait_ms), 0));
-    loop {
-        // Listen before leasing, so an enqueue between an empty lease and the wait wakes us.
-        let ready = state.engine.tasks_ready();
-        tokio::pin!(ready);
-        ready.as_mut().enable();
-        let tasks = state
-            .engine
-            .lease_tasks(&filter, max, lease_ms)
-            .await
-            .map_err(ApiError::from_store)?;
-        if !tasks.is_empty() || tokio::time::Instant::now() >= deadline {
-            return Ok(Json(LeaseResponse { tasks }));
-        }
-        tokio::select! {
-            _ = ready => {}
-            _ = tokio::time::sleep_until(deadline) => {}
-            // A wait that outlives the start of the drain answers at once.
-            _ = state.draining.cancelled() => return Err(unavailable()),
-        }
+    // A wait that outlives the start of the drain answers at once.
+    let tasks = state
+        .engine
+        .lease_tasks_waiting(&filter, max, lease_ms, deadline, state.draining.cancelled())
+        .await
+        .map_err(ApiError::from_store)?;
+    if tasks.is_empty() && state.is_draining() {
+        return Err(unavailable());
     }
+    Ok(Json(LeaseResponse { tasks }))
 }
 
 /// What a lease runs, again (for a worker that lost the lease answer, or restarted).

@@ -77,20 +77,9 @@ impl TaskSource for EngineSource {
         wait: Duration,
     ) -> Result<Vec<LeasedTask>> {
         let deadline = tokio::time::Instant::now() + wait;
-        loop {
-            // Listen before leasing, so an enqueue between an empty lease and the wait wakes us.
-            let ready = self.engine.tasks_ready();
-            tokio::pin!(ready);
-            ready.as_mut().enable();
-            let leased = self.engine.lease_tasks(filter, max, lease_ms).await?;
-            if !leased.is_empty() || tokio::time::Instant::now() >= deadline {
-                return Ok(leased);
-            }
-            tokio::select! {
-                _ = ready => {}
-                _ = tokio::time::sleep_until(deadline) => {}
-            }
-        }
+        self.engine
+            .lease_tasks_waiting(filter, max, lease_ms, deadline, std::future::pending())
+            .await
     }
 
     async fn heartbeat(

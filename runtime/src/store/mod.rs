@@ -198,27 +198,34 @@ impl TaskFilter {
 
     /// Whether a worker with this filter can run `task`.
     pub fn accepts(&self, task: &Task) -> bool {
+        self.accepts_route(&task.id.session_id, task.kind, &task.queue, &task.target)
+    }
+
+    /// Whether a worker with this filter can run a task of `session_id` of this kind, queue
+    /// and target ([`Task`]'s fields of the same names).
+    pub fn accepts_route(
+        &self,
+        session_id: &str,
+        kind: TaskKind,
+        queue: &str,
+        target: &str,
+    ) -> bool {
         let in_set = |set: &Option<BTreeSet<String>>, name: &str| {
             set.as_ref().is_none_or(|set| set.contains(name))
         };
-        let hosted = task.target.is_empty()
-            || match task.kind {
-                TaskKind::Tool => in_set(&self.tools, &task.target),
-                TaskKind::Model => in_set(&self.providers, &task.target),
+        let hosted = target.is_empty()
+            || match kind {
+                TaskKind::Tool => in_set(&self.tools, target),
+                TaskKind::Model => in_set(&self.providers, target),
             };
         let in_namespace = match self.namespace.as_deref() {
             None => true,
-            Some("") => !task.id.session_id.contains(':'),
-            Some(namespace) => task
-                .id
-                .session_id
+            Some("") => !session_id.contains(':'),
+            Some(namespace) => session_id
                 .strip_prefix(namespace)
                 .is_some_and(|rest| rest.starts_with(':')),
         };
-        in_set(&self.queues, &task.queue)
-            && hosted
-            && in_namespace
-            && in_set(&self.sessions, &task.id.session_id)
+        in_set(&self.queues, queue) && hosted && in_namespace && in_set(&self.sessions, session_id)
     }
 }
 
@@ -314,14 +321,16 @@ pub struct StoreChange {
 pub trait Store: Send + Sync + 'static {
     /// Whether processes other than this one may write to the store (a database server that
     /// several cairn servers share). An engine over a shared store polls it for changes made
-    /// elsewhere, besides listening to [`Store::subscribe_changes`]; every engine reads the
-    /// events it did not write before it decides anything, shared store or not.
+    /// elsewhere, besides listening to [`Store::subscribe_changes`]. Shared store or not, an
+    /// engine's append of a decision taken on stale state fails (`Conflict`), and it reads
+    /// the events it did not write before it answers anything but a successful append.
     fn shared(&self) -> bool {
         false
     }
 
-    /// Hints of the appends made to this store by any writer this store can hear of (this
-    /// process's included), or `None` when it gives none. See [`StoreChange`]: a hint only.
+    /// Hints of the appends other writers made to this store (other processes, or other
+    /// handles of it), or `None` when it gives none; not of this handle's own appends, which
+    /// the engine that made them knows. See [`StoreChange`]: a hint only.
     fn subscribe_changes(&self) -> Option<tokio::sync::broadcast::Receiver<StoreChange>> {
         None
     }

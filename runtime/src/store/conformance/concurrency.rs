@@ -215,19 +215,24 @@ async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
 
 /// Leases on `engine` until `count` tasks are in hand (the other engine's appends queued
 /// them, which this engine learns of from the store).
+// Each long poll waits 50 ms of real time at most.
+#[allow(clippy::disallowed_methods)]
 async fn lease_on(engine: &Engine, count: usize) -> Vec<LeasedTask> {
     let mut got = Vec::new();
     within("leasing the tasks another engine queued", async {
         while got.len() < count {
-            let ready = engine.tasks_ready();
+            let deadline = tokio::time::Instant::now() + Duration::from_millis(50);
             match engine
-                .lease_tasks(&TaskFilter::any(), count - got.len(), 60_000)
+                .lease_tasks_waiting(
+                    &TaskFilter::any(),
+                    count - got.len(),
+                    60_000,
+                    deadline,
+                    std::future::pending(),
+                )
                 .await
             {
-                Ok(leased) if !leased.is_empty() => got.extend(leased),
-                Ok(_) => {
-                    let _ = tokio::time::timeout(Duration::from_millis(50), ready).await;
-                }
+                Ok(leased) => got.extend(leased),
                 Err(e) => panic!("leasing must succeed, got {e:?}"),
             }
         }
