@@ -156,6 +156,9 @@ const MODEL_DELAY_SPREAD_MS: u64 = 12;
 const MODEL_JITTER_MS: u64 = 25;
 /// One kill in this many falls at a random moment of the child's startup.
 const STARTUP_KILL_ONE_IN: u64 = 5;
+
+/// The most the estimate of a child's time to ready grows to after kills that came too early.
+const READY_ESTIMATE_MAX: Duration = Duration::from_secs(20);
 /// How long the side-effect tool works after writing its record.
 const TOOL_WORK_MS: u64 = 3;
 /// How often the child samples every session's state for acks, besides its turn boundaries.
@@ -567,13 +570,16 @@ pub fn run_chaos(config: &ChaosConfig, child_exe: &Path) -> anyhow::Result<Chaos
     let faults = config.kills + config.startup_kills + config.power_cuts;
 
     let mut faults_done = 0;
+    // Whether the last kill was aimed past the child's readiness (four in five are).
+    let mut aimed_after_ready = false;
     while faults_done < faults {
         let plan = if report.kills < config.kills {
             let (lo, hi) = config.kill_after_ms;
-            let window = if rng.below(STARTUP_KILL_ONE_IN) == 0 {
-                ready_estimate.mul_f64(rng.below(1_001) as f64 / 1_000.0)
-            } else {
+            aimed_after_ready = rng.below(STARTUP_KILL_ONE_IN) != 0;
+            let window = if aimed_after_ready {
                 ready_estimate + Duration::from_millis(lo + rng.below(hi - lo + 1))
+            } else {
+                ready_estimate.mul_f64(rng.below(1_001) as f64 / 1_000.0)
             };
             Plan::Kill(window)
         } else if report.startup_kills < config.startup_kills {
@@ -589,9 +595,22 @@ pub fn run_chaos(config: &ChaosConfig, child_exe: &Path) -> anyhow::Result<Chaos
         let run = run_child(config, child_exe, report.turns_per_session, &plan, &env)?;
         report.child_runs += 1;
         absorb(&mut report, &mut acks, &mut ready_ms, &run);
-        if let (Plan::Kill(_), Some(ready)) = (&plan, &run.output.ready) {
-            // An exponentially weighted mean: it follows the growth of the histories.
-            ready_estimate = ready_estimate.mul_f64(0.7) + ready.after.mul_f64(0.3);
+        match (&plan, &run.output.ready) {
+            (Plan::Kill(_), Some(ready)) => {
+                // An exponentially weighted mean: it follows the growth of the histories.
+                ready_estimate = ready_estimate.mul_f64(0.7) + ready.after.mul_f64(0.3);
+            }
+            (Plan::Kill(after), None) if aimed_after_ready => {
+                // A kill meant for work came before the child was ready: startup is slower
+                // than estimated (a loaded machine; or the first children, with no estimate
+                // yet), and no ready time comes to say by how much, so the estimate grows
+                // past this kill's moment until kills land on work again.
+                ready_estimate = ready_estimate
+                    .mul_f64(1.5)
+                    .max(*after)
+                    .min(READY_ESTIMATE_MAX);
+            }
+            _ => {}
         }
         let before_ready = run.output.ready.is_none();
         let fault = match (&run.end, &plan) {
