@@ -2,7 +2,7 @@
 //! wire types' schemas (never written by hand), and its route.
 
 use crate::auth::AnyCaller;
-use crate::{app, events, sessions, worker};
+use crate::{app, events, inspect, sessions, worker};
 use axum::http::header;
 use axum::response::IntoResponse;
 use cairn_runtime::wire::ErrorBody;
@@ -29,6 +29,8 @@ use utoipa::{Modify, OpenApi};
         sessions::transcript,
         sessions::cancel,
         events::events,
+        inspect::state_at,
+        inspect::fork,
         worker::lease,
         worker::input,
         worker::heartbeat,
