@@ -830,3 +830,106 @@ async fn the_fork_route_refuses_what_cannot_be_forked_and_says_why() {
     assert!(body["session_id"].as_str().is_some_and(|id| !id.is_empty()));
     viewer.close().await;
 }
+
+#[tokio::test]
+async fn with_tokens_the_page_is_served_and_the_new_routes_keep_to_the_namespace() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens = dir.path().join("tokens.json");
+    std::fs::write(
+        &tokens,
+        json!({"tokens": [{"token": "acme-client", "namespace": "acme", "role": "client"},
+                          {"token": "other-client", "namespace": "other", "role": "client"}]})
+        .to_string(),
+    )
+    .expect("tokens");
+    let (_server, base) = start(
+        &[
+            "server".into(),
+            "--data".into(),
+            dir.path().join("store").display().to_string(),
+            "--listen".into(),
+            free_addr(),
+            "--tokens".into(),
+            tokens.display().to_string(),
+        ],
+        "listening on",
+    );
+    let http = reqwest::Client::new();
+    // The page holds no data: it is served without a token, and asks for one.
+    let page = http.get(format!("{base}/ui")).send().await.expect("page");
+    assert_eq!(page.status(), StatusCode::OK);
+    assert!(page.headers()["content-type"]
+        .to_str()
+        .is_ok_and(|t| t.starts_with("text/html")));
+    let call = |method: Method, path: &str, token: Option<&str>, body: Option<Value>| {
+        let mut request = http.request(method, format!("{base}{path}"));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        async move {
+            let response = request.send().await.expect("request");
+            let status = response.status();
+            (status, response.json::<Value>().await.expect("JSON"))
+        }
+    };
+    let (status, body) = call(
+        Method::POST,
+        "/v1/sessions",
+        Some("acme-client"),
+        Some(json!({"session_id": "p", "model": {"provider": "custom", "model": "m"}})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let (status, _) = call(Method::GET, "/v1/sessions/p/state?at=1", None, None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, _) = call(
+        Method::GET,
+        "/v1/sessions/p/state?at=1",
+        Some("other-client"),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "another namespace's session");
+    let (status, _) = call(
+        Method::POST,
+        "/v1/sessions/p/fork",
+        Some("other-client"),
+        Some(json!({"at": 1})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "another namespace's session");
+    let (status, body) = call(
+        Method::POST,
+        "/v1/sessions/p/fork",
+        Some("acme-client"),
+        Some(json!({"at": 1, "id": "f"})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(body["session_id"], "f");
+    // The fork's origin is told in the namespace's own ids.
+    let (status, history) = call(
+        Method::GET,
+        "/v1/sessions/f/history",
+        Some("acme-client"),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{history}");
+    assert_eq!(
+        history["events"][0]["event"]["session_started"]["forked_from"],
+        json!({"session_id": "p", "seq": 1})
+    );
+    let (status, state) = call(
+        Method::GET,
+        "/v1/sessions/f/state?at=1",
+        Some("acme-client"),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{state}");
+    assert_eq!(state["session"]["session_id"], "f");
+}
