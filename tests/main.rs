@@ -19,5 +19,6 @@ mod server;
 mod service;
 mod store_crash;
 mod support;
+mod ui;
 mod versions;
 mod wire;

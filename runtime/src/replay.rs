@@ -1,8 +1,11 @@
 //! Replay: re-fold a recorded history with the current code, collecting the commands it decides,
 //! and report the first divergence as a typed nondeterminism error naming the event.
 
+use crate::client::describe_state;
+use crate::engine::status_of;
 use crate::error::Result;
 use crate::event::EventEnvelope;
+use crate::wire::{OpenToolCall, StateAt};
 use crate::workflow::{Command, SessionState};
 
 /// The result of a replay.
@@ -69,6 +72,40 @@ pub fn state_at(session_id: &str, events: &[EventEnvelope], seq: u64) -> Result<
         state.apply(envelope)?;
     }
     Ok(state)
+}
+
+/// The state of a session right after its event `seq`, described: what `cairn show --at SEQ
+/// --json` prints and `GET /v1/sessions/{id}/state` answers (see [`state_at`] for the errors).
+/// Reads nothing and writes nothing: `events` is the whole history.
+pub fn describe_at(session_id: &str, events: &[EventEnvelope], seq: u64) -> Result<StateAt> {
+    let state = state_at(session_id, events, seq)?;
+    let open_tool_calls = open_tool_calls(&state)
+        .into_iter()
+        .map(|slot| OpenToolCall {
+            tool_use_id: slot.tool_use.id.clone(),
+            name: slot.tool_use.name.clone(),
+            arguments: slot.tool_use.arguments.clone(),
+            attempt: match &slot.state {
+                crate::workflow::ToolSlotState::Scheduled { attempt, .. } => Some(*attempt),
+                _ => None,
+            },
+        })
+        .collect();
+    // The canonical transcript is JSON by construction; a failure here would be a bug in it.
+    let transcript = serde_json::from_slice(&state.transcript.canonical_json()).map_err(|e| {
+        crate::error::Error::InvalidEvent {
+            session_id: session_id.to_owned(),
+            seq,
+            reason: format!("the transcript at this event is not JSON: {e}"),
+        }
+    })?;
+    Ok(StateAt {
+        at_seq: seq,
+        of_seqs: events.last().map_or(0, |e| e.seq),
+        session: describe_state(&state, status_of(&state)),
+        open_tool_calls,
+        transcript,
+    })
 }
 
 /// The tool calls of the running turn's current round that have no result yet.

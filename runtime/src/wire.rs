@@ -15,6 +15,8 @@
 //! | GET | `/v1/sessions/{id}/transcript?as=` | → the canonical transcript JSON, or a provider's |
 //! | POST | `/v1/sessions/{id}/cancel` | [`CancelRequest`] → [`Cancelled`] |
 //! | GET | `/v1/sessions/{id}/events?after_seq=` | SSE: [`StreamEvent`]s; `id` = seq, `Last-Event-ID` resumes |
+//! | GET | `/v1/sessions/{id}/state?at=` | → [`StateAt`] (read-only) |
+//! | POST | `/v1/sessions/{id}/fork` | [`ForkSession`] → 201 [`Forked`] |
 //!
 //! Worker role (a token with role `worker`):
 //!
@@ -219,6 +221,71 @@ pub struct HistoryPage {
     pub events: Vec<EventEnvelope>,
     /// The seq to ask from for the next page (one past the last event given).
     pub next_seq: u64,
+}
+
+/// `GET /v1/sessions/{id}/state?at=SEQ`: a session as it was right after one event (what
+/// `cairn show --at SEQ --json` prints).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct StateAt {
+    /// The event the state is taken after.
+    pub at_seq: u64,
+    /// The history's last seq when the state was read.
+    pub of_seqs: u64,
+    /// Status, turns, usage so far and pending tasks at that event.
+    pub session: SessionDescription,
+    /// The running turn's tool calls that had no result yet.
+    pub open_tool_calls: Vec<OpenToolCall>,
+    /// The transcript at that event, as canonical JSON (`{"messages": [...]}`).
+    #[schema(value_type = Object)]
+    pub transcript: serde_json::Value,
+}
+
+/// A tool call of the running turn with no result yet, in a [`StateAt`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct OpenToolCall {
+    /// The tool_use's id.
+    pub tool_use_id: String,
+    /// The tool's name.
+    pub name: String,
+    /// The arguments, as the exact text the model produced.
+    pub arguments: String,
+    /// The attempt scheduled, when one is (none while it waits for its retry).
+    #[serde(default)]
+    pub attempt: Option<u32>,
+}
+
+/// `POST /v1/sessions/{id}/fork`: a new session whose history is this one's up to `at`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkSession {
+    /// The last event the fork copies; it must end a transition (not cut an input from the
+    /// commands it decided).
+    #[schema(minimum = 1)]
+    pub at: u64,
+    /// The fork's id (1-128 of `[A-Za-z0-9._-]`); generated when absent.
+    #[serde(default)]
+    #[schema(pattern = r"^[A-Za-z0-9._-]{1,128}$", min_length = 1, max_length = 128)]
+    pub id: Option<String>,
+    /// Another default model, `PROVIDER:MODEL`.
+    #[serde(default)]
+    #[schema(pattern = r"^[^:]+:.+$")]
+    pub model: Option<String>,
+    /// Another system prompt.
+    #[serde(default)]
+    pub system: Option<String>,
+}
+
+/// `201` to [`ForkSession`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Forked {
+    /// The fork's id.
+    pub session_id: String,
+    /// Events copied from the parent.
+    pub events: u64,
+    /// Whether the fork was cut inside a turn, which goes on (its pending calls queued).
+    pub running: bool,
+    /// Activities queued for that turn.
+    pub tasks: u64,
 }
 
 /// One message of a session's SSE stream. The SSE `event` field is `event` (its `data` the

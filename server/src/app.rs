@@ -4,7 +4,7 @@
 
 use crate::auth::AnyCaller;
 use crate::errors::{json_errors, ApiError};
-use crate::{events, openapi, sessions, worker, ServerConfig};
+use crate::{events, inspect, openapi, sessions, ui, worker, ServerConfig};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::Request;
 use axum::routing::{get, post};
@@ -83,6 +83,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sessions/{id}/transcript", get(sessions::transcript))
         .route("/v1/sessions/{id}/cancel", post(sessions::cancel))
         .route("/v1/sessions/{id}/events", get(events::events))
+        .route("/v1/sessions/{id}/state", get(inspect::state_at))
+        .route("/v1/sessions/{id}/fork", post(inspect::fork))
         .route("/v1/worker/lease", post(worker::lease))
         .route("/v1/worker/input", post(worker::input))
         .route("/v1/worker/heartbeat", post(worker::heartbeat))
@@ -91,6 +93,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/worker/deltas", post(worker::deltas))
         .route("/v1/health", get(health))
         .route("/v1/openapi.json", get(openapi::document))
+        .merge(ui::routes())
         .fallback(|| async { ApiError::not_found("no such route") })
         .with_state(state);
     api.layer(DefaultBodyLimit::max(body_limit))

@@ -12,10 +12,12 @@ mod app;
 mod auth;
 mod errors;
 mod events;
+mod inspect;
 mod lenient;
 mod openapi;
 mod serve;
 mod sessions;
+mod ui;
 mod worker;
 
 pub use auth::{Caller, Role, Tokens};

@@ -2,7 +2,7 @@
 //! wire types' schemas (never written by hand), and its route.
 
 use crate::auth::AnyCaller;
-use crate::{app, events, sessions, worker};
+use crate::{app, events, inspect, sessions, worker};
 use axum::http::header;
 use axum::response::IntoResponse;
 use cairn_runtime::wire::ErrorBody;
@@ -29,6 +29,8 @@ use utoipa::{Modify, OpenApi};
         sessions::transcript,
         sessions::cancel,
         events::events,
+        inspect::state_at,
+        inspect::fork,
         worker::lease,
         worker::input,
         worker::heartbeat,
@@ -163,7 +165,7 @@ mod tests {
         }
         assert_eq!(doc["security"][0]["bearer"], serde_json::json!([]));
         let paths = doc["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 16, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 18, "{:?}", paths.keys().collect::<Vec<_>>());
         for (path, operations) in paths {
             for (method, operation) in operations.as_object().unwrap() {
                 let responses = operation["responses"].as_object().unwrap();

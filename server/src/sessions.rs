@@ -15,7 +15,7 @@ use cairn_ledger::ModelSpec;
 use cairn_runtime::client::describe_state;
 use cairn_runtime::client::page_sessions;
 use cairn_runtime::engine::status_of;
-use cairn_runtime::event::{EventEnvelope, RetryPolicy, SessionStarted};
+use cairn_runtime::event::{Event, EventEnvelope, RetryPolicy, SessionStarted};
 use cairn_runtime::store::{check_session_id, SessionStatus};
 use cairn_runtime::wire::{
     schema, split_session_id, store_session_id, CancelRequest, Cancelled, CreateSession, ErrorBody,
@@ -65,10 +65,26 @@ fn client_id(stored: &str) -> &str {
     split_session_id(stored).1
 }
 
-/// An event as the caller sees it: its session id is the namespace's own.
+/// An event as the caller sees it: its session id, and a fork's parent, are the namespace's
+/// own.
 pub fn for_client(mut event: EventEnvelope) -> EventEnvelope {
     event.session_id = client_id(&event.session_id).to_owned();
+    if let Event::SessionStarted(started) = &mut event.event {
+        if let Some(origin) = &mut started.forked_from {
+            origin.session_id = client_id(&origin.session_id).to_owned();
+        }
+    }
     event
+}
+
+/// A new session id, unique to this server process: the clock, the process and a counter.
+pub fn new_session_id(state: &AppState) -> String {
+    format!(
+        "s{:x}-{:x}-{}",
+        state.engine.now_ms(),
+        std::process::id(),
+        state.id_counter.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 fn check_model(model: &ModelSpec, field: &str) -> Result<(), ApiError> {
@@ -95,7 +111,7 @@ async fn session_state(
     Ok((stored, session))
 }
 
-fn session_span(caller: &Caller, id: &str) -> tracing::Span {
+pub fn session_span(caller: &Caller, id: &str) -> tracing::Span {
     tracing::info_span!("session", namespace = %caller.namespace, session_id = %id)
 }
 
@@ -123,15 +139,7 @@ pub async fn create_session(
     JsonBody(request): JsonBody<CreateSession>,
 ) -> Result<(StatusCode, Json<SessionCreated>), ApiError> {
     check_model(&request.model, "model")?;
-    let id = match request.session_id {
-        Some(id) => id,
-        None => format!(
-            "s{:x}-{:x}-{}",
-            state.engine.now_ms(),
-            std::process::id(),
-            state.id_counter.fetch_add(1, Ordering::Relaxed)
-        ),
-    };
+    let id = request.session_id.unwrap_or_else(|| new_session_id(&state));
     let stored = stored_id(&caller, &id)?;
     let started = SessionStarted {
         model: request.model,

@@ -7,9 +7,8 @@ use anyhow::Context;
 use cairn_runtime::client::describe_state;
 use cairn_runtime::engine::status_of;
 use cairn_runtime::export::{export_lines, import_session};
-use cairn_runtime::replay::{open_tool_calls, state_at, trace};
+use cairn_runtime::replay::{describe_at, open_tool_calls, state_at, trace};
 use cairn_runtime::store::embedded::{self, OpenMode};
-use cairn_runtime::workflow::ToolSlotState;
 use cairn_runtime::{Clock, EventEnvelope, SystemClock};
 use std::path::Path;
 use std::process::ExitCode;
@@ -77,37 +76,15 @@ pub fn show(
 ) -> anyhow::Result<()> {
     let last = events.last().map_or(0, |e| e.seq);
     let seq = at.unwrap_or(last);
-    let state = state_at(session, events, seq)?;
-    let description = describe_state(&state, status_of(&state));
-    let open: Vec<_> = open_tool_calls(&state);
     if json {
-        let open: Vec<serde_json::Value> = open
-            .iter()
-            .map(|slot| {
-                let attempt = match &slot.state {
-                    ToolSlotState::Scheduled { attempt, .. } => Some(*attempt),
-                    _ => None,
-                };
-                serde_json::json!({
-                    "tool_use_id": slot.tool_use.id,
-                    "name": slot.tool_use.name,
-                    "arguments": slot.tool_use.arguments,
-                    "attempt": attempt,
-                })
-            })
-            .collect();
-        let transcript: serde_json::Value =
-            serde_json::from_slice(&state.transcript.canonical_json())?;
-        let shown = serde_json::json!({
-            "at_seq": seq,
-            "of_seqs": last,
-            "session": description,
-            "open_tool_calls": open,
-            "transcript": transcript,
-        });
+        // The same description the server's `GET /v1/sessions/{id}/state` answers.
+        let shown = describe_at(session, events, seq)?;
         outln!("{}", serde_json::to_string(&shown)?)?;
         return Ok(());
     }
+    let state = state_at(session, events, seq)?;
+    let description = describe_state(&state, status_of(&state));
+    let open: Vec<_> = open_tool_calls(&state);
     let at_event = events
         .iter()
         .find(|e| e.seq == seq)
