@@ -9,6 +9,7 @@ pub mod engine;
 pub mod error;
 pub mod event;
 pub mod export;
+pub mod follow;
 pub mod fork;
 pub mod fsck;
 pub mod progress;
@@ -36,6 +37,7 @@ pub use event::{
     ActivityFailure, ErrorClass, Event, EventEnvelope, FailurePhase, ForkOrigin, Limits, Queues,
     RetryPolicy, SessionStarted, SCHEMA_VERSION,
 };
+pub use follow::{SessionEvent, SessionEvents};
 pub use progress::{interrupted_output, streamed_outputs, StreamedOutput};
 pub use replay::{replay, Replay};
 pub use store::memory::MemoryStore;
