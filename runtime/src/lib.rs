@@ -20,6 +20,8 @@ pub mod wire;
 pub mod workflow;
 
 #[cfg(test)]
+mod client_tests;
+#[cfg(test)]
 mod codec_props;
 #[cfg(test)]
 mod workflow_props;
