@@ -11,6 +11,7 @@
 //! let options = cairn.session(ModelSpec::new("anthropic", "claude-sonnet-4-5"));
 //! let session = cairn.client().start_session(options).await?;
 //! let outcome = cairn.client().run_turn(&session, "What is (17 + 25) * 3?").await?;
+//! println!("{outcome:?}");
 //! cairn.shutdown().await;
 //! # Ok(())
 //! # }

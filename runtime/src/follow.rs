@@ -129,8 +129,8 @@ pub enum SessionEvent {
         reason: String,
     },
     /// Any other history event (the session's start, streamed-progress records, and kinds
-    /// added later), as stored.
-    Other(EventEnvelope),
+    /// added later), as stored (boxed: an envelope is large).
+    Other(Box<EventEnvelope>),
 }
 
 impl SessionEvent {
@@ -287,7 +287,7 @@ impl EventReader {
                 outcome: TurnOutcome::Cancelled { turn, reason },
             },
             Event::SessionCancelled { reason } => SessionEvent::SessionCancelled { seq, reason },
-            event => SessionEvent::Other(EventEnvelope { event, ..envelope }),
+            event => SessionEvent::Other(Box::new(EventEnvelope { event, ..envelope })),
         }
     }
 }
