@@ -10,6 +10,7 @@ mod engine;
 mod faults;
 mod golden;
 mod history_files;
+mod library;
 mod lifecycle;
 mod postgres;
 mod powercut;

@@ -30,7 +30,33 @@ pub struct ModelSpec {
     pub thinking_budget_tokens: Option<u32>,
 }
 
+impl ToolSpec {
+    /// A tool spec whose input is described by the JSON Schema `input_schema`.
+    pub fn new(
+        name: impl Into<String>,
+        description: impl Into<String>,
+        input_schema: &serde_json::Value,
+    ) -> Self {
+        ToolSpec {
+            name: name.into(),
+            description: description.into(),
+            input_schema: JsonText::from_value(input_schema),
+        }
+    }
+}
+
 impl ModelSpec {
+    /// The model `model` of `provider` (e.g. `anthropic`, `claude-sonnet-4-5`), without a
+    /// token limit or thinking budget.
+    pub fn new(provider: impl Into<String>, model: impl Into<String>) -> Self {
+        ModelSpec {
+            provider: provider.into(),
+            model: model.into(),
+            max_tokens: None,
+            thinking_budget_tokens: None,
+        }
+    }
+
     /// Parses `PROVIDER:MODEL`, e.g. `scripted:demo.json`.
     pub fn parse(text: &str) -> Option<ModelSpec> {
         let (provider, model) = text.split_once(':')?;

@@ -5,6 +5,7 @@
 use crate::engine::{status_of, AppendedEvents, DeltaEvent, Engine, WatchGuard};
 use crate::error::{Error, Result};
 use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy, SessionStarted};
+use crate::follow::SessionEvents;
 use crate::store::{SessionInfo, SessionStatus};
 use crate::wire::{PendingTask, SessionDescription, SessionPage, SessionSummary, StreamEvent};
 use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
@@ -129,11 +130,20 @@ pub trait Transport: Send + Sync + 'static {
     async fn subscribe(&self, session_id: &str, after_seq: u64) -> Result<EventStream>;
 }
 
+/// How long a turn waits with nothing started before [`Client::wait_turn`] logs a warning
+/// naming the tasks no worker took (by default).
+pub const STALL_WARNING: Duration = Duration::from_secs(5);
+
 /// A client; cheap to clone.
 #[derive(Clone)]
 pub struct Client {
     transport: Arc<dyn Transport>,
     engine: Option<Engine>,
+    /// [`Client::wait_turn`] gives up after this long (`None`: never).
+    turn_deadline: Option<Duration>,
+    /// [`Client::wait_turn`] warns once after this long without an outcome when tasks of the
+    /// session are waiting for a worker.
+    stall_warning: Duration,
 }
 
 impl Client {
@@ -144,6 +154,8 @@ impl Client {
                 engine: engine.clone(),
             }),
             engine: Some(engine),
+            turn_deadline: None,
+            stall_warning: STALL_WARNING,
         }
     }
 
@@ -152,7 +164,24 @@ impl Client {
         Client {
             transport,
             engine: None,
+            turn_deadline: None,
+            stall_warning: STALL_WARNING,
         }
+    }
+
+    /// This client, with [`Client::run_turn`] and [`Client::wait_turn`] failing with
+    /// [`Error::TurnDeadline`] when the turn has not ended after `deadline` (the turn itself
+    /// goes on). Without it they wait as long as the turn takes.
+    pub fn with_turn_deadline(mut self, deadline: Duration) -> Self {
+        self.turn_deadline = Some(deadline);
+        self
+    }
+
+    /// This client, warning (a `tracing` warning) after `after` instead of [`STALL_WARNING`]
+    /// when a turn it waits for has tasks that no worker took.
+    pub fn with_stall_warning(mut self, after: Duration) -> Self {
+        self.stall_warning = after;
+        self
     }
 
     /// The engine behind an in-process client; `None` for a remote one.
@@ -180,19 +209,120 @@ impl Client {
         self.transport.send(session_id, text, Some(model)).await
     }
 
-    /// Sends a message and waits for the turn's outcome (workers must be running).
+    /// Sends a message and waits for the turn's outcome (workers must be running: see
+    /// [`Client::wait_turn`] for what happens when none takes the turn's tasks).
     pub async fn run_turn(&self, session_id: &str, text: &str) -> Result<TurnOutcome> {
         let turn = self.send(session_id, text).await?;
         self.wait_turn(session_id, turn).await
     }
 
     /// Waits for a turn's outcome.
+    ///
+    /// A turn whose tasks no worker takes (no pool started, or none serving their queue or
+    /// hosting their tool or provider) would wait forever: after the stall warning's delay
+    /// ([`STALL_WARNING`] by default) this logs a warning naming those tasks, and with a
+    /// deadline ([`Client::with_turn_deadline`]) it fails with [`Error::TurnDeadline`].
+    #[allow(clippy::disallowed_methods)] // a client waits on real time; not pure code
     pub async fn wait_turn(&self, session_id: &str, turn: u32) -> Result<TurnOutcome> {
+        let started = tokio::time::Instant::now();
+        let mut warned = false;
         loop {
-            if let Some(outcome) = self.transport.wait_turn(session_id, turn, None).await? {
+            let waited = started.elapsed();
+            let mut slice = if warned {
+                Duration::MAX
+            } else {
+                self.stall_warning.saturating_sub(waited)
+            };
+            if let Some(deadline) = self.turn_deadline {
+                slice = slice.min(deadline.saturating_sub(waited));
+            }
+            let timeout = (slice != Duration::MAX).then_some(slice);
+            if let Some(outcome) = self.transport.wait_turn(session_id, turn, timeout).await? {
                 return Ok(outcome);
             }
+            // A transport may return before the timeout (a server's long poll is capped).
+            let waited = started.elapsed();
+            if !warned && waited >= self.stall_warning {
+                warned = true;
+                // Through a server, which does not show leases, a long model or tool call
+                // would look the same as a task nobody takes: only the deadline applies there.
+                let stalled = match self.engine {
+                    Some(_) => self.stalled_tasks(session_id).await,
+                    None => None,
+                };
+                if let Some(stalled) = stalled {
+                    tracing::warn!(
+                        session = session_id,
+                        turn,
+                        waited_ms = waited.as_millis() as u64,
+                        "turn {turn} of session {session_id:?} is waiting for a worker: {stalled}"
+                    );
+                }
+            }
+            if let Some(deadline) = self.turn_deadline {
+                if waited >= deadline {
+                    let pending = match self.stalled_tasks(session_id).await {
+                        Some(stalled) => stalled,
+                        None => "its tasks were running".to_owned(),
+                    };
+                    return Err(Error::TurnDeadline {
+                        session_id: session_id.to_owned(),
+                        turn,
+                        deadline_ms: deadline.as_millis() as u64,
+                        pending,
+                    });
+                }
+            }
         }
+    }
+
+    /// The session's tasks that no worker holds although they are due, described with their
+    /// queue and what a worker must host to take them; `None` when there are none. Through a
+    /// server, which does not show leases, every pending task is named.
+    async fn stalled_tasks(&self, session_id: &str) -> Option<String> {
+        let described: Vec<String> = match &self.engine {
+            Some(engine) => {
+                let now_ms = wall_clock_ms();
+                let tasks = engine.store().list_tasks().await.ok()?;
+                tasks
+                    .iter()
+                    .filter(|t| t.id.session_id == session_id)
+                    .filter(|t| !t.held && t.visible_at_ms <= now_ms)
+                    .map(|t| {
+                        let needs = if t.target.is_empty() {
+                            "any worker".to_owned()
+                        } else {
+                            format!("a worker hosting {:?}", t.target)
+                        };
+                        format!(
+                            "task {} on queue {:?} (needs {needs}) has not been taken",
+                            t.id, t.queue
+                        )
+                    })
+                    .collect()
+            }
+            None => self
+                .transport
+                .describe(session_id)
+                .await
+                .ok()?
+                .pending_tasks
+                .iter()
+                .map(|t| {
+                    format!(
+                        "{} (attempt {}) is pending, running or not",
+                        t.activity, t.attempt
+                    )
+                })
+                .collect(),
+        };
+        if described.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "{}; is a worker pool running that serves its queue and hosts what it needs?",
+            described.join(", ")
+        ))
     }
 
     /// Waits up to `timeout` for a turn's outcome; `None` when it has not ended by then.
@@ -267,10 +397,43 @@ impl Client {
         self.transport.subscribe(session_id, after_seq).await
     }
 
+    /// Follows a session from its start as typed [`SessionEvent`](crate::SessionEvent)s:
+    /// every history event exactly once, in order, even when the caller reads slowly (see
+    /// [`crate::follow`]), then live ones as they are appended, with model deltas in between
+    /// (deltas may be dropped when the caller falls behind).
+    pub async fn follow(&self, session_id: &str) -> Result<SessionEvents> {
+        Ok(SessionEvents::new(
+            self.subscribe(session_id, 0).await?,
+            &[],
+        ))
+    }
+
+    /// Follows a session's events after `after_seq`, as [`Client::follow`]. The events up
+    /// to `after_seq` are read once, for what later ones refer to (tool names, answers).
+    pub async fn follow_after(&self, session_id: &str, after_seq: u64) -> Result<SessionEvents> {
+        let seen = if after_seq == 0 {
+            Vec::new()
+        } else {
+            self.history_from(session_id, 1, Some(after_seq as usize))
+                .await?
+        };
+        let stream = self.subscribe(session_id, after_seq).await?;
+        Ok(SessionEvents::new(stream, &seen))
+    }
+
     /// Live deltas of every running model call (in-process clients only).
     pub fn subscribe_deltas(&self) -> Option<broadcast::Receiver<DeltaEvent>> {
         self.engine.as_ref().map(Engine::subscribe_deltas)
     }
+}
+
+/// Milliseconds since the Unix epoch, as task times are recorded (0 before the epoch).
+#[allow(clippy::disallowed_methods)] // a client's warning, not pure code
+fn wall_clock_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// Describes a session from its folded state and its event count.

@@ -189,6 +189,24 @@ pub enum Error {
         /// What was wrong with it.
         reason: String,
     },
+    /// A turn did not end by the client's deadline ([`Client::with_turn_deadline`]); the
+    /// turn goes on (cancel it with [`Client::cancel_turn`] if it should not).
+    ///
+    /// [`Client::with_turn_deadline`]: crate::Client::with_turn_deadline
+    /// [`Client::cancel_turn`]: crate::Client::cancel_turn
+    #[error(
+        "turn {turn} of session {session_id:?} did not end within {deadline_ms} ms; {pending}"
+    )]
+    TurnDeadline {
+        /// The session.
+        session_id: String,
+        /// The turn.
+        turn: u32,
+        /// The deadline.
+        deadline_ms: u64,
+        /// What the turn was waiting for (its tasks, and whether a worker had them).
+        pending: String,
+    },
     /// An operation this transport cannot carry (e.g. leasing only some sessions' tasks over
     /// HTTP, where the server scopes a worker by its token).
     #[error("not supported over this transport: {what}")]

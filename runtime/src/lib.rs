@@ -9,6 +9,7 @@ pub mod engine;
 pub mod error;
 pub mod event;
 pub mod export;
+pub mod follow;
 pub mod fork;
 pub mod fsck;
 pub mod progress;
@@ -18,6 +19,8 @@ mod task_waiters;
 pub mod wire;
 pub mod workflow;
 
+#[cfg(test)]
+mod client_tests;
 #[cfg(test)]
 mod codec_props;
 #[cfg(test)]
@@ -36,6 +39,7 @@ pub use event::{
     ActivityFailure, ErrorClass, Event, EventEnvelope, FailurePhase, ForkOrigin, Limits, Queues,
     RetryPolicy, SessionStarted, SCHEMA_VERSION,
 };
+pub use follow::{SessionEvent, SessionEvents};
 pub use progress::{interrupted_output, streamed_outputs, StreamedOutput};
 pub use replay::{replay, Replay};
 pub use store::memory::MemoryStore;

@@ -52,6 +52,18 @@ impl StandardModels {
             script_dir: Some(dir.into()),
         }
     }
+
+    /// This resolver, with `provider` serving the model spec `scripted:NAME` (instead of a
+    /// script file of that name): a script given in code, for examples and tests.
+    pub fn with_script(self, name: impl Into<String>, provider: ScriptedProvider) -> Self {
+        match self.scripts.lock() {
+            Ok(mut scripts) => scripts.insert(name.into(), Arc::new(provider)),
+            Err(poisoned) => poisoned
+                .into_inner()
+                .insert(name.into(), Arc::new(provider)),
+        };
+        self
+    }
 }
 
 impl ModelResolver for StandardModels {
