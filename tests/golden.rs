@@ -67,6 +67,7 @@ fn sample_events() -> Vec<Event> {
             queues: Default::default(),
             forked_from: None,
             workflow_version: 1,
+            tool_policy: None,
             model: ModelSpec {
                 provider: "scripted".into(),
                 model: "demo.json".into(),

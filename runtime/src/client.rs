@@ -5,6 +5,7 @@
 use crate::engine::{status_of, AppendedEvents, DeltaEvent, Engine, WatchGuard};
 use crate::error::{Error, Result};
 use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy, SessionStarted};
+use crate::policy::ToolPolicy;
 use crate::store::{SessionInfo, SessionStatus};
 use crate::wire::{PendingTask, SessionDescription, SessionPage, SessionSummary, StreamEvent};
 use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
@@ -33,6 +34,8 @@ pub struct SessionOptions {
     pub tool_retry: RetryPolicy,
     /// The task queues of its model and tool calls.
     pub queues: Queues,
+    /// Which tool calls run, are denied, or wait for a person; `None` allows every call.
+    pub tool_policy: Option<ToolPolicy>,
 }
 
 impl SessionOptions {
@@ -47,6 +50,7 @@ impl SessionOptions {
             model_retry: RetryPolicy::model_default(),
             tool_retry: RetryPolicy::tool_default(),
             queues: Queues::default(),
+            tool_policy: None,
         }
     }
 
@@ -62,6 +66,7 @@ impl SessionOptions {
             queues: self.queues.clone(),
             forked_from: None,
             workflow_version: crate::workflow::WORKFLOW_VERSION,
+            tool_policy: self.tool_policy.clone(),
         }
     }
 }

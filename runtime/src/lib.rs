@@ -11,6 +11,7 @@ pub mod event;
 pub mod export;
 pub mod fork;
 pub mod fsck;
+pub mod policy;
 pub mod progress;
 pub mod replay;
 pub mod store;
@@ -20,6 +21,8 @@ pub mod workflow;
 
 #[cfg(test)]
 mod codec_props;
+#[cfg(test)]
+mod workflow_approval_tests;
 #[cfg(test)]
 mod workflow_props;
 #[cfg(test)]
@@ -36,6 +39,7 @@ pub use event::{
     ActivityFailure, ErrorClass, Event, EventEnvelope, FailurePhase, ForkOrigin, Limits, Queues,
     RetryPolicy, SessionStarted, SCHEMA_VERSION,
 };
+pub use policy::{PolicyDecision, PolicyRule, PrefixKind, ToolPolicy};
 pub use progress::{interrupted_output, streamed_outputs, StreamedOutput};
 pub use replay::{replay, Replay};
 pub use store::memory::MemoryStore;

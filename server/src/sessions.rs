@@ -145,6 +145,7 @@ pub async fn create_session(
         queues: request.queues.unwrap_or_default(),
         forked_from: None,
         workflow_version: cairn_runtime::WORKFLOW_VERSION,
+        tool_policy: None,
     };
     async {
         match state.engine.start_session(Some(stored), started).await {
