@@ -1327,6 +1327,28 @@ fn summarize(event: &Event) -> String {
             failure.class.as_str(),
             one_line(&failure.message, 60)
         ),
+        Event::ToolApprovalRequested {
+            turn,
+            tool_use_id,
+            name,
+            deadline_ms,
+        } => match deadline_ms {
+            Some(deadline) => format!("turn={turn} {name} id={tool_use_id} deadline={deadline}"),
+            None => format!("turn={turn} {name} id={tool_use_id}"),
+        },
+        Event::ToolCallApproved { turn, tool_use_id } => {
+            format!("turn={turn} id={tool_use_id}")
+        }
+        Event::ToolCallDenied {
+            turn,
+            tool_use_id,
+            reason,
+            by_deadline,
+        } => format!(
+            "turn={turn} id={tool_use_id}{} {:?}",
+            if *by_deadline { " by_deadline" } else { "" },
+            one_line(reason, 60)
+        ),
         Event::TurnCompleted { turn, usage } => format!(
             "turn={turn} tokens={}/{}",
             usage.input_tokens, usage.output_tokens

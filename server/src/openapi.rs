@@ -29,6 +29,7 @@ use utoipa::{Modify, OpenApi};
         sessions::transcript,
         sessions::cancel,
         events::events,
+        sessions::decide_approval,
         worker::lease,
         worker::input,
         worker::heartbeat,
