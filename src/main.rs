@@ -621,8 +621,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 outln!("no sessions")?;
             }
             for s in sessions {
+                let parked = if s.awaiting_approval.is_empty() {
+                    String::new()
+                } else {
+                    format!("  awaiting approval: {}", s.awaiting_approval.join(", "))
+                };
                 outln!(
-                    "{:<40} {:<10} {:>6} events",
+                    "{:<40} {:<10} {:>6} events{parked}",
                     s.session_id,
                     s.status.as_str(),
                     s.events
