@@ -137,39 +137,37 @@ impl ToolPolicy {
         }
     }
 
-    /// Whether the policy can be recorded: every rule names a tool, and every prefix rule
-    /// says which argument it compares and how. The error names the rule (from 1).
+    /// Whether the policy can be recorded: every rule names a tool. The error names the rule
+    /// (from 1). A prefix rule without its argument and kind can be recorded but never
+    /// matches; [`ToolPolicy::unresolved`] finds those.
     pub fn check(&self) -> Result<(), String> {
-        for (i, rule) in self.rules.iter().enumerate() {
-            let n = i + 1;
-            if rule.tool.is_empty() {
-                return Err(format!(
-                    "rule {n}: the tool name is empty (use \"*\" for any)"
-                ));
-            }
-            match (&rule.prefix, &rule.argument, rule.kind) {
-                (Some(_), None, _) => {
-                    return Err(format!(
-                        "rule {n} ({}): a prefix needs the argument it compares (\"argument\")",
-                        rule.tool
-                    ))
-                }
-                (Some(_), _, None) => {
-                    return Err(format!(
-                        "rule {n} ({}): a prefix needs its kind (\"path\" or \"command\")",
-                        rule.tool
-                    ))
-                }
-                (None, Some(_), _) | (None, _, Some(_)) => {
-                    return Err(format!(
-                        "rule {n} ({}): \"argument\" and \"kind\" go with a \"prefix\"",
-                        rule.tool
-                    ))
-                }
-                _ => {}
-            }
+        match self.rules.iter().position(|rule| rule.tool.is_empty()) {
+            Some(i) => Err(format!(
+                "rule {}: the tool name is empty (use \"*\" for any)",
+                i + 1
+            )),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// The first prefix rule that does not say which argument it compares and how (a tool
+    /// that declares none, and the rule gives none): it would never match. The message names
+    /// the rule (from 1).
+    pub fn unresolved(&self) -> Option<String> {
+        self.rules.iter().enumerate().find_map(|(i, rule)| {
+            let n = i + 1;
+            match (&rule.prefix, &rule.argument, rule.kind) {
+                (Some(_), None, _) => Some(format!(
+                    "rule {n} ({}): a prefix needs the argument it compares (\"argument\")",
+                    rule.tool
+                )),
+                (Some(_), _, None) => Some(format!(
+                    "rule {n} ({}): a prefix needs its kind (\"path\" or \"command\")",
+                    rule.tool
+                )),
+                _ => None,
+            }
+        })
     }
 
     /// The decision for a call of `tool` with these JSON arguments, and the rule (from 1)
@@ -365,15 +363,16 @@ mod tests {
             ],
             ..ToolPolicy::default()
         };
-        let error = policy.check().expect_err("a prefix without its argument");
+        let error = policy.unresolved().expect("a prefix without its argument");
         assert!(error.starts_with("rule 2 (shell)"), "{error}");
+        assert_eq!(policy.check(), Ok(()));
         policy.resolve(|tool| {
             (tool == "shell").then(|| PolicySubject {
                 argument: "command".to_owned(),
                 kind: PrefixKind::Command,
             })
         });
-        assert_eq!(policy.check(), Ok(()));
+        assert_eq!(policy.unresolved(), None);
         assert_eq!(policy.rules[1].argument.as_deref(), Some("command"));
         let empty = ToolPolicy {
             rules: vec![rule("", PolicyDecision::Deny, None)],

@@ -102,7 +102,7 @@ pub struct CreateSession {
 pub struct ApprovalRequest {
     /// Run the call, or answer it with an error result.
     pub decision: ApprovalDecision,
-    /// Why, for a denial: the model reads it in the error result.
+    /// Why, for a denial: the model reads it in the error result (an approval ignores it).
     #[serde(default)]
     pub reason: Option<String>,
 }
@@ -620,6 +620,7 @@ pub mod schema {
 
     /// One rule of a tool policy.
     #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
     pub struct PolicyRule {
         /// The tool's name, or `*` for any tool.
         #[schema(min_length = 1)]
@@ -637,11 +638,14 @@ pub mod schema {
     /// Which tool calls run, are denied, or wait for a person: the first matching rule
     /// decides, else `default`.
     #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
     pub struct ToolPolicy {
         /// Checked in order.
-        pub rules: Option<Vec<PolicyRule>>,
+        #[schema(required = false)]
+        pub rules: Vec<PolicyRule>,
         /// The decision when no rule matches (allow when absent).
-        pub default: Option<PolicyDecision>,
+        #[schema(required = false)]
+        pub default: PolicyDecision,
         /// How long a parked call waits before it is denied (ms); forever when absent.
         pub approval_timeout_ms: Option<u64>,
     }

@@ -371,10 +371,7 @@ fn cancelling_a_turn_closes_a_parked_call_and_drops_its_timer() {
 #[test]
 fn a_policy_that_cannot_be_evaluated_is_refused_at_the_start() {
     let mut bad = policy(None);
-    bad.rules.push(PolicyRule {
-        prefix: Some("git".into()),
-        ..rule("shell", PolicyDecision::Allow, None)
-    });
+    bad.rules.push(rule("", PolicyDecision::Allow, None));
     let mut state = crate::workflow::SessionState::new(SID);
     let input = EventEnvelope::new(SID, 1, 1, Event::SessionStarted(with_policy(Some(bad))));
     match state.step(input) {

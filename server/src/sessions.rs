@@ -150,6 +150,7 @@ pub async fn create_session(
             &tools_hosted(),
             &request.tools,
             request.tool_policy,
+            false,
         )
         .map_err(|e| ApiError::invalid(e.to_string()))?,
     };
@@ -642,12 +643,7 @@ pub async fn decide_approval(
         return Err(ApiError::invalid("tool_use_id: 1-256 characters"));
     }
     let decided = match request.decision {
-        ApprovalDecision::Approve => {
-            if request.reason.is_some() {
-                return Err(ApiError::invalid("reason: only a denial takes a reason"));
-            }
-            state.engine.approve(&stored, &path.tool_use_id).await
-        }
+        ApprovalDecision::Approve => state.engine.approve(&stored, &path.tool_use_id).await,
         ApprovalDecision::Deny => {
             let reason = request
                 .reason

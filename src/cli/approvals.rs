@@ -111,7 +111,7 @@ impl PolicyArgs {
             }
         };
         Ok(cairn_workers::policy::session_policy(
-            &hosted, tools, requested,
+            &hosted, tools, requested, true,
         )?)
     }
 }

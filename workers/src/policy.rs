@@ -11,11 +11,14 @@ use cairn_runtime::policy::{PolicySubject, PrefixKind, ToolPolicy};
 /// The policy to record for a session offering `tools`: `requested` completed from what the
 /// tools `hosted` declare and checked, or, when none is requested, the default policy of
 /// those tools (`None`, allow everything, when none of them asks by default).
-/// [`Error::InvalidPolicy`] names the rule that cannot be recorded.
+/// [`Error::InvalidPolicy`] names the rule that cannot be recorded, or, when `strict`, a
+/// prefix rule that would never match (its tool declares no argument and it names none): a
+/// server records those (they may name tools its workers do not host), the CLI refuses them.
 pub fn session_policy(
     hosted: &ToolRegistry,
     tools: &[ToolSpec],
     requested: Option<ToolPolicy>,
+    strict: bool,
 ) -> Result<Option<ToolPolicy>> {
     let Some(mut policy) = requested else {
         let asking: Vec<&str> = tools
@@ -38,6 +41,9 @@ pub fn session_policy(
     policy
         .check()
         .map_err(|reason| Error::InvalidPolicy { reason })?;
+    if let Some(reason) = policy.unresolved().filter(|_| strict) {
+        return Err(Error::InvalidPolicy { reason });
+    }
     Ok(Some(policy))
 }
 
@@ -50,18 +56,23 @@ mod tests {
     fn shell_asks_by_default_and_prefix_rules_get_their_tools_argument() {
         let hosted = ToolRegistry::hosted(".");
         let specs = hosted.specs();
-        let policy = session_policy(&hosted, &specs, None).unwrap().unwrap();
+        let policy = session_policy(&hosted, &specs, None, true)
+            .unwrap()
+            .unwrap();
         assert_eq!(policy.rules.len(), 1);
         assert_eq!(policy.rules[0].tool, "shell");
         assert_eq!(policy.rules[0].decision, PolicyDecision::Ask);
         let without_shell = ToolRegistry::builtin(".").specs();
-        assert_eq!(session_policy(&hosted, &without_shell, None).unwrap(), None);
+        assert_eq!(
+            session_policy(&hosted, &without_shell, None, true).unwrap(),
+            None
+        );
 
         let requested: ToolPolicy = serde_json::from_str(
             r#"{"rules":[{"tool":"shell","prefix":"git status","decision":"allow"},{"tool":"read_file","prefix":"src","decision":"allow"}]}"#,
         )
         .unwrap();
-        let policy = session_policy(&hosted, &specs, Some(requested))
+        let policy = session_policy(&hosted, &specs, Some(requested), true)
             .unwrap()
             .unwrap();
         assert_eq!(policy.rules[0].argument.as_deref(), Some("command"));
@@ -73,7 +84,8 @@ mod tests {
             r#"{"rules":[{"tool":"mystery","prefix":"x","decision":"deny"}]}"#,
         )
         .unwrap();
-        let error = session_policy(&hosted, &specs, Some(unknown)).unwrap_err();
+        let error = session_policy(&hosted, &specs, Some(unknown.clone()), true).unwrap_err();
         assert!(error.to_string().contains("rule 1 (mystery)"), "{error}");
+        assert!(session_policy(&hosted, &specs, Some(unknown), false).is_ok());
     }
 }
