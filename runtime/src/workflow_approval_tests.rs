@@ -369,7 +369,7 @@ fn cancelling_a_turn_closes_a_parked_call_and_drops_its_timer() {
 }
 
 #[test]
-fn a_policy_that_cannot_be_evaluated_is_refused_at_the_start() {
+fn a_policy_that_cannot_be_recorded_is_refused_at_the_start() {
     let mut bad = policy(None);
     bad.rules.push(rule("", PolicyDecision::Allow, None));
     let mut state = crate::workflow::SessionState::new(SID);
@@ -377,7 +377,7 @@ fn a_policy_that_cannot_be_evaluated_is_refused_at_the_start() {
     match state.step(input) {
         Err(Error::InvalidEvent { reason, .. }) => {
             assert!(
-                reason.starts_with("tool_policy: rule 4 (shell)"),
+                reason.starts_with("tool_policy: rule 4: the tool name is empty"),
                 "{reason}"
             )
         }

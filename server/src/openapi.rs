@@ -164,7 +164,7 @@ mod tests {
         }
         assert_eq!(doc["security"][0]["bearer"], serde_json::json!([]));
         let paths = doc["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 16, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 17, "{:?}", paths.keys().collect::<Vec<_>>());
         for (path, operations) in paths {
             for (method, operation) in operations.as_object().unwrap() {
                 let responses = operation["responses"].as_object().unwrap();
