@@ -13,6 +13,7 @@ fn started() -> SessionStarted {
         queues: Default::default(),
         forked_from: None,
         workflow_version: cairn_runtime::WORKFLOW_VERSION,
+        tool_policy: None,
         model: ModelSpec::parse("scripted:bench.json").unwrap(),
         tools: vec![ToolSpec {
             name: "calculator".into(),

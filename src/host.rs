@@ -68,7 +68,7 @@ impl Host {
             opened,
             client: Client::new(engine.clone()),
             engine,
-            tools: Arc::new(ToolRegistry::builtin(workdir)),
+            tools: Arc::new(ToolRegistry::hosted(workdir)),
             workers: None,
             socket,
         })

@@ -87,6 +87,9 @@ enum Command {
         /// below --max-tokens; OpenAI Responses maps it to a reasoning effort).
         #[arg(long)]
         thinking_budget: Option<u32>,
+        /// Tools and tool policy of a new session (refused for an existing one).
+        #[command(flatten)]
+        policy: cli::approvals::PolicyArgs,
         /// The user message.
         prompt: String,
     },
@@ -228,6 +231,33 @@ enum Command {
         turn: bool,
         /// Why, recorded in the history.
         #[arg(long, default_value = "cancelled from the command line")]
+        reason: String,
+    },
+    /// Approve a tool call the session's policy parked: it runs (by the process that holds
+    /// the session's store, or the next `cairn resume`).
+    Approve {
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
+        /// Session id.
+        session: String,
+        /// The tool_use id of the parked call (`cairn show` lists them).
+        tool_use_id: String,
+    },
+    /// Deny a tool call the session's policy parked: the model gets an error result carrying
+    /// the reason.
+    Deny {
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
+        /// Session id.
+        session: String,
+        /// The tool_use id of the parked call.
+        tool_use_id: String,
+        /// Why; the model reads it.
+        #[arg(long, default_value = "denied from the command line")]
         reason: String,
     },
     /// Benchmark durable turns: embedded, and through `cairn server` processes with worker
@@ -507,6 +537,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             hide_thinking,
             max_tokens,
             thinking_budget,
+            policy,
             prompt,
         } => {
             // Everything that can be checked is checked before anything is written.
@@ -538,6 +569,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         max_rounds,
                         prompt,
                         show_thinking: !hide_thinking,
+                        policy,
                     };
                     return Ok(outcome_code(&remote.run(request).await?));
                 }
@@ -546,10 +578,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let session_id = match session {
                 Some(id) if session_exists(&host, &id).await? => {
                     refuse_start_options(&id, &system, max_rounds)?;
+                    refuse_policy_options(&id, &policy)?;
                     id
                 }
                 requested => {
-                    let mut options = SessionOptions::new(model.clone(), host.tools.specs());
+                    let tools = policy.offered_tools();
+                    let tool_policy = policy.session_policy(&tools)?;
+                    let mut options = SessionOptions::new(model.clone(), tools);
+                    options.tool_policy = tool_policy;
                     options.session_id = requested;
                     options.system_prompt = system;
                     if let Some(max_rounds) = max_rounds {
@@ -585,8 +621,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 outln!("no sessions")?;
             }
             for s in sessions {
+                let parked = if s.awaiting_approval.is_empty() {
+                    String::new()
+                } else {
+                    format!("  awaiting approval: {}", s.awaiting_approval.join(", "))
+                };
                 outln!(
-                    "{:<40} {:<10} {:>6} events",
+                    "{:<40} {:<10} {:>6} events{parked}",
                     s.session_id,
                     s.status.as_str(),
                     s.events
@@ -789,6 +830,34 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Approve {
+            data,
+            server,
+            session,
+            tool_use_id,
+        } => {
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::Existing, None, PathBuf::from(".")).await?;
+            access.client().approve(&session, &tool_use_id).await?;
+            outln!("approved {tool_use_id} of session {session}")?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Deny {
+            data,
+            server,
+            session,
+            tool_use_id,
+            reason,
+        } => {
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::Existing, None, PathBuf::from(".")).await?;
+            access
+                .client()
+                .deny(&session, &tool_use_id, &reason)
+                .await?;
+            outln!("denied {tool_use_id} of session {session}")?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Bench {
             sessions,
             workers,
@@ -980,7 +1049,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let mut code = ExitCode::SUCCESS;
             for session_id in &report.running_sessions {
                 let turn = host.engine.state(session_id).await?.turns_started;
-                let outcome = host.client.wait_turn(session_id, turn).await?;
+                // A turn parked on a person is left parked: deciding it needs no process.
+                let Some(outcome) =
+                    cli::approvals::wait_turn(&host.engine, session_id, turn, true).await?
+                else {
+                    showln!("{session_id}: turn {turn} waits for approval");
+                    continue;
+                };
                 showln!("{session_id}: {}", describe(&outcome));
                 if !matches!(outcome, TurnOutcome::Completed { .. }) {
                     code = ExitCode::from(1);
@@ -1049,6 +1124,21 @@ fn check_provider(model: &ModelSpec) -> anyhow::Result<()> {
 
 /// Refuses `--system` and `--max-rounds` for a session that exists: both are recorded when a
 /// session starts and cannot change, so taking them silently would mislead.
+/// Tools and tool policy are fixed when a session starts, like `--system`.
+pub(crate) fn refuse_policy_options(
+    session_id: &str,
+    policy: &cli::approvals::PolicyArgs,
+) -> anyhow::Result<()> {
+    if policy.given() {
+        bail!(
+            "session {session_id} exists, and --shell, --allow, --ask, --deny, --policy and \
+             --approval-timeout-ms apply only when a session starts (its history records its \
+             tools and policy); leave them out to continue the session, or start a new one"
+        );
+    }
+    Ok(())
+}
+
 pub(crate) fn refuse_start_options(
     session_id: &str,
     system: &Option<String>,
@@ -1116,9 +1206,9 @@ async fn continue_interrupted(
     // Subscribed before the workers start, so no delta of the re-run is missed.
     let printer = Printer::start(host, session_id, show_thinking);
     host.start_for(session_id).await.with_context(cannot)?;
-    let outcome = engine
-        .wait_turn(session_id, turn)
+    let outcome = cli::approvals::wait_turn(&engine, session_id, turn, false)
         .await
+        .with_context(cannot)?
         .with_context(cannot)?;
     printer.finish().await;
     showln!();
@@ -1217,7 +1307,9 @@ async fn run_turn(
         }
         None => host.client.send(session_id, prompt).await?,
     };
-    let outcome = host.client.wait_turn(session_id, turn).await?;
+    let outcome = cli::approvals::wait_turn(&host.engine, session_id, turn, false)
+        .await?
+        .context("the turn's wait ended without an outcome")?;
     printer.finish().await;
     showln!();
     if !matches!(outcome, TurnOutcome::Completed { .. }) {
@@ -1326,6 +1418,28 @@ fn summarize(event: &Event) -> String {
             "turn={turn} id={tool_use_id} attempt={attempt} {}: {}",
             failure.class.as_str(),
             one_line(&failure.message, 60)
+        ),
+        Event::ToolApprovalRequested {
+            turn,
+            tool_use_id,
+            name,
+            deadline_ms,
+        } => match deadline_ms {
+            Some(deadline) => format!("turn={turn} {name} id={tool_use_id} deadline={deadline}"),
+            None => format!("turn={turn} {name} id={tool_use_id}"),
+        },
+        Event::ToolCallApproved { turn, tool_use_id } => {
+            format!("turn={turn} id={tool_use_id}")
+        }
+        Event::ToolCallDenied {
+            turn,
+            tool_use_id,
+            reason,
+            by_deadline,
+        } => format!(
+            "turn={turn} id={tool_use_id}{} {:?}",
+            if *by_deadline { " by_deadline" } else { "" },
+            one_line(reason, 60)
         ),
         Event::TurnCompleted { turn, usage } => format!(
             "turn={turn} tokens={}/{}",
@@ -1467,7 +1581,8 @@ async fn demo(data: Option<PathBuf>, engine: Option<StorageEngine>) -> anyhow::R
     let mut host = Host::open(&store.path, OpenMode::Create, engine, workdir).await?;
     let options = SessionOptions {
         system_prompt: Some("You are a concise assistant. Use tools when they help.".to_owned()),
-        ..SessionOptions::new(model, host.tools.specs())
+        // The built-in tools the demo's script calls (the host also hosts shell).
+        ..SessionOptions::new(model, cairn_activities::ToolRegistry::builtin(".").specs())
     };
     let session_id = host.client.start_session(options).await?;
     note!("new session {session_id}");

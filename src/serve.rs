@@ -135,7 +135,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
 fn start_workers(engine: &Engine, concurrency: usize, workdir: &Path) -> WorkerPool {
     let activities = Activities {
         models: Arc::new(StandardModels::new()),
-        tools: Arc::new(ToolRegistry::builtin(workdir.to_path_buf())),
+        tools: Arc::new(ToolRegistry::hosted(workdir.to_path_buf())),
     };
     WorkerPool::start(
         engine.clone(),

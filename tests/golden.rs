@@ -67,6 +67,7 @@ fn sample_events() -> Vec<Event> {
             queues: Default::default(),
             forked_from: None,
             workflow_version: 1,
+            tool_policy: None,
             model: ModelSpec {
                 provider: "scripted".into(),
                 model: "demo.json".into(),
@@ -161,6 +162,22 @@ fn sample_events() -> Vec<Event> {
             text_appended: "The answer is 4".into(),
             thinking_appended: "two and two".into(),
         },
+        Event::ToolApprovalRequested {
+            turn: 5,
+            tool_use_id: "toolu_sh".into(),
+            name: "shell".into(),
+            deadline_ms: Some(1_700_000_060_000),
+        },
+        Event::ToolCallApproved {
+            turn: 5,
+            tool_use_id: "toolu_sh".into(),
+        },
+        Event::ToolCallDenied {
+            turn: 5,
+            tool_use_id: "toolu_sh2".into(),
+            reason: "nobody approved it before its deadline".into(),
+            by_deadline: true,
+        },
     ]
 }
 
@@ -203,7 +220,7 @@ fn every_event_kind_has_golden_bytes_that_decode_and_reencode_identically() {
     let mut expected: Vec<String> = kinds.iter().map(|k| format!("v1-{k}.bin")).collect();
     expected.sort();
     assert_eq!(found, expected);
-    assert_eq!(kinds.len(), 13);
+    assert_eq!(kinds.len(), 16);
 }
 
 /// A forked session's first event records its parent and seq; the field, added after v1,
@@ -233,6 +250,44 @@ fn a_forked_session_started_has_golden_bytes() {
     assert_eq!(
         bytes, stored,
         "the encoding of a fork's session_started changed"
+    );
+}
+
+/// A session_started with a tool policy; the field, added after v1, is left out of every
+/// record without one (the v1 files above are unchanged by it).
+#[test]
+fn a_session_started_with_a_tool_policy_has_golden_bytes() {
+    let Event::SessionStarted(mut started) = sample_events().remove(0) else {
+        panic!("the first sample is a session_started");
+    };
+    started.tool_policy = Some(
+        serde_json::from_str(
+            r#"{"rules":[{"tool":"shell","decision":"allow","prefix":"git status","argument":"command","kind":"command"},
+                         {"tool":"read_file","decision":"deny","prefix":"secrets","argument":"path","kind":"path"},
+                         {"tool":"shell","decision":"ask"}],
+                "default":"ask","approval_timeout_ms":600000}"#,
+        )
+        .unwrap(),
+    );
+    let envelope = EventEnvelope::new(
+        "golden-policy",
+        1,
+        1_700_000_000_000,
+        Event::SessionStarted(started),
+    );
+    let path = golden_dir().join("events/policy-session_started.bin");
+    let bytes = codec::encode(&envelope).unwrap();
+    if bless() || !path.exists() {
+        std::fs::write(&path, &bytes).unwrap();
+    }
+    let stored = std::fs::read(&path).unwrap();
+    assert_eq!(
+        codec::decode("golden-policy", 1, &stored).unwrap(),
+        envelope
+    );
+    assert_eq!(
+        bytes, stored,
+        "the encoding of a session_started with a tool policy changed"
     );
 }
 

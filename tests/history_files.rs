@@ -180,6 +180,7 @@ async fn an_imported_interrupted_session_resumes() {
             queues: Default::default(),
             forked_from: None,
             workflow_version: cairn_runtime::WORKFLOW_VERSION,
+            tool_policy: None,
         };
         engine
             .start_session(Some(session.into()), started)

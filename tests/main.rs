@@ -3,6 +3,7 @@
 // Tests wait on real time (polling for a lease, child processes); the clock ban is for pure code.
 #![allow(clippy::disallowed_methods)]
 
+mod approvals;
 mod chaos;
 mod cli;
 mod corruption;

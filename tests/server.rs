@@ -1535,3 +1535,186 @@ fn schemathesis_finds_no_failure_against_the_openapi_document() {
         "{report}"
     );
 }
+
+/// A scripted model that asks for one shell command, then answers `done`.
+fn shell_script(dir: &Path, command: &str) -> Value {
+    let path = dir.join("shell-script.json");
+    let script = json!({"responses": [
+        {"parts": [{"type": "tool_use", "id": "toolu_sh", "name": "shell", "input": {"command": command}}],
+         "stop_reason": "tool_use"},
+        {"parts": [{"type": "text", "text": "done"}]}
+    ]});
+    std::fs::write(&path, script.to_string()).expect("script");
+    json!({"provider": "scripted", "model": path.display().to_string()})
+}
+
+/// Polls the session's description until `ready` holds; returns it.
+async fn describe_until(
+    http: &reqwest::Client,
+    server: &Server,
+    id: &str,
+    ready: impl Fn(&Value) -> bool,
+) -> Value {
+    for _ in 0..600 {
+        let described = send(
+            http,
+            Method::GET,
+            server.url(&format!("/v1/sessions/{id}")),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(described.status, StatusCode::OK, "{}", described.body);
+        if ready(&described.body) {
+            return described.body;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("session {id} never got there");
+}
+
+#[tokio::test]
+async fn a_parked_shell_call_is_approved_over_http_and_runs_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let model = shell_script(dir.path(), "echo ran >> side.txt");
+    let server = Server::start(
+        &dir.path().join("store"),
+        &["--local-workers", "2", "--workdir", work.to_str().unwrap()],
+    );
+    let http = reqwest::Client::new();
+    let shell = serde_json::to_value(cairn_activities::Tool::spec(&cairn_activities::Shell::new(
+        ".",
+    )))
+    .unwrap();
+    // No policy given: a session offering shell asks before each of its calls.
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "ask", "model": model, "tools": [shell]})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let bad_policy = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"model": model, "tools": [shell],
+                    "tool_policy": {"rules": [{"tool": "", "decision": "allow"}]}})),
+    )
+    .await;
+    assert_eq!(
+        bad_policy.status,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        bad_policy.body
+    );
+    let started = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/ask/messages"),
+        None,
+        Some(json!({"text": "record that it ran"})),
+    )
+    .await;
+    assert_eq!(started.status, StatusCode::ACCEPTED);
+    let described = describe_until(&http, &server, "ask", |d| {
+        d["pending_approvals"] != json!([])
+    })
+    .await;
+    assert_eq!(described["status"], "running");
+    assert_eq!(described["pending_approvals"][0]["tool_use_id"], "toolu_sh");
+    assert_eq!(described["pending_approvals"][0]["name"], "shell");
+    let listed = send(&http, Method::GET, server.url("/v1/sessions"), None, None).await;
+    assert_eq!(
+        listed.body["sessions"][0]["awaiting_approval"],
+        json!(["toolu_sh"])
+    );
+    assert!(
+        !work.join("side.txt").exists(),
+        "ran before it was approved"
+    );
+
+    let approvals =
+        |tool_use_id: &str| server.url(&format!("/v1/sessions/ask/approvals/{tool_use_id}"));
+    for (body, status) in [
+        (json!({"decision": "maybe"}), StatusCode::BAD_REQUEST),
+        (json!({"reason": "x"}), StatusCode::BAD_REQUEST),
+        (
+            json!({"decision": "approve", "extra": 1}),
+            StatusCode::BAD_REQUEST,
+        ),
+    ] {
+        let answer = send(&http, Method::POST, approvals("toolu_sh"), None, Some(body)).await;
+        assert_eq!(answer.status, status, "{}", answer.body);
+    }
+    let unknown = send(
+        &http,
+        Method::POST,
+        approvals("toolu_nope"),
+        None,
+        Some(json!({"decision": "approve"})),
+    )
+    .await;
+    assert_eq!(unknown.status, StatusCode::CONFLICT, "{}", unknown.body);
+    let missing = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/nobody/approvals/toolu_sh"),
+        None,
+        Some(json!({"decision": "approve"})),
+    )
+    .await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND, "{}", missing.body);
+
+    let approved = send(
+        &http,
+        Method::POST,
+        approvals("toolu_sh"),
+        None,
+        Some(json!({"decision": "approve"})),
+    )
+    .await;
+    assert_eq!(approved.status, StatusCode::OK, "{}", approved.body);
+    assert_eq!(
+        approved.body,
+        json!({"tool_use_id": "toolu_sh", "decision": "approve"})
+    );
+    let again = send(
+        &http,
+        Method::POST,
+        approvals("toolu_sh"),
+        None,
+        Some(json!({"decision": "deny", "reason": "too late"})),
+    )
+    .await;
+    assert_eq!(again.status, StatusCode::CONFLICT, "{}", again.body);
+
+    let outcome = wait_turn(&http, &server, None, "ask", 1).await;
+    assert_eq!(
+        outcome,
+        json!({"status": "completed", "turn": 1, "answer": "done"})
+    );
+    assert_eq!(
+        std::fs::read_to_string(work.join("side.txt")).unwrap(),
+        "ran\n"
+    );
+    let events = history(&http, &server, None, "ask").await;
+    let kinds = kinds(&events);
+    for kind in [
+        "tool_approval_requested",
+        "tool_call_approved",
+        "tool_call_completed",
+    ] {
+        assert_eq!(kinds.iter().filter(|k| **k == kind).count(), 1, "{kinds:?}");
+    }
+    let policy = &events[0]["event"]["session_started"]["tool_policy"];
+    assert_eq!(
+        *policy,
+        json!({"rules": [{"tool": "shell", "decision": "ask"}]})
+    );
+}

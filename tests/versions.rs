@@ -59,6 +59,7 @@ async fn record_missing_argument_session(script: &Path, workflow_version: u32) -
         queues: Default::default(),
         forked_from: None,
         workflow_version,
+        tool_policy: None,
     };
     let id = engine
         .start_session(Some("missing-argument".into()), started)

@@ -15,5 +15,5 @@ pub use context::ActivityContext;
 pub use error::{Error, ErrorKind, Result};
 pub use model::{CallContext, DeltaSink, ModelProvider, ModelRequest, NoDeltas};
 pub use scripted::{Script, ScriptedProvider, DEMO_SCRIPT};
-pub use tool::{Tool, ToolCall, ToolOutput, ToolRegistry};
-pub use tools::{Calculator, ReadFile};
+pub use tool::{PolicySubject, SubjectKind, Tool, ToolCall, ToolOutput, ToolRegistry};
+pub use tools::{Calculator, ReadFile, Shell};

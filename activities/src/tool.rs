@@ -3,7 +3,7 @@
 
 use crate::context::ActivityContext;
 use crate::error::{Error, Result};
-use crate::tools::{Calculator, ReadFile};
+use crate::tools::{Calculator, ReadFile, Shell};
 use async_trait::async_trait;
 use cairn_ledger::{JsonText, ToolResultContent, ToolSpec};
 use serde::de::DeserializeOwned;
@@ -92,6 +92,36 @@ pub trait Tool: Send + Sync {
     /// Runs one call. Bad arguments are [`Error::InvalidArguments`]; failures the model should
     /// see are `Ok` outputs with `is_error`; `Err` otherwise means the tool itself broke.
     async fn call(&self, call: &ToolCall, context: &ActivityContext) -> Result<ToolOutput>;
+
+    /// The argument a tool policy's prefix rule compares for this tool, and how (a path for
+    /// file tools, a command for a shell); `None`: rules match this tool by name only.
+    fn policy_subject(&self) -> Option<PolicySubject> {
+        None
+    }
+
+    /// Whether a session that offers this tool asks a person before each call unless its
+    /// policy says otherwise (the default policy records an `ask` rule for it).
+    fn asks_by_default(&self) -> bool {
+        false
+    }
+}
+
+/// What a tool policy's prefix rule compares (see [`Tool::policy_subject`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicySubject {
+    /// The argument's name in the call's JSON object.
+    pub argument: &'static str,
+    /// How a prefix is compared with it.
+    pub kind: SubjectKind,
+}
+
+/// How a tool policy compares a prefix with an argument.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubjectKind {
+    /// A file path, by components.
+    Path,
+    /// A shell command, at a word boundary.
+    Command,
 }
 
 /// The tools of a session, by name.
@@ -111,6 +141,13 @@ impl ToolRegistry {
         Self::new()
             .with(Calculator::new())
             .with(ReadFile::new(working_dir))
+    }
+
+    /// What a process hosts for its workers: the built-in tools and `shell`, all working in
+    /// `working_dir`. Sessions offer `shell` only when asked to (see [`Shell`]).
+    pub fn hosted(working_dir: impl Into<PathBuf>) -> Self {
+        let working_dir = working_dir.into();
+        Self::builtin(working_dir.clone()).with(Shell::new(working_dir))
     }
 
     /// Adds a tool, builder style; a tool of the same name is replaced.

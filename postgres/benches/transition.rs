@@ -48,6 +48,7 @@ fn started() -> SessionStarted {
         queues: Default::default(),
         forked_from: None,
         workflow_version: cairn_runtime::WORKFLOW_VERSION,
+        tool_policy: None,
         model: ModelSpec::parse("scripted:bench.json").expect("model spec"),
         tools: vec![ToolSpec {
             name: "calculator".into(),

@@ -7,8 +7,9 @@ use crate::sse::StreamDecoder;
 use async_trait::async_trait;
 use cairn_ledger::{ModelSpec, Transcript};
 use cairn_runtime::wire::{
-    CancelRequest, Cancelled, CreateSession, Health, HistoryPage, SendMessage, SessionCreated,
-    SessionDescription, SessionPage, StreamEvent, TurnStarted, TurnWait,
+    ApprovalDecided, ApprovalDecision, ApprovalRequest, CancelRequest, Cancelled, CreateSession,
+    Health, HistoryPage, SendMessage, SessionCreated, SessionDescription, SessionPage, StreamEvent,
+    TurnStarted, TurnWait,
 };
 use cairn_runtime::{
     Error, EventEnvelope, EventStream, Result, SessionOptions, SessionQuery, Transport, TurnOutcome,
@@ -89,6 +90,8 @@ impl Transport for HttpTransport {
             model_retry: Some(options.model_retry),
             tool_retry: Some(options.tool_retry),
             queues: (!options.queues.is_default()).then_some(options.queues),
+            // None leaves the server's default: ask before calls of tools that ask by default.
+            tool_policy: options.tool_policy,
         };
         let subject = Subject {
             session_id: body.session_id.as_deref(),
@@ -180,6 +183,21 @@ impl Transport for HttpTransport {
                 "a cancelled turn of session {session_id:?} without its number"
             ))),
         }
+    }
+
+    async fn approve(&self, session_id: &str, tool_use_id: &str) -> Result<()> {
+        self.approval_request(session_id, tool_use_id, ApprovalDecision::Approve, None)
+            .await
+    }
+
+    async fn deny(&self, session_id: &str, tool_use_id: &str, reason: &str) -> Result<()> {
+        self.approval_request(
+            session_id,
+            tool_use_id,
+            ApprovalDecision::Deny,
+            Some(reason.to_owned()),
+        )
+        .await
     }
 
     async fn history(
@@ -276,6 +294,30 @@ impl Transport for HttpTransport {
 }
 
 impl HttpTransport {
+    async fn approval_request(
+        &self,
+        session_id: &str,
+        tool_use_id: &str,
+        decision: ApprovalDecision,
+        reason: Option<String>,
+    ) -> Result<()> {
+        let body = ApprovalRequest { decision, reason };
+        let path = format!(
+            "{}/approvals/{}",
+            session_path(session_id),
+            encode(tool_use_id)
+        );
+        let _: ApprovalDecided = self
+            .connection
+            .call_json(
+                Request::post(path, &body),
+                session(session_id),
+                REQUEST_TIMEOUT,
+            )
+            .await?;
+        Ok(())
+    }
+
     async fn cancel_request(
         &self,
         session_id: &str,

@@ -6,8 +6,11 @@ use crate::engine::{status_of, AppendedEvents, DeltaEvent, Engine, WatchGuard};
 use crate::error::{Error, Result};
 use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy, SessionStarted};
 use crate::follow::SessionEvents;
+use crate::policy::ToolPolicy;
 use crate::store::{SessionInfo, SessionStatus};
-use crate::wire::{PendingTask, SessionDescription, SessionPage, SessionSummary, StreamEvent};
+use crate::wire::{
+    PendingApproval, PendingTask, SessionDescription, SessionPage, SessionSummary, StreamEvent,
+};
 use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
 use async_trait::async_trait;
 use cairn_ledger::{ModelSpec, ToolSpec, Transcript};
@@ -34,6 +37,8 @@ pub struct SessionOptions {
     pub tool_retry: RetryPolicy,
     /// The task queues of its model and tool calls.
     pub queues: Queues,
+    /// Which tool calls run, are denied, or wait for a person; `None` allows every call.
+    pub tool_policy: Option<ToolPolicy>,
 }
 
 impl SessionOptions {
@@ -48,6 +53,7 @@ impl SessionOptions {
             model_retry: RetryPolicy::model_default(),
             tool_retry: RetryPolicy::tool_default(),
             queues: Queues::default(),
+            tool_policy: None,
         }
     }
 
@@ -63,6 +69,7 @@ impl SessionOptions {
             queues: self.queues.clone(),
             forked_from: None,
             workflow_version: crate::workflow::WORKFLOW_VERSION,
+            tool_policy: self.tool_policy.clone(),
         }
     }
 }
@@ -113,6 +120,10 @@ pub trait Transport: Send + Sync + 'static {
     async fn cancel(&self, session_id: &str, reason: &str) -> Result<()>;
     /// Cancels the running turn only; returns its number.
     async fn cancel_turn(&self, session_id: &str, reason: &str) -> Result<u32>;
+    /// Approves a tool call parked for approval: it runs.
+    async fn approve(&self, session_id: &str, tool_use_id: &str) -> Result<()>;
+    /// Denies a tool call parked for approval: the model gets an error result with `reason`.
+    async fn deny(&self, session_id: &str, tool_use_id: &str, reason: &str) -> Result<()>;
     /// Events from `from_seq` on, at most `limit`.
     async fn history(
         &self,
@@ -347,6 +358,18 @@ impl Client {
         self.transport.cancel_turn(session_id, reason).await
     }
 
+    /// Approves a tool call the session's policy parked; it is scheduled at once. Refused
+    /// (`InvalidEvent`) unless the call waits for approval in the running turn.
+    pub async fn approve(&self, session_id: &str, tool_use_id: &str) -> Result<()> {
+        self.transport.approve(session_id, tool_use_id).await
+    }
+
+    /// Denies a tool call the session's policy parked: the model gets an `is_error` result
+    /// carrying `reason`. Refused like [`Client::approve`].
+    pub async fn deny(&self, session_id: &str, tool_use_id: &str, reason: &str) -> Result<()> {
+        self.transport.deny(session_id, tool_use_id, reason).await
+    }
+
     /// Every event of a session.
     pub async fn history(&self, session_id: &str) -> Result<Vec<EventEnvelope>> {
         self.history_from(session_id, 1, None).await
@@ -457,7 +480,19 @@ pub fn describe_state(state: &SessionState, status: SessionStatus) -> SessionDes
             })
         })
         .collect();
+    let pending_approvals = state
+        .pending_approvals()
+        .into_iter()
+        .map(|p| PendingApproval {
+            turn: p.turn,
+            tool_use_id: p.tool_use.id,
+            name: p.tool_use.name,
+            arguments: p.tool_use.arguments,
+            deadline_ms: p.deadline_ms,
+        })
+        .collect();
     SessionDescription {
+        pending_approvals,
         session_id: state.session_id.clone(),
         status,
         events: state.next_seq.saturating_sub(1),
@@ -468,6 +503,30 @@ pub fn describe_state(state: &SessionState, status: SessionStatus) -> SessionDes
         pending_tasks,
         model: state.started.as_ref().map(|s| s.model.clone()),
     }
+}
+
+/// The tool_use ids a listed session's running turn has parked for approval (read from its
+/// folded state, cached by the engine; only running sessions can have any).
+pub async fn awaiting_approval(engine: &Engine, summary: &SessionSummary) -> Result<Vec<String>> {
+    awaiting_approval_of(engine, &summary.session_id, summary.status).await
+}
+
+/// [`awaiting_approval`] of the session stored as `stored_id` with this listed status.
+pub async fn awaiting_approval_of(
+    engine: &Engine,
+    stored_id: &str,
+    status: SessionStatus,
+) -> Result<Vec<String>> {
+    if status != SessionStatus::Running {
+        return Ok(Vec::new());
+    }
+    Ok(engine
+        .state(stored_id)
+        .await?
+        .pending_approvals()
+        .into_iter()
+        .map(|p| p.tool_use.id)
+        .collect())
 }
 
 /// One page of a store's listing (ordered by stored id): the sessions `shown` gives an id to
@@ -493,6 +552,7 @@ pub fn page_sessions(
             status: s.status,
             events: s.events,
             updated_at_ms: s.updated_at_ms,
+            awaiting_approval: Vec::new(),
         })
         .collect();
     let next_after = if page.len() > limit {
@@ -547,6 +607,14 @@ impl Transport for Local {
         self.engine.cancel_turn(session_id, reason).await
     }
 
+    async fn approve(&self, session_id: &str, tool_use_id: &str) -> Result<()> {
+        self.engine.approve(session_id, tool_use_id).await
+    }
+
+    async fn deny(&self, session_id: &str, tool_use_id: &str, reason: &str) -> Result<()> {
+        self.engine.deny(session_id, tool_use_id, reason).await
+    }
+
     async fn history(
         &self,
         session_id: &str,
@@ -569,13 +637,17 @@ impl Transport for Local {
     }
 
     async fn sessions(&self, query: &SessionQuery) -> Result<SessionPage> {
-        Ok(page_sessions(
+        let mut page = page_sessions(
             self.engine.store().list_sessions().await?,
             |id: &str| Some(id),
             query.after.as_deref(),
             query.status,
             query.limit.unwrap_or(usize::MAX),
-        ))
+        );
+        for summary in &mut page.sessions {
+            summary.awaiting_approval = awaiting_approval(&self.engine, summary).await?;
+        }
+        Ok(page)
     }
 
     async fn subscribe(&self, session_id: &str, after_seq: u64) -> Result<EventStream> {

@@ -42,6 +42,24 @@ fn event() -> impl Strategy<Value = Event> {
                 not_before_ms
             }
         ),
+        (small.clone(), text(), text(), any::<Option<u64>>()).prop_map(
+            |(turn, tool_use_id, name, deadline_ms)| Event::ToolApprovalRequested {
+                turn,
+                tool_use_id,
+                name,
+                deadline_ms
+            }
+        ),
+        (small.clone(), text())
+            .prop_map(|(turn, tool_use_id)| Event::ToolCallApproved { turn, tool_use_id }),
+        (small.clone(), text(), text(), any::<bool>()).prop_map(
+            |(turn, tool_use_id, reason, by_deadline)| Event::ToolCallDenied {
+                turn,
+                tool_use_id,
+                reason,
+                by_deadline
+            }
+        ),
         (small.clone(), text(), small.clone(), text(), any::<bool>()).prop_map(
             |(turn, tool_use_id, attempt, content, is_error)| Event::ToolCallCompleted {
                 turn,

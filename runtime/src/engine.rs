@@ -416,6 +416,52 @@ impl Engine {
         Ok(turn)
     }
 
+    /// Approves a tool call the session's policy parked: it is scheduled at once. Refused
+    /// (`InvalidEvent`, naming the call) unless the call waits for approval in the running
+    /// turn.
+    pub async fn approve(&self, session_id: &str, tool_use_id: &str) -> Result<()> {
+        self.decide_parked(session_id, tool_use_id, |turn| Event::ToolCallApproved {
+            turn,
+            tool_use_id: tool_use_id.to_owned(),
+        })
+        .await
+    }
+
+    /// Denies a tool call the session's policy parked: the model gets an `is_error` result
+    /// carrying `reason`. Refused like [`Engine::approve`].
+    pub async fn deny(&self, session_id: &str, tool_use_id: &str, reason: &str) -> Result<()> {
+        self.decide_parked(session_id, tool_use_id, |turn| Event::ToolCallDenied {
+            turn,
+            tool_use_id: tool_use_id.to_owned(),
+            reason: reason.to_owned(),
+            by_deadline: false,
+        })
+        .await
+    }
+
+    async fn decide_parked(
+        &self,
+        session_id: &str,
+        tool_use_id: &str,
+        event: impl Fn(u32) -> Event + Send + Sync,
+    ) -> Result<()> {
+        self.submit(
+            session_id,
+            |state| {
+                // The workflow names what is wrong when the call is not parked; the turn is
+                // the running one (or, with none running, one that cannot match).
+                let turn = state
+                    .active
+                    .as_ref()
+                    .map_or(state.turns_started, |a| a.turn);
+                Ok(Some(event(turn)))
+            },
+            None,
+        )
+        .await
+        .map(|_| debug!(session_id, tool_use_id, "approval decided"))
+    }
+
     /// Session ids whose running activities should stop (workers subscribe).
     pub fn subscribe_cancellations(&self) -> broadcast::Receiver<String> {
         self.inner.cancellations.subscribe()
@@ -643,6 +689,9 @@ impl Engine {
             return Ok(false);
         };
         let session_id = &task.id.session_id;
+        if let Some(recorded) = self.deny_at_deadline(task).await? {
+            return Ok(recorded);
+        }
         let lease = Lease {
             id: task.id.clone(),
             kind: task.kind,
@@ -681,6 +730,34 @@ impl Engine {
             return Ok(false);
         }
         Ok(true)
+    }
+
+    /// Fires an approval deadline: when `task` is the timer of a call that still waits for
+    /// approval, records its denial (the transition drops the timer) and says so; otherwise
+    /// `None`, and the task is an activity's (or a timer nothing waits on, dropped as one).
+    /// The workflow checks that the deadline has passed by the event's time.
+    async fn deny_at_deadline(&self, task: &Task) -> Result<Option<bool>> {
+        let seq = task.id.scheduled_seq;
+        let submitted = self
+            .submit(
+                &task.id.session_id,
+                |state| {
+                    Ok(state.approval_timer(seq).map(|parked| {
+                        let deadline = parked.deadline_ms.unwrap_or_default();
+                        Event::ToolCallDenied {
+                            turn: parked.turn,
+                            tool_use_id: parked.tool_use.id,
+                            reason: format!(
+                                "nobody approved it before its deadline at {deadline} ms"
+                            ),
+                            by_deadline: true,
+                        }
+                    }))
+                },
+                None,
+            )
+            .await?;
+        Ok(submitted.map(|_| true))
     }
 
     async fn discard_task(&self, lease: &Lease) -> Result<()> {
@@ -858,7 +935,11 @@ impl Engine {
                 };
                 if !queued.contains(&id) {
                     if let Some(mut task) = state.queued_task(seq) {
-                        task.visible_at_ms = 0;
+                        // An approval deadline keeps its time: visible early, it would be
+                        // leased like an activity.
+                        if state.approval_timer(seq).is_none() {
+                            task.visible_at_ms = 0;
+                        }
                         missing.push(task);
                     }
                 }

@@ -4,6 +4,7 @@
 //! with named fields, externally tagged enums). Never rename or reuse one; add new fields with
 //! `#[serde(default)]`; bump [`SCHEMA_VERSION`] only with a decoder for the old version.
 
+use crate::policy::ToolPolicy;
 use cairn_ledger::{JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, Usage};
 use serde::{Deserialize, Serialize};
 
@@ -179,6 +180,42 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "String::is_empty")]
         thinking_appended: String,
     },
+    /// The session's tool policy asks a person about this tool call: it is parked, neither
+    /// scheduled nor answered, until `tool_call_approved` or `tool_call_denied` (a person's, or
+    /// the deadline's). A command: the policy recorded in `session_started` decided it. With a
+    /// deadline, its timer is a task named by this event's seq that no worker ever leases.
+    ToolApprovalRequested {
+        /// Turn number.
+        turn: u32,
+        /// The tool_use that waits.
+        tool_use_id: String,
+        /// Tool name.
+        name: String,
+        /// When the call is denied unless decided before (epoch ms), if the policy sets a
+        /// timeout.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        deadline_ms: Option<u64>,
+    },
+    /// A person approved a parked tool call: it is scheduled now.
+    ToolCallApproved {
+        /// Turn number.
+        turn: u32,
+        /// The tool_use approved.
+        tool_use_id: String,
+    },
+    /// A parked tool call was denied, by a person or by its deadline: the model gets an
+    /// `is_error` result carrying the reason.
+    ToolCallDenied {
+        /// Turn number.
+        turn: u32,
+        /// The tool_use denied.
+        tool_use_id: String,
+        /// Why, for the model and for people.
+        reason: String,
+        /// Whether the approval deadline denied it (no person decided in time).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        by_deadline: bool,
+    },
 }
 
 impl Event {
@@ -198,6 +235,9 @@ impl Event {
             Event::TurnCancelled { .. } => "turn_cancelled",
             Event::SessionCancelled { .. } => "session_cancelled",
             Event::ModelAttemptProgress { .. } => "model_attempt_progress",
+            Event::ToolApprovalRequested { .. } => "tool_approval_requested",
+            Event::ToolCallApproved { .. } => "tool_call_approved",
+            Event::ToolCallDenied { .. } => "tool_call_denied",
         }
     }
 
@@ -207,6 +247,7 @@ impl Event {
             self,
             Event::ModelCallScheduled { .. }
                 | Event::ToolCallScheduled { .. }
+                | Event::ToolApprovalRequested { .. }
                 | Event::TurnCompleted { .. }
                 | Event::TurnFailed { .. }
         )
@@ -247,6 +288,11 @@ pub struct SessionStarted {
         skip_serializing_if = "is_first_workflow_version"
     )]
     pub workflow_version: u32,
+    /// Which tool calls run, which are denied and which wait for a person
+    /// ([`ToolPolicy`]). `None` allows every call, as sessions did before policies existed,
+    /// and is left out of the record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_policy: Option<ToolPolicy>,
 }
 
 fn first_workflow_version() -> u32 {

@@ -330,6 +330,13 @@ async fn check_session(
             Event::ToolCallScheduled { .. } => {
                 scheduled.insert(e.seq, TaskKind::Tool);
             }
+            // An approval deadline's timer is queued as a tool task that is never leased.
+            Event::ToolApprovalRequested {
+                deadline_ms: Some(_),
+                ..
+            } => {
+                scheduled.insert(e.seq, TaskKind::Tool);
+            }
             _ => {}
         }
     }
@@ -480,6 +487,7 @@ mod tests {
             queues: Default::default(),
             forked_from: None,
             workflow_version: crate::workflow::WORKFLOW_VERSION,
+            tool_policy: None,
             model: ModelSpec::parse("scripted:x.json").expect("model spec"),
             tools: Vec::new(),
             system_prompt: None,

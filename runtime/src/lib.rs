@@ -12,6 +12,7 @@ pub mod export;
 pub mod follow;
 pub mod fork;
 pub mod fsck;
+pub mod policy;
 pub mod progress;
 pub mod replay;
 pub mod store;
@@ -23,6 +24,8 @@ pub mod workflow;
 mod client_tests;
 #[cfg(test)]
 mod codec_props;
+#[cfg(test)]
+mod workflow_approval_tests;
 #[cfg(test)]
 mod workflow_props;
 #[cfg(test)]
@@ -40,6 +43,7 @@ pub use event::{
     RetryPolicy, SessionStarted, SCHEMA_VERSION,
 };
 pub use follow::{SessionEvent, SessionEvents};
+pub use policy::{PolicyDecision, PolicyRule, PrefixKind, ToolPolicy};
 pub use progress::{interrupted_output, streamed_outputs, StreamedOutput};
 pub use replay::{replay, Replay};
 pub use store::memory::MemoryStore;

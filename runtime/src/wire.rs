@@ -14,6 +14,7 @@
 //! | GET | `/v1/sessions/{id}/history?from_seq=&limit=` | → [`HistoryPage`] |
 //! | GET | `/v1/sessions/{id}/transcript?as=` | → the canonical transcript JSON, or a provider's |
 //! | POST | `/v1/sessions/{id}/cancel` | [`CancelRequest`] → [`Cancelled`] |
+//! | POST | `/v1/sessions/{id}/approvals/{tool_use_id}` | [`ApprovalRequest`] → [`ApprovalDecided`] |
 //! | GET | `/v1/sessions/{id}/events?after_seq=` | SSE: [`StreamEvent`]s; `id` = seq, `Last-Event-ID` resumes |
 //! | GET | `/v1/sessions/{id}/state?at=` | → [`StateAt`] (read-only) |
 //! | POST | `/v1/sessions/{id}/fork` | [`ForkSession`] → 201 [`Forked`] |
@@ -40,6 +41,7 @@
 
 use crate::engine::{ActivityReport, DeltaEvent, LeasedTask};
 use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy};
+use crate::policy::ToolPolicy;
 use crate::store::{Lease, SessionStatus};
 use crate::workflow::TurnOutcome;
 use cairn_ledger::{JsonText, ModelSpec, ToolSpec, Usage};
@@ -88,6 +90,58 @@ pub struct CreateSession {
     #[serde(default)]
     #[schema(value_type = Option<schema::Queues>)]
     pub queues: Option<Queues>,
+    /// Which tool calls run, are denied, or wait for a person. When absent, calls of tools
+    /// that ask by default (`shell`) wait for approval and the rest run.
+    #[serde(default)]
+    #[schema(value_type = Option<schema::ToolPolicy>)]
+    pub tool_policy: Option<ToolPolicy>,
+}
+
+/// `POST /v1/sessions/{id}/approvals/{tool_use_id}`: a person's decision on a parked tool
+/// call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalRequest {
+    /// Run the call, or answer it with an error result.
+    pub decision: ApprovalDecision,
+    /// Why, for a denial: the model reads it in the error result (an approval ignores it).
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// A person's decision on a parked tool call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalDecision {
+    /// Run it.
+    Approve,
+    /// Answer it with an `is_error` result carrying the reason.
+    Deny,
+}
+
+/// The answer to [`ApprovalRequest`]: the decision is recorded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct ApprovalDecided {
+    /// The tool call decided.
+    pub tool_use_id: String,
+    /// What was decided.
+    pub decision: ApprovalDecision,
+}
+
+/// A tool call waiting for a person's approval.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct PendingApproval {
+    /// The turn it belongs to.
+    pub turn: u32,
+    /// The tool_use to approve or deny.
+    pub tool_use_id: String,
+    /// The tool's name.
+    pub name: String,
+    /// The call's arguments, as the model wrote them (JSON text).
+    pub arguments: String,
+    /// When it is denied unless decided before (epoch ms), if the policy sets a timeout.
+    #[serde(default)]
+    pub deadline_ms: Option<u64>,
 }
 
 /// `201` to [`CreateSession`].
@@ -160,6 +214,10 @@ pub struct SessionSummary {
     pub events: u64,
     /// Time of the last append (epoch ms).
     pub updated_at_ms: u64,
+    /// The tool_use ids of its running turn's calls that wait for approval (a `running`
+    /// session parked on a person); absent when none does.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub awaiting_approval: Vec<String>,
 }
 
 /// `GET /v1/sessions`: one page, ordered by id.
@@ -207,6 +265,9 @@ pub struct SessionDescription {
     pub usage: Usage,
     /// Activities the running turn waits for.
     pub pending_tasks: Vec<PendingTask>,
+    /// Tool calls of the running turn that wait for a person's approval.
+    #[serde(default)]
+    pub pending_approvals: Vec<PendingApproval>,
     /// The session's default model.
     #[serde(default)]
     #[schema(value_type = Option<schema::ModelSpec>)]
@@ -600,6 +661,60 @@ pub mod schema {
         pub model: Option<String>,
         /// The queue of tool calls.
         pub tool: Option<String>,
+    }
+
+    /// What a tool policy decides for a call.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum PolicyDecision {
+        /// Run it.
+        Allow,
+        /// Answer it at once with an error result.
+        Deny,
+        /// Park it until a person approves or denies it.
+        Ask,
+    }
+
+    /// How a rule's prefix is compared with the argument.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum PrefixKind {
+        /// A file path, by components.
+        Path,
+        /// A shell command, at a word boundary.
+        Command,
+    }
+
+    /// One rule of a tool policy.
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct PolicyRule {
+        /// The tool's name, or `*` for any tool.
+        #[schema(min_length = 1)]
+        pub tool: String,
+        /// What the rule decides for the calls it matches.
+        pub decision: PolicyDecision,
+        /// Only calls whose argument starts with this.
+        pub prefix: Option<String>,
+        /// The argument the prefix is compared with; the tool's own when absent.
+        pub argument: Option<String>,
+        /// How the prefix is compared; the tool's own when absent.
+        pub kind: Option<PrefixKind>,
+    }
+
+    /// Which tool calls run, are denied, or wait for a person: the first matching rule
+    /// decides, else `default`.
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct ToolPolicy {
+        /// Checked in order.
+        #[schema(required = false)]
+        pub rules: Vec<PolicyRule>,
+        /// The decision when no rule matches (allow when absent).
+        #[schema(required = false)]
+        pub default: PolicyDecision,
+        /// How long a parked call waits before it is denied (ms); forever when absent.
+        pub approval_timeout_ms: Option<u64>,
     }
 
     /// A session's status as listed.

@@ -11,6 +11,7 @@
 
 use crate::error::{Error, Result};
 use crate::event::{ActivityFailure, Event, EventEnvelope, RetryPolicy, SessionStarted};
+use crate::policy::PolicyDecision;
 use crate::store::{NewTask, TaskId, TaskKind};
 use cairn_ledger::JsonText;
 use cairn_ledger::{
@@ -57,6 +58,17 @@ pub enum Command {
         /// Earliest start.
         not_before_ms: u64,
     },
+    /// Park a tool call until a person decides (the session's policy asks).
+    RequestToolApproval {
+        /// Turn.
+        turn: u32,
+        /// The tool_use that waits.
+        tool_use_id: String,
+        /// Tool name.
+        name: String,
+        /// When the call is denied unless decided before, if the policy sets a timeout.
+        deadline_ms: Option<u64>,
+    },
     /// End the turn successfully.
     CompleteTurn {
         /// Turn.
@@ -100,6 +112,17 @@ impl Command {
                 name,
                 attempt,
                 not_before_ms,
+            },
+            Command::RequestToolApproval {
+                turn,
+                tool_use_id,
+                name,
+                deadline_ms,
+            } => Event::ToolApprovalRequested {
+                turn,
+                tool_use_id,
+                name,
+                deadline_ms,
             },
             Command::CompleteTurn { turn, usage } => Event::TurnCompleted { turn, usage },
             Command::FailTurn { turn, reason } => Event::TurnFailed { turn, reason },
@@ -181,8 +204,29 @@ pub enum ToolSlotState {
         /// Progress details the previous attempt heartbeated last.
         heartbeat_details: Option<JsonText>,
     },
+    /// Parked: the session's policy asks a person first.
+    AwaitingApproval {
+        /// Seq of the `ToolApprovalRequested` event, once recorded; the deadline's timer task
+        /// is keyed by it.
+        requested_seq: Option<u64>,
+        /// When the call is denied unless decided before.
+        deadline_ms: Option<u64>,
+    },
     /// Answered.
     Done(ToolResult),
+}
+
+/// A tool call parked until a person approves or denies it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingApproval {
+    /// Turn.
+    pub turn: u32,
+    /// The call.
+    pub tool_use: ToolUse,
+    /// Seq of its `ToolApprovalRequested` event.
+    pub requested_seq: Option<u64>,
+    /// When it is denied unless decided before.
+    pub deadline_ms: Option<u64>,
 }
 
 /// One tool call of the current round.
@@ -379,9 +423,53 @@ impl SessionState {
         }
     }
 
-    /// The queued task of the outstanding activity scheduled at `scheduled_seq`, as the
-    /// scheduling append enqueued it (for putting back a task missing from the queue).
+    /// The tool calls of the active round parked for approval, in declaration order.
+    pub fn pending_approvals(&self) -> Vec<PendingApproval> {
+        let Some(ActiveTurn {
+            turn,
+            phase: Phase::Tools(slots),
+            ..
+        }) = &self.active
+        else {
+            return Vec::new();
+        };
+        slots
+            .iter()
+            .filter_map(|slot| match slot.state {
+                ToolSlotState::AwaitingApproval {
+                    requested_seq,
+                    deadline_ms,
+                } => Some(PendingApproval {
+                    turn: *turn,
+                    tool_use: slot.tool_use.clone(),
+                    requested_seq,
+                    deadline_ms,
+                }),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The parked call whose deadline timer is the task at `requested_seq`, if it still waits.
+    pub fn approval_timer(&self, requested_seq: u64) -> Option<PendingApproval> {
+        self.pending_approvals()
+            .into_iter()
+            .find(|p| p.requested_seq == Some(requested_seq) && p.deadline_ms.is_some())
+    }
+
+    /// The queued task of the outstanding activity scheduled at `scheduled_seq`, or of the
+    /// deadline timer of the approval requested there, as the scheduling append enqueued it
+    /// (for putting back a task missing from the queue).
     pub fn queued_task(&self, scheduled_seq: u64) -> Option<NewTask> {
+        if let Some(parked) = self.approval_timer(scheduled_seq) {
+            let command = Command::RequestToolApproval {
+                turn: parked.turn,
+                tool_use_id: parked.tool_use.id,
+                name: parked.tool_use.name,
+                deadline_ms: parked.deadline_ms,
+            };
+            return self.task_for(&command, scheduled_seq);
+        }
         let command = match self.scheduled_activity(scheduled_seq)? {
             ScheduledActivity::Model {
                 turn,
@@ -412,7 +500,8 @@ impl SessionState {
         self.task_for(&command, scheduled_seq)
     }
 
-    /// The scheduled seqs of every activity the active turn still waits for.
+    /// The scheduled seqs of every activity the active turn still waits for, and of the
+    /// deadline timers of its parked calls.
     pub fn outstanding_tasks(&self) -> Vec<u64> {
         let Some(active) = &self.active else {
             return Vec::new();
@@ -423,6 +512,10 @@ impl SessionState {
                 .iter()
                 .filter_map(|s| match s.state {
                     ToolSlotState::Scheduled { scheduled_seq, .. } => scheduled_seq,
+                    ToolSlotState::AwaitingApproval {
+                        requested_seq,
+                        deadline_ms: Some(_),
+                    } => requested_seq,
                     _ => None,
                 })
                 .collect(),
@@ -521,6 +614,22 @@ impl SessionState {
                 name.clone(),
                 &started.tool_retry,
             ),
+            Command::RequestToolApproval {
+                deadline_ms, name, ..
+            } => {
+                // The deadline's timer: visible and overdue at the same moment, so no worker
+                // ever leases it (an overdue task is never handed out) and the engine's timers
+                // fire it (`Engine::fire_timers`) as they fire a start deadline.
+                let deadline = (*deadline_ms)?;
+                return Some(NewTask {
+                    id: self.task_id(scheduled_seq),
+                    kind: TaskKind::Tool,
+                    visible_at_ms: deadline,
+                    queue: started.queues.tool_queue().to_owned(),
+                    target: name.clone(),
+                    start_by_ms: Some(deadline),
+                });
+            }
             Command::CompleteTurn { .. } | Command::FailTurn { .. } => return None,
         };
         Some(NewTask {
@@ -639,6 +748,19 @@ impl SessionState {
                     }
                 }
             }
+            Event::ToolApprovalRequested { tool_use_id, .. } => {
+                if let Phase::Tools(slots) = &mut active.phase {
+                    for slot in slots.iter_mut() {
+                        if &slot.tool_use.id == tool_use_id {
+                            if let ToolSlotState::AwaitingApproval { requested_seq, .. } =
+                                &mut slot.state
+                            {
+                                *requested_seq = Some(seq);
+                            }
+                        }
+                    }
+                }
+            }
             Event::TurnCompleted { turn, .. } => {
                 let answer = self
                     .transcript
@@ -680,6 +802,11 @@ impl SessionState {
             Event::SessionStarted(started) => {
                 if self.started.is_some() {
                     return Err(self.invalid(seq, "session already started"));
+                }
+                if let Some(policy) = &started.tool_policy {
+                    policy
+                        .check()
+                        .map_err(|e| self.invalid(seq, format!("tool_policy: {e}")))?;
                 }
                 if let Some(prompt) = &started.system_prompt {
                     self.transcript.push_system(prompt.clone());
@@ -853,6 +980,32 @@ impl SessionState {
                     }
                 }
             }
+            Event::ToolCallApproved { turn, tool_use_id } => {
+                self.check_parked(seq, now, *turn, tool_use_id, false)?;
+                let turn = *turn;
+                let name = self.set_tool_attempt(tool_use_id, 1, now, None);
+                Ok(vec![Command::ScheduleToolCall {
+                    turn,
+                    tool_use_id: tool_use_id.clone(),
+                    name,
+                    attempt: 1,
+                    not_before_ms: now,
+                }])
+            }
+            Event::ToolCallDenied {
+                turn,
+                tool_use_id,
+                reason,
+                by_deadline,
+            } => {
+                self.check_parked(seq, now, *turn, tool_use_id, *by_deadline)?;
+                let result = ToolResult {
+                    tool_use_id: tool_use_id.clone(),
+                    content: ToolResultContent::Text(format!("the tool call was denied: {reason}")),
+                    is_error: true,
+                };
+                Ok(self.on_tool_done(now, tool_use_id, result))
+            }
             Event::TurnCancelled { turn, reason } => {
                 match &self.active {
                     Some(active) if active.turn == *turn => {}
@@ -884,6 +1037,7 @@ impl SessionState {
             }
             Event::ModelCallScheduled { .. }
             | Event::ToolCallScheduled { .. }
+            | Event::ToolApprovalRequested { .. }
             | Event::TurnCompleted { .. }
             | Event::TurnFailed { .. } => Err(self.invalid(seq, "command event as input")),
         }
@@ -949,6 +1103,54 @@ impl SessionState {
         }
     }
 
+    /// An approval or denial must name a call of the running turn that is parked (and whose
+    /// approval request is recorded); a denial by the deadline must come at or after it.
+    fn check_parked(
+        &self,
+        seq: u64,
+        now: u64,
+        turn: u32,
+        tool_use_id: &str,
+        by_deadline: bool,
+    ) -> Result<()> {
+        let what = format!("tool call {tool_use_id:?} of turn {turn}");
+        let slot = match &self.active {
+            Some(ActiveTurn {
+                turn: running,
+                phase: Phase::Tools(slots),
+                ..
+            }) if *running == turn => slots.iter().find(|s| s.tool_use.id == tool_use_id),
+            _ => None,
+        };
+        match slot.map(|s| &s.state) {
+            Some(ToolSlotState::AwaitingApproval {
+                requested_seq: Some(_),
+                deadline_ms,
+            }) => match (by_deadline, deadline_ms) {
+                (false, _) => Ok(()),
+                (true, Some(deadline)) if now >= *deadline => Ok(()),
+                (true, Some(deadline)) => Err(self.invalid(
+                    seq,
+                    format!("{what}: its approval deadline at {deadline} ms has not passed"),
+                )),
+                (true, None) => {
+                    Err(self.invalid(seq, format!("{what}: its approval has no deadline")))
+                }
+            },
+            Some(ToolSlotState::Scheduled { .. } | ToolSlotState::Done(_)) => Err(self.invalid(
+                seq,
+                format!("{what} does not wait for approval: it was already decided"),
+            )),
+            _ if self.tool_use_ids.contains(tool_use_id) => {
+                Err(self.invalid(seq, format!("{what} does not wait for approval")))
+            }
+            _ => Err(self.invalid(
+                seq,
+                format!("no tool call {tool_use_id:?} waits for approval in turn {turn}"),
+            )),
+        }
+    }
+
     /// Like [`SessionState::check_model_slot`], for a tool call.
     fn check_tool_slot(&self, seq: u64, turn: u32, tool_use_id: &str, attempt: u32) -> Result<()> {
         let what = format!("tool call {tool_use_id:?} of turn {turn} attempt {attempt}");
@@ -980,7 +1182,9 @@ impl SessionState {
             Some(ToolSlotState::Done(_)) => {
                 Err(self.stale(seq, format!("{what}: the call was already answered")))
             }
-            Some(ToolSlotState::Unscheduled) => Err(not_waiting()),
+            Some(ToolSlotState::Unscheduled | ToolSlotState::AwaitingApproval { .. }) => {
+                Err(not_waiting())
+            }
             // A call of an earlier round of this turn was answered before that round ended.
             None if self.tool_use_ids.contains(tool_use_id) => {
                 Err(self.stale(seq, format!("{what}: the call was already answered")))
@@ -1024,7 +1228,9 @@ impl SessionState {
         let over_limit = active.round + 1 >= max_rounds;
         let mut commands = Vec::new();
         let mut slots = Vec::with_capacity(tool_uses.len());
+        let policy = self.started.as_ref().and_then(|s| s.tool_policy.as_ref());
         for tool_use in tool_uses {
+            let mut decision = PolicyDecision::Allow;
             let immediate_error = if !tool_names.contains(tool_use.name.as_str()) {
                 Some(format!(
                     "unknown tool {:?}; available tools: {}",
@@ -1034,8 +1240,32 @@ impl SessionState {
             } else {
                 match serde_json::from_str::<serde_json::Value>(&tool_use.arguments) {
                     Err(e) => Some(format!("invalid tool arguments (not JSON): {e}")),
-                    Ok(_) if version < 2 => None,
-                    Ok(arguments) => missing_required(tools, &tool_use.name, &arguments),
+                    Ok(arguments) => {
+                        let missing = if version < 2 {
+                            None
+                        } else {
+                            missing_required(tools, &tool_use.name, &arguments)
+                        };
+                        // Only sessions that recorded a policy have one: the others allow
+                        // every call, as before policies existed.
+                        match (missing, policy) {
+                            (Some(missing), _) => Some(missing),
+                            (None, None) => None,
+                            (None, Some(policy)) => {
+                                let (decided, rule) = policy.decide(&tool_use.name, &arguments);
+                                decision = decided;
+                                (decided == PolicyDecision::Deny).then(|| {
+                                    format!(
+                                        "the tool call was denied by the session's policy ({})",
+                                        match rule {
+                                            Some(n) => format!("rule {n}"),
+                                            None => "its default".to_owned(),
+                                        }
+                                    )
+                                })
+                            }
+                        }
+                    }
                 }
             };
             let state = match immediate_error {
@@ -1045,6 +1275,21 @@ impl SessionState {
                     is_error: true,
                 }),
                 None if over_limit => ToolSlotState::Unscheduled,
+                None if decision == PolicyDecision::Ask => {
+                    let deadline_ms = policy
+                        .and_then(|p| p.approval_timeout_ms)
+                        .map(|timeout| now.saturating_add(timeout));
+                    commands.push(Command::RequestToolApproval {
+                        turn,
+                        tool_use_id: tool_use.id.clone(),
+                        name: tool_use.name.clone(),
+                        deadline_ms,
+                    });
+                    ToolSlotState::AwaitingApproval {
+                        requested_seq: None,
+                        deadline_ms,
+                    }
+                }
                 None => {
                     commands.push(Command::ScheduleToolCall {
                         turn,

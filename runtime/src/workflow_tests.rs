@@ -8,18 +8,18 @@ use crate::store::{NewTask, TaskId, TaskKind};
 use crate::workflow::{Command, SessionState, Transition, TurnOutcome};
 use cairn_ledger::*;
 
-const SID: &str = "wf-test";
+pub(super) const SID: &str = "wf-test";
 
 /// Drives a session like the engine: step the input, record the events the step returns.
-struct Live {
-    state: SessionState,
-    events: Vec<EventEnvelope>,
-    commands: Vec<(u64, Command)>,
-    now: u64,
+pub(super) struct Live {
+    pub(super) state: SessionState,
+    pub(super) events: Vec<EventEnvelope>,
+    pub(super) commands: Vec<(u64, Command)>,
+    pub(super) now: u64,
 }
 
 impl Live {
-    fn new(started: SessionStarted) -> Self {
+    pub(super) fn new(started: SessionStarted) -> Self {
         let mut live = Live {
             state: SessionState::new(SID),
             events: Vec::new(),
@@ -30,7 +30,7 @@ impl Live {
         live
     }
 
-    fn try_step(&mut self, event: Event) -> Result<Transition, Error> {
+    pub(super) fn try_step(&mut self, event: Event) -> Result<Transition, Error> {
         self.now += 10;
         let input = EventEnvelope::new(SID, self.state.next_seq, self.now, event);
         let seq = input.seq;
@@ -43,20 +43,20 @@ impl Live {
         Ok(transition)
     }
 
-    fn try_input(&mut self, event: Event) -> Result<Vec<Command>, Error> {
+    pub(super) fn try_input(&mut self, event: Event) -> Result<Vec<Command>, Error> {
         Ok(self.try_step(event)?.commands)
     }
 
-    fn step(&mut self, event: Event) -> Transition {
+    pub(super) fn step(&mut self, event: Event) -> Transition {
         self.try_step(event).unwrap()
     }
 
-    fn input(&mut self, event: Event) -> Vec<Command> {
+    pub(super) fn input(&mut self, event: Event) -> Vec<Command> {
         self.step(event).commands
     }
 
     /// The full replay must reproduce every command and the same ledger bytes.
-    fn check_replay(&self) {
+    pub(super) fn check_replay(&self) {
         let replayed = replay(SID, &self.events).unwrap();
         assert_eq!(replayed.commands, self.commands);
         assert_eq!(
@@ -68,11 +68,12 @@ impl Live {
     }
 }
 
-fn started(max_rounds: u32) -> SessionStarted {
+pub(super) fn started(max_rounds: u32) -> SessionStarted {
     SessionStarted {
         queues: Default::default(),
         forked_from: None,
         workflow_version: crate::workflow::WORKFLOW_VERSION,
+        tool_policy: None,
         model: ModelSpec::parse("scripted:test.json").unwrap(),
         tools: vec![
             ToolSpec {
@@ -104,7 +105,7 @@ fn started(max_rounds: u32) -> SessionStarted {
     }
 }
 
-fn tool_use(id: &str, name: &str, args: &str) -> Part {
+pub(super) fn tool_use(id: &str, name: &str, args: &str) -> Part {
     Part::ToolUse(ToolUse {
         id: id.into(),
         name: name.into(),
@@ -113,7 +114,7 @@ fn tool_use(id: &str, name: &str, args: &str) -> Part {
     })
 }
 
-fn response(parts: Vec<Part>, stop: StopReason) -> ModelResponse {
+pub(super) fn response(parts: Vec<Part>, stop: StopReason) -> ModelResponse {
     ModelResponse {
         provider: "scripted".into(),
         model: "test".into(),
@@ -135,11 +136,11 @@ fn thinking(text: &str) -> Part {
     }
 }
 
-fn text(t: &str) -> Part {
+pub(super) fn text(t: &str) -> Part {
     Part::text(t)
 }
 
-fn user(turn: u32, t: &str) -> Event {
+pub(super) fn user(turn: u32, t: &str) -> Event {
     Event::UserMessage {
         turn,
         text: t.into(),
@@ -147,7 +148,7 @@ fn user(turn: u32, t: &str) -> Event {
     }
 }
 
-fn model_done(turn: u32, round: u32, attempt: u32, r: ModelResponse) -> Event {
+pub(super) fn model_done(turn: u32, round: u32, attempt: u32, r: ModelResponse) -> Event {
     Event::ModelCallCompleted {
         turn,
         round,
@@ -156,7 +157,7 @@ fn model_done(turn: u32, round: u32, attempt: u32, r: ModelResponse) -> Event {
     }
 }
 
-fn tool_done(turn: u32, id: &str, attempt: u32, content: &str) -> Event {
+pub(super) fn tool_done(turn: u32, id: &str, attempt: u32, content: &str) -> Event {
     Event::ToolCallCompleted {
         turn,
         tool_use_id: id.into(),
@@ -951,7 +952,7 @@ fn stale_reports_get_their_own_error_and_change_nothing() {
 
 /// The task a session with default queues and no schedule-to-start limit enqueues: on the
 /// default queue, for a worker hosting `target` (the tool, or the model's provider).
-fn task(seq: u64, kind: TaskKind, visible_at_ms: u64, target: &str) -> NewTask {
+pub(super) fn task(seq: u64, kind: TaskKind, visible_at_ms: u64, target: &str) -> NewTask {
     NewTask {
         target: target.into(),
         ..NewTask::new(

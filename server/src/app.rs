@@ -85,6 +85,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sessions/{id}/events", get(events::events))
         .route("/v1/sessions/{id}/state", get(inspect::state_at))
         .route("/v1/sessions/{id}/fork", post(inspect::fork))
+        .route(
+            "/v1/sessions/{id}/approvals/{tool_use_id}",
+            post(sessions::decide_approval),
+        )
         .route("/v1/worker/lease", post(worker::lease))
         .route("/v1/worker/input", post(worker::input))
         .route("/v1/worker/heartbeat", post(worker::heartbeat))

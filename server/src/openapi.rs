@@ -31,6 +31,7 @@ use utoipa::{Modify, OpenApi};
         events::events,
         inspect::state_at,
         inspect::fork,
+        sessions::decide_approval,
         worker::lease,
         worker::input,
         worker::heartbeat,
@@ -165,7 +166,7 @@ mod tests {
         }
         assert_eq!(doc["security"][0]["bearer"], serde_json::json!([]));
         let paths = doc["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 18, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 19, "{:?}", paths.keys().collect::<Vec<_>>());
         for (path, operations) in paths {
             for (method, operation) in operations.as_object().unwrap() {
                 let responses = operation["responses"].as_object().unwrap();

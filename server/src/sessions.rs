@@ -1,5 +1,5 @@
 //! The client routes: start a session, send a message, wait for a turn, describe, list, read
-//! the history and the transcript, cancel. Session ids are the caller's namespace's own: a
+//! the history and the transcript, cancel, approve or deny a parked tool call. Session ids are the caller's namespace's own: a
 //! session `ID` of namespace `N` is stored as `N:ID` and never seen by another namespace.
 
 use crate::app::AppState;
@@ -18,8 +18,9 @@ use cairn_runtime::engine::status_of;
 use cairn_runtime::event::{Event, EventEnvelope, RetryPolicy, SessionStarted};
 use cairn_runtime::store::{check_session_id, SessionStatus};
 use cairn_runtime::wire::{
-    schema, split_session_id, store_session_id, CancelRequest, Cancelled, CreateSession, ErrorBody,
-    HistoryPage, SessionCreated, SessionDescription, SessionPage, TurnStarted, TurnWait,
+    schema, split_session_id, store_session_id, ApprovalDecided, ApprovalDecision, ApprovalRequest,
+    CancelRequest, Cancelled, CreateSession, ErrorBody, HistoryPage, SessionCreated,
+    SessionDescription, SessionPage, TurnStarted, TurnWait,
 };
 use cairn_runtime::SessionState;
 use serde::Deserialize;
@@ -143,7 +144,7 @@ pub async fn create_session(
     let stored = stored_id(&caller, &id)?;
     let started = SessionStarted {
         model: request.model,
-        tools: request.tools,
+        tools: request.tools.clone(),
         system_prompt: request.system_prompt,
         limits: request.limits.unwrap_or_default(),
         model_retry: request
@@ -153,6 +154,13 @@ pub async fn create_session(
         queues: request.queues.unwrap_or_default(),
         forked_from: None,
         workflow_version: cairn_runtime::WORKFLOW_VERSION,
+        tool_policy: cairn_workers::policy::session_policy(
+            &tools_hosted(),
+            &request.tools,
+            request.tool_policy,
+            false,
+        )
+        .map_err(|e| ApiError::invalid(e.to_string()))?,
     };
     async {
         match state.engine.start_session(Some(stored), started).await {
@@ -220,7 +228,7 @@ pub async fn list_sessions(
         .map_err(ApiError::from_store)?;
     // Stored ids of one namespace share its prefix, so the store's order is the order of the
     // namespace's own ids.
-    Ok(Json(page_sessions(
+    let mut page = page_sessions(
         all,
         |stored| {
             let (namespace, id) = split_session_id(stored);
@@ -229,7 +237,15 @@ pub async fn list_sessions(
         query.after.as_deref(),
         query.status,
         limit,
-    )))
+    );
+    for summary in &mut page.sessions {
+        let stored = store_session_id(&caller.namespace, &summary.session_id);
+        summary.awaiting_approval =
+            cairn_runtime::client::awaiting_approval_of(&state.engine, &stored, summary.status)
+                .await
+                .map_err(|e| ApiError::from_runtime(e, &summary.session_id))?;
+    }
+    Ok(Json(page))
 }
 
 /// A session in the path.
@@ -582,4 +598,74 @@ pub async fn cancel(
             .map_err(|e| ApiError::from_runtime(e, &path.id))?;
         Ok(Json(Cancelled { turn: None }))
     }
+}
+
+/// The tools a server knows the policy subjects and defaults of: the ones its workers host.
+fn tools_hosted() -> cairn_activities::ToolRegistry {
+    cairn_activities::ToolRegistry::hosted(".")
+}
+
+/// A tool call in the path.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Path)]
+pub struct ToolCallPath {
+    /// The session's id.
+    #[param(pattern = r"^[A-Za-z0-9._-]{1,128}$")]
+    pub id: String,
+    /// The tool_use id of the parked call.
+    #[param(min_length = 1, max_length = 256)]
+    pub tool_use_id: String,
+}
+
+/// Approves or denies a tool call the session's policy parked for approval. An approved call
+/// is scheduled at once; a denied one is answered with an `is_error` result carrying the
+/// reason, which the model reads. Both are recorded in the history
+/// (`tool_call_approved`, `tool_call_denied`) before the answer.
+#[utoipa::path(
+    post,
+    path = "/v1/sessions/{id}/approvals/{tool_use_id}",
+    tag = "sessions",
+    params(ToolCallPath),
+    request_body = ApprovalRequest,
+    responses(
+        (status = 200, description = "The decision is recorded", body = ApprovalDecided),
+        (status = 400, description = "Malformed or invalid request", body = ErrorBody),
+        (status = 401, description = "No token, or an unknown one", body = ErrorBody),
+        (status = 403, description = "Not a client token", body = ErrorBody),
+        (status = 404, description = "No such session in this namespace", body = ErrorBody),
+        (status = 409, description = "No such tool call waits for approval (never parked, or already decided)", body = ErrorBody),
+        (status = 413, description = "The body is too large", body = ErrorBody),
+        (status = 415, description = "The body is not JSON", body = ErrorBody),
+        (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
+    )
+)]
+pub async fn decide_approval(
+    State(state): State<AppState>,
+    ClientCaller(caller): ClientCaller,
+    PathParams(path): PathParams<ToolCallPath>,
+    JsonBody(request): JsonBody<ApprovalRequest>,
+) -> Result<Json<ApprovalDecided>, ApiError> {
+    let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
+    if path.tool_use_id.is_empty() || path.tool_use_id.len() > 256 {
+        return Err(ApiError::invalid("tool_use_id: 1-256 characters"));
+    }
+    let decided = match request.decision {
+        ApprovalDecision::Approve => state.engine.approve(&stored, &path.tool_use_id).await,
+        ApprovalDecision::Deny => {
+            let reason = request
+                .reason
+                .filter(|r| !r.trim().is_empty())
+                .unwrap_or_else(|| "denied by a person (no reason given)".to_owned());
+            state.engine.deny(&stored, &path.tool_use_id, &reason).await
+        }
+    };
+    decided
+        .map_err(|e| ApiError::from_runtime(e, &path.id))
+        .map(|()| {
+            Json(ApprovalDecided {
+                tool_use_id: path.tool_use_id,
+                decision: request.decision,
+            })
+        })
 }

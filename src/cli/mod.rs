@@ -4,6 +4,7 @@
 //! session commands over a server, `cairn worker`, the printing of streamed deltas, and
 //! printing that survives a closed pipe (`out`).
 
+pub mod approvals;
 pub mod database;
 pub mod deltas;
 pub mod history_files;

@@ -3,7 +3,6 @@
 
 use super::deltas::DeltaWriter;
 use super::out::{note, showln};
-use cairn_activities::ToolRegistry;
 use cairn_ledger::ModelSpec;
 use cairn_runtime::wire::StreamEvent;
 use cairn_runtime::{
@@ -24,6 +23,8 @@ pub struct RunRequest {
     pub max_rounds: Option<u32>,
     pub prompt: String,
     pub show_thinking: bool,
+    /// The tools and tool policy flags of a new session.
+    pub policy: super::approvals::PolicyArgs,
 }
 
 impl Remote {
@@ -53,12 +54,16 @@ impl Remote {
                     &request.system,
                     request.max_rounds,
                 )?;
+                crate::refuse_policy_options(&description.session_id, &request.policy)?;
                 description
             }
             None => {
-                // The session declares the built-in tools; the server's workers host them.
-                let tools = ToolRegistry::builtin(".").specs();
+                // The session declares the built-in tools (and shell with --shell); the
+                // server's workers host them.
+                let tools = request.policy.offered_tools();
+                let tool_policy = request.policy.session_policy(&tools)?;
                 let mut options = SessionOptions::new(request.model.clone(), tools);
+                options.tool_policy = tool_policy;
                 options.session_id = request.session.clone();
                 options.system_prompt = request.system.clone();
                 if let Some(max_rounds) = request.max_rounds {
@@ -118,6 +123,14 @@ async fn follow_turn(
                 }
             }
             Ok(StreamEvent::Event(event)) => {
+                if let Event::ToolApprovalRequested {
+                    tool_use_id, name, ..
+                } = &event.event
+                {
+                    note!(
+                        "waiting for approval: {name} (tool_use {tool_use_id}) — `cairn approve {session_id} {tool_use_id}` or `cairn deny {session_id} {tool_use_id} --reason TEXT`"
+                    );
+                }
                 let ended = match event.event {
                     Event::TurnCompleted { turn: t, .. }
                     | Event::TurnFailed { turn: t, .. }

@@ -49,7 +49,7 @@ pub async fn run(request: WorkerRequest) -> anyhow::Result<ExitCode> {
     } else {
         request.queues.into_iter().collect()
     };
-    let tools = hosted_tools(ToolRegistry::builtin(request.workdir), request.tools)?;
+    let tools = hosted_tools(ToolRegistry::hosted(request.workdir), request.tools)?;
     note!(
         "worker: queues {}; tools {}; {} at once; server {}",
         queues.iter().cloned().collect::<Vec<_>>().join(", "),

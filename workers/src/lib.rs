@@ -5,6 +5,7 @@
 #![allow(clippy::disallowed_methods)]
 
 mod models;
+pub mod policy;
 mod pool;
 mod progress;
 mod source;
@@ -22,6 +23,12 @@ pub enum Error {
     /// An activity could not be set up.
     #[error(transparent)]
     Activity(#[from] cairn_activities::Error),
+    /// A requested tool policy cannot be recorded.
+    #[error("invalid tool policy: {reason}")]
+    InvalidPolicy {
+        /// Which rule, and what is wrong with it.
+        reason: String,
+    },
 }
 
 /// Result alias for workers.

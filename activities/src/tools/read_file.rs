@@ -121,6 +121,13 @@ struct ReadFileInput {
 
 #[async_trait]
 impl Tool for ReadFile {
+    fn policy_subject(&self) -> Option<crate::tool::PolicySubject> {
+        Some(crate::tool::PolicySubject {
+            argument: "path",
+            kind: crate::tool::SubjectKind::Path,
+        })
+    }
+
     fn spec(&self) -> ToolSpec {
         let schema = serde_json::json!({
             "type": "object",

@@ -173,6 +173,7 @@ fn started() -> SessionStarted {
         queues: Default::default(),
         forked_from: None,
         workflow_version: crate::workflow::WORKFLOW_VERSION,
+        tool_policy: None,
         model: ModelSpec::parse("scripted:two-engines.json")
             .unwrap_or_else(|| panic!("scripted:two-engines.json is a model spec")),
         tools: vec![ToolSpec {
