@@ -255,24 +255,26 @@ fn is_simple_command(command: &str) -> bool {
     !command.contains([';', '&', '|', '`', '>', '<', '\n']) && !command.contains("$(")
 }
 
+/// A rule for tests: `prefix` is (argument, prefix, kind).
+#[cfg(test)]
+pub(crate) fn rule(
+    tool: &str,
+    decision: PolicyDecision,
+    prefix: Option<(&str, &str, PrefixKind)>,
+) -> PolicyRule {
+    PolicyRule {
+        tool: tool.to_owned(),
+        decision,
+        prefix: prefix.map(|p| p.1.to_owned()),
+        argument: prefix.map(|p| p.0.to_owned()),
+        kind: prefix.map(|p| p.2),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
-
-    fn rule(
-        tool: &str,
-        decision: PolicyDecision,
-        prefix: Option<(&str, &str, PrefixKind)>,
-    ) -> PolicyRule {
-        PolicyRule {
-            tool: tool.to_owned(),
-            decision,
-            prefix: prefix.map(|p| p.1.to_owned()),
-            argument: prefix.map(|p| p.0.to_owned()),
-            kind: prefix.map(|p| p.2),
-        }
-    }
 
     #[test]
     fn path_prefixes_compare_components() {

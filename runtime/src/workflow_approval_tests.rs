@@ -3,25 +3,11 @@
 
 use crate::error::Error;
 use crate::event::*;
-use crate::policy::{PolicyDecision, PolicyRule, PrefixKind, ToolPolicy};
+use crate::policy::{rule, PolicyDecision, PrefixKind, ToolPolicy};
 use crate::store::{NewTask, TaskId, TaskKind};
 use crate::workflow::{Command, ToolSlotState};
 use crate::workflow_tests::{model_done, response, started, tool_done, tool_use, user, Live, SID};
 use cairn_ledger::*;
-
-fn rule(
-    tool: &str,
-    decision: PolicyDecision,
-    prefix: Option<(&str, &str, PrefixKind)>,
-) -> PolicyRule {
-    PolicyRule {
-        tool: tool.to_owned(),
-        decision,
-        prefix: prefix.map(|p| p.1.to_owned()),
-        argument: prefix.map(|p| p.0.to_owned()),
-        kind: prefix.map(|p| p.2),
-    }
-}
 
 /// A session with `calculator`, `read_file` and `shell`, under `policy`.
 fn with_policy(policy: Option<ToolPolicy>) -> SessionStarted {
