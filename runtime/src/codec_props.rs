@@ -74,7 +74,8 @@ fn event() -> impl Strategy<Value = Event> {
                 turn,
                 round,
                 attempt,
-                failure: ActivityFailure::new(ErrorClass::Transient, message)
+                failure: ActivityFailure::new(ErrorClass::Transient, message),
+                cost_micros: None
             }
         ),
         (small.clone(), any::<u64>()).prop_map(|(turn, tokens)| Event::TurnCompleted {
@@ -84,7 +85,11 @@ fn event() -> impl Strategy<Value = Event> {
                 ..Usage::default()
             }
         }),
-        (small.clone(), text()).prop_map(|(turn, reason)| Event::TurnFailed { turn, reason }),
+        (small.clone(), text()).prop_map(|(turn, reason)| Event::TurnFailed {
+            turn,
+            reason,
+            budget_exceeded: None
+        }),
         text().prop_map(|reason| Event::SessionCancelled { reason }),
         (
             small.clone(),
@@ -103,6 +108,8 @@ fn event() -> impl Strategy<Value = Event> {
                         lease_attempt,
                         text_appended,
                         thinking_appended,
+                        cost_micros: None,
+                        usage: None,
                     }
                 }
             ),

@@ -69,7 +69,11 @@ fn started() -> impl Strategy<Value = Event> {
             model: ModelSpec::parse("scripted:props.json").expect("model"),
             tools: vec![tool_spec("calculator"), tool_spec("read_file")],
             system_prompt: Some("be brief".to_owned()),
-            limits: Limits { max_rounds },
+            limits: Limits {
+                max_rounds,
+                session_budget: Default::default(),
+                turn_budget: Default::default(),
+            },
             model_retry: policy(RetryPolicy::model_default(), model_max),
             tool_retry: policy(RetryPolicy::tool_default(), tool_max),
         })
@@ -157,7 +161,7 @@ fn event() -> impl Strategy<Value = Event> {
                 turn,
                 round,
                 attempt,
-                response,
+                response, cost_micros: None
             }
         ),
         2 => (turn.clone(), round.clone(), attempt.clone(), failure()).prop_map(
@@ -165,7 +169,7 @@ fn event() -> impl Strategy<Value = Event> {
                 turn,
                 round,
                 attempt,
-                failure,
+                failure, cost_micros: None
             }
         ),
         4 => (turn.clone(), tool_id(), attempt.clone(), any::<bool>()).prop_map(
@@ -216,7 +220,7 @@ fn event() -> impl Strategy<Value = Event> {
         }),
         1 => turn.prop_map(|turn| Event::TurnFailed {
             turn,
-            reason: "no".to_owned(),
+            reason: "no".to_owned(), budget_exceeded: None
         }),
     ]
 }
@@ -277,6 +281,7 @@ fn targeted(state: &SessionState, step: Step) -> Option<Event> {
                 round,
                 attempt,
                 response,
+                cost_micros: None,
             })
         }
         Step::ModelFail(failure) => model().map(|(turn, round, attempt)| Event::ModelCallFailed {
@@ -284,6 +289,7 @@ fn targeted(state: &SessionState, step: Step) -> Option<Event> {
             round,
             attempt,
             failure,
+            cost_micros: None,
         }),
         Step::ModelProgress(lease_attempt, text) => {
             model().map(|(turn, round, attempt)| Event::ModelAttemptProgress {
@@ -293,6 +299,8 @@ fn targeted(state: &SessionState, step: Step) -> Option<Event> {
                 lease_attempt,
                 text_appended: text,
                 thinking_appended: String::new(),
+                cost_micros: None,
+                usage: None,
             })
         }
         Step::ToolAnswer(i, is_error) => {
