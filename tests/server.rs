@@ -447,7 +447,15 @@ async fn a_session_runs_through_the_client_routes_with_a_worker_driven_by_hand()
     let outcome = wait_turn(&http, &server, None, "s1", 1).await;
     assert_eq!(
         outcome,
-        json!({"status": "completed", "turn": 1, "answer": "42"})
+        json!({
+            "status": "completed", "turn": 1, "answer": "42", "stop_reason": "end_turn",
+            // The hand-made answer has usage and no price: its cost is unknown.
+            "totals": {
+                "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
+                          "cache_write_tokens": 0, "reasoning_tokens": 0},
+                "cost_micros": 0, "unpriced_attempts": 1, "model_calls": 1
+            }
+        })
     );
     let described = send(
         &http,
@@ -559,7 +567,15 @@ async fn a_session_runs_through_the_client_routes_with_a_worker_driven_by_hand()
     let outcome = wait_turn(&http, &server, None, "s1", 2).await;
     assert_eq!(
         outcome,
-        json!({"status": "cancelled", "turn": 2, "reason": "changed my mind"})
+        json!({
+            "status": "cancelled", "turn": 2, "reason": "changed my mind",
+            // Its model call was scheduled and never answered.
+            "totals": {
+                "usage": {"input_tokens": 0, "output_tokens": 0, "cache_read_tokens": 0,
+                          "cache_write_tokens": 0, "reasoning_tokens": 0},
+                "cost_micros": 0, "unpriced_attempts": 0, "model_calls": 1
+            }
+        })
     );
     let cancelled = send(
         &http,
@@ -636,7 +652,15 @@ async fn a_turn_completes_end_to_end_with_in_process_workers() {
     let outcome = wait_turn(&http, &server, None, &id, 1).await;
     assert_eq!(
         outcome,
-        json!({"status": "completed", "turn": 1, "answer": "The answer is 42."})
+        json!({
+            "status": "completed", "turn": 1, "answer": "The answer is 42.",
+            "stop_reason": "end_turn",
+            "totals": {
+                "usage": {"input_tokens": 0, "output_tokens": 0, "cache_read_tokens": 0,
+                          "cache_write_tokens": 0, "reasoning_tokens": 0},
+                "cost_micros": 0, "unpriced_attempts": 0, "model_calls": 1
+            }
+        })
     );
     // Tasks of a provider the in-process workers do not host stay queued for a remote worker.
     let elsewhere = send(
@@ -1485,9 +1509,15 @@ async fn a_sigkill_mid_turn_loses_nothing_acknowledged_and_the_restarted_server_
         "and so is the acknowledged turn"
     );
     let outcome = wait_turn(&http, &server, None, "k", 1).await;
+    // How many model calls the crash cost depends on when it struck: not compared.
     assert_eq!(
-        outcome,
-        json!({"status": "completed", "turn": 1, "answer": "Survived the crash."})
+        json!([
+            &outcome["status"],
+            &outcome["turn"],
+            &outcome["answer"],
+            &outcome["stop_reason"]
+        ]),
+        json!(["completed", 1, "Survived the crash.", "end_turn"])
     );
     // The dead worker's lease lapsed and was recorded; its late report changes nothing.
     let late = send(
@@ -1697,7 +1727,14 @@ async fn a_parked_shell_call_is_approved_over_http_and_runs_once() {
     let outcome = wait_turn(&http, &server, None, "ask", 1).await;
     assert_eq!(
         outcome,
-        json!({"status": "completed", "turn": 1, "answer": "done"})
+        json!({
+            "status": "completed", "turn": 1, "answer": "done", "stop_reason": "end_turn",
+            "totals": {
+                "usage": {"input_tokens": 0, "output_tokens": 0, "cache_read_tokens": 0,
+                          "cache_write_tokens": 0, "reasoning_tokens": 0},
+                "cost_micros": 0, "unpriced_attempts": 0, "model_calls": 2
+            }
+        })
     );
     assert_eq!(
         std::fs::read_to_string(work.join("side.txt")).unwrap(),

@@ -620,11 +620,11 @@ pub mod schema {
         /// Model calls per turn at most; a turn that needs more fails.
         pub max_rounds: u32,
         /// What one turn may consume; unlimited when absent.
-        #[schema(value_type = Option<crate::budget::Budget>)]
-        pub turn_budget: (),
+        #[schema(required = false)]
+        pub turn_budget: crate::budget::Budget,
         /// What the session's turns may consume together; unlimited when absent.
-        #[schema(value_type = Option<crate::budget::Budget>)]
-        pub session_budget: (),
+        #[schema(required = false)]
+        pub session_budget: crate::budget::Budget,
     }
 
     /// A class of activity failure, for retry decisions.
