@@ -1755,3 +1755,89 @@ async fn a_parked_shell_call_is_approved_over_http_and_runs_once() {
         json!({"rules": [{"tool": "shell", "decision": "ask"}]})
     );
 }
+
+/// Budgets over HTTP: a session created with a turn budget, its calls priced by the server's
+/// `--prices`, a turn that goes over fails with the limit in its outcome, the session's totals
+/// in its description and the listing, and the cost and the limit in the SSE events.
+#[tokio::test]
+async fn a_turn_budget_over_http_fails_the_turn_and_the_costs_stream_with_the_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let prices = dir.path().join("prices.json");
+    std::fs::write(
+        &prices,
+        r#"{"models": [{"providers": ["scripted"], "model": "budget-model",
+            "input": 1, "output": 2, "cache_read": 0, "cache_write": 0}]}"#,
+    )
+    .unwrap();
+    let script = dir.path().join("script.json");
+    std::fs::write(
+        &script,
+        r#"{"model": "budget-model", "responses": [{"parts": [{"type": "text", "text": "long"}],
+            "usage": {"input_tokens": 1000, "output_tokens": 500}}]}"#,
+    )
+    .unwrap();
+    let server = Server::start(
+        &dir.path().join("store"),
+        &["--local-workers", "1", "--prices", prices.to_str().unwrap()],
+    );
+    let http = reqwest::Client::new();
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({
+            "session_id": "b",
+            "model": {"provider": "scripted", "model": script.display().to_string()},
+            "limits": {"max_rounds": 4, "turn_budget": {"max_tokens": 100}}
+        })),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let stream = http
+        .get(server.url("/v1/sessions/b/events"))
+        .send()
+        .await
+        .unwrap();
+    send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/b/messages"),
+        None,
+        Some(json!({"text": "write a lot"})),
+    )
+    .await;
+    let exceeded = json!({"limit": "tokens", "scope": "turn", "limit_value": 100, "used": 1500});
+    let totals = json!({
+        "usage": {"input_tokens": 1000, "output_tokens": 500, "cache_read_tokens": 0,
+                  "cache_write_tokens": 0, "reasoning_tokens": 0},
+        "cost_micros": 2000, "unpriced_attempts": 0, "model_calls": 1
+    });
+    let outcome = wait_turn(&http, &server, None, "b", 1).await;
+    assert_eq!(
+        outcome,
+        json!({
+            "status": "failed", "turn": 1,
+            "reason": "turn budget exceeded: max_tokens 100 tokens, 1500 used",
+            "budget_exceeded": exceeded, "totals": totals
+        })
+    );
+    let described = send(&http, Method::GET, server.url("/v1/sessions/b"), None, None).await;
+    assert_eq!(described.body["totals"], totals);
+    assert_eq!(described.body["last_outcome"], outcome);
+    let listed = send(&http, Method::GET, server.url("/v1/sessions"), None, None).await;
+    assert_eq!(listed.body["sessions"][0]["totals"], totals);
+    let streamed = read_stream(stream, |m| {
+        m.event == "event" && m.data["kind"] == "turn_failed"
+    })
+    .await;
+    let event = |kind: &str| {
+        streamed
+            .iter()
+            .find(|m| m.event == "event" && m.data["kind"] == kind)
+            .map(|m| m.data["event"][kind].clone())
+            .unwrap_or_else(|| panic!("no {kind} in {streamed:?}"))
+    };
+    assert_eq!(event("model_call_completed")["cost_micros"], 2000);
+    assert_eq!(event("turn_failed")["budget_exceeded"], exceeded);
+}
