@@ -92,7 +92,7 @@ enum Command {
         policy: cli::approvals::PolicyArgs,
         /// Budgets of a new session, and the price table.
         #[command(flatten)]
-        budget: cli::budget::BudgetArgs,
+        budget: Box<cli::budget::BudgetArgs>,
         /// The user message.
         prompt: String,
     },
@@ -579,7 +579,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         prompt,
                         show_thinking: !hide_thinking,
                         policy,
-                        budget,
+                        budget: *budget,
                     };
                     return Ok(outcome_code(&remote.run(request).await?));
                 }

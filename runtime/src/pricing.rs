@@ -111,7 +111,7 @@ struct Dollars(u64);
 impl<'de> Deserialize<'de> for Dollars {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         let value = f64::deserialize(deserializer)?;
-        if !value.is_finite() || value < 0.0 || value > 1.0e9 {
+        if !value.is_finite() || !(0.0..=1.0e9).contains(&value) {
             return Err(serde::de::Error::custom(format!(
                 "price {value} is not a dollar amount between 0 and 1e9"
             )));

@@ -30,6 +30,10 @@ use std::collections::{BTreeSet, VecDeque};
 ///    answered at once with an error result naming the field, like an unknown tool, instead
 ///    of being scheduled for the tool to refuse (a worker round trip and two durable writes
 ///    saved, and the model told exactly what is missing). Version 1 sessions schedule it.
+///
+/// Budgets (`Limits::turn_budget`, `Limits::session_budget`) changed no version: a history
+/// can only hold them if it was recorded by code that enforces them, and without them every
+/// session decides as before.
 pub const WORKFLOW_VERSION: u32 = 2;
 
 /// A decision of the workflow; the engine records it as an event before anything runs.
