@@ -3,8 +3,13 @@
 //! records which limit, `sessions` and `show` print the totals, and an answer cut short is
 //! not reported as a normal completion.
 
-use crate::support::{cairn_command, demo_files};
+use crate::support::{cairn_command, demo_files, TestHost};
+use cairn_ledger::{ModelResponse, Part, StopReason, Usage};
+use cairn_runtime::{
+    ActivityReport, Client, Clock, Engine, Event, ManualClock, MemoryStore, PriceTable, Store,
+};
 use std::process::Output;
+use std::sync::Arc;
 
 fn cairn(args: &[&str]) -> Output {
     cairn_command().args(args).output().expect("run cairn")
@@ -202,4 +207,110 @@ fn a_bad_price_file_is_refused_before_anything_is_written_naming_the_line() {
         "{err}"
     );
     assert!(!data.exists(), "nothing was written");
+}
+
+/// A worker killed mid-stream: the engine prices the usage its progress reported, and when its
+/// lease lapses the timeout it records knows no usage, so that report is what counts; the
+/// retry's completion is priced from the table the engine holds, and the turn's totals hold
+/// both.
+#[tokio::test]
+async fn a_killed_attempt_counts_the_usage_its_progress_reported_priced_by_the_engine() {
+    let files = demo_files(cairn::demo::DEMO_SCRIPT);
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(store.clone(), clock.clone());
+    let script = files.script.display().to_string();
+    engine.set_prices(
+        PriceTable::parse(
+            "test",
+            &format!(
+                r#"{{"models": [{{"providers": ["scripted"], "model": {script:?},
+                    "input": 1, "output": 2, "cache_read": 0, "cache_write": 0}}]}}"#
+            ),
+        )
+        .unwrap(),
+    );
+    let client = Client::new(engine.clone());
+    let probe = TestHost {
+        client: client.clone(),
+        pool: None,
+        tools: Arc::new(cairn_activities::ToolRegistry::builtin(&files.workdir)),
+    };
+    let session = client
+        .start_session(probe.session_options(&files.script, "killed"))
+        .await
+        .unwrap();
+    let turn = client.send(&session, "greet me").await.unwrap();
+    let lease = |now| {
+        let store = store.clone();
+        async move {
+            store
+                .lease_tasks(now, 1_000, 1, &cairn_runtime::TaskFilter::default())
+                .await
+                .unwrap()
+                .remove(0)
+        }
+    };
+    let first = lease(clock.now_ms()).await;
+    let so_far = Usage {
+        input_tokens: 1_000,
+        ..Usage::default()
+    };
+    engine
+        .record_progress_with_usage(&first, "Hel".into(), String::new(), Some(so_far))
+        .await
+        .unwrap();
+    // The worker dies; its lease lapses and the timers record the attempt as timed out.
+    clock.advance(1_001);
+    assert_eq!(engine.fire_timers().await.unwrap(), 1);
+    clock.advance(1_000);
+    let second = lease(clock.now_ms()).await;
+    let answer = ModelResponse {
+        provider: "scripted".into(),
+        model: "not-in-the-table".into(),
+        parts: vec![Part::text("Hello.")],
+        stop_reason_raw: "end_turn".into(),
+        stop_reason: StopReason::EndTurn,
+        usage: Usage {
+            input_tokens: 1_000,
+            output_tokens: 10,
+            ..Usage::default()
+        },
+    };
+    engine
+        .report(&second, ActivityReport::ModelCompleted(answer))
+        .await
+        .unwrap();
+    let outcome = engine.wait_turn(&session, turn).await.unwrap();
+    let totals = outcome.totals();
+    assert_eq!(totals.usage.input_tokens, 2_000);
+    assert_eq!(totals.usage.output_tokens, 10);
+    // $1/M × 1000 for the lost run; $1/M × 1000 + $2/M × 10 for the answer (its reported
+    // model is unknown, so the session's model prices it).
+    assert_eq!(totals.cost(), Some(1_000 + 1_020));
+    assert_eq!(totals.model_calls, 2);
+    let history = client.history(&session).await.unwrap();
+    let recorded: Vec<(&str, Option<u64>)> = history
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ModelAttemptProgress { cost_micros, .. } => Some(("progress", *cost_micros)),
+            Event::ModelCallFailed { cost_micros, .. } => Some(("failed", *cost_micros)),
+            Event::ModelCallCompleted { cost_micros, .. } => Some(("completed", *cost_micros)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        recorded,
+        [
+            ("progress", Some(1_000)),
+            ("failed", None),
+            ("completed", Some(1_020))
+        ]
+    );
+    // A replay of the history gives the same totals: only recorded numbers are summed.
+    let replayed = cairn_runtime::replay(&session, &history).unwrap();
+    assert_eq!(
+        replayed.state.totals,
+        engine.state(&session).await.unwrap().totals
+    );
 }
