@@ -69,15 +69,22 @@ fn event() -> impl Strategy<Value = Event> {
                 is_error
             }
         ),
-        (small.clone(), small.clone(), small.clone(), text()).prop_map(
-            |(turn, round, attempt, message)| Event::ModelCallFailed {
-                turn,
-                round,
-                attempt,
-                failure: ActivityFailure::new(ErrorClass::Transient, message),
-                cost_micros: None
-            }
-        ),
+        (
+            small.clone(),
+            small.clone(),
+            small.clone(),
+            text(),
+            proptest::option::of(any::<u64>())
+        )
+            .prop_map(|(turn, round, attempt, message, cost_micros)| {
+                Event::ModelCallFailed {
+                    turn,
+                    round,
+                    attempt,
+                    failure: ActivityFailure::new(ErrorClass::Transient, message),
+                    cost_micros,
+                }
+            }),
         (small.clone(), any::<u64>()).prop_map(|(turn, tokens)| Event::TurnCompleted {
             turn,
             usage: Usage {

@@ -54,30 +54,45 @@ fn tool_spec(name: &str) -> ToolSpec {
 }
 
 fn started() -> impl Strategy<Value = Event> {
-    (1u32..6, 0u32..4, 0u32..4, 0u64..5).prop_map(|(max_rounds, model_max, tool_max, delay)| {
-        let policy = |default: RetryPolicy, max: u32| RetryPolicy {
-            initial_interval_ms: delay,
-            maximum_interval_ms: delay * 2,
-            maximum_attempts: max,
-            ..default
-        };
-        Event::SessionStarted(SessionStarted {
-            queues: Default::default(),
-            forked_from: None,
-            workflow_version: crate::workflow::WORKFLOW_VERSION,
-            tool_policy: None,
-            model: ModelSpec::parse("scripted:props.json").expect("model"),
-            tools: vec![tool_spec("calculator"), tool_spec("read_file")],
-            system_prompt: Some("be brief".to_owned()),
-            limits: Limits {
-                max_rounds,
-                session_budget: Default::default(),
-                turn_budget: Default::default(),
-            },
-            model_retry: policy(RetryPolicy::model_default(), model_max),
-            tool_retry: policy(RetryPolicy::tool_default(), tool_max),
-        })
-    })
+    let budgets = (
+        proptest::option::of(0u64..120),
+        proptest::option::of(0u64..60),
+        proptest::option::of(0u32..6),
+    );
+    (1u32..6, 0u32..4, 0u32..4, 0u64..5, budgets).prop_map(
+        |(max_rounds, model_max, tool_max, delay, (turn_tokens, session_cost, session_calls))| {
+            let policy = |default: RetryPolicy, max: u32| RetryPolicy {
+                initial_interval_ms: delay,
+                maximum_interval_ms: delay * 2,
+                maximum_attempts: max,
+                ..default
+            };
+            Event::SessionStarted(SessionStarted {
+                queues: Default::default(),
+                forked_from: None,
+                workflow_version: crate::workflow::WORKFLOW_VERSION,
+                tool_policy: None,
+                model: ModelSpec::parse("scripted:props.json").expect("model"),
+                tools: vec![tool_spec("calculator"), tool_spec("read_file")],
+                system_prompt: Some("be brief".to_owned()),
+                // Budgets, sometimes: tokens per turn, cost and model calls per session.
+                limits: Limits {
+                    max_rounds,
+                    turn_budget: crate::budget::Budget {
+                        max_tokens: turn_tokens,
+                        ..Default::default()
+                    },
+                    session_budget: crate::budget::Budget {
+                        max_cost_micros: session_cost,
+                        max_model_calls: session_calls,
+                        ..Default::default()
+                    },
+                },
+                model_retry: policy(RetryPolicy::model_default(), model_max),
+                tool_retry: policy(RetryPolicy::tool_default(), tool_max),
+            })
+        },
+    )
 }
 
 fn tool_id() -> impl Strategy<Value = String> {
@@ -280,8 +295,9 @@ fn targeted(state: &SessionState, step: Step) -> Option<Event> {
                 turn,
                 round,
                 attempt,
+                // Priced by its output, as an engine's table would.
+                cost_micros: Some(response.usage.output_tokens),
                 response,
-                cost_micros: None,
             })
         }
         Step::ModelFail(failure) => model().map(|(turn, round, attempt)| Event::ModelCallFailed {
