@@ -68,8 +68,10 @@ pub fn tokens(usage: &Usage) -> u64 {
         .saturating_add(usage.cache_write_tokens)
 }
 
-/// Limits of one scope (a turn, or the whole session); each absent limit is unlimited.
+/// Limits of one scope (a turn, or the whole session); each absent limit is unlimited. An
+/// unknown field is refused: a misspelt limit must not leave a session silently unlimited.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct Budget {
     /// Tokens ([`tokens`]) at most.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -358,6 +360,12 @@ mod tests {
             over.reason().contains("cannot be checked"),
             "{}",
             over.reason()
+        );
+        // A misspelt limit is refused, not ignored.
+        let misspelt = serde_json::from_str::<Budget>(r#"{"max_token": 5}"#).unwrap_err();
+        assert!(
+            misspelt.to_string().contains("unknown field `max_token`"),
+            "{misspelt}"
         );
         // An attempt with no tokens costs nothing, priced or not.
         let mut empty = UsageTotals::default();
