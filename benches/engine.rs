@@ -21,7 +21,11 @@ fn started() -> SessionStarted {
             input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
         }],
         system_prompt: Some("bench".into()),
-        limits: Limits { max_rounds: 8 },
+        limits: Limits {
+            max_rounds: 8,
+            session_budget: Default::default(),
+            turn_budget: Default::default(),
+        },
         model_retry: RetryPolicy::model_default(),
         tool_retry: RetryPolicy::tool_default(),
     }
@@ -92,6 +96,7 @@ fn history(events: usize) -> Vec<EventEnvelope> {
                 round: 0,
                 attempt: 1,
                 response: tool_call_response(turn, 2),
+                cost_micros: None,
             },
         );
         for i in 0..2 {
@@ -115,6 +120,7 @@ fn history(events: usize) -> Vec<EventEnvelope> {
                 round: 1,
                 attempt: 1,
                 response: response(vec![Part::text("It is 126.")]),
+                cost_micros: None,
             },
         );
     }

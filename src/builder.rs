@@ -21,7 +21,7 @@ use crate::error::Result;
 use cairn_activities::{ScriptedProvider, Tool, ToolRegistry};
 use cairn_ledger::ModelSpec;
 use cairn_runtime::store::embedded::{self, OpenMode, OpenedStore, StorageEngine};
-use cairn_runtime::{Client, Engine, ResumeReport, SessionOptions, SystemClock};
+use cairn_runtime::{Client, Engine, PriceTable, ResumeReport, SessionOptions, SystemClock};
 use cairn_workers::{Activities, ModelResolver, StandardModels, WorkerConfig, WorkerPool};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -47,6 +47,7 @@ pub struct CairnBuilder {
     models: Option<Arc<dyn ModelResolver>>,
     workers: Option<WorkerConfig>,
     turn_deadline: Option<Duration>,
+    prices: Option<PriceTable>,
 }
 
 impl Cairn {
@@ -68,6 +69,7 @@ impl Cairn {
                 ..WorkerConfig::default()
             }),
             turn_deadline: None,
+            prices: None,
         }
     }
 
@@ -170,6 +172,13 @@ impl CairnBuilder {
         self
     }
 
+    /// Prices each model call as it is recorded with `prices` instead of the built-in table
+    /// (see [`PriceTable`]; the README's "Usage, cost and budgets").
+    pub fn prices(mut self, prices: PriceTable) -> Self {
+        self.prices = Some(prices);
+        self
+    }
+
     /// Opens the store (see [`embedded::open`]: its lock is held until the cairn is dropped),
     /// carries on interrupted sessions and starts the workers.
     pub async fn start(self) -> Result<Cairn> {
@@ -189,6 +198,9 @@ impl CairnBuilder {
             tracing::info!(store = %self.data.display(), "{note}");
         }
         let engine = Engine::new(opened.store.clone(), Arc::new(SystemClock));
+        if let Some(prices) = self.prices {
+            engine.set_prices(prices);
+        }
         let tools = Arc::new(self.tools);
         let mut client = Client::new(engine.clone());
         if let Some(deadline) = self.turn_deadline {

@@ -48,6 +48,11 @@ impl Host {
         }
         let store = opened.store.clone();
         let engine = Engine::new(store.clone(), Arc::new(SystemClock));
+        if matches!(mode, OpenMode::Create | OpenMode::Existing) {
+            // Model calls recorded here are priced by `CAIRN_PRICES` when it names a table
+            // (`cairn run --prices` sets its own afterwards).
+            engine.set_prices(cairn_runtime::PriceTable::from_file_or_env(None)?);
+        }
         // A writer holds the store's lock: other commands reach the store through its socket.
         let socket = match mode {
             OpenMode::Create | OpenMode::Existing => match StoreSocket::serve(data, engine.clone())

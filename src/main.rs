@@ -90,6 +90,9 @@ enum Command {
         /// Tools and tool policy of a new session (refused for an existing one).
         #[command(flatten)]
         policy: cli::approvals::PolicyArgs,
+        /// Budgets of a new session, and the price table.
+        #[command(flatten)]
+        budget: Box<cli::budget::BudgetArgs>,
         /// The user message.
         prompt: String,
     },
@@ -459,6 +462,10 @@ enum Command {
         /// Long polls (waiting for a turn, leasing) answer after at most this many ms.
         #[arg(long, default_value_t = 300_000)]
         max_poll_ms: u64,
+        /// The price table (JSON; see the README) that prices each model call as it is
+        /// recorded, instead of `CAIRN_PRICES` or the built-in one.
+        #[arg(long, value_name = "FILE")]
+        prices: Option<PathBuf>,
     },
     /// Continue every session whose turn was interrupted.
     Resume {
@@ -538,9 +545,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             max_tokens,
             thinking_budget,
             policy,
+            budget,
             prompt,
         } => {
             // Everything that can be checked is checked before anything is written.
+            let prices = budget.price_table()?;
             if prompt.trim().is_empty() {
                 bail!("the prompt is empty: give the message to send as the last argument");
             }
@@ -570,15 +579,18 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         prompt,
                         show_thinking: !hide_thinking,
                         policy,
+                        budget: *budget,
                     };
                     return Ok(outcome_code(&remote.run(request).await?));
                 }
             };
             check_provider(&model)?;
+            host.engine.set_prices(prices);
             let session_id = match session {
                 Some(id) if session_exists(&host, &id).await? => {
                     refuse_start_options(&id, &system, max_rounds)?;
                     refuse_policy_options(&id, &policy)?;
+                    budget.refuse_for_existing(&id)?;
                     id
                 }
                 requested => {
@@ -591,6 +603,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     if let Some(max_rounds) = max_rounds {
                         options.limits.max_rounds = max_rounds;
                     }
+                    budget.apply(&mut options.limits);
                     let id = host.client.start_session(options).await?;
                     note!("new session {id}");
                     id
@@ -627,10 +640,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     format!("  awaiting approval: {}", s.awaiting_approval.join(", "))
                 };
                 outln!(
-                    "{:<40} {:<10} {:>6} events{parked}",
+                    "{:<40} {:<10} {:>6} events {}{parked}",
                     s.session_id,
                     s.status.as_str(),
-                    s.events
+                    s.events,
+                    cli::budget::summary_columns(s.totals.as_ref())
                 )?;
             }
             Ok(ExitCode::SUCCESS)
@@ -994,8 +1008,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             local_workers,
             workdir,
             max_poll_ms,
+            prices,
         } => {
             serve::run(serve::ServeArgs {
+                prices: cairn_runtime::PriceTable::from_file_or_env(prices.as_deref())?,
                 store: cli::database::StoreLocation::resolve(store, data)?,
                 pool,
                 listen,
@@ -1315,23 +1331,23 @@ async fn run_turn(
     if !matches!(outcome, TurnOutcome::Completed { .. }) {
         note!("{}", describe(&outcome));
     }
+    cli::budget::report(&outcome);
     Ok(outcome)
 }
 
 fn outcome_code(outcome: &TurnOutcome) -> ExitCode {
-    match outcome {
-        TurnOutcome::Completed { .. } => ExitCode::SUCCESS,
-        _ => ExitCode::from(1),
-    }
+    cli::budget::exit_code(outcome)
 }
 
 fn describe(outcome: &TurnOutcome) -> String {
     match outcome {
-        TurnOutcome::Completed { turn, answer } => {
+        TurnOutcome::Completed { turn, answer, .. } => {
             format!("turn {turn} completed: {}", one_line(answer, 100))
         }
-        TurnOutcome::Failed { turn, reason } => format!("turn {turn} failed: {reason}"),
-        TurnOutcome::Cancelled { turn, reason } => format!("turn {turn} cancelled: {reason}"),
+        TurnOutcome::Failed { turn, reason, .. } => format!("turn {turn} failed: {reason}"),
+        TurnOutcome::Cancelled { turn, reason, .. } => {
+            format!("turn {turn} cancelled: {reason}")
+        }
     }
 }
 
@@ -1369,8 +1385,9 @@ fn summarize(event: &Event) -> String {
             round,
             attempt,
             response,
+            cost_micros,
         } => format!(
-            "turn={turn} round={round} attempt={attempt} stop={} parts=[{}] tokens={}/{}",
+            "turn={turn} round={round} attempt={attempt} stop={} parts=[{}] tokens={}/{}{}",
             response.stop_reason_raw,
             response
                 .parts
@@ -1379,13 +1396,18 @@ fn summarize(event: &Event) -> String {
                 .collect::<Vec<_>>()
                 .join(","),
             response.usage.input_tokens,
-            response.usage.output_tokens
+            response.usage.output_tokens,
+            cost_micros.map_or(String::new(), |c| format!(
+                " cost={}",
+                cairn_runtime::pricing::format_usd(c)
+            ))
         ),
         Event::ModelCallFailed {
             turn,
             round,
             attempt,
             failure,
+            ..
         } => format!(
             "turn={turn} round={round} attempt={attempt} {}: {}",
             failure.class.as_str(),
@@ -1445,7 +1467,7 @@ fn summarize(event: &Event) -> String {
             "turn={turn} tokens={}/{}",
             usage.input_tokens, usage.output_tokens
         ),
-        Event::TurnFailed { turn, reason } => format!("turn={turn} {}", one_line(reason, 80)),
+        Event::TurnFailed { turn, reason, .. } => format!("turn={turn} {}", one_line(reason, 80)),
         Event::TurnCancelled { turn, reason } => format!("turn={turn} {}", one_line(reason, 80)),
         Event::SessionCancelled { reason } => one_line(reason, 80),
         Event::ModelAttemptProgress {
@@ -1455,6 +1477,7 @@ fn summarize(event: &Event) -> String {
             lease_attempt,
             text_appended,
             thinking_appended,
+            ..
         } => {
             let mut line =
                 format!("turn={turn} round={round} attempt={attempt} lease={lease_attempt}");

@@ -36,6 +36,8 @@ pub struct ServeArgs {
     pub workdir: PathBuf,
     /// The cap on long polls.
     pub max_poll_ms: u64,
+    /// Prices each model call as it is recorded.
+    pub prices: cairn_runtime::PriceTable,
 }
 
 /// Runs the server until a signal, then drains; exit 0 after a clean shutdown.
@@ -69,6 +71,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let engine = Engine::new(store, Arc::new(SystemClock));
+    engine.set_prices(args.prices);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;

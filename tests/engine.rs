@@ -54,7 +54,10 @@ async fn the_demo_turn_runs_on_the_memory_store_and_replays() {
         .await
         .unwrap();
     let outcome = host.client.run_turn(&session, "go").await.unwrap();
-    let TurnOutcome::Completed { turn: 1, answer } = outcome else {
+    let TurnOutcome::Completed {
+        turn: 1, answer, ..
+    } = outcome
+    else {
         panic!("{outcome:?}")
     };
     assert!(
@@ -306,6 +309,7 @@ async fn an_expired_lease_runs_again_and_the_stale_completion_is_rejected() {
                 round: 0,
                 attempt: 1,
                 failure,
+                ..
             } = &failed.event
             else {
                 panic!("{failed:?}")

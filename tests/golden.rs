@@ -81,7 +81,11 @@ fn sample_events() -> Vec<Event> {
                     .unwrap(),
             }],
             system_prompt: Some("be brief".into()),
-            limits: Limits { max_rounds: 8 },
+            limits: Limits {
+                max_rounds: 8,
+                session_budget: Default::default(),
+                turn_budget: Default::default(),
+            },
             // Pinned as written in v1 (before model calls got a default overall deadline).
             model_retry: RetryPolicy {
                 schedule_to_close_timeout_ms: None,
@@ -105,12 +109,14 @@ fn sample_events() -> Vec<Event> {
             round: 0,
             attempt: 1,
             response,
+            cost_micros: None,
         },
         Event::ModelCallFailed {
             turn: 1,
             round: 0,
             attempt: 2,
             failure: failure.clone(),
+            cost_micros: None,
         },
         Event::ToolCallScheduled {
             turn: 1,
@@ -145,6 +151,7 @@ fn sample_events() -> Vec<Event> {
         Event::TurnFailed {
             turn: 2,
             reason: "max_rounds".into(),
+            budget_exceeded: None,
         },
         Event::SessionCancelled {
             reason: "user".into(),
@@ -161,6 +168,8 @@ fn sample_events() -> Vec<Event> {
             lease_attempt: 3,
             text_appended: "The answer is 4".into(),
             thinking_appended: "two and two".into(),
+            cost_micros: None,
+            usage: None,
         },
         Event::ToolApprovalRequested {
             turn: 5,
@@ -289,6 +298,123 @@ fn a_session_started_with_a_tool_policy_has_golden_bytes() {
         bytes, stored,
         "the encoding of a session_started with a tool policy changed"
     );
+}
+
+/// The events that carry costs, budgets and usage so far, added after v1: each field is
+/// left out of every record without it (the v1 files above are unchanged by them), and these
+/// files pin the records with them.
+#[test]
+fn cost_and_budget_fields_have_golden_bytes() {
+    let samples = sample_events();
+    let budget = Budget {
+        max_tokens: Some(100_000),
+        max_cost_micros: Some(2_500_000),
+        max_model_calls: Some(20),
+    };
+    let mut cases = Vec::new();
+    for event in samples {
+        let with = match event {
+            Event::SessionStarted(mut started) => {
+                started.limits.turn_budget = Budget {
+                    max_model_calls: None,
+                    ..budget
+                };
+                started.limits.session_budget = budget;
+                Event::SessionStarted(started)
+            }
+            Event::ModelCallCompleted {
+                turn,
+                round,
+                attempt,
+                response,
+                ..
+            } => Event::ModelCallCompleted {
+                turn,
+                round,
+                attempt,
+                response,
+                cost_micros: Some(1_234),
+            },
+            Event::ModelCallFailed {
+                turn,
+                round,
+                attempt,
+                mut failure,
+                ..
+            } => {
+                failure.usage = Some(Usage {
+                    input_tokens: 7,
+                    output_tokens: 3,
+                    ..Usage::default()
+                });
+                Event::ModelCallFailed {
+                    turn,
+                    round,
+                    attempt,
+                    failure,
+                    cost_micros: Some(66),
+                }
+            }
+            Event::TurnFailed { turn, .. } => Event::TurnFailed {
+                turn,
+                reason: "turn budget exceeded: max_tokens 100 tokens, 120 used".into(),
+                budget_exceeded: Some(BudgetExceeded {
+                    limit: BudgetLimit::Tokens,
+                    scope: BudgetScope::Turn,
+                    limit_value: 100,
+                    used: 120,
+                    cost_unknown: false,
+                }),
+            },
+            Event::ModelAttemptProgress {
+                turn,
+                round,
+                attempt,
+                lease_attempt,
+                text_appended,
+                thinking_appended,
+                ..
+            } => Event::ModelAttemptProgress {
+                turn,
+                round,
+                attempt,
+                lease_attempt,
+                text_appended,
+                thinking_appended,
+                usage: Some(Usage {
+                    input_tokens: 900,
+                    cache_read_tokens: 100,
+                    ..Usage::default()
+                }),
+                cost_micros: Some(2_730),
+            },
+            _ => continue,
+        };
+        cases.push(with);
+    }
+    assert_eq!(cases.len(), 5);
+    for (i, event) in cases.into_iter().enumerate() {
+        let kind = event.kind();
+        let envelope = EventEnvelope::new("golden-budget", i as u64 + 1, 1_700_000_000_000, event);
+        let path = golden_dir().join(format!("events/budget-{kind}.bin"));
+        let bytes = codec::encode(&envelope).unwrap();
+        if bless() || !path.exists() {
+            std::fs::write(&path, &bytes).unwrap();
+        }
+        let stored = std::fs::read(&path).unwrap();
+        assert_eq!(
+            codec::decode("golden-budget", i as u64 + 1, &stored).unwrap(),
+            envelope,
+            "{} decodes to a different event",
+            path.display()
+        );
+        assert_eq!(
+            bytes,
+            stored,
+            "{}: the encoding of {kind} changed",
+            path.display()
+        );
+    }
 }
 
 #[test]

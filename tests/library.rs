@@ -3,7 +3,7 @@
 //! that no worker can run fails by its deadline instead of waiting forever.
 
 use cairn::prelude::*;
-use cairn::runtime::{Error as RuntimeError, Event};
+use cairn::runtime::{Error as RuntimeError, Event, UsageTotals};
 use std::time::Duration;
 
 #[allow(dead_code)] // its `main` is the example's, not the test's
@@ -80,7 +80,13 @@ async fn a_followed_session_shows_deltas_tool_calls_results_and_the_outcome_once
         outcome,
         TurnOutcome::Completed {
             turn: 1,
-            answer: "6 * 7 = 42.".into()
+            answer: "6 * 7 = 42.".into(),
+            stop_reason: Some(cairn::ledger::StopReason::EndTurn),
+            // Two model calls (a tool round, then the answer); the script reports no usage.
+            totals: UsageTotals {
+                model_calls: 2,
+                ..UsageTotals::default()
+            }
         }
     );
 

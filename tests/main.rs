@@ -4,6 +4,7 @@
 #![allow(clippy::disallowed_methods)]
 
 mod approvals;
+mod budget;
 mod chaos;
 mod cli;
 mod corruption;

@@ -447,7 +447,15 @@ async fn a_session_runs_through_the_client_routes_with_a_worker_driven_by_hand()
     let outcome = wait_turn(&http, &server, None, "s1", 1).await;
     assert_eq!(
         outcome,
-        json!({"status": "completed", "turn": 1, "answer": "42"})
+        json!({
+            "status": "completed", "turn": 1, "answer": "42", "stop_reason": "end_turn",
+            // The hand-made answer has usage and no price: its cost is unknown.
+            "totals": {
+                "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
+                          "cache_write_tokens": 0, "reasoning_tokens": 0},
+                "cost_micros": 0, "unpriced_attempts": 1, "model_calls": 1
+            }
+        })
     );
     let described = send(
         &http,
@@ -559,7 +567,15 @@ async fn a_session_runs_through_the_client_routes_with_a_worker_driven_by_hand()
     let outcome = wait_turn(&http, &server, None, "s1", 2).await;
     assert_eq!(
         outcome,
-        json!({"status": "cancelled", "turn": 2, "reason": "changed my mind"})
+        json!({
+            "status": "cancelled", "turn": 2, "reason": "changed my mind",
+            // Its model call was scheduled and never answered.
+            "totals": {
+                "usage": {"input_tokens": 0, "output_tokens": 0, "cache_read_tokens": 0,
+                          "cache_write_tokens": 0, "reasoning_tokens": 0},
+                "cost_micros": 0, "unpriced_attempts": 0, "model_calls": 1
+            }
+        })
     );
     let cancelled = send(
         &http,
@@ -636,7 +652,15 @@ async fn a_turn_completes_end_to_end_with_in_process_workers() {
     let outcome = wait_turn(&http, &server, None, &id, 1).await;
     assert_eq!(
         outcome,
-        json!({"status": "completed", "turn": 1, "answer": "The answer is 42."})
+        json!({
+            "status": "completed", "turn": 1, "answer": "The answer is 42.",
+            "stop_reason": "end_turn",
+            "totals": {
+                "usage": {"input_tokens": 0, "output_tokens": 0, "cache_read_tokens": 0,
+                          "cache_write_tokens": 0, "reasoning_tokens": 0},
+                "cost_micros": 0, "unpriced_attempts": 0, "model_calls": 1
+            }
+        })
     );
     // Tasks of a provider the in-process workers do not host stay queued for a remote worker.
     let elsewhere = send(
@@ -1485,9 +1509,15 @@ async fn a_sigkill_mid_turn_loses_nothing_acknowledged_and_the_restarted_server_
         "and so is the acknowledged turn"
     );
     let outcome = wait_turn(&http, &server, None, "k", 1).await;
+    // How many model calls the crash cost depends on when it struck: not compared.
     assert_eq!(
-        outcome,
-        json!({"status": "completed", "turn": 1, "answer": "Survived the crash."})
+        json!([
+            &outcome["status"],
+            &outcome["turn"],
+            &outcome["answer"],
+            &outcome["stop_reason"]
+        ]),
+        json!(["completed", 1, "Survived the crash.", "end_turn"])
     );
     // The dead worker's lease lapsed and was recorded; its late report changes nothing.
     let late = send(
@@ -1697,7 +1727,14 @@ async fn a_parked_shell_call_is_approved_over_http_and_runs_once() {
     let outcome = wait_turn(&http, &server, None, "ask", 1).await;
     assert_eq!(
         outcome,
-        json!({"status": "completed", "turn": 1, "answer": "done"})
+        json!({
+            "status": "completed", "turn": 1, "answer": "done", "stop_reason": "end_turn",
+            "totals": {
+                "usage": {"input_tokens": 0, "output_tokens": 0, "cache_read_tokens": 0,
+                          "cache_write_tokens": 0, "reasoning_tokens": 0},
+                "cost_micros": 0, "unpriced_attempts": 0, "model_calls": 2
+            }
+        })
     );
     assert_eq!(
         std::fs::read_to_string(work.join("side.txt")).unwrap(),
@@ -1717,4 +1754,90 @@ async fn a_parked_shell_call_is_approved_over_http_and_runs_once() {
         *policy,
         json!({"rules": [{"tool": "shell", "decision": "ask"}]})
     );
+}
+
+/// Budgets over HTTP: a session created with a turn budget, its calls priced by the server's
+/// `--prices`, a turn that goes over fails with the limit in its outcome, the session's totals
+/// in its description and the listing, and the cost and the limit in the SSE events.
+#[tokio::test]
+async fn a_turn_budget_over_http_fails_the_turn_and_the_costs_stream_with_the_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let prices = dir.path().join("prices.json");
+    std::fs::write(
+        &prices,
+        r#"{"models": [{"providers": ["scripted"], "model": "budget-model",
+            "input": 1, "output": 2, "cache_read": 0, "cache_write": 0}]}"#,
+    )
+    .unwrap();
+    let script = dir.path().join("script.json");
+    std::fs::write(
+        &script,
+        r#"{"model": "budget-model", "responses": [{"parts": [{"type": "text", "text": "long"}],
+            "usage": {"input_tokens": 1000, "output_tokens": 500}}]}"#,
+    )
+    .unwrap();
+    let server = Server::start(
+        &dir.path().join("store"),
+        &["--local-workers", "1", "--prices", prices.to_str().unwrap()],
+    );
+    let http = reqwest::Client::new();
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({
+            "session_id": "b",
+            "model": {"provider": "scripted", "model": script.display().to_string()},
+            "limits": {"max_rounds": 4, "turn_budget": {"max_tokens": 100}}
+        })),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let stream = http
+        .get(server.url("/v1/sessions/b/events"))
+        .send()
+        .await
+        .unwrap();
+    send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/b/messages"),
+        None,
+        Some(json!({"text": "write a lot"})),
+    )
+    .await;
+    let exceeded = json!({"limit": "tokens", "scope": "turn", "limit_value": 100, "used": 1500});
+    let totals = json!({
+        "usage": {"input_tokens": 1000, "output_tokens": 500, "cache_read_tokens": 0,
+                  "cache_write_tokens": 0, "reasoning_tokens": 0},
+        "cost_micros": 2000, "unpriced_attempts": 0, "model_calls": 1
+    });
+    let outcome = wait_turn(&http, &server, None, "b", 1).await;
+    assert_eq!(
+        outcome,
+        json!({
+            "status": "failed", "turn": 1,
+            "reason": "turn budget exceeded: max_tokens 100 tokens, 1500 used",
+            "budget_exceeded": exceeded, "totals": totals
+        })
+    );
+    let described = send(&http, Method::GET, server.url("/v1/sessions/b"), None, None).await;
+    assert_eq!(described.body["totals"], totals);
+    assert_eq!(described.body["last_outcome"], outcome);
+    let listed = send(&http, Method::GET, server.url("/v1/sessions"), None, None).await;
+    assert_eq!(listed.body["sessions"][0]["totals"], totals);
+    let streamed = read_stream(stream, |m| {
+        m.event == "event" && m.data["kind"] == "turn_failed"
+    })
+    .await;
+    let event = |kind: &str| {
+        streamed
+            .iter()
+            .find(|m| m.event == "event" && m.data["kind"] == kind)
+            .map(|m| m.data["event"][kind].clone())
+            .unwrap_or_else(|| panic!("no {kind} in {streamed:?}"))
+    };
+    assert_eq!(event("model_call_completed")["cost_micros"], 2000);
+    assert_eq!(event("turn_failed")["budget_exceeded"], exceeded);
 }

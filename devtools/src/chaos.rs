@@ -1686,7 +1686,7 @@ fn check_session(
     for e in history {
         match &e.event {
             Event::TurnCompleted { .. } => completed += 1,
-            Event::TurnFailed { turn, reason } => {
+            Event::TurnFailed { turn, reason, .. } => {
                 problems.push(format!("{id}: turn {turn} failed: {reason}"))
             }
             Event::ModelCallFailed { failure, .. } | Event::ToolCallFailed { failure, .. } => {

@@ -56,7 +56,11 @@ fn started() -> SessionStarted {
             input_schema: JsonText::parse(r#"{"type":"object"}"#).expect("schema"),
         }],
         system_prompt: Some("bench".into()),
-        limits: Limits { max_rounds: 8 },
+        limits: Limits {
+            max_rounds: 8,
+            session_budget: Default::default(),
+            turn_budget: Default::default(),
+        },
         model_retry: RetryPolicy::model_default(),
         tool_retry: RetryPolicy::tool_default(),
     }

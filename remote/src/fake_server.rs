@@ -429,7 +429,12 @@ async fn heartbeat(State(server): State<Shared>, Json(body): Json<HeartbeatReque
 
 async fn progress(State(server): State<Shared>, Json(body): Json<ProgressRequest>) -> Response {
     match source(&server)
-        .record_progress(&body.lease, body.text_appended, body.thinking_appended)
+        .record_progress_with_usage(
+            &body.lease,
+            body.text_appended,
+            body.thinking_appended,
+            body.usage,
+        )
         .await
     {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),

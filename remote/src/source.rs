@@ -294,11 +294,23 @@ impl TaskSource for HttpTaskSource {
         text_appended: String,
         thinking_appended: String,
     ) -> Result<()> {
+        self.record_progress_with_usage(lease, text_appended, thinking_appended, None)
+            .await
+    }
+
+    async fn record_progress_with_usage(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+        usage: Option<cairn_ledger::Usage>,
+    ) -> Result<()> {
         // Presentation only, and the next record carries on from what this one held: one try.
         let body = ProgressRequest {
             lease: lease.clone(),
             text_appended,
             thinking_appended,
+            usage,
         };
         let subject = Subject {
             session_id: Some(&lease.id.session_id),

@@ -2,6 +2,7 @@
 //! events. One API over two transports: an in-process engine ([`Client::new`]) or a server
 //! (a [`Transport`] over HTTP, from the `cairn-remote` crate), with the same types.
 
+use crate::budget::UsageTotals;
 use crate::engine::{status_of, AppendedEvents, DeltaEvent, Engine, WatchGuard};
 use crate::error::{Error, Result};
 use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy, SessionStarted};
@@ -500,6 +501,8 @@ pub fn describe_state(state: &SessionState, status: SessionStatus) -> SessionDes
         running_turn: state.active.as_ref().map(|a| a.turn),
         last_outcome: state.last_outcome.clone(),
         usage: state.usage,
+        totals: state.totals,
+        running_turn_totals: state.active.as_ref().map(|a| a.totals),
         pending_tasks,
         model: state.started.as_ref().map(|s| s.model.clone()),
     }
@@ -509,6 +512,12 @@ pub fn describe_state(state: &SessionState, status: SessionStatus) -> SessionDes
 /// folded state, cached by the engine; only running sessions can have any).
 pub async fn awaiting_approval(engine: &Engine, summary: &SessionSummary) -> Result<Vec<String>> {
     awaiting_approval_of(engine, &summary.session_id, summary.status).await
+}
+
+/// What the model call attempts of the session stored as `stored_id` consumed (from its
+/// folded state, cached by the engine).
+pub async fn totals_of(engine: &Engine, stored_id: &str) -> Result<UsageTotals> {
+    Ok(engine.state(stored_id).await?.totals)
 }
 
 /// [`awaiting_approval`] of the session stored as `stored_id` with this listed status.
@@ -553,6 +562,7 @@ pub fn page_sessions(
             events: s.events,
             updated_at_ms: s.updated_at_ms,
             awaiting_approval: Vec::new(),
+            totals: None,
         })
         .collect();
     let next_after = if page.len() > limit {
@@ -646,6 +656,7 @@ impl Transport for Local {
         );
         for summary in &mut page.sessions {
             summary.awaiting_approval = awaiting_approval(&self.engine, summary).await?;
+            summary.totals = Some(totals_of(&self.engine, &summary.session_id).await?);
         }
         Ok(page)
     }

@@ -67,7 +67,12 @@ async fn a_turn_that_ends_before_the_deadline_gives_its_outcome() -> Result<()> 
         outcome,
         TurnOutcome::Cancelled {
             turn: 1,
-            reason: "enough".into()
+            reason: "enough".into(),
+            // The model call that never answered was scheduled.
+            totals: crate::budget::UsageTotals {
+                model_calls: 1,
+                ..Default::default()
+            }
         }
     );
     Ok(())

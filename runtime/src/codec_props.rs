@@ -69,14 +69,22 @@ fn event() -> impl Strategy<Value = Event> {
                 is_error
             }
         ),
-        (small.clone(), small.clone(), small.clone(), text()).prop_map(
-            |(turn, round, attempt, message)| Event::ModelCallFailed {
-                turn,
-                round,
-                attempt,
-                failure: ActivityFailure::new(ErrorClass::Transient, message)
-            }
-        ),
+        (
+            small.clone(),
+            small.clone(),
+            small.clone(),
+            text(),
+            proptest::option::of(any::<u64>())
+        )
+            .prop_map(|(turn, round, attempt, message, cost_micros)| {
+                Event::ModelCallFailed {
+                    turn,
+                    round,
+                    attempt,
+                    failure: ActivityFailure::new(ErrorClass::Transient, message),
+                    cost_micros,
+                }
+            }),
         (small.clone(), any::<u64>()).prop_map(|(turn, tokens)| Event::TurnCompleted {
             turn,
             usage: Usage {
@@ -84,7 +92,11 @@ fn event() -> impl Strategy<Value = Event> {
                 ..Usage::default()
             }
         }),
-        (small.clone(), text()).prop_map(|(turn, reason)| Event::TurnFailed { turn, reason }),
+        (small.clone(), text()).prop_map(|(turn, reason)| Event::TurnFailed {
+            turn,
+            reason,
+            budget_exceeded: None
+        }),
         text().prop_map(|reason| Event::SessionCancelled { reason }),
         (
             small.clone(),
@@ -103,6 +115,8 @@ fn event() -> impl Strategy<Value = Event> {
                         lease_attempt,
                         text_appended,
                         thinking_appended,
+                        cost_micros: None,
+                        usage: None,
                     }
                 }
             ),

@@ -17,6 +17,7 @@ use crate::clock::Clock;
 use crate::error::{Error, Result};
 use crate::event::ErrorClass;
 use crate::event::{ActivityFailure, Event, EventEnvelope, SessionStarted};
+use crate::pricing::PriceTable;
 use crate::store::{
     AppendRequest, Lease, Overdue, SessionStatus, Store, StoreChange, Task, TaskFilter, TaskId,
 };
@@ -194,6 +195,8 @@ struct Inner {
     /// caught up before it decides.
     heard_seqs: Mutex<HashMap<String, u64>>,
     cache_capacity: usize,
+    /// Prices model attempts' usage as their results are recorded ([`Engine::set_prices`]).
+    prices: std::sync::RwLock<Arc<PriceTable>>,
 }
 
 /// Keeps a session watched (see [`Engine::watch`]) while it lives.
@@ -249,8 +252,24 @@ impl Engine {
                 leased_here: Mutex::new(HashMap::new()),
                 heard_seqs: Mutex::new(HashMap::new()),
                 cache_capacity: 10_000,
+                prices: std::sync::RwLock::new(Arc::new(PriceTable::built_in())),
             }),
         }
+    }
+
+    /// Sets the price table that turns each model attempt's usage into the cost recorded
+    /// with its result (the built-in table until set).
+    pub fn set_prices(&self, prices: PriceTable) {
+        *self.inner.prices.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(prices);
+    }
+
+    /// The price table in use.
+    pub fn prices(&self) -> Arc<PriceTable> {
+        self.inner
+            .prices
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The store.
@@ -713,11 +732,12 @@ impl Engine {
         };
         let mut failure = ActivityFailure::new(ErrorClass::Timeout, message);
         failure.heartbeat_details = task.heartbeat_details.clone();
+        let prices = self.prices();
         let submitted = self
             .submit_with(
                 session_id,
                 |state| match state.scheduled_activity(task.id.scheduled_seq) {
-                    Some(activity) => Ok(Some(failed_event(activity, failure.clone()))),
+                    Some(activity) => Ok(Some(failed_event(&prices, activity, failure.clone()))),
                     None => Ok(None),
                 },
                 None,
@@ -803,11 +823,14 @@ impl Engine {
                 here.remove(&lease.id);
             }
         }
+        let prices = self.prices();
         let submitted = self
             .submit(
                 session_id,
                 |state| match state.scheduled_activity(lease.id.scheduled_seq) {
-                    Some(activity) => report_event(lease, activity, report.clone()).map(Some),
+                    Some(activity) => {
+                        report_event(&prices, lease, activity, report.clone()).map(Some)
+                    }
                     None => Ok(None),
                 },
                 Some((lease.id.clone(), lease.lease_attempt)),
@@ -837,7 +860,21 @@ impl Engine {
         text_appended: String,
         thinking_appended: String,
     ) -> Result<()> {
+        self.record_progress_with_usage(lease, text_appended, thinking_appended, None)
+            .await
+    }
+
+    /// [`Engine::record_progress`] with the usage the run's stream reported so far, priced
+    /// now and recorded with it: if the run is lost, it is what is known of its usage.
+    pub async fn record_progress_with_usage(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+        usage: Option<cairn_ledger::Usage>,
+    ) -> Result<()> {
         let session_id = &lease.id.session_id;
+        let prices = self.prices();
         // The workflow checks the attempt again when it steps, so a completion that lands
         // in between makes this progress stale rather than misplaced.
         self.submit(
@@ -847,6 +884,7 @@ impl Engine {
                     turn,
                     round,
                     attempt,
+                    model,
                     ..
                 }) => Ok(Some(Event::ModelAttemptProgress {
                     turn,
@@ -855,6 +893,8 @@ impl Engine {
                     lease_attempt: lease.lease_attempt,
                     text_appended: text_appended.clone(),
                     thinking_appended: thinking_appended.clone(),
+                    usage,
+                    cost_micros: usage.and_then(|u| prices.cost(&model.provider, &model.model, &u)),
                 })),
                 _ => Err(Error::StaleReport {
                     session_id: session_id.clone(),
@@ -1374,8 +1414,10 @@ impl Engine {
     }
 }
 
-/// The event that records `report` for `activity`, the activity `lease` ran.
+/// The event that records `report` for `activity`, the activity `lease` ran, a model
+/// attempt's usage priced by `prices`.
 fn report_event(
+    prices: &PriceTable,
     lease: &Lease,
     activity: ScheduledActivity,
     report: ActivityReport,
@@ -1386,15 +1428,23 @@ fn report_event(
                 turn,
                 round,
                 attempt,
+                model,
                 ..
             },
             ActivityReport::ModelCompleted(response),
-        ) => Event::ModelCallCompleted {
-            turn,
-            round,
-            attempt,
-            response,
-        },
+        ) => {
+            // The model the provider says answered (a dated id), else the one asked for.
+            let cost_micros = prices
+                .cost(&model.provider, &response.model, &response.usage)
+                .or_else(|| prices.cost(&model.provider, &model.model, &response.usage));
+            Event::ModelCallCompleted {
+                turn,
+                round,
+                attempt,
+                response,
+                cost_micros,
+            }
+        }
         (
             ScheduledActivity::Tool {
                 turn,
@@ -1410,7 +1460,7 @@ fn report_event(
             content,
             is_error,
         },
-        (activity, ActivityReport::Failed(failure)) => failed_event(activity, failure),
+        (activity, ActivityReport::Failed(failure)) => failed_event(prices, activity, failure),
         (activity, report) => {
             return Err(Error::InvalidEvent {
                 session_id: lease.id.session_id.clone(),
@@ -1421,18 +1471,27 @@ fn report_event(
     })
 }
 
-/// The event that records a failed attempt of `activity`.
-fn failed_event(activity: ScheduledActivity, failure: ActivityFailure) -> Event {
+/// The event that records a failed attempt of `activity`, its known usage priced by
+/// `prices`.
+fn failed_event(
+    prices: &PriceTable,
+    activity: ScheduledActivity,
+    failure: ActivityFailure,
+) -> Event {
     match activity {
         ScheduledActivity::Model {
             turn,
             round,
             attempt,
+            model,
             ..
         } => Event::ModelCallFailed {
             turn,
             round,
             attempt,
+            cost_micros: failure
+                .usage
+                .and_then(|usage| prices.cost(&model.provider, &model.model, &usage)),
             failure,
         },
         ScheduledActivity::Tool {

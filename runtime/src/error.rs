@@ -214,6 +214,15 @@ pub enum Error {
         /// What was asked.
         what: String,
     },
+    /// A price table (`--prices FILE`, `CAIRN_PRICES`) that does not parse or holds a bad
+    /// entry.
+    #[error("price table {source_name}: {reason}")]
+    InvalidPrices {
+        /// The file, or `built-in`.
+        source_name: String,
+        /// What is wrong, with the line and column or the model concerned.
+        reason: String,
+    },
 }
 
 impl Error {

@@ -4,6 +4,7 @@
 //! with named fields, externally tagged enums). Never rename or reuse one; add new fields with
 //! `#[serde(default)]`; bump [`SCHEMA_VERSION`] only with a decoder for the old version.
 
+use crate::budget::{Budget, BudgetExceeded};
 use crate::policy::ToolPolicy;
 use cairn_ledger::{JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, Usage};
 use serde::{Deserialize, Serialize};
@@ -82,6 +83,10 @@ pub enum Event {
         attempt: u32,
         /// The canonical response.
         response: ModelResponse,
+        /// The response's usage priced when it was recorded, in micro-dollars; absent when
+        /// its model has no price (or in histories from before prices).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cost_micros: Option<u64>,
     },
     /// A model call attempt failed.
     ModelCallFailed {
@@ -93,6 +98,10 @@ pub enum Event {
         attempt: u32,
         /// What went wrong.
         failure: ActivityFailure,
+        /// The failure's known usage priced when it was recorded, in micro-dollars; absent
+        /// when no usage is known or its model has no price.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cost_micros: Option<u64>,
     },
     /// A tool call was scheduled (its task enqueued in the same append).
     ToolCallScheduled {
@@ -144,6 +153,9 @@ pub enum Event {
         turn: u32,
         /// Why, for people.
         reason: String,
+        /// The budget the turn went over, when that is why it failed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        budget_exceeded: Option<BudgetExceeded>,
     },
     /// The running turn was cancelled; the session takes further turns.
     TurnCancelled {
@@ -179,6 +191,13 @@ pub enum Event {
         /// Reasoning text streamed since the previous record of this run.
         #[serde(default, skip_serializing_if = "String::is_empty")]
         thinking_appended: String,
+        /// The usage the run's stream reported so far (cumulative), when it reported any: if
+        /// the run is lost (its worker dies), this is what is known of what it consumed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        usage: Option<Usage>,
+        /// `usage` priced when it was recorded, in micro-dollars.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cost_micros: Option<u64>,
     },
     /// The session's tool policy asks a person about this tool call: it is parked, neither
     /// scheduled nor answered, until `tool_call_approved` or `tool_call_denied` (a person's, or
@@ -340,16 +359,28 @@ impl Queues {
     }
 }
 
-/// Limits of a turn.
+/// Limits of a turn and budgets of a turn and of the session.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Limits {
     /// Model calls per turn at most; a turn that needs more fails.
     pub max_rounds: u32,
+    /// What one turn may consume (tokens, cost, model call attempts). Unlimited by default,
+    /// and then left out of the record.
+    #[serde(default, skip_serializing_if = "Budget::is_unlimited")]
+    pub turn_budget: Budget,
+    /// What the session's turns may consume together. Unlimited by default, and then left
+    /// out of the record.
+    #[serde(default, skip_serializing_if = "Budget::is_unlimited")]
+    pub session_budget: Budget,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_rounds: 16 }
+        Limits {
+            max_rounds: 16,
+            turn_budget: Budget::default(),
+            session_budget: Budget::default(),
+        }
     }
 }
 

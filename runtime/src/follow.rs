@@ -12,6 +12,7 @@
 //! `Last-Event-ID`. Deltas are presentation only: they are never stored, so a reader that falls
 //! behind may miss some; the model's answer in [`SessionEvent::ModelAnswered`] is always whole.
 
+use crate::budget::UsageTotals;
 use crate::client::EventStream;
 use crate::engine::DeltaEvent;
 use crate::error::Result;
@@ -184,6 +185,9 @@ impl SessionEvents {
 struct EventReader {
     tool_names: BTreeMap<String, String>,
     last_text: BTreeMap<u32, String>,
+    /// Each running turn's totals and last stop reason, from the events read. Usage that only
+    /// a lost run's progress reported is not among them (the session's fold counts it).
+    turn_totals: BTreeMap<u32, (UsageTotals, Option<cairn_ledger::StopReason>)>,
 }
 
 impl EventReader {
@@ -196,18 +200,25 @@ impl EventReader {
                 round,
                 attempt,
                 ..
-            } => SessionEvent::ModelCallScheduled {
-                seq,
-                turn,
-                round,
-                attempt,
-            },
+            } => {
+                self.turn_totals.entry(turn).or_default().0.model_calls += 1;
+                SessionEvent::ModelCallScheduled {
+                    seq,
+                    turn,
+                    round,
+                    attempt,
+                }
+            }
             Event::ModelCallCompleted {
                 turn,
                 round,
                 response,
+                cost_micros,
                 ..
             } => {
+                let totals = self.turn_totals.entry(turn).or_default();
+                totals.0.add_attempt(&response.usage, cost_micros);
+                totals.1 = Some(response.stop_reason);
                 self.last_text.insert(turn, response.text());
                 SessionEvent::ModelAnswered {
                     seq,
@@ -221,13 +232,20 @@ impl EventReader {
                 round,
                 attempt,
                 failure,
-            } => SessionEvent::ModelCallFailed {
-                seq,
-                turn,
-                round,
-                attempt,
-                failure,
-            },
+                cost_micros,
+            } => {
+                if let Some(usage) = &failure.usage {
+                    let totals = self.turn_totals.entry(turn).or_default();
+                    totals.0.add_attempt(usage, cost_micros);
+                }
+                SessionEvent::ModelCallFailed {
+                    seq,
+                    turn,
+                    round,
+                    attempt,
+                    failure,
+                }
+            }
             Event::ToolCallScheduled {
                 turn,
                 tool_use_id,
@@ -270,21 +288,39 @@ impl EventReader {
                 attempt,
                 failure,
             },
-            Event::TurnCompleted { turn, .. } => SessionEvent::TurnEnded {
+            Event::TurnCompleted { turn, .. } => {
+                let (totals, stop_reason) = self.turn_totals.remove(&turn).unwrap_or_default();
+                SessionEvent::TurnEnded {
+                    seq,
+                    outcome: TurnOutcome::Completed {
+                        turn,
+                        // The workflow's answer is the last model message's text, as here.
+                        answer: self.last_text.remove(&turn).unwrap_or_default(),
+                        stop_reason,
+                        totals,
+                    },
+                }
+            }
+            Event::TurnFailed {
+                turn,
+                reason,
+                budget_exceeded,
+            } => SessionEvent::TurnEnded {
                 seq,
-                outcome: TurnOutcome::Completed {
+                outcome: TurnOutcome::Failed {
                     turn,
-                    // The workflow's answer is the last model message's text, as here.
-                    answer: self.last_text.remove(&turn).unwrap_or_default(),
+                    reason,
+                    budget_exceeded,
+                    totals: self.turn_totals.remove(&turn).unwrap_or_default().0,
                 },
-            },
-            Event::TurnFailed { turn, reason } => SessionEvent::TurnEnded {
-                seq,
-                outcome: TurnOutcome::Failed { turn, reason },
             },
             Event::TurnCancelled { turn, reason } => SessionEvent::TurnEnded {
                 seq,
-                outcome: TurnOutcome::Cancelled { turn, reason },
+                outcome: TurnOutcome::Cancelled {
+                    turn,
+                    reason,
+                    totals: self.turn_totals.remove(&turn).unwrap_or_default().0,
+                },
             },
             Event::SessionCancelled { reason } => SessionEvent::SessionCancelled { seq, reason },
             event => SessionEvent::Other(Box::new(EventEnvelope { event, ..envelope })),

@@ -1,6 +1,7 @@
 //! The runtime: history events and their codec, the pure workflow state machine, the `Store`
 //! trait with memory and sled backends, the engine (append, then dispatch), the client, replay.
 
+pub mod budget;
 pub mod client;
 pub mod clock;
 pub mod codec;
@@ -13,6 +14,7 @@ pub mod follow;
 pub mod fork;
 pub mod fsck;
 pub mod policy;
+pub mod pricing;
 pub mod progress;
 pub mod replay;
 pub mod store;
@@ -27,10 +29,13 @@ mod codec_props;
 #[cfg(test)]
 mod workflow_approval_tests;
 #[cfg(test)]
+mod workflow_budget_tests;
+#[cfg(test)]
 mod workflow_props;
 #[cfg(test)]
 mod workflow_tests;
 
+pub use budget::{Budget, BudgetExceeded, BudgetLimit, BudgetScope, UsageTotals};
 pub use client::{Client, EventStream, SessionOptions, SessionQuery, Transport};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{
@@ -44,6 +49,7 @@ pub use event::{
 };
 pub use follow::{SessionEvent, SessionEvents};
 pub use policy::{PolicyDecision, PolicyRule, PrefixKind, ToolPolicy};
+pub use pricing::{CostMicros, PriceTable};
 pub use progress::{interrupted_output, streamed_outputs, StreamedOutput};
 pub use replay::{replay, Replay};
 pub use store::memory::MemoryStore;

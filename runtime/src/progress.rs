@@ -36,6 +36,7 @@ pub fn streamed_outputs(history: &[EventEnvelope], turn: u32, round: u32) -> Vec
             lease_attempt,
             text_appended,
             thinking_appended,
+            ..
         } = &envelope.event
         else {
             continue;

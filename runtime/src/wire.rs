@@ -39,6 +39,7 @@
 //! `N` (other than [`DEFAULT_NAMESPACE`]) as `N:ID`, and a token of one namespace never sees
 //! another's sessions.
 
+use crate::budget::UsageTotals;
 use crate::engine::{ActivityReport, DeltaEvent, LeasedTask};
 use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy};
 use crate::policy::ToolPolicy;
@@ -218,6 +219,10 @@ pub struct SessionSummary {
     /// session parked on a person); absent when none does.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub awaiting_approval: Vec<String>,
+    /// What its model call attempts consumed (usage, cost, model calls), failed ones
+    /// included.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub totals: Option<UsageTotals>,
 }
 
 /// `GET /v1/sessions`: one page, ordered by id.
@@ -263,6 +268,13 @@ pub struct SessionDescription {
     /// Token usage of every model call attempt so far.
     #[schema(value_type = schema::Usage)]
     pub usage: Usage,
+    /// Usage, cost and model calls of every attempt of the session so far, failed ones
+    /// included.
+    #[serde(default)]
+    pub totals: UsageTotals,
+    /// Usage, cost and model calls of the running turn so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_turn_totals: Option<UsageTotals>,
     /// Activities the running turn waits for.
     pub pending_tasks: Vec<PendingTask>,
     /// Tool calls of the running turn that wait for a person's approval.
@@ -429,6 +441,10 @@ pub struct ProgressRequest {
     pub text_appended: String,
     /// Thinking streamed since the last record.
     pub thinking_appended: String,
+    /// The usage the attempt's stream reported so far (cumulative), when it reported any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<schema::Usage>)]
+    pub usage: Option<Usage>,
 }
 
 /// `POST /v1/worker/report`: an attempt's result, fenced by its lease attempt.
@@ -598,11 +614,17 @@ pub mod schema {
         pub input_schema: (),
     }
 
-    /// Limits of a turn.
+    /// Limits of a turn and budgets of a turn and of the session.
     #[derive(Serialize, ToSchema)]
     pub struct Limits {
         /// Model calls per turn at most; a turn that needs more fails.
         pub max_rounds: u32,
+        /// What one turn may consume; unlimited when absent.
+        #[schema(required = false)]
+        pub turn_budget: crate::budget::Budget,
+        /// What the session's turns may consume together; unlimited when absent.
+        #[schema(required = false)]
+        pub session_budget: crate::budget::Budget,
     }
 
     /// A class of activity failure, for retry decisions.
@@ -734,12 +756,19 @@ pub mod schema {
     #[serde(rename_all = "snake_case")]
     #[serde(tag = "status")]
     pub enum TurnOutcome {
-        /// The model ended the turn; `answer` is the final message's text.
+        /// The model ended the turn; `answer` is the final message's text. A
+        /// `stop_reason` of `max_tokens`, `refusal` or `content_filter` is not a normal
+        /// completion.
         Completed {
             /// Turn.
             turn: u32,
             /// Final visible text.
             answer: String,
+            /// Why the final response stopped.
+            stop_reason: Option<StopReason>,
+            /// What the turn's model call attempts consumed, failed ones included.
+            #[schema(value_type = crate::budget::UsageTotals)]
+            totals: (),
         },
         /// The turn failed.
         Failed {
@@ -747,6 +776,12 @@ pub mod schema {
             turn: u32,
             /// Why.
             reason: String,
+            /// The budget it went over, when that is why.
+            #[schema(value_type = Option<crate::budget::BudgetExceeded>)]
+            budget_exceeded: (),
+            /// What the turn's model call attempts consumed.
+            #[schema(value_type = crate::budget::UsageTotals)]
+            totals: (),
         },
         /// The session was cancelled during or after the turn.
         Cancelled {
@@ -754,6 +789,9 @@ pub mod schema {
             turn: u32,
             /// Why.
             reason: String,
+            /// What the turn's model call attempts consumed until then.
+            #[schema(value_type = crate::budget::UsageTotals)]
+            totals: (),
         },
     }
 

@@ -9,6 +9,7 @@
 //! [`Error::Nondeterminism`] naming the event. No IO, no clock (time comes from the event
 //! envelope), no randomness.
 
+use crate::budget::{BudgetExceeded, Check, UsageTotals};
 use crate::error::{Error, Result};
 use crate::event::{ActivityFailure, Event, EventEnvelope, RetryPolicy, SessionStarted};
 use crate::policy::PolicyDecision;
@@ -29,6 +30,10 @@ use std::collections::{BTreeSet, VecDeque};
 ///    answered at once with an error result naming the field, like an unknown tool, instead
 ///    of being scheduled for the tool to refuse (a worker round trip and two durable writes
 ///    saved, and the model told exactly what is missing). Version 1 sessions schedule it.
+///
+/// Budgets (`Limits::turn_budget`, `Limits::session_budget`) changed no version: a history
+/// can only hold them if it was recorded by code that enforces them, and without them every
+/// session decides as before.
 pub const WORKFLOW_VERSION: u32 = 2;
 
 /// A decision of the workflow; the engine records it as an event before anything runs.
@@ -82,6 +87,8 @@ pub enum Command {
         turn: u32,
         /// Why.
         reason: String,
+        /// The budget it went over, when that is why.
+        budget_exceeded: Option<BudgetExceeded>,
     },
 }
 
@@ -125,7 +132,15 @@ impl Command {
                 deadline_ms,
             },
             Command::CompleteTurn { turn, usage } => Event::TurnCompleted { turn, usage },
-            Command::FailTurn { turn, reason } => Event::TurnFailed { turn, reason },
+            Command::FailTurn {
+                turn,
+                reason,
+                budget_exceeded,
+            } => Event::TurnFailed {
+                turn,
+                reason,
+                budget_exceeded,
+            },
         }
     }
 }
@@ -134,12 +149,20 @@ impl Command {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum TurnOutcome {
-    /// The model ended the turn; `answer` is the final message's text.
+    /// The model ended the turn; `answer` is the final message's text. A `stop_reason` of
+    /// `max_tokens`, `refusal` or `content_filter` means the answer is not a normal one
+    /// ([`TurnOutcome::abnormal_stop`]).
     Completed {
         /// Turn.
         turn: u32,
         /// Final visible text.
         answer: String,
+        /// Why the final response stopped (absent in outcomes from before stop reasons).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stop_reason: Option<StopReason>,
+        /// What the turn's model call attempts consumed, failed ones included.
+        #[serde(default)]
+        totals: UsageTotals,
     },
     /// The turn failed.
     Failed {
@@ -147,6 +170,12 @@ pub enum TurnOutcome {
         turn: u32,
         /// Why.
         reason: String,
+        /// The budget it went over, when that is why.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        budget_exceeded: Option<BudgetExceeded>,
+        /// What the turn's model call attempts consumed.
+        #[serde(default)]
+        totals: UsageTotals,
     },
     /// The session was cancelled during or after the turn.
     Cancelled {
@@ -154,6 +183,9 @@ pub enum TurnOutcome {
         turn: u32,
         /// Why.
         reason: String,
+        /// What the turn's model call attempts consumed until then.
+        #[serde(default)]
+        totals: UsageTotals,
     },
 }
 
@@ -164,6 +196,32 @@ impl TurnOutcome {
             TurnOutcome::Completed { turn, .. }
             | TurnOutcome::Failed { turn, .. }
             | TurnOutcome::Cancelled { turn, .. } => *turn,
+        }
+    }
+
+    /// What the turn's model call attempts consumed.
+    pub fn totals(&self) -> &UsageTotals {
+        match self {
+            TurnOutcome::Completed { totals, .. }
+            | TurnOutcome::Failed { totals, .. }
+            | TurnOutcome::Cancelled { totals, .. } => totals,
+        }
+    }
+
+    /// The stop reason of a completed turn whose answer is cut short or withheld
+    /// (`max_tokens`, `refusal`, `content_filter`): not a normal completion.
+    pub fn abnormal_stop(&self) -> Option<StopReason> {
+        match self {
+            TurnOutcome::Completed {
+                stop_reason:
+                    Some(
+                        reason @ (StopReason::MaxTokens
+                        | StopReason::Refusal
+                        | StopReason::ContentFilter),
+                    ),
+                ..
+            } => Some(*reason),
+            _ => None,
         }
     }
 }
@@ -184,6 +242,9 @@ pub struct ModelSlot {
     /// The highest task lease that recorded streamed output (`model_attempt_progress`) for
     /// the current attempt, 0 when none did: output from an older lease is stale.
     pub progress_lease_attempt: u32,
+    /// The usage (and its recorded cost) that lease's progress reported last: counted if
+    /// that run turns out lost.
+    pub progress_usage: Option<(Usage, Option<u64>)>,
 }
 
 /// Where one tool call stands.
@@ -262,6 +323,10 @@ pub struct ActiveTurn {
     pub phase: Phase,
     /// Usage of the turn's model call attempts so far.
     pub usage: Usage,
+    /// Usage, cost and model calls of the turn's attempts so far.
+    pub totals: UsageTotals,
+    /// The stop reason of the turn's last response.
+    pub stop_reason: Option<StopReason>,
 }
 
 /// Which activity a scheduled task runs, resolved from the workflow state.
@@ -336,6 +401,8 @@ pub struct SessionState {
     pub cancelled: bool,
     /// Usage of every model call attempt of the session.
     pub usage: Usage,
+    /// Usage, cost and model calls of every attempt of the session.
+    pub totals: UsageTotals,
     tool_use_ids: BTreeSet<String>,
     expected: VecDeque<Command>,
 }
@@ -353,6 +420,7 @@ impl SessionState {
             last_outcome: None,
             cancelled: false,
             usage: Usage::default(),
+            totals: UsageTotals::default(),
             tool_use_ids: BTreeSet::new(),
             expected: VecDeque::new(),
         }
@@ -735,6 +803,8 @@ impl SessionState {
                 if let Phase::Model(slot) = &mut active.phase {
                     slot.scheduled_seq = Some(seq);
                 }
+                active.totals.model_calls += 1;
+                self.totals.model_calls += 1;
             }
             Event::ToolCallScheduled { tool_use_id, .. } => {
                 if let Phase::Tools(slots) = &mut active.phase {
@@ -779,14 +849,26 @@ impl SessionState {
                 self.last_outcome = Some(TurnOutcome::Completed {
                     turn: *turn,
                     answer,
+                    stop_reason: active.stop_reason,
+                    totals: active.totals,
                 });
                 self.active = None;
             }
-            Event::TurnFailed { turn, reason } => {
+            Event::TurnFailed {
+                turn,
+                reason,
+                budget_exceeded,
+            } => {
                 let turn = *turn;
                 let reason = reason.clone();
+                let totals = active.totals;
                 self.close_open_tool_uses(&format!("turn failed: {reason}"));
-                self.last_outcome = Some(TurnOutcome::Failed { turn, reason });
+                self.last_outcome = Some(TurnOutcome::Failed {
+                    turn,
+                    reason,
+                    budget_exceeded: budget_exceeded.clone(),
+                    totals,
+                });
                 self.active = None;
             }
             _ => {}
@@ -850,9 +932,15 @@ impl SessionState {
                         first_scheduled_ms: now,
                         heartbeat_details: None,
                         progress_lease_attempt: 0,
+                        progress_usage: None,
                     }),
                     usage: Usage::default(),
+                    totals: UsageTotals::default(),
+                    stop_reason: None,
                 });
+                if let Some(fail) = self.fail_over_budget(Check::BeforeCall) {
+                    return Ok(vec![fail]);
+                }
                 Ok(vec![Command::ScheduleModelCall {
                     turn: *turn,
                     round: 0,
@@ -865,6 +953,7 @@ impl SessionState {
                 round,
                 attempt,
                 response,
+                cost_micros,
             } => {
                 self.check_model_slot(seq, *turn, *round, *attempt)?;
                 validate_response(response)
@@ -878,23 +967,26 @@ impl SessionState {
                         format!("tool_use id {:?} was already used in this session", dup.id),
                     ));
                 }
-                Ok(self.on_model_response(now, response))
+                Ok(self.on_model_response(now, response, *cost_micros))
             }
             Event::ModelCallFailed {
                 turn,
                 round,
                 attempt,
                 failure,
+                cost_micros,
             } => {
                 self.check_model_slot(seq, *turn, *round, *attempt)?;
                 let policy = self.started_ref()?.model_retry.clone();
-                Ok(self.on_model_failure(now, &policy, *attempt, failure))
+                Ok(self.on_model_failure(now, &policy, *attempt, failure, *cost_micros))
             }
             Event::ModelAttemptProgress {
                 turn,
                 round,
                 attempt,
                 lease_attempt,
+                usage,
+                cost_micros,
                 ..
             } => {
                 // Presentation only: checked like a report (the attempt must be the one waited
@@ -916,12 +1008,24 @@ impl SessionState {
                         ),
                     ));
                 }
+                let mut lost = None;
                 if let Some(ActiveTurn {
                     phase: Phase::Model(slot),
                     ..
                 }) = self.active.as_mut()
                 {
+                    if *lease_attempt > slot.progress_lease_attempt {
+                        // A newer lease runs the attempt again: the older run was lost, and
+                        // what its progress reported is all that is known of it.
+                        lost = slot.progress_usage.take();
+                    }
                     slot.progress_lease_attempt = *lease_attempt;
+                    if usage.is_some() {
+                        slot.progress_usage = usage.map(|u| (u, *cost_micros));
+                    }
+                }
+                if let Some((usage, cost)) = lost {
+                    self.count_attempt(&usage, cost);
                 }
                 Ok(Vec::new())
             }
@@ -1011,10 +1115,12 @@ impl SessionState {
                     Some(active) if active.turn == *turn => {}
                     _ => return Err(self.invalid(seq, format!("turn {turn} is not running"))),
                 }
+                let totals = self.active.as_ref().map(|a| a.totals).unwrap_or_default();
                 self.close_open_tool_uses(&format!("cancelled: {reason}"));
                 self.last_outcome = Some(TurnOutcome::Cancelled {
                     turn: *turn,
                     reason: reason.clone(),
+                    totals,
                 });
                 self.active = None;
                 Ok(Vec::new())
@@ -1025,10 +1131,12 @@ impl SessionState {
                 }
                 if let Some(active) = &self.active {
                     let turn = active.turn;
+                    let totals = active.totals;
                     self.close_open_tool_uses(&format!("cancelled: {reason}"));
                     self.last_outcome = Some(TurnOutcome::Cancelled {
                         turn,
                         reason: reason.clone(),
+                        totals,
                     });
                     self.active = None;
                 }
@@ -1193,12 +1301,22 @@ impl SessionState {
         }
     }
 
-    fn on_model_response(&mut self, now: u64, response: &ModelResponse) -> Vec<Command> {
+    fn on_model_response(
+        &mut self,
+        now: u64,
+        response: &ModelResponse,
+        cost_micros: Option<u64>,
+    ) -> Vec<Command> {
+        self.count_attempt(&response.usage, cost_micros);
+        let over_budget = self.over_budget(Check::AfterResult);
         let Some(active) = self.active.as_mut() else {
             return Vec::new();
         };
-        active.usage.add(&response.usage);
-        self.usage.add(&response.usage);
+        if let Phase::Model(slot) = &mut active.phase {
+            // The response's own usage supersedes what its run's progress reported.
+            slot.progress_usage = None;
+        }
+        active.stop_reason = Some(response.stop_reason);
         self.transcript.push_response(response);
         for t in response.tool_uses() {
             self.tool_use_ids.insert(t.id.clone());
@@ -1206,6 +1324,10 @@ impl SessionState {
         let turn = active.turn;
         let tool_uses: Vec<ToolUse> = response.tool_uses().cloned().collect();
         if tool_uses.is_empty() {
+            if let Some(exceeded) = over_budget {
+                active.phase = Phase::Ending;
+                return vec![budget_failure(turn, exceeded)];
+            }
             if response.stop_reason == StopReason::PauseTurn {
                 return self.next_round(now);
             }
@@ -1225,7 +1347,7 @@ impl SessionState {
             .as_ref()
             .map(|s| s.tools.as_slice())
             .unwrap_or_default();
-        let over_limit = active.round + 1 >= max_rounds;
+        let over_limit = active.round + 1 >= max_rounds || over_budget.is_some();
         let mut commands = Vec::new();
         let mut slots = Vec::with_capacity(tool_uses.len());
         let policy = self.started.as_ref().and_then(|s| s.tool_policy.as_ref());
@@ -1312,9 +1434,13 @@ impl SessionState {
         active.phase = Phase::Tools(slots);
         if over_limit {
             // The unscheduled calls are closed with is_error results when TurnFailed applies.
+            if let Some(exceeded) = over_budget {
+                return vec![budget_failure(turn, exceeded)];
+            }
             return vec![Command::FailTurn {
                 turn,
                 reason: format!("the model asked for tools after {max_rounds} rounds (max_rounds)"),
+                budget_exceeded: None,
             }];
         }
         if commands.is_empty() {
@@ -1330,20 +1456,36 @@ impl SessionState {
         policy: &RetryPolicy,
         attempt: u32,
         failure: &ActivityFailure,
+        cost_micros: Option<u64>,
     ) -> Vec<Command> {
+        // What the attempt consumed: its own report, else what its run's progress last said
+        // (a lapsed lease's failure knows nothing itself).
+        let progress = match self.active.as_mut().map(|a| &mut a.phase) {
+            Some(Phase::Model(slot)) => slot.progress_usage.take(),
+            _ => None,
+        };
+        match (&failure.usage, progress) {
+            (Some(usage), _) => self.count_attempt(usage, cost_micros),
+            (None, Some((usage, cost))) => self.count_attempt(&usage, cost),
+            (None, None) => {}
+        }
+        let over_budget = self.over_budget(Check::BeforeCall);
         let Some(active) = self.active.as_mut() else {
             return Vec::new();
         };
-        if let Some(usage) = &failure.usage {
-            active.usage.add(usage);
-            self.usage.add(usage);
-        }
         let turn = active.turn;
         let first_scheduled_ms = match &active.phase {
             Phase::Model(slot) => slot.first_scheduled_ms,
             _ => now,
         };
         match policy.decide(attempt, failure, first_scheduled_ms, now) {
+            Ok(_) if over_budget.is_some() => {
+                active.phase = Phase::Ending;
+                over_budget
+                    .map(|exceeded| budget_failure(turn, exceeded))
+                    .into_iter()
+                    .collect()
+            }
             Ok(next_start) => {
                 active.phase = Phase::Model(ModelSlot {
                     attempt: attempt + 1,
@@ -1352,6 +1494,7 @@ impl SessionState {
                     first_scheduled_ms,
                     heartbeat_details: failure.heartbeat_details.clone(),
                     progress_lease_attempt: 0,
+                    progress_usage: None,
                 });
                 vec![Command::ScheduleModelCall {
                     turn,
@@ -1369,6 +1512,7 @@ impl SessionState {
                         failure.class.as_str(),
                         failure.message
                     ),
+                    budget_exceeded: None,
                 }]
             }
         }
@@ -1468,6 +1612,7 @@ impl SessionState {
 
     fn next_round(&mut self, now: u64) -> Vec<Command> {
         let max_rounds = self.started.as_ref().map_or(1, |s| s.limits.max_rounds);
+        let over_budget = self.over_budget(Check::BeforeCall);
         let Some(active) = self.active.as_mut() else {
             return Vec::new();
         };
@@ -1477,7 +1622,12 @@ impl SessionState {
             return vec![Command::FailTurn {
                 turn,
                 reason: format!("the turn needs more than {max_rounds} model calls (max_rounds)"),
+                budget_exceeded: None,
             }];
+        }
+        if let Some(exceeded) = over_budget {
+            active.phase = Phase::Ending;
+            return vec![budget_failure(turn, exceeded)];
         }
         active.round += 1;
         active.phase = Phase::Model(ModelSlot {
@@ -1487,6 +1637,7 @@ impl SessionState {
             first_scheduled_ms: now,
             heartbeat_details: None,
             progress_lease_attempt: 0,
+            progress_usage: None,
         });
         vec![Command::ScheduleModelCall {
             turn,
@@ -1494,6 +1645,38 @@ impl SessionState {
             attempt: 1,
             not_before_ms: now,
         }]
+    }
+
+    /// Counts one model attempt's recorded usage and cost in the turn's and the session's
+    /// totals. Only recorded numbers: no price is looked up here.
+    fn count_attempt(&mut self, usage: &Usage, cost_micros: Option<u64>) {
+        if let Some(active) = self.active.as_mut() {
+            active.usage.add(usage);
+            active.totals.add_attempt(usage, cost_micros);
+        }
+        self.usage.add(usage);
+        self.totals.add_attempt(usage, cost_micros);
+    }
+
+    /// The budget of the running turn or of the session its totals break at this check.
+    fn over_budget(&self, when: Check) -> Option<BudgetExceeded> {
+        let limits = &self.started.as_ref()?.limits;
+        let active = self.active.as_ref()?;
+        crate::budget::check(
+            &limits.turn_budget,
+            &active.totals,
+            &limits.session_budget,
+            &self.totals,
+            when,
+        )
+    }
+
+    /// The turn's failure when it is over budget at this check, its phase set to ending.
+    fn fail_over_budget(&mut self, when: Check) -> Option<Command> {
+        let exceeded = self.over_budget(when)?;
+        let active = self.active.as_mut()?;
+        active.phase = Phase::Ending;
+        Some(budget_failure(active.turn, exceeded))
     }
 
     /// Answers every unanswered tool_use of the active round so the transcript stays valid.
@@ -1515,6 +1698,15 @@ impl SessionState {
                 .collect();
             self.transcript.push_tool_results(results);
         }
+    }
+}
+
+/// The command that fails `turn` for going over a budget.
+fn budget_failure(turn: u32, exceeded: BudgetExceeded) -> Command {
+    Command::FailTurn {
+        turn,
+        reason: exceeded.reason(),
+        budget_exceeded: Some(exceeded),
     }
 }
 

@@ -54,26 +54,45 @@ fn tool_spec(name: &str) -> ToolSpec {
 }
 
 fn started() -> impl Strategy<Value = Event> {
-    (1u32..6, 0u32..4, 0u32..4, 0u64..5).prop_map(|(max_rounds, model_max, tool_max, delay)| {
-        let policy = |default: RetryPolicy, max: u32| RetryPolicy {
-            initial_interval_ms: delay,
-            maximum_interval_ms: delay * 2,
-            maximum_attempts: max,
-            ..default
-        };
-        Event::SessionStarted(SessionStarted {
-            queues: Default::default(),
-            forked_from: None,
-            workflow_version: crate::workflow::WORKFLOW_VERSION,
-            tool_policy: None,
-            model: ModelSpec::parse("scripted:props.json").expect("model"),
-            tools: vec![tool_spec("calculator"), tool_spec("read_file")],
-            system_prompt: Some("be brief".to_owned()),
-            limits: Limits { max_rounds },
-            model_retry: policy(RetryPolicy::model_default(), model_max),
-            tool_retry: policy(RetryPolicy::tool_default(), tool_max),
-        })
-    })
+    let budgets = (
+        proptest::option::of(0u64..120),
+        proptest::option::of(0u64..60),
+        proptest::option::of(0u32..6),
+    );
+    (1u32..6, 0u32..4, 0u32..4, 0u64..5, budgets).prop_map(
+        |(max_rounds, model_max, tool_max, delay, (turn_tokens, session_cost, session_calls))| {
+            let policy = |default: RetryPolicy, max: u32| RetryPolicy {
+                initial_interval_ms: delay,
+                maximum_interval_ms: delay * 2,
+                maximum_attempts: max,
+                ..default
+            };
+            Event::SessionStarted(SessionStarted {
+                queues: Default::default(),
+                forked_from: None,
+                workflow_version: crate::workflow::WORKFLOW_VERSION,
+                tool_policy: None,
+                model: ModelSpec::parse("scripted:props.json").expect("model"),
+                tools: vec![tool_spec("calculator"), tool_spec("read_file")],
+                system_prompt: Some("be brief".to_owned()),
+                // Budgets, sometimes: tokens per turn, cost and model calls per session.
+                limits: Limits {
+                    max_rounds,
+                    turn_budget: crate::budget::Budget {
+                        max_tokens: turn_tokens,
+                        ..Default::default()
+                    },
+                    session_budget: crate::budget::Budget {
+                        max_cost_micros: session_cost,
+                        max_model_calls: session_calls,
+                        ..Default::default()
+                    },
+                },
+                model_retry: policy(RetryPolicy::model_default(), model_max),
+                tool_retry: policy(RetryPolicy::tool_default(), tool_max),
+            })
+        },
+    )
 }
 
 fn tool_id() -> impl Strategy<Value = String> {
@@ -157,7 +176,7 @@ fn event() -> impl Strategy<Value = Event> {
                 turn,
                 round,
                 attempt,
-                response,
+                response, cost_micros: None
             }
         ),
         2 => (turn.clone(), round.clone(), attempt.clone(), failure()).prop_map(
@@ -165,7 +184,7 @@ fn event() -> impl Strategy<Value = Event> {
                 turn,
                 round,
                 attempt,
-                failure,
+                failure, cost_micros: None
             }
         ),
         4 => (turn.clone(), tool_id(), attempt.clone(), any::<bool>()).prop_map(
@@ -216,7 +235,7 @@ fn event() -> impl Strategy<Value = Event> {
         }),
         1 => turn.prop_map(|turn| Event::TurnFailed {
             turn,
-            reason: "no".to_owned(),
+            reason: "no".to_owned(), budget_exceeded: None
         }),
     ]
 }
@@ -276,6 +295,8 @@ fn targeted(state: &SessionState, step: Step) -> Option<Event> {
                 turn,
                 round,
                 attempt,
+                // Priced by its output, as an engine's table would.
+                cost_micros: Some(response.usage.output_tokens),
                 response,
             })
         }
@@ -284,6 +305,7 @@ fn targeted(state: &SessionState, step: Step) -> Option<Event> {
             round,
             attempt,
             failure,
+            cost_micros: None,
         }),
         Step::ModelProgress(lease_attempt, text) => {
             model().map(|(turn, round, attempt)| Event::ModelAttemptProgress {
@@ -293,6 +315,8 @@ fn targeted(state: &SessionState, step: Step) -> Option<Event> {
                 lease_attempt,
                 text_appended: text,
                 thinking_appended: String::new(),
+                cost_micros: None,
+                usage: None,
             })
         }
         Step::ToolAnswer(i, is_error) => {

@@ -88,7 +88,10 @@ pub(super) fn started(max_rounds: u32) -> SessionStarted {
             },
         ],
         system_prompt: Some("be brief".into()),
-        limits: Limits { max_rounds },
+        limits: Limits {
+            max_rounds,
+            ..Limits::default()
+        },
         model_retry: RetryPolicy {
             initial_interval_ms: 100,
             backoff_coefficient: 2.0,
@@ -129,6 +132,20 @@ pub(super) fn response(parts: Vec<Part>, stop: StopReason) -> ModelResponse {
     }
 }
 
+/// Totals of `calls` model calls that used these tokens, `unpriced` of them without a cost.
+fn totals(input: u64, output: u64, calls: u32, unpriced: u32) -> crate::budget::UsageTotals {
+    crate::budget::UsageTotals {
+        usage: Usage {
+            input_tokens: input,
+            output_tokens: output,
+            ..Usage::default()
+        },
+        cost_micros: 0,
+        unpriced_attempts: unpriced,
+        model_calls: calls,
+    }
+}
+
 fn thinking(text: &str) -> Part {
     Part::Thinking {
         text: text.into(),
@@ -154,6 +171,7 @@ pub(super) fn model_done(turn: u32, round: u32, attempt: u32, r: ModelResponse) 
         round,
         attempt,
         response: r,
+        cost_micros: None,
     }
 }
 
@@ -233,7 +251,10 @@ fn a_turn_with_two_parallel_tools_finishing_out_of_order() {
         live.state.last_outcome,
         Some(TurnOutcome::Completed {
             turn: 1,
-            answer: "It is 126.".into()
+            answer: "It is 126.".into(),
+            stop_reason: Some(StopReason::EndTurn),
+            // Two rounds of 10 + 5 tokens, recorded without a cost.
+            totals: totals(20, 10, 2, 2)
         })
     );
     assert!(!live.state.is_running());
@@ -353,6 +374,7 @@ fn a_model_call_that_keeps_failing_fails_the_turn_and_the_next_turn_works() {
             }),
             ..failed(ErrorClass::Overloaded)
         },
+        cost_micros: None,
     });
     assert!(matches!(
         c[..],
@@ -363,9 +385,10 @@ fn a_model_call_that_keeps_failing_fails_the_turn_and_the_next_turn_works() {
         round: 0,
         attempt: 2,
         failure: failed(ErrorClass::Overloaded),
+        cost_micros: None,
     });
     assert!(
-        matches!(&c[..], [Command::FailTurn { turn: 1, reason }] if reason.contains("after 2 attempt(s): overloaded"))
+        matches!(&c[..], [Command::FailTurn { turn: 1, reason, .. }] if reason.contains("after 2 attempt(s): overloaded"))
     );
     assert!(matches!(
         live.state.last_outcome,
@@ -382,6 +405,7 @@ fn a_model_call_that_keeps_failing_fails_the_turn_and_the_next_turn_works() {
         round: 0,
         attempt: 1,
         failure: failed(ErrorClass::InvalidRequest),
+        cost_micros: None,
     });
     assert!(matches!(c[..], [Command::FailTurn { turn: 2, .. }]));
     live.input(user(3, "third"));
@@ -587,6 +611,7 @@ fn replaying_a_history_the_code_would_not_produce_names_the_event() {
         Event::TurnFailed {
             turn: 1,
             reason: "x".into(),
+            budget_exceeded: None,
         },
     ));
     assert!(matches!(
@@ -621,7 +646,8 @@ fn a_cancelled_turn_closes_open_calls_and_the_session_goes_on() {
         live.state.last_outcome,
         Some(TurnOutcome::Cancelled {
             turn: 1,
-            reason: "stop".into()
+            reason: "stop".into(),
+            totals: totals(10, 5, 1, 1)
         })
     );
     assert!(!live.state.cancelled);
@@ -712,6 +738,8 @@ fn progress(turn: u32, round: u32, attempt: u32, lease_attempt: u32, text: &str)
         lease_attempt,
         text_appended: text.into(),
         thinking_appended: String::new(),
+        cost_micros: None,
+        usage: None,
     }
 }
 
@@ -740,6 +768,7 @@ fn streamed_turn(with_progress: bool) -> Live {
         round: 0,
         attempt: 1,
         failure: failed(ErrorClass::Transient),
+        cost_micros: None,
     });
     if with_progress {
         live.note(progress(1, 0, 2, 1, "Let me compute."));
@@ -765,6 +794,8 @@ fn streamed_turn(with_progress: bool) -> Live {
             lease_attempt: 1,
             text_appended: "It is".into(),
             thinking_appended: "easy".into(),
+            cost_micros: None,
+            usage: None,
         });
         live.note(progress(1, 1, 1, 1, " 42."));
     }
@@ -901,6 +932,7 @@ fn stale_reports_get_their_own_error_and_change_nothing() {
         round: 0,
         attempt: 1,
         failure: failed(ErrorClass::Transient),
+        cost_micros: None,
     });
     let stale = |live: &mut Live, event: Event| {
         let before = live.state.clone();
@@ -930,6 +962,7 @@ fn stale_reports_get_their_own_error_and_change_nothing() {
             round: 0,
             attempt: 2,
             failure: failed(ErrorClass::Transient),
+            cost_micros: None,
         },
     );
     live.input(tool_done(1, "t", 1, "1"));
@@ -1030,7 +1063,10 @@ fn step_returns_the_tasks_and_the_outcome_of_a_turn_with_two_parallel_tools() {
         t.outcome,
         Some(TurnOutcome::Completed {
             turn: 1,
-            answer: "It is 126.".into()
+            answer: "It is 126.".into(),
+            stop_reason: Some(StopReason::EndTurn),
+            // Two rounds of 10 + 5 tokens, recorded without a cost.
+            totals: totals(20, 10, 2, 2)
         })
     );
     live.check_replay();
@@ -1177,7 +1213,8 @@ fn step_cancels_the_tasks_a_cancelled_turn_no_longer_waits_for() {
         t.outcome,
         Some(TurnOutcome::Cancelled {
             turn: 1,
-            reason: "stop".into()
+            reason: "stop".into(),
+            totals: totals(10, 5, 1, 1)
         })
     );
     // A waiting model call is cancelled the same way when the whole session is.
@@ -1213,6 +1250,7 @@ fn step_refuses_command_events_and_a_stale_report_changes_nothing() {
         Event::TurnFailed {
             turn: 1,
             reason: "x".into(),
+            budget_exceeded: None,
         },
     );
     assert!(matches!(
@@ -1225,6 +1263,7 @@ fn step_refuses_command_events_and_a_stale_report_changes_nothing() {
         round: 0,
         attempt: 1,
         failure: failed(ErrorClass::Transient),
+        cost_micros: None,
     });
     // The superseded attempt's late answer: the new variant, no events, no state change.
     let before = (live.state.clone(), live.events.len());

@@ -341,6 +341,16 @@ mod tests {
     use cairn_runtime::ActivityReport;
 
     #[test]
+    fn a_whole_float_of_sixteen_digits_is_read_exactly() {
+        // serde_json's default float parsing may miss the nearest double by a bit; this one
+        // then reads as 2251799813685247.2 and is refused as a fraction (found by
+        // schemathesis on the fork route's `at`).
+        let request: cairn_runtime::wire::ForkSession =
+            from_slice(br#"{"at": 2251799813685247.0, "id": "f"}"#).unwrap();
+        assert_eq!(request.at, 2_251_799_813_685_247);
+    }
+
+    #[test]
     fn whole_floats_are_integers_everywhere_but_inside_raw_json() {
         let request: HeartbeatRequest = from_slice(
             br#"{"lease": {"id": {"session_id": "s", "scheduled_seq": 3.0}, "kind": "tool",

@@ -244,6 +244,11 @@ pub async fn list_sessions(
             cairn_runtime::client::awaiting_approval_of(&state.engine, &stored, summary.status)
                 .await
                 .map_err(|e| ApiError::from_runtime(e, &summary.session_id))?;
+        summary.totals = Some(
+            cairn_runtime::client::totals_of(&state.engine, &stored)
+                .await
+                .map_err(|e| ApiError::from_runtime(e, &summary.session_id))?,
+        );
     }
     Ok(Json(page))
 }

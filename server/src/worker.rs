@@ -239,10 +239,11 @@ pub async fn progress(
     check_lease(&caller, &request.lease)?;
     state
         .engine
-        .record_progress(
+        .record_progress_with_usage(
             &request.lease,
             request.text_appended,
             request.thinking_appended,
+            request.usage,
         )
         .instrument(lease_span(&request.lease))
         .await

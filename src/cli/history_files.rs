@@ -110,6 +110,13 @@ pub fn show(
         usage.cache_read_tokens,
         usage.cache_write_tokens
     )?;
+    outln!(
+        "totals so far: {}",
+        super::budget::totals_text(&description.totals)
+    )?;
+    if let Some(turn) = &description.running_turn_totals {
+        outln!("running turn: {}", super::budget::totals_text(turn))?;
+    }
     if description.pending_tasks.is_empty() {
         outln!("pending tasks: none")?;
     }

@@ -25,6 +25,8 @@ pub struct RunRequest {
     pub show_thinking: bool,
     /// The tools and tool policy flags of a new session.
     pub policy: super::approvals::PolicyArgs,
+    /// The budgets of a new session (the server prices the calls).
+    pub budget: super::budget::BudgetArgs,
 }
 
 impl Remote {
@@ -38,6 +40,12 @@ impl Remote {
     /// Runs one turn as `cairn run` does, the server's workers running its activities; the
     /// outcome, as the embedded run gives it.
     pub async fn run(&self, request: RunRequest) -> anyhow::Result<TurnOutcome> {
+        if request.budget.prices.is_some() {
+            anyhow::bail!(
+                "--prices applies where calls are recorded: through a server, give it to \
+                 `cairn server` (or set CAIRN_PRICES there)"
+            );
+        }
         let client = &self.client;
         let existing = match &request.session {
             Some(id) => match client.describe(id).await {
@@ -55,6 +63,9 @@ impl Remote {
                     request.max_rounds,
                 )?;
                 crate::refuse_policy_options(&description.session_id, &request.policy)?;
+                request
+                    .budget
+                    .refuse_for_existing(&description.session_id)?;
                 description
             }
             None => {
@@ -69,6 +80,7 @@ impl Remote {
                 if let Some(max_rounds) = request.max_rounds {
                     options.limits.max_rounds = max_rounds;
                 }
+                request.budget.apply(&mut options.limits);
                 let session_id = client.start_session(options).await?;
                 note!("new session {session_id}");
                 client.describe(&session_id).await?
@@ -101,6 +113,7 @@ impl Remote {
         if !matches!(outcome, TurnOutcome::Completed { .. }) {
             note!("{}", crate::describe(&outcome));
         }
+        super::budget::report(&outcome);
         note!("session {session_id}");
         Ok(outcome)
     }

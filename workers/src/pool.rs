@@ -378,7 +378,7 @@ async fn run_task(
                 _ = tokio::time::sleep_until(next_progress), if recording && !lease_lost => {
                     next_progress = tokio::time::Instant::now() + progress_every;
                     if let Some(pending) = &pending {
-                        recording = record_pending(engine, &lease, lease_expires_at_ms, pending).await;
+                        recording = record_pending(engine, &lease, lease_expires_at_ms, pending, context.reported_usage()).await;
                     }
                 }
                 _ = tokio::time::sleep_until(next_check) => {
@@ -437,7 +437,7 @@ async fn run_task(
             // A failed attempt's last output goes on record before the failure does; a
             // completed one's is superseded by its response, so nothing more is written.
             if let (ActivityReport::Failed(_), Some(pending), true) = (&report, &pending, recording) {
-                record_pending(engine, &lease, lease_expires_at_ms, pending).await;
+                record_pending(engine, &lease, lease_expires_at_ms, pending, context.reported_usage()).await;
             }
             finish(engine, &lease, report).await;
         }
@@ -453,6 +453,7 @@ async fn record_pending(
     lease: &Lease,
     lease_expires_at_ms: u64,
     pending: &PendingOutput,
+    usage: Option<cairn_ledger::Usage>,
 ) -> bool {
     if engine.now_ms() >= lease_expires_at_ms {
         // The lease may have lapsed and the task be another worker's now.
@@ -461,7 +462,10 @@ async fn record_pending(
     let Some((text, thinking)) = pending.take() else {
         return true;
     };
-    match engine.record_progress(lease, text, thinking).await {
+    match engine
+        .record_progress_with_usage(lease, text, thinking, usage)
+        .await
+    {
         Ok(()) => true,
         // Stale progress (a newer lease recorded output, or the attempt is over) changes
         // nothing; a later record of this lease would be stale too.

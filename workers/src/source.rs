@@ -3,7 +3,7 @@
 //! the same pool code serves `cairn run` and `cairn worker`.
 
 use async_trait::async_trait;
-use cairn_ledger::JsonText;
+use cairn_ledger::{JsonText, Usage};
 use cairn_runtime::{ActivityReport, DeltaEvent, Engine, Lease, LeasedTask, Result, TaskFilter};
 use std::time::Duration;
 use tokio::sync::broadcast;
@@ -37,6 +37,20 @@ pub trait TaskSource: Send + Sync + 'static {
         text_appended: String,
         thinking_appended: String,
     ) -> Result<()>;
+
+    /// [`TaskSource::record_progress`] with the usage the run's stream reported so far (what
+    /// is known of it if the run is lost). By default the usage is not passed on.
+    async fn record_progress_with_usage(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+        usage: Option<Usage>,
+    ) -> Result<()> {
+        let _ = usage;
+        self.record_progress(lease, text_appended, thinking_appended)
+            .await
+    }
 
     /// Reports an attempt's result, fenced by its lease attempt: a stale one is
     /// `StaleReport` or `LeaseLost` and changes nothing.
@@ -99,6 +113,18 @@ impl TaskSource for EngineSource {
     ) -> Result<()> {
         self.engine
             .record_progress(lease, text_appended, thinking_appended)
+            .await
+    }
+
+    async fn record_progress_with_usage(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+        usage: Option<Usage>,
+    ) -> Result<()> {
+        self.engine
+            .record_progress_with_usage(lease, text_appended, thinking_appended, usage)
             .await
     }
 

@@ -265,6 +265,7 @@ pub async fn append_read_round_trip(store: &dyn Store) {
                     ErrorClass::Transient,
                     "connection reset",
                 ),
+                cost_micros: None,
             },
         ),
     ];
@@ -283,6 +284,7 @@ pub async fn append_read_round_trip(store: &dyn Store) {
             Event::TurnFailed {
                 turn: 1,
                 reason: "gave up".to_owned(),
+                budget_exceeded: None,
             },
         ),
     ];

@@ -182,7 +182,11 @@ fn started() -> SessionStarted {
             input_schema: schema,
         }],
         system_prompt: None,
-        limits: Limits { max_rounds: 8 },
+        limits: Limits {
+            max_rounds: 8,
+            session_budget: Default::default(),
+            turn_budget: Default::default(),
+        },
         model_retry: RetryPolicy::model_default(),
         tool_retry: RetryPolicy::tool_default(),
     }
