@@ -90,6 +90,9 @@ enum Command {
         /// Tools and tool policy of a new session (refused for an existing one).
         #[command(flatten)]
         policy: cli::approvals::PolicyArgs,
+        /// Compaction policy of a new session (refused for an existing one).
+        #[command(flatten)]
+        compaction: cli::compaction::CompactionArgs,
         /// The user message.
         prompt: String,
     },
@@ -232,6 +235,16 @@ enum Command {
         /// Why, recorded in the history.
         #[arg(long, default_value = "cancelled from the command line")]
         reason: String,
+    },
+    /// Compact a session's transcript now, between turns, with its compaction policy (or
+    /// the default one); recorded in its history.
+    Compact {
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
+        /// Session id.
+        session: String,
     },
     /// Approve a tool call the session's policy parked: it runs (by the process that holds
     /// the session's store, or the next `cairn resume`).
@@ -538,6 +551,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             max_tokens,
             thinking_budget,
             policy,
+            compaction,
             prompt,
         } => {
             // Everything that can be checked is checked before anything is written.
@@ -570,6 +584,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         prompt,
                         show_thinking: !hide_thinking,
                         policy,
+                        compaction,
                     };
                     return Ok(outcome_code(&remote.run(request).await?));
                 }
@@ -579,6 +594,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Some(id) if session_exists(&host, &id).await? => {
                     refuse_start_options(&id, &system, max_rounds)?;
                     refuse_policy_options(&id, &policy)?;
+                    compaction.refuse_for_existing(&id)?;
                     id
                 }
                 requested => {
@@ -586,6 +602,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     let tool_policy = policy.session_policy(&tools)?;
                     let mut options = SessionOptions::new(model.clone(), tools);
                     options.tool_policy = tool_policy;
+                    options.compaction = compaction.session_policy()?;
                     options.session_id = requested;
                     options.system_prompt = system;
                     if let Some(max_rounds) = max_rounds {
@@ -828,6 +845,17 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 access.client().cancel(&session, &reason).await?;
                 outln!("cancelled session {session}")?;
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Compact {
+            data,
+            server,
+            session,
+        } => {
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::Existing, None, PathBuf::from(".")).await?;
+            let outcome = access.client().compact(&session).await?;
+            outln!("{}", cli::compaction::describe(&session, &outcome))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Approve {
@@ -1345,6 +1373,9 @@ fn one_line(text: &str, max: usize) -> String {
 }
 
 fn summarize(event: &Event) -> String {
+    if let Some(line) = cli::compaction::summarize(event) {
+        return line;
+    }
     match event {
         Event::SessionStarted(s) => format!(
             "model={}:{} tools=[{}] max_rounds={}",
@@ -1474,6 +1505,8 @@ fn summarize(event: &Event) -> String {
             }
             line
         }
+        // Described by `cli::compaction::summarize` above.
+        Event::TranscriptCompacted { .. } | Event::CompactionRequested {} => String::new(),
     }
 }
 

@@ -68,6 +68,7 @@ fn sample_events() -> Vec<Event> {
             forked_from: None,
             workflow_version: 1,
             tool_policy: None,
+            compaction: None,
             model: ModelSpec {
                 provider: "scripted".into(),
                 model: "demo.json".into(),

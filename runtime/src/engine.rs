@@ -416,6 +416,44 @@ impl Engine {
         Ok(turn)
     }
 
+    /// Compacts a session's transcript now, between turns (`compaction_requested`), with its
+    /// compaction policy or the default one. Refused (`InvalidEvent`) while a turn runs.
+    pub async fn compact(&self, session_id: &str) -> Result<crate::wire::CompactionOutcome> {
+        let seq = self
+            .submit(
+                session_id,
+                |_| Ok(Some(Event::CompactionRequested {})),
+                None,
+            )
+            .await?;
+        // The compaction, when there is one, is in the same append, right after the request.
+        let recorded = match seq {
+            Some(seq) => self.inner.store.read_history(session_id, seq, Some(2)).await?,
+            None => Vec::new(),
+        };
+        if let Some(Event::TranscriptCompacted {
+            strategies,
+            estimate_before,
+            estimate_after,
+            ..
+        }) = recorded.get(1).map(|e| &e.event)
+        {
+            return Ok(crate::wire::CompactionOutcome {
+                compacted: true,
+                strategies: strategies.iter().map(|s| s.as_str().to_owned()).collect(),
+                estimate_before: *estimate_before,
+                estimate_after: *estimate_after,
+            });
+        }
+        let estimate = cairn_ledger::estimate_tokens(&self.state(session_id).await?.transcript);
+        Ok(crate::wire::CompactionOutcome {
+            compacted: false,
+            strategies: Vec::new(),
+            estimate_before: estimate,
+            estimate_after: estimate,
+        })
+    }
+
     /// Approves a tool call the session's policy parked: it is scheduled at once. Refused
     /// (`InvalidEvent`, naming the call) unless the call waits for approval in the running
     /// turn.

@@ -4,8 +4,9 @@
 //! with named fields, externally tagged enums). Never rename or reuse one; add new fields with
 //! `#[serde(default)]`; bump [`SCHEMA_VERSION`] only with a decoder for the old version.
 
+use crate::compaction::{CompactionPolicy, CompactionTrigger};
 use crate::policy::ToolPolicy;
-use cairn_ledger::{JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, Usage};
+use cairn_ledger::{CompactionStrategy, JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, Usage};
 use serde::{Deserialize, Serialize};
 
 /// The schema version this code writes. Decoders accept every version up to it.
@@ -216,6 +217,32 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         by_deadline: bool,
     },
+    /// The transcript was compacted (a command: the session's `compaction` policy decided
+    /// it). The fold recomputes the compacted transcript from the transcript before it and
+    /// these parameters with the ledger's pure `compact`; every older event stays in the
+    /// history untouched.
+    TranscriptCompacted {
+        /// The turn running (or the last one, when compacted on request between turns).
+        turn: u32,
+        /// Why it ran.
+        trigger: CompactionTrigger,
+        /// The strategies applied, in order (those that changed nothing are left out).
+        strategies: Vec<CompactionStrategy>,
+        /// The turns kept, when `keep_last_turns` is among the strategies.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        keep_last_turns: Option<u32>,
+        /// The index, in the transcript before, of the first message kept after the cut.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cut: Option<u64>,
+        /// Estimated tokens before ([`cairn_ledger::estimate_tokens`]).
+        estimate_before: u64,
+        /// Estimated tokens after.
+        estimate_after: u64,
+    },
+    /// A person or program asked to compact the transcript now (`cairn compact`), between
+    /// turns. The workflow answers with `transcript_compacted`, or nothing when no strategy
+    /// shrinks it.
+    CompactionRequested {},
 }
 
 impl Event {
@@ -238,6 +265,8 @@ impl Event {
             Event::ToolApprovalRequested { .. } => "tool_approval_requested",
             Event::ToolCallApproved { .. } => "tool_call_approved",
             Event::ToolCallDenied { .. } => "tool_call_denied",
+            Event::TranscriptCompacted { .. } => "transcript_compacted",
+            Event::CompactionRequested { .. } => "compaction_requested",
         }
     }
 
@@ -248,6 +277,7 @@ impl Event {
             Event::ModelCallScheduled { .. }
                 | Event::ToolCallScheduled { .. }
                 | Event::ToolApprovalRequested { .. }
+                | Event::TranscriptCompacted { .. }
                 | Event::TurnCompleted { .. }
                 | Event::TurnFailed { .. }
         )
@@ -293,6 +323,10 @@ pub struct SessionStarted {
     /// and is left out of the record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_policy: Option<ToolPolicy>,
+    /// When and how the transcript is compacted ([`CompactionPolicy`]). `None` never
+    /// compacts, as sessions did before compaction existed, and is left out of the record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compaction: Option<CompactionPolicy>,
 }
 
 fn first_workflow_version() -> u32 {
@@ -377,6 +411,9 @@ pub enum ErrorClass {
     Cancelled,
     /// A bug or an unexpected state on our side.
     Internal,
+    /// The request is larger than the model's context window. Never retried as it is: a
+    /// session with a compaction policy compacts and retries, others fail the turn.
+    ContextTooLong,
 }
 
 impl ErrorClass {
@@ -393,6 +430,7 @@ impl ErrorClass {
             ErrorClass::ToolFailed => "tool_failed",
             ErrorClass::Cancelled => "cancelled",
             ErrorClass::Internal => "internal",
+            ErrorClass::ContextTooLong => "context_too_long",
         }
     }
 }

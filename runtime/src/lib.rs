@@ -4,6 +4,7 @@
 pub mod client;
 pub mod clock;
 pub mod codec;
+pub mod compaction;
 pub mod diff;
 pub mod engine;
 pub mod error;
@@ -27,6 +28,8 @@ mod codec_props;
 #[cfg(test)]
 mod workflow_approval_tests;
 #[cfg(test)]
+mod workflow_compaction_tests;
+#[cfg(test)]
 mod workflow_props;
 #[cfg(test)]
 mod workflow_tests;
@@ -37,6 +40,7 @@ pub use engine::{
     ActivityInput, ActivityRef, ActivityReport, ActivityTimeouts, AppendedEvents, DeltaEvent,
     Engine, LeasedTask, ResumeReport, WatchGuard,
 };
+pub use compaction::{CompactionPolicy, CompactionTrigger};
 pub use error::{Error, Result};
 pub use event::{
     ActivityFailure, ErrorClass, Event, EventEnvelope, FailurePhase, ForkOrigin, Limits, Queues,

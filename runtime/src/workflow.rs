@@ -9,11 +9,12 @@
 //! [`Error::Nondeterminism`] naming the event. No IO, no clock (time comes from the event
 //! envelope), no randomness.
 
+use crate::compaction::CompactionTrigger;
 use crate::error::{Error, Result};
-use crate::event::{ActivityFailure, Event, EventEnvelope, RetryPolicy, SessionStarted};
+use crate::event::{ActivityFailure, ErrorClass, Event, EventEnvelope, RetryPolicy, SessionStarted};
 use crate::policy::PolicyDecision;
 use crate::store::{NewTask, TaskId, TaskKind};
-use cairn_ledger::JsonText;
+use cairn_ledger::{CompactionStrategy, JsonText};
 use cairn_ledger::{
     validate_response, ModelResponse, ModelSpec, Part, StopReason, ToolResult, ToolResultContent,
     ToolUse, Transcript, Usage,
@@ -30,6 +31,10 @@ use std::collections::{BTreeSet, VecDeque};
 ///    of being scheduled for the tool to refuse (a worker round trip and two durable writes
 ///    saved, and the model told exactly what is missing). Version 1 sessions schedule it.
 pub const WORKFLOW_VERSION: u32 = 2;
+
+// Compaction's rules need no new version: see the module doc of `workflow_compaction.rs`.
+#[path = "workflow_compaction.rs"]
+mod compaction_rules;
 
 /// A decision of the workflow; the engine records it as an event before anything runs.
 #[derive(Debug, Clone, PartialEq)]
@@ -68,6 +73,23 @@ pub enum Command {
         name: String,
         /// When the call is denied unless decided before, if the policy sets a timeout.
         deadline_ms: Option<u64>,
+    },
+    /// Compact the transcript (recorded as `transcript_compacted`; see that event).
+    CompactTranscript {
+        /// Turn.
+        turn: u32,
+        /// Why.
+        trigger: CompactionTrigger,
+        /// Strategies, in order.
+        strategies: Vec<CompactionStrategy>,
+        /// Turns kept, when cut.
+        keep_last_turns: Option<u32>,
+        /// The first kept message's index before the cut.
+        cut: Option<u64>,
+        /// Estimated tokens before.
+        estimate_before: u64,
+        /// Estimated tokens after.
+        estimate_after: u64,
     },
     /// End the turn successfully.
     CompleteTurn {
@@ -123,6 +145,23 @@ impl Command {
                 tool_use_id,
                 name,
                 deadline_ms,
+            },
+            Command::CompactTranscript {
+                turn,
+                trigger,
+                strategies,
+                keep_last_turns,
+                cut,
+                estimate_before,
+                estimate_after,
+            } => Event::TranscriptCompacted {
+                turn,
+                trigger,
+                strategies,
+                keep_last_turns,
+                cut,
+                estimate_before,
+                estimate_after,
             },
             Command::CompleteTurn { turn, usage } => Event::TurnCompleted { turn, usage },
             Command::FailTurn { turn, reason } => Event::TurnFailed { turn, reason },
@@ -630,7 +669,9 @@ impl SessionState {
                     start_by_ms: Some(deadline),
                 });
             }
-            Command::CompleteTurn { .. } | Command::FailTurn { .. } => return None,
+            Command::CompactTranscript { .. }
+            | Command::CompleteTurn { .. }
+            | Command::FailTurn { .. } => return None,
         };
         Some(NewTask {
             id: self.task_id(scheduled_seq),
@@ -702,6 +743,7 @@ impl SessionState {
         }
         let now = envelope.recorded_at_ms;
         let commands = self.apply_input(seq, now, event)?;
+        let commands = self.compact_before_model_call(commands);
         self.expected.extend(commands.iter().cloned());
         self.next_seq += 1;
         Ok(commands)
@@ -725,6 +767,11 @@ impl SessionState {
             });
         }
         self.expected.pop_front();
+        if let Event::TranscriptCompacted { .. } = event {
+            // May run between turns (on request), so before the active-turn check.
+            self.apply_compaction(event);
+            return Ok(());
+        }
         let active = self.active.as_mut().ok_or_else(|| Error::InvalidEvent {
             session_id: self.session_id.clone(),
             seq,
@@ -808,6 +855,11 @@ impl SessionState {
                         .check()
                         .map_err(|e| self.invalid(seq, format!("tool_policy: {e}")))?;
                 }
+                if let Some(policy) = &started.compaction {
+                    policy
+                        .check()
+                        .map_err(|e| self.invalid(seq, format!("compaction: {e}")))?;
+                }
                 if let Some(prompt) = &started.system_prompt {
                     self.transcript.push_system(prompt.clone());
                 }
@@ -887,6 +939,9 @@ impl SessionState {
                 failure,
             } => {
                 self.check_model_slot(seq, *turn, *round, *attempt)?;
+                if failure.class == ErrorClass::ContextTooLong {
+                    return Ok(self.on_context_too_long(now, *attempt, failure));
+                }
                 let policy = self.started_ref()?.model_retry.clone();
                 Ok(self.on_model_failure(now, &policy, *attempt, failure))
             }
@@ -1035,9 +1090,11 @@ impl SessionState {
                 self.cancelled = true;
                 Ok(Vec::new())
             }
+            Event::CompactionRequested {} => self.on_compaction_requested(seq),
             Event::ModelCallScheduled { .. }
             | Event::ToolCallScheduled { .. }
             | Event::ToolApprovalRequested { .. }
+            | Event::TranscriptCompacted { .. }
             | Event::TurnCompleted { .. }
             | Event::TurnFailed { .. } => Err(self.invalid(seq, "command event as input")),
         }

@@ -2,7 +2,7 @@
 //! wire types' schemas (never written by hand), and its route.
 
 use crate::auth::AnyCaller;
-use crate::{app, events, inspect, sessions, worker};
+use crate::{app, compact, events, inspect, sessions, worker};
 use axum::http::header;
 use axum::response::IntoResponse;
 use cairn_runtime::wire::ErrorBody;
@@ -32,6 +32,7 @@ use utoipa::{Modify, OpenApi};
         inspect::state_at,
         inspect::fork,
         sessions::decide_approval,
+        compact::compact,
         worker::lease,
         worker::input,
         worker::heartbeat,

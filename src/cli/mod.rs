@@ -5,6 +5,7 @@
 //! printing that survives a closed pipe (`out`).
 
 pub mod approvals;
+pub mod compaction;
 pub mod database;
 pub mod deltas;
 pub mod history_files;

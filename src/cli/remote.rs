@@ -25,6 +25,8 @@ pub struct RunRequest {
     pub show_thinking: bool,
     /// The tools and tool policy flags of a new session.
     pub policy: super::approvals::PolicyArgs,
+    /// The compaction flags of a new session.
+    pub compaction: super::compaction::CompactionArgs,
 }
 
 impl Remote {
@@ -55,6 +57,9 @@ impl Remote {
                     request.max_rounds,
                 )?;
                 crate::refuse_policy_options(&description.session_id, &request.policy)?;
+                request
+                    .compaction
+                    .refuse_for_existing(&description.session_id)?;
                 description
             }
             None => {
@@ -64,6 +69,7 @@ impl Remote {
                 let tool_policy = request.policy.session_policy(&tools)?;
                 let mut options = SessionOptions::new(request.model.clone(), tools);
                 options.tool_policy = tool_policy;
+                options.compaction = request.compaction.session_policy()?;
                 options.session_id = request.session.clone();
                 options.system_prompt = request.system.clone();
                 if let Some(max_rounds) = request.max_rounds {
