@@ -6,6 +6,7 @@
 mod approvals;
 mod chaos;
 mod cli;
+mod compaction;
 mod corruption;
 mod engine;
 mod faults;
