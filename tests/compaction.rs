@@ -113,7 +113,10 @@ fn a_context_too_long_is_compacted_retried_and_shown_in_the_history() {
         .unwrap();
     assert_eq!(kinds[at - 1], "model_call_failed");
     assert_eq!(kinds[at + 1], "model_call_scheduled");
-    assert_eq!(events[at + 1]["event"]["model_call_scheduled"]["attempt"], 2);
+    assert_eq!(
+        events[at + 1]["event"]["model_call_scheduled"]["attempt"],
+        2
+    );
     let compaction = &events[at]["event"]["transcript_compacted"];
     assert!(
         compaction["estimate_before"].as_u64().unwrap() > 400
@@ -170,8 +173,16 @@ fn compact_on_request_drops_old_reasoning_between_turns() {
     let workdir = files.workdir.to_str().unwrap();
     for prompt in ["first", "second"] {
         let out = cairn(&[
-            "run", "--data", data, "--model", &model, "--session", "asked", "--workdir",
-            workdir, prompt,
+            "run",
+            "--data",
+            data,
+            "--model",
+            &model,
+            "--session",
+            "asked",
+            "--workdir",
+            workdir,
+            prompt,
         ]);
         assert!(out.status.success(), "{}", text(&out.stderr));
     }
@@ -185,7 +196,10 @@ fn compact_on_request_drops_old_reasoning_between_turns() {
     // Turn 1's thinking is gone from the ledger; turn 2's, the last, stays.
     let transcript = cairn(&["transcript", "--data", data, "asked"]);
     let ledger = text(&transcript.stdout);
-    assert!(!ledger.contains("thinking 1") && ledger.contains("thinking 2"), "{ledger}");
+    assert!(
+        !ledger.contains("thinking 1") && ledger.contains("thinking 2"),
+        "{ledger}"
+    );
     // Nothing left to do: said so, and nothing is recorded but the request.
     let again = cairn(&["compact", "--data", data, "asked"]);
     assert!(
@@ -194,8 +208,16 @@ fn compact_on_request_drops_old_reasoning_between_turns() {
         text(&again.stdout)
     );
     let history = text(&cairn(&["history", "--data", data, "asked"]).stdout);
-    assert_eq!(history.matches("compaction_requested").count(), 2, "{history}");
-    assert_eq!(history.matches("transcript_compacted").count(), 1, "{history}");
+    assert_eq!(
+        history.matches("compaction_requested").count(),
+        2,
+        "{history}"
+    );
+    assert_eq!(
+        history.matches("transcript_compacted").count(),
+        1,
+        "{history}"
+    );
     let replay = cairn(&["replay", "--data", data, "asked"]);
     assert!(replay.status.success(), "{}", text(&replay.stdout));
 }

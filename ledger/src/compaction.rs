@@ -119,7 +119,9 @@ pub fn drop_failed_tool_results(transcript: &Transcript) -> Transcript {
             .iter()
             .map(|part| match part {
                 // Only when the note is shorter: a short error text stays as it is.
-                Part::ToolResult(r) if r.is_error && r.content.canonical_json().len() > note_len => {
+                Part::ToolResult(r)
+                    if r.is_error && r.content.canonical_json().len() > note_len =>
+                {
                     let mut r = r.clone();
                     r.content = ToolResultContent::Text(FAILED_RESULT_NOTE.to_owned());
                     Part::ToolResult(r)

@@ -56,9 +56,16 @@ fn three_turns() -> Transcript {
     let mut t = Transcript::new();
     t.push_system("be brief");
     t.messages.push(user(vec![Part::text("one")]));
-    t.messages
-        .push(assistant(vec![thinking("t1"), Part::text("a"), tool_use("u1")]));
-    t.messages.push(user(vec![result("u1", true, "boom: a long error text, with a stack trace that goes on and on")]));
+    t.messages.push(assistant(vec![
+        thinking("t1"),
+        Part::text("a"),
+        tool_use("u1"),
+    ]));
+    t.messages.push(user(vec![result(
+        "u1",
+        true,
+        "boom: a long error text, with a stack trace that goes on and on",
+    )]));
     t.messages
         .push(assistant(vec![thinking("t1b"), Part::text("done one")]));
     t.messages.push(user(vec![Part::text("two")]));
@@ -66,7 +73,8 @@ fn three_turns() -> Transcript {
     t.messages.push(user(vec![Part::text("three")]));
     t.messages
         .push(assistant(vec![thinking("t3"), tool_use("u3")]));
-    t.messages.push(user(vec![result("u3", true, "current failure")]));
+    t.messages
+        .push(user(vec![result("u3", true, "current failure")]));
     validate_transcript(&t).expect("fixture is valid");
     t
 }
@@ -185,7 +193,8 @@ fn build(system: bool, turns: &[TurnShape], open_loop: bool) -> Transcript {
     }
     let mut next_id = 0;
     for (ti, (rounds, final_thinking)) in turns.iter().enumerate() {
-        t.messages.push(user(vec![Part::text(format!("turn {ti}"))]));
+        t.messages
+            .push(user(vec![Part::text(format!("turn {ti}"))]));
         for (ri, (with_thinking, errors)) in rounds.iter().enumerate() {
             let mut parts = Vec::new();
             if *with_thinking {
@@ -227,7 +236,11 @@ fn build(system: bool, turns: &[TurnShape], open_loop: bool) -> Transcript {
 fn transcripts() -> impl Strategy<Value = Transcript> {
     let round = (any::<bool>(), prop::collection::vec(any::<bool>(), 1..3));
     let turn = (prop::collection::vec(round, 0..3), any::<bool>());
-    (any::<bool>(), prop::collection::vec(turn, 0..5), any::<bool>())
+    (
+        any::<bool>(),
+        prop::collection::vec(turn, 0..5),
+        any::<bool>(),
+    )
         .prop_map(|(system, turns, open)| build(system, &turns, open))
 }
 

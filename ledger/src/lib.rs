@@ -12,8 +12,8 @@ mod validate;
 
 pub use compaction::{
     compact, current_turn_start, cut_for_last_turns, drop_failed_tool_results, drop_reasoning,
-    estimate_tokens, keep_last_turns, starts_turn, turn_starts, turns_before_cut, CompactionPlan,
-    CompactionStrategy, Compacted, FAILED_RESULT_NOTE, SUMMARY_HEADING,
+    estimate_tokens, keep_last_turns, starts_turn, turn_starts, turns_before_cut, Compacted,
+    CompactionPlan, CompactionStrategy, FAILED_RESULT_NOTE, SUMMARY_HEADING,
 };
 pub use error::{Error, Result, Violation};
 pub use json::JsonText;

@@ -7,10 +7,9 @@ use crate::sse::StreamDecoder;
 use async_trait::async_trait;
 use cairn_ledger::{ModelSpec, Transcript};
 use cairn_runtime::wire::{
-    ApprovalDecided, ApprovalDecision, ApprovalRequest, CancelRequest, Cancelled, CompactionOutcome,
-    CreateSession,
-    Health, HistoryPage, SendMessage, SessionCreated, SessionDescription, SessionPage, StreamEvent,
-    TurnStarted, TurnWait,
+    ApprovalDecided, ApprovalDecision, ApprovalRequest, CancelRequest, Cancelled,
+    CompactionOutcome, CreateSession, Health, HistoryPage, SendMessage, SessionCreated,
+    SessionDescription, SessionPage, StreamEvent, TurnStarted, TurnWait,
 };
 use cairn_runtime::{
     Error, EventEnvelope, EventStream, Result, SessionOptions, SessionQuery, Transport, TurnOutcome,

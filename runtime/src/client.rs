@@ -2,11 +2,11 @@
 //! events. One API over two transports: an in-process engine ([`Client::new`]) or a server
 //! (a [`Transport`] over HTTP, from the `cairn-remote` crate), with the same types.
 
+use crate::compaction::CompactionPolicy;
 use crate::engine::{status_of, AppendedEvents, DeltaEvent, Engine, WatchGuard};
 use crate::error::{Error, Result};
 use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy, SessionStarted};
 use crate::follow::SessionEvents;
-use crate::compaction::CompactionPolicy;
 use crate::policy::ToolPolicy;
 use crate::store::{SessionInfo, SessionStatus};
 use crate::wire::{

@@ -140,6 +140,9 @@ mod tests {
             }
         );
         let err = serde_json::from_str::<CompactionPolicy>(r#"{"keep_turns": 2}"#).unwrap_err();
-        assert!(err.to_string().contains("unknown field `keep_turns`"), "{err}");
+        assert!(
+            err.to_string().contains("unknown field `keep_turns`"),
+            "{err}"
+        );
     }
 }

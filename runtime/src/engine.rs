@@ -428,7 +428,12 @@ impl Engine {
             .await?;
         // The compaction, when there is one, is in the same append, right after the request.
         let recorded = match seq {
-            Some(seq) => self.inner.store.read_history(session_id, seq, Some(2)).await?,
+            Some(seq) => {
+                self.inner
+                    .store
+                    .read_history(session_id, seq, Some(2))
+                    .await?
+            }
             None => Vec::new(),
         };
         if let Some(Event::TranscriptCompacted {

@@ -6,7 +6,9 @@
 
 use crate::compaction::{CompactionPolicy, CompactionTrigger};
 use crate::policy::ToolPolicy;
-use cairn_ledger::{CompactionStrategy, JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, Usage};
+use cairn_ledger::{
+    CompactionStrategy, JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, Usage,
+};
 use serde::{Deserialize, Serialize};
 
 /// The schema version this code writes. Decoders accept every version up to it.

@@ -36,11 +36,11 @@ mod workflow_tests;
 
 pub use client::{Client, EventStream, SessionOptions, SessionQuery, Transport};
 pub use clock::{Clock, ManualClock, SystemClock};
+pub use compaction::{CompactionPolicy, CompactionTrigger};
 pub use engine::{
     ActivityInput, ActivityRef, ActivityReport, ActivityTimeouts, AppendedEvents, DeltaEvent,
     Engine, LeasedTask, ResumeReport, WatchGuard,
 };
-pub use compaction::{CompactionPolicy, CompactionTrigger};
 pub use error::{Error, Result};
 pub use event::{
     ActivityFailure, ErrorClass, Event, EventEnvelope, FailurePhase, ForkOrigin, Limits, Queues,

@@ -40,8 +40,8 @@
 //! `N` (other than [`DEFAULT_NAMESPACE`]) as `N:ID`, and a token of one namespace never sees
 //! another's sessions.
 
-use crate::engine::{ActivityReport, DeltaEvent, LeasedTask};
 use crate::compaction::CompactionPolicy;
+use crate::engine::{ActivityReport, DeltaEvent, LeasedTask};
 use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy};
 use crate::policy::ToolPolicy;
 use crate::store::{Lease, SessionStatus};

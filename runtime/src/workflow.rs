@@ -11,14 +11,16 @@
 
 use crate::compaction::CompactionTrigger;
 use crate::error::{Error, Result};
-use crate::event::{ActivityFailure, ErrorClass, Event, EventEnvelope, RetryPolicy, SessionStarted};
+use crate::event::{
+    ActivityFailure, ErrorClass, Event, EventEnvelope, RetryPolicy, SessionStarted,
+};
 use crate::policy::PolicyDecision;
 use crate::store::{NewTask, TaskId, TaskKind};
-use cairn_ledger::{CompactionStrategy, JsonText};
 use cairn_ledger::{
     validate_response, ModelResponse, ModelSpec, Part, StopReason, ToolResult, ToolResultContent,
     ToolUse, Transcript, Usage,
 };
+use cairn_ledger::{CompactionStrategy, JsonText};
 use std::collections::{BTreeSet, VecDeque};
 
 /// The version of the workflow's rules this code decides new sessions by. A session keeps

@@ -57,10 +57,7 @@ fn finish_turn(live: &mut Live, turn: u32) -> Vec<Command> {
             StopReason::ToolUse,
         ),
     ));
-    assert!(
-        matches!(c[..], [Command::ScheduleToolCall { .. }]),
-        "{c:?}"
-    );
+    assert!(matches!(c[..], [Command::ScheduleToolCall { .. }]), "{c:?}");
     let c = live.input(Event::ToolCallCompleted {
         turn,
         tool_use_id: id,
@@ -87,10 +84,7 @@ fn finish_turn(live: &mut Live, turn: u32) -> Vec<Command> {
 fn run_turn(live: &mut Live, turn: u32) {
     live.input(user(turn, &format!("question {turn}")));
     let c = finish_turn(live, turn);
-    assert!(
-        matches!(c[..], [Command::CompleteTurn { .. }]),
-        "{c:?}"
-    );
+    assert!(matches!(c[..], [Command::CompleteTurn { .. }]), "{c:?}");
 }
 
 fn reasoning_count(messages: &[Message]) -> usize {
@@ -187,11 +181,7 @@ fn under_the_threshold_nothing_is_compacted_and_it_stops_once_under() {
     let without_reasoning = estimate_tokens(&drop_reasoning(&at_turn_3));
     // A threshold that dropping reasoning alone meets: the next strategies are not applied.
     let all = CompactionPolicy::default().strategies;
-    let mut live = Live::new(with_policy(Some(policy(
-        Some(without_reasoning),
-        all,
-        1,
-    ))));
+    let mut live = Live::new(with_policy(Some(policy(Some(without_reasoning), all, 1))));
     run_turn(&mut live, 1);
     run_turn(&mut live, 2);
     let c = live.input(user(3, "question 3"));
@@ -216,7 +206,10 @@ fn under_the_threshold_nothing_is_compacted_and_it_stops_once_under() {
     run_turn(&mut roomy, 1);
     run_turn(&mut roomy, 2);
     let c = roomy.input(user(3, "question 3"));
-    assert!(matches!(c[..], [Command::ScheduleModelCall { .. }]), "{c:?}");
+    assert!(
+        matches!(c[..], [Command::ScheduleModelCall { .. }]),
+        "{c:?}"
+    );
     roomy.check_replay();
 }
 
@@ -257,7 +250,10 @@ fn context_too_long_compacts_and_retries_then_fails_when_nothing_is_left() {
     run_turn(&mut live, 1);
     run_turn(&mut live, 2);
     let c = live.input(user(3, "question 3"));
-    assert!(matches!(c[..], [Command::ScheduleModelCall { .. }]), "{c:?}");
+    assert!(
+        matches!(c[..], [Command::ScheduleModelCall { .. }]),
+        "{c:?}"
+    );
     let too_long = ActivityFailure::new(
         ErrorClass::ContextTooLong,
         "prompt is too long: 210000 tokens > 200000 maximum",
@@ -319,7 +315,10 @@ fn context_too_long_compacts_and_retries_then_fails_when_nothing_is_left() {
     live.check_replay();
     // The next turn runs on the compacted transcript.
     let c = live.input(user(4, "question 4"));
-    assert!(matches!(c[..], [Command::ScheduleModelCall { .. }]), "{c:?}");
+    assert!(
+        matches!(c[..], [Command::ScheduleModelCall { .. }]),
+        "{c:?}"
+    );
     live.check_replay();
 }
 
@@ -344,7 +343,10 @@ fn without_a_policy_context_too_long_fails_the_turn_at_once() {
     }
     // And a session without a policy never compacts before a call, however long.
     let c = live.input(user(3, &"long ".repeat(2_000)));
-    assert!(matches!(c[..], [Command::ScheduleModelCall { .. }]), "{c:?}");
+    assert!(
+        matches!(c[..], [Command::ScheduleModelCall { .. }]),
+        "{c:?}"
+    );
     live.check_replay();
 }
 

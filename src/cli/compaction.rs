@@ -134,7 +134,10 @@ mod tests {
 
     #[test]
     fn flags_make_a_checked_policy() {
-        assert!(CompactionArgs::default().session_policy().unwrap().is_none());
+        assert!(CompactionArgs::default()
+            .session_policy()
+            .unwrap()
+            .is_none());
         let args = CompactionArgs {
             compact_at: Some(900),
             compact_strategies: vec![CompactionStrategy::KeepLastTurns],

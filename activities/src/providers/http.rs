@@ -474,7 +474,10 @@ mod tests {
                 400,
                 r#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#,
             ),
-            (400, r#"{"message":"Input is too long for requested model."}"#),
+            (
+                400,
+                r#"{"message":"Input is too long for requested model."}"#,
+            ),
             (
                 400,
                 r#"{"message":"The model returned the following errors: prompt is too long: 227255 tokens > 200000 maximum"}"#,
