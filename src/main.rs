@@ -1508,7 +1508,11 @@ fn summarize(event: &Event) -> String {
             line
         }
         // Described by `cli::compaction::summarize` above.
-        Event::TranscriptCompacted { .. } | Event::CompactionRequested {} => String::new(),
+        Event::TranscriptCompacted { .. }
+        | Event::CompactionRequested {}
+        | Event::SummaryCallScheduled { .. }
+        | Event::SummaryCallCompleted { .. }
+        | Event::SummaryCallFailed { .. } => String::new(),
     }
 }
 

@@ -221,3 +221,71 @@ fn compact_on_request_drops_old_reasoning_between_turns() {
     let replay = cairn(&["replay", "--data", data, "asked"]);
     assert!(replay.status.success(), "{}", text(&replay.stdout));
 }
+
+#[test]
+fn a_summarising_session_keeps_a_summary_of_the_turns_it_drops() {
+    let script = serde_json::json!({
+        "summary": "Earlier, the user said first and got answer 1.",
+        "responses": [
+            {"turn": 1, "parts": [{"type": "text", "text": "answer 1"}]},
+            {"turn": 2, "parts": [{"type": "text", "text": "answer 2"}]}
+        ]
+    });
+    let files = demo_files(&script.to_string());
+    let data = files.dir.path().join("store");
+    let data = data.to_str().unwrap();
+    let model = format!("scripted:{}", files.script.display());
+    let workdir = files.workdir.to_str().unwrap();
+    let flags: &[&str] = &[
+        "--compact-at",
+        "1",
+        "--compact-strategies",
+        "keep_last_turns",
+        "--compact-keep-turns",
+        "1",
+        "--compact-summarize",
+    ];
+    for (turn, prompt) in [(1, "first"), (2, "second")] {
+        let mut args = vec![
+            "run",
+            "--data",
+            data,
+            "--model",
+            &model,
+            "--session",
+            "sum",
+            "--workdir",
+            workdir,
+        ];
+        if turn == 1 {
+            args.extend_from_slice(flags);
+        }
+        args.push(prompt);
+        let out = cairn(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert!(text(&out.stdout).contains(&format!("answer {turn}")));
+    }
+    let history = text(&cairn(&["history", "--data", data, "sum"]).stdout);
+    for kind in [
+        "summary_call_scheduled",
+        "summary_call_completed",
+        "transcript_compacted",
+    ] {
+        assert_eq!(history.matches(kind).count(), 1, "{kind}: {history}");
+    }
+    assert!(
+        history.contains("trigger=threshold strategies=[keep_last_turns] keep_last_turns=1 cut=2")
+            && history.contains("summary+46"),
+        "{history}"
+    );
+    let transcript = cairn(&["transcript", "--data", data, "sum"]);
+    let ledger: serde_json::Value = serde_json::from_slice(&transcript.stdout).unwrap();
+    let first = &ledger["messages"][0]["parts"];
+    assert_eq!(
+        first[0]["text"]["text"],
+        "[Summary of the earlier conversation]\nEarlier, the user said first and got answer 1."
+    );
+    assert_eq!(first[1]["text"]["text"], "second");
+    let replay = cairn(&["replay", "--data", data, "sum"]);
+    assert!(replay.status.success(), "{}", text(&replay.stdout));
+}

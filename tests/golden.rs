@@ -191,8 +191,24 @@ fn sample_events() -> Vec<Event> {
             cut: Some(9),
             estimate_before: 210_000,
             estimate_after: 12_345,
+            summary: None,
         },
         Event::CompactionRequested {},
+        Event::SummaryCallScheduled {
+            turn: 7,
+            attempt: 2,
+            not_before_ms: 1_700_000_000_002,
+        },
+        Event::SummaryCallCompleted {
+            turn: 7,
+            attempt: 2,
+            summary: "The user asked for sums; 126 was the answer.".into(),
+        },
+        Event::SummaryCallFailed {
+            turn: 7,
+            attempt: 1,
+            failure: ActivityFailure::new(ErrorClass::Overloaded, "overloaded"),
+        },
     ]
 }
 
@@ -235,7 +251,7 @@ fn every_event_kind_has_golden_bytes_that_decode_and_reencode_identically() {
     let mut expected: Vec<String> = kinds.iter().map(|k| format!("v1-{k}.bin")).collect();
     expected.sort();
     assert_eq!(found, expected);
-    assert_eq!(kinds.len(), 18);
+    assert_eq!(kinds.len(), 21);
 }
 
 /// A forked session's first event records its parent and seq; the field, added after v1,
@@ -321,6 +337,7 @@ fn compaction_records_have_golden_bytes() {
             CompactionStrategy::KeepLastTurns,
         ],
         keep_last_turns: 3,
+        summarize: true,
     });
     let failed = Event::ModelCallFailed {
         turn: 2,

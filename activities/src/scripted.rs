@@ -38,6 +38,8 @@
 //! Top level:
 //! - `model` (optional): the model name in every response; default `scripted`.
 //! - `chunk_delay_ms` (optional, default 0): pause between streamed deltas.
+//! - `summary` (optional): the text a summary call of compaction (a request that ends with
+//!   [`cairn_ledger::SUMMARY_PROMPT`]) gets; without it such a call fails.
 //! - `context_window_tokens` (optional): a request whose transcript is estimated
 //!   ([`cairn_ledger::estimate_tokens`]) over this many tokens fails with an
 //!   [`ErrorKind::ContextTooLong`] provider error, like a real model's context window.
@@ -118,6 +120,7 @@ pub struct Script {
     model: String,
     chunk_delay: Duration,
     context_window_tokens: Option<u64>,
+    summary: Option<String>,
     steps: Vec<Step>,
 }
 
@@ -248,6 +251,32 @@ impl ModelProvider for ScriptedProvider {
                     ),
                 });
             }
+        }
+        // A summary call (compaction's): its request ends with the summary prompt.
+        let asks_summary = request.transcript.messages.last().is_some_and(|m| {
+            m.role == Role::User
+                && matches!(m.parts.first(), Some(Part::Text { text, .. }) if text == cairn_ledger::SUMMARY_PROMPT)
+        });
+        if asks_summary {
+            let Some(summary) = script.summary.as_ref().filter(|s| !s.is_empty()) else {
+                return Err(Error::Provider {
+                    kind: ErrorKind::InvalidRequest,
+                    message: format!(
+                        "script {} has no \"summary\" for compaction's summary call",
+                        script.path
+                    ),
+                });
+            };
+            let response = ModelResponse {
+                provider: PROVIDER.to_owned(),
+                model: script.model.clone(),
+                parts: vec![Part::text(summary.clone())],
+                stop_reason_raw: "end_turn".to_owned(),
+                stop_reason: StopReason::EndTurn,
+                usage: Usage::default(),
+            };
+            stream(&response, script.chunk_delay, deltas).await;
+            return Ok(response);
         }
         // The position in the script comes from the request alone, so restarts and replays
         // pick the same response: by turn and round when the responses name their turns
@@ -419,6 +448,8 @@ struct RawScript<'a> {
     chunk_delay_ms: u64,
     #[serde(default)]
     context_window_tokens: Option<u64>,
+    #[serde(default)]
+    summary: Option<String>,
     #[serde(borrow)]
     responses: Vec<&'a RawValue>,
 }
@@ -563,6 +594,7 @@ impl<'t> Loader<'t> {
             model,
             chunk_delay: Duration::from_millis(raw.chunk_delay_ms),
             context_window_tokens: raw.context_window_tokens,
+            summary: raw.summary,
             steps,
         })
     }

@@ -186,6 +186,20 @@ pub fn turns_before_cut(transcript: &Transcript, keep: u32) -> Transcript {
     }
 }
 
+/// The instruction a summary call ends with (see [`summary_request`]).
+pub const SUMMARY_PROMPT: &str = "Summarise the conversation above for your own later use: the \
+user's goals, the decisions made, the facts learned (names, values, tool results that matter) \
+and what is still open. Be concise and write only the summary.";
+
+/// The transcript a summary call sends: the turns [`keep_last_turns`] would drop, their
+/// reasoning dropped (it may not be replayable to the summarising model), then a user message
+/// of [`SUMMARY_PROMPT`]. Valid whenever the transcript is.
+pub fn summary_request(transcript: &Transcript, keep: u32) -> Transcript {
+    let mut older = turns_before_cut(transcript, keep);
+    older.push_user_text(SUMMARY_PROMPT);
+    drop_reasoning(&older)
+}
+
 /// What one compaction does, as recorded: the strategies in the order applied, the number of
 /// turns kept and the summary, if any.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

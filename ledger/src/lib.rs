@@ -12,8 +12,9 @@ mod validate;
 
 pub use compaction::{
     compact, current_turn_start, cut_for_last_turns, drop_failed_tool_results, drop_reasoning,
-    estimate_tokens, keep_last_turns, starts_turn, turn_starts, turns_before_cut, Compacted,
-    CompactionPlan, CompactionStrategy, FAILED_RESULT_NOTE, SUMMARY_HEADING,
+    estimate_tokens, keep_last_turns, starts_turn, summary_request, turn_starts, turns_before_cut,
+    Compacted, CompactionPlan, CompactionStrategy, FAILED_RESULT_NOTE, SUMMARY_HEADING,
+    SUMMARY_PROMPT,
 };
 pub use error::{Error, Result, Violation};
 pub use json::JsonText;

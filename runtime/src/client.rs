@@ -484,6 +484,9 @@ pub fn describe_state(state: &SessionState, status: SessionStatus) -> SessionDes
                 ScheduledActivity::Model { round, attempt, .. } => {
                     (format!("model:{round}"), attempt)
                 }
+                ScheduledActivity::Summary { round, attempt, .. } => {
+                    (format!("summary:{round}"), attempt)
+                }
                 ScheduledActivity::Tool {
                     tool_use, attempt, ..
                 } => (format!("tool:{}", tool_use.id), attempt),

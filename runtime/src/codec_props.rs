@@ -116,10 +116,18 @@ fn event() -> impl Strategy<Value = Event> {
                         cut,
                         estimate_before: before,
                         estimate_after: after,
+                        summary: on_request.then(|| "a summary".to_owned()),
                     }
                 }
             ),
         Just(Event::CompactionRequested {}),
+        (small.clone(), small.clone(), text()).prop_map(|(turn, attempt, summary)| {
+            Event::SummaryCallCompleted {
+                turn,
+                attempt,
+                summary,
+            }
+        }),
         (
             small.clone(),
             small.clone(),

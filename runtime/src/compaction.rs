@@ -21,6 +21,12 @@ pub struct CompactionPolicy {
     /// at least 1.
     #[serde(default = "default_keep_last_turns")]
     pub keep_last_turns: u32,
+    /// Summarise the turns `keep_last_turns` drops with a model call (the turn's model, run
+    /// as an activity, retried under the model retry policy) and put the summary in front of
+    /// the first kept message; when it fails for good, the turns are dropped without one.
+    /// Compaction on request never summarises.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub summarize: bool,
 }
 
 impl Default for CompactionPolicy {
@@ -29,6 +35,7 @@ impl Default for CompactionPolicy {
             threshold_tokens: None,
             strategies: default_strategies(),
             keep_last_turns: default_keep_last_turns(),
+            summarize: false,
         }
     }
 }

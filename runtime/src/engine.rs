@@ -574,6 +574,28 @@ impl Engine {
                 timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
                 heartbeat_details,
             }),
+            Some(ScheduledActivity::Summary {
+                turn,
+                round,
+                attempt,
+                model,
+                not_before_ms,
+                keep_last_turns,
+            }) => Some(ActivityInput::Model {
+                origin: ActivityRef {
+                    session_id: session_id.clone(),
+                    turn,
+                    activity: format!("summary:{round}"),
+                    attempt,
+                },
+                round,
+                model,
+                transcript: cairn_ledger::summary_request(&state.transcript, keep_last_turns),
+                // Older turns may hold tool blocks, which providers accept only with tools.
+                tools: started.tools.clone(),
+                timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
+                heartbeat_details: None,
+            }),
             Some(ScheduledActivity::Tool {
                 turn,
                 attempt,
@@ -1453,6 +1475,36 @@ fn report_event(
             content,
             is_error,
         },
+        (
+            ScheduledActivity::Summary { turn, attempt, .. },
+            ActivityReport::ModelCompleted(response),
+        ) => {
+            let summary: String = response
+                .parts
+                .iter()
+                .filter_map(|p| match p {
+                    cairn_ledger::Part::Text { text, .. } => Some(text.as_str()),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+                .join("\n");
+            if summary.trim().is_empty() {
+                Event::SummaryCallFailed {
+                    turn,
+                    attempt,
+                    failure: ActivityFailure::new(
+                        crate::event::ErrorClass::InvalidResponse,
+                        "the summary call answered without text",
+                    ),
+                }
+            } else {
+                Event::SummaryCallCompleted {
+                    turn,
+                    attempt,
+                    summary,
+                }
+            }
+        }
         (activity, ActivityReport::Failed(failure)) => failed_event(activity, failure),
         (activity, report) => {
             return Err(Error::InvalidEvent {
@@ -1475,6 +1527,11 @@ fn failed_event(activity: ScheduledActivity, failure: ActivityFailure) -> Event 
         } => Event::ModelCallFailed {
             turn,
             round,
+            attempt,
+            failure,
+        },
+        ScheduledActivity::Summary { turn, attempt, .. } => Event::SummaryCallFailed {
+            turn,
             attempt,
             failure,
         },

@@ -240,6 +240,39 @@ pub enum Event {
         estimate_before: u64,
         /// Estimated tokens after.
         estimate_after: u64,
+        /// The summary of the dropped turns, put in front of the first kept message, when the
+        /// policy summarises and the summary call succeeded.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        summary: Option<String>,
+    },
+    /// A summary call of the turns a compaction drops was scheduled (a command; its model
+    /// task is enqueued in the same append). The model call it precedes waits for it.
+    SummaryCallScheduled {
+        /// Turn number.
+        turn: u32,
+        /// Attempt, from 1.
+        attempt: u32,
+        /// Earliest start, in epoch milliseconds.
+        not_before_ms: u64,
+    },
+    /// The summary call returned: its text is the summary.
+    SummaryCallCompleted {
+        /// Turn number.
+        turn: u32,
+        /// Attempt that produced it.
+        attempt: u32,
+        /// The summary.
+        summary: String,
+    },
+    /// A summary call attempt failed; retried under the model retry policy, then the
+    /// compaction goes on without a summary.
+    SummaryCallFailed {
+        /// Turn number.
+        turn: u32,
+        /// The failed attempt.
+        attempt: u32,
+        /// What went wrong.
+        failure: ActivityFailure,
     },
     /// A person or program asked to compact the transcript now (`cairn compact`), between
     /// turns. The workflow answers with `transcript_compacted`, or nothing when no strategy
@@ -269,6 +302,9 @@ impl Event {
             Event::ToolCallDenied { .. } => "tool_call_denied",
             Event::TranscriptCompacted { .. } => "transcript_compacted",
             Event::CompactionRequested { .. } => "compaction_requested",
+            Event::SummaryCallScheduled { .. } => "summary_call_scheduled",
+            Event::SummaryCallCompleted { .. } => "summary_call_completed",
+            Event::SummaryCallFailed { .. } => "summary_call_failed",
         }
     }
 
@@ -280,6 +316,7 @@ impl Event {
                 | Event::ToolCallScheduled { .. }
                 | Event::ToolApprovalRequested { .. }
                 | Event::TranscriptCompacted { .. }
+                | Event::SummaryCallScheduled { .. }
                 | Event::TurnCompleted { .. }
                 | Event::TurnFailed { .. }
         )

@@ -751,6 +751,9 @@ pub mod schema {
         /// Turns `keep_last_turns` keeps, the current one included (4 when absent).
         #[schema(required = false, minimum = 1)]
         pub keep_last_turns: u32,
+        /// Summarise the turns `keep_last_turns` drops with a model call (false when absent).
+        #[schema(required = false)]
+        pub summarize: bool,
     }
 
     /// One way of shrinking a transcript's completed turns.

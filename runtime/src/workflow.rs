@@ -37,9 +37,10 @@ pub const WORKFLOW_VERSION: u32 = 2;
 // Compaction's rules need no new version: see the module doc of `workflow_compaction.rs`.
 #[path = "workflow_compaction.rs"]
 mod compaction_rules;
+pub use compaction_rules::SummarySlot;
 
 /// A decision of the workflow; the engine records it as an event before anything runs.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Command {
     /// Call the model.
     ScheduleModelCall {
@@ -92,6 +93,17 @@ pub enum Command {
         estimate_before: u64,
         /// Estimated tokens after.
         estimate_after: u64,
+        /// The summary of the dropped turns, if one was made.
+        summary: Option<String>,
+    },
+    /// Summarise the turns a compaction drops (recorded as `summary_call_scheduled`).
+    ScheduleSummary {
+        /// Turn.
+        turn: u32,
+        /// Attempt.
+        attempt: u32,
+        /// Earliest start.
+        not_before_ms: u64,
     },
     /// End the turn successfully.
     CompleteTurn {
@@ -156,6 +168,7 @@ impl Command {
                 cut,
                 estimate_before,
                 estimate_after,
+                summary,
             } => Event::TranscriptCompacted {
                 turn,
                 trigger,
@@ -164,6 +177,16 @@ impl Command {
                 cut,
                 estimate_before,
                 estimate_after,
+                summary,
+            },
+            Command::ScheduleSummary {
+                turn,
+                attempt,
+                not_before_ms,
+            } => Event::SummaryCallScheduled {
+                turn,
+                attempt,
+                not_before_ms,
             },
             Command::CompleteTurn { turn, usage } => Event::TurnCompleted { turn, usage },
             Command::FailTurn { turn, reason } => Event::TurnFailed { turn, reason },
@@ -286,6 +309,8 @@ pub enum Phase {
     Model(ModelSlot),
     /// Tool calls, in declaration order.
     Tools(Vec<ToolSlot>),
+    /// A summary call, before a compaction and the model call it precedes.
+    Summarizing(SummarySlot),
     /// Its end, decided but not yet recorded.
     Ending,
 }
@@ -322,6 +347,21 @@ pub enum ScheduledActivity {
         not_before_ms: u64,
         /// Details the previous attempt heartbeated last.
         heartbeat_details: Option<JsonText>,
+    },
+    /// A summary call: the model over the turns a compaction drops.
+    Summary {
+        /// Turn.
+        turn: u32,
+        /// The turn's round it precedes.
+        round: u32,
+        /// Attempt.
+        attempt: u32,
+        /// The model.
+        model: ModelSpec,
+        /// When the attempt was due.
+        not_before_ms: u64,
+        /// The turns the compaction keeps; the summary covers those before them.
+        keep_last_turns: u32,
     },
     /// A tool call.
     Tool {
@@ -444,6 +484,16 @@ impl SessionState {
                     heartbeat_details: slot.heartbeat_details.clone(),
                 })
             }
+            Phase::Summarizing(slot) if slot.scheduled_seq == Some(scheduled_seq) => {
+                Some(ScheduledActivity::Summary {
+                    turn: active.turn,
+                    round: active.round,
+                    attempt: slot.attempt,
+                    model: active.model.clone(),
+                    not_before_ms: slot.not_before_ms,
+                    keep_last_turns: slot.keep_last_turns(),
+                })
+            }
             Phase::Tools(slots) => slots.iter().find_map(|slot| match &slot.state {
                 ToolSlotState::Scheduled {
                     attempt,
@@ -524,6 +574,16 @@ impl SessionState {
                 attempt,
                 not_before_ms,
             },
+            ScheduledActivity::Summary {
+                turn,
+                attempt,
+                not_before_ms,
+                ..
+            } => Command::ScheduleSummary {
+                turn,
+                attempt,
+                not_before_ms,
+            },
             ScheduledActivity::Tool {
                 turn,
                 attempt,
@@ -549,6 +609,7 @@ impl SessionState {
         };
         match &active.phase {
             Phase::Model(slot) => slot.scheduled_seq.into_iter().collect(),
+            Phase::Summarizing(slot) => slot.scheduled_seq.into_iter().collect(),
             Phase::Tools(slots) => slots
                 .iter()
                 .filter_map(|s| match s.state {
@@ -630,7 +691,8 @@ impl SessionState {
     fn task_for(&self, command: &Command, scheduled_seq: u64) -> Option<NewTask> {
         let started = self.started.as_ref()?;
         let (kind, not_before_ms, queue, target, policy) = match command {
-            Command::ScheduleModelCall { not_before_ms, .. } => {
+            Command::ScheduleModelCall { not_before_ms, .. }
+            | Command::ScheduleSummary { not_before_ms, .. } => {
                 let model = self
                     .active
                     .as_ref()
@@ -705,6 +767,10 @@ impl SessionState {
                 Phase::Model(slot),
             ) => slot.scheduled_seq,
             (
+                Event::SummaryCallCompleted { .. } | Event::SummaryCallFailed { .. },
+                Phase::Summarizing(slot),
+            ) => slot.scheduled_seq,
+            (
                 Event::ToolCallCompleted { tool_use_id, .. }
                 | Event::ToolCallFailed { tool_use_id, .. },
                 Phase::Tools(slots),
@@ -772,6 +838,10 @@ impl SessionState {
         if let Event::TranscriptCompacted { .. } = event {
             // May run between turns (on request), so before the active-turn check.
             self.apply_compaction(event);
+            return Ok(());
+        }
+        if let Event::SummaryCallScheduled { .. } = event {
+            self.summary_scheduled(seq);
             return Ok(());
         }
         let active = self.active.as_mut().ok_or_else(|| Error::InvalidEvent {
@@ -1093,10 +1163,27 @@ impl SessionState {
                 Ok(Vec::new())
             }
             Event::CompactionRequested {} => self.on_compaction_requested(seq),
+            Event::SummaryCallCompleted {
+                turn,
+                attempt,
+                summary,
+            } => {
+                self.check_summary_slot(seq, *turn, *attempt)?;
+                Ok(self.on_summary(now, Some(summary)))
+            }
+            Event::SummaryCallFailed {
+                turn,
+                attempt,
+                failure,
+            } => {
+                self.check_summary_slot(seq, *turn, *attempt)?;
+                Ok(self.on_summary_failure(now, *attempt, failure))
+            }
             Event::ModelCallScheduled { .. }
             | Event::ToolCallScheduled { .. }
             | Event::ToolApprovalRequested { .. }
             | Event::TranscriptCompacted { .. }
+            | Event::SummaryCallScheduled { .. }
             | Event::TurnCompleted { .. }
             | Event::TurnFailed { .. } => Err(self.invalid(seq, "command event as input")),
         }
@@ -1154,7 +1241,9 @@ impl SessionState {
                 seq,
                 format!("{what}: attempt {} superseded it", slot.attempt),
             )),
-            Phase::Model(_) => Err(self.invalid(seq, format!("no {what} is waiting"))),
+            Phase::Model(_) | Phase::Summarizing(_) => {
+                Err(self.invalid(seq, format!("no {what} is waiting")))
+            }
             Phase::Tools(_) | Phase::Ending => Err(self.stale(
                 seq,
                 format!("{what}: the model call of this round was already answered"),

@@ -29,6 +29,7 @@ fn policy(
         threshold_tokens,
         strategies,
         keep_last_turns,
+        summarize: false,
     }
 }
 
@@ -133,6 +134,7 @@ fn over_the_threshold_a_compaction_goes_before_the_model_call() {
                 cut: None,
                 estimate_before: estimate_tokens(&with_user),
                 estimate_after: estimate_tokens(&expected.transcript),
+                summary: None,
             },
             Command::ScheduleModelCall {
                 turn: 2,
@@ -430,4 +432,210 @@ fn a_tampered_compaction_is_a_nondeterminism_naming_it() {
         replay(SID, &events),
         Err(Error::Nondeterminism { seq: s, .. }) if s == seq
     ));
+}
+
+fn summarizing(threshold_tokens: Option<u64>) -> SessionStarted {
+    with_policy(Some(CompactionPolicy {
+        summarize: true,
+        ..policy(threshold_tokens, vec![CompactionStrategy::KeepLastTurns], 1)
+    }))
+}
+
+#[test]
+fn a_summary_call_runs_first_and_its_text_is_kept_in_front_of_the_cut() {
+    let mut live = Live::new(summarizing(Some(1)));
+    run_turn(&mut live, 1);
+    let before = live.state.transcript.clone();
+    let t = live.step(user(2, "question 2"));
+    let due = live.now;
+    assert_eq!(
+        t.commands,
+        vec![Command::ScheduleSummary {
+            turn: 2,
+            attempt: 1,
+            not_before_ms: due,
+        }]
+    );
+    // A model task, named by the summary's seq, runs the turn's model over the older turns.
+    let seq = t.events[1].seq;
+    assert_eq!(t.enqueue.len(), 1);
+    assert_eq!(t.enqueue[0].kind, crate::store::TaskKind::Model);
+    assert_eq!(t.enqueue[0].id.scheduled_seq, seq);
+    assert_eq!(live.state.outstanding_tasks(), vec![seq]);
+    match live.state.scheduled_activity(seq) {
+        Some(crate::workflow::ScheduledActivity::Summary {
+            turn: 2,
+            attempt: 1,
+            keep_last_turns: 1,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    let request = summary_request(&live.state.transcript, 1);
+    validate_transcript(&request).unwrap();
+    assert_eq!(request.messages[..4].len(), 4);
+    assert_eq!(reasoning_count(&request.messages), 0);
+    assert_eq!(
+        request.messages.last().unwrap().parts,
+        vec![Part::text(SUMMARY_PROMPT)]
+    );
+    // Nothing is compacted until the summary is in.
+    assert_eq!(
+        live.state.transcript.messages.len(),
+        before.messages.len() + 1
+    );
+    let c = live.input(Event::SummaryCallCompleted {
+        turn: 2,
+        attempt: 1,
+        summary: "They asked question 1; the tool failed.".into(),
+    });
+    match &c[..] {
+        [Command::CompactTranscript {
+            cut: Some(5),
+            summary: Some(summary),
+            ..
+        }, Command::ScheduleModelCall {
+            turn: 2,
+            round: 0,
+            attempt: 1,
+            ..
+        }] => assert_eq!(summary, "They asked question 1; the tool failed."),
+        other => panic!("{other:?}"),
+    }
+    let first = &live.state.transcript.messages[1];
+    assert_eq!(
+        first.parts,
+        vec![
+            Part::text(format!(
+                "{SUMMARY_HEADING}\nThey asked question 1; the tool failed."
+            )),
+            Part::text("question 2"),
+        ]
+    );
+    let c = finish_turn(&mut live, 2);
+    assert!(matches!(c[..], [Command::CompleteTurn { .. }]), "{c:?}");
+    live.check_replay();
+}
+
+#[test]
+fn a_summary_that_keeps_failing_is_retried_then_left_out() {
+    let mut live = Live::new(summarizing(Some(1)));
+    run_turn(&mut live, 1);
+    live.input(user(2, "question 2"));
+    let overloaded = ActivityFailure::new(ErrorClass::Overloaded, "busy");
+    let c = live.input(Event::SummaryCallFailed {
+        turn: 2,
+        attempt: 1,
+        failure: overloaded.clone(),
+    });
+    // The model retry policy: 100 ms, then at most 2 attempts.
+    assert_eq!(
+        c,
+        vec![Command::ScheduleSummary {
+            turn: 2,
+            attempt: 2,
+            not_before_ms: live.now + 100,
+        }]
+    );
+    let c = live.input(Event::SummaryCallFailed {
+        turn: 2,
+        attempt: 2,
+        failure: overloaded,
+    });
+    match &c[..] {
+        [Command::CompactTranscript {
+            cut: Some(5),
+            summary: None,
+            ..
+        }, Command::ScheduleModelCall { attempt: 1, .. }] => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        live.state.transcript.messages[1].parts,
+        vec![Part::text("question 2")]
+    );
+    // A late report of the first attempt is stale and changes nothing.
+    let err = live
+        .try_input(Event::SummaryCallCompleted {
+            turn: 2,
+            attempt: 1,
+            summary: "late".into(),
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::StaleReport { .. }), "{err}");
+    finish_turn(&mut live, 2);
+    live.check_replay();
+}
+
+#[test]
+fn context_too_long_with_summaries_summarises_then_retries_the_call() {
+    let mut live = Live::new(summarizing(None));
+    run_turn(&mut live, 1);
+    live.input(user(2, "question 2"));
+    let c = live.input(Event::ModelCallFailed {
+        turn: 2,
+        round: 0,
+        attempt: 1,
+        failure: ActivityFailure::new(ErrorClass::ContextTooLong, "prompt is too long"),
+    });
+    assert!(
+        matches!(
+            c[..],
+            [Command::ScheduleSummary {
+                turn: 2,
+                attempt: 1,
+                ..
+            }]
+        ),
+        "{c:?}"
+    );
+    let c = live.input(Event::SummaryCallCompleted {
+        turn: 2,
+        attempt: 1,
+        summary: "earlier: question 1".into(),
+    });
+    match &c[..] {
+        [Command::CompactTranscript {
+            trigger: CompactionTrigger::ContextTooLong,
+            summary: Some(_),
+            ..
+        }, Command::ScheduleModelCall {
+            turn: 2,
+            round: 0,
+            attempt: 2,
+            ..
+        }] => {}
+        other => panic!("{other:?}"),
+    }
+    let c = live.input(model_done(
+        2,
+        0,
+        2,
+        response(vec![text("Done.")], StopReason::EndTurn),
+    ));
+    assert!(matches!(c[..], [Command::CompleteTurn { .. }]), "{c:?}");
+    live.check_replay();
+}
+
+#[test]
+fn a_cancelled_turn_drops_its_summary_call() {
+    let mut live = Live::new(summarizing(Some(1)));
+    run_turn(&mut live, 1);
+    let t = live.step(user(2, "question 2"));
+    let seq = t.events[1].seq;
+    let t = live.step(Event::TurnCancelled {
+        turn: 2,
+        reason: "stop".into(),
+    });
+    assert_eq!(t.cancel.len(), 1);
+    assert_eq!(t.cancel[0].scheduled_seq, seq);
+    let err = live
+        .try_input(Event::SummaryCallCompleted {
+            turn: 2,
+            attempt: 1,
+            summary: "late".into(),
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::StaleReport { .. }), "{err}");
+    live.check_replay();
 }

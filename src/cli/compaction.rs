@@ -21,6 +21,10 @@ pub struct CompactionArgs {
     /// keep_last_turns (default: all three, in this order).
     #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = parse_strategy)]
     pub compact_strategies: Vec<CompactionStrategy>,
+    /// Summarise the turns compaction drops with a model call (the session's model) and keep
+    /// the summary in front of the first kept message.
+    #[arg(long)]
+    pub compact_summarize: bool,
 }
 
 fn parse_strategy(name: &str) -> Result<CompactionStrategy, String> {
@@ -39,6 +43,7 @@ impl CompactionArgs {
             || self.compact_on_overflow
             || self.compact_keep_turns.is_some()
             || !self.compact_strategies.is_empty()
+            || self.compact_summarize
     }
 
     /// The policy a new session records: `None` without flags (the session never compacts
@@ -56,6 +61,7 @@ impl CompactionArgs {
                 self.compact_strategies.clone()
             },
             keep_last_turns: self.compact_keep_turns.unwrap_or(default.keep_last_turns),
+            summarize: self.compact_summarize,
         };
         policy
             .check()
@@ -104,6 +110,7 @@ pub fn summarize(event: &Event) -> Option<String> {
             cut,
             estimate_before,
             estimate_after,
+            summary,
         } => {
             let mut line = format!(
                 "turn={turn} trigger={} strategies=[{}]",
@@ -121,9 +128,32 @@ pub fn summarize(event: &Event) -> Option<String> {
                 line.push_str(&format!(" cut={cut}"));
             }
             line.push_str(&format!(" tokens~{estimate_before}->{estimate_after}"));
+            if let Some(summary) = summary {
+                line.push_str(&format!(" summary+{}", summary.chars().count()));
+            }
             Some(line)
         }
         Event::CompactionRequested {} => Some("between turns".to_owned()),
+        Event::SummaryCallScheduled { turn, attempt, .. } => {
+            Some(format!("turn={turn} attempt={attempt}"))
+        }
+        Event::SummaryCallCompleted {
+            turn,
+            attempt,
+            summary,
+        } => Some(format!(
+            "turn={turn} attempt={attempt} {} chars",
+            summary.chars().count()
+        )),
+        Event::SummaryCallFailed {
+            turn,
+            attempt,
+            failure,
+        } => Some(format!(
+            "turn={turn} attempt={attempt} {}: {}",
+            failure.class.as_str(),
+            failure.message
+        )),
         _ => None,
     }
 }
@@ -149,6 +179,7 @@ mod tests {
                 threshold_tokens: Some(900),
                 strategies: vec![CompactionStrategy::KeepLastTurns],
                 keep_last_turns: 4,
+                summarize: false,
             })
         );
         let twice = CompactionArgs {
