@@ -167,7 +167,8 @@ mod tests {
         }
         assert_eq!(doc["security"][0]["bearer"], serde_json::json!([]));
         let paths = doc["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 19, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 20, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert!(paths["/v1/sessions/{id}/compact"]["post"].is_object());
         for (path, operations) in paths {
             for (method, operation) in operations.as_object().unwrap() {
                 let responses = operation["responses"].as_object().unwrap();
