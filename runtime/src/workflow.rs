@@ -17,10 +17,9 @@ use crate::event::{
 use crate::policy::PolicyDecision;
 use crate::store::{NewTask, TaskId, TaskKind};
 use cairn_ledger::{
-    validate_response, ModelResponse, ModelSpec, Part, StopReason, ToolResult, ToolResultContent,
-    ToolUse, Transcript, Usage,
+    validate_response, CompactionStrategy, JsonText, ModelResponse, ModelSpec, Part, StopReason,
+    ToolResult, ToolResultContent, ToolUse, Transcript, Usage,
 };
-use cairn_ledger::{CompactionStrategy, JsonText};
 use std::collections::{BTreeSet, VecDeque};
 
 /// The version of the workflow's rules this code decides new sessions by. A session keeps
