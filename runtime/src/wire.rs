@@ -747,7 +747,7 @@ pub mod schema {
         pub threshold_tokens: Option<u64>,
         /// The strategies, tried in order, each at most once (all three when absent).
         #[schema(required = false, min_items = 1)]
-        pub strategies: Vec<CompactionStrategy>,
+        pub strategies: std::collections::BTreeSet<CompactionStrategy>,
         /// Turns `keep_last_turns` keeps, the current one included (4 when absent).
         #[schema(required = false, minimum = 1)]
         pub keep_last_turns: u32,
@@ -757,7 +757,7 @@ pub mod schema {
     }
 
     /// One way of shrinking a transcript's completed turns.
-    #[derive(Serialize, ToSchema)]
+    #[derive(Serialize, ToSchema, PartialEq, Eq, PartialOrd, Ord)]
     #[serde(rename_all = "snake_case")]
     pub enum CompactionStrategy {
         /// Drop their reasoning parts.

@@ -169,6 +169,11 @@ mod tests {
         let paths = doc["paths"].as_object().unwrap();
         assert_eq!(paths.len(), 20, "{:?}", paths.keys().collect::<Vec<_>>());
         assert!(paths["/v1/sessions/{id}/compact"]["post"].is_object());
+        let compaction = &doc["components"]["schemas"]["CompactionPolicy"]["properties"];
+        assert_eq!(
+            compaction["strategies"]["uniqueItems"], true,
+            "{compaction}"
+        );
         for (path, operations) in paths {
             for (method, operation) in operations.as_object().unwrap() {
                 let responses = operation["responses"].as_object().unwrap();
