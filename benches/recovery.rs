@@ -26,6 +26,7 @@ fn started() -> SessionStarted {
         forked_from: None,
         workflow_version: cairn_runtime::WORKFLOW_VERSION,
         tool_policy: None,
+        compaction: None,
         model: ModelSpec::parse("scripted:bench.json").unwrap(),
         tools: vec![ToolSpec {
             name: "calculator".into(),

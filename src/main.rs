@@ -37,6 +37,8 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+// Parsed once per process; boxing `Run`'s flattened flag groups would buy nothing measurable.
+#[allow(clippy::large_enum_variant)]
 enum Command {
     /// Run a complete offline session (scripted model, two parallel tool calls) in a store,
     /// the default one unless --data names another; the session stays there to inspect.
@@ -93,6 +95,9 @@ enum Command {
         /// Budgets of a new session, and the price table.
         #[command(flatten)]
         budget: Box<cli::budget::BudgetArgs>,
+        /// Compaction policy of a new session (refused for an existing one).
+        #[command(flatten)]
+        compaction: cli::compaction::CompactionArgs,
         /// The user message.
         prompt: String,
     },
@@ -235,6 +240,16 @@ enum Command {
         /// Why, recorded in the history.
         #[arg(long, default_value = "cancelled from the command line")]
         reason: String,
+    },
+    /// Compact a session's transcript now, between turns, with its compaction policy (or
+    /// the default one); recorded in its history.
+    Compact {
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
+        /// Session id.
+        session: String,
     },
     /// Approve a tool call the session's policy parked: it runs (by the process that holds
     /// the session's store, or the next `cairn resume`).
@@ -546,6 +561,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             thinking_budget,
             policy,
             budget,
+            compaction,
             prompt,
         } => {
             // Everything that can be checked is checked before anything is written.
@@ -580,6 +596,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         show_thinking: !hide_thinking,
                         policy,
                         budget: *budget,
+                        compaction,
                     };
                     return Ok(outcome_code(&remote.run(request).await?));
                 }
@@ -591,6 +608,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     refuse_start_options(&id, &system, max_rounds)?;
                     refuse_policy_options(&id, &policy)?;
                     budget.refuse_for_existing(&id)?;
+                    compaction.refuse_for_existing(&id)?;
                     id
                 }
                 requested => {
@@ -598,6 +616,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     let tool_policy = policy.session_policy(&tools)?;
                     let mut options = SessionOptions::new(model.clone(), tools);
                     options.tool_policy = tool_policy;
+                    options.compaction = compaction.session_policy()?;
                     options.session_id = requested;
                     options.system_prompt = system;
                     if let Some(max_rounds) = max_rounds {
@@ -842,6 +861,17 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 access.client().cancel(&session, &reason).await?;
                 outln!("cancelled session {session}")?;
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Compact {
+            data,
+            server,
+            session,
+        } => {
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::Existing, None, PathBuf::from(".")).await?;
+            let outcome = access.client().compact(&session).await?;
+            outln!("{}", cli::compaction::describe(&session, &outcome))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Approve {
@@ -1361,6 +1391,9 @@ fn one_line(text: &str, max: usize) -> String {
 }
 
 fn summarize(event: &Event) -> String {
+    if let Some(line) = cli::compaction::summarize(event) {
+        return line;
+    }
     match event {
         Event::SessionStarted(s) => format!(
             "model={}:{} tools=[{}] max_rounds={}",
@@ -1497,6 +1530,12 @@ fn summarize(event: &Event) -> String {
             }
             line
         }
+        // Described by `cli::compaction::summarize` above.
+        Event::TranscriptCompacted { .. }
+        | Event::CompactionRequested {}
+        | Event::SummaryCallScheduled { .. }
+        | Event::SummaryCallCompleted { .. }
+        | Event::SummaryCallFailed { .. } => String::new(),
     }
 }
 

@@ -68,6 +68,7 @@ fn sample_events() -> Vec<Event> {
             forked_from: None,
             workflow_version: 1,
             tool_policy: None,
+            compaction: None,
             model: ModelSpec {
                 provider: "scripted".into(),
                 model: "demo.json".into(),
@@ -187,6 +188,36 @@ fn sample_events() -> Vec<Event> {
             reason: "nobody approved it before its deadline".into(),
             by_deadline: true,
         },
+        Event::TranscriptCompacted {
+            turn: 6,
+            trigger: CompactionTrigger::ContextTooLong,
+            strategies: vec![
+                CompactionStrategy::DropReasoning,
+                CompactionStrategy::DropFailedToolResults,
+                CompactionStrategy::KeepLastTurns,
+            ],
+            keep_last_turns: Some(2),
+            cut: Some(9),
+            estimate_before: 210_000,
+            estimate_after: 12_345,
+            summary: None,
+        },
+        Event::CompactionRequested {},
+        Event::SummaryCallScheduled {
+            turn: 7,
+            attempt: 2,
+            not_before_ms: 1_700_000_000_002,
+        },
+        Event::SummaryCallCompleted {
+            turn: 7,
+            attempt: 2,
+            summary: "The user asked for sums; 126 was the answer.".into(),
+        },
+        Event::SummaryCallFailed {
+            turn: 7,
+            attempt: 1,
+            failure: ActivityFailure::new(ErrorClass::Overloaded, "overloaded"),
+        },
     ]
 }
 
@@ -229,7 +260,7 @@ fn every_event_kind_has_golden_bytes_that_decode_and_reencode_identically() {
     let mut expected: Vec<String> = kinds.iter().map(|k| format!("v1-{k}.bin")).collect();
     expected.sort();
     assert_eq!(found, expected);
-    assert_eq!(kinds.len(), 16);
+    assert_eq!(kinds.len(), 21);
 }
 
 /// A forked session's first event records its parent and seq; the field, added after v1,
@@ -414,6 +445,52 @@ fn cost_and_budget_fields_have_golden_bytes() {
             "{}: the encoding of {kind} changed",
             path.display()
         );
+    }
+}
+
+/// Records of compaction beside the event kinds: a session_started with a compaction policy
+/// (the field, added after v1, is left out of every record without one) and a model call that
+/// failed because the context is too long (a class added after v1).
+#[test]
+fn compaction_records_have_golden_bytes() {
+    let Event::SessionStarted(mut started) = sample_events().remove(0) else {
+        panic!("the first sample is a session_started");
+    };
+    started.compaction = Some(CompactionPolicy {
+        threshold_tokens: Some(150_000),
+        strategies: vec![
+            CompactionStrategy::DropFailedToolResults,
+            CompactionStrategy::KeepLastTurns,
+        ],
+        keep_last_turns: 3,
+        summarize: true,
+    });
+    let failed = Event::ModelCallFailed {
+        turn: 2,
+        round: 0,
+        attempt: 1,
+        failure: ActivityFailure::new(
+            ErrorClass::ContextTooLong,
+            "prompt is too long: 210000 tokens > 200000 maximum",
+        ),
+        cost_micros: None,
+    };
+    for (name, event) in [
+        ("compaction-session_started", Event::SessionStarted(started)),
+        ("context_too_long-model_call_failed", failed),
+    ] {
+        let envelope = EventEnvelope::new("golden-compaction", 1, 1_700_000_000_000, event);
+        let path = golden_dir().join(format!("events/{name}.bin"));
+        let bytes = codec::encode(&envelope).unwrap();
+        if bless() || !path.exists() {
+            std::fs::write(&path, &bytes).unwrap();
+        }
+        let stored = std::fs::read(&path).unwrap();
+        assert_eq!(
+            codec::decode("golden-compaction", 1, &stored).unwrap(),
+            envelope
+        );
+        assert_eq!(bytes, stored, "the encoding of {name} changed");
     }
 }
 

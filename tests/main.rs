@@ -7,6 +7,7 @@ mod approvals;
 mod budget;
 mod chaos;
 mod cli;
+mod compaction;
 mod corruption;
 mod engine;
 mod faults;

@@ -1841,3 +1841,144 @@ async fn a_turn_budget_over_http_fails_the_turn_and_the_costs_stream_with_the_ev
     assert_eq!(event("model_call_completed")["cost_micros"], 2000);
     assert_eq!(event("turn_failed")["budget_exceeded"], exceeded);
 }
+
+/// Three turns with long answers against a 400-token window (the responses name their turns,
+/// so they play right after compaction).
+fn windowed_script(dir: &Path) -> Value {
+    let path = dir.join("windowed.json");
+    let long = "word ".repeat(140);
+    let responses: Vec<Value> = (1..=3)
+        .map(|turn| {
+            json!({"turn": turn, "parts": [
+                {"type": "thinking", "text": format!("thinking {turn}"), "signature": format!("sig-{turn}")},
+                {"type": "text", "text": format!("answer {turn}: {long}")}
+            ]})
+        })
+        .collect();
+    let script = json!({"context_window_tokens": 400, "responses": responses});
+    std::fs::write(&path, script.to_string()).expect("script");
+    json!({"provider": "scripted", "model": path.display().to_string()})
+}
+
+#[tokio::test]
+async fn compaction_over_http_is_recorded_streamed_and_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = windowed_script(dir.path());
+    let server = Server::start(&dir.path().join("store"), &["--local-workers", "1"]);
+    let http = reqwest::Client::new();
+    let bad = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"model": model, "compaction": {"strategies": []}})),
+    )
+    .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{}", bad.body);
+    assert!(
+        bad.body.to_string().contains("at least one strategy"),
+        "{}",
+        bad.body
+    );
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "cw", "model": model, "compaction": {"keep_last_turns": 1}})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let stream = http
+        .get(server.url("/v1/sessions/cw/events"))
+        .send()
+        .await
+        .unwrap();
+    for turn in 1..=3 {
+        let sent = send(
+            &http,
+            Method::POST,
+            server.url("/v1/sessions/cw/messages"),
+            None,
+            Some(json!({"text": format!("question {turn}")})),
+        )
+        .await;
+        assert_eq!(sent.status, StatusCode::ACCEPTED, "{}", sent.body);
+        let outcome = wait_turn(&http, &server, None, "cw", turn).await;
+        assert_eq!(outcome["status"], "completed", "{outcome}");
+    }
+    // Followers get the compaction like every event, between the failure and the retry.
+    let mut completed = 0;
+    let messages = read_stream(stream, |m| {
+        if m.event == "event" && m.data["kind"] == "turn_completed" {
+            completed += 1;
+        }
+        completed == 3
+    })
+    .await;
+    let kinds: Vec<&str> = messages
+        .iter()
+        .filter(|m| m.event == "event")
+        .filter_map(|m| m.data["kind"].as_str())
+        .collect();
+    let at = kinds
+        .iter()
+        .position(|k| *k == "transcript_compacted")
+        .unwrap_or_else(|| panic!("{kinds:?}"));
+    assert_eq!(kinds[at - 1], "model_call_failed", "{kinds:?}");
+    assert_eq!(kinds[at + 1], "model_call_scheduled", "{kinds:?}");
+    let events = history(&http, &server, None, "cw").await;
+    let compacted = events
+        .iter()
+        .find(|e| e["kind"] == "transcript_compacted")
+        .expect("recorded");
+    assert_eq!(
+        compacted["event"]["transcript_compacted"]["trigger"],
+        "context_too_long"
+    );
+    assert_eq!(
+        events[0]["event"]["session_started"]["compaction"]["keep_last_turns"],
+        1
+    );
+    let transcript = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/cw/transcript"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(
+        transcript.body["messages"].as_array().map(Vec::len),
+        Some(2),
+        "{}",
+        transcript.body
+    );
+
+    // On request: the last turn counts as current, so nothing is left to compact.
+    let asked = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/cw/compact"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(asked.status, StatusCode::OK, "{}", asked.body);
+    assert_eq!(asked.body["compacted"], false, "{}", asked.body);
+    assert_eq!(asked.body["strategies"], json!([]));
+    let missing = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/nobody/compact"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND, "{}", missing.body);
+    let events = history(&http, &server, None, "cw").await;
+    assert_eq!(
+        events.last().map(|e| e["kind"].clone()),
+        Some(json!("compaction_requested"))
+    );
+}

@@ -32,11 +32,15 @@ pub enum ErrorKind {
     Cancelled,
     /// A bug or broken environment on our side.
     Internal,
+    /// The request is larger than the model's context window (OpenAI
+    /// `context_length_exceeded`, Anthropic `prompt is too long`, Bedrock `Input is too long
+    /// for requested model`): the same request fails the same way, a compacted one may pass.
+    ContextTooLong,
 }
 
 impl ErrorKind {
     /// Every kind, in declaration order.
-    pub const ALL: [ErrorKind; 10] = [
+    pub const ALL: [ErrorKind; 11] = [
         ErrorKind::Transient,
         ErrorKind::RateLimited,
         ErrorKind::Overloaded,
@@ -47,6 +51,7 @@ impl ErrorKind {
         ErrorKind::ToolFailed,
         ErrorKind::Cancelled,
         ErrorKind::Internal,
+        ErrorKind::ContextTooLong,
     ];
 
     /// The snake_case name, as recorded in histories and shown in views.
@@ -62,17 +67,22 @@ impl ErrorKind {
             ErrorKind::ToolFailed => "tool_failed",
             ErrorKind::Cancelled => "cancelled",
             ErrorKind::Internal => "internal",
+            ErrorKind::ContextTooLong => "context_too_long",
         }
     }
 
     /// Whether a retry policy with no overrides should try again.
     ///
-    /// A wrong request, rejected credentials or a cancellation give the same outcome on every
-    /// attempt, so retrying them only burns budget; every other kind may pass next time.
+    /// A wrong request, rejected credentials, a cancellation or a context too long give the
+    /// same outcome on every attempt, so retrying them only burns budget; every other kind
+    /// may pass next time.
     pub fn is_retryable_by_default(self) -> bool {
         !matches!(
             self,
-            ErrorKind::InvalidRequest | ErrorKind::Auth | ErrorKind::Cancelled
+            ErrorKind::InvalidRequest
+                | ErrorKind::Auth
+                | ErrorKind::Cancelled
+                | ErrorKind::ContextTooLong
         )
     }
 }
@@ -329,7 +339,8 @@ mod tests {
                 "auth",
                 "tool_failed",
                 "cancelled",
-                "internal"
+                "internal",
+                "context_too_long"
             ]
         );
         for kind in ErrorKind::ALL {
@@ -340,7 +351,7 @@ mod tests {
     }
 
     #[test]
-    fn only_request_auth_and_cancel_are_not_retryable() {
+    fn only_request_auth_cancel_and_context_are_not_retryable() {
         let not_retryable: Vec<ErrorKind> = ErrorKind::ALL
             .into_iter()
             .filter(|k| !k.is_retryable_by_default())
@@ -350,7 +361,8 @@ mod tests {
             [
                 ErrorKind::InvalidRequest,
                 ErrorKind::Auth,
-                ErrorKind::Cancelled
+                ErrorKind::Cancelled,
+                ErrorKind::ContextTooLong
             ]
         );
     }

@@ -38,6 +38,11 @@
 //! Top level:
 //! - `model` (optional): the model name in every response; default `scripted`.
 //! - `chunk_delay_ms` (optional, default 0): pause between streamed deltas.
+//! - `summary` (optional): the text a summary call of compaction (a request that ends with
+//!   [`cairn_ledger::SUMMARY_PROMPT`]) gets; without it such a call fails.
+//! - `context_window_tokens` (optional): a request whose transcript is estimated
+//!   ([`cairn_ledger::estimate_tokens`]) over this many tokens fails with an
+//!   [`ErrorKind::ContextTooLong`] provider error, like a real model's context window.
 //! - `responses` (required, at least one): played in order.
 //!
 //! Each response:
@@ -66,6 +71,10 @@
 //! - `fail_attempts` (optional, default 0): attempts `1..=fail_attempts` of this response
 //!   (`request.context.attempt`, 1-based) fail with a transient [`Error::Provider`], for retry
 //!   tests.
+//! - `turn` (optional): the turn (from 1) this response answers. When responses name their
+//!   turns (all or none must), the response for a call is the `round`-th (0-based) of those of
+//!   the call's turn, instead of the one at the count of assistant messages, so a script still
+//!   plays right after compaction dropped old messages.
 //!
 //! Unknown fields anywhere are rejected, so typos are caught. Every response is built and checked
 //! with [`cairn_ledger::validate_response`] when the script is loaded; any problem is one
@@ -110,6 +119,8 @@ pub struct Script {
     path: String,
     model: String,
     chunk_delay: Duration,
+    context_window_tokens: Option<u64>,
+    summary: Option<String>,
     steps: Vec<Step>,
 }
 
@@ -120,6 +131,7 @@ struct Step {
     delay: Duration,
     jitter_ms: u64,
     fail_attempts: u32,
+    turn: Option<u32>,
 }
 
 impl Script {
@@ -227,14 +239,64 @@ impl ModelProvider for ScriptedProvider {
         context: &ActivityContext,
     ) -> Result<ModelResponse> {
         let script = &self.script;
-        // The position in the script comes from the transcript alone, so restarts and replays
-        // pick the same response.
-        let index = request
-            .transcript
-            .messages
-            .iter()
-            .filter(|m| m.role == Role::Assistant)
-            .count();
+        if let Some(window) = script.context_window_tokens {
+            let estimate = cairn_ledger::estimate_tokens(&request.transcript);
+            if estimate > window {
+                // Worded like Anthropic's answer, so it reads like the real thing.
+                return Err(Error::Provider {
+                    kind: ErrorKind::ContextTooLong,
+                    message: format!(
+                        "prompt is too long: {estimate} tokens > {window} maximum (the \
+                         script's context_window_tokens)"
+                    ),
+                });
+            }
+        }
+        // A summary call (compaction's): its request ends with the summary prompt.
+        let asks_summary = request.transcript.messages.last().is_some_and(|m| {
+            m.role == Role::User
+                && matches!(m.parts.first(), Some(Part::Text { text, .. }) if text == cairn_ledger::SUMMARY_PROMPT)
+        });
+        if asks_summary {
+            let Some(summary) = script.summary.as_ref().filter(|s| !s.is_empty()) else {
+                return Err(Error::Provider {
+                    kind: ErrorKind::InvalidRequest,
+                    message: format!(
+                        "script {} has no \"summary\" for compaction's summary call",
+                        script.path
+                    ),
+                });
+            };
+            let response = ModelResponse {
+                provider: PROVIDER.to_owned(),
+                model: script.model.clone(),
+                parts: vec![Part::text(summary.clone())],
+                stop_reason_raw: "end_turn".to_owned(),
+                stop_reason: StopReason::EndTurn,
+                usage: Usage::default(),
+            };
+            stream(&response, script.chunk_delay, deltas).await;
+            return Ok(response);
+        }
+        // The position in the script comes from the request alone, so restarts and replays
+        // pick the same response: by turn and round when the responses name their turns
+        // (which survives compaction), else by the transcript's assistant messages.
+        let index = if script.steps.first().is_some_and(|s| s.turn.is_some()) {
+            script
+                .steps
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.turn == Some(request.context.turn))
+                .nth(request.context.round as usize)
+                .map_or(script.steps.len(), |(i, _)| i)
+        } else {
+            request
+                .transcript
+                .messages
+                .iter()
+                .filter(|m| m.role == Role::Assistant)
+                .count()
+        };
         let step = script
             .steps
             .get(index)
@@ -384,6 +446,10 @@ struct RawScript<'a> {
     model: Option<String>,
     #[serde(default)]
     chunk_delay_ms: u64,
+    #[serde(default)]
+    context_window_tokens: Option<u64>,
+    #[serde(default)]
+    summary: Option<String>,
     #[serde(borrow)]
     responses: Vec<&'a RawValue>,
 }
@@ -403,6 +469,8 @@ struct RawResponse<'a> {
     jitter_ms: u64,
     #[serde(default)]
     fail_attempts: u32,
+    #[serde(default)]
+    turn: Option<u32>,
 }
 
 #[derive(Default, Deserialize)]
@@ -512,10 +580,21 @@ impl<'t> Loader<'t> {
             .enumerate()
             .map(|(index, raw)| self.step(index, raw, &model, &mut tool_use_ids))
             .collect::<Result<Vec<_>>>()?;
+        let with_turn = steps.iter().filter(|s| s.turn.is_some()).count();
+        if with_turn != 0 && with_turn != steps.len() {
+            let first = steps.iter().position(|s| s.turn.is_none()).unwrap_or(0);
+            return Err(self.error(
+                Some(&format!("responses[{first}]")),
+                raw.responses[first].get(),
+                "\"turn\" is missing: when one response names its turn, every response must",
+            ));
+        }
         Ok(Script {
             path: self.path.clone(),
             model,
             chunk_delay: Duration::from_millis(raw.chunk_delay_ms),
+            context_window_tokens: raw.context_window_tokens,
+            summary: raw.summary,
             steps,
         })
     }
@@ -594,6 +673,7 @@ impl<'t> Loader<'t> {
             delay: Duration::from_millis(response.delay_ms),
             jitter_ms: response.jitter_ms,
             fail_attempts: response.fail_attempts,
+            turn: response.turn,
         })
     }
 

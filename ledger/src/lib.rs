@@ -1,6 +1,7 @@
 //! Pure transcript model: canonical messages and parts, the canonical model response, validation
 //! and the tool-result projection. No IO, no clock, no randomness, no hash-map iteration.
 
+mod compaction;
 mod error;
 mod json;
 mod projection;
@@ -9,6 +10,12 @@ mod response;
 mod transcript;
 mod validate;
 
+pub use compaction::{
+    compact, current_turn_start, cut_for_last_turns, drop_failed_tool_results, drop_reasoning,
+    estimate_tokens, keep_last_turns, starts_turn, summary_request, turn_starts, turns_before_cut,
+    Compacted, CompactionPlan, CompactionStrategy, FAILED_RESULT_NOTE, SUMMARY_HEADING,
+    SUMMARY_PROMPT,
+};
 pub use error::{Error, Result, Violation};
 pub use json::JsonText;
 pub use projection::{project_tool_result, PREVIEW_BYTES, TRANSCRIPT_RESULT_LIMIT_BYTES};

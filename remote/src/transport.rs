@@ -7,9 +7,9 @@ use crate::sse::StreamDecoder;
 use async_trait::async_trait;
 use cairn_ledger::{ModelSpec, Transcript};
 use cairn_runtime::wire::{
-    ApprovalDecided, ApprovalDecision, ApprovalRequest, CancelRequest, Cancelled, CreateSession,
-    Health, HistoryPage, SendMessage, SessionCreated, SessionDescription, SessionPage, StreamEvent,
-    TurnStarted, TurnWait,
+    ApprovalDecided, ApprovalDecision, ApprovalRequest, CancelRequest, Cancelled,
+    CompactionOutcome, CreateSession, Health, HistoryPage, SendMessage, SessionCreated,
+    SessionDescription, SessionPage, StreamEvent, TurnStarted, TurnWait,
 };
 use cairn_runtime::{
     Error, EventEnvelope, EventStream, Result, SessionOptions, SessionQuery, Transport, TurnOutcome,
@@ -92,6 +92,7 @@ impl Transport for HttpTransport {
             queues: (!options.queues.is_default()).then_some(options.queues),
             // None leaves the server's default: ask before calls of tools that ask by default.
             tool_policy: options.tool_policy,
+            compaction: options.compaction,
         };
         let subject = Subject {
             session_id: body.session_id.as_deref(),
@@ -183,6 +184,17 @@ impl Transport for HttpTransport {
                 "a cancelled turn of session {session_id:?} without its number"
             ))),
         }
+    }
+
+    async fn compact(&self, session_id: &str) -> Result<CompactionOutcome> {
+        let path = format!("{}/compact", session_path(session_id));
+        self.connection
+            .call_json(
+                Request::post(path, &serde_json::json!({})),
+                session(session_id),
+                REQUEST_TIMEOUT,
+            )
+            .await
     }
 
     async fn approve(&self, session_id: &str, tool_use_id: &str) -> Result<()> {

@@ -3,6 +3,7 @@
 //! (a [`Transport`] over HTTP, from the `cairn-remote` crate), with the same types.
 
 use crate::budget::UsageTotals;
+use crate::compaction::CompactionPolicy;
 use crate::engine::{status_of, AppendedEvents, DeltaEvent, Engine, WatchGuard};
 use crate::error::{Error, Result};
 use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy, SessionStarted};
@@ -10,7 +11,8 @@ use crate::follow::SessionEvents;
 use crate::policy::ToolPolicy;
 use crate::store::{SessionInfo, SessionStatus};
 use crate::wire::{
-    PendingApproval, PendingTask, SessionDescription, SessionPage, SessionSummary, StreamEvent,
+    CompactionOutcome, PendingApproval, PendingTask, SessionDescription, SessionPage,
+    SessionSummary, StreamEvent,
 };
 use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
 use async_trait::async_trait;
@@ -40,6 +42,8 @@ pub struct SessionOptions {
     pub queues: Queues,
     /// Which tool calls run, are denied, or wait for a person; `None` allows every call.
     pub tool_policy: Option<ToolPolicy>,
+    /// When and how the transcript is compacted; `None` never compacts on its own.
+    pub compaction: Option<CompactionPolicy>,
 }
 
 impl SessionOptions {
@@ -55,6 +59,7 @@ impl SessionOptions {
             tool_retry: RetryPolicy::tool_default(),
             queues: Queues::default(),
             tool_policy: None,
+            compaction: None,
         }
     }
 
@@ -71,6 +76,7 @@ impl SessionOptions {
             forked_from: None,
             workflow_version: crate::workflow::WORKFLOW_VERSION,
             tool_policy: self.tool_policy.clone(),
+            compaction: self.compaction.clone(),
         }
     }
 }
@@ -121,6 +127,8 @@ pub trait Transport: Send + Sync + 'static {
     async fn cancel(&self, session_id: &str, reason: &str) -> Result<()>;
     /// Cancels the running turn only; returns its number.
     async fn cancel_turn(&self, session_id: &str, reason: &str) -> Result<u32>;
+    /// Compacts the transcript now, between turns.
+    async fn compact(&self, session_id: &str) -> Result<CompactionOutcome>;
     /// Approves a tool call parked for approval: it runs.
     async fn approve(&self, session_id: &str, tool_use_id: &str) -> Result<()>;
     /// Denies a tool call parked for approval: the model gets an error result with `reason`.
@@ -359,6 +367,13 @@ impl Client {
         self.transport.cancel_turn(session_id, reason).await
     }
 
+    /// Compacts the session's transcript now, between turns, with its compaction policy (or
+    /// the default one): recorded as `compaction_requested`, then `transcript_compacted`
+    /// unless no strategy shrinks it. Refused (`InvalidEvent`) while a turn runs.
+    pub async fn compact(&self, session_id: &str) -> Result<CompactionOutcome> {
+        self.transport.compact(session_id).await
+    }
+
     /// Approves a tool call the session's policy parked; it is scheduled at once. Refused
     /// (`InvalidEvent`) unless the call waits for approval in the running turn.
     pub async fn approve(&self, session_id: &str, tool_use_id: &str) -> Result<()> {
@@ -469,6 +484,9 @@ pub fn describe_state(state: &SessionState, status: SessionStatus) -> SessionDes
             let (activity, attempt) = match state.scheduled_activity(seq)? {
                 ScheduledActivity::Model { round, attempt, .. } => {
                     (format!("model:{round}"), attempt)
+                }
+                ScheduledActivity::Summary { round, attempt, .. } => {
+                    (format!("summary:{round}"), attempt)
                 }
                 ScheduledActivity::Tool {
                     tool_use, attempt, ..
@@ -619,6 +637,10 @@ impl Transport for Local {
 
     async fn approve(&self, session_id: &str, tool_use_id: &str) -> Result<()> {
         self.engine.approve(session_id, tool_use_id).await
+    }
+
+    async fn compact(&self, session_id: &str) -> Result<CompactionOutcome> {
+        self.engine.compact(session_id).await
     }
 
     async fn deny(&self, session_id: &str, tool_use_id: &str, reason: &str) -> Result<()> {

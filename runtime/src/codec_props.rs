@@ -3,9 +3,10 @@
 //! detected as a `CorruptRecord` naming where it was read.
 
 use crate::codec::{decode, encode};
+use crate::compaction::CompactionTrigger;
 use crate::error::Error;
 use crate::event::{ActivityFailure, ErrorClass, Event, EventEnvelope};
-use cairn_ledger::{ToolResultContent, Usage};
+use cairn_ledger::{CompactionStrategy, ToolResultContent, Usage};
 use proptest::prelude::*;
 
 fn text() -> impl Strategy<Value = String> {
@@ -98,6 +99,47 @@ fn event() -> impl Strategy<Value = Event> {
             budget_exceeded: None
         }),
         text().prop_map(|reason| Event::SessionCancelled { reason }),
+        (
+            small.clone(),
+            prop::collection::vec(
+                prop_oneof![
+                    Just(CompactionStrategy::DropReasoning),
+                    Just(CompactionStrategy::DropFailedToolResults),
+                    Just(CompactionStrategy::KeepLastTurns),
+                ],
+                0..4
+            ),
+            any::<Option<u32>>(),
+            any::<Option<u64>>(),
+            any::<(u64, u64)>(),
+            any::<bool>(),
+        )
+            .prop_map(
+                |(turn, strategies, keep_last_turns, cut, (before, after), on_request)| {
+                    Event::TranscriptCompacted {
+                        turn,
+                        trigger: if on_request {
+                            CompactionTrigger::Requested
+                        } else {
+                            CompactionTrigger::ContextTooLong
+                        },
+                        strategies,
+                        keep_last_turns,
+                        cut,
+                        estimate_before: before,
+                        estimate_after: after,
+                        summary: on_request.then(|| "a summary".to_owned()),
+                    }
+                }
+            ),
+        Just(Event::CompactionRequested {}),
+        (small.clone(), small.clone(), text()).prop_map(|(turn, attempt, summary)| {
+            Event::SummaryCallCompleted {
+                turn,
+                attempt,
+                summary,
+            }
+        }),
         (
             small.clone(),
             small.clone(),

@@ -435,6 +435,49 @@ impl Engine {
         Ok(turn)
     }
 
+    /// Compacts a session's transcript now, between turns (`compaction_requested`), with its
+    /// compaction policy or the default one. Refused (`InvalidEvent`) while a turn runs.
+    pub async fn compact(&self, session_id: &str) -> Result<crate::wire::CompactionOutcome> {
+        let seq = self
+            .submit(
+                session_id,
+                |_| Ok(Some(Event::CompactionRequested {})),
+                None,
+            )
+            .await?;
+        // The compaction, when there is one, is in the same append, right after the request.
+        let recorded = match seq {
+            Some(seq) => {
+                self.inner
+                    .store
+                    .read_history(session_id, seq, Some(2))
+                    .await?
+            }
+            None => Vec::new(),
+        };
+        if let Some(Event::TranscriptCompacted {
+            strategies,
+            estimate_before,
+            estimate_after,
+            ..
+        }) = recorded.get(1).map(|e| &e.event)
+        {
+            return Ok(crate::wire::CompactionOutcome {
+                compacted: true,
+                strategies: strategies.iter().map(|s| s.as_str().to_owned()).collect(),
+                estimate_before: *estimate_before,
+                estimate_after: *estimate_after,
+            });
+        }
+        let estimate = cairn_ledger::estimate_tokens(&self.state(session_id).await?.transcript);
+        Ok(crate::wire::CompactionOutcome {
+            compacted: false,
+            strategies: Vec::new(),
+            estimate_before: estimate,
+            estimate_after: estimate,
+        })
+    }
+
     /// Approves a tool call the session's policy parked: it is scheduled at once. Refused
     /// (`InvalidEvent`, naming the call) unless the call waits for approval in the running
     /// turn.
@@ -549,6 +592,28 @@ impl Engine {
                 tools: started.tools.clone(),
                 timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
                 heartbeat_details,
+            }),
+            Some(ScheduledActivity::Summary {
+                turn,
+                round,
+                attempt,
+                model,
+                not_before_ms,
+                keep_last_turns,
+            }) => Some(ActivityInput::Model {
+                origin: ActivityRef {
+                    session_id: session_id.clone(),
+                    turn,
+                    activity: format!("summary:{round}"),
+                    attempt,
+                },
+                round,
+                model,
+                transcript: cairn_ledger::summary_request(&state.transcript, keep_last_turns),
+                // Older turns may hold tool blocks, which providers accept only with tools.
+                tools: started.tools.clone(),
+                timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
+                heartbeat_details: None,
             }),
             Some(ScheduledActivity::Tool {
                 turn,
@@ -1460,6 +1525,36 @@ fn report_event(
             content,
             is_error,
         },
+        (
+            ScheduledActivity::Summary { turn, attempt, .. },
+            ActivityReport::ModelCompleted(response),
+        ) => {
+            let summary: String = response
+                .parts
+                .iter()
+                .filter_map(|p| match p {
+                    cairn_ledger::Part::Text { text, .. } => Some(text.as_str()),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+                .join("\n");
+            if summary.trim().is_empty() {
+                Event::SummaryCallFailed {
+                    turn,
+                    attempt,
+                    failure: ActivityFailure::new(
+                        crate::event::ErrorClass::InvalidResponse,
+                        "the summary call answered without text",
+                    ),
+                }
+            } else {
+                Event::SummaryCallCompleted {
+                    turn,
+                    attempt,
+                    summary,
+                }
+            }
+        }
         (activity, ActivityReport::Failed(failure)) => failed_event(prices, activity, failure),
         (activity, report) => {
             return Err(Error::InvalidEvent {
@@ -1492,6 +1587,11 @@ fn failed_event(
             cost_micros: failure
                 .usage
                 .and_then(|usage| prices.cost(&model.provider, &model.model, &usage)),
+            failure,
+        },
+        ScheduledActivity::Summary { turn, attempt, .. } => Event::SummaryCallFailed {
+            turn,
+            attempt,
             failure,
         },
         ScheduledActivity::Tool {

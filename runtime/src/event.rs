@@ -5,8 +5,11 @@
 //! `#[serde(default)]`; bump [`SCHEMA_VERSION`] only with a decoder for the old version.
 
 use crate::budget::{Budget, BudgetExceeded};
+use crate::compaction::{CompactionPolicy, CompactionTrigger};
 use crate::policy::ToolPolicy;
-use cairn_ledger::{JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, Usage};
+use cairn_ledger::{
+    CompactionStrategy, JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, Usage,
+};
 use serde::{Deserialize, Serialize};
 
 /// The schema version this code writes. Decoders accept every version up to it.
@@ -235,6 +238,65 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         by_deadline: bool,
     },
+    /// The transcript was compacted (a command: the session's `compaction` policy decided
+    /// it). The fold recomputes the compacted transcript from the transcript before it and
+    /// these parameters with the ledger's pure `compact`; every older event stays in the
+    /// history untouched.
+    TranscriptCompacted {
+        /// The turn running (or the last one, when compacted on request between turns).
+        turn: u32,
+        /// Why it ran.
+        trigger: CompactionTrigger,
+        /// The strategies applied, in order (those that changed nothing are left out).
+        strategies: Vec<CompactionStrategy>,
+        /// The turns kept, when `keep_last_turns` is among the strategies.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        keep_last_turns: Option<u32>,
+        /// The index, in the transcript before, of the first message kept after the cut.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cut: Option<u64>,
+        /// Estimated tokens before ([`cairn_ledger::estimate_tokens`]).
+        estimate_before: u64,
+        /// Estimated tokens after.
+        estimate_after: u64,
+        /// The summary of the dropped turns, put in front of the first kept message, when the
+        /// policy summarises and the summary call succeeded.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        summary: Option<String>,
+    },
+    /// A summary call of the turns a compaction drops was scheduled (a command; its model
+    /// task is enqueued in the same append). The model call it precedes waits for it.
+    SummaryCallScheduled {
+        /// Turn number.
+        turn: u32,
+        /// Attempt, from 1.
+        attempt: u32,
+        /// Earliest start, in epoch milliseconds.
+        not_before_ms: u64,
+    },
+    /// The summary call returned: its text is the summary.
+    SummaryCallCompleted {
+        /// Turn number.
+        turn: u32,
+        /// Attempt that produced it.
+        attempt: u32,
+        /// The summary.
+        summary: String,
+    },
+    /// A summary call attempt failed; retried under the model retry policy, then the
+    /// compaction goes on without a summary.
+    SummaryCallFailed {
+        /// Turn number.
+        turn: u32,
+        /// The failed attempt.
+        attempt: u32,
+        /// What went wrong.
+        failure: ActivityFailure,
+    },
+    /// A person or program asked to compact the transcript now (`cairn compact`), between
+    /// turns. The workflow answers with `transcript_compacted`, or nothing when no strategy
+    /// shrinks it.
+    CompactionRequested {},
 }
 
 impl Event {
@@ -257,6 +319,11 @@ impl Event {
             Event::ToolApprovalRequested { .. } => "tool_approval_requested",
             Event::ToolCallApproved { .. } => "tool_call_approved",
             Event::ToolCallDenied { .. } => "tool_call_denied",
+            Event::TranscriptCompacted { .. } => "transcript_compacted",
+            Event::CompactionRequested { .. } => "compaction_requested",
+            Event::SummaryCallScheduled { .. } => "summary_call_scheduled",
+            Event::SummaryCallCompleted { .. } => "summary_call_completed",
+            Event::SummaryCallFailed { .. } => "summary_call_failed",
         }
     }
 
@@ -267,6 +334,8 @@ impl Event {
             Event::ModelCallScheduled { .. }
                 | Event::ToolCallScheduled { .. }
                 | Event::ToolApprovalRequested { .. }
+                | Event::TranscriptCompacted { .. }
+                | Event::SummaryCallScheduled { .. }
                 | Event::TurnCompleted { .. }
                 | Event::TurnFailed { .. }
         )
@@ -312,6 +381,10 @@ pub struct SessionStarted {
     /// and is left out of the record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_policy: Option<ToolPolicy>,
+    /// When and how the transcript is compacted ([`CompactionPolicy`]). `None` never
+    /// compacts, as sessions did before compaction existed, and is left out of the record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compaction: Option<CompactionPolicy>,
 }
 
 fn first_workflow_version() -> u32 {
@@ -408,6 +481,9 @@ pub enum ErrorClass {
     Cancelled,
     /// A bug or an unexpected state on our side.
     Internal,
+    /// The request is larger than the model's context window. Never retried as it is: a
+    /// session with a compaction policy compacts and retries, others fail the turn.
+    ContextTooLong,
 }
 
 impl ErrorClass {
@@ -424,6 +500,7 @@ impl ErrorClass {
             ErrorClass::ToolFailed => "tool_failed",
             ErrorClass::Cancelled => "cancelled",
             ErrorClass::Internal => "internal",
+            ErrorClass::ContextTooLong => "context_too_long",
         }
     }
 }

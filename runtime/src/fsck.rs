@@ -488,6 +488,7 @@ mod tests {
             forked_from: None,
             workflow_version: crate::workflow::WORKFLOW_VERSION,
             tool_policy: None,
+            compaction: None,
             model: ModelSpec::parse("scripted:x.json").expect("model spec"),
             tools: Vec::new(),
             system_prompt: None,

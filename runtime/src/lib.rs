@@ -5,6 +5,7 @@ pub mod budget;
 pub mod client;
 pub mod clock;
 pub mod codec;
+pub mod compaction;
 pub mod diff;
 pub mod engine;
 pub mod error;
@@ -31,6 +32,8 @@ mod workflow_approval_tests;
 #[cfg(test)]
 mod workflow_budget_tests;
 #[cfg(test)]
+mod workflow_compaction_tests;
+#[cfg(test)]
 mod workflow_props;
 #[cfg(test)]
 mod workflow_tests;
@@ -38,6 +41,7 @@ mod workflow_tests;
 pub use budget::{Budget, BudgetExceeded, BudgetLimit, BudgetScope, UsageTotals};
 pub use client::{Client, EventStream, SessionOptions, SessionQuery, Transport};
 pub use clock::{Clock, ManualClock, SystemClock};
+pub use compaction::{CompactionPolicy, CompactionTrigger};
 pub use engine::{
     ActivityInput, ActivityRef, ActivityReport, ActivityTimeouts, AppendedEvents, DeltaEvent,
     Engine, LeasedTask, ResumeReport, WatchGuard,

@@ -15,6 +15,7 @@
 //! | GET | `/v1/sessions/{id}/transcript?as=` | → the canonical transcript JSON, or a provider's |
 //! | POST | `/v1/sessions/{id}/cancel` | [`CancelRequest`] → [`Cancelled`] |
 //! | POST | `/v1/sessions/{id}/approvals/{tool_use_id}` | [`ApprovalRequest`] → [`ApprovalDecided`] |
+//! | POST | `/v1/sessions/{id}/compact` | → [`CompactionOutcome`] |
 //! | GET | `/v1/sessions/{id}/events?after_seq=` | SSE: [`StreamEvent`]s; `id` = seq, `Last-Event-ID` resumes |
 //! | GET | `/v1/sessions/{id}/state?at=` | → [`StateAt`] (read-only) |
 //! | POST | `/v1/sessions/{id}/fork` | [`ForkSession`] → 201 [`Forked`] |
@@ -40,6 +41,7 @@
 //! another's sessions.
 
 use crate::budget::UsageTotals;
+use crate::compaction::CompactionPolicy;
 use crate::engine::{ActivityReport, DeltaEvent, LeasedTask};
 use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy};
 use crate::policy::ToolPolicy;
@@ -96,6 +98,24 @@ pub struct CreateSession {
     #[serde(default)]
     #[schema(value_type = Option<schema::ToolPolicy>)]
     pub tool_policy: Option<ToolPolicy>,
+    /// When and how the transcript is compacted; never on its own when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<schema::CompactionPolicy>)]
+    pub compaction: Option<CompactionPolicy>,
+}
+
+/// The answer to `POST /v1/sessions/{id}/compact`: what compaction on request did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct CompactionOutcome {
+    /// Whether the transcript changed (`transcript_compacted` recorded); false when no
+    /// strategy would shrink it.
+    pub compacted: bool,
+    /// The strategies applied, in order.
+    pub strategies: Vec<String>,
+    /// Estimated tokens before (canonical JSON bytes / 4).
+    pub estimate_before: u64,
+    /// Estimated tokens after.
+    pub estimate_after: u64,
 }
 
 /// `POST /v1/sessions/{id}/approvals/{tool_use_id}`: a person's decision on a parked tool
@@ -737,6 +757,37 @@ pub mod schema {
         pub default: PolicyDecision,
         /// How long a parked call waits before it is denied (ms); forever when absent.
         pub approval_timeout_ms: Option<u64>,
+    }
+
+    /// When and how a session's transcript is compacted.
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct CompactionPolicy {
+        /// Compact before a model call estimated above this many tokens; only when the
+        /// provider says the context is too long (or on request) when absent.
+        #[schema(minimum = 1)]
+        pub threshold_tokens: Option<u64>,
+        /// The strategies, tried in order, each at most once (all three when absent).
+        #[schema(required = false, min_items = 1)]
+        pub strategies: std::collections::BTreeSet<CompactionStrategy>,
+        /// Turns `keep_last_turns` keeps, the current one included (4 when absent).
+        #[schema(required = false, minimum = 1)]
+        pub keep_last_turns: u32,
+        /// Summarise the turns `keep_last_turns` drops with a model call (false when absent).
+        #[schema(required = false)]
+        pub summarize: bool,
+    }
+
+    /// One way of shrinking a transcript's completed turns.
+    #[derive(Serialize, ToSchema, PartialEq, Eq, PartialOrd, Ord)]
+    #[serde(rename_all = "snake_case")]
+    pub enum CompactionStrategy {
+        /// Drop their reasoning parts.
+        DropReasoning,
+        /// Replace the content of their failed tool results by a short note.
+        DropFailedToolResults,
+        /// Keep only the last turns.
+        KeepLastTurns,
     }
 
     /// A session's status as listed.

@@ -10,14 +10,16 @@
 //! envelope), no randomness.
 
 use crate::budget::{BudgetExceeded, Check, UsageTotals};
+use crate::compaction::CompactionTrigger;
 use crate::error::{Error, Result};
-use crate::event::{ActivityFailure, Event, EventEnvelope, RetryPolicy, SessionStarted};
+use crate::event::{
+    ActivityFailure, ErrorClass, Event, EventEnvelope, RetryPolicy, SessionStarted,
+};
 use crate::policy::PolicyDecision;
 use crate::store::{NewTask, TaskId, TaskKind};
-use cairn_ledger::JsonText;
 use cairn_ledger::{
-    validate_response, ModelResponse, ModelSpec, Part, StopReason, ToolResult, ToolResultContent,
-    ToolUse, Transcript, Usage,
+    validate_response, CompactionStrategy, JsonText, ModelResponse, ModelSpec, Part, StopReason,
+    ToolResult, ToolResultContent, ToolUse, Transcript, Usage,
 };
 use std::collections::{BTreeSet, VecDeque};
 
@@ -36,8 +38,13 @@ use std::collections::{BTreeSet, VecDeque};
 /// session decides as before.
 pub const WORKFLOW_VERSION: u32 = 2;
 
+// Compaction's rules need no new version: see the module doc of `workflow_compaction.rs`.
+#[path = "workflow_compaction.rs"]
+mod compaction_rules;
+pub use compaction_rules::SummarySlot;
+
 /// A decision of the workflow; the engine records it as an event before anything runs.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Command {
     /// Call the model.
     ScheduleModelCall {
@@ -73,6 +80,34 @@ pub enum Command {
         name: String,
         /// When the call is denied unless decided before, if the policy sets a timeout.
         deadline_ms: Option<u64>,
+    },
+    /// Compact the transcript (recorded as `transcript_compacted`; see that event).
+    CompactTranscript {
+        /// Turn.
+        turn: u32,
+        /// Why.
+        trigger: CompactionTrigger,
+        /// Strategies, in order.
+        strategies: Vec<CompactionStrategy>,
+        /// Turns kept, when cut.
+        keep_last_turns: Option<u32>,
+        /// The first kept message's index before the cut.
+        cut: Option<u64>,
+        /// Estimated tokens before.
+        estimate_before: u64,
+        /// Estimated tokens after.
+        estimate_after: u64,
+        /// The summary of the dropped turns, if one was made.
+        summary: Option<String>,
+    },
+    /// Summarise the turns a compaction drops (recorded as `summary_call_scheduled`).
+    ScheduleSummary {
+        /// Turn.
+        turn: u32,
+        /// Attempt.
+        attempt: u32,
+        /// Earliest start.
+        not_before_ms: u64,
     },
     /// End the turn successfully.
     CompleteTurn {
@@ -130,6 +165,34 @@ impl Command {
                 tool_use_id,
                 name,
                 deadline_ms,
+            },
+            Command::CompactTranscript {
+                turn,
+                trigger,
+                strategies,
+                keep_last_turns,
+                cut,
+                estimate_before,
+                estimate_after,
+                summary,
+            } => Event::TranscriptCompacted {
+                turn,
+                trigger,
+                strategies,
+                keep_last_turns,
+                cut,
+                estimate_before,
+                estimate_after,
+                summary,
+            },
+            Command::ScheduleSummary {
+                turn,
+                attempt,
+                not_before_ms,
+            } => Event::SummaryCallScheduled {
+                turn,
+                attempt,
+                not_before_ms,
             },
             Command::CompleteTurn { turn, usage } => Event::TurnCompleted { turn, usage },
             Command::FailTurn {
@@ -306,6 +369,8 @@ pub enum Phase {
     Model(ModelSlot),
     /// Tool calls, in declaration order.
     Tools(Vec<ToolSlot>),
+    /// A summary call, before a compaction and the model call it precedes.
+    Summarizing(SummarySlot),
     /// Its end, decided but not yet recorded.
     Ending,
 }
@@ -346,6 +411,21 @@ pub enum ScheduledActivity {
         not_before_ms: u64,
         /// Details the previous attempt heartbeated last.
         heartbeat_details: Option<JsonText>,
+    },
+    /// A summary call: the model over the turns a compaction drops.
+    Summary {
+        /// Turn.
+        turn: u32,
+        /// The turn's round it precedes.
+        round: u32,
+        /// Attempt.
+        attempt: u32,
+        /// The model.
+        model: ModelSpec,
+        /// When the attempt was due.
+        not_before_ms: u64,
+        /// The turns the compaction keeps; the summary covers those before them.
+        keep_last_turns: u32,
     },
     /// A tool call.
     Tool {
@@ -471,6 +551,16 @@ impl SessionState {
                     heartbeat_details: slot.heartbeat_details.clone(),
                 })
             }
+            Phase::Summarizing(slot) if slot.scheduled_seq == Some(scheduled_seq) => {
+                Some(ScheduledActivity::Summary {
+                    turn: active.turn,
+                    round: active.round,
+                    attempt: slot.attempt,
+                    model: active.model.clone(),
+                    not_before_ms: slot.not_before_ms,
+                    keep_last_turns: slot.keep_last_turns(),
+                })
+            }
             Phase::Tools(slots) => slots.iter().find_map(|slot| match &slot.state {
                 ToolSlotState::Scheduled {
                     attempt,
@@ -551,6 +641,16 @@ impl SessionState {
                 attempt,
                 not_before_ms,
             },
+            ScheduledActivity::Summary {
+                turn,
+                attempt,
+                not_before_ms,
+                ..
+            } => Command::ScheduleSummary {
+                turn,
+                attempt,
+                not_before_ms,
+            },
             ScheduledActivity::Tool {
                 turn,
                 attempt,
@@ -576,6 +676,7 @@ impl SessionState {
         };
         match &active.phase {
             Phase::Model(slot) => slot.scheduled_seq.into_iter().collect(),
+            Phase::Summarizing(slot) => slot.scheduled_seq.into_iter().collect(),
             Phase::Tools(slots) => slots
                 .iter()
                 .filter_map(|s| match s.state {
@@ -657,7 +758,8 @@ impl SessionState {
     fn task_for(&self, command: &Command, scheduled_seq: u64) -> Option<NewTask> {
         let started = self.started.as_ref()?;
         let (kind, not_before_ms, queue, target, policy) = match command {
-            Command::ScheduleModelCall { not_before_ms, .. } => {
+            Command::ScheduleModelCall { not_before_ms, .. }
+            | Command::ScheduleSummary { not_before_ms, .. } => {
                 let model = self
                     .active
                     .as_ref()
@@ -698,7 +800,9 @@ impl SessionState {
                     start_by_ms: Some(deadline),
                 });
             }
-            Command::CompleteTurn { .. } | Command::FailTurn { .. } => return None,
+            Command::CompactTranscript { .. }
+            | Command::CompleteTurn { .. }
+            | Command::FailTurn { .. } => return None,
         };
         Some(NewTask {
             id: self.task_id(scheduled_seq),
@@ -728,6 +832,10 @@ impl SessionState {
             (
                 Event::ModelCallCompleted { .. } | Event::ModelCallFailed { .. },
                 Phase::Model(slot),
+            ) => slot.scheduled_seq,
+            (
+                Event::SummaryCallCompleted { .. } | Event::SummaryCallFailed { .. },
+                Phase::Summarizing(slot),
             ) => slot.scheduled_seq,
             (
                 Event::ToolCallCompleted { tool_use_id, .. }
@@ -770,6 +878,7 @@ impl SessionState {
         }
         let now = envelope.recorded_at_ms;
         let commands = self.apply_input(seq, now, event)?;
+        let commands = self.compact_before_model_call(commands);
         self.expected.extend(commands.iter().cloned());
         self.next_seq += 1;
         Ok(commands)
@@ -793,6 +902,15 @@ impl SessionState {
             });
         }
         self.expected.pop_front();
+        if let Event::TranscriptCompacted { .. } = event {
+            // May run between turns (on request), so before the active-turn check.
+            self.apply_compaction(event);
+            return Ok(());
+        }
+        if let Event::SummaryCallScheduled { .. } = event {
+            self.summary_scheduled(seq);
+            return Ok(());
+        }
         let active = self.active.as_mut().ok_or_else(|| Error::InvalidEvent {
             session_id: self.session_id.clone(),
             seq,
@@ -890,6 +1008,11 @@ impl SessionState {
                         .check()
                         .map_err(|e| self.invalid(seq, format!("tool_policy: {e}")))?;
                 }
+                if let Some(policy) = &started.compaction {
+                    policy
+                        .check()
+                        .map_err(|e| self.invalid(seq, format!("compaction: {e}")))?;
+                }
                 if let Some(prompt) = &started.system_prompt {
                     self.transcript.push_system(prompt.clone());
                 }
@@ -977,6 +1100,9 @@ impl SessionState {
                 cost_micros,
             } => {
                 self.check_model_slot(seq, *turn, *round, *attempt)?;
+                if failure.class == ErrorClass::ContextTooLong {
+                    return Ok(self.on_context_too_long(now, *attempt, failure));
+                }
                 let policy = self.started_ref()?.model_retry.clone();
                 Ok(self.on_model_failure(now, &policy, *attempt, failure, *cost_micros))
             }
@@ -1143,9 +1269,28 @@ impl SessionState {
                 self.cancelled = true;
                 Ok(Vec::new())
             }
+            Event::CompactionRequested {} => self.on_compaction_requested(seq),
+            Event::SummaryCallCompleted {
+                turn,
+                attempt,
+                summary,
+            } => {
+                self.check_summary_slot(seq, *turn, *attempt)?;
+                Ok(self.on_summary(now, Some(summary)))
+            }
+            Event::SummaryCallFailed {
+                turn,
+                attempt,
+                failure,
+            } => {
+                self.check_summary_slot(seq, *turn, *attempt)?;
+                Ok(self.on_summary_failure(now, *attempt, failure))
+            }
             Event::ModelCallScheduled { .. }
             | Event::ToolCallScheduled { .. }
             | Event::ToolApprovalRequested { .. }
+            | Event::TranscriptCompacted { .. }
+            | Event::SummaryCallScheduled { .. }
             | Event::TurnCompleted { .. }
             | Event::TurnFailed { .. } => Err(self.invalid(seq, "command event as input")),
         }
@@ -1203,7 +1348,9 @@ impl SessionState {
                 seq,
                 format!("{what}: attempt {} superseded it", slot.attempt),
             )),
-            Phase::Model(_) => Err(self.invalid(seq, format!("no {what} is waiting"))),
+            Phase::Model(_) | Phase::Summarizing(_) => {
+                Err(self.invalid(seq, format!("no {what} is waiting")))
+            }
             Phase::Tools(_) | Phase::Ending => Err(self.stale(
                 seq,
                 format!("{what}: the model call of this round was already answered"),

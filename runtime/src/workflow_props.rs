@@ -72,6 +72,7 @@ fn started() -> impl Strategy<Value = Event> {
                 forked_from: None,
                 workflow_version: crate::workflow::WORKFLOW_VERSION,
                 tool_policy: None,
+                compaction: None,
                 model: ModelSpec::parse("scripted:props.json").expect("model"),
                 tools: vec![tool_spec("calculator"), tool_spec("read_file")],
                 system_prompt: Some("be brief".to_owned()),

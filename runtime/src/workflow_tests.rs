@@ -74,6 +74,7 @@ pub(super) fn started(max_rounds: u32) -> SessionStarted {
         forked_from: None,
         workflow_version: crate::workflow::WORKFLOW_VERSION,
         tool_policy: None,
+        compaction: None,
         model: ModelSpec::parse("scripted:test.json").unwrap(),
         tools: vec![
             ToolSpec {

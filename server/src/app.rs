@@ -4,7 +4,7 @@
 
 use crate::auth::AnyCaller;
 use crate::errors::{json_errors, ApiError};
-use crate::{events, inspect, openapi, sessions, ui, worker, ServerConfig};
+use crate::{compact, events, inspect, openapi, sessions, ui, worker, ServerConfig};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::Request;
 use axum::routing::{get, post};
@@ -82,6 +82,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sessions/{id}/history", get(sessions::history))
         .route("/v1/sessions/{id}/transcript", get(sessions::transcript))
         .route("/v1/sessions/{id}/cancel", post(sessions::cancel))
+        .route("/v1/sessions/{id}/compact", post(compact::compact))
         .route("/v1/sessions/{id}/events", get(events::events))
         .route("/v1/sessions/{id}/state", get(inspect::state_at))
         .route("/v1/sessions/{id}/fork", post(inspect::fork))

@@ -10,6 +10,7 @@
 
 mod app;
 mod auth;
+mod compact;
 mod errors;
 mod events;
 mod inspect;

@@ -2,7 +2,7 @@
 //! wire types' schemas (never written by hand), and its route.
 
 use crate::auth::AnyCaller;
-use crate::{app, events, inspect, sessions, worker};
+use crate::{app, compact, events, inspect, sessions, worker};
 use axum::http::header;
 use axum::response::IntoResponse;
 use cairn_runtime::wire::ErrorBody;
@@ -32,6 +32,7 @@ use utoipa::{Modify, OpenApi};
         inspect::state_at,
         inspect::fork,
         sessions::decide_approval,
+        compact::compact,
         worker::lease,
         worker::input,
         worker::heartbeat,
@@ -166,7 +167,13 @@ mod tests {
         }
         assert_eq!(doc["security"][0]["bearer"], serde_json::json!([]));
         let paths = doc["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 19, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 20, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert!(paths["/v1/sessions/{id}/compact"]["post"].is_object());
+        let compaction = &doc["components"]["schemas"]["CompactionPolicy"]["properties"];
+        assert_eq!(
+            compaction["strategies"]["uniqueItems"], true,
+            "{compaction}"
+        );
         for (path, operations) in paths {
             for (method, operation) in operations.as_object().unwrap() {
                 let responses = operation["responses"].as_object().unwrap();

@@ -140,6 +140,11 @@ pub async fn create_session(
     JsonBody(request): JsonBody<CreateSession>,
 ) -> Result<(StatusCode, Json<SessionCreated>), ApiError> {
     check_model(&request.model, "model")?;
+    if let Some(policy) = &request.compaction {
+        policy
+            .check()
+            .map_err(|e| ApiError::invalid(format!("compaction: {e}")))?;
+    }
     let id = request.session_id.unwrap_or_else(|| new_session_id(&state));
     let stored = stored_id(&caller, &id)?;
     let started = SessionStarted {
@@ -161,6 +166,7 @@ pub async fn create_session(
             false,
         )
         .map_err(|e| ApiError::invalid(e.to_string()))?,
+        compaction: request.compaction,
     };
     async {
         match state.engine.start_session(Some(stored), started).await {

@@ -99,6 +99,11 @@ pub fn show(
         }
     )?;
     outln!("turns started: {}", description.turns)?;
+    outln!(
+        "transcript: {} messages, ~{} tokens estimated",
+        state.transcript.messages.len(),
+        cairn_ledger::estimate_tokens(&state.transcript)
+    )?;
     if let Some(outcome) = &description.last_outcome {
         outln!("last outcome: {}", serde_json::to_string(outcome)?)?;
     }

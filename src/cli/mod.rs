@@ -6,6 +6,7 @@
 
 pub mod approvals;
 pub mod budget;
+pub mod compaction;
 pub mod database;
 pub mod deltas;
 pub mod history_files;

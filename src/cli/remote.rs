@@ -27,6 +27,8 @@ pub struct RunRequest {
     pub policy: super::approvals::PolicyArgs,
     /// The budgets of a new session (the server prices the calls).
     pub budget: super::budget::BudgetArgs,
+    /// The compaction flags of a new session.
+    pub compaction: super::compaction::CompactionArgs,
 }
 
 impl Remote {
@@ -66,6 +68,9 @@ impl Remote {
                 request
                     .budget
                     .refuse_for_existing(&description.session_id)?;
+                request
+                    .compaction
+                    .refuse_for_existing(&description.session_id)?;
                 description
             }
             None => {
@@ -75,6 +80,7 @@ impl Remote {
                 let tool_policy = request.policy.session_policy(&tools)?;
                 let mut options = SessionOptions::new(request.model.clone(), tools);
                 options.tool_policy = tool_policy;
+                options.compaction = request.compaction.session_policy()?;
                 options.session_id = request.session.clone();
                 options.system_prompt = request.system.clone();
                 if let Some(max_rounds) = request.max_rounds {

@@ -516,6 +516,7 @@ pub(crate) fn class_of(kind: ErrorKind) -> ErrorClass {
         ErrorKind::ToolFailed => ErrorClass::ToolFailed,
         ErrorKind::Cancelled => ErrorClass::Cancelled,
         ErrorKind::Internal => ErrorClass::Internal,
+        ErrorKind::ContextTooLong => ErrorClass::ContextTooLong,
     }
 }
 

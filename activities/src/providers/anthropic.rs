@@ -627,6 +627,16 @@ impl StreamParser {
             ));
         }
         let stop_reason_raw = self.stop_reason.unwrap_or_default();
+        if stop_reason_raw == "model_context_window_exceeded" {
+            // The window filled while the model wrote: the answer is cut short and is not
+            // committed; a compacted transcript leaves it room.
+            return Err(stream_error(
+                ErrorKind::ContextTooLong,
+                "stop reason model_context_window_exceeded: the model's context window filled \
+                 while it answered"
+                    .to_owned(),
+            ));
+        }
         let mut parts = Vec::with_capacity(self.blocks.len());
         for block in self.blocks {
             match block.content {
@@ -1005,6 +1015,9 @@ fn in_stream_error(value: &Value) -> Error {
         .and_then(Value::as_str)
         .unwrap_or("");
     let kind = match error_type {
+        "invalid_request_error" if super::http::is_context_too_long(message) => {
+            ErrorKind::ContextTooLong
+        }
         "overloaded_error" => ErrorKind::Overloaded,
         "rate_limit_error" => ErrorKind::RateLimited,
         "timeout_error" => ErrorKind::Timeout,
@@ -1200,5 +1213,50 @@ mod tests {
         .unwrap();
         let err = p.feed("content_block_start", r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#, &NoDeltas).unwrap_err();
         assert!(err.to_string().contains("before message_start"), "{err}");
+    }
+
+    #[test]
+    fn a_prompt_too_long_is_its_own_class() {
+        let error = |message: &str| {
+            let mut p = StreamParser::new("m", IdAliases::new());
+            let event = serde_json::json!({
+                "type": "error",
+                "error": {"type": "invalid_request_error", "message": message}
+            });
+            p.feed("error", &event.to_string(), &NoDeltas).unwrap_err()
+        };
+        let err = error("prompt is too long: 210000 tokens > 200000 maximum");
+        assert_eq!(err.kind(), ErrorKind::ContextTooLong);
+        assert!(err.to_string().contains("210000 tokens"), "{err}");
+        assert_eq!(error("messages.1: bad").kind(), ErrorKind::InvalidRequest);
+        // A response cut by the window is not committed.
+        let mut p = StreamParser::new("m", IdAliases::new());
+        for (event, data) in [
+            (
+                "message_start",
+                r#"{"type":"message_start","message":{"usage":{"input_tokens":5}}}"#,
+            ),
+            (
+                "content_block_start",
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"hal"}}"#,
+            ),
+            (
+                "content_block_stop",
+                r#"{"type":"content_block_stop","index":0}"#,
+            ),
+            (
+                "message_delta",
+                r#"{"type":"message_delta","delta":{"stop_reason":"model_context_window_exceeded"},"usage":{"output_tokens":1}}"#,
+            ),
+            ("message_stop", r#"{"type":"message_stop"}"#),
+        ] {
+            p.feed(event, data, &NoDeltas).unwrap();
+        }
+        let err = p.finish().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::ContextTooLong);
     }
 }

@@ -782,10 +782,13 @@ impl StreamParser {
                         .map(str::to_owned)
                 })
                 .unwrap_or_else(|| String::from_utf8_lossy(payload).chars().take(500).collect());
-            return Err(stream_error(
-                exception_kind(event_type),
-                format!("{event_type}: {message}"),
-            ));
+            let kind = match exception_kind(event_type) {
+                ErrorKind::InvalidRequest if super::http::is_context_too_long(&message) => {
+                    ErrorKind::ContextTooLong
+                }
+                kind => kind,
+            };
+            return Err(stream_error(kind, format!("{event_type}: {message}")));
         }
         let known = matches!(
             event_type,
@@ -1094,6 +1097,16 @@ impl StreamParser {
                 format!("stream ended before messageStop{open}"),
             ));
         };
+        if stop_reason_raw == "model_context_window_exceeded" {
+            // The window filled while the model wrote: what it wrote is cut short and cannot
+            // be committed as an answer; a compacted transcript leaves it room.
+            return Err(stream_error(
+                ErrorKind::ContextTooLong,
+                "stop reason model_context_window_exceeded: the model's context window \
+                 filled while it answered"
+                    .to_owned(),
+            ));
+        }
         let stop_reason = map_stop_reason(&stop_reason_raw);
         let mut parts = Vec::with_capacity(self.blocks.len());
         for (_, block) in self.blocks {
@@ -1439,6 +1452,46 @@ mod tests {
         let err = p.finish().unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Transient);
         assert!(err.to_string().contains("before messageStop"), "{err}");
+    }
+
+    #[test]
+    fn an_input_too_long_is_its_own_class() {
+        let exception = |message: &str| {
+            let mut p = StreamParser::new("m", IdAliases::new());
+            let payload = serde_json::json!({ "message": message }).to_string();
+            p.feed("validationException", payload.as_bytes(), &NoDeltas)
+                .unwrap_err()
+        };
+        let err = exception("Input is too long for requested model.");
+        assert_eq!(err.kind(), ErrorKind::ContextTooLong);
+        let err = exception(
+            "The model returned the following errors: prompt is too long: 227255 tokens > 200000 maximum",
+        );
+        assert_eq!(err.kind(), ErrorKind::ContextTooLong);
+        assert_eq!(
+            exception("The toolConfig field must be defined").kind(),
+            ErrorKind::InvalidRequest
+        );
+        // The stop reason says the window filled while the model wrote.
+        let mut p = StreamParser::new("m", IdAliases::new());
+        p.feed("messageStart", br#"{"role":"assistant"}"#, &NoDeltas)
+            .unwrap();
+        p.feed(
+            "contentBlockDelta",
+            br#"{"contentBlockIndex":0,"delta":{"text":"hi"}}"#,
+            &NoDeltas,
+        )
+        .unwrap();
+        p.feed("contentBlockStop", br#"{"contentBlockIndex":0}"#, &NoDeltas)
+            .unwrap();
+        p.feed(
+            "messageStop",
+            br#"{"stopReason":"model_context_window_exceeded"}"#,
+            &NoDeltas,
+        )
+        .unwrap();
+        let err = p.finish().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::ContextTooLong);
     }
 
     #[test]

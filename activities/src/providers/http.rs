@@ -333,8 +333,31 @@ pub fn parse_retry_after(value: &str) -> Option<u64> {
     (seconds.is_finite() && seconds >= 0.0).then_some((seconds * 1000.0) as u64)
 }
 
+/// Whether a provider's error text (a message, an error code or a whole body) says the request
+/// is larger than the model's context window. The answers matched, case-insensitively:
+/// OpenAI and compatible servers' code `context_length_exceeded` and message "This model's
+/// maximum context length is …" (vLLM: "… maximum context length …"), Anthropic's
+/// "prompt is too long: N tokens > M maximum" (also from Claude on Bedrock), Bedrock's
+/// "Input is too long for requested model." and its stop reason
+/// `model_context_window_exceeded`, and llama.cpp's "exceeds the available context size".
+pub fn is_context_too_long(text: &str) -> bool {
+    let text = text.to_ascii_lowercase();
+    [
+        "context_length_exceeded",
+        "maximum context length",
+        "prompt is too long",
+        "input is too long for requested model",
+        "model_context_window_exceeded",
+        "exceeds the available context size",
+    ]
+    .iter()
+    .any(|needle| text.contains(needle))
+}
+
 /// Classifies an HTTP error status with the provider's body (its message is extracted from the
-/// usual JSON error shapes: `{"error":{"message"}}`, `{"message"}`, `{"Message"}`).
+/// usual JSON error shapes: `{"error":{"message"}}`, `{"message"}`, `{"Message"}`). A 400-class
+/// answer whose body says the context is too long ([`is_context_too_long`]) is
+/// [`ErrorKind::ContextTooLong`].
 pub fn classify_status(status: u16, body: &str, retry_after_ms: Option<u64>) -> Error {
     let message = provider_message(body).unwrap_or_else(|| body.chars().take(500).collect());
     let overloaded = body.contains("overloaded");
@@ -345,6 +368,7 @@ pub fn classify_status(status: u16, body: &str, retry_after_ms: Option<u64>) -> 
         401 | 403 => ErrorKind::Auth,
         408 => ErrorKind::Timeout,
         s if s >= 500 => ErrorKind::Transient,
+        _ if is_context_too_long(body) => ErrorKind::ContextTooLong,
         _ => ErrorKind::InvalidRequest,
     };
     Error::Http {
@@ -440,6 +464,35 @@ mod tests {
             None,
         );
         assert!(e.to_string().contains("messages.1: bad"), "{e}");
+        // Every provider's context-too-long answer is its own class.
+        for (status, body) in [
+            (
+                400,
+                r#"{"error":{"message":"This model's maximum context length is 128000 tokens. However, your messages resulted in 130000 tokens.","type":"invalid_request_error","param":"messages","code":"context_length_exceeded"}}"#,
+            ),
+            (
+                400,
+                r#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#,
+            ),
+            (
+                400,
+                r#"{"message":"Input is too long for requested model."}"#,
+            ),
+            (
+                400,
+                r#"{"message":"The model returned the following errors: prompt is too long: 227255 tokens > 200000 maximum"}"#,
+            ),
+            (
+                400,
+                r#"{"error":{"code":400,"message":"the request exceeds the available context size, try increasing it","type":"exceed_context_size_error"}}"#,
+            ),
+        ] {
+            let e = classify_status(status, body, None);
+            assert_eq!(e.kind(), ErrorKind::ContextTooLong, "{body}");
+        }
+        // The words alone do not make a server error or a refused key one.
+        assert_eq!(k(500, "maximum context length"), ErrorKind::Transient);
+        assert_eq!(k(401, "prompt is too long"), ErrorKind::Auth);
         assert_eq!(parse_retry_after("2"), Some(2000));
         assert_eq!(parse_retry_after("0.5"), Some(500));
         assert_eq!(parse_retry_after("soon"), None);

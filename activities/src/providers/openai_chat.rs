@@ -902,7 +902,9 @@ fn classify_stream_error(error: &Value, at: usize) -> Error {
     let (kind_name, code_name) = (text("type"), text("code"));
     let status = error.get("code").and_then(Value::as_u64);
     let has = |needle: &str| kind_name.contains(needle) || code_name.contains(needle);
-    let kind = if has("rate_limit") || status == Some(429) {
+    let kind = if has("context_length") || super::http::is_context_too_long(&message) {
+        ErrorKind::ContextTooLong
+    } else if has("rate_limit") || status == Some(429) {
         ErrorKind::RateLimited
     } else if has("overloaded") || status == Some(529) || status == Some(503) {
         ErrorKind::Overloaded
@@ -912,7 +914,7 @@ fn classify_stream_error(error: &Value, at: usize) -> Error {
         || matches!(status, Some(401 | 403))
     {
         ErrorKind::Auth
-    } else if has("invalid_request") || has("context_length") || matches!(status, Some(400..=499)) {
+    } else if has("invalid_request") || matches!(status, Some(400..=499)) {
         ErrorKind::InvalidRequest
     } else {
         // server_error and anything unknown: the stream failed mid-way; another attempt may pass.
@@ -999,6 +1001,12 @@ mod tests {
         let e = feed(
             r#"{"error":{"message":"ctx","type":"invalid_request_error","code":"context_length_exceeded"}}"#,
         );
+        assert_eq!(e.kind(), ErrorKind::ContextTooLong);
+        let e = feed(
+            r#"{"error":{"message":"This model's maximum context length is 8192 tokens","type":"invalid_request_error"}}"#,
+        );
+        assert_eq!(e.kind(), ErrorKind::ContextTooLong);
+        let e = feed(r#"{"error":{"message":"bad role","type":"invalid_request_error"}}"#);
         assert_eq!(e.kind(), ErrorKind::InvalidRequest);
         let e = feed(r#"{"error":{"code":500,"message":"llama failed","type":"server_error"}}"#);
         assert_eq!(e.kind(), ErrorKind::Transient);

@@ -1027,9 +1027,9 @@ fn classify_code(code: Option<&str>) -> ErrorKind {
         "server_error" | "internal_error" | "" => ErrorKind::Transient,
         "vector_store_timeout" => ErrorKind::Timeout,
         "invalid_api_key" => ErrorKind::Auth,
+        c if c.contains("context_length") => ErrorKind::ContextTooLong,
         c if c.starts_with("invalid")
             || c.starts_with("image_")
-            || c.contains("context_length")
             || c.ends_with("_image_media_type")
             || c == "empty_image_file"
             || c == "failed_to_download_image" =>
@@ -1163,7 +1163,7 @@ mod tests {
         );
         assert_eq!(
             classify_code(Some("context_length_exceeded")),
-            ErrorKind::InvalidRequest
+            ErrorKind::ContextTooLong
         );
         assert_eq!(classify_code(None), ErrorKind::Transient);
     }

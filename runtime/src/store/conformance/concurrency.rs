@@ -174,6 +174,7 @@ fn started() -> SessionStarted {
         forked_from: None,
         workflow_version: crate::workflow::WORKFLOW_VERSION,
         tool_policy: None,
+        compaction: None,
         model: ModelSpec::parse("scripted:two-engines.json")
             .unwrap_or_else(|| panic!("scripted:two-engines.json is a model spec")),
         tools: vec![ToolSpec {
