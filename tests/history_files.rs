@@ -181,6 +181,7 @@ async fn an_imported_interrupted_session_resumes() {
             forked_from: None,
             workflow_version: cairn_runtime::WORKFLOW_VERSION,
             tool_policy: None,
+            workdir: None,
         };
         engine
             .start_session(Some(session.into()), started)

@@ -60,6 +60,7 @@ async fn record_missing_argument_session(script: &Path, workflow_version: u32) -
         forked_from: None,
         workflow_version,
         tool_policy: None,
+        workdir: None,
     };
     let id = engine
         .start_session(Some("missing-argument".into()), started)

@@ -39,6 +39,9 @@ pub struct SessionOptions {
     pub queues: Queues,
     /// Which tool calls run, are denied, or wait for a person; `None` allows every call.
     pub tool_policy: Option<ToolPolicy>,
+    /// The absolute directory its tools work in (see [`SessionStarted::workdir`]); `None`:
+    /// the worker's own.
+    pub workdir: Option<String>,
 }
 
 impl SessionOptions {
@@ -54,6 +57,7 @@ impl SessionOptions {
             tool_retry: RetryPolicy::tool_default(),
             queues: Queues::default(),
             tool_policy: None,
+            workdir: None,
         }
     }
 
@@ -70,6 +74,7 @@ impl SessionOptions {
             forked_from: None,
             workflow_version: crate::workflow::WORKFLOW_VERSION,
             tool_policy: self.tool_policy.clone(),
+            workdir: self.workdir.clone(),
         }
     }
 }

@@ -293,6 +293,12 @@ pub struct SessionStarted {
     /// and is left out of the record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_policy: Option<ToolPolicy>,
+    /// The absolute directory the session's tools work in (`read_file` reads there, `shell`
+    /// runs there), recorded so that a turn resumed by another process, started elsewhere,
+    /// still works where it began. `None`: the worker's own directory, as sessions did
+    /// before it was recorded; left out of the record then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
 }
 
 fn first_workflow_version() -> u32 {

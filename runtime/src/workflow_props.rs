@@ -72,6 +72,7 @@ fn started() -> impl Strategy<Value = Event> {
             limits: Limits { max_rounds },
             model_retry: policy(RetryPolicy::model_default(), model_max),
             tool_retry: policy(RetryPolicy::tool_default(), tool_max),
+            workdir: None,
         })
     })
 }

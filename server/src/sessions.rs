@@ -161,6 +161,7 @@ pub async fn create_session(
             false,
         )
         .map_err(|e| ApiError::invalid(e.to_string()))?,
+        workdir: None,
     };
     async {
         match state.engine.start_session(Some(stored), started).await {

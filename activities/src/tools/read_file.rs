@@ -47,12 +47,15 @@ impl ReadFile {
         &self.working_dir
     }
 
-    /// Resolves `requested` to a canonical path inside the working directory, or says why not.
-    async fn resolve(&self, requested: &str) -> Result<std::result::Result<PathBuf, String>> {
-        let root = tokio::fs::canonicalize(&self.working_dir)
+    /// Resolves `requested` to a canonical path inside `working_dir`, or says why not.
+    async fn resolve(
+        working_dir: &Path,
+        requested: &str,
+    ) -> Result<std::result::Result<PathBuf, String>> {
+        let root = tokio::fs::canonicalize(working_dir)
             .await
             .map_err(|source| Error::Io {
-                path: self.working_dir.display().to_string(),
+                path: working_dir.display().to_string(),
                 source,
             })?;
         if requested.is_empty() {
@@ -68,7 +71,7 @@ impl ReadFile {
         // it need not be canonical.
         let joined = root.join(requested);
         let lexical = normalize(&joined);
-        let given_root = std::path::absolute(&self.working_dir)
+        let given_root = std::path::absolute(working_dir)
             .map(|given| normalize(&given))
             .unwrap_or_else(|_| root.clone());
         let lexical_alt = normalize(&given_root.join(requested));
@@ -150,10 +153,13 @@ impl Tool for ReadFile {
         }
     }
 
-    async fn call(&self, call: &ToolCall, _context: &ActivityContext) -> Result<ToolOutput> {
+    async fn call(&self, call: &ToolCall, context: &ActivityContext) -> Result<ToolOutput> {
         let input: ReadFileInput = call.parse_arguments()?;
         let requested = input.path.as_str();
-        let path = match self.resolve(requested).await? {
+        // The session's own directory, when it recorded one: it may differ from the
+        // directory of the process that hosts this tool (a turn resumed from elsewhere).
+        let working_dir = context.working_dir().unwrap_or(&self.working_dir);
+        let path = match Self::resolve(working_dir, requested).await? {
             Ok(path) => path,
             Err(message) => return Ok(ToolOutput::error(message)),
         };

@@ -136,10 +136,12 @@ impl Tool for Shell {
             Some(ms) => Duration::from_millis(ms).min(self.timeout),
             None => self.timeout,
         };
+        // The session's own directory, when it recorded one (see `ActivityContext`).
+        let working_dir = context.working_dir().unwrap_or(&self.working_dir);
         let mut child = tokio::process::Command::new("sh")
             .arg("-c")
             .arg(&input.command)
-            .current_dir(&self.working_dir)
+            .current_dir(working_dir)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -147,7 +149,7 @@ impl Tool for Shell {
             .kill_on_drop(true)
             .spawn()
             .map_err(|source| Error::Io {
-                path: self.working_dir.display().to_string(),
+                path: working_dir.display().to_string(),
                 source,
             })?;
         let pgid = child.id();
@@ -184,7 +186,7 @@ impl Tool for Shell {
             Some(Ok(status)) => status.code(),
             Some(Err(source)) => {
                 return Err(Error::Io {
-                    path: self.working_dir.display().to_string(),
+                    path: working_dir.display().to_string(),
                     source,
                 })
             }

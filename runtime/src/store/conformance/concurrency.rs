@@ -185,6 +185,7 @@ fn started() -> SessionStarted {
         limits: Limits { max_rounds: 8 },
         model_retry: RetryPolicy::model_default(),
         tool_retry: RetryPolicy::tool_default(),
+        workdir: None,
     }
 }
 
