@@ -439,9 +439,10 @@ fn a_fork_goes_on_from_its_cut_without_running_the_prefix_again() {
         String::from_utf8_lossy(&switch.stderr)
     );
     let listed = ok(&cairn(&["sessions", "--data", path(&a)]));
+    // The column header and the two sessions.
     assert_eq!(
         listed.lines().count(),
-        2,
+        3,
         "refused forks write nothing: {listed}"
     );
 }
