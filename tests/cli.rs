@@ -41,7 +41,14 @@ fn demo_runs_offline_and_its_store_can_be_inspected_and_replayed() {
     let listing = text(&sessions.stdout);
     // Under the column header, the session's row starts with its id.
     assert!(listing.starts_with("SESSION "), "{listing}");
-    let session = listing.lines().nth(1).unwrap().split_whitespace().next().unwrap().to_owned();
+    let session = listing
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
     assert!(
         listing.contains("idle") && listing.contains(&format!("{events} events")),
         "{listing}"

@@ -9,6 +9,7 @@ mod cli;
 mod corruption;
 mod engine;
 mod faults;
+mod first_hour;
 mod golden;
 mod history_files;
 mod library;
