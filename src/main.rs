@@ -96,6 +96,32 @@ enum Command {
         /// The user message (`-`: read it from standard input).
         prompt: String,
     },
+    /// Chat in the terminal: each line read is one turn of a session, shown as it runs;
+    /// /exit or the end of input ends the chat (the session stays).
+    Chat {
+        /// The store directory, created if missing (default: $CAIRN_DATA, else
+        /// $XDG_DATA_HOME/cairn, else ~/.local/share/cairn).
+        #[arg(long, value_name = "DIR")]
+        data: Option<PathBuf>,
+        /// Storage engine of a new store: fjall (default) or sled.
+        #[arg(long, value_parser = parse_engine)]
+        engine: Option<StorageEngine>,
+        /// The model, as PROVIDER:MODEL, e.g. scripted:script.json.
+        #[arg(long)]
+        model: String,
+        /// Continue this session, or start it with this id.
+        #[arg(long)]
+        session: Option<String>,
+        /// A system prompt for a new session.
+        #[arg(long)]
+        system: Option<String>,
+        /// The directory a new session's tools work in (default: the current directory).
+        #[arg(long)]
+        workdir: Option<PathBuf>,
+        /// Do not print thinking while it streams.
+        #[arg(long)]
+        hide_thinking: bool,
+    },
     /// List sessions: id, status, model, turns, last activity, usage.
     Sessions {
         #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
@@ -679,6 +705,28 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let described = cli::describe::read(access.client(), &session).await?;
             cli::describe::print(&described, json)?;
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Chat {
+            data,
+            engine,
+            model,
+            session,
+            system,
+            workdir,
+            hide_thinking,
+        } => {
+            let model = parse_model(&model)?;
+            check_provider(&model)?;
+            cli::chat::run(cli::chat::ChatRequest {
+                data: StoreDir::resolve(data)?.path,
+                engine,
+                model,
+                session,
+                system,
+                workdir: workdir_or_cwd(workdir)?,
+                show_thinking: !hide_thinking,
+            })
+            .await
         }
         Command::Completions { shell } => cli::completions::print::<Cli>(shell),
         Command::History {

@@ -827,3 +827,78 @@ fn completions_name_the_commands() {
         Some(2)
     );
 }
+
+/// `cairn chat` with piped input: one turn per line, answers streamed, `/exit` ends it (what
+/// follows is not sent); the end of input ends a chat too, and a later chat continues the
+/// session.
+#[test]
+fn chat_takes_one_turn_per_line_until_exit_or_end_of_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_path_buf();
+    let data = root.join("store");
+    let data_str = data.to_str().unwrap();
+    let model = script(
+        &root,
+        "chat",
+        r#"{"responses": [
+            {"parts": [{"type": "text", "text": "answer one"}]},
+            {"parts": [{"type": "text", "text": "answer two"}]},
+            {"parts": [{"type": "text", "text": "answer three"}]}
+        ]}"#,
+    );
+    let chat = |input: &[u8]| {
+        let mut child = cairn_command()
+            .current_dir(&root)
+            .args([
+                "chat",
+                "--data",
+                data_str,
+                "--model",
+                &model,
+                "--session",
+                "talk",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(input).unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let out = chat(b"first question\n\nsecond question\n/exit\nnever sent\n");
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).starts_with("new session talk"),
+        "{}",
+        text(&out.stderr)
+    );
+    let one = stdout.find("answer one").expect("first answer");
+    let two = stdout.find("answer two").expect("second answer");
+    assert!(one < two, "{stdout}");
+    let messages = |events: &[serde_json::Value]| -> Vec<String> {
+        events
+            .iter()
+            .filter(|e| e["kind"] == "user_message")
+            .map(|e| {
+                e["event"]["user_message"]["text"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect()
+    };
+    assert_eq!(
+        messages(&events(&data, "talk")),
+        ["first question", "second question"]
+    );
+    // End of input without /exit; the same session goes on.
+    let out = chat(b"third question");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("answer three"));
+    assert_eq!(
+        messages(&events(&data, "talk")),
+        ["first question", "second question", "third question"]
+    );
+}

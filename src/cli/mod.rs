@@ -5,6 +5,7 @@
 //! printing that survives a closed pipe (`out`).
 
 pub mod approvals;
+pub mod chat;
 pub mod completions;
 pub mod database;
 pub mod deltas;

@@ -178,3 +178,11 @@ pub fn report(session_id: &str, outcome: &TurnOutcome, json: bool) -> anyhow::Re
     note!("session {session_id}");
     Ok(())
 }
+
+/// After a turn of a chat: ends its streamed line, and describes a turn that did not complete.
+pub fn report_line(outcome: &TurnOutcome) {
+    showln!();
+    if !matches!(outcome, TurnOutcome::Completed { .. }) {
+        note!("{}", crate::describe(outcome));
+    }
+}
