@@ -38,14 +38,19 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run a complete offline session (scripted model, two parallel tool calls) in a store,
-    /// the default one unless --data names another; the session stays there to inspect.
+    /// Run a complete offline session (scripted model, two parallel tool calls) in a
+    /// temporary store, removed at the end; with --keep in the default store, or in the store
+    /// --data names, where the session stays to inspect.
     Demo {
         #[arg(long, value_name = "DIR", help = cli::DATA_HELP)]
         data: Option<PathBuf>,
         /// Storage engine of a new store: fjall (default) or sled.
         #[arg(long, value_parser = parse_engine)]
         engine: Option<StorageEngine>,
+        /// Keep the demo's session: run it in the default store (or --data's) instead of a
+        /// temporary one.
+        #[arg(long)]
+        keep: bool,
     },
     /// Start (or continue) a session and run one turn.
     Run {
@@ -387,9 +392,14 @@ enum Command {
         /// Not with --startup-kills or --power-cuts.
         #[arg(long, default_value_t = 0)]
         remote_workers: usize,
-        /// Data directory (default: a new temporary directory, kept).
+        /// Data directory, kept (default: a new temporary directory, removed after a run
+        /// whose checks pass unless --keep).
         #[arg(long)]
         data: Option<PathBuf>,
+        /// Keep the temporary data directory after a run whose checks pass (a failed run's is
+        /// always kept, to inspect).
+        #[arg(long)]
+        keep: bool,
     },
     /// The process `cairn chaos` starts and kills.
     #[command(hide = true)]
@@ -579,7 +589,7 @@ fn parse_cli() -> Cli {
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Demo { data, engine } => demo(data, engine).await,
+        Command::Demo { data, engine, keep } => demo(data, engine, keep).await,
         Command::Run {
             data,
             server,
@@ -996,6 +1006,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             engine,
             remote_workers,
             data,
+            keep,
         } => {
             chaos(ChaosArgs {
                 kills,
@@ -1008,6 +1019,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 engine,
                 remote_workers,
                 data,
+                keep,
             })
             .await
         }
@@ -1512,6 +1524,7 @@ struct ChaosArgs {
     engine: StorageEngine,
     remote_workers: usize,
     data: Option<PathBuf>,
+    keep: bool,
 }
 
 async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
@@ -1526,7 +1539,10 @@ async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         engine,
         remote_workers,
         data,
+        keep,
     } = args;
+    // Only a directory made here is removed, and only after checks that passed.
+    let remove_after = data.is_none() && !keep;
     let data = match data {
         Some(d) => refuse_store_as_chaos_dir(d)?,
         None => tempfile::Builder::new()
@@ -1570,6 +1586,7 @@ async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
             .await
             .context("the chaos run panicked")??;
     outln!("{report}")?;
+    cli::cleanup::chaos_data(&data, remove_after && report.passed())?;
     Ok(if report.passed() {
         ExitCode::SUCCESS
     } else {
@@ -1586,14 +1603,26 @@ fn chaos_seed() -> u64 {
     nanos ^ u64::from(std::process::id()).rotate_left(32)
 }
 
-async fn demo(data: Option<PathBuf>, engine: Option<StorageEngine>) -> anyhow::Result<ExitCode> {
-    let store = StoreDir::resolve(data)?;
+async fn demo(
+    data: Option<PathBuf>,
+    engine: Option<StorageEngine>,
+    keep: bool,
+) -> anyhow::Result<ExitCode> {
     // The scripted model and the file its tool call reads: the demo's own, removed when it
-    // ends (the session stays in the store).
+    // ends; so is its store, unless the session is to be kept.
     let fixtures = tempfile::Builder::new()
         .prefix("cairn-demo-")
         .tempdir()
         .context("cannot create a temporary directory")?;
+    let keep = keep || data.is_some();
+    let store = if keep {
+        StoreDir::resolve(data)?
+    } else {
+        StoreDir {
+            path: fixtures.path().join("store"),
+            defaulted: false,
+        }
+    };
     let workdir = fixtures.path().join("work");
     std::fs::create_dir_all(&workdir)?;
     std::fs::write(workdir.join("notes.txt"), DEMO_NOTES)?;
@@ -1619,8 +1648,8 @@ async fn demo(data: Option<PathBuf>, engine: Option<StorageEngine>) -> anyhow::R
         .count();
     let engine = host.opened.engine;
     host.shutdown().await;
-    drop(fixtures);
     let size = dir_size(&store.path);
+    drop(fixtures);
     let data = store.flag();
     showln!("\n--- summary");
     showln!("session      {session_id}");
@@ -1630,6 +1659,14 @@ async fn demo(data: Option<PathBuf>, engine: Option<StorageEngine>) -> anyhow::R
         events.len(),
         tool_calls
     );
+    if !keep {
+        showln!(
+            "store        a temporary one ({engine}, {} KiB on disk), removed: `cairn demo \
+             --keep` keeps the session in the default store to inspect",
+            size / 1024
+        );
+        return Ok(outcome_code(&outcome));
+    }
     showln!(
         "store        {}{} ({engine}, {} KiB on disk)",
         store.path.display(),

@@ -536,7 +536,7 @@ fn demo_then_sessions_meet_in_the_default_data_directory() {
     let default_str = default.to_str().unwrap();
     let stuck_before = history_json(default_str, "stuck");
 
-    let demo = cairn_in(&default, &["demo"]);
+    let demo = cairn_in(&default, &["demo", "--keep"]);
     let stdout = text(&demo.stdout);
     assert!(demo.status.success(), "{stdout}\n{}", text(&demo.stderr));
     let session = text(&demo.stderr)

@@ -902,3 +902,58 @@ fn chat_takes_one_turn_per_line_until_exit_or_end_of_input() {
         ["first question", "second question", "third question"]
     );
 }
+
+/// `demo` and `chaos` clean up after themselves unless asked to keep their data.
+#[test]
+fn demo_and_chaos_clean_up_unless_asked_to_keep() {
+    let dir = tempfile::tempdir().unwrap();
+    let default = dir.path().join("default");
+    let in_default = |args: &[&str]| {
+        cairn_command()
+            .current_dir(dir.path())
+            .env("CAIRN_DATA", &default)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let demo = in_default(&["demo"]);
+    let stdout = text(&demo.stdout);
+    assert!(demo.status.success(), "{stdout}{}", text(&demo.stderr));
+    assert!(
+        stdout.contains("a temporary one") && stdout.contains("removed"),
+        "{stdout}"
+    );
+    assert!(
+        !default.exists(),
+        "the demo wrote nothing in the default store"
+    );
+    let kept = in_default(&["demo", "--keep"]);
+    assert!(kept.status.success(), "{}", text(&kept.stderr));
+    let listed = in_default(&["sessions", "--json"]);
+    assert_eq!(text(&listed.stdout).lines().count(), 1, "the kept session");
+
+    // chaos: the data directory it made is removed after a passing run, kept with --keep.
+    let chaos_dir = |out: &Output| -> std::path::PathBuf {
+        let said = text(&out.stdout);
+        assert!(out.status.success(), "{said}{}", text(&out.stderr));
+        let line = said
+            .lines()
+            .find(|l| l.contains("chaos data"))
+            .unwrap_or_else(|| panic!("{said}"))
+            .to_owned();
+        let path = line
+            .split_whitespace()
+            .find(|w| w.starts_with('/'))
+            .unwrap()
+            .to_owned();
+        std::path::PathBuf::from(path)
+    };
+    let small = ["chaos", "--kills", "1", "--sessions", "1", "--turns", "1"];
+    let removed = chaos_dir(&cairn_at(dir.path(), &small));
+    assert!(!removed.exists(), "{}", removed.display());
+    let mut keep = small.to_vec();
+    keep.push("--keep");
+    let kept = chaos_dir(&cairn_at(dir.path(), &keep));
+    assert!(kept.join("store").exists(), "{}", kept.display());
+    std::fs::remove_dir_all(kept).unwrap();
+}

@@ -6,6 +6,7 @@
 
 pub mod approvals;
 pub mod chat;
+pub mod cleanup;
 pub mod completions;
 pub mod database;
 pub mod deltas;
