@@ -57,7 +57,7 @@ pub async fn list(client: &Client, filter: &SessionFilter) -> anyhow::Result<()>
     };
     let since_ms = match filter.since {
         Some(since) => {
-            let Some(from) = SystemTime::now().checked_sub(since) else {
+            let Some(from) = now().checked_sub(since) else {
                 usage_bail!(
                     "--since {}: longer than the clock goes back",
                     humantime::format_duration(since)
@@ -176,6 +176,10 @@ pub fn timestamp(ms: u64) -> String {
 
 // Filtering by "within DURATION of now" reads the clock: a listing, not pure code.
 #[allow(clippy::disallowed_methods)]
+fn now() -> SystemTime {
+    SystemTime::now()
+}
+
 fn epoch_ms(time: SystemTime) -> u64 {
     time.duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)

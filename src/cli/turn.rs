@@ -92,6 +92,8 @@ impl Watch<'_> {
         Ok(Some(live))
     }
 
+    // The window after a first Ctrl-C is real time, a person's.
+    #[allow(clippy::disallowed_methods)]
     async fn watch(&self, turn: u32, live: Option<LiveView>) -> anyhow::Result<TurnOutcome> {
         let engine = &self.host.engine;
         let wait = super::approvals::wait_turn(engine, self.session_id, turn, false);
