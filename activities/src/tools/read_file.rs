@@ -239,6 +239,29 @@ mod tests {
         (dir, work)
     }
 
+    /// A session's recorded directory (in the context) is where the file is read, confined
+    /// there as the tool's own directory would be; without one, the tool's own.
+    #[tokio::test]
+    async fn the_session_directory_in_the_context_wins_and_confines() {
+        let (dir, work) = setup();
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        std::fs::write(elsewhere.join("notes.txt"), "elsewhere's notes").unwrap();
+        let tool = ReadFile::new(&elsewhere);
+        let session = ActivityContext::detached().with_working_dir(Some(&work));
+        let out = tool.call(&call("notes.txt"), &session).await.unwrap();
+        assert_eq!(out, ToolOutput::text("the launch is on Tuesday.\n"));
+        assert_error(
+            &tool.call(&call("../secret.txt"), &session).await.unwrap(),
+            "escapes the working directory",
+        );
+        let own = tool
+            .call(&call("notes.txt"), &ActivityContext::detached())
+            .await
+            .unwrap();
+        assert_eq!(own, ToolOutput::text("elsewhere's notes"));
+    }
+
     fn assert_error(out: &ToolOutput, contains: &str) {
         assert!(out.is_error, "expected an error output, got {out:?}");
         let ToolResultContent::Text(text) = &out.content else {

@@ -248,6 +248,23 @@ mod tests {
         assert_eq!(out["exit_code"], 3);
     }
 
+    /// A session's recorded directory (in the context) is where the command runs.
+    #[tokio::test]
+    async fn runs_in_the_session_directory_given_by_the_context() {
+        let own = tempfile::tempdir().unwrap();
+        let session = tempfile::tempdir().unwrap();
+        std::fs::write(session.path().join("session.txt"), "x").unwrap();
+        let context = ActivityContext::detached().with_working_dir(Some(session.path()));
+        let out = Shell::new(own.path())
+            .call(&call(r#"{"command":"ls"}"#), &context)
+            .await
+            .unwrap();
+        let cairn_ledger::ToolResultContent::Json(json) = &out.content else {
+            panic!("not JSON: {:?}", out.content)
+        };
+        assert_eq!(json.to_value().unwrap()["stdout"], "session.txt\n");
+    }
+
     #[tokio::test]
     async fn output_is_capped_and_says_so() {
         let dir = tempfile::tempdir().unwrap();
