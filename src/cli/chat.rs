@@ -63,15 +63,19 @@ pub async fn run(request: ChatRequest) -> anyhow::Result<ExitCode> {
         data_flag: format!(" --data {}", request.data.display()),
     };
     let mut code = exit_codes::OK;
-    let mut lines = std::io::stdin().lock().lines();
+    let mut lines = read_lines();
     loop {
         if interactive {
             let mut err = std::io::stderr().lock();
             let _ = write!(err, "> ");
             let _ = err.flush();
         }
-        // Reading a line blocks; a chat has nothing else to do meanwhile.
-        let Some(line) = tokio::task::block_in_place(|| lines.next()) else {
+        // Ctrl-C at the prompt ends the chat (during a turn it cancels the turn).
+        let line = tokio::select! {
+            line = lines.recv() => line,
+            _ = tokio::signal::ctrl_c() => None,
+        };
+        let Some(line) = line else {
             break;
         };
         let line = line?;
@@ -94,6 +98,20 @@ pub async fn run(request: ChatRequest) -> anyhow::Result<ExitCode> {
     note!("session {session_id}");
     host.shutdown().await;
     Ok(ExitCode::from(code))
+}
+
+/// Standard input's lines, read on a thread of their own (a read blocks) and sent as they
+/// come; the channel closes at the end of input.
+fn read_lines() -> tokio::sync::mpsc::Receiver<std::io::Result<String>> {
+    let (send, receive) = tokio::sync::mpsc::channel(1);
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            if send.blocking_send(line).is_err() {
+                break;
+            }
+        }
+    });
+    receive
 }
 
 /// The session to chat in: `--session` when it exists, else a new one (with that id).
