@@ -21,7 +21,7 @@ pub struct Described {
     pub model: Option<String>,
     /// The directory its tools work in, when it recorded one.
     pub workdir: Option<String>,
-    /// When it started and when its last event was recorded (epoch ms).
+    /// When its first event was recorded (epoch ms).
     pub started_at_ms: u64,
     /// When its last event was recorded (epoch ms).
     pub updated_at_ms: u64,
@@ -52,9 +52,9 @@ pub struct TurnSummary {
     pub tool_calls: u32,
     /// Token usage of its model call attempts.
     pub usage: Usage,
-    /// When it started and ended (epoch ms); no end while it runs.
+    /// When its message was recorded (epoch ms).
     pub started_at_ms: u64,
-    /// When it ended (epoch ms).
+    /// When it ended (epoch ms); `None` while it runs.
     pub ended_at_ms: Option<u64>,
 }
 
