@@ -37,6 +37,7 @@ fn started() -> SessionStarted {
         limits: Limits::default(),
         model_retry: RetryPolicy::model_default(),
         tool_retry: RetryPolicy::tool_default(),
+        workdir: None,
     }
 }
 

@@ -17,6 +17,8 @@ pub struct Host {
     pub store: Arc<dyn Store>,
     /// What opening the store found and did.
     pub opened: OpenedStore,
+    /// The store's directory, as given.
+    pub data: PathBuf,
     /// The engine.
     pub engine: Engine,
     /// A client of the engine.
@@ -71,6 +73,7 @@ impl Host {
         Ok(Host {
             store,
             opened,
+            data: data.to_owned(),
             client: Client::new(engine.clone()),
             engine,
             tools: Arc::new(ToolRegistry::hosted(workdir)),

@@ -40,14 +40,19 @@ struct Cli {
 // Parsed once per process; boxing `Run`'s flattened flag groups would buy nothing measurable.
 #[allow(clippy::large_enum_variant)]
 enum Command {
-    /// Run a complete offline session (scripted model, two parallel tool calls) in a store,
-    /// the default one unless --data names another; the session stays there to inspect.
+    /// Run a complete offline session (scripted model, two parallel tool calls) in a
+    /// temporary store, removed at the end; with --keep in the default store, or in the store
+    /// --data names, where the session stays to inspect.
     Demo {
         #[arg(long, value_name = "DIR", help = cli::DATA_HELP)]
         data: Option<PathBuf>,
         /// Storage engine of a new store: fjall (default) or sled.
         #[arg(long, value_parser = parse_engine)]
         engine: Option<StorageEngine>,
+        /// Keep the demo's session: run it in the default store (or --data's) instead of a
+        /// temporary one.
+        #[arg(long)]
+        keep: bool,
     },
     /// Start (or continue) a session and run one turn.
     Run {
@@ -98,15 +103,64 @@ enum Command {
         /// Compaction policy of a new session (refused for an existing one).
         #[command(flatten)]
         compaction: cli::compaction::CompactionArgs,
-        /// The user message.
+        /// Print nothing while the turn runs, then its outcome as one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// The user message (`-`: read it from standard input).
         prompt: String,
     },
-    /// List sessions.
+    /// Chat in the terminal: each line read is one turn of a session, shown as it runs;
+    /// /exit or the end of input ends the chat (the session stays).
+    Chat {
+        /// The store directory, created if missing (default: $CAIRN_DATA, else
+        /// $XDG_DATA_HOME/cairn, else ~/.local/share/cairn).
+        #[arg(long, value_name = "DIR")]
+        data: Option<PathBuf>,
+        /// Storage engine of a new store: fjall (default) or sled.
+        #[arg(long, value_parser = parse_engine)]
+        engine: Option<StorageEngine>,
+        /// The model, as PROVIDER:MODEL, e.g. scripted:script.json.
+        #[arg(long)]
+        model: String,
+        /// Continue this session, or start it with this id.
+        #[arg(long)]
+        session: Option<String>,
+        /// A system prompt for a new session.
+        #[arg(long)]
+        system: Option<String>,
+        /// The directory a new session's tools work in (default: the current directory).
+        #[arg(long)]
+        workdir: Option<PathBuf>,
+        /// Do not print thinking while it streams.
+        #[arg(long)]
+        hide_thinking: bool,
+    },
+    /// List sessions: id, status, model, turns, last activity, usage.
     Sessions {
         #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
         data: Option<PathBuf>,
         #[command(flatten)]
         server: cli::ServerArgs,
+        #[command(flatten)]
+        filter: cli::sessions::SessionFilter,
+    },
+    /// Describe a session: status, model, working directory, turns with their outcomes,
+    /// usage, pending tasks and approvals.
+    Describe {
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
+        /// Session id.
+        session: String,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a shell completion script: `cairn completions bash > ~/.local/share/bash-completion/completions/cairn`.
+    Completions {
+        /// The shell: bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
     },
     /// Print a session's events, one per line.
     History {
@@ -150,6 +204,9 @@ enum Command {
         /// Print every event with the commands the current code decides on it.
         #[arg(long)]
         trace: bool,
+        /// One JSON object: whether it replays, and the divergence if not.
+        #[arg(long, conflicts_with_all = ["trace", "dir"])]
+        json: bool,
     },
     /// Print a session as it was right after one event: status, usage, pending tasks, open
     /// tool calls and the transcript.
@@ -353,9 +410,14 @@ enum Command {
         /// Not with --startup-kills or --power-cuts.
         #[arg(long, default_value_t = 0)]
         remote_workers: usize,
-        /// Data directory (default: a new temporary directory, kept).
+        /// Data directory, kept (default: a new temporary directory, removed after a run
+        /// whose checks pass unless --keep).
         #[arg(long)]
         data: Option<PathBuf>,
+        /// Keep the temporary data directory after a run whose checks pass (a failed run's is
+        /// always kept, to inspect).
+        #[arg(long)]
+        keep: bool,
     },
     /// The process `cairn chaos` starts and kills.
     #[command(hide = true)]
@@ -404,6 +466,9 @@ enum Command {
         /// changes into `set-aside/` first. Without it, fsck changes nothing.
         #[arg(long)]
         repair: bool,
+        /// One JSON object: the counts and every problem.
+        #[arg(long)]
+        json: bool,
     },
     /// Copy every session of a store directory (histories, statuses, queued tasks) into a
     /// database that several servers can share; the directory is read, never changed. The
@@ -521,7 +586,7 @@ fn main() -> ExitCode {
         Err(e) => {
             // `{:#}`: the whole chain of causes, each in words, on one line.
             note!("error: {e:#}");
-            ExitCode::from(1)
+            ExitCode::from(cli::exit_codes::of_error(&e))
         }
     }
 }
@@ -546,7 +611,7 @@ fn parse_cli() -> Cli {
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Demo { data, engine } => demo(data, engine).await,
+        Command::Demo { data, engine, keep } => demo(data, engine, keep).await,
         Command::Run {
             data,
             server,
@@ -562,18 +627,23 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             policy,
             budget,
             compaction,
+            json,
             prompt,
         } => {
+            let prompt = cli::turn::read_prompt(prompt)?;
             // Everything that can be checked is checked before anything is written.
             let prices = budget.price_table()?;
             if prompt.trim().is_empty() {
-                bail!("the prompt is empty: give the message to send as the last argument");
+                cli::exit_codes::usage_bail!(
+                    "the prompt is empty: give the message to send as the last argument"
+                );
             }
             let model = ModelSpec {
                 max_tokens,
                 thinking_budget_tokens: thinking_budget,
                 ..parse_model(&model)?
             };
+            let workdir_given = workdir.clone();
             let workdir = workdir_or_cwd(workdir)?;
             let target = Target::resolve(data, &server)?;
             // A store opened here runs the model from this process: its configuration must be
@@ -583,10 +653,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     check_provider(&model)?;
                 }
             }
-            let access = Access::open(target, OpenMode::Create, engine, workdir).await?;
+            let access = Access::open(target, OpenMode::Create, engine, workdir.clone()).await?;
             let (mut host, data) = match access {
                 Access::Local { host, data } => (*host, data),
                 Access::Remote(remote) => {
+                    if json {
+                        cli::exit_codes::usage_bail!(
+                            "run --json works on a store opened here, not through a server yet"
+                        );
+                    }
                     let request = cli::remote::RunRequest {
                         model,
                         session,
@@ -609,6 +684,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     refuse_policy_options(&id, &policy)?;
                     budget.refuse_for_existing(&id)?;
                     compaction.refuse_for_existing(&id)?;
+                    let state = host.engine.state(&id).await?;
+                    cli::workdir::refuse_other(&state, workdir_given.as_deref())?;
+                    note!("session {id}");
                     id
                 }
                 requested => {
@@ -619,6 +697,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     options.compaction = compaction.session_policy()?;
                     options.session_id = requested;
                     options.system_prompt = system;
+                    options.workdir = Some(cli::workdir::to_record(&workdir)?);
                     if let Some(max_rounds) = max_rounds {
                         options.limits.max_rounds = max_rounds;
                     }
@@ -631,7 +710,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             // Only this session's work runs here: an interrupted turn of it is carried on
             // first, other sessions' are left for `cairn resume`.
             if host.engine.state(&session_id).await?.is_running() {
-                continue_interrupted(&mut host, &data, &session_id, !hide_thinking).await?;
+                continue_interrupted(&mut host, &data, &session_id, !hide_thinking, json).await?;
             } else {
                 host.start_for(&session_id).await?;
             }
@@ -640,34 +719,58 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Some(s) if s.model != model => Some(model),
                 _ => None,
             };
-            let outcome = run_turn(&host, &session_id, &prompt, turn_model, !hide_thinking).await?;
-            note!("session {session_id}");
+            let mut watch = watch(&host, &session_id, !hide_thinking);
+            watch.quiet = json;
+            let outcome = watch.send(&prompt, turn_model).await?;
+            cli::turn::report(&session_id, &outcome, json)?;
             host.shutdown().await;
             Ok(outcome_code(&outcome))
         }
-        Command::Sessions { data, server } => {
+        Command::Sessions {
+            data,
+            server,
+            filter,
+        } => {
             let target = Target::resolve(data, &server)?;
             let access = Access::open(target, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
-            let sessions = access.client().sessions().await?;
-            if sessions.is_empty() {
-                outln!("no sessions")?;
-            }
-            for s in sessions {
-                let parked = if s.awaiting_approval.is_empty() {
-                    String::new()
-                } else {
-                    format!("  awaiting approval: {}", s.awaiting_approval.join(", "))
-                };
-                outln!(
-                    "{:<40} {:<10} {:>6} events {}{parked}",
-                    s.session_id,
-                    s.status.as_str(),
-                    s.events,
-                    cli::budget::summary_columns(s.totals.as_ref())
-                )?;
-            }
+            cli::sessions::list(access.client(), &filter).await?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Describe {
+            data,
+            server,
+            session,
+            json,
+        } => {
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::ReadOnly, None, PathBuf::from(".")).await?;
+            let described = cli::describe::read(access.client(), &session).await?;
+            cli::describe::print(&described, json)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Chat {
+            data,
+            engine,
+            model,
+            session,
+            system,
+            workdir,
+            hide_thinking,
+        } => {
+            let model = parse_model(&model)?;
+            check_provider(&model)?;
+            cli::chat::run(cli::chat::ChatRequest {
+                data: StoreDir::resolve(data)?.path,
+                engine,
+                model,
+                session,
+                system,
+                workdir: workdir_or_cwd(workdir)?,
+                show_thinking: !hide_thinking,
+            })
+            .await
+        }
+        Command::Completions { shell } => cli::completions::print::<Cli>(shell),
         Command::History {
             data,
             server,
@@ -741,6 +844,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             session,
             dir,
             trace,
+            json,
         } => {
             let Some(session) = session else {
                 let dir = dir.context("replay needs a SESSION or --dir")?;
@@ -753,6 +857,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let events = host.client.history(&session).await?;
             if trace {
                 return cli::history_files::print_trace(&session, &events);
+            }
+            if json {
+                return cli::reports::replay_json(&session, &events);
             }
             match replay(&session, &events) {
                 Ok(replayed) => {
@@ -771,7 +878,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     | RuntimeError::StaleReport { .. }),
                 ) => {
                     outln!("divergence: {e}")?;
-                    Ok(ExitCode::from(1))
+                    Ok(ExitCode::from(cli::exit_codes::CHECK_FAILED))
                 }
                 Err(e) => Err(e.into()),
             }
@@ -942,6 +1049,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             engine,
             remote_workers,
             data,
+            keep,
         } => {
             chaos(ChaosArgs {
                 kills,
@@ -954,6 +1062,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 engine,
                 remote_workers,
                 data,
+                keep,
             })
             .await
         }
@@ -983,7 +1092,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cli::database::migrate(&from, &to).await?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Fsck { data, repair } => {
+        Command::Fsck { data, repair, json } => {
             let mode = if repair {
                 OpenMode::Repair
             } else {
@@ -992,18 +1101,24 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let store = StoreDir::resolve(data)?;
             store.check_exists()?;
             let opened = embedded::open(&store.path, mode, None).await?;
-            for note in &opened.notes {
-                outln!("{}: {note}", if repair { "repaired" } else { "note" })?;
+            if !json {
+                for note in &opened.notes {
+                    outln!("{}: {note}", if repair { "repaired" } else { "note" })?;
+                }
             }
             let mut report = cairn_runtime::fsck::fsck(opened.store.as_ref()).await?;
             if !repair {
                 report.add_losses(&opened.losses);
             }
-            out!("{report}")?;
+            if json {
+                cli::reports::fsck_json(&report, &opened.notes, repair)?;
+            } else {
+                out!("{report}")?;
+            }
             Ok(if report.is_clean() {
                 ExitCode::SUCCESS
             } else {
-                ExitCode::from(1)
+                ExitCode::from(cli::exit_codes::CHECK_FAILED)
             })
         }
         Command::Worker {
@@ -1015,7 +1130,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             lease_ms,
         } => {
             let Some((url, token)) = server.resolve(None)? else {
-                bail!("cairn worker needs a server: --server URL, or CAIRN_SERVER");
+                cli::exit_codes::usage_bail!(
+                    "cairn worker needs a server: --server URL, or CAIRN_SERVER"
+                );
             };
             cli::worker::run(cli::worker::WorkerRequest {
                 url,
@@ -1054,61 +1171,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await
         }
         Command::Resume { data, workdir } => {
-            let workdir = workdir_or_cwd(workdir)?;
-            let store = StoreDir::resolve(data)?;
-            store.check_exists()?;
-            let mut host = Host::open(&store.path, OpenMode::Existing, None, workdir).await?;
-            let report = host.engine.resume(true).await?;
-            if report.running_sessions.is_empty() {
-                showln!("nothing to resume");
-                return Ok(ExitCode::SUCCESS);
-            }
-            showln!(
-                "resuming {} session(s), {} outstanding activit{}{}",
-                report.running_sessions.len(),
-                report.outstanding_tasks,
-                if report.outstanding_tasks == 1 {
-                    "y"
-                } else {
-                    "ies"
-                },
-                if report.requeued_tasks > 0 {
-                    format!(" ({} re-enqueued)", report.requeued_tasks)
-                } else {
-                    String::new()
-                }
-            );
-            if report.reclaimed_leases > 0 {
-                showln!(
-                    "released {} lease(s) held by the previous process",
-                    report.reclaimed_leases
-                );
-            }
-            for session_id in &report.running_sessions {
-                let state = host.engine.state(session_id).await?;
-                let history = host.client.history(session_id).await?;
-                if let Some(cut) = interrupted_output(&state, &history) {
-                    showln!("{session_id}: {}", interrupted_notice(&cut));
-                }
-            }
-            host.start_workers();
-            let mut code = ExitCode::SUCCESS;
-            for session_id in &report.running_sessions {
-                let turn = host.engine.state(session_id).await?.turns_started;
-                // A turn parked on a person is left parked: deciding it needs no process.
-                let Some(outcome) =
-                    cli::approvals::wait_turn(&host.engine, session_id, turn, true).await?
-                else {
-                    showln!("{session_id}: turn {turn} waits for approval");
-                    continue;
-                };
-                showln!("{session_id}: {}", describe(&outcome));
-                if !matches!(outcome, TurnOutcome::Completed { .. }) {
-                    code = ExitCode::from(1);
-                }
-            }
-            host.shutdown().await;
-            Ok(code)
+            cli::resume::run(StoreDir::resolve(data)?, workdir_or_cwd(workdir)?).await
         }
     }
 }
@@ -1122,7 +1185,9 @@ fn parse_engine(name: &str) -> Result<StorageEngine, String> {
 
 fn parse_model(text: &str) -> anyhow::Result<ModelSpec> {
     let Some(spec) = ModelSpec::parse(text) else {
-        bail!("invalid --model {text:?}: expected PROVIDER:MODEL, e.g. scripted:script.json");
+        cli::exit_codes::usage_bail!(
+            "invalid --model {text:?}: expected PROVIDER:MODEL, e.g. scripted:script.json"
+        );
     };
     match spec.provider.as_str() {
         "scripted" => {
@@ -1136,7 +1201,7 @@ fn parse_model(text: &str) -> anyhow::Result<ModelSpec> {
             })
         }
         "anthropic" | "openai" | "openai-responses" | "bedrock" => Ok(spec),
-        other => bail!(
+        other => cli::exit_codes::usage_bail!(
             "unknown model provider {other:?} (known: scripted, anthropic, openai, openai-responses, bedrock)"
         ),
     }
@@ -1146,8 +1211,10 @@ fn parse_model(text: &str) -> anyhow::Result<ModelSpec> {
 fn workdir_or_cwd(workdir: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     match workdir {
         Some(w) if w.is_dir() => Ok(w),
-        Some(w) if w.exists() => bail!("--workdir {}: not a directory", w.display()),
-        Some(w) => bail!("--workdir {}: no such directory", w.display()),
+        Some(w) if w.exists() => {
+            cli::exit_codes::usage_bail!("--workdir {}: not a directory", w.display())
+        }
+        Some(w) => cli::exit_codes::usage_bail!("--workdir {}: no such directory", w.display()),
         None => std::env::current_dir().context("cannot read the current directory"),
     }
 }
@@ -1176,7 +1243,7 @@ pub(crate) fn refuse_policy_options(
     policy: &cli::approvals::PolicyArgs,
 ) -> anyhow::Result<()> {
     if policy.given() {
-        bail!(
+        cli::exit_codes::usage_bail!(
             "session {session_id} exists, and --shell, --allow, --ask, --deny, --policy and \
              --approval-timeout-ms apply only when a session starts (its history records its \
              tools and policy); leave them out to continue the session, or start a new one"
@@ -1203,7 +1270,7 @@ pub(crate) fn refuse_start_options(
         } else {
             ("apply", "them")
         };
-        bail!(
+        cli::exit_codes::usage_bail!(
             "session {session_id} exists, and {} {verb} only when a session starts (its history \
              records it); leave {them} out to continue the session, or start a new one",
             given.join(" and "),
@@ -1230,6 +1297,7 @@ async fn continue_interrupted(
     data: &Path,
     session_id: &str,
     show_thinking: bool,
+    quiet: bool,
 ) -> anyhow::Result<()> {
     let engine = host.engine.clone();
     let state = engine.state(session_id).await?;
@@ -1244,20 +1312,38 @@ async fn continue_interrupted(
             data.display()
         )
     };
-    showln!("[session {session_id}: turn {turn} was interrupted; continuing it first]");
+    // `--json` keeps stdout for the outcome: the notices go to stderr then.
+    let say = |line: String| {
+        if quiet {
+            note!("{line}");
+        } else {
+            showln!("{line}");
+        }
+    };
+    say(format!(
+        "[session {session_id}: turn {turn} was interrupted; continuing it first]"
+    ));
     let history = host.client.history(session_id).await.with_context(cannot)?;
     if let Some(cut) = interrupted_output(&state, &history) {
-        showln!("{}", interrupted_notice(&cut));
+        say(interrupted_notice(&cut));
     }
-    // Subscribed before the workers start, so no delta of the re-run is missed.
-    let printer = Printer::start(host, session_id, show_thinking);
+    // Followed from the last event before the workers start, so nothing of the re-run is
+    // missed.
+    let after_seq = state.next_seq.saturating_sub(1);
+    let live = if quiet {
+        None
+    } else {
+        let live =
+            cli::live::LiveView::start(&host.client, session_id, after_seq, show_thinking, false);
+        Some(live.await.with_context(cannot)?)
+    };
     host.start_for(session_id).await.with_context(cannot)?;
-    let outcome = cli::approvals::wait_turn(&engine, session_id, turn, false)
-        .await
-        .with_context(cannot)?
-        .with_context(cannot)?;
-    printer.finish().await;
-    showln!();
+    let mut watch = watch(host, session_id, show_thinking);
+    watch.quiet = quiet;
+    let outcome = watch.running_with(turn, live).await.with_context(cannot)?;
+    if !quiet {
+        showln!();
+    }
     if !matches!(outcome, TurnOutcome::Completed { .. }) {
         note!("{}", describe(&outcome));
     }
@@ -1284,59 +1370,8 @@ fn interrupted_notice(cut: &StreamedOutput) -> String {
     )
 }
 
-/// Prints one session's streamed deltas (text, and thinking when asked) until finished.
-struct Printer {
-    done: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Printer {
-    fn start(host: &Host, session_id: &str, show_thinking: bool) -> Printer {
-        let mut deltas = host.engine.subscribe_deltas();
-        let printer_session = session_id.to_owned();
-        let mut writer = cli::deltas::DeltaWriter::new(show_thinking);
-        let (done, mut done_rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            use tokio::sync::broadcast::error::{RecvError, TryRecvError};
-            let mut draining = false;
-            loop {
-                // Once the turn is over every delta is already queued: drain them, then stop.
-                let event = if draining {
-                    match deltas.try_recv() {
-                        Ok(event) => event,
-                        Err(TryRecvError::Lagged(_)) => continue,
-                        Err(_) => break,
-                    }
-                } else {
-                    tokio::select! {
-                        received = deltas.recv() => match received {
-                            Ok(event) => event,
-                            Err(RecvError::Lagged(_)) => continue,
-                            Err(RecvError::Closed) => break,
-                        },
-                        _ = &mut done_rx => {
-                            draining = true;
-                            continue;
-                        }
-                    }
-                };
-                if event.origin.session_id != printer_session {
-                    continue;
-                }
-                writer.write(&event);
-            }
-        });
-        Printer { done, task }
-    }
-
-    /// Prints what is still queued, then stops.
-    async fn finish(self) {
-        let _ = self.done.send(());
-        let _ = self.task.await;
-    }
-}
-
-/// Sends the prompt and prints the answer as it streams.
+/// Sends the prompt and prints the turn live as it runs (see `cli::live`); Ctrl-C cancels
+/// it (see `cli::turn`).
 async fn run_turn(
     host: &Host,
     session_id: &str,
@@ -1344,19 +1379,9 @@ async fn run_turn(
     model: Option<ModelSpec>,
     show_thinking: bool,
 ) -> anyhow::Result<TurnOutcome> {
-    let printer = Printer::start(host, session_id, show_thinking);
-    let turn = match model {
-        Some(model) => {
-            host.client
-                .send_with_model(session_id, prompt, model)
-                .await?
-        }
-        None => host.client.send(session_id, prompt).await?,
-    };
-    let outcome = cli::approvals::wait_turn(&host.engine, session_id, turn, false)
-        .await?
-        .context("the turn's wait ended without an outcome")?;
-    printer.finish().await;
+    let outcome = watch(host, session_id, show_thinking)
+        .send(prompt, model)
+        .await?;
     showln!();
     if !matches!(outcome, TurnOutcome::Completed { .. }) {
         note!("{}", describe(&outcome));
@@ -1365,8 +1390,19 @@ async fn run_turn(
     Ok(outcome)
 }
 
+/// How `run` watches `session_id`'s turns.
+fn watch<'a>(host: &'a Host, session_id: &'a str, show_thinking: bool) -> cli::turn::Watch<'a> {
+    cli::turn::Watch {
+        host,
+        session_id,
+        show_thinking,
+        quiet: false,
+        data_flag: format!(" --data {}", host.data.display()),
+    }
+}
+
 fn outcome_code(outcome: &TurnOutcome) -> ExitCode {
-    cli::budget::exit_code(outcome)
+    cli::exit_codes::outcome_code(outcome)
 }
 
 fn describe(outcome: &TurnOutcome) -> String {
@@ -1552,6 +1588,7 @@ struct ChaosArgs {
     engine: StorageEngine,
     remote_workers: usize,
     data: Option<PathBuf>,
+    keep: bool,
 }
 
 async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
@@ -1566,7 +1603,10 @@ async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         engine,
         remote_workers,
         data,
+        keep,
     } = args;
+    // Only a directory made here is removed, and only after checks that passed.
+    let remove_after = data.is_none() && !keep;
     let data = match data {
         Some(d) => refuse_store_as_chaos_dir(d)?,
         None => tempfile::Builder::new()
@@ -1610,6 +1650,7 @@ async fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
             .await
             .context("the chaos run panicked")??;
     outln!("{report}")?;
+    cli::cleanup::chaos_data(&data, remove_after && report.passed())?;
     Ok(if report.passed() {
         ExitCode::SUCCESS
     } else {
@@ -1626,14 +1667,26 @@ fn chaos_seed() -> u64 {
     nanos ^ u64::from(std::process::id()).rotate_left(32)
 }
 
-async fn demo(data: Option<PathBuf>, engine: Option<StorageEngine>) -> anyhow::Result<ExitCode> {
-    let store = StoreDir::resolve(data)?;
+async fn demo(
+    data: Option<PathBuf>,
+    engine: Option<StorageEngine>,
+    keep: bool,
+) -> anyhow::Result<ExitCode> {
     // The scripted model and the file its tool call reads: the demo's own, removed when it
-    // ends (the session stays in the store).
+    // ends; so is its store, unless the session is to be kept.
     let fixtures = tempfile::Builder::new()
         .prefix("cairn-demo-")
         .tempdir()
         .context("cannot create a temporary directory")?;
+    let keep = keep || data.is_some();
+    let store = if keep {
+        StoreDir::resolve(data)?
+    } else {
+        StoreDir {
+            path: fixtures.path().join("store"),
+            defaulted: false,
+        }
+    };
     let workdir = fixtures.path().join("work");
     std::fs::create_dir_all(&workdir)?;
     std::fs::write(workdir.join("notes.txt"), DEMO_NOTES)?;
@@ -1659,8 +1712,8 @@ async fn demo(data: Option<PathBuf>, engine: Option<StorageEngine>) -> anyhow::R
         .count();
     let engine = host.opened.engine;
     host.shutdown().await;
-    drop(fixtures);
     let size = dir_size(&store.path);
+    drop(fixtures);
     let data = store.flag();
     showln!("\n--- summary");
     showln!("session      {session_id}");
@@ -1670,6 +1723,14 @@ async fn demo(data: Option<PathBuf>, engine: Option<StorageEngine>) -> anyhow::R
         events.len(),
         tool_calls
     );
+    if !keep {
+        showln!(
+            "store        a temporary one ({engine}, {} KiB on disk), removed: `cairn demo \
+             --keep` keeps the session in the default store to inspect",
+            size / 1024
+        );
+        return Ok(outcome_code(&outcome));
+    }
     showln!(
         "store        {}{} ({engine}, {} KiB on disk)",
         store.path.display(),

@@ -72,7 +72,7 @@ fn a_session_cost_budget_stops_the_turn_that_goes_over_and_the_next_before_its_c
     );
     // Budgets are recorded when the session starts: refused for the existing one.
     let refused = run("two", &["--max-turn-tokens", "5"]);
-    assert_eq!(refused.status.code(), Some(1));
+    assert_eq!(refused.status.code(), Some(2));
     assert!(
         text(&refused.stderr).contains("apply only when a session starts"),
         "{}",
@@ -81,7 +81,7 @@ fn a_session_cost_budget_stops_the_turn_that_goes_over_and_the_next_before_its_c
     // Turn 2 may start ($0.002 < $0.003); its answer takes the session to $0.004.
     let second = run("two", &[]);
     let err = text(&second.stderr);
-    assert_eq!(second.status.code(), Some(1), "{err}");
+    assert_eq!(second.status.code(), Some(5), "{err}");
     assert!(
         err.contains(
             "turn 2 failed: session budget exceeded: max_cost_micros $0.003000, $0.004000 used"
@@ -90,7 +90,7 @@ fn a_session_cost_budget_stops_the_turn_that_goes_over_and_the_next_before_its_c
     );
     // Turn 3 fails before any model call is scheduled.
     let third = run("three", &[]);
-    assert_eq!(third.status.code(), Some(1));
+    assert_eq!(third.status.code(), Some(5));
     assert!(
         text(&third.stderr).contains("turn 3 failed: session budget exceeded"),
         "{}",
@@ -164,7 +164,7 @@ fn an_answer_cut_short_exits_3_and_an_unknown_price_is_said_so() {
         "write a lot",
     ]);
     let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert_eq!(out.status.code(), Some(8), "{err}");
     assert!(text(&out.stdout).contains("the beginning of"));
     assert!(
         err.contains("stopped short: the model stopped for max_tokens"),

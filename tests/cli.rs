@@ -39,7 +39,16 @@ fn demo_runs_offline_and_its_store_can_be_inspected_and_replayed() {
     let store = data.to_str().unwrap();
     let sessions = cairn(&["sessions", "--data", store]);
     let listing = text(&sessions.stdout);
-    let session = listing.split_whitespace().next().unwrap().to_owned();
+    // Under the column header, the session's row starts with its id.
+    assert!(listing.starts_with("SESSION "), "{listing}");
+    let session = listing
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
     assert!(
         listing.contains("idle") && listing.contains(&format!("{events} events")),
         "{listing}"
@@ -155,7 +164,8 @@ fn errors_a_person_can_act_on_are_one_clear_line() {
     .status
     .success());
     let out = cairn(&["history", "--data", data, "no-such-session"]);
-    assert_eq!(out.status.code(), Some(1));
+    // Not found has its own exit status.
+    assert_eq!(out.status.code(), Some(3));
     assert!(
         text(&out.stderr).contains("unknown session \"no-such-session\""),
         "{}",
@@ -526,7 +536,7 @@ fn demo_then_sessions_meet_in_the_default_data_directory() {
     let default_str = default.to_str().unwrap();
     let stuck_before = history_json(default_str, "stuck");
 
-    let demo = cairn_in(&default, &["demo"]);
+    let demo = cairn_in(&default, &["demo", "--keep"]);
     let stdout = text(&demo.stdout);
     assert!(demo.status.success(), "{stdout}\n{}", text(&demo.stderr));
     let session = text(&demo.stderr)
@@ -578,7 +588,8 @@ fn demo_then_sessions_meet_in_the_default_data_directory() {
         .arg("sessions")
         .output()
         .unwrap();
-    assert_eq!(via_server.status.code(), Some(1));
+    // Unreachable has its own exit status.
+    assert_eq!(via_server.status.code(), Some(4));
     assert!(
         text(&via_server.stderr).contains("cannot reach the cairn server at http://127.0.0.1:1"),
         "{}",
@@ -722,7 +733,7 @@ fn run_checks_before_writing_and_says_when_it_starts_a_session() {
     let refusals: Vec<(Vec<&str>, i32, &str)> = vec![
         (
             vec!["--model", &model, "  \n"],
-            1,
+            2,
             "error: the prompt is empty",
         ),
         (
@@ -747,7 +758,7 @@ fn run_checks_before_writing_and_says_when_it_starts_a_session() {
         ),
         (
             vec!["--model", &model, "--workdir", missing, "hi"],
-            1,
+            2,
             "no such directory",
         ),
         (
@@ -814,7 +825,8 @@ fn run_checks_before_writing_and_says_when_it_starts_a_session() {
         args.extend(options);
         args.push("again");
         let out = run(&args);
-        assert_eq!(out.status.code(), Some(1));
+        // A usage error: the options do not go with an existing session.
+        assert_eq!(out.status.code(), Some(2));
         assert!(text(&out.stderr).contains(says), "{}", text(&out.stderr));
     }
     assert_eq!(history_json(data_str, "chat"), history);
@@ -906,7 +918,8 @@ fn a_closed_pipe_ends_the_output_quietly() {
     for store in [data, demo_store] {
         let listing = text(&cairn(&["sessions", "--data", store]).stdout);
         assert!(
-            listing.lines().count() == 1 && listing.contains("idle"),
+            // The column header, then the one session.
+            listing.lines().count() == 2 && listing.contains("idle"),
             "{listing}"
         );
     }
@@ -925,9 +938,10 @@ fn errors_say_their_whole_cause_once_in_words() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("store");
     let data_str = data.to_str().unwrap();
-    let plain = |out: &Output| {
+    // Each with its exit status: 4 for a store or server out of reach, 1 for other errors.
+    let plain = |out: &Output, code: i32| {
         let err = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert_eq!(out.status.code(), Some(code), "{err}");
         for debug in ["Os {", "kind:", "FjallError", "Error(", "\x1b["] {
             assert!(!err.contains(debug), "{debug:?} in {err}");
         }
@@ -950,7 +964,7 @@ fn errors_say_their_whole_cause_once_in_words() {
         vec!["replay", "--data", data_str, "x"],
         vec!["resume", "--data", data_str],
     ] {
-        let err = plain(&cairn(&args));
+        let err = plain(&cairn(&args), 4);
         assert!(
             err.starts_with(&format!(
                 "error: cannot open store at {data_str}: the store is in use by another process ("
@@ -969,7 +983,7 @@ fn errors_say_their_whole_cause_once_in_words() {
         vec!["sessions", "--data", data_str],
         vec!["resume", "--data", data_str],
     ] {
-        let err = plain(&cairn(&args));
+        let err = plain(&cairn(&args), 1);
         assert!(
             err.starts_with(&format!("error: cannot open store at {data_str}: "))
                 && err.contains("Not a directory"),
@@ -978,7 +992,7 @@ fn errors_say_their_whole_cause_once_in_words() {
     }
 
     // A refused connection: the cause, not only "error sending request".
-    let err = plain(&cairn(&["sessions", "--server", "http://127.0.0.1:1"]));
+    let err = plain(&cairn(&["sessions", "--server", "http://127.0.0.1:1"]), 4);
     assert!(err.contains("Connection refused"), "{err}");
 
     // A command that logs (RUST_LOG=debug): plain text into a pipe.

@@ -93,6 +93,7 @@ fn sample_events() -> Vec<Event> {
                 ..RetryPolicy::model_default()
             },
             tool_retry: RetryPolicy::tool_default(),
+            workdir: None,
         }),
         Event::UserMessage {
             turn: 1,
@@ -492,6 +493,38 @@ fn compaction_records_have_golden_bytes() {
         );
         assert_eq!(bytes, stored, "the encoding of {name} changed");
     }
+}
+
+/// A session_started that records its tools' working directory; the field, added after v1,
+/// is left out of every record without one (the v1 files above are unchanged by it).
+#[test]
+fn a_session_started_with_a_workdir_has_golden_bytes() {
+    let Event::SessionStarted(mut started) = sample_events().remove(0) else {
+        panic!("the first sample is a session_started");
+    };
+    started.workdir = Some("/home/someone/project".into());
+    let envelope = EventEnvelope::new(
+        "golden-workdir",
+        1,
+        1_700_000_000_000,
+        Event::SessionStarted(started),
+    );
+    let path = golden_dir().join("events/workdir-session_started.bin");
+    let bytes = codec::encode(&envelope).unwrap();
+    if bless() || !path.exists() {
+        std::fs::write(&path, &bytes).unwrap();
+    }
+    let stored = std::fs::read(&path).unwrap();
+    let decoded = codec::decode("golden-workdir", 1, &stored).unwrap();
+    assert_eq!(decoded, envelope);
+    let Event::SessionStarted(decoded) = decoded.event else {
+        panic!("a session_started decodes as one");
+    };
+    assert_eq!(decoded.workdir.as_deref(), Some("/home/someone/project"));
+    assert_eq!(
+        bytes, stored,
+        "the encoding of a session_started with a workdir changed"
+    );
 }
 
 #[test]

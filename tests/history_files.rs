@@ -182,6 +182,7 @@ async fn an_imported_interrupted_session_resumes() {
             workflow_version: cairn_runtime::WORKFLOW_VERSION,
             tool_policy: None,
             compaction: None,
+            workdir: None,
         };
         engine
             .start_session(Some(session.into()), started)
@@ -439,9 +440,10 @@ fn a_fork_goes_on_from_its_cut_without_running_the_prefix_again() {
         String::from_utf8_lossy(&switch.stderr)
     );
     let listed = ok(&cairn(&["sessions", "--data", path(&a)]));
+    // The column header and the two sessions.
     assert_eq!(
         listed.lines().count(),
-        2,
+        3,
         "refused forks write nothing: {listed}"
     );
 }

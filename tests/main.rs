@@ -11,6 +11,7 @@ mod compaction;
 mod corruption;
 mod engine;
 mod faults;
+mod first_hour;
 mod golden;
 mod history_files;
 mod library;

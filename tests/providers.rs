@@ -1541,7 +1541,8 @@ fn invalid_request_fails_the_turn_at_once() {
     h.push_text("never sent");
     let session = "invalid";
     let out = h.run(session);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    // A failed turn has its own exit status.
+    assert_eq!(out.status.code(), Some(5), "{}", text(&out.stdout));
     assert!(text(&out.stderr).contains(message), "{}", text(&out.stderr));
     // No retry.
     assert_eq!(h.server.requests().len(), 1);

@@ -122,8 +122,9 @@ fn a_turn_runs_through_a_server_on_a_worker_process() {
     let sessions = cairn(&["sessions"], &env);
     assert!(sessions.status.success(), "{}", text(&sessions.stderr));
     let listing = text(&sessions.stdout);
+    // Under the column header, the session's row.
     assert!(
-        listing.starts_with("r1") && listing.contains("idle"),
+        listing.lines().nth(1).is_some_and(|l| l.starts_with("r1 ")) && listing.contains("idle"),
         "{listing}"
     );
     let local = Client::new(server.engine.clone());

@@ -61,6 +61,7 @@ async fn record_missing_argument_session(script: &Path, workflow_version: u32) -
         workflow_version,
         tool_policy: None,
         compaction: None,
+        workdir: None,
     };
     let id = engine
         .start_session(Some("missing-argument".into()), started)
@@ -244,7 +245,8 @@ async fn replay_dir_checks_a_folder_of_exports_and_names_each_divergence() {
     );
     std::fs::write(dir.join("relabelled.jsonl"), lied).unwrap();
     let out = cairn(&["replay", "--dir", dir.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(1));
+    // A divergence has its own exit status.
+    assert_eq!(out.status.code(), Some(7));
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(said.contains("relabelled.jsonl: diverges"), "{said}");
     assert!(said.contains("failed: 2 of 3 histories replay"), "{said}");

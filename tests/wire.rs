@@ -100,9 +100,19 @@ fn worker_protocol_messages_round_trip_byte_exact() {
         round_trips(&ActivityInput::Tool {
             origin: origin.clone(),
             idempotency_key: format!("golden-demo/{}", tool_use.id),
+            tool_use: tool_use.clone(),
+            timeouts,
+            heartbeat_details: None,
+            workdir: None,
+        });
+        // A session that recorded its tools' directory sends it with each call.
+        round_trips(&ActivityInput::Tool {
+            origin: origin.clone(),
+            idempotency_key: format!("golden-demo/{}", tool_use.id),
             tool_use,
             timeouts,
             heartbeat_details: None,
+            workdir: Some("/home/someone/project".into()),
         });
     }
     assert!(reports.len() >= 3, "the demo has model and tool results");

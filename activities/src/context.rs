@@ -1,7 +1,9 @@
 //! The activity context: what a running attempt can ask of its runtime — heartbeats (with
-//! progress details the next attempt receives), cancellation, and which attempt it is.
+//! progress details the next attempt receives), cancellation, which attempt it is, and the
+//! working directory its session recorded.
 
 use cairn_ledger::{JsonText, Usage};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use tokio_util::sync::CancellationToken;
 
@@ -11,6 +13,8 @@ type HeartbeatFn = dyn Fn(Option<JsonText>) + Send + Sync;
 #[derive(Clone)]
 pub struct ActivityContext {
     inner: Arc<Inner>,
+    /// The session's own working directory, when it recorded one; tools prefer it to theirs.
+    working_dir: Option<Arc<Path>>,
 }
 
 struct Inner {
@@ -38,7 +42,21 @@ impl ActivityContext {
                 heartbeat: Box::new(heartbeat),
                 usage: Mutex::new(None),
             }),
+            working_dir: None,
         }
+    }
+
+    /// This context for a session that recorded `working_dir`: tools that work in a directory
+    /// (`read_file`, `shell`) work there instead of in their own.
+    pub fn with_working_dir(mut self, working_dir: Option<&Path>) -> Self {
+        self.working_dir = working_dir.map(Arc::from);
+        self
+    }
+
+    /// The session's working directory, when it recorded one (see
+    /// [`ActivityContext::with_working_dir`]).
+    pub fn working_dir(&self) -> Option<&Path> {
+        self.working_dir.as_deref()
     }
 
     /// A context that is never cancelled and drops heartbeats (tests, one-off calls).
@@ -90,6 +108,7 @@ impl std::fmt::Debug for ActivityContext {
             .field("attempt", &self.inner.attempt)
             .field("previous_details", &self.inner.previous_details)
             .field("cancelled", &self.inner.cancel.is_cancelled())
+            .field("working_dir", &self.working_dir)
             .finish()
     }
 }

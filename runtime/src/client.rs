@@ -44,6 +44,9 @@ pub struct SessionOptions {
     pub tool_policy: Option<ToolPolicy>,
     /// When and how the transcript is compacted; `None` never compacts on its own.
     pub compaction: Option<CompactionPolicy>,
+    /// The absolute directory its tools work in (see [`SessionStarted::workdir`]); `None`:
+    /// the worker's own.
+    pub workdir: Option<String>,
 }
 
 impl SessionOptions {
@@ -60,6 +63,7 @@ impl SessionOptions {
             queues: Queues::default(),
             tool_policy: None,
             compaction: None,
+            workdir: None,
         }
     }
 
@@ -77,6 +81,7 @@ impl SessionOptions {
             workflow_version: crate::workflow::WORKFLOW_VERSION,
             tool_policy: self.tool_policy.clone(),
             compaction: self.compaction.clone(),
+            workdir: self.workdir.clone(),
         }
     }
 }

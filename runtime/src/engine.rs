@@ -111,6 +111,10 @@ pub enum ActivityInput {
         timeouts: ActivityTimeouts,
         /// Progress the previous attempt heartbeated last.
         heartbeat_details: Option<JsonText>,
+        /// The directory the session recorded for its tools, if any (see
+        /// [`SessionStarted::workdir`](crate::event::SessionStarted::workdir)).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        workdir: Option<String>,
     },
 }
 
@@ -632,6 +636,7 @@ impl Engine {
                 tool_use,
                 timeouts: ActivityTimeouts::of(&started.tool_retry, not_before_ms),
                 heartbeat_details,
+                workdir: started.workdir.clone(),
             }),
             None => None,
         };

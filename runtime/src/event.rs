@@ -385,6 +385,12 @@ pub struct SessionStarted {
     /// compacts, as sessions did before compaction existed, and is left out of the record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compaction: Option<CompactionPolicy>,
+    /// The absolute directory the session's tools work in (`read_file` reads there, `shell`
+    /// runs there), recorded so that a turn resumed by another process, started elsewhere,
+    /// still works where it began. `None`: the worker's own directory, as sessions did
+    /// before it was recorded; left out of the record then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
 }
 
 fn first_workflow_version() -> u32 {

@@ -495,6 +495,7 @@ mod tests {
             limits: Limits::default(),
             model_retry: RetryPolicy::model_default(),
             tool_retry: RetryPolicy::tool_default(),
+            workdir: None,
         })
     }
 

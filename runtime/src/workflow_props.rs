@@ -73,6 +73,7 @@ fn started() -> impl Strategy<Value = Event> {
                 workflow_version: crate::workflow::WORKFLOW_VERSION,
                 tool_policy: None,
                 compaction: None,
+                workdir: None,
                 model: ModelSpec::parse("scripted:props.json").expect("model"),
                 tools: vec![tool_spec("calculator"), tool_spec("read_file")],
                 system_prompt: Some("be brief".to_owned()),

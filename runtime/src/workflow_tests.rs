@@ -106,6 +106,7 @@ pub(super) fn started(max_rounds: u32) -> SessionStarted {
             maximum_attempts: 2,
             ..RetryPolicy::tool_default()
         },
+        workdir: None,
     }
 }
 

@@ -167,6 +167,7 @@ pub async fn create_session(
         )
         .map_err(|e| ApiError::invalid(e.to_string()))?,
         compaction: request.compaction,
+        workdir: None,
     };
     async {
         match state.engine.start_session(Some(stored), started).await {

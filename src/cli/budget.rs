@@ -7,11 +7,6 @@ use cairn_runtime::budget::{Budget, UsageTotals};
 use cairn_runtime::pricing::{format_usd, parse_usd};
 use cairn_runtime::{Limits, PriceTable, TurnOutcome};
 use std::path::PathBuf;
-use std::process::ExitCode;
-
-/// The exit code of `cairn run` when the model's answer stopped short (`max_tokens`,
-/// `refusal`, `content_filter`): the turn completed, but not normally.
-pub const STOPPED_SHORT_EXIT: u8 = 3;
 
 fn usd(text: &str) -> Result<u64, String> {
     parse_usd(text)
@@ -71,7 +66,7 @@ impl BudgetArgs {
     /// Refuses budgets for a session that exists: its history recorded its limits.
     pub fn refuse_for_existing(&self, session_id: &str) -> anyhow::Result<()> {
         if !self.turn_budget().is_unlimited() || !self.session_budget().is_unlimited() {
-            anyhow::bail!(
+            super::exit_codes::usage_bail!(
                 "session {session_id} exists, and --max-turn-* and --max-session-* budgets \
                  apply only when a session starts (its history records its limits); leave \
                  them out to continue the session, or start a new one"
@@ -113,18 +108,6 @@ pub fn report(outcome: &TurnOutcome) {
                 .and_then(|v| v.as_str().map(str::to_owned))
                 .unwrap_or_else(|| format!("{stop:?}"))
         );
-    }
-}
-
-/// The exit code of `cairn run` for an outcome: 0 for a normal completion, 3 for one that
-/// stopped short, 1 for a failed or cancelled turn.
-pub fn exit_code(outcome: &TurnOutcome) -> ExitCode {
-    match outcome {
-        TurnOutcome::Completed { .. } if outcome.abnormal_stop().is_some() => {
-            ExitCode::from(STOPPED_SHORT_EXIT)
-        }
-        TurnOutcome::Completed { .. } => ExitCode::SUCCESS,
-        _ => ExitCode::from(1),
     }
 }
 

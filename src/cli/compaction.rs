@@ -72,7 +72,7 @@ impl CompactionArgs {
     /// Refuses the flags for an existing session: its history recorded its policy.
     pub fn refuse_for_existing(&self, session_id: &str) -> anyhow::Result<()> {
         if self.given() {
-            anyhow::bail!(
+            super::exit_codes::usage_bail!(
                 "session {session_id} exists, and the --compact-* flags apply only when a \
                  session starts (its history records its compaction policy); leave them out \
                  to continue the session, or use `cairn compact {session_id}`"

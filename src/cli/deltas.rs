@@ -25,6 +25,19 @@ impl DeltaWriter {
         }
     }
 
+    /// Ends the line the streamed output stopped in (closing thinking's dimming), so that a
+    /// line of another kind starts on its own; the next attempt's output starts afresh.
+    pub fn end_line(&mut self) {
+        let mut out = std::io::stdout().lock();
+        if self.in_thinking {
+            self.in_thinking = false;
+            let _ = write!(out, "{}", if self.dim { "\x1b[0m" } else { "" });
+        }
+        let _ = writeln!(out);
+        let _ = out.flush();
+        self.last_origin = None;
+    }
+
     /// Writes `event` (output errors are ignored: a closed stdout must not fail the turn).
     pub fn write(&mut self, event: &DeltaEvent) {
         let mut out = std::io::stdout().lock();

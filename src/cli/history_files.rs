@@ -173,7 +173,7 @@ pub fn print_trace(session: &str, events: &[EventEnvelope]) -> anyhow::Result<Ex
         }
         Some(e) => {
             outln!("divergence: {e}")?;
-            Ok(ExitCode::from(1))
+            Ok(ExitCode::from(super::exit_codes::CHECK_FAILED))
         }
     }
 }
@@ -303,6 +303,6 @@ pub fn check_exports(dir: &Path) -> anyhow::Result<ExitCode> {
     Ok(if clean == checks.len() {
         ExitCode::SUCCESS
     } else {
-        ExitCode::from(1)
+        ExitCode::from(super::exit_codes::CHECK_FAILED)
     })
 }

@@ -7,11 +7,22 @@
 pub mod approvals;
 pub mod budget;
 pub mod compaction;
+pub mod chat;
+pub mod cleanup;
+pub mod completions;
 pub mod database;
 pub mod deltas;
+pub mod describe;
+pub mod exit_codes;
 pub mod history_files;
+pub mod live;
 pub mod out;
 pub mod remote;
+pub mod reports;
+pub mod resume;
+pub mod sessions;
+pub mod turn;
+pub mod workdir;
 pub mod worker;
 
 use out::note;
@@ -43,7 +54,7 @@ impl ServerArgs {
     /// (an explicit `--data` wins over the environment). Both flags at once are a mistake.
     pub fn resolve(&self, data: Option<&Path>) -> anyhow::Result<Option<(String, Option<String>)>> {
         let server = match (&self.server, data) {
-            (Some(_), Some(data)) => bail!(
+            (Some(_), Some(data)) => exit_codes::usage_bail!(
                 "--data {} and --server both given: use one (a store opened here, or a server)",
                 data.display()
             ),

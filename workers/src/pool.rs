@@ -341,13 +341,19 @@ async fn run_task(
                 heartbeat_details, ..
             } => heartbeat_details.clone(),
         };
+        // A tool works in its session's recorded directory, whatever this process's is.
+        let session_workdir = match &input {
+            ActivityInput::Tool { workdir, .. } => workdir.as_deref().map(std::path::Path::new),
+            ActivityInput::Model { .. } => None,
+        };
         let context = ActivityContext::new(origin.attempt, previous, token.clone(), move |details| {
             let mut b = beats_in.lock().unwrap_or_else(|p| p.into_inner());
             b.last = tokio::time::Instant::now();
             if details.is_some() {
                 b.details = details;
             }
-        });
+        })
+        .with_working_dir(session_workdir);
         // Streamed output not yet recorded; only model calls stream, and only when asked to.
         let is_model = matches!(input, ActivityInput::Model { .. });
         let pending = (is_model && progress_every.is_some()).then(PendingOutput::default);

@@ -47,12 +47,15 @@ impl ReadFile {
         &self.working_dir
     }
 
-    /// Resolves `requested` to a canonical path inside the working directory, or says why not.
-    async fn resolve(&self, requested: &str) -> Result<std::result::Result<PathBuf, String>> {
-        let root = tokio::fs::canonicalize(&self.working_dir)
+    /// Resolves `requested` to a canonical path inside `working_dir`, or says why not.
+    async fn resolve(
+        working_dir: &Path,
+        requested: &str,
+    ) -> Result<std::result::Result<PathBuf, String>> {
+        let root = tokio::fs::canonicalize(working_dir)
             .await
             .map_err(|source| Error::Io {
-                path: self.working_dir.display().to_string(),
+                path: working_dir.display().to_string(),
                 source,
             })?;
         if requested.is_empty() {
@@ -68,7 +71,7 @@ impl ReadFile {
         // it need not be canonical.
         let joined = root.join(requested);
         let lexical = normalize(&joined);
-        let given_root = std::path::absolute(&self.working_dir)
+        let given_root = std::path::absolute(working_dir)
             .map(|given| normalize(&given))
             .unwrap_or_else(|_| root.clone());
         let lexical_alt = normalize(&given_root.join(requested));
@@ -150,10 +153,13 @@ impl Tool for ReadFile {
         }
     }
 
-    async fn call(&self, call: &ToolCall, _context: &ActivityContext) -> Result<ToolOutput> {
+    async fn call(&self, call: &ToolCall, context: &ActivityContext) -> Result<ToolOutput> {
         let input: ReadFileInput = call.parse_arguments()?;
         let requested = input.path.as_str();
-        let path = match self.resolve(requested).await? {
+        // The session's own directory, when it recorded one: it may differ from the
+        // directory of the process that hosts this tool (a turn resumed from elsewhere).
+        let working_dir = context.working_dir().unwrap_or(&self.working_dir);
+        let path = match Self::resolve(working_dir, requested).await? {
             Ok(path) => path,
             Err(message) => return Ok(ToolOutput::error(message)),
         };
@@ -231,6 +237,29 @@ mod tests {
         std::fs::write(work.join("sub/inner.txt"), "inner").unwrap();
         std::fs::write(dir.path().join("secret.txt"), "secret").unwrap();
         (dir, work)
+    }
+
+    /// A session's recorded directory (in the context) is where the file is read, confined
+    /// there as the tool's own directory would be; without one, the tool's own.
+    #[tokio::test]
+    async fn the_session_directory_in_the_context_wins_and_confines() {
+        let (dir, work) = setup();
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        std::fs::write(elsewhere.join("notes.txt"), "elsewhere's notes").unwrap();
+        let tool = ReadFile::new(&elsewhere);
+        let session = ActivityContext::detached().with_working_dir(Some(&work));
+        let out = tool.call(&call("notes.txt"), &session).await.unwrap();
+        assert_eq!(out, ToolOutput::text("the launch is on Tuesday.\n"));
+        assert_error(
+            &tool.call(&call("../secret.txt"), &session).await.unwrap(),
+            "escapes the working directory",
+        );
+        let own = tool
+            .call(&call("notes.txt"), &ActivityContext::detached())
+            .await
+            .unwrap();
+        assert_eq!(own, ToolOutput::text("elsewhere's notes"));
     }
 
     fn assert_error(out: &ToolOutput, contains: &str) {

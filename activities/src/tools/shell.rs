@@ -136,10 +136,12 @@ impl Tool for Shell {
             Some(ms) => Duration::from_millis(ms).min(self.timeout),
             None => self.timeout,
         };
+        // The session's own directory, when it recorded one (see `ActivityContext`).
+        let working_dir = context.working_dir().unwrap_or(&self.working_dir);
         let mut child = tokio::process::Command::new("sh")
             .arg("-c")
             .arg(&input.command)
-            .current_dir(&self.working_dir)
+            .current_dir(working_dir)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -147,7 +149,7 @@ impl Tool for Shell {
             .kill_on_drop(true)
             .spawn()
             .map_err(|source| Error::Io {
-                path: self.working_dir.display().to_string(),
+                path: working_dir.display().to_string(),
                 source,
             })?;
         let pgid = child.id();
@@ -184,7 +186,7 @@ impl Tool for Shell {
             Some(Ok(status)) => status.code(),
             Some(Err(source)) => {
                 return Err(Error::Io {
-                    path: self.working_dir.display().to_string(),
+                    path: working_dir.display().to_string(),
                     source,
                 })
             }
@@ -244,6 +246,23 @@ mod tests {
         let (out, is_error) = run(&shell, r#"{"command":"exit 3"}"#).await.unwrap();
         assert!(is_error);
         assert_eq!(out["exit_code"], 3);
+    }
+
+    /// A session's recorded directory (in the context) is where the command runs.
+    #[tokio::test]
+    async fn runs_in_the_session_directory_given_by_the_context() {
+        let own = tempfile::tempdir().unwrap();
+        let session = tempfile::tempdir().unwrap();
+        std::fs::write(session.path().join("session.txt"), "x").unwrap();
+        let context = ActivityContext::detached().with_working_dir(Some(session.path()));
+        let out = Shell::new(own.path())
+            .call(&call(r#"{"command":"ls"}"#), &context)
+            .await
+            .unwrap();
+        let cairn_ledger::ToolResultContent::Json(json) = &out.content else {
+            panic!("not JSON: {:?}", out.content)
+        };
+        assert_eq!(json.to_value().unwrap()["stdout"], "session.txt\n");
     }
 
     #[tokio::test]

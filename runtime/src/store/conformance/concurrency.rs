@@ -190,6 +190,7 @@ fn started() -> SessionStarted {
         },
         model_retry: RetryPolicy::model_default(),
         tool_retry: RetryPolicy::tool_default(),
+        workdir: None,
     }
 }
 
