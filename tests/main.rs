@@ -6,6 +6,7 @@
 mod approvals;
 mod chaos;
 mod cli;
+mod coding_tools;
 mod corruption;
 mod engine;
 mod faults;

@@ -103,6 +103,7 @@ fn worker_protocol_messages_round_trip_byte_exact() {
             tool_use,
             timeouts,
             heartbeat_details: None,
+            file_versions: Vec::new(),
         });
     }
     assert!(reports.len() >= 3, "the demo has model and tool results");

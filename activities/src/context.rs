@@ -1,6 +1,8 @@
 //! The activity context: what a running attempt can ask of its runtime — heartbeats (with
-//! progress details the next attempt receives), cancellation, and which attempt it is.
+//! progress details the next attempt receives), cancellation, which attempt it is, and for
+//! tools that change files, what the session last saw of each file.
 
+use cairn_ledger::file_versions::FileVersion;
 use cairn_ledger::{JsonText, Usage};
 use std::sync::{Arc, Mutex};
 use tokio_util::sync::CancellationToken;
@@ -11,6 +13,7 @@ type HeartbeatFn = dyn Fn(Option<JsonText>) + Send + Sync;
 #[derive(Clone)]
 pub struct ActivityContext {
     inner: Arc<Inner>,
+    file_versions: Arc<[FileVersion]>,
 }
 
 struct Inner {
@@ -38,7 +41,21 @@ impl ActivityContext {
                 heartbeat: Box::new(heartbeat),
                 usage: Mutex::new(None),
             }),
+            file_versions: Arc::new([]),
         }
+    }
+
+    /// The same context, with what the session last saw of each file (derived from its
+    /// recorded history by the engine; see [`cairn_ledger::file_versions`]).
+    pub fn with_file_versions(mut self, versions: Vec<FileVersion>) -> Self {
+        self.file_versions = versions.into();
+        self
+    }
+
+    /// What the session last saw of each file, the latest last; empty for tools that do not
+    /// change files.
+    pub fn file_versions(&self) -> &[FileVersion] {
+        &self.file_versions
     }
 
     /// A context that is never cancelled and drops heartbeats (tests, one-off calls).

@@ -2,6 +2,7 @@
 //! and the tool-result projection. No IO, no clock, no randomness, no hash-map iteration.
 
 mod error;
+pub mod file_versions;
 mod json;
 mod projection;
 mod request;

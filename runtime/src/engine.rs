@@ -110,6 +110,10 @@ pub enum ActivityInput {
         timeouts: ActivityTimeouts,
         /// Progress the previous attempt heartbeated last.
         heartbeat_details: Option<JsonText>,
+        /// For tools that change files: what the session last saw of each file
+        /// ([`cairn_ledger::file_versions`]), derived from its transcript.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        file_versions: Vec<cairn_ledger::file_versions::FileVersion>,
     },
 }
 
@@ -545,6 +549,11 @@ impl Engine {
                     attempt,
                 },
                 idempotency_key: format!("{session_id}/{}", tool_use.id),
+                file_versions: if cairn_ledger::file_versions::wants_file_versions(&tool_use.name) {
+                    cairn_ledger::file_versions::file_versions(&state.transcript)
+                } else {
+                    Vec::new()
+                },
                 tool_use,
                 timeouts: ActivityTimeouts::of(&started.tool_retry, not_before_ms),
                 heartbeat_details,

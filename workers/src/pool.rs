@@ -333,13 +333,15 @@ async fn run_task(
             details: None,
         }));
         let beats_in = beats.clone();
-        let previous = match &input {
+        let (previous, file_versions) = match &input {
             ActivityInput::Model {
                 heartbeat_details, ..
-            }
-            | ActivityInput::Tool {
-                heartbeat_details, ..
-            } => heartbeat_details.clone(),
+            } => (heartbeat_details.clone(), Vec::new()),
+            ActivityInput::Tool {
+                heartbeat_details,
+                file_versions,
+                ..
+            } => (heartbeat_details.clone(), file_versions.clone()),
         };
         let context = ActivityContext::new(origin.attempt, previous, token.clone(), move |details| {
             let mut b = beats_in.lock().unwrap_or_else(|p| p.into_inner());
@@ -347,7 +349,8 @@ async fn run_task(
             if details.is_some() {
                 b.details = details;
             }
-        });
+        })
+        .with_file_versions(file_versions);
         // Streamed output not yet recorded; only model calls stream, and only when asked to.
         let is_model = matches!(input, ActivityInput::Model { .. });
         let pending = (is_model && progress_every.is_some()).then(PendingOutput::default);
