@@ -90,6 +90,10 @@ enum Command {
         /// Tools and tool policy of a new session (refused for an existing one).
         #[command(flatten)]
         policy: cli::approvals::PolicyArgs,
+        /// Host the tools of the MCP servers in this JSON file (README, "MCP tools"); a new
+        /// session offers them too.
+        #[arg(long, value_name = "FILE")]
+        mcp_config: Option<PathBuf>,
         /// The user message.
         prompt: String,
     },
@@ -417,6 +421,9 @@ enum Command {
         /// never gives this worker a call of a tool it does not host.
         #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
         tools: Option<Vec<String>>,
+        /// Host the tools of the MCP servers in this JSON file too (README, "MCP tools").
+        #[arg(long, value_name = "FILE")]
+        mcp_config: Option<PathBuf>,
         /// Lease length in ms: a task this worker holds runs again elsewhere (as a new,
         /// timed-out attempt) this long after the worker stops renewing it.
         #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(100..))]
@@ -537,7 +544,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             hide_thinking,
             max_tokens,
             thinking_budget,
-            policy,
+            mut policy,
+            mcp_config,
             prompt,
         } => {
             // Everything that can be checked is checked before anything is written.
@@ -558,9 +566,16 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     check_provider(&model)?;
                 }
             }
+            let mcp = cli::mcp::connect(mcp_config.as_deref()).await?;
+            if let Some(mcp) = &mcp {
+                policy.extra_tools = mcp.specs();
+            }
             let access = Access::open(target, OpenMode::Create, engine, workdir).await?;
             let (mut host, data) = match access {
-                Access::Local { host, data } => (*host, data),
+                Access::Local { mut host, data } => {
+                    host.tools = cli::mcp::with_tools(&host.tools, mcp.as_ref());
+                    (*host, data)
+                }
                 Access::Remote(remote) => {
                     let request = cli::remote::RunRequest {
                         model,
@@ -968,6 +983,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             concurrency,
             workdir,
             tools,
+            mcp_config,
             lease_ms,
         } => {
             let Some((url, token)) = server.resolve(None)? else {
@@ -980,6 +996,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 concurrency,
                 workdir: workdir_or_cwd(workdir)?,
                 tools,
+                mcp_config,
                 lease_ms,
             })
             .await

@@ -14,6 +14,7 @@ mod golden;
 mod history_files;
 mod library;
 mod lifecycle;
+mod mcp;
 mod postgres;
 mod powercut;
 mod providers;

@@ -41,6 +41,9 @@ pub struct PolicyArgs {
     /// Deny a call nobody approved within this many milliseconds of its request.
     #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
     pub approval_timeout_ms: Option<u64>,
+    /// Tools offered besides the built-in ones: those of `--mcp-config`'s servers.
+    #[arg(skip)]
+    pub extra_tools: Vec<ToolSpec>,
 }
 
 impl PolicyArgs {
@@ -65,6 +68,7 @@ impl PolicyArgs {
         if self.edit {
             tools.extend(ToolRegistry::editing(".").specs());
         }
+        tools.extend(self.extra_tools.iter().cloned());
         tools
     }
 

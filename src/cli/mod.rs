@@ -8,6 +8,7 @@ pub mod approvals;
 pub mod database;
 pub mod deltas;
 pub mod history_files;
+pub mod mcp;
 pub mod out;
 pub mod remote;
 pub mod worker;
