@@ -544,7 +544,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             hide_thinking,
             max_tokens,
             thinking_budget,
-            mut policy,
+            policy,
             mcp_config,
             prompt,
         } => {
@@ -567,9 +567,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
             }
             let mcp = cli::mcp::connect(mcp_config.as_deref()).await?;
-            if let Some(mcp) = &mcp {
-                policy.extra_tools = mcp.specs();
-            }
+            let mcp_tools = mcp.as_ref().map(|m| m.specs()).unwrap_or_default();
             let access = Access::open(target, OpenMode::Create, engine, workdir).await?;
             let (mut host, data) = match access {
                 Access::Local { mut host, data } => {
@@ -585,6 +583,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         prompt,
                         show_thinking: !hide_thinking,
                         policy,
+                        extra_tools: mcp_tools,
                     };
                     return Ok(outcome_code(&remote.run(request).await?));
                 }
@@ -597,7 +596,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     id
                 }
                 requested => {
-                    let tools = policy.offered_tools();
+                    let tools = policy.offered_tools(&mcp_tools);
                     let tool_policy = policy.session_policy(&tools)?;
                     let mut options = SessionOptions::new(model.clone(), tools);
                     options.tool_policy = tool_policy;

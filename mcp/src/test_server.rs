@@ -70,6 +70,7 @@ fn argument<'a>(request: &'a CallToolRequestParams, name: &str) -> Option<&'a Va
     request.arguments.as_ref().and_then(|a| a.get(name))
 }
 
+#[allow(clippy::disallowed_methods)] // the slow tool sleeps: a server's side effect, not workflow code
 impl ServerHandler for TestServer {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build())

@@ -3,6 +3,9 @@
 //! prefix, text, JSON, image and resource-link results, `isError`, the idempotency key in
 //! `_meta`, the per-call timeout and cancellation.
 
+// Tests wait on real time (a slow tool, a cancellation); the clock ban is for pure code.
+#![allow(clippy::disallowed_methods)]
+
 use cairn_activities::{ActivityContext, Error, Tool, ToolCall, ToolOutput};
 use cairn_ledger::{JsonText, ToolResultContent};
 use cairn_mcp::test_server::{TestServer, PIXEL_PNG_BASE64};

@@ -41,9 +41,6 @@ pub struct PolicyArgs {
     /// Deny a call nobody approved within this many milliseconds of its request.
     #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
     pub approval_timeout_ms: Option<u64>,
-    /// Tools offered besides the built-in ones: those of `--mcp-config`'s servers.
-    #[arg(skip)]
-    pub extra_tools: Vec<ToolSpec>,
 }
 
 impl PolicyArgs {
@@ -58,9 +55,10 @@ impl PolicyArgs {
             || self.approval_timeout_ms.is_some()
     }
 
-    /// The tools a new session offers: the built-in ones, `shell` with `--shell`, and
-    /// `write_file` and `edit_file` with `--edit`.
-    pub fn offered_tools(&self) -> Vec<ToolSpec> {
+    /// The tools a new session offers: the built-in ones, `shell` with `--shell`,
+    /// `write_file` and `edit_file` with `--edit`, and `extra` (the tools of `--mcp-config`'s
+    /// servers).
+    pub fn offered_tools(&self, extra: &[ToolSpec]) -> Vec<ToolSpec> {
         let mut tools = ToolRegistry::builtin(".").specs();
         if self.shell {
             tools.push(Shell::new(".").spec());
@@ -68,7 +66,7 @@ impl PolicyArgs {
         if self.edit {
             tools.extend(ToolRegistry::editing(".").specs());
         }
-        tools.extend(self.extra_tools.iter().cloned());
+        tools.extend(extra.iter().cloned());
         tools
     }
 

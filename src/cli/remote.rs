@@ -25,6 +25,8 @@ pub struct RunRequest {
     pub show_thinking: bool,
     /// The tools and tool policy flags of a new session.
     pub policy: super::approvals::PolicyArgs,
+    /// Tools a new session offers besides the built-in ones (those of `--mcp-config`).
+    pub extra_tools: Vec<cairn_ledger::ToolSpec>,
 }
 
 impl Remote {
@@ -60,7 +62,7 @@ impl Remote {
             None => {
                 // The session declares the built-in tools (and shell with --shell); the
                 // server's workers host them.
-                let tools = request.policy.offered_tools();
+                let tools = request.policy.offered_tools(&request.extra_tools);
                 let tool_policy = request.policy.session_policy(&tools)?;
                 let mut options = SessionOptions::new(request.model.clone(), tools);
                 options.tool_policy = tool_policy;
