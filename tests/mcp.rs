@@ -131,5 +131,57 @@ async fn cairn_run_hosts_mcp_tools_and_records_their_results() {
         "{}",
         String::from_utf8_lossy(&replay.stderr)
     );
+
+    // MCP tools take policy rules by name: denied, the call never reaches the server.
+    let denied = {
+        let mut command = cairn_command();
+        command
+            .arg("run")
+            .arg("--data")
+            .arg(&data)
+            .arg("--model")
+            .arg(format!("scripted:{}", script.display()))
+            .arg("--mcp-config")
+            .arg(&config)
+            .args(["--session", "s2", "--deny", "demo__pixel", "--workdir"])
+            .arg(dir.path())
+            .arg("use the tools");
+        tokio::task::spawn_blocking(move || command.output())
+            .await
+            .unwrap()
+            .unwrap()
+    };
+    assert!(
+        denied.status.success(),
+        "{}",
+        String::from_utf8_lossy(&denied.stderr)
+    );
+    let history = cairn_command()
+        .args(["history", "s2", "--json", "--data"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&history.stdout);
+    assert!(text.contains(r#""tool_use_id":"m1""#), "{text}");
+    assert!(
+        !text.contains(r#""tool_use_id":"m3""#),
+        "a denied call was scheduled: {text}"
+    );
+    assert!(!text.contains(PIXEL_PNG_BASE64), "a denied call ran");
+    let transcript = cairn_command()
+        .args(["transcript", "--data"])
+        .arg(&data)
+        .arg("s2")
+        .output()
+        .unwrap();
+    let transcript: Value = serde_json::from_slice(&transcript.stdout).unwrap();
+    let result = transcript["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|m| m["parts"].as_array().unwrap().iter())
+        .find(|p| p["tool_result"]["tool_use_id"] == "m3")
+        .unwrap_or_else(|| panic!("no result for m3 in {transcript}"));
+    assert_eq!(result["tool_result"]["is_error"], true, "{result}");
     server.abort();
 }
