@@ -120,7 +120,8 @@ impl CairnBuilder {
         self
     }
 
-    /// Registers the built-in tools: `calculator`, and `read_file` confined to `working_dir`.
+    /// Registers the built-in tools: `calculator`, and `read_file` and `list_dir` confined to
+    /// `working_dir`.
     pub fn builtin_tools(mut self, working_dir: impl Into<PathBuf>) -> Self {
         let builtin = ToolRegistry::builtin(working_dir);
         for name in builtin.names() {

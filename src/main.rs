@@ -106,6 +106,10 @@ enum Command {
         /// Print nothing while the turn runs, then its outcome as one JSON object.
         #[arg(long)]
         json: bool,
+        /// Host the tools of the MCP servers in this JSON file (README, "MCP tools"); a new
+        /// session offers them too.
+        #[arg(long, value_name = "FILE")]
+        mcp_config: Option<PathBuf>,
         /// The user message (`-`: read it from standard input).
         prompt: String,
     },
@@ -500,6 +504,9 @@ enum Command {
         /// never gives this worker a call of a tool it does not host.
         #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
         tools: Option<Vec<String>>,
+        /// Host the tools of the MCP servers in this JSON file too (README, "MCP tools").
+        #[arg(long, value_name = "FILE")]
+        mcp_config: Option<PathBuf>,
         /// Lease length in ms: a task this worker holds runs again elsewhere (as a new,
         /// timed-out attempt) this long after the worker stops renewing it.
         #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(100..))]
@@ -628,6 +635,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             budget,
             compaction,
             json,
+            mcp_config,
             prompt,
         } => {
             let prompt = cli::turn::read_prompt(prompt)?;
@@ -653,9 +661,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     check_provider(&model)?;
                 }
             }
+            let mcp = cli::mcp::connect(mcp_config.as_deref()).await?;
+            let mcp_tools = mcp.as_ref().map(|m| m.specs()).unwrap_or_default();
             let access = Access::open(target, OpenMode::Create, engine, workdir.clone()).await?;
             let (mut host, data) = match access {
-                Access::Local { host, data } => (*host, data),
+                Access::Local { mut host, data } => {
+                    host.tools = cli::mcp::with_tools(&host.tools, mcp.as_ref());
+                    (*host, data)
+                }
                 Access::Remote(remote) => {
                     if json {
                         cli::exit_codes::usage_bail!(
@@ -672,6 +685,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         policy,
                         budget: *budget,
                         compaction,
+                        extra_tools: mcp_tools,
                     };
                     return Ok(outcome_code(&remote.run(request).await?));
                 }
@@ -690,7 +704,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     id
                 }
                 requested => {
-                    let tools = policy.offered_tools();
+                    let tools = policy.offered_tools(&mcp_tools);
                     let tool_policy = policy.session_policy(&tools)?;
                     let mut options = SessionOptions::new(model.clone(), tools);
                     options.tool_policy = tool_policy;
@@ -1127,6 +1141,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             concurrency,
             workdir,
             tools,
+            mcp_config,
             lease_ms,
         } => {
             let Some((url, token)) = server.resolve(None)? else {
@@ -1141,6 +1156,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 concurrency,
                 workdir: workdir_or_cwd(workdir)?,
                 tools,
+                mcp_config,
                 lease_ms,
             })
             .await

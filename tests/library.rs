@@ -72,7 +72,11 @@ async fn a_followed_session_shows_deltas_tool_calls_results_and_the_outcome_once
     let client = cairn.client();
     let options = cairn.session(ModelSpec::new("scripted", "calc"));
     let offered: Vec<String> = options.tools.iter().map(|t| t.name.clone()).collect();
-    assert_eq!(offered, ["calculator", "read_file"], "the registry's specs");
+    assert_eq!(
+        offered,
+        ["calculator", "list_dir", "read_file"],
+        "the registry's specs"
+    );
     let session = client.start_session(options).await?;
     let mut events = client.follow(&session).await?;
     let outcome = client.run_turn(&session, "What is 6 * 7?").await?;

@@ -104,6 +104,7 @@ fn worker_protocol_messages_round_trip_byte_exact() {
             timeouts,
             heartbeat_details: None,
             workdir: None,
+            file_versions: Vec::new(),
         });
         // A session that recorded its tools' directory sends it with each call.
         round_trips(&ActivityInput::Tool {
@@ -113,8 +114,45 @@ fn worker_protocol_messages_round_trip_byte_exact() {
             timeouts,
             heartbeat_details: None,
             workdir: Some("/home/someone/project".into()),
+            file_versions: Vec::new(),
         });
     }
+    // An edit's input carries what the session last saw of each file; other inputs encode
+    // as before, without the field.
+    let without = ActivityInput::Tool {
+        origin: origin.clone(),
+        idempotency_key: "k".into(),
+        tool_use: ToolUse {
+            id: "t".into(),
+            name: "calculator".into(),
+            arguments: "{}".into(),
+            signature: None,
+        },
+        timeouts,
+        heartbeat_details: None,
+        workdir: None,
+        file_versions: Vec::new(),
+    };
+    assert!(!serde_json::to_string(&without)
+        .unwrap()
+        .contains("file_versions"));
+    round_trips(&ActivityInput::Tool {
+        origin: origin.clone(),
+        idempotency_key: "golden-demo/toolu_edit".into(),
+        tool_use: ToolUse {
+            id: "toolu_edit".into(),
+            name: "edit_file".into(),
+            arguments: r#"{"path":"notes.txt","old_string":"a","new_string":"b"}"#.into(),
+            signature: None,
+        },
+        timeouts,
+        heartbeat_details: None,
+        workdir: None,
+        file_versions: vec![cairn_ledger::file_versions::FileVersion {
+            path: "notes.txt".into(),
+            sha256: cairn_ledger::file_versions::sha256_hex(b"a"),
+        }],
+    });
     assert!(reports.len() >= 3, "the demo has model and tool results");
     for report in &reports {
         round_trips(report);

@@ -1,7 +1,9 @@
 //! The activity context: what a running attempt can ask of its runtime — heartbeats (with
-//! progress details the next attempt receives), cancellation, which attempt it is, and the
-//! working directory its session recorded.
+//! progress details the next attempt receives), cancellation, which attempt it is, the
+//! working directory its session recorded, and for tools that change files, what the session
+//! last saw of each file.
 
+use cairn_ledger::file_versions::FileVersion;
 use cairn_ledger::{JsonText, Usage};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -15,6 +17,7 @@ pub struct ActivityContext {
     inner: Arc<Inner>,
     /// The session's own working directory, when it recorded one; tools prefer it to theirs.
     working_dir: Option<Arc<Path>>,
+    file_versions: Arc<[FileVersion]>,
 }
 
 struct Inner {
@@ -43,6 +46,7 @@ impl ActivityContext {
                 usage: Mutex::new(None),
             }),
             working_dir: None,
+            file_versions: Arc::new([]),
         }
     }
 
@@ -57,6 +61,19 @@ impl ActivityContext {
     /// [`ActivityContext::with_working_dir`]).
     pub fn working_dir(&self) -> Option<&Path> {
         self.working_dir.as_deref()
+    }
+
+    /// The same context, with what the session last saw of each file (derived from its
+    /// recorded history by the engine; see [`cairn_ledger::file_versions`]).
+    pub fn with_file_versions(mut self, versions: Vec<FileVersion>) -> Self {
+        self.file_versions = versions.into();
+        self
+    }
+
+    /// What the session last saw of each file, the latest last; empty for tools that do not
+    /// change files.
+    pub fn file_versions(&self) -> &[FileVersion] {
+        &self.file_versions
     }
 
     /// A context that is never cancelled and drops heartbeats (tests, one-off calls).

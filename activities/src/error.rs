@@ -207,6 +207,14 @@ pub enum Error {
         /// What went wrong.
         message: String,
     },
+    /// A tool did not answer within its own time limit (an MCP server's per-call timeout).
+    #[error("tool {tool} did not answer within {timeout_ms} ms")]
+    ToolTimeout {
+        /// The tool's name.
+        tool: String,
+        /// The limit it exceeded.
+        timeout_ms: u64,
+    },
     /// A filesystem operation failed on our side.
     #[error("io error on {path}: {source}")]
     Io {
@@ -234,7 +242,7 @@ impl Error {
             | Error::UnknownTool { .. } => ErrorKind::InvalidRequest,
             Error::Provider { kind, .. } => *kind,
             Error::Http { kind, .. } | Error::Stream { kind, .. } => *kind,
-            Error::IdleTimeout { .. } => ErrorKind::Timeout,
+            Error::IdleTimeout { .. } | Error::ToolTimeout { .. } => ErrorKind::Timeout,
             Error::InvalidResponse { .. } | Error::EventTooLarge { .. } => {
                 ErrorKind::InvalidResponse
             }
@@ -298,7 +306,9 @@ impl Error {
                 kind,
                 message: scrub(&message),
             },
-            Error::IdleTimeout { .. } | Error::EventTooLarge { .. } => self,
+            Error::IdleTimeout { .. } | Error::EventTooLarge { .. } | Error::ToolTimeout { .. } => {
+                self
+            }
             Error::InvalidResponse { .. } => self,
             Error::InvalidArguments { tool, reason } => Error::InvalidArguments {
                 tool,

@@ -16,4 +16,4 @@ pub use error::{Error, ErrorKind, Result};
 pub use model::{CallContext, DeltaSink, ModelProvider, ModelRequest, NoDeltas};
 pub use scripted::{Script, ScriptedProvider, DEMO_SCRIPT};
 pub use tool::{PolicySubject, SubjectKind, Tool, ToolCall, ToolOutput, ToolRegistry};
-pub use tools::{Calculator, ReadFile, Shell};
+pub use tools::{Calculator, EditFile, ListDir, ReadFile, Shell, WriteFile};

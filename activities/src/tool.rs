@@ -3,7 +3,7 @@
 
 use crate::context::ActivityContext;
 use crate::error::{Error, Result};
-use crate::tools::{Calculator, ReadFile, Shell};
+use crate::tools::{Calculator, EditFile, ListDir, ReadFile, Shell, WriteFile};
 use async_trait::async_trait;
 use cairn_ledger::{JsonText, ToolResultContent, ToolSpec};
 use serde::de::DeserializeOwned;
@@ -136,18 +136,37 @@ impl ToolRegistry {
         Self::default()
     }
 
-    /// The built-in tools: `calculator`, and `read_file` confined to `working_dir`.
+    /// The built-in tools: `calculator`, and `read_file` and `list_dir` confined to
+    /// `working_dir`.
     pub fn builtin(working_dir: impl Into<PathBuf>) -> Self {
+        let working_dir = working_dir.into();
         Self::new()
             .with(Calculator::new())
-            .with(ReadFile::new(working_dir))
+            .with(ReadFile::new(working_dir.clone()))
+            .with(ListDir::new(working_dir))
     }
 
-    /// What a process hosts for its workers: the built-in tools and `shell`, all working in
-    /// `working_dir`. Sessions offer `shell` only when asked to (see [`Shell`]).
+    /// The tools that change the working directory: `write_file` and `edit_file`.
+    pub fn editing(working_dir: impl Into<PathBuf>) -> Self {
+        let working_dir = working_dir.into();
+        Self::new()
+            .with(WriteFile::new(working_dir.clone()))
+            .with(EditFile::new(working_dir))
+    }
+
+    /// What a process hosts for its workers: the built-in tools, `shell`, `write_file` and
+    /// `edit_file`, all working in `working_dir`. Sessions offer `shell` and the editing
+    /// tools only when asked to (see [`Shell`], [`ToolRegistry::editing`]).
     pub fn hosted(working_dir: impl Into<PathBuf>) -> Self {
         let working_dir = working_dir.into();
-        Self::builtin(working_dir.clone()).with(Shell::new(working_dir))
+        let mut hosted = Self::builtin(working_dir.clone()).with(Shell::new(working_dir.clone()));
+        hosted.extend(Self::editing(working_dir));
+        hosted
+    }
+
+    /// Adds every tool of `other`; tools of the same name are replaced.
+    pub fn extend(&mut self, other: ToolRegistry) {
+        self.tools.extend(other.tools);
     }
 
     /// Adds a tool, builder style; a tool of the same name is replaced.
@@ -251,13 +270,38 @@ mod tests {
     }
 
     #[test]
-    fn builtin_has_calculator_and_read_file() {
+    fn builtin_has_calculator_and_the_reading_file_tools() {
         let registry = ToolRegistry::builtin("/tmp");
-        assert_eq!(registry.names(), ["calculator", "read_file"]);
+        assert_eq!(registry.names(), ["calculator", "list_dir", "read_file"]);
         assert_eq!(
             format!("{registry:?}"),
-            r#"ToolRegistry { tools: ["calculator", "read_file"] }"#
+            r#"ToolRegistry { tools: ["calculator", "list_dir", "read_file"] }"#
         );
+        let hosted = ToolRegistry::hosted("/tmp");
+        assert_eq!(
+            hosted.names(),
+            [
+                "calculator",
+                "edit_file",
+                "list_dir",
+                "read_file",
+                "shell",
+                "write_file"
+            ]
+        );
+        // Changing files asks by default, as shell does; reading does not.
+        let asking: Vec<&str> = hosted
+            .names()
+            .into_iter()
+            .filter(|n| hosted.get(n).unwrap().asks_by_default())
+            .collect();
+        assert_eq!(asking, ["edit_file", "shell", "write_file"]);
+        // Every name is provider-valid.
+        for name in hosted.names() {
+            assert!(name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-'));
+        }
     }
 
     #[derive(Debug, Deserialize)]

@@ -3,6 +3,7 @@
 
 mod compaction;
 mod error;
+pub mod file_versions;
 mod json;
 mod projection;
 mod request;

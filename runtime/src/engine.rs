@@ -115,6 +115,10 @@ pub enum ActivityInput {
         /// [`SessionStarted::workdir`](crate::event::SessionStarted::workdir)).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         workdir: Option<String>,
+        /// For tools that change files: what the session last saw of each file
+        /// ([`cairn_ledger::file_versions`]), derived from its transcript.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        file_versions: Vec<cairn_ledger::file_versions::FileVersion>,
     },
 }
 
@@ -633,6 +637,11 @@ impl Engine {
                     attempt,
                 },
                 idempotency_key: format!("{session_id}/{}", tool_use.id),
+                file_versions: if cairn_ledger::file_versions::wants_file_versions(&tool_use.name) {
+                    cairn_ledger::file_versions::file_versions(&state.transcript)
+                } else {
+                    Vec::new()
+                },
                 tool_use,
                 timeouts: ActivityTimeouts::of(&started.tool_retry, not_before_ms),
                 heartbeat_details,

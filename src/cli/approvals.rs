@@ -20,8 +20,13 @@ pub struct PolicyArgs {
     /// approval unless a rule allows them.
     #[arg(long)]
     pub shell: bool,
-    /// Run calls of TOOL, or with TOOL:PREFIX only those whose path (read_file) or command
-    /// (shell) starts with PREFIX, without asking. Repeatable.
+    /// Offer the model the `write_file` and `edit_file` tools too (in --workdir). Their calls
+    /// wait for your approval unless a rule allows them.
+    #[arg(long)]
+    pub edit: bool,
+    /// Run calls of TOOL, or with TOOL:PREFIX only those whose path (read_file, list_dir,
+    /// write_file, edit_file) or command (shell) starts with PREFIX, without asking.
+    /// Repeatable.
     #[arg(long, value_name = "TOOL[:PREFIX]")]
     pub allow: Vec<String>,
     /// Ask before running such calls (see --allow). Repeatable.
@@ -42,6 +47,7 @@ impl PolicyArgs {
     /// Whether any flag was given (they are fixed when a session starts).
     pub fn given(&self) -> bool {
         self.shell
+            || self.edit
             || !self.allow.is_empty()
             || !self.ask.is_empty()
             || !self.deny.is_empty()
@@ -49,12 +55,18 @@ impl PolicyArgs {
             || self.approval_timeout_ms.is_some()
     }
 
-    /// The tools a new session offers: the built-in ones, and `shell` with `--shell`.
-    pub fn offered_tools(&self) -> Vec<ToolSpec> {
+    /// The tools a new session offers: the built-in ones, `shell` with `--shell`,
+    /// `write_file` and `edit_file` with `--edit`, and `extra` (the tools of `--mcp-config`'s
+    /// servers).
+    pub fn offered_tools(&self, extra: &[ToolSpec]) -> Vec<ToolSpec> {
         let mut tools = ToolRegistry::builtin(".").specs();
         if self.shell {
             tools.push(Shell::new(".").spec());
         }
+        if self.edit {
+            tools.extend(ToolRegistry::editing(".").specs());
+        }
+        tools.extend(extra.iter().cloned());
         tools
     }
 

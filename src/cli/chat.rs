@@ -132,7 +132,7 @@ async fn start_or_continue(host: &Host, request: &ChatRequest) -> anyhow::Result
         }
     }
     let policy = PolicyArgs::default();
-    let tools = policy.offered_tools();
+    let tools = policy.offered_tools(&[]);
     let tool_policy = policy.session_policy(&tools)?;
     let mut options = SessionOptions::new(request.model.clone(), tools);
     options.tool_policy = tool_policy;

@@ -16,6 +16,7 @@ pub mod describe;
 pub mod exit_codes;
 pub mod history_files;
 pub mod live;
+pub mod mcp;
 pub mod out;
 pub mod remote;
 pub mod reports;

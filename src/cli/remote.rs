@@ -29,6 +29,8 @@ pub struct RunRequest {
     pub budget: super::budget::BudgetArgs,
     /// The compaction flags of a new session.
     pub compaction: super::compaction::CompactionArgs,
+    /// Tools a new session offers besides the built-in ones (those of `--mcp-config`).
+    pub extra_tools: Vec<cairn_ledger::ToolSpec>,
 }
 
 impl Remote {
@@ -76,7 +78,7 @@ impl Remote {
             None => {
                 // The session declares the built-in tools (and shell with --shell); the
                 // server's workers host them.
-                let tools = request.policy.offered_tools();
+                let tools = request.policy.offered_tools(&request.extra_tools);
                 let tool_policy = request.policy.session_policy(&tools)?;
                 let mut options = SessionOptions::new(request.model.clone(), tools);
                 options.tool_policy = tool_policy;

@@ -1,6 +1,7 @@
 //! `cairn worker`: a worker pool of this process running a server's tasks — model calls with
-//! the providers configured in this process's environment (API keys never leave it) and the
-//! built-in tools in `--workdir` — until SIGTERM or SIGINT, then draining.
+//! the providers configured in this process's environment (API keys never leave it), the
+//! built-in tools in `--workdir` and the tools of `--mcp-config`'s MCP servers — until SIGTERM
+//! or SIGINT, then draining.
 
 use super::out::{note, showln};
 use anyhow::Context;
@@ -32,6 +33,8 @@ pub struct WorkerRequest {
     pub workdir: PathBuf,
     /// The built-in tools hosted; `None`: all.
     pub tools: Option<Vec<String>>,
+    /// The MCP servers whose tools are hosted too.
+    pub mcp_config: Option<PathBuf>,
     /// Lease length.
     pub lease_ms: u64,
 }
@@ -49,7 +52,10 @@ pub async fn run(request: WorkerRequest) -> anyhow::Result<ExitCode> {
     } else {
         request.queues.into_iter().collect()
     };
-    let tools = hosted_tools(ToolRegistry::hosted(request.workdir), request.tools)?;
+    let mut tools = hosted_tools(ToolRegistry::hosted(request.workdir), request.tools)?;
+    if let Some(mcp) = super::mcp::connect(request.mcp_config.as_deref()).await? {
+        mcp.register_into(&mut tools);
+    }
     note!(
         "worker: queues {}; tools {}; {} at once; server {}",
         queues.iter().cloned().collect::<Vec<_>>().join(", "),

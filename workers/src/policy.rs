@@ -53,15 +53,25 @@ mod tests {
     use cairn_runtime::policy::PolicyDecision;
 
     #[test]
-    fn shell_asks_by_default_and_prefix_rules_get_their_tools_argument() {
+    fn shell_and_the_editing_tools_ask_by_default_and_prefix_rules_get_their_tools_argument() {
         let hosted = ToolRegistry::hosted(".");
         let specs = hosted.specs();
         let policy = session_policy(&hosted, &specs, None, true)
             .unwrap()
             .unwrap();
-        assert_eq!(policy.rules.len(), 1);
-        assert_eq!(policy.rules[0].tool, "shell");
-        assert_eq!(policy.rules[0].decision, PolicyDecision::Ask);
+        let asking: Vec<(&str, PolicyDecision)> = policy
+            .rules
+            .iter()
+            .map(|r| (r.tool.as_str(), r.decision))
+            .collect();
+        assert_eq!(
+            asking,
+            [
+                ("edit_file", PolicyDecision::Ask),
+                ("shell", PolicyDecision::Ask),
+                ("write_file", PolicyDecision::Ask)
+            ]
+        );
         let without_shell = ToolRegistry::builtin(".").specs();
         assert_eq!(
             session_policy(&hosted, &without_shell, None, true).unwrap(),

@@ -333,13 +333,15 @@ async fn run_task(
             details: None,
         }));
         let beats_in = beats.clone();
-        let previous = match &input {
+        let (previous, file_versions) = match &input {
             ActivityInput::Model {
                 heartbeat_details, ..
-            }
-            | ActivityInput::Tool {
-                heartbeat_details, ..
-            } => heartbeat_details.clone(),
+            } => (heartbeat_details.clone(), Vec::new()),
+            ActivityInput::Tool {
+                heartbeat_details,
+                file_versions,
+                ..
+            } => (heartbeat_details.clone(), file_versions.clone()),
         };
         // A tool works in its session's recorded directory, whatever this process's is.
         let session_workdir = match &input {
@@ -353,7 +355,8 @@ async fn run_task(
                 b.details = details;
             }
         })
-        .with_working_dir(session_workdir);
+        .with_working_dir(session_workdir)
+        .with_file_versions(file_versions);
         // Streamed output not yet recorded; only model calls stream, and only when asked to.
         let is_model = matches!(input, ActivityInput::Model { .. });
         let pending = (is_model && progress_every.is_some()).then(PendingOutput::default);

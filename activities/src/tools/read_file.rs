@@ -1,19 +1,20 @@
-//! The `read_file` tool: reads one file inside a working directory, refusing any path that
-//! escapes it (by `..`, an absolute path or a symlink).
+//! The `read_file` tool: reads one file inside a working directory, whole or a range of its
+//! lines, refusing any path that escapes it (by `..`, an absolute path or a symlink).
 
 use crate::context::ActivityContext;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tool::{Tool, ToolCall, ToolOutput};
+use crate::tools::confine::{io_message, WorkDir};
 use async_trait::async_trait;
 use base64::Engine;
+use cairn_ledger::file_versions::{sha256_hex, RANGE_TRAILER_START};
 use cairn_ledger::{JsonText, ToolSpec};
 use serde::Deserialize;
-use std::io::ErrorKind as IoKind;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use tokio::io::AsyncReadExt;
 
 /// The tool's name.
-const NAME: &str = "read_file";
+const NAME: &str = cairn_ledger::file_versions::READ_FILE;
 
 /// Files larger than this are refused, so one call cannot flood the transcript or memory.
 const READ_LIMIT_BYTES: u64 = 1024 * 1024;
@@ -23,11 +24,17 @@ const READ_LIMIT_BYTES: u64 = 1024 * 1024;
 /// Input `{"path": "..."}`, relative to the working directory (an absolute path is accepted only
 /// when it lies inside it). The path is resolved, canonicalized, and refused when it escapes the
 /// directory, including through symlinks. UTF-8 content is returned as text; anything else as
-/// JSON `{"path": ..., "bytes": n, "base64": "..."}`. Missing files, directories, escapes and
-/// files over [`ReadFile::MAX_BYTES`] (1 MiB) are `is_error` outputs the model can recover from.
+/// JSON `{"path": ..., "bytes": n, "sha256": "...", "base64": "..."}`. Missing files,
+/// directories, escapes and files over [`ReadFile::MAX_BYTES`] (1 MiB) are `is_error` outputs
+/// the model can recover from.
+///
+/// With `offset` (the 1-based first line) and/or `limit` (how many lines), only those lines of
+/// a UTF-8 file are returned, followed by a last line
+/// `[read_file: lines A-B of N; sha256 HEX]` giving the whole file's hash, so that a later
+/// `edit_file` knows which version the agent saw (see [`cairn_ledger::file_versions`]).
 #[derive(Debug, Clone)]
 pub struct ReadFile {
-    working_dir: PathBuf,
+    working_dir: WorkDir,
 }
 
 impl ReadFile {
@@ -38,81 +45,13 @@ impl ReadFile {
     /// created after the tool.
     pub fn new(working_dir: impl Into<PathBuf>) -> Self {
         ReadFile {
-            working_dir: working_dir.into(),
+            working_dir: WorkDir::new(working_dir.into(), NAME, "reads"),
         }
     }
 
     /// The directory this reader is confined to, as given.
     pub fn working_dir(&self) -> &Path {
-        &self.working_dir
-    }
-
-    /// Resolves `requested` to a canonical path inside `working_dir`, or says why not.
-    async fn resolve(
-        working_dir: &Path,
-        requested: &str,
-    ) -> Result<std::result::Result<PathBuf, String>> {
-        let root = tokio::fs::canonicalize(working_dir)
-            .await
-            .map_err(|source| Error::Io {
-                path: working_dir.display().to_string(),
-                source,
-            })?;
-        if requested.is_empty() {
-            return Ok(Err("the path is empty".to_owned()));
-        }
-        let escapes = || {
-            format!(
-                "{requested:?} escapes the working directory; read_file only reads files inside it"
-            )
-        };
-        // Checked before touching the filesystem, so paths outside never reveal whether they
-        // exist. The working directory as given counts too: an absolute path the model built from
-        // it need not be canonical.
-        let joined = root.join(requested);
-        let lexical = normalize(&joined);
-        let given_root = std::path::absolute(working_dir)
-            .map(|given| normalize(&given))
-            .unwrap_or_else(|_| root.clone());
-        let lexical_alt = normalize(&given_root.join(requested));
-        if !lexical.starts_with(&root) && !lexical_alt.starts_with(&given_root) {
-            return Ok(Err(escapes()));
-        }
-        let candidate = if lexical.starts_with(&root) {
-            lexical
-        } else {
-            lexical_alt
-        };
-        // Symlinks are only visible after canonicalizing; this check is the one that decides.
-        match tokio::fs::canonicalize(&candidate).await {
-            Ok(resolved) if resolved.starts_with(&root) => Ok(Ok(resolved)),
-            Ok(_) => Ok(Err(escapes())),
-            Err(e) => Ok(Err(io_message(requested, &e))),
-        }
-    }
-}
-
-/// Removes `.` and resolves `..` without touching the filesystem.
-fn normalize(path: &Path) -> PathBuf {
-    let mut out = PathBuf::new();
-    for component in path.components() {
-        match component {
-            Component::CurDir => {}
-            Component::ParentDir => {
-                out.pop();
-            }
-            other => out.push(other.as_os_str()),
-        }
-    }
-    out
-}
-
-/// A filesystem failure as the model should read it.
-fn io_message(requested: &str, error: &std::io::Error) -> String {
-    match error.kind() {
-        IoKind::NotFound => format!("no such file: {requested:?}"),
-        IoKind::PermissionDenied => format!("permission denied: {requested:?}"),
-        _ => format!("cannot read {requested:?}: {error}"),
+        self.working_dir.path()
     }
 }
 
@@ -120,6 +59,10 @@ fn io_message(requested: &str, error: &std::io::Error) -> String {
 #[serde(deny_unknown_fields)]
 struct ReadFileInput {
     path: String,
+    #[serde(default)]
+    offset: Option<u64>,
+    #[serde(default)]
+    limit: Option<u64>,
 }
 
 #[async_trait]
@@ -138,6 +81,16 @@ impl Tool for ReadFile {
                 "path": {
                     "type": "string",
                     "description": "Path of the file, relative to the working directory."
+                },
+                "offset": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": "The line to start reading at, from 1; only for text files."
+                },
+                "limit": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": "How many lines to read; only for text files."
                 }
             },
             "required": ["path"],
@@ -147,7 +100,8 @@ impl Tool for ReadFile {
             name: NAME.to_owned(),
             description: format!(
                 "Reads a file inside the working directory and returns its content: text when it \
-                 is UTF-8, otherwise base64. Files over {READ_LIMIT_BYTES} bytes are refused."
+                 is UTF-8, otherwise base64. Files over {READ_LIMIT_BYTES} bytes are refused. \
+                 Give offset and limit to read only some lines of a large text file."
             ),
             input_schema: JsonText::from_value(&schema),
         }
@@ -156,10 +110,11 @@ impl Tool for ReadFile {
     async fn call(&self, call: &ToolCall, context: &ActivityContext) -> Result<ToolOutput> {
         let input: ReadFileInput = call.parse_arguments()?;
         let requested = input.path.as_str();
-        // The session's own directory, when it recorded one: it may differ from the
-        // directory of the process that hosts this tool (a turn resumed from elsewhere).
-        let working_dir = context.working_dir().unwrap_or(&self.working_dir);
-        let path = match Self::resolve(working_dir, requested).await? {
+        let range = match LineRange::of(input.offset, input.limit) {
+            Ok(range) => range,
+            Err(message) => return Ok(ToolOutput::error(message)),
+        };
+        let path = match self.working_dir.for_session(context).existing(requested).await? {
             Ok(path) => path,
             Err(message) => return Ok(ToolOutput::error(message)),
         };
@@ -192,18 +147,78 @@ impl Tool for ReadFile {
             return Ok(ToolOutput::error(too_large(requested, bytes.len() as u64)));
         }
         tracing::debug!(path = %path.display(), bytes = bytes.len(), "read_file");
-        Ok(match String::from_utf8(bytes) {
-            Ok(text) => ToolOutput::text(text),
-            Err(not_utf8) => {
+        Ok(match (String::from_utf8(bytes), range) {
+            (Ok(text), None) => ToolOutput::text(text),
+            (Ok(text), Some(range)) => range.select(requested, &text),
+            (Err(_), Some(_)) => ToolOutput::error(format!(
+                "{requested:?} is not UTF-8 text, so it has no lines; read it without offset \
+                 and limit"
+            )),
+            (Err(not_utf8), None) => {
                 let bytes = not_utf8.into_bytes();
                 let result = serde_json::json!({
                     "path": requested,
                     "bytes": bytes.len(),
+                    "sha256": sha256_hex(&bytes),
                     "base64": base64::engine::general_purpose::STANDARD.encode(&bytes),
                 });
                 ToolOutput::json(JsonText::from_value(&result))
             }
         })
+    }
+}
+
+/// The lines a ranged read returns: from `first` (0-based), at most `count`.
+#[derive(Debug, Clone, Copy)]
+struct LineRange {
+    first: usize,
+    count: Option<usize>,
+}
+
+impl LineRange {
+    /// The range of the arguments; `None` when neither is given (the whole file).
+    fn of(offset: Option<u64>, limit: Option<u64>) -> std::result::Result<Option<Self>, String> {
+        if offset.is_none() && limit.is_none() {
+            return Ok(None);
+        }
+        let first = match offset {
+            Some(0) => return Err("offset counts lines from 1; 0 is not a line".to_owned()),
+            Some(line) => usize::try_from(line - 1).unwrap_or(usize::MAX),
+            None => 0,
+        };
+        let count = match limit {
+            Some(0) => return Err("limit must be at least 1 line".to_owned()),
+            Some(lines) => Some(usize::try_from(lines).unwrap_or(usize::MAX)),
+            None => None,
+        };
+        Ok(Some(LineRange { first, count }))
+    }
+
+    /// The selected lines of `text`, each as in the file, then the trailer naming the range
+    /// and the whole file's hash.
+    fn select(self, requested: &str, text: &str) -> ToolOutput {
+        let lines: Vec<&str> = text.split_inclusive('\n').collect();
+        let total = lines.len();
+        if self.first >= total && !(self.first == 0 && total == 0) {
+            return ToolOutput::error(format!(
+                "offset {} is past the end of {requested:?}, which has {total} lines",
+                self.first.saturating_add(1)
+            ));
+        }
+        let end = match self.count {
+            Some(count) => self.first.saturating_add(count).min(total),
+            None => total,
+        };
+        let mut out: String = lines[self.first..end].concat();
+        if !out.is_empty() && !out.ends_with('\n') {
+            out.push('\n');
+        }
+        out.push_str(&format!(
+            "{RANGE_TRAILER_START}lines {}-{end} of {total}; sha256 {}]",
+            self.first + 1,
+            sha256_hex(text.as_bytes())
+        ));
+        ToolOutput::text(out)
     }
 }
 
@@ -217,6 +232,7 @@ fn too_large(requested: &str, bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use cairn_ledger::ToolResultContent;
 
     fn call(path: &str) -> ToolCall {
@@ -372,7 +388,11 @@ mod tests {
         assert_eq!(
             out,
             ToolOutput::json(
-                JsonText::parse(r#"{"path":"blob.bin","bytes":4,"base64":"/wD+YQ=="}"#).unwrap()
+                JsonText::parse(format!(
+                    r#"{{"path":"blob.bin","bytes":4,"sha256":"{}","base64":"/wD+YQ=="}}"#,
+                    sha256_hex(&[0xff, 0x00, 0xfe, b'a'])
+                ))
+                .unwrap()
             )
         );
     }
@@ -421,5 +441,109 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, Error::InvalidArguments { ref tool, .. } if tool == NAME));
+    }
+
+    fn ranged(path: &str, offset: Option<u64>, limit: Option<u64>) -> ToolCall {
+        let mut arguments = serde_json::json!({ "path": path });
+        if let Some(offset) = offset {
+            arguments["offset"] = offset.into();
+        }
+        if let Some(limit) = limit {
+            arguments["limit"] = limit.into();
+        }
+        ToolCall {
+            arguments: arguments.to_string(),
+            ..call(path)
+        }
+    }
+
+    #[tokio::test]
+    async fn line_ranges_return_those_lines_and_the_whole_files_hash() {
+        let (_dir, work) = setup();
+        let text = "one\ntwo\nthree\nfour";
+        std::fs::write(work.join("lines.txt"), text).unwrap();
+        let hash = sha256_hex(text.as_bytes());
+        let tool = ReadFile::new(&work);
+        let cases = [
+            (
+                Some(2),
+                Some(2),
+                format!("two\nthree\n[read_file: lines 2-3 of 4; sha256 {hash}]"),
+            ),
+            (
+                Some(3),
+                None,
+                format!("three\nfour\n[read_file: lines 3-4 of 4; sha256 {hash}]"),
+            ),
+            (
+                None,
+                Some(1),
+                format!("one\n[read_file: lines 1-1 of 4; sha256 {hash}]"),
+            ),
+            (
+                Some(4),
+                Some(100),
+                format!("four\n[read_file: lines 4-4 of 4; sha256 {hash}]"),
+            ),
+        ];
+        for (offset, limit, expected) in cases {
+            let out = tool
+                .call(
+                    &ranged("lines.txt", offset, limit),
+                    &ActivityContext::detached(),
+                )
+                .await
+                .unwrap();
+            assert_eq!(out, ToolOutput::text(expected), "{offset:?} {limit:?}");
+        }
+        // Without a range the file comes whole, as before.
+        let out = tool
+            .call(&call("lines.txt"), &ActivityContext::detached())
+            .await
+            .unwrap();
+        assert_eq!(out, ToolOutput::text(text));
+    }
+
+    #[tokio::test]
+    async fn bad_ranges_are_error_outputs() {
+        let (_dir, work) = setup();
+        std::fs::write(work.join("lines.txt"), "one\ntwo\n").unwrap();
+        std::fs::write(work.join("blob.bin"), [0xff, 0xfe]).unwrap();
+        let tool = ReadFile::new(&work);
+        for (call, expected) in [
+            (
+                ranged("lines.txt", Some(3), None),
+                "offset 3 is past the end of \"lines.txt\", which has 2 lines",
+            ),
+            (
+                ranged("lines.txt", Some(0), None),
+                "offset counts lines from 1",
+            ),
+            (
+                ranged("lines.txt", None, Some(0)),
+                "limit must be at least 1",
+            ),
+            (
+                ranged("blob.bin", Some(1), None),
+                "\"blob.bin\" is not UTF-8 text",
+            ),
+            (
+                ranged("../secret.txt", Some(1), None),
+                "escapes the working directory",
+            ),
+        ] {
+            let out = tool
+                .call(&call, &ActivityContext::detached())
+                .await
+                .unwrap();
+            assert_error(&out, expected);
+        }
+        let mut negative = call("lines.txt");
+        negative.arguments = r#"{"path":"lines.txt","offset":-1}"#.into();
+        let err = tool
+            .call(&negative, &ActivityContext::detached())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidArguments { .. }), "{err:?}");
     }
 }
