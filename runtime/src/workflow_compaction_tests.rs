@@ -303,7 +303,9 @@ fn context_too_long_compacts_and_retries_then_fails_when_nothing_is_left() {
         cost_micros: None,
     });
     match &t.commands[..] {
-        [Command::FailTurn { turn: 3, reason, .. }] => {
+        [Command::FailTurn {
+            turn: 3, reason, ..
+        }] => {
             assert!(
                 reason.contains("compaction cannot shrink the transcript any further"),
                 "{reason}"
@@ -340,7 +342,9 @@ fn without_a_policy_context_too_long_fails_the_turn_at_once() {
         cost_micros: None,
     });
     match &c[..] {
-        [Command::FailTurn { turn: 2, reason, .. }] => {
+        [Command::FailTurn {
+            turn: 2, reason, ..
+        }] => {
             assert!(reason.contains("context_too_long"), "{reason}");
             assert!(reason.contains("no compaction policy"), "{reason}");
         }

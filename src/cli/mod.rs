@@ -6,9 +6,9 @@
 
 pub mod approvals;
 pub mod budget;
-pub mod compaction;
 pub mod chat;
 pub mod cleanup;
+pub mod compaction;
 pub mod completions;
 pub mod database;
 pub mod deltas;

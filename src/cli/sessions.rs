@@ -3,10 +3,10 @@
 //! JSON lines.
 
 use super::describe::{model_name, usage_text};
-use cairn_runtime::budget::UsageTotals;
 use super::exit_codes::usage_bail;
 use super::out::outln;
 use cairn_ledger::Usage;
+use cairn_runtime::budget::UsageTotals;
 use cairn_runtime::{Client, SessionQuery, SessionStatus};
 use serde::Serialize;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

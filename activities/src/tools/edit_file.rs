@@ -142,16 +142,13 @@ impl Tool for EditFile {
             )));
         };
         let versions = context.file_versions();
-        if let Err(refusal) = check_unchanged_since_seen(
-            &working_dir,
-            versions,
-            &path,
-            requested,
-            text.as_bytes(),
-        )
-        .await?
+        if let Err(refusal) =
+            check_unchanged_since_seen(&working_dir, versions, &path, requested, text.as_bytes())
+                .await?
         {
-            if let Some(done) = Self::already_applied(&working_dir, &input, &text, &path, versions).await? {
+            if let Some(done) =
+                Self::already_applied(&working_dir, &input, &text, &path, versions).await?
+            {
                 return Ok(done);
             }
             return Ok(ToolOutput::error(refusal));

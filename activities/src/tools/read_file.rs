@@ -114,7 +114,12 @@ impl Tool for ReadFile {
             Ok(range) => range,
             Err(message) => return Ok(ToolOutput::error(message)),
         };
-        let path = match self.working_dir.for_session(context).existing(requested).await? {
+        let path = match self
+            .working_dir
+            .for_session(context)
+            .existing(requested)
+            .await?
+        {
             Ok(path) => path,
             Err(message) => return Ok(ToolOutput::error(message)),
         };
