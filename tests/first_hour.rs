@@ -659,7 +659,15 @@ fn describe_sessions_and_json_forms() {
     let outcome: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
         outcome,
-        serde_json::json!({"session_id": "d", "outcome": {"status": "completed", "turn": 1, "answer": "first answer"}})
+        serde_json::json!({"session_id": "d", "outcome": {
+            "status": "completed", "turn": 1, "answer": "first answer", "stop_reason": "end_turn",
+            // The scripted model has no price: its attempt is counted, its cost unknown.
+            "totals": {
+                "usage": {"input_tokens": 10, "output_tokens": 3, "cache_read_tokens": 0,
+                          "cache_write_tokens": 0, "reasoning_tokens": 0},
+                "cost_micros": 0, "unpriced_attempts": 1, "model_calls": 1
+            }
+        }})
     );
     let history = events(&data, "d");
     assert_eq!(
@@ -710,6 +718,8 @@ fn describe_sessions_and_json_forms() {
         &format!("model     {model}"),
         &format!("workdir   {}", root.display()),
         "usage     30 in / 7 out tokens",
+        "totals    37 tokens (30 in, 7 out, 0 cache read, 0 cache write), ",
+        "attempt(s) unpriced)",
         "turns     2",
     ] {
         assert!(said.contains(needle), "{needle:?} in:\n{said}");

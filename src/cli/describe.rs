@@ -31,6 +31,8 @@ pub struct Described {
     pub turns: Vec<TurnSummary>,
     /// Token usage of every model call attempt.
     pub usage: Usage,
+    /// Usage, cost and model calls of every attempt, failed ones included.
+    pub totals: cairn_runtime::UsageTotals,
     /// Activities the running turn waits for.
     pub pending_tasks: Vec<PendingTask>,
     /// Tool calls the running turn waits on a person for.
@@ -81,6 +83,7 @@ pub fn build(description: SessionDescription, history: &[EventEnvelope]) -> Desc
         events: description.events,
         turns: turns(history),
         usage: description.usage,
+        totals: description.totals,
         pending_tasks: description.pending_tasks,
         pending_approvals: description.pending_approvals,
     }
@@ -189,6 +192,7 @@ pub fn print(described: &Described, json: bool) -> anyhow::Result<()> {
     )?;
     outln!("events    {}", d.events)?;
     outln!("usage     {}", usage_text(&d.usage))?;
+    outln!("totals    {}", super::budget::totals_text(&d.totals))?;
     outln!("turns     {}", d.turns.len())?;
     for t in &d.turns {
         let took = match t.ended_at_ms {
