@@ -185,3 +185,134 @@ async fn cairn_run_hosts_mcp_tools_and_records_their_results() {
     assert_eq!(result["tool_result"]["is_error"], true, "{result}");
     server.abort();
 }
+
+/// A child process killed when dropped.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Spawns `command` with stdout piped and waits for a stdout line starting with `prefix`;
+/// returns the child and the rest of that line.
+fn start_until_line(mut command: std::process::Command, prefix: &str) -> (Child, String) {
+    use std::io::{BufRead, BufReader};
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .expect("start cairn");
+    let stdout = child.stdout.take().expect("its stdout");
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let wanted = prefix.to_owned();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if let Some(rest) = line.strip_prefix(&wanted) {
+                let _ = sender.send(rest.to_owned());
+            }
+        }
+    });
+    let child = Child(child);
+    let rest = receiver
+        .recv_timeout(std::time::Duration::from_secs(120))
+        .unwrap_or_else(|_| panic!("no {prefix:?} line from {command:?}"));
+    (child, rest)
+}
+
+/// `cairn worker --mcp-config`: a worker process on another "machine" (here a process beside a
+/// `cairn server` process) hosts the MCP server's tools; the server, which has no MCP
+/// configuration, hands it their calls, and the history records the results.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_process_hosts_mcp_tools_for_a_server() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mcp = tokio::spawn(TestServer::new(None).serve_http(listener));
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("mcp.json");
+    std::fs::write(
+        &config,
+        json!({"mcpServers": {"demo": {"url": format!("http://{addr}/mcp"), "timeout_ms": 5000}}})
+            .to_string(),
+    )
+    .unwrap();
+    let script = dir.path().join("script.json");
+    std::fs::write(
+        &script,
+        json!({"responses": [
+            {"parts": [
+                tool_use("w1", "demo__echo", json!({"text": "from the worker"})),
+                tool_use("w2", "demo__add", json!({"a": 20, "b": 22}))
+            ]},
+            {"parts": [{"type": "text", "text": "the worker answered"}]}
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+
+    let mut server = cairn_command();
+    server
+        .args(["server", "--listen", "127.0.0.1:0", "--data"])
+        .arg(dir.path().join("store"));
+    let (_server, url) = start_until_line(server, "listening on ");
+    let mut worker = cairn_command();
+    worker
+        .args(["worker", "--server", &url, "--mcp-config"])
+        .arg(&config)
+        .arg("--workdir")
+        .arg(dir.path());
+    let (_worker, _) = start_until_line(worker, "worker ready");
+
+    let run = {
+        let mut command = cairn_command();
+        command
+            .args(["run", "--server", &url, "--model"])
+            .arg(format!("scripted:{}", script.display()))
+            .arg("--mcp-config")
+            .arg(&config)
+            .args(["--session", "w", "use the tools"]);
+        tokio::task::spawn_blocking(move || command.output())
+            .await
+            .unwrap()
+            .unwrap()
+    };
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    assert!(
+        String::from_utf8_lossy(&run.stdout).contains("the worker answered"),
+        "{}",
+        String::from_utf8_lossy(&run.stdout)
+    );
+
+    let history = cairn_command()
+        .args(["history", "w", "--json", "--server", &url])
+        .output()
+        .unwrap();
+    assert!(
+        history.status.success(),
+        "{}",
+        String::from_utf8_lossy(&history.stderr)
+    );
+    let mut results: Vec<String> = String::from_utf8_lossy(&history.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["kind"] == "tool_call_completed")
+        .map(|e| {
+            let c = &e["event"]["tool_call_completed"];
+            format!("{} {} {}", c["tool_use_id"], c["content"], c["is_error"])
+        })
+        .collect();
+    // The two calls run in parallel: their results may be recorded in either order.
+    results.sort();
+    assert_eq!(
+        results,
+        [
+            r#""w1" {"text":"from the worker"} false"#,
+            r#""w2" {"json":{"sum":42.0,"terms":[20.0,22.0]}} false"#,
+        ]
+    );
+    mcp.abort();
+}
