@@ -48,6 +48,7 @@ pub struct CairnBuilder {
     workers: Option<WorkerConfig>,
     turn_deadline: Option<Duration>,
     prices: Option<PriceTable>,
+    mcp_configs: Vec<PathBuf>,
 }
 
 impl Cairn {
@@ -70,6 +71,7 @@ impl Cairn {
             }),
             turn_deadline: None,
             prices: None,
+            mcp_configs: Vec::new(),
         }
     }
 
@@ -180,6 +182,15 @@ impl CairnBuilder {
         self
     }
 
+    /// Hosts the tools of the MCP servers configured in the JSON file at `path` (the format of
+    /// `cairn run --mcp-config`; README, "MCP tools"): [`CairnBuilder::start`] connects to them,
+    /// lists their tools and registers each under its prefixed name, so sessions offer them and
+    /// the workers run them. A server that cannot be reached fails the start, naming it.
+    pub fn mcp_config(mut self, path: impl Into<PathBuf>) -> Self {
+        self.mcp_configs.push(path.into());
+        self
+    }
+
     /// Opens the store (see [`embedded::open`]: its lock is held until the cairn is dropped),
     /// carries on interrupted sessions and starts the workers.
     pub async fn start(self) -> Result<Cairn> {
@@ -194,6 +205,14 @@ impl CairnBuilder {
                 Arc::new(models)
             }
         };
+        // MCP servers first: one that cannot be reached fails the start before the store opens.
+        let mut tools = self.tools;
+        for path in &self.mcp_configs {
+            let servers = cairn_mcp::McpConfig::load(path)?;
+            cairn_mcp::McpServers::connect(&servers)
+                .await?
+                .register_into(&mut tools);
+        }
         let opened = embedded::open(&self.data, OpenMode::Create, self.storage_engine).await?;
         for note in &opened.notes {
             tracing::info!(store = %self.data.display(), "{note}");
@@ -202,7 +221,7 @@ impl CairnBuilder {
         if let Some(prices) = self.prices {
             engine.set_prices(prices);
         }
-        let tools = Arc::new(self.tools);
+        let tools = Arc::new(tools);
         let mut client = Client::new(engine.clone());
         if let Some(deadline) = self.turn_deadline {
             client = client.with_turn_deadline(deadline);

@@ -10,6 +10,9 @@ pub enum Error {
     /// A model provider or tool could not be set up (a script that does not parse).
     #[error(transparent)]
     Activities(#[from] cairn_activities::Error),
+    /// An MCP server's configuration could not be read, or the server not reached.
+    #[error(transparent)]
+    Mcp(#[from] cairn_mcp::Error),
 }
 
 /// A result of the facade.

@@ -316,3 +316,82 @@ async fn a_worker_process_hosts_mcp_tools_for_a_server() {
     );
     mcp.abort();
 }
+
+/// The library: `CairnBuilder::mcp_config` registers an MCP server's tools once; sessions
+/// offer them, the in-process workers run them, and the history replays to the same ledger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_builder_hosts_mcp_tools_from_a_config_file() -> anyhow::Result<()> {
+    use cairn::prelude::*;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let mcp = tokio::spawn(TestServer::new(None).serve_http(listener));
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("mcp.json");
+    std::fs::write(
+        &config,
+        json!({"mcpServers": {"demo": {"url": format!("http://{addr}/mcp")}}}).to_string(),
+    )?;
+    let script = json!({"responses": [
+        {"parts": [tool_use("b1", "demo__echo", json!({"text": "from the library"}))]},
+        {"parts": [{"type": "text", "text": "echoed"}]}
+    ]});
+    let cairn = Cairn::builder(dir.path().join("store"))
+        .mcp_config(&config)
+        .script("mcp", script.to_string())
+        .start()
+        .await?;
+    let options = cairn.session(ModelSpec::new("scripted", "mcp"));
+    let offered: Vec<&str> = options.tools.iter().map(|t| t.name.as_str()).collect();
+    assert!(offered.contains(&"demo__echo"), "{offered:?}");
+    let client = cairn.client();
+    let session = client.start_session(options).await?;
+    let outcome = client.run_turn(&session, "echo it").await?;
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { answer, .. } if answer == "echoed"),
+        "{outcome:?}"
+    );
+
+    let history = client.history(&session).await?;
+    let replayed = cairn::runtime::replay(&session, &history)?;
+    let live = client.transcript(&session).await?;
+    assert_eq!(
+        replayed.state.transcript.canonical_json(),
+        live.canonical_json()
+    );
+    let result = live
+        .messages
+        .iter()
+        .flat_map(|m| m.parts.iter())
+        .find_map(|p| match p {
+            cairn::ledger::Part::ToolResult(r) if r.tool_use_id == "b1" => Some(r.clone()),
+            _ => None,
+        })
+        .expect("the echo's result in the transcript");
+    assert_eq!(
+        result.content.canonical_json(),
+        r#""from the library""#,
+        "{result:?}"
+    );
+    assert!(!result.is_error);
+
+    // A configured server that cannot be reached fails the start, naming it.
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let closed_addr = closed.local_addr()?;
+    drop(closed);
+    let unreachable = dir.path().join("unreachable.json");
+    std::fs::write(
+        &unreachable,
+        json!({"mcpServers": {"gone": {"url": format!("http://{closed_addr}/mcp")}}}).to_string(),
+    )?;
+    cairn.shutdown().await;
+    let refused = Cairn::builder(dir.path().join("other"))
+        .mcp_config(&unreachable)
+        .start()
+        .await;
+    let error = refused
+        .err()
+        .expect("an unreachable MCP server fails the start");
+    assert!(error.to_string().contains("gone"), "{error}");
+    mcp.abort();
+    Ok(())
+}
