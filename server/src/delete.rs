@@ -18,6 +18,7 @@ use tracing::Instrument;
     params(SessionPath),
     responses(
         (status = 200, description = "Deleted: its history, record and tasks are gone, and the id is never used again", body = SessionDeleted),
+        (status = 400, description = "Invalid session id", body = ErrorBody),
         (status = 401, description = "No token, or an unknown one", body = ErrorBody),
         (status = 403, description = "Not a client token", body = ErrorBody),
         (status = 404, description = "No such session in this namespace (or it was deleted already)", body = ErrorBody),
@@ -31,7 +32,7 @@ pub async fn delete_session(
     ClientCaller(caller): ClientCaller,
     PathParams(path): PathParams<SessionPath>,
 ) -> Result<Json<SessionDeleted>, ApiError> {
-    let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
+    let stored = stored_id(&caller, &path.id)?;
     let info = state
         .engine
         .delete_session(&stored)
