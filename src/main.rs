@@ -302,6 +302,22 @@ enum Command {
         #[arg(long, default_value = "cancelled from the command line")]
         reason: String,
     },
+    /// Delete a finished session: its history, record and tasks go, atomically and durably,
+    /// and its id is never used again. Asks first on a terminal; elsewhere needs --yes.
+    Delete {
+        #[arg(long, value_name = "DIR", help = cli::SESSION_DATA_HELP)]
+        data: Option<PathBuf>,
+        #[command(flatten)]
+        server: cli::ServerArgs,
+        /// Session id.
+        session: String,
+        /// Delete without asking.
+        #[arg(long, short = 'y')]
+        yes: bool,
+        /// One JSON object: the session, `deleted` and its event count.
+        #[arg(long)]
+        json: bool,
+    },
     /// Compact a session's transcript now, between turns, with its compaction policy (or
     /// the default one); recorded in its history.
     Compact {
@@ -670,11 +686,6 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     (*host, data)
                 }
                 Access::Remote(remote) => {
-                    if json {
-                        cli::exit_codes::usage_bail!(
-                            "run --json works on a store opened here, not through a server yet"
-                        );
-                    }
                     let request = cli::remote::RunRequest {
                         model,
                         session,
@@ -686,6 +697,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         budget: *budget,
                         compaction,
                         extra_tools: mcp_tools,
+                        json,
                     };
                     return Ok(outcome_code(&remote.run(request).await?));
                 }
@@ -983,6 +995,18 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 outln!("cancelled session {session}")?;
             }
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Delete {
+            data,
+            server,
+            session,
+            yes,
+            json,
+        } => {
+            cli::delete::check_confirmable(&session, yes)?;
+            let target = Target::resolve(data, &server)?;
+            let access = Access::open(target, OpenMode::Existing, None, PathBuf::from(".")).await?;
+            cli::delete::run(access.client(), &session, yes, json).await
         }
         Command::Compact {
             data,

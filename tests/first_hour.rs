@@ -54,7 +54,7 @@ fn script(dir: &Path, name: &str, body: &str) -> String {
 }
 
 /// A `cairn` child whose stdout and stderr are collected as they come.
-struct Running {
+pub(crate) struct Running {
     child: Child,
     stdout: Arc<Mutex<String>>,
     stderr: Arc<Mutex<String>>,
@@ -78,7 +78,7 @@ fn collect(mut from: impl Read + Send + 'static) -> Arc<Mutex<String>> {
 }
 
 impl Running {
-    fn spawn(dir: &Path, args: &[&str]) -> Running {
+    pub(crate) fn spawn(dir: &Path, args: &[&str]) -> Running {
         let mut child = cairn_command()
             .current_dir(dir)
             .args(args)
@@ -96,16 +96,16 @@ impl Running {
         }
     }
 
-    fn stdout(&self) -> String {
+    pub(crate) fn stdout(&self) -> String {
         self.stdout.lock().unwrap().clone()
     }
 
-    fn stderr(&self) -> String {
+    pub(crate) fn stderr(&self) -> String {
         self.stderr.lock().unwrap().clone()
     }
 
     /// Waits until `needle` was printed on stdout (`on_stderr`: on stderr).
-    fn wait_for(&mut self, needle: &str, on_stderr: bool) {
+    pub(crate) fn wait_for(&mut self, needle: &str, on_stderr: bool) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let seen = if on_stderr {
@@ -132,14 +132,14 @@ impl Running {
         }
     }
 
-    fn signal(&self, signal: i32) {
+    pub(crate) fn signal(&self, signal: i32) {
         let pid = self.child.id() as libc::pid_t;
         // SAFETY: kill(2) on our own child's pid, with a valid signal number.
         assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
     }
 
     /// Waits for the child to end (a minute at most); its exit code.
-    fn finish(mut self) -> (Option<i32>, String, String) {
+    pub(crate) fn finish(mut self) -> (Option<i32>, String, String) {
         let deadline = Instant::now() + Duration::from_secs(60);
         let status = loop {
             if let Some(status) = self.child.try_wait().unwrap() {

@@ -182,12 +182,13 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
 /// session's row is there.
 const APPEND: &str = "\
 WITH s AS MATERIALIZED ( \
-    SELECT last_seq FROM cairn_sessions WHERE session_id = $1 FOR UPDATE \
+    SELECT last_seq, status FROM cairn_sessions WHERE session_id = $1 FOR UPDATE \
 ), l AS MATERIALIZED ( \
     SELECT lease_attempt, visible_at_ms FROM cairn_tasks \
     WHERE $8 AND session_id = $9 AND scheduled_seq = $10 FOR UPDATE \
 ), ok AS MATERIALIZED ( \
     SELECT COALESCE((SELECT last_seq FROM s), 0) = $2 \
+       AND COALESCE((SELECT status FROM s), '') <> 'deleted' \
        AND (NOT $8 OR EXISTS (SELECT 1 FROM l WHERE lease_attempt = $11 AND visible_at_ms > $5)) \
        AS passed \
 ), session_updated AS ( \
@@ -225,6 +226,7 @@ WITH s AS MATERIALIZED ( \
     RETURNING 1 \
 ) \
 SELECT (SELECT passed FROM ok) AS passed, (SELECT last_seq FROM s) AS last_seq, \
+    (SELECT status FROM s) AS status, \
     (SELECT lease_attempt FROM l) AS lease_attempt, (SELECT visible_at_ms FROM l) AS expiry";
 
 /// Runs the append statement, again while it loses races.
@@ -310,6 +312,13 @@ async fn statement(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Fail
     let passed: bool = row.try_get("passed")?;
     if passed {
         return Ok(());
+    }
+    let status: Option<String> = row.try_get("status")?;
+    if status.as_deref() == Some(crate::rows::DELETED) {
+        return Err(Error::SessionDeleted {
+            session_id: p.session_id.to_owned(),
+        }
+        .into());
     }
     let last_seq: Option<i64> = row.try_get("last_seq")?;
     let actual = from_db("last_seq", last_seq.unwrap_or(0))?.saturating_add(1);

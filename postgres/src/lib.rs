@@ -17,7 +17,8 @@
 //!
 //! - `cairn_sessions (session_id PK, status, last_seq, updated_at_ms)`: one row per session
 //!   with events; `status` is `idle`, `running` or `cancelled`, `last_seq` the event count
-//!   (= the last seq), `updated_at_ms` the time of the last append.
+//!   (= the last seq), `updated_at_ms` the time of the last append. A deleted session keeps
+//!   its row as its tombstone, with the status `deleted` and no events (migration 2).
 //! - `cairn_events (session_id → cairn_sessions, seq, record BYTEA, PK (session_id, seq))`:
 //!   each event as the runtime's record (`codec::encode`: format byte, CRC32, named-field
 //!   msgpack), so these histories carry the same checksummed, versioned bytes as the embedded
@@ -43,6 +44,9 @@
 //! - Lease: one `UPDATE ... FROM (SELECT ... ORDER BY visible_at_ms, session_id COLLATE "C",
 //!   scheduled_seq LIMIT n FOR UPDATE SKIP LOCKED)`, with the routing filter and the overdue rule in SQL; no
 //!   task is handed out twice, from any number of processes (`tasks` module).
+//! - Delete: one transaction (`delete` module): lock the session row, check that the session
+//!   is finished and has no task (`SessionBusy`), delete its events, set the row's status to
+//!   `deleted`; appends then find that status under the same lock (`SessionDeleted`).
 //! - Heartbeat: a conditional `UPDATE` (current attempt, not expired); timers, listings and
 //!   releases: one statement each.
 //!
@@ -62,6 +66,7 @@
 
 mod append;
 mod changes;
+mod delete;
 mod failure;
 mod rows;
 mod store;

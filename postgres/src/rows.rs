@@ -112,6 +112,9 @@ pub(crate) fn task(row: &PgRow) -> Result<Task> {
 }
 
 /// A session from a row of `session_id, status, last_seq, updated_at_ms`.
+/// The status of a deleted session's row, its tombstone (never listed).
+pub(crate) const DELETED: &str = "deleted";
+
 pub(crate) fn session(row: &PgRow) -> Result<SessionInfo> {
     Ok(SessionInfo {
         session_id: get(row, "session_id")?,

@@ -232,7 +232,7 @@ impl Store for PgStore {
                      WHERE session_id = s.session_id AND seq >= $2 \
                      ORDER BY seq LIMIT $3 \
                  ) AS e ON TRUE \
-                 WHERE s.session_id = $1 \
+                 WHERE s.session_id = $1 AND s.status <> 'deleted' \
                  ORDER BY e.seq",
             )
             .bind(session_id)
@@ -264,7 +264,7 @@ impl Store for PgStore {
         let rows = retrying("listing sessions", || async {
             Ok(sqlx::query(
                 "SELECT session_id, status, last_seq, updated_at_ms FROM cairn_sessions \
-                 ORDER BY session_id COLLATE \"C\"",
+                 WHERE status <> 'deleted' ORDER BY session_id COLLATE \"C\"",
             )
             .fetch_all(&self.pool)
             .await?)
@@ -304,5 +304,9 @@ impl Store for PgStore {
 
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
         tasks::release(&self.pool, now_ms).await
+    }
+
+    async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
+        crate::delete::delete(&self.pool, session_id, now_ms).await
     }
 }

@@ -80,6 +80,13 @@ async fn reopen_keeps_everything() {
     conformance::reopen_keeps_everything(store, &mut |store| reopen(store, &urls)).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deletion_survives_a_reopen() {
+    let (store, url) = fresh_store().await;
+    let urls = Mutex::new(BTreeMap::from([(store.url().to_owned(), url)]));
+    conformance::a_deletion_survives_a_reopen(store, &mut |store| reopen(store, &urls)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn run_all() {
     let urls = Mutex::new(BTreeMap::new());
@@ -119,4 +126,5 @@ each_concurrency_check!(
     a_lapsed_lease_changes_nothing,
     racing_appends_on_two_handles,
     two_engines_on_one_store,
+    a_deletion_is_seen_through_another_handle,
 );

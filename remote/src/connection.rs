@@ -60,6 +60,14 @@ impl Request {
         }
     }
 
+    /// A DELETE, without a body.
+    pub fn delete(path: impl Into<String>) -> Self {
+        Request {
+            method: Method::DELETE,
+            ..Request::get(path)
+        }
+    }
+
     /// A POST of `body` as JSON.
     pub fn post(path: impl Into<String>, body: &impl Serialize) -> Self {
         Request {
@@ -306,6 +314,13 @@ impl Connection {
         match (error.code, subject.session_id, subject.lease) {
             (ErrorCode::NotFound, Some(session_id), _) => Error::UnknownSession {
                 session_id: session_id.to_owned(),
+            },
+            (ErrorCode::SessionBusy, session_id, _) => Error::SessionBusy {
+                session_id: session_id.unwrap_or_default().to_owned(),
+                reason: message
+                    .split_once("cannot be deleted: ")
+                    .map_or(message.as_str(), |(_, reason)| reason)
+                    .to_owned(),
             },
             (ErrorCode::StaleReport, _, Some(lease)) => Error::StaleReport {
                 session_id: lease.id.session_id.clone(),

@@ -9,7 +9,7 @@ use cairn_ledger::{ModelSpec, Transcript};
 use cairn_runtime::wire::{
     ApprovalDecided, ApprovalDecision, ApprovalRequest, CancelRequest, Cancelled,
     CompactionOutcome, CreateSession, Health, HistoryPage, SendMessage, SessionCreated,
-    SessionDescription, SessionPage, StreamEvent, TurnStarted, TurnWait,
+    SessionDeleted, SessionDescription, SessionPage, StreamEvent, TurnStarted, TurnWait,
 };
 use cairn_runtime::{
     Error, EventEnvelope, EventStream, Result, SessionOptions, SessionQuery, Transport, TurnOutcome,
@@ -184,6 +184,16 @@ impl Transport for HttpTransport {
                 "a cancelled turn of session {session_id:?} without its number"
             ))),
         }
+    }
+
+    async fn delete_session(&self, session_id: &str) -> Result<SessionDeleted> {
+        self.connection
+            .call_json(
+                Request::delete(session_path(session_id)),
+                session(session_id),
+                REQUEST_TIMEOUT,
+            )
+            .await
     }
 
     async fn compact(&self, session_id: &str) -> Result<CompactionOutcome> {

@@ -11,8 +11,8 @@ use crate::follow::SessionEvents;
 use crate::policy::ToolPolicy;
 use crate::store::{SessionInfo, SessionStatus};
 use crate::wire::{
-    CompactionOutcome, PendingApproval, PendingTask, SessionDescription, SessionPage,
-    SessionSummary, StreamEvent,
+    CompactionOutcome, PendingApproval, PendingTask, SessionDeleted, SessionDescription,
+    SessionPage, SessionSummary, StreamEvent,
 };
 use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
 use async_trait::async_trait;
@@ -132,6 +132,8 @@ pub trait Transport: Send + Sync + 'static {
     async fn cancel(&self, session_id: &str, reason: &str) -> Result<()>;
     /// Cancels the running turn only; returns its number.
     async fn cancel_turn(&self, session_id: &str, reason: &str) -> Result<u32>;
+    /// Deletes a finished session ([`Client::delete_session`]).
+    async fn delete_session(&self, session_id: &str) -> Result<SessionDeleted>;
     /// Compacts the transcript now, between turns.
     async fn compact(&self, session_id: &str) -> Result<CompactionOutcome>;
     /// Approves a tool call parked for approval: it runs.
@@ -370,6 +372,14 @@ impl Client {
     /// Cancels the running turn only; the session takes further turns. Returns the turn.
     pub async fn cancel_turn(&self, session_id: &str, reason: &str) -> Result<u32> {
         self.transport.cancel_turn(session_id, reason).await
+    }
+
+    /// Deletes a finished session: its history, record and tasks go, atomically and durably,
+    /// like `temporal workflow delete`. Refused with `SessionBusy` while a turn runs or a
+    /// task of it is queued (cancel it first); `UnknownSession` when there is none. The id is
+    /// never used again: starting a session with it fails with `SessionDeleted`.
+    pub async fn delete_session(&self, session_id: &str) -> Result<SessionDeleted> {
+        self.transport.delete_session(session_id).await
     }
 
     /// Compacts the session's transcript now, between turns, with its compaction policy (or
@@ -638,6 +648,14 @@ impl Transport for Local {
 
     async fn cancel_turn(&self, session_id: &str, reason: &str) -> Result<u32> {
         self.engine.cancel_turn(session_id, reason).await
+    }
+
+    async fn delete_session(&self, session_id: &str) -> Result<SessionDeleted> {
+        let info = self.engine.delete_session(session_id).await?;
+        Ok(SessionDeleted {
+            session_id: info.session_id,
+            events: info.events,
+        })
     }
 
     async fn approve(&self, session_id: &str, tool_use_id: &str) -> Result<()> {

@@ -19,7 +19,8 @@ use crate::event::ErrorClass;
 use crate::event::{ActivityFailure, Event, EventEnvelope, SessionStarted};
 use crate::pricing::PriceTable;
 use crate::store::{
-    AppendRequest, Lease, Overdue, SessionStatus, Store, StoreChange, Task, TaskFilter, TaskId,
+    AppendRequest, Lease, Overdue, SessionInfo, SessionStatus, Store, StoreChange, Task,
+    TaskFilter, TaskId,
 };
 use crate::task_waiters::TaskWaiters;
 use crate::workflow::{ScheduledActivity, SessionState, Transition, TurnOutcome};
@@ -30,7 +31,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{broadcast, watch};
-use tracing::{debug, info_span, warn, Instrument};
+use tracing::{debug, info, info_span, warn, Instrument};
 
 /// Identifies one activity attempt, so that consumers can tell a retry's stream from the first.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -441,6 +442,44 @@ impl Engine {
         .await?;
         let _ = self.inner.cancellations.send(session_id.to_owned());
         Ok(turn)
+    }
+
+    /// Deletes a finished session from the store ([`Store::delete_session`]: its history and
+    /// record, leaving a tombstone so the id is never used again) and forgets it here: its
+    /// cached state, outcome channel, watch entry and change hints. `SessionBusy` while a turn
+    /// runs or a task of it is queued; `UnknownSession` when there is no such session.
+    /// Other engines on a shared store find out at their next read or append of it: a read
+    /// finds no session, an append `SessionDeleted`.
+    pub async fn delete_session(&self, session_id: &str) -> Result<SessionInfo> {
+        let span = info_span!("delete_session", session_id = %session_id);
+        async move {
+            let deleted = {
+                // Holding the slot keeps this engine's own decisions on the session out.
+                let slot = self.slot(session_id);
+                let _guard = slot.lock().await;
+                self.inner
+                    .store
+                    .delete_session(session_id, self.now_ms())
+                    .await
+            };
+            if matches!(deleted, Ok(_) | Err(Error::UnknownSession { .. })) {
+                self.forget(session_id);
+            }
+            if let Ok(info) = &deleted {
+                info!(events = info.events, "session deleted");
+            }
+            deleted
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Drops everything this engine keeps for a session that is gone.
+    fn forget(&self, session_id: &str) {
+        lock(&self.inner.sessions).remove(session_id);
+        lock(&self.inner.outcomes).remove(session_id);
+        lock(&self.inner.heard_seqs).remove(session_id);
+        lock(&self.inner.watched).remove(session_id);
     }
 
     /// Compacts a session's transcript now, between turns (`compaction_requested`), with its

@@ -63,6 +63,21 @@ pub enum Error {
         /// The id asked for.
         session_id: String,
     },
+    /// A session that cannot be deleted now: a turn is running, or a task of it is queued
+    /// or leased ([`Store::delete_session`](crate::store::Store::delete_session)).
+    #[error("session {session_id:?} cannot be deleted: {reason}")]
+    SessionBusy {
+        /// The session.
+        session_id: String,
+        /// Why (what runs or waits).
+        reason: String,
+    },
+    /// A write to a session that was deleted: a deleted session's id is never used again.
+    #[error("session {session_id:?} was deleted; its id cannot be used again")]
+    SessionDeleted {
+        /// The session.
+        session_id: String,
+    },
     /// A session id with characters the stores cannot key on.
     #[error("invalid session id {session_id:?}: use 1-128 characters of [A-Za-z0-9._-], and `:` only after a namespace")]
     InvalidSessionId {

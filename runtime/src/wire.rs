@@ -14,6 +14,7 @@
 //! | GET | `/v1/sessions/{id}/history?from_seq=&limit=` | → [`HistoryPage`] |
 //! | GET | `/v1/sessions/{id}/transcript?as=` | → the canonical transcript JSON, or a provider's |
 //! | POST | `/v1/sessions/{id}/cancel` | [`CancelRequest`] → [`Cancelled`] |
+//! | DELETE | `/v1/sessions/{id}` | → [`SessionDeleted`] (404 unknown, 409 `session_busy` while it runs) |
 //! | POST | `/v1/sessions/{id}/approvals/{tool_use_id}` | [`ApprovalRequest`] → [`ApprovalDecided`] |
 //! | POST | `/v1/sessions/{id}/compact` | → [`CompactionOutcome`] |
 //! | GET | `/v1/sessions/{id}/events?after_seq=` | SSE: [`StreamEvent`]s; `id` = seq, `Last-Event-ID` resumes |
@@ -221,6 +222,15 @@ pub struct Cancelled {
     /// The turn that was cancelled, when `turn_only`.
     #[serde(default)]
     pub turn: Option<u32>,
+}
+
+/// The answer to `DELETE /v1/sessions/{id}`: the session as it was when it was deleted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SessionDeleted {
+    /// Its id (in the caller's namespace).
+    pub session_id: String,
+    /// The events its history had.
+    pub events: u64,
 }
 
 /// One session in a listing.
@@ -539,6 +549,8 @@ pub enum ErrorCode {
     Internal,
     /// 503: the server is draining (shutting down) and takes no new work.
     Unavailable,
+    /// 409: a delete of a session that is not finished (a turn runs, a task is queued).
+    SessionBusy,
 }
 
 impl ErrorCode {
@@ -550,7 +562,10 @@ impl ErrorCode {
             ErrorCode::Forbidden => 403,
             ErrorCode::NotFound => 404,
             ErrorCode::MethodNotAllowed => 405,
-            ErrorCode::Conflict | ErrorCode::StaleReport | ErrorCode::LeaseLost => 409,
+            ErrorCode::Conflict
+            | ErrorCode::StaleReport
+            | ErrorCode::LeaseLost
+            | ErrorCode::SessionBusy => 409,
             ErrorCode::TooLarge => 413,
             ErrorCode::UnsupportedMediaType => 415,
             ErrorCode::Internal => 500,
@@ -573,6 +588,7 @@ impl ErrorCode {
             ErrorCode::UnsupportedMediaType => "unsupported_media_type",
             ErrorCode::Internal => "internal",
             ErrorCode::Unavailable => "unavailable",
+            ErrorCode::SessionBusy => "session_busy",
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use crate::auth::AnyCaller;
 use crate::errors::{json_errors, ApiError};
-use crate::{compact, events, inspect, openapi, sessions, ui, worker, ServerConfig};
+use crate::{compact, delete, events, inspect, openapi, sessions, ui, worker, ServerConfig};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::Request;
 use axum::routing::{get, post};
@@ -76,7 +76,10 @@ pub fn router(state: AppState) -> Router {
             "/v1/sessions",
             post(sessions::create_session).get(sessions::list_sessions),
         )
-        .route("/v1/sessions/{id}", get(sessions::describe_session))
+        .route(
+            "/v1/sessions/{id}",
+            get(sessions::describe_session).delete(delete::delete_session),
+        )
         .route("/v1/sessions/{id}/messages", post(sessions::send_message))
         .route("/v1/sessions/{id}/turns/{turn}", get(sessions::wait_turn))
         .route("/v1/sessions/{id}/history", get(sessions::history))

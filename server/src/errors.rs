@@ -66,6 +66,13 @@ impl ApiError {
                 ErrorCode::LeaseLost,
                 format!("lease of task {task}: {reason}"),
             ),
+            RuntimeError::SessionDeleted { .. } => Self::conflict(format!(
+                "session {session_id:?} was deleted; its id cannot be used again"
+            )),
+            RuntimeError::SessionBusy { reason, .. } => Self::new(
+                ErrorCode::SessionBusy,
+                format!("session {session_id:?} cannot be deleted: {reason}"),
+            ),
             RuntimeError::Conflict { .. } => Self::conflict(format!(
                 "session {session_id:?} changed while this request was applied; retry"
             )),

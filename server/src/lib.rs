@@ -11,6 +11,7 @@
 mod app;
 mod auth;
 mod compact;
+mod delete;
 mod errors;
 mod events;
 mod inspect;

@@ -2,7 +2,7 @@
 //! wire types' schemas (never written by hand), and its route.
 
 use crate::auth::AnyCaller;
-use crate::{app, compact, events, inspect, sessions, worker};
+use crate::{app, compact, delete, events, inspect, sessions, worker};
 use axum::http::header;
 use axum::response::IntoResponse;
 use cairn_runtime::wire::ErrorBody;
@@ -28,6 +28,7 @@ use utoipa::{Modify, OpenApi};
         sessions::history,
         sessions::transcript,
         sessions::cancel,
+        delete::delete_session,
         events::events,
         inspect::state_at,
         inspect::fork,

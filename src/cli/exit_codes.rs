@@ -17,7 +17,7 @@ pub const USAGE: u8 = 2;
 /// The session named does not exist.
 pub const NOT_FOUND: u8 = 3;
 /// The store is held by another process that does not serve it, or the store or server
-/// cannot be reached for now.
+/// cannot be reached for now; or the session is busy (a delete of a session whose turn runs).
 pub const UNAVAILABLE: u8 = 4;
 /// The turn ended failed, whatever the cause (the model, a limit, a budget).
 pub const TURN_FAILED: u8 = 5;
@@ -81,6 +81,7 @@ pub fn of_error(error: &anyhow::Error) -> u8 {
                 RuntimeError::InvalidSessionId { .. } => return USAGE,
                 e if e.is_store_in_use() || e.is_retryable() => return UNAVAILABLE,
                 RuntimeError::Remote { status: 404, .. } => return NOT_FOUND,
+                RuntimeError::SessionBusy { .. } => return UNAVAILABLE,
                 RuntimeError::Nondeterminism { .. } => return CHECK_FAILED,
                 _ => {}
             }

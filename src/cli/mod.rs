@@ -11,6 +11,7 @@ pub mod cleanup;
 pub mod compaction;
 pub mod completions;
 pub mod database;
+pub mod delete;
 pub mod deltas;
 pub mod describe;
 pub mod exit_codes;
@@ -210,7 +211,10 @@ impl Access {
                         "--engine {engine} applies to a store opened here, not to --server {url}"
                     );
                 }
-                return Ok(Access::Remote(remote::Remote::connect(&url, token)?));
+                let flag = format!(" --server {url}");
+                return Ok(Access::Remote(
+                    remote::Remote::connect(&url, token)?.named(flag),
+                ));
             }
             Target::Store(store) => store,
         };
@@ -238,7 +242,10 @@ impl Access {
                     socket.display()
                 );
                 let url = format!("unix:{}", socket.display());
-                Ok(Access::Remote(remote::Remote::connect(&url, None)?))
+                let flag = format!(" --data {}", data.display());
+                Ok(Access::Remote(
+                    remote::Remote::connect(&url, None)?.named(flag),
+                ))
             }
         }
     }

@@ -3,6 +3,7 @@
 
 use super::deltas::DeltaWriter;
 use super::out::{note, showln};
+use anyhow::Context;
 use cairn_ledger::ModelSpec;
 use cairn_runtime::wire::StreamEvent;
 use cairn_runtime::{
@@ -13,6 +14,9 @@ use cairn_runtime::{
 pub struct Remote {
     /// The client.
     pub client: Client,
+    /// How printed commands reach the same server: ` --server URL` (or ` --data DIR` for a
+    /// store served by the process that holds it).
+    pub flag: String,
 }
 
 /// What `cairn run` was asked.
@@ -31,6 +35,8 @@ pub struct RunRequest {
     pub compaction: super::compaction::CompactionArgs,
     /// Tools a new session offers besides the built-in ones (those of `--mcp-config`).
     pub extra_tools: Vec<cairn_ledger::ToolSpec>,
+    /// Print only the outcome, as one JSON object (`--json`).
+    pub json: bool,
 }
 
 impl Remote {
@@ -38,7 +44,13 @@ impl Remote {
     pub fn connect(url: &str, token: Option<String>) -> anyhow::Result<Remote> {
         Ok(Remote {
             client: cairn_remote::connect(url, token)?,
+            flag: format!(" --server {url}"),
         })
+    }
+
+    /// The same client, with printed commands naming the server by `flag`.
+    pub fn named(self, flag: String) -> Remote {
+        Remote { flag, ..self }
     }
 
     /// Runs one turn as `cairn run` does, the server's workers running its activities; the
@@ -98,14 +110,20 @@ impl Remote {
         // Subscribed before anything is sent, from the last event recorded: every event and
         // delta of what follows comes through it.
         let mut stream = client.subscribe(&session_id, description.events).await?;
-        let mut writer = DeltaWriter::new(request.show_thinking);
+        // `--json` prints the outcome only.
+        let mut writer = (!request.json).then(|| DeltaWriter::new(request.show_thinking));
         if let Some(turn) = description.running_turn {
             // The server carries a running turn on by itself: wait for it, showing it.
-            showln!("[session {session_id}: turn {turn} is still running; following it first]");
-            let outcome = follow_turn(client, &mut stream, &mut writer, &session_id, turn).await?;
-            showln!();
-            if !matches!(outcome, TurnOutcome::Completed { .. }) {
-                note!("{}", crate::describe(&outcome));
+            if !request.json {
+                showln!("[session {session_id}: turn {turn} is still running; following it first]");
+            }
+            let outcome = follow_turn(client, &mut stream, &mut writer, &session_id, turn);
+            let outcome = self.interruptible(&session_id, turn, outcome).await?;
+            if !request.json {
+                showln!();
+                if !matches!(outcome, TurnOutcome::Completed { .. }) {
+                    note!("{}", crate::describe(&outcome));
+                }
             }
         }
         let turn = match description.model {
@@ -116,14 +134,66 @@ impl Remote {
             }
             _ => client.send(&session_id, &request.prompt).await?,
         };
-        let outcome = follow_turn(client, &mut stream, &mut writer, &session_id, turn).await?;
-        showln!();
-        if !matches!(outcome, TurnOutcome::Completed { .. }) {
-            note!("{}", crate::describe(&outcome));
-        }
-        super::budget::report(&outcome);
-        note!("session {session_id}");
+        let outcome = follow_turn(client, &mut stream, &mut writer, &session_id, turn);
+        let outcome = self.interruptible(&session_id, turn, outcome).await?;
+        super::turn::report(&session_id, &outcome, request.json)?;
         Ok(outcome)
+    }
+
+    /// Waits for `outcome` of the turn, with Ctrl-C as the embedded `run` has it: a first
+    /// Ctrl-C cancels the turn through the server after a short window (durably: the server
+    /// records it), a second one within the window leaves it running on the server, says how
+    /// to follow or cancel it, and exits with
+    /// [`LEFT_RUNNING`](super::exit_codes::LEFT_RUNNING).
+    // The window after a first Ctrl-C is real time, a person's.
+    #[allow(clippy::disallowed_methods)]
+    async fn interruptible(
+        &self,
+        session_id: &str,
+        turn: u32,
+        outcome: impl std::future::Future<Output = anyhow::Result<TurnOutcome>>,
+    ) -> anyhow::Result<TurnOutcome> {
+        tokio::pin!(outcome);
+        tokio::select! {
+            outcome = &mut outcome => return outcome,
+            signal = tokio::signal::ctrl_c() => {
+                signal.context("cannot listen for Ctrl-C")?;
+            }
+        }
+        note!(
+            "\n^C: cancelling turn {turn} of session {session_id} — press Ctrl-C again to leave \
+             it running on the server instead"
+        );
+        tokio::select! {
+            outcome = &mut outcome => return outcome,
+            _ = tokio::signal::ctrl_c() => self.leave_running(session_id, turn),
+            _ = tokio::time::sleep(super::turn::SECOND_CTRL_C_WINDOW) => {}
+        }
+        match self
+            .client
+            .cancel_turn(session_id, super::turn::CTRL_C_REASON)
+            .await
+        {
+            Ok(cancelled) => note!(
+                "cancelled turn {cancelled} of session {session_id} (recorded in its history)"
+            ),
+            // The turn ended on its own meanwhile: its outcome says how.
+            Err(e) => note!("the turn was not cancelled: {e}"),
+        }
+        outcome.await
+    }
+
+    /// Says how to follow or cancel the turn left running on the server, and ends the process
+    /// now (the server carries the turn on by itself).
+    fn leave_running(&self, session_id: &str, turn: u32) -> ! {
+        let flag = &self.flag;
+        note!(
+            "left turn {turn} of session {session_id} running on the server; nothing was \
+             cancelled. Follow it with `cairn run{flag} --session {session_id} PROMPT` (which \
+             waits for it first) or `cairn describe{flag} {session_id}`, or cancel it with \
+             `cairn cancel{flag} --turn {session_id}`"
+        );
+        std::process::exit(i32::from(super::exit_codes::LEFT_RUNNING));
     }
 }
 
@@ -132,14 +202,14 @@ impl Remote {
 async fn follow_turn(
     client: &Client,
     stream: &mut EventStream,
-    writer: &mut DeltaWriter,
+    writer: &mut Option<DeltaWriter>,
     session_id: &str,
     turn: u32,
 ) -> anyhow::Result<TurnOutcome> {
     while let Some(next) = stream.next().await {
         match next {
             Ok(StreamEvent::Delta(delta)) => {
-                if delta.origin.turn == turn {
+                if let Some(writer) = writer.as_mut().filter(|_| delta.origin.turn == turn) {
                     writer.write(&delta);
                 }
             }

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 /// How long after a first Ctrl-C the turn is cancelled; a second Ctrl-C before then leaves it
 /// running instead.
-const SECOND_CTRL_C_WINDOW: Duration = Duration::from_millis(1500);
+pub const SECOND_CTRL_C_WINDOW: Duration = Duration::from_millis(1500);
 
 /// The reason a Ctrl-C cancellation records in the history.
 pub const CTRL_C_REASON: &str = "cancelled with Ctrl-C";

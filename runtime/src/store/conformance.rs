@@ -20,9 +20,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 mod concurrency;
+mod deletion;
 pub use concurrency::{
     a_lapsed_lease_changes_nothing, concurrent_leases_hand_each_task_once,
     racing_appends_on_two_handles, two_engines_on_one_store,
+};
+pub use deletion::{
+    a_deletion_is_seen_through_another_handle, a_deletion_survives_a_reopen,
+    delete_refuses_a_busy_session, delete_removes_a_finished_session,
 };
 
 /// Runs every check, each on a store from `fresh`. With `reopen` (a function that drops a store
@@ -56,6 +61,8 @@ pub async fn run_all<S: Store>(
     overdue_tasks_are_listed_and_never_leased(&fresh()).await;
     heartbeat_details_are_kept_until_the_next_lease(&fresh()).await;
     released_tasks_are_leased_again_and_not_overdue(&fresh()).await;
+    delete_removes_a_finished_session(&fresh()).await;
+    delete_refuses_a_busy_session(&fresh()).await;
     concurrent_appends(Arc::new(fresh())).await;
     let twice = |store: S| {
         let store: Arc<dyn Store> = Arc::new(store);
@@ -69,8 +76,11 @@ pub async fn run_all<S: Store>(
     racing_appends_on_two_handles(a, b).await;
     let (a, b) = twice(fresh());
     two_engines_on_one_store(a, b).await;
+    let (a, b) = twice(fresh());
+    a_deletion_is_seen_through_another_handle(a, b).await;
     if let Some(reopen) = reopen {
-        reopen_keeps_everything(fresh(), reopen).await;
+        reopen_keeps_everything(fresh(), &mut *reopen).await;
+        a_deletion_survives_a_reopen(fresh(), reopen).await;
     }
 }
 
@@ -2033,6 +2043,8 @@ mod tests {
         overdue_tasks_are_listed_and_never_leased,
         heartbeat_details_are_kept_until_the_next_lease,
         released_tasks_are_leased_again_and_not_overdue,
+        delete_removes_a_finished_session,
+        delete_refuses_a_busy_session,
     );
 
     macro_rules! each_concurrency_check {
@@ -2070,7 +2082,20 @@ mod tests {
         a_lapsed_lease_changes_nothing,
         racing_appends_on_two_handles,
         two_engines_on_one_store,
+        a_deletion_is_seen_through_another_handle,
     );
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sled_a_deletion_survives_a_reopen() {
+        let root = tempfile::tempdir().expect("tempdir");
+        a_deletion_survives_a_reopen(sled_factory(root.path())(), &mut sled_reopen).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fjall_a_deletion_survives_a_reopen() {
+        let root = tempfile::tempdir().expect("tempdir");
+        a_deletion_survives_a_reopen(fjall_factory(root.path())(), &mut fjall_reopen).await;
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn memory_concurrent_appends() {

@@ -145,6 +145,18 @@ impl<S: Store> FaultyStore<S> {
         Ok(())
     }
 
+    /// Whether a delete fails: as an append of its session would, without using an allowance.
+    fn delete_fault(&self, session_id: &str) -> Result<()> {
+        let mut faults = self.faults();
+        if faults.sessions.contains(session_id) || faults.appends_left == Some(0) {
+            faults.injected += 1;
+            return Err(Error::Store {
+                reason: DISK_FULL.to_owned(),
+            });
+        }
+        Ok(())
+    }
+
     fn flag_fault(&self, which: fn(&Faults) -> bool, reason: &str) -> Result<()> {
         let mut faults = self.faults();
         if which(&faults) {
@@ -225,6 +237,11 @@ impl<S: Store> Store for FaultyStore<S> {
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
         self.lease_fault()?;
         self.inner.release_leases(now_ms).await
+    }
+
+    async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
+        self.delete_fault(session_id)?;
+        self.inner.delete_session(session_id, now_ms).await
     }
 }
 

@@ -111,13 +111,16 @@ use super::files::{
     check_store_dir, create_store_dir, open_error, panic_message, sync_dir_described,
 };
 use super::keys::{
-    decode_info, decode_task, encode_meta, key_visible, queue_key, read_events, task_key, EVENTS,
-    QUEUE, SESSIONS, TASKS,
+    decode_info, decode_task, deleted, encode_meta, is_tombstone_key, key_visible, queue_key,
+    read_events, seq_key, task_key, tombstone_key, Tombstone, EVENTS, QUEUE, SESSIONS, TASKS,
 };
 use super::memory::{lease_current, released_visibility};
 pub use super::write_queue::MAX_BATCH;
 use super::write_queue::{next_batch, Engine, Pending, PreparedAppend, Shared, Write, WriteQueue};
-use super::{check_session_id, AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
+use super::{
+    check_deletable, check_session_id, unknown_session, AppendRequest, Lease, SessionInfo, Store,
+    Task, TaskFilter, TaskId,
+};
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
@@ -514,6 +517,19 @@ impl Writer {
                     let _ = reply.send(Err(e));
                 }
             },
+            Write::Delete {
+                session_id,
+                now_ms,
+                reply,
+            } => match self.delete(&session_id, now_ms) {
+                Ok((info, staged)) => {
+                    self.stage(staged);
+                    pending.push(Pending::Delete(reply, info));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
         }
     }
 
@@ -560,6 +576,9 @@ impl Writer {
         let sid = p.session_id.as_str();
         let actual = match self.get(Ks::Sessions, sid.as_bytes())? {
             Some(bytes) => decode_info(sid, &bytes, SPACE)?.events + 1,
+            None if self.get(Ks::Sessions, &tombstone_key(sid))?.is_some() => {
+                return Err(deleted(sid))
+            }
             None => 1,
         };
         if actual != p.expected {
@@ -765,6 +784,61 @@ impl Writer {
         Ok((expires_at_ms, staged))
     }
 
+    /// One delete, checked and staged (see [`Store::delete_session`]): the session must exist
+    /// as the batch so far leaves it, not run, and have no task; then its events and record
+    /// go and its tombstone comes, all in this batch.
+    fn delete(&self, sid: &str, now_ms: u64) -> Result<(SessionInfo, Staged)> {
+        let info = match self.get(Ks::Sessions, sid.as_bytes())? {
+            Some(bytes) => decode_info(sid, &bytes, SPACE)?,
+            None => return Err(unknown_session(sid)),
+        };
+        let first_task = self.first_task(sid)?;
+        check_deletable(&info, first_task.as_ref())?;
+        let mut staged = Staged::default();
+        for seq in 1..=info.events {
+            staged.put(Ks::Events, seq_key(sid, seq), None);
+        }
+        staged.put(Ks::Sessions, sid.as_bytes().to_vec(), None);
+        let tombstone = Tombstone {
+            deleted_at_ms: now_ms,
+            events: info.events,
+        };
+        staged.put(
+            Ks::Sessions,
+            tombstone_key(sid),
+            Some(encode_meta("tombstone", &tombstone)?),
+        );
+        Ok((info, staged))
+    }
+
+    /// The first task of a session as the batch so far leaves the tasks keyspace.
+    fn first_task(&self, sid: &str) -> Result<Option<Task>> {
+        let range = seq_key(sid, 0)..=seq_key(sid, u64::MAX);
+        let overlay = self.overlay.map(Ks::Tasks);
+        let staged = overlay
+            .range(range.clone())
+            .find(|(_, value)| value.is_some())
+            .map(|(key, _)| key.clone());
+        let mut stored = None;
+        for guard in self.handles.tasks.range(range) {
+            let key = guard
+                .key()
+                .map_err(|e| fjall_error(&self.path, "reading the tasks keyspace", &e))?;
+            // A task this batch removed is gone.
+            if !matches!(overlay.get(&*key), Some(None)) {
+                stored = Some(key.to_vec());
+                break;
+            }
+        }
+        let Some(key) = staged.into_iter().chain(stored).min() else {
+            return Ok(None);
+        };
+        match self.get(Ks::Tasks, &key)? {
+            Some(bytes) => decode_task(&String::from_utf8_lossy(&key), &bytes, SPACE).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// Makes every leased task leasable at `now_ms`, keeping its lease attempt.
     fn release(&self, now_ms: u64) -> Result<(usize, Staged)> {
         let mut staged = Staged::default();
@@ -967,6 +1041,9 @@ impl Store for FjallStore {
             let (key, bytes) = item
                 .into_inner()
                 .map_err(|e| fjall_error(&self.path, "reading the sessions keyspace", &e))?;
+            if is_tombstone_key(&key) {
+                continue;
+            }
             out.push(decode_info(&String::from_utf8_lossy(&key), &bytes, SPACE)?);
         }
         Ok(out)
@@ -1031,6 +1108,10 @@ impl Store for FjallStore {
             out.push(decode_task(&String::from_utf8_lossy(&key), &bytes, SPACE)?);
         }
         Ok(out)
+    }
+
+    async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
+        self.writes.delete(session_id, now_ms).await
     }
 
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {

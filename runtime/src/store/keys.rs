@@ -5,6 +5,7 @@
 //! |-----------------|--------------------------------------------------|-------------------------|
 //! | `events`        | session id bytes ++ `0x00` ++ seq (u64 BE)       | the [`codec`] record    |
 //! | `sessions`      | session id bytes                                 | msgpack [`SessionInfo`] |
+//! | `sessions`      | session id bytes ++ `0x00` (a deleted session)   | msgpack [`Tombstone`]   |
 //! | `tasks`         | session id bytes ++ `0x00` ++ scheduled seq (BE) | msgpack [`Task`]        |
 //! | `queue`         | visible_at_ms (u64 BE) ++ task key               | empty                   |
 //!
@@ -13,6 +14,10 @@
 //! order of the keys is the order of `(session id, seq)`, `TaskId` and
 //! `(visible_at_ms, TaskId)`, so range scans give the orders the [`Store`](super::Store)
 //! contract asks for. The next seq of a session is its `SessionInfo::events + 1`.
+//!
+//! A deleted session's record is replaced by its tombstone, under a key no session record can
+//! have (ids never hold `0x00`), written in the same batch that removes its events: listings
+//! skip it, and an append to its id finds it and is refused, so the id is never used again.
 //!
 //! Decoding errors name where the record was ("the sessions tree", "the tasks keyspace"): the
 //! callers pass their engine's word for it.
@@ -39,6 +44,35 @@ pub(super) fn seq_key(session_id: &str, n: u64) -> Vec<u8> {
     key.push(0);
     key.extend_from_slice(&n.to_be_bytes());
     key
+}
+
+/// The key of a deleted session's tombstone in the sessions tree or keyspace.
+pub(super) fn tombstone_key(session_id: &str) -> Vec<u8> {
+    let mut key = Vec::with_capacity(session_id.len() + 1);
+    key.extend_from_slice(session_id.as_bytes());
+    key.push(0);
+    key
+}
+
+/// Whether a key of the sessions tree or keyspace is a tombstone's, not a session record's.
+pub(super) fn is_tombstone_key(key: &[u8]) -> bool {
+    key.last() == Some(&0)
+}
+
+/// What a deleted session leaves: when it was deleted and how many events it had.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct Tombstone {
+    /// When the delete was made (epoch ms, the caller's clock).
+    pub(super) deleted_at_ms: u64,
+    /// The events it had.
+    pub(super) events: u64,
+}
+
+/// The `SessionDeleted` error of an append to a deleted session.
+pub(super) fn deleted(session_id: &str) -> Error {
+    Error::SessionDeleted {
+        session_id: session_id.to_owned(),
+    }
 }
 
 /// The key of a task record.

@@ -12,12 +12,21 @@
 //! ```
 //!
 //! Each line lists sessions whose last durable seq rose since the previous line, with a CRC32
-//! of everything after the CRC field. Reading takes the highest seq seen per session. A line
+//! of everything after the CRC field. A `forget` line (`forget crc32=... s1`) drops the marks
+//! of deleted sessions: a deleted session is not a loss, and its mark must not come back. Reading takes the highest seq seen per session. A line
 //! that fails its check (a torn last write, or damage) is skipped and noted: the marks are a
 //! lower bound, so a skipped line can only weaken the check, never invent a loss. A store
 //! written before per-session marks has a single `cairn-hwm v1 events=N crc32=...` line (the
 //! total), which is still checked as a total. When the journal has grown well past the size of
 //! a full listing, it is rewritten as one line through a temporary file and `rename`.
+//!
+//! # Deleting a session
+//!
+//! [`MarkedStore::delete_session`] writes the `forget` line (synced) before the store deletes
+//! anything, so a crash between the two leaves a store that still has the session and marks
+//! that no longer name it: a weaker check for that session, never a claimed loss, and the next
+//! open rewrites the marks from the listing, which names it again. A delete the store refuses
+//! (a running session) puts the mark back at once.
 //!
 //! # Why it cannot claim a loss that did not happen
 //!
@@ -30,7 +39,7 @@
 
 pub(crate) use super::files::sync_dir;
 use super::{AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
 use cairn_ledger::JsonText;
@@ -118,6 +127,11 @@ impl Marks {
                         *mark = (*mark).max(seq);
                     }
                 }
+                Some(Line::Forget(list)) => {
+                    for sid in list {
+                        marks.sessions.remove(&sid);
+                    }
+                }
                 None => marks.skipped_lines.push(i + 1),
             }
         }
@@ -159,6 +173,7 @@ impl Marks {
 enum Line {
     Total(u64),
     Sessions(Vec<(String, u64)>),
+    Forget(Vec<String>),
 }
 
 fn parse_line(line: &str) -> Option<Line> {
@@ -169,6 +184,14 @@ fn parse_line(line: &str) -> Option<Line> {
             return None;
         }
         return n.parse().ok().map(Line::Total);
+    }
+    if let Some(rest) = line.strip_prefix("forget crc32=") {
+        let (crc, body) = rest.split_at_checked(8)?;
+        if u32::from_str_radix(crc, 16).ok()? != crc32fast::hash(body.as_bytes()) {
+            return None;
+        }
+        let list = body.split(' ').filter(|s| !s.is_empty());
+        return Some(Line::Forget(list.map(str::to_owned).collect()));
     }
     let rest = line.strip_prefix("v2 crc32=")?;
     let (crc, body) = rest.split_at_checked(8)?;
@@ -195,6 +218,15 @@ fn line_of<'a>(marks: impl IntoIterator<Item = (&'a String, &'a u64)>) -> String
     format!("v2 crc32={:08x}{body}\n", crc32fast::hash(body.as_bytes()))
 }
 
+/// The journal line that forgets a deleted session's mark.
+fn forget_line(session_id: &str) -> String {
+    let body = format!(" {session_id}");
+    format!(
+        "forget crc32={:08x}{body}\n",
+        crc32fast::hash(body.as_bytes())
+    )
+}
+
 /// Rewrites the marks file of `dir` to hold exactly `marks` (temporary file, fsync, rename,
 /// fsync of the directory).
 pub fn write_marks(dir: &Path, marks: &BTreeMap<String, u64>) -> std::io::Result<()> {
@@ -218,8 +250,16 @@ struct Pending {
 pub struct MarkedStore {
     inner: Arc<dyn Store>,
     pending: Arc<Mutex<Pending>>,
-    stop: Option<mpsc::Sender<()>>,
+    /// To the writer thread; dropping it stops the writer.
+    commands: Option<mpsc::Sender<Command>>,
     writer: Option<JoinHandle<()>>,
+}
+
+/// What the store asks of its marks writer besides the periodic flush.
+enum Command {
+    /// Write (and sync) a `forget` line for a session, and drop its mark; answers with the
+    /// mark it had.
+    Forget(String, tokio::sync::oneshot::Sender<std::io::Result<u64>>),
 }
 
 impl std::fmt::Debug for MarkedStore {
@@ -242,7 +282,7 @@ impl MarkedStore {
             .collect();
         write_marks(dir, &all)?;
         let pending = Arc::new(Mutex::new(Pending::default()));
-        let (stop, stopped) = mpsc::channel();
+        let (commands, received) = mpsc::channel();
         let mut writer = MarksWriter {
             dir: dir.to_path_buf(),
             pending: Arc::clone(&pending),
@@ -254,11 +294,11 @@ impl MarkedStore {
         };
         let writer = std::thread::Builder::new()
             .name("cairn-marks".to_owned())
-            .spawn(move || writer.run(&stopped))?;
+            .spawn(move || writer.run(&received))?;
         Ok(MarkedStore {
             inner,
             pending,
-            stop: Some(stop),
+            commands: Some(commands),
             writer: Some(writer),
         })
     }
@@ -272,7 +312,7 @@ impl MarkedStore {
 impl Drop for MarkedStore {
     fn drop(&mut self) {
         // Closing the channel makes the writer write what is left and stop.
-        self.stop.take();
+        self.commands.take();
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
         }
@@ -294,18 +334,33 @@ struct MarksWriter {
 }
 
 impl MarksWriter {
-    fn run(&mut self, stopped: &mpsc::Receiver<()>) {
+    fn run(&mut self, commands: &mpsc::Receiver<Command>) {
         loop {
             let wait = MARKS_INTERVAL * (1 << self.failures.min(5));
-            let stopping = matches!(
-                stopped.recv_timeout(wait),
-                Err(mpsc::RecvTimeoutError::Disconnected) | Ok(())
-            );
+            let received = commands.recv_timeout(wait);
             self.flush();
-            if stopping {
-                return;
+            match received {
+                Ok(Command::Forget(session_id, reply)) => {
+                    let _ = reply.send(self.forget(&session_id));
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
             }
         }
+    }
+
+    /// Writes a `forget` line for a session, after the raised marks (flushed just before), and
+    /// drops its mark; returns the mark it had. A raise still pending for it (an append that
+    /// raced the delete) is written first, so the forget line comes after it.
+    fn forget(&mut self, session_id: &str) -> std::io::Result<u64> {
+        if self.failures > 0 {
+            // The raised marks could not be written: the forget line must not go before them.
+            return Err(std::io::Error::other(
+                "the high-water marks cannot be written now",
+            ));
+        }
+        self.append(&forget_line(session_id))?;
+        Ok(self.all.remove(session_id).unwrap_or(0))
     }
 
     fn take(&self) -> BTreeMap<String, u64> {
@@ -440,6 +495,39 @@ impl Store for MarkedStore {
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
         self.inner.release_leases(now_ms).await
     }
+
+    async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
+        let unavailable = |reason: String| Error::Store {
+            reason: format!("cannot delete session {session_id:?}: {reason}"),
+        };
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let command = Command::Forget(session_id.to_owned(), reply);
+        self.commands
+            .as_ref()
+            .and_then(|commands| commands.send(command).ok())
+            .ok_or_else(|| unavailable("the high-water marks writer has stopped".to_owned()))?;
+        let mark = answer
+            .await
+            .map_err(|_| unavailable("the high-water marks writer has stopped".to_owned()))?
+            .map_err(|e| unavailable(format!("cannot write the high-water marks: {e}")))?;
+        let deleted = self.inner.delete_session(session_id, now_ms).await;
+        let refused = matches!(
+            deleted,
+            Err(Error::SessionBusy { .. } | Error::UnknownSession { .. })
+        );
+        if refused && mark > 0 {
+            // Nothing was deleted: the mark stands again. (After a failed write it is unknown
+            // whether the delete landed; the mark stays forgotten, a weaker check, and the
+            // next open's rewrite from the listing names the session again if it is there.)
+            let mut pending = self
+                .pending
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let raised = pending.dirty.entry(session_id.to_owned()).or_insert(0);
+            *raised = (*raised).max(mark);
+        }
+        deleted
+    }
 }
 
 #[cfg(test)]
@@ -518,6 +606,75 @@ mod tests {
         );
         let bad = line.replace("events=6", "events=7");
         assert_eq!(Marks::parse(bad.as_bytes()).legacy_total, None);
+    }
+
+    #[test]
+    fn a_forget_line_drops_the_marks_before_it_and_is_checked() {
+        let mut a = BTreeMap::new();
+        a.insert("s1".to_owned(), 5);
+        a.insert("s2".to_owned(), 3);
+        let text = format!("{}{}", line_of(&a), forget_line("s1"));
+        let marks = Marks::parse(text.as_bytes());
+        assert_eq!(marks.sessions.get("s1"), None);
+        assert_eq!(marks.sessions.get("s2"), Some(&3));
+        assert!(marks.losses(&[info("s2", 3)]).is_empty());
+        // A damaged forget line is skipped: the mark stays (a claimed loss fsck names, never
+        // a silent one).
+        let damaged = format!("{}{}", line_of(&a), forget_line("s1").replace("s1", "s9"));
+        let marks = Marks::parse(damaged.as_bytes());
+        assert_eq!(marks.sessions.get("s1"), Some(&5));
+        assert_eq!(marks.skipped_lines, vec![2]);
+    }
+
+    #[tokio::test]
+    async fn a_deleted_session_is_forgotten_and_a_refused_delete_keeps_its_mark() {
+        use crate::store::conformance::{append_request, message};
+        use crate::store::memory::MemoryStore;
+        let root = tempfile::tempdir().expect("tempdir");
+        let inner: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let store = MarkedStore::new(inner.clone(), root.path(), &[]).expect("marked");
+        for (sid, status) in [
+            ("done", SessionStatus::Idle),
+            ("busy", SessionStatus::Running),
+        ] {
+            for seq in 1..=3 {
+                let mut request = append_request(sid, seq, vec![message(sid, seq, "x")], 1);
+                request.status = status;
+                store.append(request).await.expect("append");
+            }
+        }
+        // The writer flushes the raised marks before it writes a forget line.
+        let deleted = store.delete_session("done", 5).await.expect("delete");
+        assert_eq!(deleted.events, 3);
+        let refused = store.delete_session("busy", 5).await;
+        assert!(
+            matches!(refused, Err(Error::SessionBusy { .. })),
+            "{refused:?}"
+        );
+        let unknown = store.delete_session("nothing", 5).await;
+        assert!(
+            matches!(unknown, Err(Error::UnknownSession { .. })),
+            "{unknown:?}"
+        );
+        drop(store);
+        let marks = Marks::read(root.path()).expect("read");
+        assert_eq!(
+            marks.sessions.get("done"),
+            None,
+            "the deleted session is forgotten"
+        );
+        assert_eq!(
+            marks.sessions.get("busy"),
+            Some(&3),
+            "the refused delete kept its mark"
+        );
+        let listed = inner.list_sessions().await.expect("list");
+        assert!(
+            marks.losses(&listed).is_empty(),
+            "{:?}",
+            marks.losses(&listed)
+        );
+        assert!(marks.skipped_lines.is_empty());
     }
 
     #[tokio::test]

@@ -2,7 +2,10 @@
 //!
 //! Events are kept as encoded records, so the codec runs here exactly as in durable stores.
 
-use super::{check_request, AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
+use super::{
+    check_deletable, check_request, unknown_session, AppendRequest, Lease, SessionInfo, Store,
+    Task, TaskFilter, TaskId,
+};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
@@ -19,6 +22,8 @@ struct Inner {
     tasks: BTreeMap<TaskId, Task>,
     /// (visible_at_ms, id): the queue order.
     queue: BTreeSet<(u64, TaskId)>,
+    /// Deleted sessions (tombstones): their ids are never used again.
+    deleted: BTreeSet<String>,
 }
 
 /// A store in memory; gone with the process.
@@ -81,6 +86,11 @@ impl Store for MemoryStore {
             records.push(codec::encode(e)?);
         }
         let mut inner = self.lock()?;
+        if inner.deleted.contains(&request.session_id) {
+            return Err(Error::SessionDeleted {
+                session_id: request.session_id.clone(),
+            });
+        }
         let actual = inner
             .events
             .get(&request.session_id)
@@ -160,6 +170,31 @@ impl Store for MemoryStore {
 
     async fn list_sessions(&self) -> Result<Vec<SessionInfo>> {
         Ok(self.lock()?.sessions.values().cloned().collect())
+    }
+
+    async fn delete_session(&self, session_id: &str, _now_ms: u64) -> Result<SessionInfo> {
+        let mut inner = self.lock()?;
+        let info = inner
+            .sessions
+            .get(session_id)
+            .cloned()
+            .ok_or_else(|| unknown_session(session_id))?;
+        let first_task = inner
+            .tasks
+            .range(
+                TaskId {
+                    session_id: session_id.to_owned(),
+                    scheduled_seq: 0,
+                }..,
+            )
+            .map(|(_, task)| task)
+            .next()
+            .filter(|task| task.id.session_id == session_id);
+        check_deletable(&info, first_task)?;
+        inner.events.remove(session_id);
+        inner.sessions.remove(session_id);
+        inner.deleted.insert(session_id.to_owned());
+        Ok(info)
     }
 
     async fn lease_tasks(

@@ -392,6 +392,42 @@ pub trait Store: Send + Sync + 'static {
     /// lease in it belongs to a dead worker. On a shared store a live worker elsewhere would
     /// lose its lease; there, let leases lapse instead.
     async fn release_leases(&self, now_ms: u64) -> Result<usize>;
+
+    /// Deletes a finished session in one atomic, durable write: its events, its record and
+    /// its tasks (a finished session has none), leaving a tombstone, so that its id is never
+    /// used again: an append to it fails with `SessionDeleted`, whichever process or stale
+    /// cache makes it. Returns the session as it was listed last.
+    ///
+    /// `UnknownSession` when the session has no events (or was deleted already);
+    /// `SessionBusy` when a turn is running or a task of it is queued or leased (see
+    /// [`check_deletable`]). Nothing is written then.
+    async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo>;
+}
+
+/// Whether a session may be deleted: not running, and no task of it (`task`: the first one
+/// the store holds, if any) queued or leased. `SessionBusy` says why not.
+pub fn check_deletable(info: &SessionInfo, task: Option<&Task>) -> Result<()> {
+    let busy = |reason: String| {
+        Err(crate::error::Error::SessionBusy {
+            session_id: info.session_id.clone(),
+            reason,
+        })
+    };
+    if info.status == SessionStatus::Running {
+        return busy("a turn is running; cancel it first, or wait for it to end".to_owned());
+    }
+    match task {
+        Some(task) if task.held => busy(format!("its task {} is leased by a worker", task.id)),
+        Some(task) => busy(format!("its task {} is queued", task.id)),
+        None => Ok(()),
+    }
+}
+
+/// The error for an id that names no session: `UnknownSession`.
+pub(crate) fn unknown_session(session_id: &str) -> crate::error::Error {
+    crate::error::Error::UnknownSession {
+        session_id: session_id.to_owned(),
+    }
 }
 
 /// Checks a session id is usable as a store key.

@@ -89,12 +89,15 @@ use super::files::{
     check_store_dir, create_store_dir, open_error, panic_message, sync_dir_described,
 };
 use super::keys::{
-    decode_info, decode_task, encode_meta, key_visible, queue_key, read_events, task_key, EVENTS,
-    QUEUE, SESSIONS, TASKS,
+    decode_info, decode_task, deleted, encode_meta, is_tombstone_key, key_visible, queue_key,
+    read_events, seq_key, task_key, tombstone_key, Tombstone, EVENTS, QUEUE, SESSIONS, TASKS,
 };
 use super::memory::{lease_current, released_visibility};
 use super::write_queue::{next_batch, Engine, Pending, PreparedAppend, Shared, Write, WriteQueue};
-use super::{check_session_id, AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
+use super::{
+    check_deletable, check_session_id, unknown_session, AppendRequest, Lease, SessionInfo, Store,
+    Task, TaskFilter, TaskId,
+};
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
@@ -391,6 +394,16 @@ impl Writer {
                     let _ = reply.send(Err(e));
                 }
             },
+            Write::Delete {
+                session_id,
+                now_ms,
+                reply,
+            } => match self.delete(&session_id, now_ms) {
+                Ok(info) => pending.push(Pending::Delete(reply, info)),
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
         }
     }
 
@@ -482,6 +495,53 @@ impl Writer {
             Ok(leases)
         });
         self.txn_result("leasing tasks", result)
+    }
+
+    /// One delete (see [`Store::delete_session`]): checks the session, then removes its
+    /// events and record and writes its tombstone in one transaction. (This thread is the
+    /// only writer: nothing changes between the checks and the transaction.)
+    fn delete(&self, sid: &str, now_ms: u64) -> Result<SessionInfo> {
+        let h = &self.handles;
+        let read_error = |tree: &str, e: sled::Error| {
+            sled_error(&self.path, &format!("reading the {tree} tree"), Words(&e))
+        };
+        let info = match h
+            .sessions
+            .get(sid.as_bytes())
+            .map_err(|e| read_error("sessions", e))?
+        {
+            Some(bytes) => decode_info(sid, &bytes, SPACE)?,
+            None => return Err(unknown_session(sid)),
+        };
+        let first_task = match h
+            .tasks
+            .range(seq_key(sid, 0)..=seq_key(sid, u64::MAX))
+            .next()
+            .transpose()
+            .map_err(|e| read_error("tasks", e))?
+        {
+            Some((key, bytes)) => Some(decode_task(&String::from_utf8_lossy(&key), &bytes, SPACE)?),
+            None => None,
+        };
+        check_deletable(&info, first_task.as_ref())?;
+        let tombstone = encode_meta(
+            "tombstone",
+            &Tombstone {
+                deleted_at_ms: now_ms,
+                events: info.events,
+            },
+        )?;
+        let trees = (&h.events, &h.sessions);
+        let result = trees.transaction(|(events, sessions)| {
+            for seq in 1..=info.events {
+                events.remove(seq_key(sid, seq))?;
+            }
+            sessions.remove(sid.as_bytes())?;
+            sessions.insert(tombstone_key(sid), tombstone.as_slice())?;
+            Ok(())
+        });
+        self.txn_result("deleting a session", result)?;
+        Ok(info)
     }
 
     fn extend(
@@ -701,6 +761,7 @@ fn append_one(
             Ok(info) => info.events + 1,
             Err(e) => return Ok(Err(e)),
         },
+        None if sessions.get(tombstone_key(sid))?.is_some() => return Ok(Err(deleted(sid))),
         None => 1,
     };
     if actual != p.expected {
@@ -811,6 +872,9 @@ impl Store for SledStore {
         for item in h.sessions.iter() {
             let (key, bytes) =
                 item.map_err(|e| sled_error(&self.path, "reading the sessions tree", Words(&e)))?;
+            if is_tombstone_key(&key) {
+                continue;
+            }
             out.push(decode_info(&String::from_utf8_lossy(&key), &bytes, SPACE)?);
         }
         Ok(out)
@@ -875,6 +939,10 @@ impl Store for SledStore {
             out.push(decode_task(&String::from_utf8_lossy(&key), &bytes, SPACE)?);
         }
         Ok(out)
+    }
+
+    async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
+        self.writes.delete(session_id, now_ms).await
     }
 
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {

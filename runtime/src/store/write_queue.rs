@@ -114,6 +114,11 @@ pub(super) enum Write {
         now_ms: u64,
         reply: oneshot::Sender<Result<usize>>,
     },
+    Delete {
+        session_id: String,
+        now_ms: u64,
+        reply: oneshot::Sender<Result<SessionInfo>>,
+    },
 }
 
 impl Write {
@@ -125,6 +130,7 @@ impl Write {
             Write::Lease { reply, .. } => reply.send(Err(error)).is_ok(),
             Write::Extend { reply, .. } => reply.send(Err(error)).is_ok(),
             Write::Release { reply, .. } => reply.send(Err(error)).is_ok(),
+            Write::Delete { reply, .. } => reply.send(Err(error)).is_ok(),
         };
     }
 }
@@ -149,6 +155,7 @@ pub(super) enum Pending {
     Lease(oneshot::Sender<Result<Vec<Lease>>>, Vec<Lease>),
     Extend(oneshot::Sender<Result<u64>>, u64),
     Release(oneshot::Sender<Result<usize>>, usize),
+    Delete(oneshot::Sender<Result<SessionInfo>>, SessionInfo),
 }
 
 impl Pending {
@@ -181,6 +188,9 @@ impl Pending {
             }
             Pending::Release(reply, count) => {
                 let _ = reply.send(synced.as_ref().map(|_| count).map_err(error));
+            }
+            Pending::Delete(reply, info) => {
+                let _ = reply.send(synced.as_ref().map(|_| info).map_err(error));
             }
         }
     }
@@ -358,6 +368,21 @@ impl WriteQueue {
     pub(super) async fn release(&self, now_ms: u64) -> Result<usize> {
         let (reply, answer) = oneshot::channel();
         self.submit(Write::Release { now_ms, reply }, answer).await
+    }
+
+    /// [`Store::delete_session`](super::Store::delete_session).
+    pub(super) async fn delete(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
+        // No session of an invalid id was ever stored.
+        if super::check_session_id(session_id).is_err() {
+            return Err(super::unknown_session(session_id));
+        }
+        let (reply, answer) = oneshot::channel();
+        let write = Write::Delete {
+            session_id: session_id.to_owned(),
+            now_ms,
+            reply,
+        };
+        self.submit(write, answer).await
     }
 }
 

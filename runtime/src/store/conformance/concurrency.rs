@@ -167,7 +167,7 @@ pub async fn racing_appends_on_two_handles(a: Arc<dyn Store>, b: Arc<dyn Store>)
     assert_eq!(tasks(&*b).await, vec![], "no task was written");
 }
 
-fn started() -> SessionStarted {
+pub(super) fn started() -> SessionStarted {
     let schema = JsonText::parse(r#"{"type":"object"}"#).unwrap_or_else(|e| panic!("{e}"));
     SessionStarted {
         queues: Default::default(),
