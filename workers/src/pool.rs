@@ -24,12 +24,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 /// Pool settings.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
-    /// Activities run at once at most. A slot is held while its activity runs, and freed once
-    /// the activity has its result, before that result is recorded: recording waits for the
-    /// store's durable commit, and a slot held through it would cap throughput at slots ÷
-    /// commit latency while the activities themselves sit idle (with 64 slots, 2 × the
-    /// sessions in flight ran 26–53% more turns/s). Results being recorded are not bounded
-    /// by this; the tasks leased are.
+    /// Activities run at once at most.
     pub concurrency: usize,
     /// Lease length; a running activity renews it every third of it (heartbeat). This long
     /// after a crashed worker's last renewal its leases lapse, and the engine's timers record
@@ -239,9 +234,8 @@ async fn lease_loop(
         while running.try_join_next().is_some() {}
         let free = permits.available_permits();
         if free == 0 {
-            // A slot frees when an activity has its result, while its task still records it.
             tokio::select! {
-                _ = permits.acquire() => {}
+                _ = running.join_next() => {}
                 _ = stop.changed() => {}
             }
             continue;
@@ -270,21 +264,20 @@ async fn lease_loop(
             let source = source.clone();
             let activities = activities.clone();
             let registry = registry.clone();
-            let timing = Timing {
-                lease_ms: config.lease_ms,
-                renew_ms,
-                progress_every: config.progress_interval_ms,
-            };
+            let lease_ms = config.lease_ms;
+            let progress_every = config.progress_interval_ms;
             running.spawn(async move {
                 run_task(
                     source.as_ref(),
                     &activities,
                     &registry,
                     task,
-                    permit,
-                    timing,
+                    lease_ms,
+                    renew_ms,
+                    progress_every,
                 )
                 .await;
+                drop(permit);
             });
         }
     }
@@ -296,27 +289,15 @@ async fn lease_loop(
 /// How long a cancelled activity may take to stop by itself before it is abandoned.
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
-/// A running task's lease length, renewal interval and progress interval (ms).
-#[derive(Debug, Clone, Copy)]
-struct Timing {
-    lease_ms: u64,
-    renew_ms: u64,
-    progress_every: Option<u64>,
-}
-
 async fn run_task(
     engine: &dyn TaskSource,
     activities: &Activities,
     registry: &RunningRegistry,
     task: LeasedTask,
-    slot: tokio::sync::OwnedSemaphorePermit,
-    timing: Timing,
+    lease_ms: u64,
+    renew_ms: u64,
+    progress_every: Option<u64>,
 ) {
-    let Timing {
-        lease_ms,
-        renew_ms,
-        progress_every,
-    } = timing;
     let LeasedTask { lease, input } = task;
     let (origin, timeouts) = match &input {
         ActivityInput::Model {
@@ -461,8 +442,6 @@ async fn run_task(
             }
         };
         lock(registry).by_id.remove(&id);
-        // The activity is over: its slot goes to the next task while this result is recorded.
-        drop(slot);
         if let Some(report) = report {
             // A failed attempt's last output goes on record before the failure does; a
             // completed one's is superseded by its response, so nothing more is written.
