@@ -27,32 +27,53 @@ pub struct BenchArgs {
     pub seconds: f64,
     /// Skip the embedded measurement.
     pub no_embedded: bool,
-    /// The engine of the embedded stores.
-    pub engine: StorageEngine,
+    /// The engines of the embedded stores, each measured in turn (through a server too,
+    /// without `store`).
+    pub engines: Vec<StorageEngine>,
     /// Activities each worker process runs at once.
     pub worker_concurrency: usize,
 }
 
 /// Runs every measurement asked for and prints a table (Markdown).
 pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
-    let server_store = match &args.store {
-        Some(url) => ServerStore::Postgres {
+    if args.engines.is_empty() {
+        bail!("no storage engine to measure: give --engine fjall, sled or both");
+    }
+    let server_stores: Vec<ServerStore> = match &args.store {
+        Some(url) => vec![ServerStore::Postgres {
             server_url: url.clone(),
-        },
+        }],
         None => {
             if let Some(&servers) = args.servers.iter().find(|&&servers| servers != 1) {
                 bail!("{servers} servers need a store they can share: give --store postgres://...");
             }
-            ServerStore::Embedded(args.engine)
+            args.engines
+                .iter()
+                .map(|&engine| ServerStore::Embedded(engine))
+                .collect()
         }
     };
-    let through = match &args.store {
-        Some(url) => format!("servers on a new database on {} each", redact(url)),
-        None => format!("a server on a new {} store each", args.engine),
+    let engines = args
+        .engines
+        .iter()
+        .map(|engine| engine.to_string())
+        .collect::<Vec<_>>()
+        .join(" and ");
+    let through = match (&args.store, args.workers.is_empty()) {
+        (_, true) => "no measurement through servers (--workers)".to_owned(),
+        (Some(url), false) => format!(
+            "through servers on a new database on {} each, {} activities at once per worker process",
+            redact(url),
+            args.worker_concurrency
+        ),
+        (None, false) => format!(
+            "through a server on a new store each, {} activities at once per worker process",
+            args.worker_concurrency
+        ),
     };
     outln!(
-        "durable turns (fresh session, model → 2 parallel tools → model), {} s each, model latency {} ms; embedded on a new {} store, through {through}; {} activities at once per worker process; the last column is turns/s over N × those of 1 worker process with the same servers",
-        args.seconds, args.model_latency_ms, args.engine, args.worker_concurrency
+        "durable turns (fresh session, model → 2 parallel tools → model), closed loop, {} s each after {} s of warm-up, model latency {} ms; embedded on a new {engines} store with the default worker pool; {through}. p50 fdatasync: 8 KiB overwrites on the store's filesystem just before each row; durable commits: the store's, per completed turn (in series at 1 session); the last column: turns/s over N × those of 1 worker process with the same servers",
+        args.seconds, args.seconds / 10.0, args.model_latency_ms
     )?;
     outln!("{}", BenchResult::header())?;
     for &sessions in &args.sessions {
@@ -63,12 +84,18 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
             worker_concurrency: args.worker_concurrency,
         };
         if !args.no_embedded {
-            let result = bench::embedded(&config, args.engine)
-                .await
-                .context("embedded bench")?;
-            outln!("{}", result.row(None))?;
+            for &engine in &args.engines {
+                let result = bench::embedded(&config, engine)
+                    .await
+                    .with_context(|| format!("embedded bench on {engine}"))?;
+                outln!("{}", result.row(None))?;
+            }
         }
-        for &servers in &args.servers {
+        for (&servers, server_store) in args
+            .servers
+            .iter()
+            .flat_map(|servers| server_stores.iter().map(move |store| (servers, store)))
+        {
             let mut one_worker: Option<BenchResult> = None;
             for &workers in &args.workers {
                 let deployment = Deployment {

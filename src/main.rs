@@ -360,10 +360,11 @@ enum Command {
     Bench {
         /// Sessions in flight (a closed loop of clients, a fresh session per turn); repeat
         /// or separate with commas for several measurements.
-        #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 64])]
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 16, 128])]
         sessions: Vec<usize>,
-        /// Worker process counts to measure through a server (empty: none).
-        #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 2, 4])]
+        /// Worker process counts to measure through a server (none by default: the embedded
+        /// rows only).
+        #[arg(long, value_delimiter = ',')]
         workers: Vec<usize>,
         /// Server process counts to measure, the worker processes split across them round
         /// robin and the clients spread over all; more than one needs --store.
@@ -386,9 +387,9 @@ enum Command {
         /// Activities each worker process runs at once.
         #[arg(long, default_value_t = 16)]
         worker_concurrency: usize,
-        /// Storage engine of the embedded stores: fjall (default) or sled.
-        #[arg(long, value_parser = parse_engine)]
-        engine: Option<StorageEngine>,
+        /// Storage engines of the embedded stores, each measured: fjall, sled (default: both).
+        #[arg(long, value_delimiter = ',', value_parser = parse_engine)]
+        engine: Vec<StorageEngine>,
     },
     /// Chaos test: a child process runs many sessions and is killed with SIGKILL at random
     /// moments, a new one resumes each time; then every promise of the log is checked and the
@@ -1069,7 +1070,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     seconds,
                     no_embedded,
                     worker_concurrency,
-                    engine: engine.unwrap_or(StorageEngine::DEFAULT),
+                    engines: if engine.is_empty() {
+                        StorageEngine::ALL.to_vec()
+                    } else {
+                        engine
+                    },
                 },
                 &exe,
             )

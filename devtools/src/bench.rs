@@ -11,7 +11,15 @@
 //! over a new embedded store (one server) or a scratch database on a PostgreSQL server (any
 //! number, sharing it), and `workers` `cairn worker` processes split across the servers round
 //! robin; client `i` drives its turns through server `i mod servers` with the remote client.
-//! Embedded, one process holds the store, the engine and a worker pool, as `cairn run` does.
+//! Embedded, one process holds the store, the engine and a worker pool with its default
+//! settings, as `cairn run` does.
+//!
+//! Each measurement first probes the disk: [`fdatasync_probe`] times 8 KiB overwrites and
+//! fdatasyncs of a file beside the store, so that a row's latency can be read against the
+//! flush it waits for, measured under the same load. Embedded, the store counts its durable
+//! commits ([`Store::durable_commits`]); commits per turn at one session in flight are the
+//! commits a turn waits for in series, and the row shows p50 ÷ (commits × p50 fdatasync): 1.0
+//! would be a turn that costs nothing but its flushes.
 
 // A benchmark reads clocks and waits on real time.
 #![allow(clippy::disallowed_methods)]
@@ -22,8 +30,11 @@ use anyhow::{bail, Context};
 use cairn_activities::ToolRegistry;
 use cairn_ledger::ModelSpec;
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
+use cairn_runtime::store::Store;
 use cairn_runtime::{Client, Engine, SessionOptions, SystemClock, TurnOutcome};
 use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
+use std::io::Write as _;
+use std::os::unix::fs::FileExt as _;
 use std::path::Path;
 use std::process::Stdio;
 use std::sync::Arc;
@@ -76,7 +87,7 @@ impl Deployment {
             |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
         let workers = plural(self.workers, "worker process", "worker processes");
         match self.store {
-            ServerStore::Embedded(_) => format!("server, {workers}"),
+            ServerStore::Embedded(engine) => format!("server over {engine}, {workers}"),
             ServerStore::Postgres { .. } => format!(
                 "postgres, {}, {workers}",
                 plural(self.servers, "server", "servers")
@@ -104,6 +115,12 @@ pub struct BenchResult {
     pub p50_ms: f64,
     /// 99th percentile latency of a turn, ms.
     pub p99_ms: f64,
+    /// Median of one fdatasync on the store's filesystem, probed just before ([`fdatasync_probe`]).
+    pub fdatasync_p50_ms: f64,
+    /// The store's durable commits in the measured time per completed turn; `None` when the
+    /// store does not count them (through servers). At one session in flight these are the
+    /// commits a turn waits for in series.
+    pub commits_per_turn: Option<f64>,
 }
 
 impl BenchResult {
@@ -116,6 +133,17 @@ impl BenchResult {
             .then(|| self.turns_per_sec / (workers as f64 * one_worker.turns_per_sec))
     }
 
+    /// The p50 turn over (commits per turn × the p50 fdatasync): how far one session's turn is
+    /// from costing only the flushes it waits for in series. Only at one session in flight
+    /// (with more, commits are shared and not in series), with zero model latency, and when
+    /// the commits were counted.
+    pub fn over_flushes(&self) -> Option<f64> {
+        let commits = self.commits_per_turn?;
+        let flushes_ms = commits * self.fdatasync_p50_ms;
+        (self.sessions == 1 && self.model_latency_ms == 0 && self.turns > 0 && flushes_ms > 0.0)
+            .then(|| self.p50_ms / flushes_ms)
+    }
+
     /// One row of the report table, with the [`scaling`](Self::scaling) when known. Without
     /// a completed turn the latencies are `–`: the window was shorter than one turn.
     pub fn row(&self, scaling: Option<f64>) -> String {
@@ -124,20 +152,23 @@ impl BenchResult {
         };
         let latency = |ms: f64| (self.turns > 0).then_some(ms);
         format!(
-            "| {} | {} | {} ms | {:.0} turns/s | {} | {} | {} |",
+            "| {} | {} | {} ms | {:.0} turns/s | {} | {} | {:.3} ms | {} | {} | {} |",
             self.setup,
             self.sessions,
             self.model_latency_ms,
             self.turns_per_sec,
             shown(latency(self.p50_ms), |ms| format!("{ms:.2} ms")),
             shown(latency(self.p99_ms), |ms| format!("{ms:.2} ms")),
+            self.fdatasync_p50_ms,
+            shown(self.commits_per_turn, |n| format!("{n:.2}")),
+            shown(self.over_flushes(), |ratio| format!("{ratio:.2}")),
             shown(scaling, |ratio| format!("{ratio:.2}")),
         )
     }
 
     /// The header of the report table.
     pub fn header() -> &'static str {
-        "| setup | sessions in flight | model latency | throughput | p50 turn | p99 turn | turns/s ÷ (N × 1 worker's) |\n|---|---|---|---|---|---|---|"
+        "| setup | sessions in flight | model latency | throughput | p50 turn | p99 turn | p50 fdatasync | durable commits per turn | p50 turn ÷ (commits × fdatasync) | turns/s ÷ (N × 1 worker's) |\n|---|---|---|---|---|---|---|---|---|---|"
     }
 }
 
@@ -160,7 +191,47 @@ fn write_script(dir: &Path, latency_ms: u64) -> anyhow::Result<ModelSpec> {
     ModelSpec::parse(&format!("scripted:{}", path.display())).context("the bench model spec")
 }
 
-/// Runs the closed loop, client `i` on `clients[i % clients.len()]`, and measures it.
+/// How long [`fdatasync_probe`] runs before each measurement.
+const PROBE_TIME: Duration = Duration::from_millis(500);
+
+/// The median time of one fdatasync in `dir`, in ms: an 8 KiB overwrite of a preallocated
+/// file then `fdatasync`, repeated for `duration` (and at least 50 times), the file removed
+/// afterwards. It is the flush a durable commit waits for, measured on the store's
+/// filesystem under the load of the moment.
+pub fn fdatasync_probe(dir: &Path, duration: Duration) -> anyhow::Result<f64> {
+    let path = dir.join("fdatasync-probe");
+    let probe = || -> std::io::Result<Vec<Duration>> {
+        let mut file = std::fs::File::create(&path)?;
+        let block = vec![0x5au8; 8192];
+        file.write_all(&block)?;
+        file.sync_all()?;
+        let mut times = Vec::new();
+        let started = Instant::now();
+        while times.len() < 50 || started.elapsed() < duration {
+            let begin = Instant::now();
+            file.write_all_at(&block, 0)?;
+            file.sync_data()?;
+            times.push(begin.elapsed());
+        }
+        Ok(times)
+    };
+    let probed = probe();
+    let _ = std::fs::remove_file(&path);
+    let mut times = probed.with_context(|| format!("the fdatasync probe in {}", dir.display()))?;
+    times.sort();
+    Ok(times[times.len() / 2].as_secs_f64() * 1e3)
+}
+
+/// Runs the probe off the async threads.
+async fn probe_in(dir: &Path) -> anyhow::Result<f64> {
+    let dir = dir.to_path_buf();
+    tokio::task::spawn_blocking(move || fdatasync_probe(&dir, PROBE_TIME))
+        .await
+        .context("the fdatasync probe panicked")?
+}
+
+/// Runs the closed loop, client `i` on `clients[i % clients.len()]`, and measures it;
+/// `store`, when the store is in this process, counts its durable commits in the window.
 ///
 /// Throughput counts the turns that ended in the measured window, wherever they began, so
 /// that a long turn latency does not lower it (turns cut by either end of the window would
@@ -169,6 +240,8 @@ async fn closed_loop(
     clients: &[Client],
     model: ModelSpec,
     config: &BenchConfig,
+    store: Option<Arc<dyn Store>>,
+    fdatasync_p50_ms: f64,
     setup: String,
     worker_processes: Option<usize>,
 ) -> anyhow::Result<BenchResult> {
@@ -181,6 +254,15 @@ async fn closed_loop(
     let started = Instant::now();
     let measure_from = started + warmup;
     let measure_until = measure_from + measured;
+    // The store's commit counter read at both ends of the measured window.
+    let commits = store.map(|store| {
+        tokio::spawn(async move {
+            tokio::time::sleep_until(measure_from.into()).await;
+            let first = store.durable_commits();
+            tokio::time::sleep_until(measure_until.into()).await;
+            Some(store.durable_commits()? - first?)
+        })
+    });
     let mut runners = Vec::new();
     for client_no in 0..config.sessions {
         let client = clients[client_no % clients.len()].clone();
@@ -220,6 +302,10 @@ async fn closed_loop(
             .map(|d| d.as_secs_f64() * 1e3)
             .unwrap_or(f64::NAN)
     };
+    let commits = match commits {
+        Some(counter) => counter.await.context("the commit counter panicked")?,
+        None => None,
+    };
     Ok(BenchResult {
         setup,
         worker_processes,
@@ -229,13 +315,20 @@ async fn closed_loop(
         turns_per_sec: latencies.len() as f64 / measured.as_secs_f64(),
         p50_ms: pick(0.5),
         p99_ms: pick(0.99),
+        fdatasync_p50_ms,
+        commits_per_turn: commits
+            .filter(|_| !latencies.is_empty())
+            .map(|n| n as f64 / latencies.len() as f64),
     })
 }
 
-/// Embedded: a new store of `engine`, the engine and a worker pool in this process.
+/// Embedded: a new store of `engine`, the engine and a worker pool with default settings in
+/// this process.
 pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Result<BenchResult> {
     let dir = tempfile::tempdir().context("a temporary directory")?;
     let model = write_script(dir.path(), config.model_latency_ms)?;
+    let fdatasync_p50_ms = probe_in(dir.path()).await?;
+    let setup = format!("embedded, {engine}");
     let opened = embedded::open(&dir.path().join("store"), OpenMode::Create, Some(engine)).await?;
     let engine = Engine::new(opened.store.clone(), Arc::new(SystemClock));
     let pool = WorkerPool::start(
@@ -244,16 +337,15 @@ pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Re
             models: Arc::new(StandardModels::new()),
             tools: Arc::new(ToolRegistry::builtin(dir.path())),
         },
-        WorkerConfig {
-            concurrency: (2 * config.sessions).max(64),
-            ..WorkerConfig::default()
-        },
+        WorkerConfig::default(),
     );
     let result = closed_loop(
         &[Client::new(engine)],
         model,
         config,
-        "embedded".into(),
+        Some(opened.store.clone()),
+        fdatasync_p50_ms,
+        setup,
         None,
     )
     .await;
@@ -304,6 +396,7 @@ async fn run_deployment(
     }
     let dir = tempfile::tempdir().context("a temporary directory")?;
     let model = write_script(dir.path(), config.model_latency_ms)?;
+    let fdatasync_p50_ms = probe_in(dir.path()).await?;
     let store_args: Vec<String> = match (&deployment.store, database_url) {
         (ServerStore::Embedded(engine), _) => {
             if deployment.servers != 1 {
@@ -361,6 +454,8 @@ async fn run_deployment(
         &clients,
         model,
         config,
+        None,
+        fdatasync_p50_ms,
         deployment.label(),
         Some(deployment.workers),
     )
@@ -369,4 +464,54 @@ async fn run_deployment(
     drop(workers);
     drop(servers);
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(sessions: usize, commits_per_turn: Option<f64>) -> BenchResult {
+        BenchResult {
+            setup: "embedded, fjall".into(),
+            worker_processes: None,
+            sessions,
+            model_latency_ms: 0,
+            turns: 100,
+            turns_per_sec: 10.0,
+            p50_ms: 3.0,
+            p99_ms: 5.0,
+            fdatasync_p50_ms: 0.25,
+            commits_per_turn,
+        }
+    }
+
+    #[test]
+    fn one_session_rows_show_the_turn_over_its_flushes() {
+        let one = result(1, Some(6.0));
+        assert_eq!(one.over_flushes(), Some(2.0));
+        assert_eq!(
+            one.row(None),
+            "| embedded, fjall | 1 | 0 ms | 10 turns/s | 3.00 ms | 5.00 ms | 0.250 ms | 6.00 | 2.00 | – |"
+        );
+        // Commits are shared, not in series, with more sessions; unknown through servers.
+        assert_eq!(result(16, Some(0.5)).over_flushes(), None);
+        assert_eq!(result(1, None).over_flushes(), None);
+        let header_columns = BenchResult::header()
+            .lines()
+            .next()
+            .unwrap()
+            .matches('|')
+            .count();
+        assert_eq!(one.row(None).matches('|').count(), header_columns);
+    }
+
+    #[test]
+    fn the_probe_times_real_flushes_and_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p50_ms = fdatasync_probe(dir.path(), Duration::ZERO).unwrap();
+        assert!(p50_ms > 0.0 && p50_ms < 1_000.0, "{p50_ms} ms");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        let missing = fdatasync_probe(&dir.path().join("missing"), Duration::ZERO);
+        assert!(format!("{:#}", missing.unwrap_err()).contains("fdatasync probe"));
+    }
 }

@@ -63,6 +63,7 @@ pub async fn run_all<S: Store>(
     released_tasks_are_leased_again_and_not_overdue(&fresh()).await;
     delete_removes_a_finished_session(&fresh()).await;
     delete_refuses_a_busy_session(&fresh()).await;
+    durable_commits_count_what_was_made_durable(&fresh()).await;
     concurrent_appends(Arc::new(fresh())).await;
     let twice = |store: S| {
         let store: Arc<dyn Store> = Arc::new(store);
@@ -1569,6 +1570,67 @@ pub async fn released_tasks_are_leased_again_and_not_overdue(store: &dyn Store) 
 
 /// Many tokio tasks append to many sessions at once, some racing on the same sessions with
 /// conflict-and-retry: every successful append lands, each session's seqs are 1..=n.
+/// A store that counts its durable commits ([`Store::durable_commits`]) counts one for an
+/// append made alone, one for a lease that leased something, and none for a refused append or
+/// a lease that found nothing; a store that does not count them says so every time.
+pub async fn durable_commits_count_what_was_made_durable(store: &dyn Store) {
+    let s = "commits";
+    let Some(at_start) = store.durable_commits() else {
+        must_append(
+            store,
+            append_request(s, 1, vec![message(s, 1, "a")], 1_000),
+            "append",
+        )
+        .await;
+        assert_eq!(
+            store.durable_commits(),
+            None,
+            "a store that does not count durable commits never starts to"
+        );
+        return;
+    };
+    let commits = || {
+        store
+            .durable_commits()
+            .expect("a counting store keeps counting")
+    };
+    must_append(
+        store,
+        append_request(s, 1, vec![message(s, 1, "a")], 1_000),
+        "append",
+    )
+    .await;
+    assert_eq!(
+        commits(),
+        at_start + 1,
+        "one append alone is one durable commit"
+    );
+    let refused = store
+        .append(append_request(s, 1, vec![message(s, 1, "again")], 1_001))
+        .await;
+    assert!(
+        matches!(refused, Err(Error::Conflict { .. })),
+        "an append at a taken seq is a conflict, got {refused:?}"
+    );
+    assert_eq!(commits(), at_start + 1, "a refused append commits nothing");
+    assert!(lease(store, 1_002, 1_000, 4).await.is_empty());
+    assert_eq!(
+        commits(),
+        at_start + 1,
+        "a lease that finds nothing commits nothing"
+    );
+    let id = task_id(s, 2);
+    let mut request = append_request(s, 2, vec![message(s, 2, "task")], 1_003);
+    request.enqueue = vec![new_task(&id, TaskKind::Model, 0)];
+    must_append(store, request, "append with a task").await;
+    assert_eq!(lease(store, 1_004, 1_000, 4).await.len(), 1);
+    assert_eq!(
+        commits(),
+        at_start + 3,
+        "an append and a lease that leased a task are a durable commit each"
+    );
+}
+
 pub async fn concurrent_appends(store: Arc<dyn Store>) {
     const OWN_SESSIONS: usize = 12;
     const OWN_APPENDS: u64 = 8;

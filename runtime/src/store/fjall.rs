@@ -999,6 +999,10 @@ fn lsm_words(e: &fjall::LsmError) -> String {
 
 #[async_trait]
 impl Store for FjallStore {
+    fn durable_commits(&self) -> Option<u64> {
+        Some(self.writes.shared.syncs.load(Ordering::Relaxed))
+    }
+
     async fn append(&self, request: AppendRequest) -> Result<()> {
         self.writes.append(request).await
     }

@@ -433,6 +433,10 @@ impl MarksWriter {
 
 #[async_trait]
 impl Store for MarkedStore {
+    fn durable_commits(&self) -> Option<u64> {
+        self.inner.durable_commits()
+    }
+
     async fn append(&self, request: AppendRequest) -> Result<()> {
         let last = request.events.last().map(|e| e.seq);
         let session_id = last.map(|_| request.session_id.clone());

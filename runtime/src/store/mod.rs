@@ -335,6 +335,14 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Durable commits this handle made since it was opened: batches of writes made durable
+    /// by one sync each (group commit shares one among concurrent writes). `None` when the
+    /// store does not count them. For benchmarks: commits per turn at one session in flight
+    /// are the commits a turn waits for in series.
+    fn durable_commits(&self) -> Option<u64> {
+        None
+    }
+
     /// Appends atomically and durably: when this returns `Ok`, everything in the request
     /// survives a crash or power loss. Fails with `Conflict` when `expected_next_seq` is not the
     /// session's next seq, and with `LeaseLost` when `complete` names a task whose lease is not

@@ -828,6 +828,10 @@ fn abort(e: Error) -> ConflictableTransactionError<Error> {
 
 #[async_trait]
 impl Store for SledStore {
+    fn durable_commits(&self) -> Option<u64> {
+        Some(self.writes.shared.syncs.load(Ordering::Relaxed))
+    }
+
     async fn append(&self, request: AppendRequest) -> Result<()> {
         self.writes.append(request).await
     }
