@@ -113,7 +113,7 @@ fn reported_version(
             is_sha256_hex(sha256).then(|| sha256.to_owned())?
         }
         ToolResultContent::Text(text) if name == READ_FILE => sha256_hex(text.as_bytes()),
-        ToolResultContent::Text(_) => return None,
+        ToolResultContent::Text(_) | ToolResultContent::Blocks(_) => return None,
     };
     Some(FileVersion { path, sha256 })
 }

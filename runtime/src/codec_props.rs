@@ -24,7 +24,8 @@ fn event() -> impl Strategy<Value = Event> {
         (small.clone(), text()).prop_map(|(turn, text)| Event::UserMessage {
             turn,
             text,
-            model: None
+            model: None,
+            media: Vec::new(),
         }),
         (small.clone(), small.clone(), small.clone(), any::<u64>()).prop_map(
             |(turn, round, attempt, not_before_ms)| Event::ModelCallScheduled {

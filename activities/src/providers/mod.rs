@@ -14,6 +14,7 @@ pub mod anthropic;
 pub mod bedrock;
 pub mod drive;
 pub mod http;
+pub mod media;
 pub mod openai_chat;
 pub mod openai_responses;
 pub mod secrets;
