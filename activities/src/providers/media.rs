@@ -25,6 +25,7 @@ use serde_json::{json, Value};
 
 /// The Anthropic block for `media`.
 pub fn anthropic_block(media: &Media) -> Result<Value, String> {
+    media.check().map_err(|v| v.to_string())?;
     let mut block = match (&media.kind, &media.source) {
         (MediaKind::Image, MediaSource::Base64 { media_type, data }) => json!({
             "type": "image",
@@ -75,6 +76,7 @@ pub fn anthropic_tool_result(blocks: &[ToolResultBlock]) -> Result<Vec<Value>, S
 
 /// The Chat Completions content part for `media` in a user message.
 pub fn chat_part(media: &Media) -> Result<Value, String> {
+    media.check().map_err(|v| v.to_string())?;
     match (&media.kind, &media.source) {
         (MediaKind::Image, _) => {
             Ok(json!({"type": "image_url", "image_url": {"url": media.uri()}}))
@@ -100,6 +102,7 @@ pub fn chat_part(media: &Media) -> Result<Value, String> {
 
 /// The Responses content item for `media` (in a user message or a function_call_output).
 pub fn responses_item(media: &Media) -> Result<Value, String> {
+    media.check().map_err(|v| v.to_string())?;
     Ok(match (&media.kind, &media.source) {
         (MediaKind::Image, _) => {
             json!({"type": "input_image", "image_url": media.uri(), "detail": "auto"})
@@ -138,6 +141,7 @@ pub fn responses_output(blocks: &[ToolResultBlock]) -> Result<Vec<Value>, String
 
 /// The Bedrock Converse block for `media`: `{"image": {...}}` or `{"document": {...}}`.
 pub fn bedrock_block(media: &Media) -> Result<Value, String> {
+    media.check().map_err(|v| v.to_string())?;
     let (media_type, data) = match &media.source {
         MediaSource::Base64 { media_type, data } => (media_type.as_str(), data.as_str()),
         MediaSource::Url { .. } => {
