@@ -21,8 +21,8 @@ pub use compaction::{
 pub use error::{Error, Result, Violation};
 pub use json::JsonText;
 pub use media::{
-    media_type_for_extension, Media, MediaKind, MediaSource, ToolResultBlock, DOCUMENT_MEDIA_TYPES,
-    IMAGE_MEDIA_TYPES,
+    media_type_for_extension, sniff_image_media_type, Media, MediaKind, MediaSource,
+    ToolResultBlock, DOCUMENT_MEDIA_TYPES, IMAGE_MEDIA_TYPES,
 };
 pub use projection::{project_tool_result, PREVIEW_BYTES, TRANSCRIPT_RESULT_LIMIT_BYTES};
 pub use request::{Delta, ModelSpec, ToolSpec};

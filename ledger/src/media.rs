@@ -212,6 +212,21 @@ pub fn media_type_for_extension(extension: &str) -> Option<(MediaKind, &'static 
     Some(kind_type)
 }
 
+/// The image media type of `bytes` by their magic number (PNG, JPEG, GIF, WebP), if any.
+pub fn sniff_image_media_type(bytes: &[u8]) -> Option<&'static str> {
+    if bytes.starts_with(b"\x89PNG\r\n\x1a\n") {
+        Some("image/png")
+    } else if bytes.starts_with(&[0xFF, 0xD8, 0xFF]) {
+        Some("image/jpeg")
+    } else if bytes.starts_with(b"GIF87a") || bytes.starts_with(b"GIF89a") {
+        Some("image/gif")
+    } else if bytes.len() >= 12 && bytes.starts_with(b"RIFF") && &bytes[8..12] == b"WEBP" {
+        Some("image/webp")
+    } else {
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -280,5 +295,14 @@ mod tests {
             Some((MediaKind::Document, "application/pdf"))
         );
         assert_eq!(media_type_for_extension("exe"), None);
+        assert_eq!(
+            sniff_image_media_type(b"\x89PNG\r\n\x1a\n...."),
+            Some("image/png")
+        );
+        assert_eq!(
+            sniff_image_media_type(b"RIFF\0\0\0\0WEBPVP8 "),
+            Some("image/webp")
+        );
+        assert_eq!(sniff_image_media_type(b"%PDF-1.4"), None);
     }
 }

@@ -109,8 +109,7 @@ fn png_image() -> Media {
 #[test]
 fn anthropic_renders_image_and_document_blocks_and_tool_result_images() {
     let media = vec![png_image(), image_url(), pdf(), text_document(), pdf_url()];
-    let body =
-        anthropic::render(&request("anthropic", "claude-test", transcript(media))).unwrap();
+    let body = anthropic::render(&request("anthropic", "claude-test", transcript(media))).unwrap();
     assert_eq!(
         body["messages"],
         json!([
@@ -169,12 +168,9 @@ fn openai_chat_renders_image_urls_pdf_files_and_tool_images_in_a_following_user_
 #[test]
 fn openai_responses_renders_input_images_files_and_function_output_lists() {
     let media = vec![png_image(), image_url(), pdf(), text_document(), pdf_url()];
-    let body = openai_responses::render(&request(
-        "openai-responses",
-        "gpt-test",
-        transcript(media),
-    ))
-    .unwrap();
+    let body =
+        openai_responses::render(&request("openai-responses", "gpt-test", transcript(media)))
+            .unwrap();
     let input = body["input"].as_array().unwrap();
     assert_eq!(
         input[0],
