@@ -85,10 +85,19 @@ impl Media {
 
     /// An image from raw bytes (encoded here as base64).
     pub fn image_bytes(media_type: impl Into<String>, bytes: &[u8]) -> Self {
-        Media::image_base64(
-            media_type,
-            base64::engine::general_purpose::STANDARD.encode(bytes),
-        )
+        Media::from_bytes(MediaKind::Image, media_type, bytes)
+    }
+
+    /// Media of `kind` from raw bytes (encoded here as base64).
+    pub fn from_bytes(kind: MediaKind, media_type: impl Into<String>, bytes: &[u8]) -> Self {
+        Media {
+            kind,
+            source: MediaSource::Base64 {
+                media_type: media_type.into(),
+                data: base64::engine::general_purpose::STANDARD.encode(bytes),
+            },
+            name: None,
+        }
     }
 
     /// A piece of media of `kind` at a URL.

@@ -245,6 +245,18 @@ impl Client {
         self.transport.send(session_id, text, None, media).await
     }
 
+    /// Sends a message with everything it may carry: images and documents (ahead of the text),
+    /// and a model for this turn only. Returns the turn number without waiting.
+    pub async fn send_message(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        media: Vec<Media>,
+    ) -> Result<u32> {
+        self.transport.send(session_id, text, model, media).await
+    }
+
     /// Sends a message with a model for this turn only.
     pub async fn send_with_model(
         &self,
