@@ -9,6 +9,7 @@ mod chaos;
 mod cli;
 mod coding_tools;
 mod compaction;
+mod content;
 mod corruption;
 mod engine;
 mod faults;
