@@ -15,6 +15,7 @@ mod engine;
 mod faults;
 mod first_hour;
 mod golden;
+mod golden_media;
 mod history_files;
 mod library;
 mod lifecycle;
