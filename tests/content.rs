@@ -7,7 +7,7 @@ use crate::server::{script, send, wait_turn, Server};
 use crate::support::{cairn_command, reopen_sled, TestHost};
 use cairn_activities::ToolRegistry;
 use cairn_ledger::file_versions::sha256_hex;
-use cairn_ledger::{validate_transcript, Media, MediaKind, MediaSource};
+use cairn_ledger::{validate_transcript, Media, MediaKind, MediaSource, Part};
 use cairn_runtime::store::sled::SledStore;
 use cairn_runtime::*;
 use cairn_workers::{Activities, StandardModels, WorkerConfig};
@@ -158,7 +158,7 @@ async fn a_user_image_and_a_tool_result_image_live_after_a_restart_and_in_replay
 #[tokio::test]
 async fn the_http_api_takes_media_and_renders_them_per_provider() {
     let dir = tempfile::tempdir().unwrap();
-    let model = script(dir.path(), &["an image and a PDF"]);
+    let model = script(dir.path(), &["an image and a PDF", "a cat"]);
     let server = Server::start(&dir.path().join("store"), &["--local-workers", "1"]);
     let http = reqwest::Client::new();
     let created = send(
@@ -258,6 +258,35 @@ async fn the_http_api_takes_media_and_renders_them_per_provider() {
         .as_str()
         .unwrap()
         .contains("not from a URL"));
+    // The remote client sends media through the same route.
+    let remote = cairn_remote::connect(&server.url(""), None).unwrap();
+    let cat = Media::url(MediaKind::Image, "https://example.com/cat.jpg");
+    let turn = remote
+        .send_with_media("m1", "and this?", vec![cat.clone()])
+        .await
+        .unwrap();
+    assert_eq!(turn, 2);
+    let outcome = remote.wait_turn("m1", 2).await.unwrap();
+    assert!(
+        matches!(outcome, TurnOutcome::Completed { ref answer, .. } if answer == "a cat"),
+        "{outcome:?}"
+    );
+    let transcript = remote.transcript("m1").await.unwrap();
+    assert_eq!(
+        transcript.messages[2].parts,
+        vec![Part::Media(cat), Part::text("and this?")]
+    );
+    // Bad media from the remote client: refused by the server, typed, nothing recorded.
+    let before = remote.history("m1").await.unwrap().len();
+    let refused = remote
+        .send_with_media("m1", "x", vec![Media::image_base64("image/png", "%%")])
+        .await
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("not valid base64"),
+        "{refused}"
+    );
+    assert_eq!(remote.history("m1").await.unwrap().len(), before);
     // The OpenAPI document describes the media of a message.
     let openapi = send(
         &http,
