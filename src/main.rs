@@ -1466,6 +1466,17 @@ fn summarize(event: &Event) -> String {
                 .join(","),
             s.limits.max_rounds
         ),
+        Event::UserMessage {
+            turn, text, media, ..
+        } if !media.is_empty() => format!(
+            "turn={turn} {:?} media=[{}]",
+            one_line(text, 60),
+            media
+                .iter()
+                .map(|m| m.media_type().unwrap_or("url"))
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
         Event::UserMessage { turn, text, .. } => format!("turn={turn} {:?}", one_line(text, 60)),
         Event::ModelCallScheduled {
             turn,

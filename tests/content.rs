@@ -406,6 +406,13 @@ fn cairn_run_attach_sends_files_and_urls_and_refuses_bad_ones_before_writing() {
             {"kind": "image", "source": {"url": {"url": "https://example.com/cat.jpg?size=2"}}},
         ]})
     );
+    let listed = run_with(&["history", "a1", "--data", data]);
+    assert!(
+        String::from_utf8_lossy(&listed.stdout)
+            .contains(r#"turn=1 "what are these?" media=[image/png,application/pdf,url]"#),
+        "{}",
+        String::from_utf8_lossy(&listed.stdout)
+    );
     let replay = run_with(&["replay", "--data", data, "a1"]);
     assert!(
         replay.status.success(),
