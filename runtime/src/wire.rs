@@ -1003,16 +1003,21 @@ pub mod schema {
     pub enum MediaSource {
         /// The bytes, in standard padded base64.
         Base64 {
-            /// MIME type, e.g. `image/png`.
-            #[schema(min_length = 1)]
+            /// MIME type: for an image `image/png`, `image/jpeg`, `image/gif` or `image/webp`;
+            /// for a document `application/pdf` or `text/plain`.
+            #[schema(pattern = "^(image/(png|jpeg|gif|webp)|application/pdf|text/plain)$")]
             media_type: String,
-            /// The base64 text.
-            #[schema(min_length = 1)]
+            /// The bytes in standard padded base64.
+            #[schema(
+                min_length = 4,
+                pattern = "^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+            )]
             data: String,
         },
         /// An http(s) URL the provider fetches.
         Url {
             /// The URL.
+            #[schema(pattern = "^https?://[^\\s]+$")]
             url: String,
         },
     }
