@@ -88,6 +88,7 @@ fn history(events: usize) -> Vec<EventEnvelope> {
                 turn,
                 text: "what is (17+25)*3?".into(),
                 model: None,
+                media: Vec::new(),
             },
         );
         push(

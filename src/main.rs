@@ -110,6 +110,11 @@ enum Command {
         /// session offers them too.
         #[arg(long, value_name = "FILE")]
         mcp_config: Option<PathBuf>,
+        /// Send this image or document with the message (repeatable, in order; they go ahead
+        /// of the text): a file whose name ends in .png, .jpg, .jpeg, .gif, .webp, .pdf or
+        /// .txt, or an http(s) URL ending so. Checked before anything is written.
+        #[arg(long, value_name = "FILE|URL")]
+        attach: Vec<String>,
         /// The user message (`-`: read it from standard input).
         prompt: String,
     },
@@ -653,12 +658,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             compaction,
             json,
             mcp_config,
+            attach,
             prompt,
         } => {
             let prompt = cli::turn::read_prompt(prompt)?;
             // Everything that can be checked is checked before anything is written.
+            let media = cli::attach::load(&attach)?;
             let prices = budget.price_table()?;
-            if prompt.trim().is_empty() {
+            if prompt.trim().is_empty() && media.is_empty() {
                 cli::exit_codes::usage_bail!(
                     "the prompt is empty: give the message to send as the last argument"
                 );
@@ -693,6 +700,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         system,
                         max_rounds,
                         prompt,
+                        media,
                         show_thinking: !hide_thinking,
                         policy,
                         budget: *budget,
@@ -748,7 +756,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let mut watch = watch(&host, &session_id, !hide_thinking);
             watch.quiet = json;
-            let outcome = watch.send(&prompt, turn_model).await?;
+            let outcome = watch.send(&prompt, turn_model, media).await?;
             cli::turn::report(&session_id, &outcome, json)?;
             host.shutdown().await;
             Ok(outcome_code(&outcome))
@@ -1425,7 +1433,7 @@ async fn run_turn(
     show_thinking: bool,
 ) -> anyhow::Result<TurnOutcome> {
     let outcome = watch(host, session_id, show_thinking)
-        .send(prompt, model)
+        .send(prompt, model, Vec::new())
         .await?;
     showln!();
     if !matches!(outcome, TurnOutcome::Completed { .. }) {
@@ -1486,6 +1494,17 @@ fn summarize(event: &Event) -> String {
                 .collect::<Vec<_>>()
                 .join(","),
             s.limits.max_rounds
+        ),
+        Event::UserMessage {
+            turn, text, media, ..
+        } if !media.is_empty() => format!(
+            "turn={turn} {:?} media=[{}]",
+            one_line(text, 60),
+            media
+                .iter()
+                .map(|m| m.media_type().unwrap_or("url"))
+                .collect::<Vec<_>>()
+                .join(",")
         ),
         Event::UserMessage { turn, text, .. } => format!("turn={turn} {:?}", one_line(text, 60)),
         Event::ModelCallScheduled {

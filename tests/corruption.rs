@@ -76,6 +76,7 @@ async fn write_pristine(dir: &Path, engine: StorageEngine) {
                     turn: 1,
                     text,
                     model: None,
+                    media: Vec::new(),
                 },
             );
             opened

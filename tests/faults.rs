@@ -501,6 +501,7 @@ async fn a_full_disk_fails_appends_clearly_and_keeps_every_acknowledged_event() 
                 turn: 1,
                 text,
                 model: None,
+                media: Vec::new(),
             },
         );
         let request = AppendRequest {

@@ -99,6 +99,7 @@ fn sample_events() -> Vec<Event> {
             turn: 1,
             text: "hello".into(),
             model: None,
+            media: Vec::new(),
         },
         Event::ModelCallScheduled {
             turn: 1,

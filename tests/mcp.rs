@@ -1,7 +1,7 @@
 //! `cairn run --mcp-config` end to end: a scripted model calls tools of a real MCP server
 //! (the SDK-built test server of `cairn_mcp`, on streamable HTTP in this process); the
-//! session offers them under their prefix, and the history records their text, JSON and
-//! image results as the server gave them.
+//! session offers them under their prefix, and the history records their text and JSON
+//! results, and an image result as an image block.
 
 use crate::support::cairn_command;
 use cairn_mcp::test_server::{TestServer, PIXEL_PNG_BASE64};
@@ -112,7 +112,7 @@ async fn cairn_run_hosts_mcp_tools_and_records_their_results() {
     assert_eq!(
         completed("m3"),
         format!(
-            r#"{{"json":{{"content":[{{"type":"image","data":"{PIXEL_PNG_BASE64}","mimeType":"image/png"}}]}}}} false"#
+            r#"{{"blocks":[{{"media":{{"kind":"image","source":{{"base64":{{"media_type":"image/png","data":"{PIXEL_PNG_BASE64}"}}}}}}}}]}} false"#
         )
     );
     assert_eq!(

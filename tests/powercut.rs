@@ -384,6 +384,7 @@ fn a_store_opens_after_a_kill_while_sled_wrote_its_snapshot() {
             turn: 1,
             text: "acknowledged".to_owned(),
             model: None,
+            media: Vec::new(),
         },
     );
     {

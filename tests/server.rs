@@ -12,14 +12,14 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
 /// A `cairn server` child process; killed when dropped.
-struct Server {
+pub(crate) struct Server {
     child: Child,
     base: String,
 }
 
 impl Server {
     /// Starts `cairn server` on a free loopback port and waits for its `listening on` line.
-    fn start(data: &Path, extra: &[&str]) -> Server {
+    pub(crate) fn start(data: &Path, extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_cairn"))
             .args(["server", "--data"])
             .arg(data)
@@ -48,7 +48,7 @@ impl Server {
         Server { child, base }
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }
 
@@ -84,15 +84,15 @@ impl Drop for Server {
 }
 
 /// One answer: status and JSON body (`Value::Null` when empty).
-struct Answer {
-    status: StatusCode,
-    body: Value,
+pub(crate) struct Answer {
+    pub(crate) status: StatusCode,
+    pub(crate) body: Value,
     headers: reqwest::header::HeaderMap,
 }
 
 impl Answer {
     /// The error code of an error body, checking its shape.
-    fn code(&self) -> &str {
+    pub(crate) fn code(&self) -> &str {
         let message = self.body["error"]["message"].as_str();
         assert!(
             message.is_some_and(|m| !m.is_empty()),
@@ -103,7 +103,7 @@ impl Answer {
     }
 }
 
-async fn send(
+pub(crate) async fn send(
     http: &reqwest::Client,
     method: Method,
     url: String,
@@ -135,7 +135,7 @@ async fn send(
 }
 
 /// A scripted model spec playing `responses` (one text answer each).
-fn script(dir: &Path, answers: &[&str]) -> Value {
+pub(crate) fn script(dir: &Path, answers: &[&str]) -> Value {
     let path = dir.join("script.json");
     let responses: Vec<Value> = answers
         .iter()
@@ -163,7 +163,7 @@ fn fast_retry() -> Value {
 }
 
 /// Long-polls a turn until it ends (the server answers `done: false` every `timeout_ms`).
-async fn wait_turn(
+pub(crate) async fn wait_turn(
     http: &reqwest::Client,
     server: &Server,
     token: Option<&str>,

@@ -405,6 +405,7 @@ async fn writer(store: &dyn Store, session: &str, w: usize, rng: &mut StdRng, se
                         turn: 1,
                         text: format!("{} {}", tag(k), "x".repeat(size)),
                         model: None,
+                        media: Vec::new(),
                     }
                 };
                 EventEnvelope::new(session, seq, now_ms(), event)
@@ -457,6 +458,7 @@ async fn worker(store: &dyn Store, seed: u64) {
                         turn: 1,
                         text: format!("s{seed:x}-done-{n}-{} result", lease.id.scheduled_seq),
                         model: None,
+                        media: Vec::new(),
                     },
                 );
                 let request = AppendRequest {

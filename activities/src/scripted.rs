@@ -385,7 +385,8 @@ async fn stream(response: &ModelResponse, chunk_delay: Duration, sink: &dyn Delt
             Part::RedactedThinking { .. }
             | Part::ReasoningItem { .. }
             | Part::ToolResult(_)
-            | Part::Image { .. } => {}
+            | Part::Image { .. }
+            | Part::Media(_) => {}
         }
     }
     for (i, delta) in deltas.into_iter().enumerate() {

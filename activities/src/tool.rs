@@ -5,7 +5,7 @@ use crate::context::ActivityContext;
 use crate::error::{Error, Result};
 use crate::tools::{Calculator, EditFile, ListDir, ReadFile, Shell, WriteFile};
 use async_trait::async_trait;
-use cairn_ledger::{JsonText, ToolResultContent, ToolSpec};
+use cairn_ledger::{JsonText, ToolResultBlock, ToolResultContent, ToolSpec};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -70,6 +70,16 @@ impl ToolOutput {
     pub fn json(json: JsonText) -> Self {
         ToolOutput {
             content: ToolResultContent::Json(json),
+            is_error: false,
+        }
+    }
+
+    /// A successful result of text and media blocks, in order (e.g. a caption and a
+    /// screenshot). Media a provider cannot take are repaired into text notes in the
+    /// transcript ([`cairn_ledger::project_tool_result`]); the history keeps them as given.
+    pub fn blocks(blocks: Vec<ToolResultBlock>) -> Self {
+        ToolOutput {
+            content: ToolResultContent::Blocks(blocks),
             is_error: false,
         }
     }

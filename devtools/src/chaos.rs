@@ -1969,7 +1969,8 @@ impl ToolResultJson {
     fn parse(content: &cairn_ledger::ToolResultContent) -> Option<Self> {
         match content {
             cairn_ledger::ToolResultContent::Json(json) => serde_json::from_str(json.as_str()).ok(),
-            cairn_ledger::ToolResultContent::Text(_) => None,
+            cairn_ledger::ToolResultContent::Text(_)
+            | cairn_ledger::ToolResultContent::Blocks(_) => None,
         }
     }
 }

@@ -10,6 +10,7 @@
 //! note), and a cut falls only on a user text message that starts a turn, which never sits
 //! between a tool_use and its result.
 
+use crate::media::Media;
 use crate::transcript::{Message, Part, Role, ToolResultContent, Transcript};
 use serde::{Deserialize, Serialize};
 
@@ -51,10 +52,35 @@ impl CompactionStrategy {
 /// A deliberately provider-free rule of thumb (English text runs at about four bytes per
 /// token, JSON structure a little more), so the estimate is a pure function of the transcript
 /// and the same on every replay. Thresholds should leave headroom for the tool definitions
-/// and the system prompt rendering, which the provider adds.
+/// and the system prompt rendering, which the provider adds. Base64 media data is not text a
+/// model reads: each image or document counts [`MEDIA_TOKEN_ESTIMATE`] tokens instead of its
+/// bytes.
 pub fn estimate_tokens(transcript: &Transcript) -> u64 {
-    (transcript.canonical_json().len() as u64).div_ceil(4)
+    let mut media_bytes = 0usize;
+    let mut media_count = 0u64;
+    for message in &transcript.messages {
+        for part in &message.parts {
+            let media: Vec<&Media> = match part {
+                Part::Media(m) => vec![m],
+                Part::ToolResult(r) => r.content.media(),
+                _ => Vec::new(),
+            };
+            for m in media {
+                media_bytes += m.data_len();
+                media_count += 1;
+            }
+        }
+    }
+    let text_bytes = transcript
+        .canonical_json()
+        .len()
+        .saturating_sub(media_bytes);
+    (text_bytes as u64).div_ceil(4) + media_count * MEDIA_TOKEN_ESTIMATE
 }
+
+/// Tokens one image or document counts for in [`estimate_tokens`]: Anthropic's documented
+/// cost of an image at its largest unscaled size (about 1,600 tokens).
+pub const MEDIA_TOKEN_ESTIMATE: u64 = 1600;
 
 /// Whether a message starts a turn: a user message that carries no tool result (the person's
 /// text, as opposed to the results of a tool round).

@@ -100,6 +100,48 @@ pub enum Violation {
         /// The incomplete call's id.
         tool_use_id: String,
     },
+    /// An image or document states an empty media type.
+    EmptyMediaType {
+        /// `image` or `document`.
+        kind: &'static str,
+    },
+    /// An image or document has a media type its kind does not accept.
+    UnsupportedMediaType {
+        /// `image` or `document`.
+        kind: &'static str,
+        /// The media type given.
+        media_type: String,
+    },
+    /// An image or document has no data.
+    EmptyMediaData {
+        /// `image` or `document`.
+        kind: &'static str,
+    },
+    /// An image's or document's data is not valid standard base64.
+    InvalidBase64 {
+        /// `image` or `document`.
+        kind: &'static str,
+        /// The decoder's message, with the offending position.
+        reason: String,
+    },
+    /// A plain-text document's bytes are not UTF-8.
+    TextDocumentNotUtf8,
+    /// An image's or document's URL is not an http(s) URL.
+    InvalidMediaUrl {
+        /// `image` or `document`.
+        kind: &'static str,
+        /// The URL given (its first 200 characters).
+        url: String,
+    },
+    /// A block of a tool result made of blocks breaks a rule.
+    InToolResultBlock {
+        /// Index of the block in the result.
+        block: usize,
+        /// The rule it breaks.
+        violation: Box<Violation>,
+    },
+    /// A tool result made of blocks has none.
+    EmptyToolResultBlocks,
 }
 
 impl fmt::Display for Violation {
@@ -144,6 +186,29 @@ impl fmt::Display for Violation {
                 f,
                 "response hit max_tokens inside tool_use {tool_use_id:?}; the call is incomplete"
             ),
+            Violation::EmptyMediaType { kind } => write!(f, "{kind} has an empty media type"),
+            Violation::UnsupportedMediaType { kind, media_type } => {
+                let accepted = match *kind {
+                    "image" => crate::media::IMAGE_MEDIA_TYPES.join(", "),
+                    _ => crate::media::DOCUMENT_MEDIA_TYPES.join(", "),
+                };
+                write!(
+                    f,
+                    "{kind} media type {media_type:?} is not supported (accepted: {accepted})"
+                )
+            }
+            Violation::EmptyMediaData { kind } => write!(f, "{kind} has no data"),
+            Violation::InvalidBase64 { kind, reason } => {
+                write!(f, "{kind} data is not valid base64: {reason}")
+            }
+            Violation::TextDocumentNotUtf8 => write!(f, "text/plain document is not UTF-8"),
+            Violation::InvalidMediaUrl { kind, url } => {
+                write!(f, "{kind} URL {url:?} is not an http(s) URL")
+            }
+            Violation::InToolResultBlock { block, violation } => {
+                write!(f, "tool_result block {block}: {violation}")
+            }
+            Violation::EmptyToolResultBlocks => write!(f, "tool_result has an empty block list"),
         }
     }
 }

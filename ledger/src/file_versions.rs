@@ -113,7 +113,15 @@ fn reported_version(
             is_sha256_hex(sha256).then(|| sha256.to_owned())?
         }
         ToolResultContent::Text(text) if name == READ_FILE => sha256_hex(text.as_bytes()),
-        ToolResultContent::Text(_) => return None,
+        // An image read: its caption ends with the file's hash.
+        ToolResultContent::Blocks(blocks) if name == READ_FILE => {
+            let Some(crate::media::ToolResultBlock::Text { text }) = blocks.first() else {
+                return None;
+            };
+            let (_, sha256) = text.rsplit_once(", sha256 ")?;
+            is_sha256_hex(sha256).then(|| sha256.to_owned())?
+        }
+        ToolResultContent::Text(_) | ToolResultContent::Blocks(_) => return None,
     };
     Some(FileVersion { path, sha256 })
 }

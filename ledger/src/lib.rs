@@ -5,6 +5,7 @@ mod compaction;
 mod error;
 pub mod file_versions;
 mod json;
+mod media;
 mod projection;
 mod request;
 mod response;
@@ -14,11 +15,15 @@ mod validate;
 pub use compaction::{
     compact, current_turn_start, cut_for_last_turns, drop_failed_tool_results, drop_reasoning,
     estimate_tokens, keep_last_turns, starts_turn, summary_request, turn_starts, turns_before_cut,
-    Compacted, CompactionPlan, CompactionStrategy, FAILED_RESULT_NOTE, SUMMARY_HEADING,
-    SUMMARY_PROMPT,
+    Compacted, CompactionPlan, CompactionStrategy, FAILED_RESULT_NOTE, MEDIA_TOKEN_ESTIMATE,
+    SUMMARY_HEADING, SUMMARY_PROMPT,
 };
 pub use error::{Error, Result, Violation};
 pub use json::JsonText;
+pub use media::{
+    media_type_for_extension, sniff_image_media_type, Media, MediaKind, MediaSource,
+    ToolResultBlock, DOCUMENT_MEDIA_TYPES, IMAGE_MEDIA_TYPES,
+};
 pub use projection::{project_tool_result, PREVIEW_BYTES, TRANSCRIPT_RESULT_LIMIT_BYTES};
 pub use request::{Delta, ModelSpec, ToolSpec};
 pub use response::{ModelResponse, StopReason, Usage};

@@ -2,6 +2,7 @@
 //! transcript, while the history keeps them whole.
 
 use crate::json::JsonText;
+use crate::media::ToolResultBlock;
 use crate::transcript::{ToolResult, ToolResultContent};
 
 /// Results whose canonical JSON is longer than this many bytes are omitted from the transcript.
@@ -14,7 +15,13 @@ pub const PREVIEW_BYTES: usize = 2048;
 /// `{"omitted":true,"reason":...,"original_bytes":N,"limit_bytes":65536,"preview":"..."}`.
 /// Smaller results pass through unchanged. Pure and deterministic.
 pub fn project_tool_result(result: ToolResult) -> ToolResult {
-    let canonical = result.content.canonical_json();
+    let result = sanitize_blocks(result);
+    // Media blocks are kept whole (a provider bounds their size itself); the limit applies to
+    // the result's text, so a screenshot is not turned into an omission notice.
+    let canonical = match &result.content {
+        ToolResultContent::Blocks(_) => result.content.text_view(),
+        _ => result.content.canonical_json(),
+    };
     if canonical.len() <= TRANSCRIPT_RESULT_LIMIT_BYTES {
         return result;
     }
@@ -34,6 +41,29 @@ pub fn project_tool_result(result: ToolResult) -> ToolResult {
         content: ToolResultContent::Json(JsonText::from_value(&omission)),
         is_error: result.is_error,
     }
+}
+
+/// A result of blocks that breaks a block rule would make every later request of its session
+/// unsendable; the transcript gets it repaired instead (the history keeps it as the tool gave
+/// it): an empty block list becomes empty text, a bad media block a text block naming why.
+fn sanitize_blocks(mut result: ToolResult) -> ToolResult {
+    let ToolResultContent::Blocks(blocks) = &mut result.content else {
+        return result;
+    };
+    if blocks.is_empty() {
+        result.content = ToolResultContent::Text(String::new());
+        return result;
+    }
+    for block in blocks.iter_mut() {
+        if let ToolResultBlock::Media(media) = block {
+            if let Err(violation) = media.check() {
+                *block = ToolResultBlock::Text {
+                    text: format!("[{} omitted: {violation}]", media.kind.as_str()),
+                };
+            }
+        }
+    }
+    result
 }
 
 #[cfg(test)]
@@ -70,6 +100,47 @@ mod tests {
         let preview = value["preview"].as_str().unwrap();
         assert!(preview.len() <= PREVIEW_BYTES && preview.starts_with("\"éé"));
         assert!(json.as_str().starts_with(r#"{"omitted":true,"reason":"#));
+    }
+
+    #[test]
+    fn media_blocks_are_kept_whole_and_bad_ones_repaired() {
+        use crate::media::Media;
+        let big = Media::image_bytes("image/png", &vec![7u8; 200_000]);
+        let r = ToolResult {
+            tool_use_id: "t".into(),
+            content: ToolResultContent::Blocks(vec![
+                ToolResultBlock::Text {
+                    text: "shot".into(),
+                },
+                ToolResultBlock::Media(big.clone()),
+                ToolResultBlock::Media(Media::image_base64("image/bmp", "AA==")),
+            ]),
+            is_error: false,
+        };
+        let projected = project_tool_result(r);
+        assert_eq!(
+            projected.content,
+            ToolResultContent::Blocks(vec![
+                ToolResultBlock::Text {
+                    text: "shot".into()
+                },
+                ToolResultBlock::Media(big),
+                ToolResultBlock::Text {
+                    text: "[image omitted: image media type \"image/bmp\" is not supported \
+                           (accepted: image/png, image/jpeg, image/gif, image/webp)]"
+                        .into()
+                },
+            ])
+        );
+        let empty = ToolResult {
+            tool_use_id: "t".into(),
+            content: ToolResultContent::Blocks(vec![]),
+            is_error: false,
+        };
+        assert_eq!(
+            project_tool_result(empty).content,
+            ToolResultContent::Text(String::new())
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The canonical transcript: messages of ordered parts, exactly as a provider must get them back.
 
 use crate::json::JsonText;
+use crate::media::{Media, MediaSource, ToolResultBlock};
 use crate::projection::project_tool_result;
 use crate::response::ModelResponse;
 use serde::{Deserialize, Serialize};
@@ -59,6 +60,8 @@ pub enum ToolResultContent {
     Json(JsonText),
     /// Plain text.
     Text(String),
+    /// Text and media blocks in order (a tool that returns images, an MCP result with images).
+    Blocks(Vec<ToolResultBlock>),
 }
 
 impl ToolResultContent {
@@ -69,6 +72,63 @@ impl ToolResultContent {
             ToolResultContent::Text(text) => {
                 serde_json::to_string(text).unwrap_or_else(|_| String::from("\"\""))
             }
+            ToolResultContent::Blocks(blocks) => {
+                let blocks: Vec<serde_json::Value> = blocks.iter().map(block_json).collect();
+                serde_json::to_string(&blocks).unwrap_or_else(|_| String::from("[]"))
+            }
+        }
+    }
+
+    /// The text of this content without its media: the JSON or text itself, or the text
+    /// blocks joined by newlines with a `[image]`/`[document]` marker for each media block.
+    /// What a text-only view or a provider that takes only text in a tool result shows.
+    pub fn text_view(&self) -> String {
+        match self {
+            ToolResultContent::Json(json) => json.as_str().to_owned(),
+            ToolResultContent::Text(text) => text.clone(),
+            ToolResultContent::Blocks(blocks) => blocks
+                .iter()
+                .map(|b| match b {
+                    ToolResultBlock::Text { text } => text.clone(),
+                    ToolResultBlock::Media(m) => format!("[{}]", m.kind.as_str()),
+                })
+                .collect::<Vec<_>>()
+                .join("\n"),
+        }
+    }
+
+    /// The media blocks of this content, in order (none for JSON or text).
+    pub fn media(&self) -> Vec<&Media> {
+        match self {
+            ToolResultContent::Blocks(blocks) => blocks
+                .iter()
+                .filter_map(|b| match b {
+                    ToolResultBlock::Media(m) => Some(m),
+                    ToolResultBlock::Text { .. } => None,
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// A block as a self-describing JSON object (`{"type":"text",...}`, `{"type":"image",...}`).
+fn block_json(block: &ToolResultBlock) -> serde_json::Value {
+    match block {
+        ToolResultBlock::Text { text } => serde_json::json!({"type": "text", "text": text}),
+        ToolResultBlock::Media(media) => {
+            let mut value = match &media.source {
+                MediaSource::Base64 { media_type, data } => serde_json::json!({
+                    "type": media.kind.as_str(), "media_type": media_type, "data": data,
+                }),
+                MediaSource::Url { url } => {
+                    serde_json::json!({"type": media.kind.as_str(), "url": url})
+                }
+            };
+            if let Some(name) = &media.name {
+                value["name"] = serde_json::Value::from(name.as_str());
+            }
+            value
         }
     }
 }
@@ -125,13 +185,16 @@ pub enum Part {
     ToolUse(ToolUse),
     /// A tool call's answer.
     ToolResult(ToolResult),
-    /// An image, by reference to its data.
+    /// An image by reference (an http(s) URL or a `data:` URI), the first image shape; new
+    /// content uses [`Part::Media`], which says what the source is.
     Image {
         /// MIME type, e.g. `image/png`.
         media_type: String,
         /// Where the bytes are: a content hash or URI.
         data_ref: String,
     },
+    /// An image or a document (user messages only), by its bytes or a URL.
+    Media(Media),
 }
 
 impl Part {
@@ -154,6 +217,7 @@ impl Part {
             Part::ToolUse(_) => "tool_use",
             Part::ToolResult(_) => "tool_result",
             Part::Image { .. } => "image",
+            Part::Media(media) => media.kind.as_str(),
         }
     }
 
@@ -208,6 +272,22 @@ impl Transcript {
         self.messages.push(Message {
             role: Role::User,
             parts: vec![Part::text(text)],
+            provenance: None,
+        });
+    }
+
+    /// Appends a user message of media followed by text (either may be absent, not both).
+    /// Media come first: Anthropic documents that Claude works best with images and documents
+    /// placed before the text about them.
+    pub fn push_user(&mut self, text: impl Into<String>, media: &[Media]) {
+        let text = text.into();
+        let mut parts: Vec<Part> = media.iter().cloned().map(Part::Media).collect();
+        if !text.is_empty() {
+            parts.push(Part::text(text));
+        }
+        self.messages.push(Message {
+            role: Role::User,
+            parts,
             provenance: None,
         });
     }

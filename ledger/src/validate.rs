@@ -1,8 +1,9 @@
 //! Transcript and response validation as pure functions: the first broken rule, with its place.
 
 use crate::error::{Error, Result, Violation};
+use crate::media::ToolResultBlock;
 use crate::response::{ModelResponse, StopReason};
-use crate::transcript::{Message, Part, Role, Transcript};
+use crate::transcript::{Message, Part, Role, ToolResultContent, Transcript};
 use std::collections::BTreeSet;
 
 fn at(message: usize, part: Option<usize>, violation: Violation) -> Error {
@@ -19,7 +20,9 @@ fn at(message: usize, part: Option<usize>, violation: Violation) -> Error {
 /// thinking only in assistant messages, thinking always signed, and an assistant message never
 /// ends on reasoning; tool_use ids and names non-empty, ids unique; every tool_use answered by
 /// exactly one tool_result in the next message, which is a user message that starts with those
-/// results in tool_use declaration order; tool_results appear nowhere else.
+/// results in tool_use declaration order; tool_results appear nowhere else; images and
+/// documents only in user messages (and tool results), each with a supported media type and
+/// valid base64 data or an http(s) URL.
 pub fn validate_transcript(transcript: &Transcript) -> Result<()> {
     let mut seen_ids = BTreeSet::new();
     let mut seen_non_system = false;
@@ -93,7 +96,7 @@ fn check_parts(mi: usize, message: &Message) -> Result<()> {
             | Part::Reasoning { .. }
             | Part::ReasoningItem { .. }
             | Part::ToolUse(_) => message.role == Role::Assistant,
-            Part::ToolResult(_) => message.role == Role::User,
+            Part::ToolResult(_) | Part::Media(_) => message.role == Role::User,
         };
         if !allowed {
             return Err(at(
@@ -132,8 +135,31 @@ fn check_part(part: &Part) -> std::result::Result<(), Violation> {
         Part::ToolUse(t) if t.id.is_empty() => Err(Violation::EmptyToolUseId),
         Part::ToolUse(t) if t.name.is_empty() => Err(Violation::EmptyToolName),
         Part::ToolResult(r) if r.tool_use_id.is_empty() => Err(Violation::EmptyToolUseId),
+        Part::ToolResult(r) => check_result_blocks(&r.content),
+        Part::Media(media) => media.check(),
         _ => Ok(()),
     }
+}
+
+/// A tool result of blocks: at least one block, each media block well-formed.
+fn check_result_blocks(content: &ToolResultContent) -> std::result::Result<(), Violation> {
+    let ToolResultContent::Blocks(blocks) = content else {
+        return Ok(());
+    };
+    if blocks.is_empty() {
+        return Err(Violation::EmptyToolResultBlocks);
+    }
+    for (block, b) in blocks.iter().enumerate() {
+        if let ToolResultBlock::Media(media) = b {
+            media
+                .check()
+                .map_err(|violation| Violation::InToolResultBlock {
+                    block,
+                    violation: Box::new(violation),
+                })?;
+        }
+    }
+    Ok(())
 }
 
 fn check_results(mi: usize, message: &Message, expected: &[&str]) -> Result<()> {

@@ -7,7 +7,7 @@
 #![allow(clippy::disallowed_methods)]
 
 use cairn_activities::{ActivityContext, Error, Tool, ToolCall, ToolOutput};
-use cairn_ledger::{JsonText, ToolResultContent};
+use cairn_ledger::{JsonText, Media, ToolResultBlock, ToolResultContent};
 use cairn_mcp::test_server::{TestServer, PIXEL_PNG_BASE64};
 use cairn_mcp::{McpConfig, McpServers, McpTool};
 use std::path::Path;
@@ -92,9 +92,10 @@ async fn check_results(servers: &McpServers) {
     );
     assert_eq!(
         run("t__pixel", "{}").await.content,
-        json(&format!(
-            r#"{{"content":[{{"type":"image","data":"{PIXEL_PNG_BASE64}","mimeType":"image/png"}}]}}"#
-        ))
+        ToolResultContent::Blocks(vec![ToolResultBlock::Media(Media::image_base64(
+            "image/png",
+            PIXEL_PNG_BASE64
+        ))])
     );
     assert_eq!(
         run("t__link", "{}").await.content,

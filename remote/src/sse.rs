@@ -99,6 +99,7 @@ mod tests {
                 turn: 1,
                 text: format!("line one\nline two of {seq}"),
                 model: None,
+                media: Vec::new(),
             },
         }
     }

@@ -5,7 +5,7 @@
 use crate::connection::{encode, Connection, Request, Subject, REQUEST_TIMEOUT};
 use crate::sse::StreamDecoder;
 use async_trait::async_trait;
-use cairn_ledger::{ModelSpec, Transcript};
+use cairn_ledger::{Media, ModelSpec, Transcript};
 use cairn_runtime::wire::{
     ApprovalDecided, ApprovalDecision, ApprovalRequest, CancelRequest, Cancelled,
     CompactionOutcome, CreateSession, Health, HistoryPage, SendMessage, SessionCreated,
@@ -109,10 +109,17 @@ impl Transport for HttpTransport {
         Ok(created.session_id)
     }
 
-    async fn send(&self, session_id: &str, text: &str, model: Option<ModelSpec>) -> Result<u32> {
+    async fn send(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        media: Vec<Media>,
+    ) -> Result<u32> {
         let body = SendMessage {
             text: text.to_owned(),
             model,
+            media,
         };
         let path = format!("{}/messages", session_path(session_id));
         let started: TurnStarted = self

@@ -22,6 +22,7 @@ fn event(session_id: &str, seq: u64) -> EventEnvelope {
             turn: 1,
             text: "x".repeat(200),
             model: None,
+            media: Vec::new(),
         },
     )
 }

@@ -22,6 +22,7 @@ fn append(session_id: &str, seq: u64) -> AppendRequest {
             turn: 1,
             text: "x".repeat(200),
             model: None,
+            media: Vec::new(),
         },
     );
     AppendRequest {

@@ -16,7 +16,7 @@ use crate::wire::{
 };
 use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
 use async_trait::async_trait;
-use cairn_ledger::{ModelSpec, ToolSpec, Transcript};
+use cairn_ledger::{Media, ModelSpec, ToolSpec, Transcript};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
@@ -120,7 +120,13 @@ pub trait Transport: Send + Sync + 'static {
     /// Starts a session; returns its id.
     async fn start_session(&self, options: SessionOptions) -> Result<String>;
     /// Sends a message, starting a turn; returns its number.
-    async fn send(&self, session_id: &str, text: &str, model: Option<ModelSpec>) -> Result<u32>;
+    async fn send(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        media: Vec<Media>,
+    ) -> Result<u32>;
     /// Waits up to `timeout` (`None`: as long as it takes) for turn `turn`'s outcome.
     async fn wait_turn(
         &self,
@@ -223,7 +229,34 @@ impl Client {
 
     /// Sends a message, starting a turn; returns the turn number without waiting.
     pub async fn send(&self, session_id: &str, text: &str) -> Result<u32> {
-        self.transport.send(session_id, text, None).await
+        self.transport
+            .send(session_id, text, None, Vec::new())
+            .await
+    }
+
+    /// Sends a message with images and documents, starting a turn; returns the turn number
+    /// without waiting. The media go ahead of the text; `text` may be empty when `media` is
+    /// not. Bad media (an unsupported media type, bad base64, a URL that is not http(s)) are
+    /// refused before anything is recorded.
+    pub async fn send_with_media(
+        &self,
+        session_id: &str,
+        text: &str,
+        media: Vec<Media>,
+    ) -> Result<u32> {
+        self.transport.send(session_id, text, None, media).await
+    }
+
+    /// Sends a message with everything it may carry: images and documents (ahead of the text),
+    /// and a model for this turn only. Returns the turn number without waiting.
+    pub async fn send_message(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        media: Vec<Media>,
+    ) -> Result<u32> {
+        self.transport.send(session_id, text, model, media).await
     }
 
     /// Sends a message with a model for this turn only.
@@ -233,7 +266,9 @@ impl Client {
         text: &str,
         model: ModelSpec,
     ) -> Result<u32> {
-        self.transport.send(session_id, text, Some(model)).await
+        self.transport
+            .send(session_id, text, Some(model), Vec::new())
+            .await
     }
 
     /// Sends a message and waits for the turn's outcome (workers must be running: see
@@ -622,8 +657,16 @@ impl Transport for Local {
         self.engine.start_session(options.session_id, started).await
     }
 
-    async fn send(&self, session_id: &str, text: &str, model: Option<ModelSpec>) -> Result<u32> {
-        self.engine.send_message(session_id, text, model).await
+    async fn send(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        media: Vec<Media>,
+    ) -> Result<u32> {
+        self.engine
+            .send_message_with_media(session_id, text, model, media)
+            .await
     }
 
     async fn wait_turn(

@@ -6,7 +6,9 @@ use crate::codec::{decode, encode};
 use crate::compaction::CompactionTrigger;
 use crate::error::Error;
 use crate::event::{ActivityFailure, ErrorClass, Event, EventEnvelope};
-use cairn_ledger::{CompactionStrategy, ToolResultContent, Usage};
+use cairn_ledger::{
+    CompactionStrategy, Media, MediaKind, MediaSource, ToolResultBlock, ToolResultContent, Usage,
+};
 use proptest::prelude::*;
 
 fn text() -> impl Strategy<Value = String> {
@@ -18,14 +20,54 @@ fn text() -> impl Strategy<Value = String> {
     ]
 }
 
+/// Any media (the codec keeps even ones the checks would refuse).
+fn media() -> impl Strategy<Value = Media> {
+    (any::<bool>(), text(), text(), proptest::option::of(text())).prop_map(
+        |(is_url, a, b, name)| Media {
+            kind: if is_url {
+                MediaKind::Document
+            } else {
+                MediaKind::Image
+            },
+            source: if is_url {
+                MediaSource::Url { url: a }
+            } else {
+                MediaSource::Base64 {
+                    media_type: a,
+                    data: b,
+                }
+            },
+            name,
+        },
+    )
+}
+
 fn event() -> impl Strategy<Value = Event> {
     let small = 0u32..4;
     prop_oneof![
-        (small.clone(), text()).prop_map(|(turn, text)| Event::UserMessage {
-            turn,
-            text,
-            model: None
-        }),
+        (
+            small.clone(),
+            text(),
+            proptest::collection::vec(media(), 0..3)
+        )
+            .prop_map(|(turn, text, media)| Event::UserMessage {
+                turn,
+                text,
+                model: None,
+                media,
+            }),
+        (small.clone(), text(), small.clone(), text(), text()).prop_map(
+            |(turn, tool_use_id, attempt, caption, data)| Event::ToolCallCompleted {
+                turn,
+                tool_use_id,
+                attempt,
+                content: ToolResultContent::Blocks(vec![
+                    ToolResultBlock::Text { text: caption },
+                    ToolResultBlock::Media(Media::image_base64("image/png", data)),
+                ]),
+                is_error: false,
+            }
+        ),
         (small.clone(), small.clone(), small.clone(), any::<u64>()).prop_map(
             |(turn, round, attempt, not_before_ms)| Event::ModelCallScheduled {
                 turn,

@@ -25,7 +25,8 @@ use crate::store::{
 use crate::task_waiters::TaskWaiters;
 use crate::workflow::{ScheduledActivity, SessionState, Transition, TurnOutcome};
 use cairn_ledger::{
-    Delta, JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, ToolUse, Transcript,
+    Delta, JsonText, Media, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, ToolUse,
+    Transcript,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -384,6 +385,20 @@ impl Engine {
         text: &str,
         model: Option<ModelSpec>,
     ) -> Result<u32> {
+        self.send_message_with_media(session_id, text, model, Vec::new())
+            .await
+    }
+
+    /// Sends a user message with images and documents (ahead of the text in the transcript),
+    /// starting the next turn; returns its number. Bad media are refused before anything is
+    /// written ([`Error::InvalidEvent`] naming the media's index and what is wrong).
+    pub async fn send_message_with_media(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        media: Vec<Media>,
+    ) -> Result<u32> {
         let mut turn = 0;
         self.submit(
             session_id,
@@ -393,6 +408,7 @@ impl Engine {
                     turn,
                     text: text.to_owned(),
                     model: model.clone(),
+                    media: media.clone(),
                 }))
             },
             None,

@@ -8,7 +8,8 @@ use crate::budget::{Budget, BudgetExceeded};
 use crate::compaction::{CompactionPolicy, CompactionTrigger};
 use crate::policy::ToolPolicy;
 use cairn_ledger::{
-    CompactionStrategy, JsonText, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, Usage,
+    CompactionStrategy, JsonText, Media, ModelResponse, ModelSpec, ToolResultContent, ToolSpec,
+    Usage,
 };
 use serde::{Deserialize, Serialize};
 
@@ -64,6 +65,10 @@ pub enum Event {
         /// A model for this turn only, instead of the session's.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         model: Option<ModelSpec>,
+        /// Images and documents sent with the text, in order; they go ahead of the text in
+        /// the transcript's user message. Absent from text-only messages (and old histories).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        media: Vec<Media>,
     },
     /// A model call was scheduled (its task enqueued in the same append).
     ModelCallScheduled {

@@ -509,6 +509,7 @@ mod tests {
                 turn: 1,
                 text: format!("hello from {sid}"),
                 model: None,
+                media: Vec::new(),
             },
         ] {
             let e = EventEnvelope::new(sid, state.next_seq, 100, event);
@@ -555,6 +556,7 @@ mod tests {
                 turn: 1,
                 text: "x".to_owned(),
                 model: None,
+                media: Vec::new(),
             },
         );
         let mut request = append_request("bad", 1, vec![bad], 1);

@@ -177,13 +177,18 @@ pub struct SessionCreated {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SendMessage {
-    /// The message; not empty.
-    #[schema(min_length = 1)]
+    /// The message's text; empty only when `media` is not.
     pub text: String,
     /// A model for this turn only.
     #[serde(default)]
     #[schema(value_type = Option<schema::ModelSpec>)]
     pub model: Option<ModelSpec>,
+    /// Images and documents sent with the text, in order (they go ahead of the text). Each is
+    /// checked before anything is recorded: a supported media type for its kind, valid base64
+    /// data, or an http(s) URL.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schema(value_type = Vec<schema::Media>)]
+    pub media: Vec<cairn_ledger::Media>,
 }
 
 /// `202` to [`SendMessage`].
@@ -981,6 +986,69 @@ pub mod schema {
         Json(serde_json::Value),
         /// Plain text.
         Text(String),
+        /// Text and media blocks in order.
+        Blocks(Vec<ToolResultBlock>),
+    }
+
+    /// One block of a tool result made of blocks.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum ToolResultBlock {
+        /// Text.
+        Text {
+            /// The text.
+            text: String,
+        },
+        /// An image or a document.
+        Media(Media),
+    }
+
+    /// Image or document.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum MediaKind {
+        /// A picture: `image/png`, `image/jpeg`, `image/gif` or `image/webp`.
+        Image,
+        /// A document: `application/pdf` or `text/plain` (UTF-8).
+        Document,
+    }
+
+    /// Where the bytes of an image or document are.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum MediaSource {
+        /// The bytes, in standard padded base64.
+        Base64 {
+            /// MIME type: for an image `image/png`, `image/jpeg`, `image/gif` or `image/webp`;
+            /// for a document `application/pdf` or `text/plain`.
+            #[schema(pattern = "^(image/(png|jpeg|gif|webp)|application/pdf|text/plain)$")]
+            media_type: String,
+            /// The bytes in standard padded base64.
+            #[schema(
+                min_length = 4,
+                pattern = "^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+            )]
+            data: String,
+        },
+        /// An http(s) URL the provider fetches.
+        Url {
+            /// The URL.
+            #[schema(pattern = "^https?://[^\\s]+$")]
+            url: String,
+        },
+    }
+
+    /// An image or a document, e.g.
+    /// `{"kind":"image","source":{"base64":{"media_type":"image/png","data":"iVBORw0KGgo="}}}`
+    /// or `{"kind":"document","source":{"url":{"url":"https://example.com/a.pdf"}},"name":"a.pdf"}`.
+    #[derive(Serialize, ToSchema)]
+    pub struct Media {
+        /// Image or document.
+        pub kind: MediaKind,
+        /// Where its bytes are.
+        pub source: MediaSource,
+        /// A file name or title.
+        pub name: Option<String>,
     }
 
     /// The answer to one tool_use.
@@ -1039,6 +1107,8 @@ pub mod schema {
             /// A content hash or URI.
             data_ref: String,
         },
+        /// An image or a document in a user message.
+        Media(Media),
     }
 
     /// One complete model response in canonical form.

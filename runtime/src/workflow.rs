@@ -1019,7 +1019,12 @@ impl SessionState {
                 self.started = Some(started.clone());
                 Ok(Vec::new())
             }
-            Event::UserMessage { turn, text, model } => {
+            Event::UserMessage {
+                turn,
+                text,
+                model,
+                media,
+            } => {
                 if self.cancelled {
                     return Err(self.invalid(seq, "session is cancelled"));
                 }
@@ -1035,14 +1040,18 @@ impl SessionState {
                         ),
                     ));
                 }
-                if text.is_empty() {
+                if text.is_empty() && media.is_empty() {
                     return Err(self.invalid(seq, "empty user message"));
+                }
+                for (i, m) in media.iter().enumerate() {
+                    m.check()
+                        .map_err(|v| self.invalid(seq, format!("media {i}: {v}")))?;
                 }
                 let model = match model {
                     Some(m) => m.clone(),
                     None => self.started_ref()?.model.clone(),
                 };
-                self.transcript.push_user_text(text.clone());
+                self.transcript.push_user(text.clone(), media);
                 self.turns_started = *turn;
                 self.active = Some(ActiveTurn {
                     turn: *turn,

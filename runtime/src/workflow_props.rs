@@ -172,6 +172,7 @@ fn event() -> impl Strategy<Value = Event> {
             turn,
             text: "go".to_owned(),
             model: None,
+            media: Vec::new(),
         }),
         5 => (turn.clone(), round.clone(), attempt.clone(), response()).prop_map(
             |(turn, round, attempt, response)| Event::ModelCallCompleted {
@@ -291,6 +292,7 @@ fn targeted(state: &SessionState, step: Step) -> Option<Event> {
             turn: state.turns_started + 1,
             text: "go on".to_owned(),
             model: None,
+            media: Vec::new(),
         }),
         Step::ModelAnswer(response) => {
             model().map(|(turn, round, attempt)| Event::ModelCallCompleted {

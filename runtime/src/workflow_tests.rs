@@ -164,6 +164,7 @@ pub(super) fn user(turn: u32, t: &str) -> Event {
         turn,
         text: t.into(),
         model: None,
+        media: Vec::new(),
     }
 }
 
@@ -1165,6 +1166,7 @@ fn step_routes_tasks_on_the_session_queues_with_targets_and_start_deadlines() {
         turn: 2,
         text: "again".into(),
         model: Some(ModelSpec::parse("anthropic:claude-test").unwrap()),
+        media: Vec::new(),
     });
     let seq = t.events[1].seq;
     assert_eq!(

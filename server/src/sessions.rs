@@ -323,15 +323,22 @@ pub async fn send_message(
     JsonBody(request): JsonBody<cairn_runtime::wire::SendMessage>,
 ) -> Result<(StatusCode, Json<TurnStarted>), ApiError> {
     let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
-    if request.text.is_empty() {
-        return Err(ApiError::invalid("text: the message must not be empty"));
+    if request.text.is_empty() && request.media.is_empty() {
+        return Err(ApiError::invalid(
+            "text: the message must not be empty (unless it carries media)",
+        ));
     }
     if let Some(model) = &request.model {
         check_model(model, "model")?;
     }
+    for (i, media) in request.media.iter().enumerate() {
+        media
+            .check()
+            .map_err(|v| ApiError::invalid(format!("media[{i}]: {v}")))?;
+    }
     let turn = state
         .engine
-        .send_message(&stored, &request.text, request.model)
+        .send_message_with_media(&stored, &request.text, request.model, request.media)
         .instrument(session_span(&caller, &path.id))
         .await
         .map_err(|e| ApiError::from_runtime(e, &path.id))?;

@@ -86,7 +86,7 @@ pub async fn run(request: ChatRequest) -> anyhow::Result<ExitCode> {
         if message == "/exit" {
             break;
         }
-        let outcome = watch.send(message, None).await?;
+        let outcome = watch.send(message, None, Vec::new()).await?;
         super::turn::report_line(&outcome);
         code = exit_codes::of_outcome(&outcome);
         if matches!(outcome, TurnOutcome::Cancelled { .. })

@@ -255,6 +255,7 @@ impl LinePrinter {
                 let text = match content {
                     cairn_ledger::ToolResultContent::Text(text) => text.clone(),
                     json @ cairn_ledger::ToolResultContent::Json(_) => json.canonical_json(),
+                    blocks @ cairn_ledger::ToolResultContent::Blocks(_) => blocks.text_view(),
                 };
                 let label = if *is_error { "error" } else { "result" };
                 self.line(&format!(

@@ -5,6 +5,7 @@
 //! printing that survives a closed pipe (`out`).
 
 pub mod approvals;
+pub mod attach;
 pub mod budget;
 pub mod chat;
 pub mod cleanup;

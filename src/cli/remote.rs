@@ -26,6 +26,8 @@ pub struct RunRequest {
     pub system: Option<String>,
     pub max_rounds: Option<u32>,
     pub prompt: String,
+    /// Images and documents sent with the prompt (`--attach`).
+    pub media: Vec<cairn_ledger::Media>,
     pub show_thinking: bool,
     /// The tools and tool policy flags of a new session.
     pub policy: super::approvals::PolicyArgs,
@@ -126,14 +128,13 @@ impl Remote {
                 }
             }
         }
-        let turn = match description.model {
-            Some(model) if model != request.model => {
-                client
-                    .send_with_model(&session_id, &request.prompt, request.model)
-                    .await?
-            }
-            _ => client.send(&session_id, &request.prompt).await?,
+        let turn_model = match description.model {
+            Some(model) if model != request.model => Some(request.model),
+            _ => None,
         };
+        let turn = client
+            .send_message(&session_id, &request.prompt, turn_model, request.media)
+            .await?;
         let outcome = follow_turn(client, &mut stream, &mut writer, &session_id, turn);
         let outcome = self.interruptible(&session_id, turn, outcome).await?;
         super::turn::report(&session_id, &outcome, request.json)?;

@@ -8,7 +8,7 @@ use super::live::LiveView;
 use super::out::{note, outln, showln};
 use anyhow::Context;
 use cairn::host::Host;
-use cairn_ledger::ModelSpec;
+use cairn_ledger::{Media, ModelSpec};
 use cairn_runtime::TurnOutcome;
 use std::time::Duration;
 
@@ -34,21 +34,21 @@ pub struct Watch<'a> {
 }
 
 impl Watch<'_> {
-    /// Sends `prompt` (with another model for this turn, if given) and watches the turn it
-    /// starts until it ends.
+    /// Sends `prompt` with `media` (with another model for this turn, if given) and watches
+    /// the turn it starts until it ends.
     pub async fn send(
         &self,
         prompt: &str,
         model: Option<ModelSpec>,
+        media: Vec<Media>,
     ) -> anyhow::Result<TurnOutcome> {
         let after_seq = self.last_seq().await?;
         // Following from the last event before the message: nothing of the turn is missed.
         let live = self.live(after_seq).await?;
         let client = &self.host.client;
-        let turn = match model {
-            Some(model) => client.send_with_model(self.session_id, prompt, model).await,
-            None => client.send(self.session_id, prompt).await,
-        };
+        let turn = client
+            .send_message(self.session_id, prompt, model, media)
+            .await;
         let turn = match turn {
             Ok(turn) => turn,
             Err(e) => {

@@ -334,6 +334,9 @@ enum Block<'a> {
     Image {
         source: ImageSource<'a>,
     },
+    /// An image or document block built by [`super::media`], already in wire form.
+    #[serde(untagged)]
+    Media(Value),
 }
 
 #[derive(Serialize)]
@@ -435,6 +438,15 @@ fn render_part<'a>(
                 ToolResultContent::Json(json) => Some(ResultContent::Blocks(vec![Block::Text {
                     text: json.as_str(),
                 }])),
+                ToolResultContent::Blocks(blocks) => Some(ResultContent::Blocks(
+                    super::media::anthropic_tool_result(blocks)
+                        .map_err(|e| {
+                            invalid(format!("message {mi} part {pi}: tool_result content {e}"))
+                        })?
+                        .into_iter()
+                        .map(Block::Media)
+                        .collect(),
+                )),
             },
             is_error: result.is_error,
         },
@@ -444,6 +456,10 @@ fn render_part<'a>(
         } => Block::Image {
             source: image_source(mi, pi, media_type, data_ref)?,
         },
+        Part::Media(media) => Block::Media(
+            super::media::anthropic_block(media)
+                .map_err(|e| invalid(format!("message {mi} part {pi}: {e}")))?,
+        ),
     };
     Ok(Some(block))
 }

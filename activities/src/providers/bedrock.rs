@@ -23,7 +23,7 @@ use async_trait::async_trait;
 use base64::Engine as _;
 use cairn_ledger::{
     validate_response, validate_transcript, Delta, ModelResponse, Part, Role, StopReason,
-    ToolResultContent, Usage,
+    ToolResultBlock, ToolResultContent, Usage,
 };
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -160,6 +160,9 @@ enum Block<'a> {
     ToolUse(ToolUseWire<'a>),
     ToolResult(ToolResultWire<'a>),
     ReasoningContent(Reasoning<'a>),
+    /// An `image` or `document` block built by [`super::media`], already in wire form.
+    #[serde(untagged)]
+    Media(serde_json::Value),
 }
 
 #[derive(Serialize)]
@@ -184,6 +187,9 @@ struct ToolResultWire<'a> {
 enum ResultContent<'a> {
     Json(&'a RawValue),
     Text(&'a str),
+    /// An `image` or `document` member built by [`super::media`].
+    #[serde(untagged)]
+    Media(serde_json::Value),
 }
 
 #[derive(Serialize)]
@@ -260,6 +266,24 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
                 Part::ToolResult(result) => {
                     has_tool_blocks = true;
                     let content = match &result.content {
+                        ToolResultContent::Blocks(blocks) => {
+                            let mut content = Vec::with_capacity(blocks.len());
+                            for (bi, block) in blocks.iter().enumerate() {
+                                content.push(match block {
+                                    ToolResultBlock::Text { text } => ResultContent::Text(text),
+                                    ToolResultBlock::Media(media) => ResultContent::Media(
+                                        super::media::bedrock_block(media).map_err(|e| {
+                                            invalid_request(format!(
+                                                "{}: tool_result {:?} block {bi}: {e}",
+                                                at(),
+                                                result.tool_use_id
+                                            ))
+                                        })?,
+                                    ),
+                                });
+                            }
+                            content
+                        }
                         ToolResultContent::Json(json) => {
                             let raw: &RawValue =
                                 serde_json::from_str(json.as_str()).map_err(|e| {
@@ -271,9 +295,9 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
                                 })?;
                             // Bedrock's `json` content must be an object; other values go as text.
                             if raw.get().trim_start().starts_with('{') {
-                                ResultContent::Json(raw)
+                                vec![ResultContent::Json(raw)]
                             } else {
-                                ResultContent::Text(json.as_str())
+                                vec![ResultContent::Text(json.as_str())]
                             }
                         }
                         ToolResultContent::Text(text) => {
@@ -284,7 +308,7 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
                                     result.tool_use_id
                                 )));
                             }
-                            ResultContent::Text(text)
+                            vec![ResultContent::Text(text)]
                         }
                     };
                     Block::ToolResult(ToolResultWire {
@@ -293,10 +317,14 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
                             is_valid_tool_use_id,
                             ALIAS_PREFIX,
                         ),
-                        content: vec![content],
+                        content,
                         status: result.is_error.then_some("error"),
                     })
                 }
+                Part::Media(media) => Block::Media(
+                    super::media::bedrock_block(media)
+                        .map_err(|e| invalid_request(format!("{}: {e}", at())))?,
+                ),
                 other => {
                     return Err(invalid_request(format!(
                         "{}: a {} part cannot be sent to Bedrock",

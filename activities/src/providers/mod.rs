@@ -14,6 +14,9 @@ pub mod anthropic;
 pub mod bedrock;
 pub mod drive;
 pub mod http;
+pub mod media;
+#[cfg(test)]
+mod media_tests;
 pub mod openai_chat;
 pub mod openai_responses;
 pub mod secrets;

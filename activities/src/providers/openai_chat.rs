@@ -305,12 +305,16 @@ fn render_user(
 ) -> Result<()> {
     let mut content = Vec::new();
     let mut only_text = true;
+    // Tool messages take text only: media a tool returned go in the user message after the
+    // tool messages, each set introduced by a text part naming its call.
+    let mut tool_media = Vec::new();
     for (pi, part) in message.parts.iter().enumerate() {
         match part {
             Part::ToolResult(result) => {
                 let text = match &result.content {
                     ToolResultContent::Json(json) => json.as_str().to_owned(),
                     ToolResultContent::Text(text) => text.clone(),
+                    ToolResultContent::Blocks(_) => result.content.text_view(),
                 };
                 let text = if result.is_error {
                     format!("Error: {text}")
@@ -318,7 +322,28 @@ fn render_user(
                     text
                 };
                 let id = aliases.wire_id(&result.tool_use_id, wire_id_ok, "call_cairn_");
+                let media = result.content.media();
+                if !media.is_empty() {
+                    tool_media.push(json!({
+                        "type": "text",
+                        "text": format!("The result of tool call {id} includes:"),
+                    }));
+                    for (mi, m) in media.into_iter().enumerate() {
+                        tool_media.push(super::media::chat_part(m).map_err(|e| {
+                            invalid(format!(
+                                "message {index} part {pi}: tool_result media {mi}: {e}"
+                            ))
+                        })?);
+                    }
+                }
                 out.push(json!({ "role": "tool", "tool_call_id": id, "content": text }));
+            }
+            Part::Media(media) => {
+                only_text = false;
+                content.push(
+                    super::media::chat_part(media)
+                        .map_err(|e| invalid(format!("message {index} part {pi}: {e}")))?,
+                );
             }
             Part::Text { text, .. } => content.push(json!({ "type": "text", "text": text })),
             Part::Image {
@@ -344,6 +369,10 @@ fn render_user(
                 )))
             }
         }
+    }
+    if !tool_media.is_empty() {
+        only_text = false;
+        content.splice(0..0, tool_media);
     }
     if content.is_empty() {
         return Ok(());

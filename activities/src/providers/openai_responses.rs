@@ -230,11 +230,22 @@ fn render_user(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>) -> 
             {
                 content.push(json!({"type": "input_image", "image_url": data_ref}))
             }
+            Part::Media(media) => content.push(
+                super::media::responses_item(media)
+                    .map_err(|e| invalid_request(format!("message {mi} part {pi}: {e}")))?,
+            ),
             Part::ToolResult(result) => {
                 flush(&mut content, input, pi)?;
                 let output = match &result.content {
-                    ToolResultContent::Text(text) => text.as_str(),
-                    ToolResultContent::Json(json) => json.as_str(),
+                    ToolResultContent::Text(text) => Value::from(text.as_str()),
+                    ToolResultContent::Json(json) => Value::from(json.as_str()),
+                    ToolResultContent::Blocks(blocks) => {
+                        Value::Array(super::media::responses_output(blocks).map_err(|e| {
+                            invalid_request(format!(
+                                "message {mi} part {pi}: function_call_output {e}"
+                            ))
+                        })?)
+                    }
                 };
                 let item = json!({
                     "type": "function_call_output",

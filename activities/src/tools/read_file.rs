@@ -8,7 +8,7 @@ use crate::tools::confine::{io_message, WorkDir};
 use async_trait::async_trait;
 use base64::Engine;
 use cairn_ledger::file_versions::{sha256_hex, RANGE_TRAILER_START};
-use cairn_ledger::{JsonText, ToolSpec};
+use cairn_ledger::{JsonText, Media, ToolResultBlock, ToolSpec};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use tokio::io::AsyncReadExt;
@@ -23,8 +23,10 @@ const READ_LIMIT_BYTES: u64 = 1024 * 1024;
 ///
 /// Input `{"path": "..."}`, relative to the working directory (an absolute path is accepted only
 /// when it lies inside it). The path is resolved, canonicalized, and refused when it escapes the
-/// directory, including through symlinks. UTF-8 content is returned as text; anything else as
-/// JSON `{"path": ..., "bytes": n, "sha256": "...", "base64": "..."}`. Missing files,
+/// directory, including through symlinks. UTF-8 content is returned as text; a PNG, JPEG, GIF
+/// or WebP image (known by its magic number) as a caption `path: media type, n bytes, sha256
+/// HEX` and the image itself, so a vision model sees it; anything else as JSON
+/// `{"path": ..., "bytes": n, "sha256": "...", "base64": "..."}`. Missing files,
 /// directories, escapes and files over [`ReadFile::MAX_BYTES`] (1 MiB) are `is_error` outputs
 /// the model can recover from.
 ///
@@ -161,6 +163,18 @@ impl Tool for ReadFile {
             )),
             (Err(not_utf8), None) => {
                 let bytes = not_utf8.into_bytes();
+                if let Some(media_type) = cairn_ledger::sniff_image_media_type(&bytes) {
+                    // An image goes to the model as an image, so a vision model can look at it.
+                    let caption = format!(
+                        "{requested}: {media_type}, {} bytes, sha256 {}",
+                        bytes.len(),
+                        sha256_hex(&bytes)
+                    );
+                    return Ok(ToolOutput::blocks(vec![
+                        ToolResultBlock::Text { text: caption },
+                        ToolResultBlock::Media(Media::image_bytes(media_type, &bytes)),
+                    ]));
+                }
                 let result = serde_json::json!({
                     "path": requested,
                     "bytes": bytes.len(),
@@ -281,6 +295,52 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(own, ToolOutput::text("elsewhere's notes"));
+    }
+
+    #[tokio::test]
+    async fn images_are_returned_as_images_with_a_caption() {
+        let (_dir, work) = setup();
+        let png = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR";
+        std::fs::write(work.join("shot.png"), png).unwrap();
+        let tool = ReadFile::new(&work);
+        let out = tool
+            .call(&call("shot.png"), &ActivityContext::detached())
+            .await
+            .unwrap();
+        let caption = format!("shot.png: image/png, 16 bytes, sha256 {}", sha256_hex(png));
+        assert_eq!(
+            out,
+            ToolOutput::blocks(vec![
+                ToolResultBlock::Text {
+                    text: caption.clone()
+                },
+                ToolResultBlock::Media(Media::image_base64(
+                    "image/png",
+                    "iVBORw0KGgoAAAANSUhEUg=="
+                )),
+            ])
+        );
+        // The read is a version of the file for a later edit, by the caption's hash.
+        let mut transcript = cairn_ledger::Transcript::new();
+        transcript.push_user_text("look");
+        transcript.messages.push(cairn_ledger::Message {
+            role: cairn_ledger::Role::Assistant,
+            parts: vec![cairn_ledger::Part::ToolUse(cairn_ledger::ToolUse {
+                id: "r1".into(),
+                name: "read_file".into(),
+                arguments: r#"{"path":"shot.png"}"#.into(),
+                signature: None,
+            })],
+            provenance: None,
+        });
+        transcript.push_tool_results([cairn_ledger::ToolResult {
+            tool_use_id: "r1".into(),
+            content: out.content,
+            is_error: false,
+        }]);
+        let versions = cairn_ledger::file_versions::file_versions(&transcript);
+        assert_eq!(versions.len(), 1);
+        assert_eq!(versions[0].sha256, sha256_hex(png));
     }
 
     fn assert_error(out: &ToolOutput, contains: &str) {

@@ -95,6 +95,7 @@ pub fn message(session_id: &str, seq: u64, text: &str) -> EventEnvelope {
             turn: 1,
             text: text.to_owned(),
             model: None,
+            media: Vec::new(),
         },
     )
 }
