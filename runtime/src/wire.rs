@@ -1003,30 +1003,53 @@ pub mod schema {
         Media(Media),
     }
 
-    /// Image or document.
+    /// An image or a document, e.g.
+    /// `{"kind":"image","source":{"base64":{"media_type":"image/png","data":"iVBORw0KGgo="}}}`
+    /// or `{"kind":"document","source":{"url":{"url":"https://example.com/a.pdf"}},"name":"a.pdf"}`.
+    /// (Two shapes told apart by `kind`, so that each states the media types its kind takes:
+    /// a document that claims an image type, or an image a document type, is refused.)
     #[derive(Serialize, ToSchema)]
-    #[serde(rename_all = "snake_case")]
-    pub enum MediaKind {
-        /// A picture: `image/png`, `image/jpeg`, `image/gif` or `image/webp`.
-        Image,
-        /// A document: `application/pdf` or `text/plain` (UTF-8).
-        Document,
+    #[serde(untagged)]
+    pub enum Media {
+        /// An image.
+        Image(ImageMedia),
+        /// A document.
+        Document(DocumentMedia),
     }
 
-    /// Where the bytes of an image or document are.
+    /// An image: PNG, JPEG, GIF or WebP.
+    #[derive(Serialize, ToSchema)]
+    pub struct ImageMedia {
+        /// `image`.
+        pub kind: ImageKind,
+        /// Where its bytes are.
+        pub source: ImageSource,
+        /// A file name or title.
+        pub name: Option<String>,
+    }
+
+    /// The kind of an image.
     #[derive(Serialize, ToSchema)]
     #[serde(rename_all = "snake_case")]
-    pub enum MediaSource {
+    pub enum ImageKind {
+        /// A picture.
+        Image,
+    }
+
+    /// Where the bytes of an image are.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum ImageSource {
         /// The bytes, in standard padded base64.
         Base64 {
-            /// MIME type: for an image `image/png`, `image/jpeg`, `image/gif` or `image/webp`;
-            /// for a document `application/pdf` or `text/plain`.
-            #[schema(pattern = "^(image/(png|jpeg|gif|webp)|application/pdf|text/plain)$")]
+            /// MIME type: `image/png`, `image/jpeg`, `image/gif` or `image/webp`.
+            #[schema(pattern = "^image/(png|jpeg|gif|webp)$")]
             media_type: String,
-            /// The bytes in standard padded base64.
+            /// The bytes in standard padded base64 (canonical, as the server decodes it:
+            /// unused bits of the last character are zero).
             #[schema(
                 min_length = 4,
-                pattern = "^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+                pattern = "^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/][AQgw]==|[A-Za-z0-9+/]{2}[AEIMQUYcgkosw048]=)?$"
             )]
             data: String,
         },
@@ -1038,17 +1061,49 @@ pub mod schema {
         },
     }
 
-    /// An image or a document, e.g.
-    /// `{"kind":"image","source":{"base64":{"media_type":"image/png","data":"iVBORw0KGgo="}}}`
-    /// or `{"kind":"document","source":{"url":{"url":"https://example.com/a.pdf"}},"name":"a.pdf"}`.
+    /// A document: a PDF, or plain UTF-8 text.
     #[derive(Serialize, ToSchema)]
-    pub struct Media {
-        /// Image or document.
-        pub kind: MediaKind,
+    pub struct DocumentMedia {
+        /// `document`.
+        pub kind: DocumentKind,
         /// Where its bytes are.
-        pub source: MediaSource,
+        pub source: DocumentSource,
         /// A file name or title.
         pub name: Option<String>,
+    }
+
+    /// The kind of a document.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum DocumentKind {
+        /// A document.
+        Document,
+    }
+
+    /// Where the bytes of a document are.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum DocumentSource {
+        /// The bytes, in standard padded base64.
+        Base64 {
+            /// MIME type: `application/pdf`; `text/plain` is taken too when its bytes are
+            /// UTF-8 (which a pattern cannot say, so the schema names only the PDF type).
+            #[schema(pattern = "^application/pdf$")]
+            media_type: String,
+            /// The bytes in standard padded base64 (canonical, as the server decodes it:
+            /// unused bits of the last character are zero).
+            #[schema(
+                min_length = 4,
+                pattern = "^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/][AQgw]==|[A-Za-z0-9+/]{2}[AEIMQUYcgkosw048]=)?$"
+            )]
+            data: String,
+        },
+        /// An http(s) URL the provider fetches.
+        Url {
+            /// The URL.
+            #[schema(pattern = "^https?://[^\\s]+$")]
+            url: String,
+        },
     }
 
     /// The answer to one tool_use.
