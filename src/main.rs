@@ -848,6 +848,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 model: spec,
                 transcript: state.transcript.clone(),
                 tools: started.tools.clone(),
+                options: state.active.as_ref().map_or_else(
+                    || started.call_options.for_call(None, 0),
+                    |a| {
+                        started
+                            .call_options
+                            .for_call(a.tool_choice.as_ref(), a.round)
+                    },
+                ),
             };
             let body = render_request(format, &request)?;
             outln!("{}", serde_json::to_string_pretty(&body)?)?;

@@ -64,6 +64,7 @@ fn sample_events() -> Vec<Event> {
     };
     vec![
         Event::SessionStarted(SessionStarted {
+            call_options: Default::default(),
             queues: Default::default(),
             forked_from: None,
             workflow_version: 1,
@@ -96,6 +97,7 @@ fn sample_events() -> Vec<Event> {
             workdir: None,
         }),
         Event::UserMessage {
+            tool_choice: None,
             turn: 1,
             text: "hello".into(),
             model: None,

@@ -113,6 +113,7 @@ fn calc() -> ToolSpec {
 
 fn request(transcript: Transcript, thinking: Option<u32>) -> ModelRequest {
     ModelRequest {
+        options: Default::default(),
         context: CallContext::default(),
         model: ModelSpec {
             provider: PROVIDER.into(),
@@ -421,9 +422,17 @@ async fn the_follow_up_request_echoes_thinking_and_arguments_byte_for_byte() {
              "content": [{"type": "text", "text": format!(r#"{{"sum": {BIG}, "unit": null}}"#)}],
              "is_error": false},
             {"type": "tool_result", "tool_use_id": "toolu_01B",
-             "content": "division by zero", "is_error": true}
+             "content": "division by zero", "is_error": true,
+             // The caching rule's breakpoint on the last block of the last message.
+             "cache_control": {"type": "ephemeral"}}
         ]})
     );
+    // And on the system prompt and the tools.
+    assert_eq!(
+        body["system"],
+        json!([{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}])
+    );
+    assert_eq!(body["tools"][0]["cache_control"], json!({"type": "ephemeral"}));
     // The ids the results answer are the ids of the tool_uses, in declaration order.
     assert_eq!(
         messages[1]["content"][2]["id"],
@@ -711,16 +720,26 @@ async fn malformed_streams_are_typed_errors() {
     .await;
     assert_stream(&err, ErrorKind::Transient, "api_error");
 
-    // A block type cairn cannot send back.
+    // A block without a type: nothing to keep it as.
+    let err = stream_fails(&[head(), start(0, json!({"text": "x"}))]).await;
+    assert_stream(&err, ErrorKind::InvalidResponse, "block 0 has no type");
+
+    // A kept (opaque) block takes only input fragments: another delta would change it in a
+    // way cairn cannot follow.
     let err = stream_fails(&[
         head(),
         start(
             0,
             json!({"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}}),
         ),
+        text_delta(0, "x"),
     ])
     .await;
-    assert_stream(&err, ErrorKind::InvalidResponse, "\"server_tool_use\"");
+    assert_stream(
+        &err,
+        ErrorKind::InvalidResponse,
+        "a \"text_delta\" delta cannot apply to block 0, a server_tool_use block kept as received",
+    );
 }
 
 #[tokio::test]

@@ -5,6 +5,7 @@ mod compaction;
 mod error;
 pub mod file_versions;
 mod json;
+mod options;
 mod projection;
 mod request;
 mod response;
@@ -19,10 +20,12 @@ pub use compaction::{
 };
 pub use error::{Error, Result, Violation};
 pub use json::JsonText;
+pub use options::{CallOptions, ServerTool, ServerToolKind, ToolChoice};
 pub use projection::{project_tool_result, PREVIEW_BYTES, TRANSCRIPT_RESULT_LIMIT_BYTES};
 pub use request::{Delta, ModelSpec, ToolSpec};
 pub use response::{ModelResponse, StopReason, Usage};
 pub use transcript::{
-    Message, Part, Provenance, Role, ToolResult, ToolResultContent, ToolUse, Transcript,
+    Message, Part, Provenance, ProviderJson, Role, ToolResult, ToolResultContent, ToolUse,
+    Transcript,
 };
 pub use validate::{validate_response, validate_transcript};

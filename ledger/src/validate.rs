@@ -92,6 +92,7 @@ fn check_parts(mi: usize, message: &Message) -> Result<()> {
             | Part::RedactedThinking { .. }
             | Part::Reasoning { .. }
             | Part::ReasoningItem { .. }
+            | Part::Opaque(_)
             | Part::ToolUse(_) => message.role == Role::Assistant,
             Part::ToolResult(_) => message.role == Role::User,
         };
@@ -132,6 +133,10 @@ fn check_part(part: &Part) -> std::result::Result<(), Violation> {
         Part::ToolUse(t) if t.id.is_empty() => Err(Violation::EmptyToolUseId),
         Part::ToolUse(t) if t.name.is_empty() => Err(Violation::EmptyToolName),
         Part::ToolResult(r) if r.tool_use_id.is_empty() => Err(Violation::EmptyToolUseId),
+        Part::Opaque(p)
+        | Part::Text {
+            citations: Some(p), ..
+        } if p.provider.is_empty() => Err(Violation::ProviderJsonWithoutFamily),
         _ => Ok(()),
     }
 }

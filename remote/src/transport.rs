@@ -5,7 +5,7 @@
 use crate::connection::{encode, Connection, Request, Subject, REQUEST_TIMEOUT};
 use crate::sse::StreamDecoder;
 use async_trait::async_trait;
-use cairn_ledger::{ModelSpec, Transcript};
+use cairn_ledger::{ModelSpec, ToolChoice, Transcript};
 use cairn_runtime::wire::{
     ApprovalDecided, ApprovalDecision, ApprovalRequest, CancelRequest, Cancelled,
     CompactionOutcome, CreateSession, Health, HistoryPage, SendMessage, SessionCreated,
@@ -93,6 +93,7 @@ impl Transport for HttpTransport {
             // None leaves the server's default: ask before calls of tools that ask by default.
             tool_policy: options.tool_policy,
             compaction: options.compaction,
+            call_options: options.call_options,
         };
         let subject = Subject {
             session_id: body.session_id.as_deref(),
@@ -110,20 +111,18 @@ impl Transport for HttpTransport {
     }
 
     async fn send(&self, session_id: &str, text: &str, model: Option<ModelSpec>) -> Result<u32> {
-        let body = SendMessage {
-            text: text.to_owned(),
-            model,
-        };
-        let path = format!("{}/messages", session_path(session_id));
-        let started: TurnStarted = self
-            .connection
-            .call_json(
-                Request::post(path, &body),
-                session(session_id),
-                REQUEST_TIMEOUT,
-            )
-            .await?;
-        Ok(started.turn)
+        self.send_message(session_id, text, model, None).await
+    }
+
+    async fn send_with_tool_choice(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        tool_choice: ToolChoice,
+    ) -> Result<u32> {
+        self.send_message(session_id, text, model, Some(tool_choice))
+            .await
     }
 
     async fn wait_turn(
@@ -516,5 +515,32 @@ pub(crate) fn retryable(error: &Error) -> bool {
         Error::Unreachable { .. } => true,
         Error::Remote { status, .. } => *status >= 500,
         _ => false,
+    }
+}
+
+impl HttpTransport {
+    /// `POST /v1/sessions/{id}/messages`, with the turn's model and tool choice when given.
+    async fn send_message(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        tool_choice: Option<ToolChoice>,
+    ) -> Result<u32> {
+        let body = SendMessage {
+            text: text.to_owned(),
+            model,
+            tool_choice,
+        };
+        let path = format!("{}/messages", session_path(session_id));
+        let started: TurnStarted = self
+            .connection
+            .call_json(
+                Request::post(path, &body),
+                session(session_id),
+                REQUEST_TIMEOUT,
+            )
+            .await?;
+        Ok(started.turn)
     }
 }

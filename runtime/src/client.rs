@@ -16,7 +16,7 @@ use crate::wire::{
 };
 use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
 use async_trait::async_trait;
-use cairn_ledger::{ModelSpec, ToolSpec, Transcript};
+use cairn_ledger::{CallOptions, ModelSpec, ToolChoice, ToolSpec, Transcript};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
@@ -47,6 +47,8 @@ pub struct SessionOptions {
     /// The absolute directory its tools work in (see [`SessionStarted::workdir`]); `None`:
     /// the worker's own.
     pub workdir: Option<String>,
+    /// The options of its model calls: tool choice, server tools, prompt caching.
+    pub call_options: CallOptions,
 }
 
 impl SessionOptions {
@@ -64,6 +66,7 @@ impl SessionOptions {
             tool_policy: None,
             compaction: None,
             workdir: None,
+            call_options: CallOptions::default(),
         }
     }
 
@@ -82,6 +85,7 @@ impl SessionOptions {
             tool_policy: self.tool_policy.clone(),
             compaction: self.compaction.clone(),
             workdir: self.workdir.clone(),
+            call_options: self.call_options.clone(),
         }
     }
 }
@@ -121,6 +125,14 @@ pub trait Transport: Send + Sync + 'static {
     async fn start_session(&self, options: SessionOptions) -> Result<String>;
     /// Sends a message, starting a turn; returns its number.
     async fn send(&self, session_id: &str, text: &str, model: Option<ModelSpec>) -> Result<u32>;
+    /// Sends a message with a tool choice (and optionally a model) for this turn only.
+    async fn send_with_tool_choice(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        tool_choice: ToolChoice,
+    ) -> Result<u32>;
     /// Waits up to `timeout` (`None`: as long as it takes) for turn `turn`'s outcome.
     async fn wait_turn(
         &self,
@@ -232,6 +244,20 @@ impl Client {
         model: ModelSpec,
     ) -> Result<u32> {
         self.transport.send(session_id, text, Some(model)).await
+    }
+
+    /// Sends a message with a tool choice for this turn only (and a model, when given),
+    /// instead of the session's.
+    pub async fn send_with_tool_choice(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        tool_choice: ToolChoice,
+    ) -> Result<u32> {
+        self.transport
+            .send_with_tool_choice(session_id, text, model, tool_choice)
+            .await
     }
 
     /// Sends a message and waits for the turn's outcome (workers must be running: see
@@ -614,6 +640,18 @@ impl Transport for Local {
 
     async fn send(&self, session_id: &str, text: &str, model: Option<ModelSpec>) -> Result<u32> {
         self.engine.send_message(session_id, text, model).await
+    }
+
+    async fn send_with_tool_choice(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        tool_choice: ToolChoice,
+    ) -> Result<u32> {
+        self.engine
+            .send_turn(session_id, text, model, Some(tool_choice))
+            .await
     }
 
     async fn wait_turn(

@@ -22,6 +22,7 @@ fn event() -> impl Strategy<Value = Event> {
     let small = 0u32..4;
     prop_oneof![
         (small.clone(), text()).prop_map(|(turn, text)| Event::UserMessage {
+            tool_choice: None,
             turn,
             text,
             model: None

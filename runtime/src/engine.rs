@@ -98,6 +98,9 @@ pub enum ActivityInput {
         timeouts: ActivityTimeouts,
         /// Progress the previous attempt heartbeated last.
         heartbeat_details: Option<JsonText>,
+        /// The call's options: tool choice, server tools, prompt caching.
+        #[serde(default, skip_serializing_if = "cairn_ledger::CallOptions::is_default")]
+        options: cairn_ledger::CallOptions,
     },
     /// Run a tool.
     Tool {
@@ -383,6 +386,18 @@ impl Engine {
         text: &str,
         model: Option<ModelSpec>,
     ) -> Result<u32> {
+        self.send_turn(session_id, text, model, None).await
+    }
+
+    /// Sends a user message with, for this turn only, a model and a tool choice instead of
+    /// the session's; returns the turn's number.
+    pub async fn send_turn(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        tool_choice: Option<cairn_ledger::ToolChoice>,
+    ) -> Result<u32> {
         let mut turn = 0;
         self.submit(
             session_id,
@@ -392,6 +407,7 @@ impl Engine {
                     turn,
                     text: text.to_owned(),
                     model: model.clone(),
+                    tool_choice: tool_choice.clone(),
                 }))
             },
             None,
@@ -585,6 +601,7 @@ impl Engine {
                 round,
                 attempt,
                 model,
+                options,
                 not_before_ms,
                 heartbeat_details,
             }) => Some(ActivityInput::Model {
@@ -600,6 +617,7 @@ impl Engine {
                 tools: started.tools.clone(),
                 timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
                 heartbeat_details,
+                options,
             }),
             Some(ScheduledActivity::Summary {
                 turn,
@@ -622,6 +640,8 @@ impl Engine {
                 tools: started.tools.clone(),
                 timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
                 heartbeat_details: None,
+                // A summary is plain text: no forced tool call, no server tools.
+                options: cairn_ledger::CallOptions::default(),
             }),
             Some(ScheduledActivity::Tool {
                 turn,
