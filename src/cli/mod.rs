@@ -6,6 +6,7 @@
 
 pub mod approvals;
 pub mod budget;
+pub mod call_options;
 pub mod chat;
 pub mod cleanup;
 pub mod compaction;

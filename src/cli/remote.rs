@@ -31,6 +31,8 @@ pub struct RunRequest {
     pub compaction: super::compaction::CompactionArgs,
     /// Tools a new session offers besides the built-in ones (those of `--mcp-config`).
     pub extra_tools: Vec<cairn_ledger::ToolSpec>,
+    /// Tool choice, server tools and prompt caching.
+    pub call_options: super::call_options::CallOptionArgs,
 }
 
 impl Remote {
@@ -59,6 +61,7 @@ impl Remote {
             },
             None => None,
         };
+        let existed = existing.is_some();
         let description = match existing {
             Some(description) => {
                 crate::refuse_start_options(
@@ -73,6 +76,9 @@ impl Remote {
                 request
                     .compaction
                     .refuse_for_existing(&description.session_id)?;
+                request
+                    .call_options
+                    .refuse_for_existing(&description.session_id)?;
                 description
             }
             None => {
@@ -83,6 +89,7 @@ impl Remote {
                 let mut options = SessionOptions::new(request.model.clone(), tools);
                 options.tool_policy = tool_policy;
                 options.compaction = request.compaction.session_policy()?;
+                options.call_options = request.call_options.session_options();
                 options.session_id = request.session.clone();
                 options.system_prompt = request.system.clone();
                 if let Some(max_rounds) = request.max_rounds {
@@ -108,13 +115,24 @@ impl Remote {
                 note!("{}", crate::describe(&outcome));
             }
         }
-        let turn = match description.model {
-            Some(model) if model != request.model => {
+        let turn_model = match description.model {
+            Some(model) if model != request.model => Some(request.model),
+            _ => None,
+        };
+        // A new session recorded the tool choice; an existing one takes it for this turn.
+        let turn_choice = request.call_options.tool_choice.clone().filter(|_| existed);
+        let turn = match (turn_model, turn_choice) {
+            (model, Some(choice)) => {
                 client
-                    .send_with_model(&session_id, &request.prompt, request.model)
+                    .send_with_tool_choice(&session_id, &request.prompt, model, choice)
                     .await?
             }
-            _ => client.send(&session_id, &request.prompt).await?,
+            (Some(model), None) => {
+                client
+                    .send_with_model(&session_id, &request.prompt, model)
+                    .await?
+            }
+            (None, None) => client.send(&session_id, &request.prompt).await?,
         };
         let outcome = follow_turn(client, &mut stream, &mut writer, &session_id, turn).await?;
         showln!();

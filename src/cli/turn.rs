@@ -41,13 +41,28 @@ impl Watch<'_> {
         prompt: &str,
         model: Option<ModelSpec>,
     ) -> anyhow::Result<TurnOutcome> {
+        self.send_with(prompt, model, None).await
+    }
+
+    /// [`Watch::send`], with a tool choice for this turn when given.
+    pub async fn send_with(
+        &self,
+        prompt: &str,
+        model: Option<ModelSpec>,
+        tool_choice: Option<cairn_ledger::ToolChoice>,
+    ) -> anyhow::Result<TurnOutcome> {
         let after_seq = self.last_seq().await?;
         // Following from the last event before the message: nothing of the turn is missed.
         let live = self.live(after_seq).await?;
         let client = &self.host.client;
-        let turn = match model {
-            Some(model) => client.send_with_model(self.session_id, prompt, model).await,
-            None => client.send(self.session_id, prompt).await,
+        let turn = match (model, tool_choice) {
+            (model, Some(choice)) => {
+                client
+                    .send_with_tool_choice(self.session_id, prompt, model, choice)
+                    .await
+            }
+            (Some(model), None) => client.send_with_model(self.session_id, prompt, model).await,
+            (None, None) => client.send(self.session_id, prompt).await,
         };
         let turn = match turn {
             Ok(turn) => turn,
