@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 fn started() -> SessionStarted {
     SessionStarted {
+        call_options: Default::default(),
         queues: Default::default(),
         forked_from: None,
         workflow_version: cairn_runtime::WORKFLOW_VERSION,
@@ -85,6 +86,7 @@ fn history(events: usize) -> Vec<EventEnvelope> {
             &mut state,
             &mut out,
             Event::UserMessage {
+                tool_choice: None,
                 turn,
                 text: "what is (17+25)*3?".into(),
                 model: None,

@@ -22,6 +22,7 @@ const SESSIONS: usize = 1_000;
 
 fn started() -> SessionStarted {
     SessionStarted {
+        call_options: Default::default(),
         queues: Default::default(),
         forked_from: None,
         workflow_version: cairn_runtime::WORKFLOW_VERSION,

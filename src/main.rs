@@ -103,6 +103,9 @@ enum Command {
         /// Compaction policy of a new session (refused for an existing one).
         #[command(flatten)]
         compaction: cli::compaction::CompactionArgs,
+        /// Tool choice, server tools and prompt caching.
+        #[command(flatten)]
+        call_options: cli::call_options::CallOptionArgs,
         /// Print nothing while the turn runs, then its outcome as one JSON object.
         #[arg(long)]
         json: bool,
@@ -656,6 +659,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             policy,
             budget,
             compaction,
+            call_options,
             json,
             mcp_config,
             attach,
@@ -705,6 +709,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         policy,
                         budget: *budget,
                         compaction,
+                        call_options,
                         extra_tools: mcp_tools,
                         json,
                     };
@@ -713,12 +718,16 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             check_provider(&model)?;
             host.engine.set_prices(prices);
+            // An existing session's turn takes --tool-choice for itself.
+            let mut turn_tool_choice = None;
             let session_id = match session {
                 Some(id) if session_exists(&host, &id).await? => {
                     refuse_start_options(&id, &system, max_rounds)?;
                     refuse_policy_options(&id, &policy)?;
                     budget.refuse_for_existing(&id)?;
                     compaction.refuse_for_existing(&id)?;
+                    call_options.refuse_for_existing(&id)?;
+                    turn_tool_choice = call_options.tool_choice.clone();
                     let state = host.engine.state(&id).await?;
                     cli::workdir::refuse_other(&state, workdir_given.as_deref())?;
                     note!("session {id}");
@@ -730,6 +739,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     let mut options = SessionOptions::new(model.clone(), tools);
                     options.tool_policy = tool_policy;
                     options.compaction = compaction.session_policy()?;
+                    options.call_options = call_options.session_options();
                     options.session_id = requested;
                     options.system_prompt = system;
                     options.workdir = Some(cli::workdir::to_record(&workdir)?);
@@ -756,7 +766,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let mut watch = watch(&host, &session_id, !hide_thinking);
             watch.quiet = json;
-            let outcome = watch.send(&prompt, turn_model, media).await?;
+            let outcome = watch
+                .send_with(&prompt, turn_model, media, turn_tool_choice)
+                .await?;
             cli::turn::report(&session_id, &outcome, json)?;
             host.shutdown().await;
             Ok(outcome_code(&outcome))
@@ -869,6 +881,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 model: spec,
                 transcript: state.transcript.clone(),
                 tools: started.tools.clone(),
+                options: state.active.as_ref().map_or_else(
+                    || started.call_options.for_call(None, 0),
+                    |a| {
+                        started
+                            .call_options
+                            .for_call(a.tool_choice.as_ref(), a.round)
+                    },
+                ),
             };
             let body = render_request(format, &request)?;
             outln!("{}", serde_json::to_string_pretty(&body)?)?;

@@ -149,6 +149,7 @@ async fn a_user_image_and_a_tool_result_image_live_after_a_restart_and_in_replay
         text: "hi".into(),
         model: None,
         media: Vec::new(),
+        tool_choice: None,
     };
     let encoded = serde_json::to_string(&text_only).unwrap();
     assert_eq!(encoded, r#"{"user_message":{"turn":2,"text":"hi"}}"#);

@@ -498,6 +498,7 @@ async fn a_full_disk_fails_appends_clearly_and_keeps_every_acknowledged_event() 
             seq,
             seq,
             Event::UserMessage {
+                tool_choice: None,
                 turn: 1,
                 text,
                 model: None,

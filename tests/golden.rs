@@ -64,6 +64,7 @@ fn sample_events() -> Vec<Event> {
     };
     vec![
         Event::SessionStarted(SessionStarted {
+            call_options: Default::default(),
             queues: Default::default(),
             forked_from: None,
             workflow_version: 1,
@@ -96,6 +97,7 @@ fn sample_events() -> Vec<Event> {
             workdir: None,
         }),
         Event::UserMessage {
+            tool_choice: None,
             turn: 1,
             text: "hello".into(),
             model: None,
@@ -632,6 +634,90 @@ fn check_text(relative: &str, actual: &str) {
             line + 1,
             expected.lines().nth(line).unwrap_or("<end>"),
             actual.lines().nth(line).unwrap_or("<end>")
+        );
+    }
+}
+
+/// Issue 14 §2's shapes, added after v1 and left out of records without them: a session's
+/// call options, a turn's tool choice, and a response with an opaque part and cited text.
+#[test]
+fn call_options_tool_choice_and_opaque_parts_have_golden_bytes() {
+    let Event::SessionStarted(mut started) = sample_events().remove(0) else {
+        panic!("the first sample is a session_started");
+    };
+    started.call_options = CallOptions {
+        tool_choice: Some(ToolChoice::Tool("calculator".into())),
+        server_tools: vec![
+            ServerTool {
+                kind: ServerToolKind::WebSearch,
+                max_uses: Some(3),
+            },
+            ServerTool {
+                kind: ServerToolKind::WebFetch,
+                max_uses: None,
+            },
+        ],
+        no_prompt_cache: true,
+    };
+    let family = |json: &str| ProviderJson::new("anthropic", JsonText::parse(json).unwrap());
+    let events = [
+        ("session_started", Event::SessionStarted(started)),
+        (
+            "user_message",
+            Event::UserMessage {
+                turn: 1,
+                text: "search".into(),
+                model: None,
+                media: Vec::new(),
+                tool_choice: Some(ToolChoice::None),
+            },
+        ),
+        (
+            "model_call_completed",
+            Event::ModelCallCompleted {
+                turn: 1,
+                round: 0,
+                attempt: 1,
+                response: ModelResponse {
+                    provider: "anthropic".into(),
+                    model: "claude-sonnet-4-5".into(),
+                    parts: vec![
+                        Part::Opaque(family(
+                            r#"{"type":"server_tool_use","id":"srvtoolu_1","name":"web_search","input":{"query": "x", "n": 9007199254740993}}"#,
+                        )),
+                        Part::Text {
+                            text: "cited".into(),
+                            item_id: None,
+                            citations: Some(family(
+                                r#"[{"type":"web_search_result_location","url":"https://e.example","cited_text":"c"}]"#,
+                            )),
+                        },
+                    ],
+                    stop_reason_raw: "end_turn".into(),
+                    stop_reason: StopReason::EndTurn,
+                    usage: Usage::default(),
+                },
+                cost_micros: None,
+            },
+        ),
+    ];
+    for (seq, (kind, event)) in events.into_iter().enumerate() {
+        let envelope =
+            EventEnvelope::new("golden-options", seq as u64 + 1, 1_700_000_000_000, event);
+        let path = golden_dir().join(format!("events/options-{kind}.bin"));
+        let bytes = codec::encode(&envelope).unwrap();
+        if bless() || !path.exists() {
+            std::fs::write(&path, &bytes).unwrap();
+        }
+        let stored = std::fs::read(&path).unwrap();
+        assert_eq!(
+            codec::decode("golden-options", seq as u64 + 1, &stored).unwrap(),
+            envelope,
+            "{kind}"
+        );
+        assert_eq!(
+            bytes, stored,
+            "the encoding of {kind} with call options changed"
         );
     }
 }

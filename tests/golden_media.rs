@@ -39,6 +39,7 @@ fn a_user_message_with_media_has_golden_bytes() {
             turn: 1,
             text: "compare these".into(),
             model: None,
+            tool_choice: None,
             media: vec![
                 Media::image_base64("image/png", "iVBORw0KGgo="),
                 Media {

@@ -171,6 +171,7 @@ async fn an_imported_interrupted_session_resumes() {
         let model = cairn_ledger::ModelSpec::parse(&format!("scripted:{}", files.script.display()))
             .unwrap();
         let started = SessionStarted {
+            call_options: Default::default(),
             model,
             tools: Vec::new(),
             system_prompt: None,

@@ -23,6 +23,7 @@ mod lifecycle;
 mod mcp;
 mod postgres;
 mod powercut;
+mod provider_features;
 mod providers;
 mod remote;
 mod remote_run;

@@ -50,6 +50,7 @@ async fn record_missing_argument_session(script: &Path, workflow_version: u32) -
     let store = Arc::new(MemoryStore::new());
     let engine = Engine::new(store.clone(), Arc::new(ManualClock::new(1_700_000_000_000)));
     let started = SessionStarted {
+        call_options: Default::default(),
         model: ModelSpec::parse(&format!("scripted:{}", script.display())).expect("spec"),
         tools: vec![calculator()],
         system_prompt: None,

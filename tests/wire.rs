@@ -53,6 +53,7 @@ fn worker_protocol_messages_round_trip_byte_exact() {
         heartbeat_ms: None,
     };
     let model = ActivityInput::Model {
+        options: Default::default(),
         origin: origin.clone(),
         round: 1,
         model: ModelSpec::parse("scripted:demo.json").expect("spec"),

@@ -14,6 +14,6 @@ mod tools;
 pub use context::ActivityContext;
 pub use error::{Error, ErrorKind, Result};
 pub use model::{CallContext, DeltaSink, ModelProvider, ModelRequest, NoDeltas};
-pub use scripted::{Script, ScriptedProvider, DEMO_SCRIPT};
+pub use scripted::{ReceivedCall, Script, ScriptedProvider, DEMO_SCRIPT};
 pub use tool::{PolicySubject, SubjectKind, Tool, ToolCall, ToolOutput, ToolRegistry};
 pub use tools::{Calculator, EditFile, ListDir, ReadFile, Shell, WriteFile};

@@ -4,7 +4,7 @@
 use crate::context::ActivityContext;
 use crate::error::Result;
 use async_trait::async_trait;
-use cairn_ledger::{Delta, ModelResponse, ModelSpec, ToolSpec, Transcript};
+use cairn_ledger::{CallOptions, Delta, ModelResponse, ModelSpec, ToolSpec, Transcript};
 use serde::{Deserialize, Serialize};
 
 /// Where a model call sits in its session, for logs, idempotency and deterministic providers.
@@ -31,6 +31,9 @@ pub struct ModelRequest {
     pub transcript: Transcript,
     /// The tools the model may call.
     pub tools: Vec<ToolSpec>,
+    /// This call's options: tool choice, server tools, prompt caching.
+    #[serde(default, skip_serializing_if = "CallOptions::is_default")]
+    pub options: CallOptions,
 }
 
 /// Receives the fragments of a response while it streams.

@@ -36,6 +36,9 @@
 //! ```
 //!
 //! Top level:
+//! - `provider` (optional): the provider family its responses (and their opaque parts and
+//!   citations) carry; default `scripted`. A request is seen as that family would render it
+//!   (other families' reasoning, opaque parts and citations dropped; see [`ReceivedCall`]).
 //! - `model` (optional): the model name in every response; default `scripted`.
 //! - `chunk_delay_ms` (optional, default 0): pause between streamed deltas.
 //! - `summary` (optional): the text a summary call of compaction (a request that ends with
@@ -52,6 +55,9 @@
 //!     required and non-empty (unsigned thinking cannot be sent back to a provider); `text`
 //!     defaults to empty.
 //!   - `{"type": "redacted_thinking", "data": ...}`: opaque reasoning, non-empty.
+//!   - `{"type": "opaque", "block": <JSON>, "provider": ...}`: a block the ledger does not model
+//!     ([`Part::Opaque`]), kept as its exact text for `provider` (default: the script's).
+//!   - A text part may carry `"citations": <JSON>`, kept for the script's family.
 //!   - `{"type": "tool_use", "id": ..., "name": ..., "input": <JSON> | "arguments": "<text>",
 //!     "signature": ...}`: a tool call. Exactly one of `input` (any JSON value, stored as compact
 //!     JSON text with key order and number text preserved) or `arguments` (the exact arguments
@@ -91,13 +97,16 @@ use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{CallContext, DeltaSink, ModelProvider, ModelRequest};
 use async_trait::async_trait;
-use cairn_ledger::{Delta, ModelResponse, Part, Role, StopReason, ToolUse, Usage};
+use cairn_ledger::{
+    CallOptions, Delta, JsonText, ModelResponse, Part, ProviderJson, Role, StopReason, ToolUse,
+    Transcript, Usage,
+};
 use serde::de::IgnoredAny;
 use serde::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// The provider family name of scripted responses.
@@ -117,6 +126,7 @@ pub const DEMO_SCRIPT: &str = include_str!("../scripts/demo.json");
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Script {
     path: String,
+    provider: String,
     model: String,
     chunk_delay: Duration,
     context_window_tokens: Option<u64>,
@@ -160,6 +170,11 @@ impl Script {
         &self.path
     }
 
+    /// The provider family its responses carry (and its opaque parts and citations).
+    pub fn provider(&self) -> &str {
+        &self.provider
+    }
+
     /// The model name its responses carry.
     pub fn model(&self) -> &str {
         &self.model
@@ -190,6 +205,21 @@ impl Script {
 #[derive(Debug, Clone)]
 pub struct ScriptedProvider {
     script: Arc<Script>,
+    /// The calls received, when recording ([`ScriptedProvider::recording`]).
+    received: Option<Arc<Mutex<Vec<ReceivedCall>>>>,
+}
+
+/// What a recording scripted provider received in one call, as a real provider of its family
+/// would render it: the transcript prepared for the family (other families' reasoning, opaque
+/// parts and citations dropped) and the call's options.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReceivedCall {
+    /// Where the call sits in its session.
+    pub context: CallContext,
+    /// The transcript as this family receives it.
+    pub transcript: Transcript,
+    /// The call's options (tool choice, server tools, prompt caching).
+    pub options: CallOptions,
 }
 
 impl ScriptedProvider {
@@ -200,6 +230,24 @@ impl ScriptedProvider {
     pub fn new(script: Script) -> Self {
         ScriptedProvider {
             script: Arc::new(script),
+            received: None,
+        }
+    }
+
+    /// This provider, keeping every call it receives (for tests: see [`Self::received`]).
+    pub fn recording(mut self) -> Self {
+        self.received = Some(Arc::default());
+        self
+    }
+
+    /// The calls received so far, oldest first; empty unless [`Self::recording`].
+    pub fn received(&self) -> Vec<ReceivedCall> {
+        match &self.received {
+            Some(log) => match log.lock() {
+                Ok(calls) => calls.clone(),
+                Err(poisoned) => poisoned.into_inner().clone(),
+            },
+            None => Vec::new(),
         }
     }
 
@@ -227,7 +275,7 @@ impl ScriptedProvider {
 #[async_trait]
 impl ModelProvider for ScriptedProvider {
     fn provider(&self) -> &str {
-        PROVIDER
+        &self.script.provider
     }
 
     // Activities are the impure edge: the scripted latency stands in for a real network call.
@@ -239,6 +287,20 @@ impl ModelProvider for ScriptedProvider {
         context: &ActivityContext,
     ) -> Result<ModelResponse> {
         let script = &self.script;
+        // What a real provider of this family would be sent: the same rules of provenance
+        // (a switch inside a tool loop refused, other families' provider-bound parts dropped).
+        let prepared = crate::providers::prepare_transcript(&request.transcript, &script.provider)?;
+        if let Some(log) = &self.received {
+            let call = ReceivedCall {
+                context: request.context.clone(),
+                transcript: prepared,
+                options: request.options.clone(),
+            };
+            match log.lock() {
+                Ok(mut calls) => calls.push(call),
+                Err(poisoned) => poisoned.into_inner().push(call),
+            }
+        }
         if let Some(window) = script.context_window_tokens {
             let estimate = cairn_ledger::estimate_tokens(&request.transcript);
             if estimate > window {
@@ -268,7 +330,7 @@ impl ModelProvider for ScriptedProvider {
                 });
             };
             let response = ModelResponse {
-                provider: PROVIDER.to_owned(),
+                provider: script.provider.clone(),
                 model: script.model.clone(),
                 parts: vec![Part::text(summary.clone())],
                 stop_reason_raw: "end_turn".to_owned(),
@@ -386,7 +448,8 @@ async fn stream(response: &ModelResponse, chunk_delay: Duration, sink: &dyn Delt
             | Part::ReasoningItem { .. }
             | Part::ToolResult(_)
             | Part::Image { .. }
-            | Part::Media(_) => {}
+            | Part::Media(_)
+            | Part::Opaque(_) => {}
         }
     }
     for (i, delta) in deltas.into_iter().enumerate() {
@@ -444,6 +507,8 @@ fn fragments(text: &str, max_bytes: usize) -> impl Iterator<Item = &str> {
 #[serde(deny_unknown_fields, expecting = "a script object")]
 struct RawScript<'a> {
     #[serde(default)]
+    provider: Option<String>,
+    #[serde(default)]
     model: Option<String>,
     #[serde(default)]
     chunk_delay_ms: u64,
@@ -491,6 +556,7 @@ enum PartKind {
     Thinking,
     RedactedThinking,
     ToolUse,
+    Opaque,
 }
 
 /// Reads only a part's `type`, to choose the strict parser for the rest.
@@ -503,10 +569,23 @@ struct PartTag {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a text part")]
-struct TextPart {
+struct TextPart<'a> {
     #[serde(rename = "type")]
     _kind: IgnoredAny,
     text: String,
+    #[serde(default, borrow)]
+    citations: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "an opaque part")]
+struct OpaquePart<'a> {
+    #[serde(rename = "type")]
+    _kind: IgnoredAny,
+    #[serde(default)]
+    provider: Option<String>,
+    #[serde(borrow)]
+    block: &'a RawValue,
 }
 
 #[derive(Deserialize)]
@@ -560,6 +639,13 @@ impl<'t> Loader<'t> {
     fn load(&self) -> Result<Script> {
         let raw: RawScript<'t> =
             serde_json::from_str(self.text).map_err(|e| self.json_error(None, self.text, &e))?;
+        let provider = match raw.provider {
+            Some(provider) if provider.is_empty() => {
+                return Err(self.error(None, self.text, "\"provider\" is empty"))
+            }
+            Some(provider) => provider,
+            None => PROVIDER.to_owned(),
+        };
         let model = match raw.model {
             Some(model) if model.is_empty() => {
                 return Err(self.error(None, self.text, "\"model\" is empty"))
@@ -579,7 +665,7 @@ impl<'t> Loader<'t> {
             .responses
             .iter()
             .enumerate()
-            .map(|(index, raw)| self.step(index, raw, &model, &mut tool_use_ids))
+            .map(|(index, raw)| self.step(index, raw, &provider, &model, &mut tool_use_ids))
             .collect::<Result<Vec<_>>>()?;
         let with_turn = steps.iter().filter(|s| s.turn.is_some()).count();
         if with_turn != 0 && with_turn != steps.len() {
@@ -592,6 +678,7 @@ impl<'t> Loader<'t> {
         }
         Ok(Script {
             path: self.path.clone(),
+            provider,
             model,
             chunk_delay: Duration::from_millis(raw.chunk_delay_ms),
             context_window_tokens: raw.context_window_tokens,
@@ -604,6 +691,7 @@ impl<'t> Loader<'t> {
         &self,
         index: usize,
         raw: &'t RawValue,
+        provider: &str,
         model: &str,
         tool_use_ids: &mut BTreeMap<String, String>,
     ) -> Result<Step> {
@@ -614,7 +702,7 @@ impl<'t> Loader<'t> {
         let mut parts = Vec::with_capacity(response.parts.len());
         for (pi, raw_part) in response.parts.iter().enumerate() {
             let part_here = format!("{here}.parts[{pi}]");
-            let part = self.part(&part_here, raw_part.get())?;
+            let part = self.part(&part_here, raw_part.get(), provider)?;
             if let Part::ToolUse(tool_use) = &part {
                 if let Some(first) = tool_use_ids.insert(tool_use.id.clone(), part_here.clone()) {
                     return Err(self.error(
@@ -636,7 +724,7 @@ impl<'t> Loader<'t> {
             .unwrap_or_else(|| if has_tool_use { "tool_use" } else { "end_turn" }.to_owned());
         let usage = response.usage;
         let model_response = ModelResponse {
-            provider: PROVIDER.to_owned(),
+            provider: provider.to_owned(),
             model: model.to_owned(),
             parts,
             stop_reason: stop_reason(&stop_reason_raw),
@@ -678,13 +766,29 @@ impl<'t> Loader<'t> {
         })
     }
 
-    fn part(&self, here: &str, source: &'t str) -> Result<Part> {
+    fn part(&self, here: &str, source: &'t str, provider: &str) -> Result<Part> {
         let parse_error = |e: serde_json::Error| self.json_error(Some(here), source, &e);
         let tag: PartTag = serde_json::from_str(source).map_err(parse_error)?;
+        let provider_json = |raw: &RawValue, family: Option<String>| {
+            JsonText::parse(raw.get())
+                .map(|json| ProviderJson::new(family.unwrap_or_else(|| provider.to_owned()), json))
+                .map_err(|e| self.error(Some(here), source, &e.to_string()))
+        };
         Ok(match tag.kind {
             PartKind::Text => {
-                let p: TextPart = serde_json::from_str(source).map_err(parse_error)?;
-                Part::text(p.text)
+                let p: TextPart<'t> = serde_json::from_str(source).map_err(parse_error)?;
+                Part::Text {
+                    text: p.text,
+                    item_id: None,
+                    citations: match p.citations {
+                        Some(raw) => Some(provider_json(raw, None)?),
+                        None => None,
+                    },
+                }
+            }
+            PartKind::Opaque => {
+                let p: OpaquePart<'t> = serde_json::from_str(source).map_err(parse_error)?;
+                Part::Opaque(provider_json(p.block, p.provider)?)
             }
             PartKind::Thinking => {
                 let p: ThinkingPart = serde_json::from_str(source).map_err(parse_error)?;
@@ -873,6 +977,7 @@ mod tests {
 
     fn request(transcript: Transcript, attempt: u32) -> ModelRequest {
         ModelRequest {
+            options: Default::default(),
             context: CallContext {
                 session_id: "s1".into(),
                 turn: 1,

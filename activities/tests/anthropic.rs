@@ -113,6 +113,7 @@ fn calc() -> ToolSpec {
 
 fn request(transcript: Transcript, thinking: Option<u32>) -> ModelRequest {
     ModelRequest {
+        options: Default::default(),
         context: CallContext::default(),
         model: ModelSpec {
             provider: PROVIDER.into(),
@@ -249,10 +250,13 @@ async fn thinking_text_and_parallel_tool_calls_stream_into_the_canonical_respons
         sent.json(),
         json!({
             "model": MODEL, "max_tokens": 16000, "stream": true,
-            "system": [{"type": "text", "text": "Be brief."}],
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "Add the numbers."}]}],
+            // Prompt-cache breakpoints: the system prompt, the tools, the last message.
+            "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Add the numbers.",
+                "cache_control": {"type": "ephemeral"}}]}],
             "tools": [{"name": "calc", "description": "Adds two numbers", "input_schema":
-                {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}],
+                {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+                "cache_control": {"type": "ephemeral"}}],
             "thinking": {"type": "enabled", "budget_tokens": 4000}
         })
     );
@@ -421,8 +425,19 @@ async fn the_follow_up_request_echoes_thinking_and_arguments_byte_for_byte() {
              "content": [{"type": "text", "text": format!(r#"{{"sum": {BIG}, "unit": null}}"#)}],
              "is_error": false},
             {"type": "tool_result", "tool_use_id": "toolu_01B",
-             "content": "division by zero", "is_error": true}
+             "content": "division by zero", "is_error": true,
+             // The caching rule's breakpoint on the last block of the last message.
+             "cache_control": {"type": "ephemeral"}}
         ]})
+    );
+    // And on the system prompt and the tools.
+    assert_eq!(
+        body["system"],
+        json!([{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}])
+    );
+    assert_eq!(
+        body["tools"][0]["cache_control"],
+        json!({"type": "ephemeral"})
     );
     // The ids the results answer are the ids of the tool_uses, in declaration order.
     assert_eq!(
@@ -432,10 +447,6 @@ async fn the_follow_up_request_echoes_thinking_and_arguments_byte_for_byte() {
     assert_eq!(
         messages[1]["content"][3]["id"],
         messages[2]["content"][1]["tool_use_id"]
-    );
-    assert_eq!(
-        body["system"],
-        json!([{"type": "text", "text": "Be brief."}])
     );
 }
 
@@ -711,16 +722,26 @@ async fn malformed_streams_are_typed_errors() {
     .await;
     assert_stream(&err, ErrorKind::Transient, "api_error");
 
-    // A block type cairn cannot send back.
+    // A block without a type: nothing to keep it as.
+    let err = stream_fails(&[head(), start(0, json!({"text": "x"}))]).await;
+    assert_stream(&err, ErrorKind::InvalidResponse, "block 0 has no type");
+
+    // A kept (opaque) block takes only input fragments: another delta would change it in a
+    // way cairn cannot follow.
     let err = stream_fails(&[
         head(),
         start(
             0,
             json!({"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}}),
         ),
+        text_delta(0, "x"),
     ])
     .await;
-    assert_stream(&err, ErrorKind::InvalidResponse, "\"server_tool_use\"");
+    assert_stream(
+        &err,
+        ErrorKind::InvalidResponse,
+        "a \"text_delta\" delta cannot apply to block 0, a server_tool_use block kept as received",
+    );
 }
 
 #[tokio::test]

@@ -79,6 +79,7 @@ fn tools() -> Vec<ToolSpec> {
 
 fn request(model: &str, transcript: Transcript, thinking: bool) -> ModelRequest {
     ModelRequest {
+        options: Default::default(),
         context: CallContext::default(),
         model: ModelSpec {
             provider: PROVIDER.into(),

@@ -12,6 +12,7 @@ use std::sync::Mutex;
 
 fn request(transcript: &Transcript, tools: &ToolRegistry, round: u32) -> ModelRequest {
     ModelRequest {
+        options: Default::default(),
         context: CallContext {
             session_id: "demo".into(),
             turn: 1,

@@ -35,6 +35,7 @@ fn context(attempt: u32) -> CallContext {
 
 fn request(transcript: Transcript) -> ModelRequest {
     ModelRequest {
+        options: Default::default(),
         context: context(1),
         model: ModelSpec {
             provider: "openai".into(),

@@ -66,6 +66,7 @@ fn expected_response() -> ModelResponse {
                 item: JsonText::parse(REASONING).unwrap(),
             },
             Part::Text {
+                citations: None,
                 text: "Checking both.".into(),
                 item_id: Some("msg_1".into()),
             },
@@ -96,6 +97,7 @@ fn expected_response() -> ModelResponse {
 
 fn request(transcript: Transcript) -> ModelRequest {
     ModelRequest {
+        options: Default::default(),
         context: CallContext::default(),
         model: ModelSpec {
             provider: PROVIDER.into(),

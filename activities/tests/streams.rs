@@ -22,6 +22,7 @@ fn request(provider: &str) -> ModelRequest {
     let mut transcript = Transcript::new();
     transcript.push_user_text("hi");
     ModelRequest {
+        options: Default::default(),
         context: CallContext::default(),
         model: ModelSpec {
             provider: provider.into(),

@@ -142,6 +142,9 @@ pub enum Violation {
     },
     /// A tool result made of blocks has none.
     EmptyToolResultBlocks,
+    /// An opaque part (or a text's citations) names no provider family, so no provider could
+    /// ever be sent it.
+    ProviderJsonWithoutFamily,
 }
 
 impl fmt::Display for Violation {
@@ -182,6 +185,10 @@ impl fmt::Display for Violation {
                 "assistant message with tool_use is not followed by a user message of tool_results"
             ),
             Violation::EmptyResponse => write!(f, "response has no parts"),
+            Violation::ProviderJsonWithoutFamily => write!(
+                f,
+                "opaque part or citations without a provider family; no provider could be sent it"
+            ),
             Violation::TruncatedToolUse { tool_use_id } => write!(
                 f,
                 "response hit max_tokens inside tool_use {tool_use_id:?}; the call is incomplete"

@@ -6,6 +6,7 @@ mod error;
 pub mod file_versions;
 mod json;
 mod media;
+mod options;
 mod projection;
 mod request;
 mod response;
@@ -24,10 +25,12 @@ pub use media::{
     media_type_for_extension, sniff_image_media_type, Media, MediaKind, MediaSource,
     ToolResultBlock, DOCUMENT_MEDIA_TYPES, IMAGE_MEDIA_TYPES,
 };
+pub use options::{CallOptions, ServerTool, ServerToolKind, ToolChoice};
 pub use projection::{project_tool_result, PREVIEW_BYTES, TRANSCRIPT_RESULT_LIMIT_BYTES};
 pub use request::{Delta, ModelSpec, ToolSpec};
 pub use response::{ModelResponse, StopReason, Usage};
 pub use transcript::{
-    Message, Part, Provenance, Role, ToolResult, ToolResultContent, ToolUse, Transcript,
+    Message, Part, Provenance, ProviderJson, Role, ToolResult, ToolResultContent, ToolUse,
+    Transcript,
 };
 pub use validate::{validate_response, validate_transcript};

@@ -156,6 +156,10 @@ pub enum Part {
         /// back (OpenAI Responses `msg_…` items, which a reasoning item is paired with).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         item_id: Option<String>,
+        /// The citations the provider attached to this text, kept raw: shown to no one, sent
+        /// back only to the family that produced them (the text itself goes to every provider).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        citations: Option<ProviderJson>,
     },
     /// Reasoning with the provider's signature. Kept byte-exact and in position.
     Thinking {
@@ -195,6 +199,34 @@ pub enum Part {
     },
     /// An image or a document (user messages only), by its bytes or a URL.
     Media(Media),
+    /// A block the ledger does not model (a server tool's call or result, a new block type),
+    /// kept exactly as the provider sent it and in position: sent back verbatim to the same
+    /// provider family, dropped for any other.
+    Opaque(ProviderJson),
+}
+
+/// JSON a provider family produced, kept as its exact text for that family alone.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ProviderJson {
+    /// The provider family, e.g. `anthropic`, `openai-responses`.
+    pub provider: String,
+    /// The JSON exactly as received.
+    pub json: JsonText,
+}
+
+impl ProviderJson {
+    /// `json` of `provider`.
+    pub fn new(provider: impl Into<String>, json: JsonText) -> Self {
+        ProviderJson {
+            provider: provider.into(),
+            json,
+        }
+    }
+
+    /// The JSON when it belongs to `family`.
+    pub fn for_family(&self, family: &str) -> Option<&JsonText> {
+        (self.provider == family).then_some(&self.json)
+    }
 }
 
 impl Part {
@@ -203,6 +235,7 @@ impl Part {
         Part::Text {
             text: text.into(),
             item_id: None,
+            citations: None,
         }
     }
 
@@ -218,6 +251,7 @@ impl Part {
             Part::ToolResult(_) => "tool_result",
             Part::Image { .. } => "image",
             Part::Media(media) => media.kind.as_str(),
+            Part::Opaque(_) => "opaque",
         }
     }
 
@@ -230,6 +264,30 @@ impl Part {
                 | Part::Reasoning { .. }
                 | Part::ReasoningItem { .. }
         )
+    }
+
+    /// Whether this part may only go back to the provider family that produced it: reasoning
+    /// and opaque blocks (such a part of another family is dropped when the provider changes).
+    pub fn is_provider_bound(&self) -> bool {
+        self.is_reasoning() || matches!(self, Part::Opaque(_))
+    }
+
+    /// This part as `family` may receive it: `None` when it is an opaque block of another
+    /// family; text loses the citations of another family.
+    pub fn for_family(&self, family: &str) -> Option<Part> {
+        match self {
+            Part::Opaque(opaque) if opaque.provider != family => None,
+            Part::Text {
+                text,
+                item_id,
+                citations: Some(c),
+            } if c.provider != family => Some(Part::Text {
+                text: text.clone(),
+                item_id: item_id.clone(),
+                citations: None,
+            }),
+            other => Some(other.clone()),
+        }
     }
 }
 

@@ -95,6 +95,7 @@ fn check_parts(mi: usize, message: &Message) -> Result<()> {
             | Part::RedactedThinking { .. }
             | Part::Reasoning { .. }
             | Part::ReasoningItem { .. }
+            | Part::Opaque(_)
             | Part::ToolUse(_) => message.role == Role::Assistant,
             Part::ToolResult(_) | Part::Media(_) => message.role == Role::User,
         };
@@ -137,6 +138,10 @@ fn check_part(part: &Part) -> std::result::Result<(), Violation> {
         Part::ToolResult(r) if r.tool_use_id.is_empty() => Err(Violation::EmptyToolUseId),
         Part::ToolResult(r) => check_result_blocks(&r.content),
         Part::Media(media) => media.check(),
+        Part::Opaque(p)
+        | Part::Text {
+            citations: Some(p), ..
+        } if p.provider.is_empty() => Err(Violation::ProviderJsonWithoutFamily),
         _ => Ok(()),
     }
 }

@@ -45,6 +45,7 @@ const LEASE_MS: u64 = 60_000;
 
 fn started() -> SessionStarted {
     SessionStarted {
+        call_options: Default::default(),
         queues: Default::default(),
         forked_from: None,
         workflow_version: cairn_runtime::WORKFLOW_VERSION,

@@ -5,7 +5,7 @@
 use crate::connection::{encode, Connection, Request, Subject, REQUEST_TIMEOUT};
 use crate::sse::StreamDecoder;
 use async_trait::async_trait;
-use cairn_ledger::{Media, ModelSpec, Transcript};
+use cairn_ledger::{Media, ModelSpec, ToolChoice, Transcript};
 use cairn_runtime::wire::{
     ApprovalDecided, ApprovalDecision, ApprovalRequest, CancelRequest, Cancelled,
     CompactionOutcome, CreateSession, Health, HistoryPage, SendMessage, SessionCreated,
@@ -93,6 +93,7 @@ impl Transport for HttpTransport {
             // None leaves the server's default: ask before calls of tools that ask by default.
             tool_policy: options.tool_policy,
             compaction: options.compaction,
+            call_options: options.call_options,
         };
         let subject = Subject {
             session_id: body.session_id.as_deref(),
@@ -115,11 +116,13 @@ impl Transport for HttpTransport {
         text: &str,
         model: Option<ModelSpec>,
         media: Vec<Media>,
+        tool_choice: Option<ToolChoice>,
     ) -> Result<u32> {
         let body = SendMessage {
             text: text.to_owned(),
             model,
             media,
+            tool_choice,
         };
         let path = format!("{}/messages", session_path(session_id));
         let started: TurnStarted = self

@@ -16,7 +16,7 @@ use crate::wire::{
 };
 use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
 use async_trait::async_trait;
-use cairn_ledger::{Media, ModelSpec, ToolSpec, Transcript};
+use cairn_ledger::{CallOptions, Media, ModelSpec, ToolChoice, ToolSpec, Transcript};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
@@ -47,6 +47,8 @@ pub struct SessionOptions {
     /// The absolute directory its tools work in (see [`SessionStarted::workdir`]); `None`:
     /// the worker's own.
     pub workdir: Option<String>,
+    /// The options of its model calls: tool choice, server tools, prompt caching.
+    pub call_options: CallOptions,
 }
 
 impl SessionOptions {
@@ -64,6 +66,7 @@ impl SessionOptions {
             tool_policy: None,
             compaction: None,
             workdir: None,
+            call_options: CallOptions::default(),
         }
     }
 
@@ -82,6 +85,7 @@ impl SessionOptions {
             tool_policy: self.tool_policy.clone(),
             compaction: self.compaction.clone(),
             workdir: self.workdir.clone(),
+            call_options: self.call_options.clone(),
         }
     }
 }
@@ -119,13 +123,15 @@ impl EventStream {
 pub trait Transport: Send + Sync + 'static {
     /// Starts a session; returns its id.
     async fn start_session(&self, options: SessionOptions) -> Result<String>;
-    /// Sends a message, starting a turn; returns its number.
+    /// Sends a message with its images and documents (ahead of the text) and, for this turn
+    /// only, a model and a tool choice instead of the session's; returns the turn's number.
     async fn send(
         &self,
         session_id: &str,
         text: &str,
         model: Option<ModelSpec>,
         media: Vec<Media>,
+        tool_choice: Option<ToolChoice>,
     ) -> Result<u32>;
     /// Waits up to `timeout` (`None`: as long as it takes) for turn `turn`'s outcome.
     async fn wait_turn(
@@ -230,7 +236,7 @@ impl Client {
     /// Sends a message, starting a turn; returns the turn number without waiting.
     pub async fn send(&self, session_id: &str, text: &str) -> Result<u32> {
         self.transport
-            .send(session_id, text, None, Vec::new())
+            .send(session_id, text, None, Vec::new(), None)
             .await
     }
 
@@ -244,7 +250,9 @@ impl Client {
         text: &str,
         media: Vec<Media>,
     ) -> Result<u32> {
-        self.transport.send(session_id, text, None, media).await
+        self.transport
+            .send(session_id, text, None, media, None)
+            .await
     }
 
     /// Sends a message with everything it may carry: images and documents (ahead of the text),
@@ -256,7 +264,9 @@ impl Client {
         model: Option<ModelSpec>,
         media: Vec<Media>,
     ) -> Result<u32> {
-        self.transport.send(session_id, text, model, media).await
+        self.transport
+            .send(session_id, text, model, media, None)
+            .await
     }
 
     /// Sends a message with a model for this turn only.
@@ -267,7 +277,37 @@ impl Client {
         model: ModelSpec,
     ) -> Result<u32> {
         self.transport
-            .send(session_id, text, Some(model), Vec::new())
+            .send(session_id, text, Some(model), Vec::new(), None)
+            .await
+    }
+
+    /// Sends a message with a tool choice for this turn only (and a model, when given),
+    /// instead of the session's.
+    pub async fn send_with_tool_choice(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        tool_choice: ToolChoice,
+    ) -> Result<u32> {
+        self.transport
+            .send(session_id, text, model, Vec::new(), Some(tool_choice))
+            .await
+    }
+
+    /// Sends a message with everything a turn may carry: images and documents (ahead of the
+    /// text), and for this turn only a model and a tool choice instead of the session's.
+    /// Returns the turn number without waiting.
+    pub async fn send_turn(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        media: Vec<Media>,
+        tool_choice: Option<ToolChoice>,
+    ) -> Result<u32> {
+        self.transport
+            .send(session_id, text, model, media, tool_choice)
             .await
     }
 
@@ -663,9 +703,10 @@ impl Transport for Local {
         text: &str,
         model: Option<ModelSpec>,
         media: Vec<Media>,
+        tool_choice: Option<ToolChoice>,
     ) -> Result<u32> {
         self.engine
-            .send_message_with_media(session_id, text, model, media)
+            .send_turn(session_id, text, model, media, tool_choice)
             .await
     }
 

@@ -55,6 +55,7 @@ fn event() -> impl Strategy<Value = Event> {
                 text,
                 model: None,
                 media,
+                tool_choice: None,
             }),
         (small.clone(), text(), small.clone(), text(), text()).prop_map(
             |(turn, tool_use_id, attempt, caption, data)| Event::ToolCallCompleted {

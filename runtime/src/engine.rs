@@ -100,6 +100,9 @@ pub enum ActivityInput {
         timeouts: ActivityTimeouts,
         /// Progress the previous attempt heartbeated last.
         heartbeat_details: Option<JsonText>,
+        /// The call's options: tool choice, server tools, prompt caching.
+        #[serde(default, skip_serializing_if = "cairn_ledger::CallOptions::is_default")]
+        options: cairn_ledger::CallOptions,
     },
     /// Run a tool.
     Tool {
@@ -385,7 +388,7 @@ impl Engine {
         text: &str,
         model: Option<ModelSpec>,
     ) -> Result<u32> {
-        self.send_message_with_media(session_id, text, model, Vec::new())
+        self.send_turn(session_id, text, model, Vec::new(), None)
             .await
     }
 
@@ -399,6 +402,20 @@ impl Engine {
         model: Option<ModelSpec>,
         media: Vec<Media>,
     ) -> Result<u32> {
+        self.send_turn(session_id, text, model, media, None).await
+    }
+
+    /// Sends a user message with its images and documents and, for this turn only, a model
+    /// and a tool choice instead of the session's; returns the turn's number. Bad media are
+    /// refused before anything is written.
+    pub async fn send_turn(
+        &self,
+        session_id: &str,
+        text: &str,
+        model: Option<ModelSpec>,
+        media: Vec<Media>,
+        tool_choice: Option<cairn_ledger::ToolChoice>,
+    ) -> Result<u32> {
         let mut turn = 0;
         self.submit(
             session_id,
@@ -409,6 +426,7 @@ impl Engine {
                     text: text.to_owned(),
                     model: model.clone(),
                     media: media.clone(),
+                    tool_choice: tool_choice.clone(),
                 }))
             },
             None,
@@ -640,6 +658,7 @@ impl Engine {
                 round,
                 attempt,
                 model,
+                options,
                 not_before_ms,
                 heartbeat_details,
             }) => Some(ActivityInput::Model {
@@ -655,6 +674,7 @@ impl Engine {
                 tools: started.tools.clone(),
                 timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
                 heartbeat_details,
+                options,
             }),
             Some(ScheduledActivity::Summary {
                 turn,
@@ -677,6 +697,8 @@ impl Engine {
                 tools: started.tools.clone(),
                 timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
                 heartbeat_details: None,
+                // A summary is plain text: no forced tool call, no server tools.
+                options: cairn_ledger::CallOptions::default(),
             }),
             Some(ScheduledActivity::Tool {
                 turn,

@@ -8,8 +8,8 @@ use crate::budget::{Budget, BudgetExceeded};
 use crate::compaction::{CompactionPolicy, CompactionTrigger};
 use crate::policy::ToolPolicy;
 use cairn_ledger::{
-    CompactionStrategy, JsonText, Media, ModelResponse, ModelSpec, ToolResultContent, ToolSpec,
-    Usage,
+    CallOptions, CompactionStrategy, JsonText, Media, ModelResponse, ModelSpec, ToolChoice,
+    ToolResultContent, ToolSpec, Usage,
 };
 use serde::{Deserialize, Serialize};
 
@@ -69,6 +69,9 @@ pub enum Event {
         /// the transcript's user message. Absent from text-only messages (and old histories).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         media: Vec<Media>,
+        /// A tool choice for this turn only, instead of the session's.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tool_choice: Option<ToolChoice>,
     },
     /// A model call was scheduled (its task enqueued in the same append).
     ModelCallScheduled {
@@ -396,6 +399,10 @@ pub struct SessionStarted {
     /// before it was recorded; left out of the record then.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workdir: Option<String>,
+    /// The options of its model calls: tool choice, the provider's server tools, prompt
+    /// caching. Left out of the record when all are unset, so other histories read the same.
+    #[serde(default, skip_serializing_if = "CallOptions::is_default")]
+    pub call_options: CallOptions,
 }
 
 fn first_workflow_version() -> u32 {

@@ -484,6 +484,7 @@ mod tests {
 
     fn started() -> Event {
         Event::SessionStarted(SessionStarted {
+            call_options: Default::default(),
             queues: Default::default(),
             forked_from: None,
             workflow_version: crate::workflow::WORKFLOW_VERSION,
@@ -506,6 +507,7 @@ mod tests {
         for event in [
             started(),
             Event::UserMessage {
+                tool_choice: None,
                 turn: 1,
                 text: format!("hello from {sid}"),
                 model: None,
@@ -553,6 +555,7 @@ mod tests {
             1,
             1,
             Event::UserMessage {
+                tool_choice: None,
                 turn: 1,
                 text: "x".to_owned(),
                 model: None,

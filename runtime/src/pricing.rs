@@ -243,6 +243,35 @@ mod tests {
         }
     }
 
+    /// Anthropic's documented prompt-cache multipliers of the base input price: 5-minute
+    /// cache writes cost 1.25×, cache reads 0.1×. Every Anthropic entry must follow them, and a
+    /// call's cache tokens are priced at those rates.
+    #[test]
+    fn anthropic_cache_reads_and_writes_are_priced_by_the_documented_multipliers() {
+        let table = PriceTable::built_in();
+        let mut checked = 0;
+        for ((provider, model), price) in &table.models {
+            if provider != "anthropic" {
+                continue;
+            }
+            assert_eq!(
+                price.cache_write * 100,
+                price.input * 125,
+                "{model} cache write"
+            );
+            assert_eq!(price.cache_read * 10, price.input, "{model} cache read");
+            checked += 1;
+        }
+        assert!(checked >= 5, "{checked} anthropic entries");
+        // 1000 cache writes × $3.75/M + 10000 cache reads × $0.30/M = 0.00375 + 0.003
+        let cost = table.cost(
+            "anthropic",
+            "claude-sonnet-4-5",
+            &usage(0, 0, 10_000, 1_000),
+        );
+        assert_eq!(cost, Some(6_750));
+    }
+
     #[test]
     fn the_built_in_table_parses_and_prices_dated_ids() {
         let table = PriceTable::parse("built-in", BUILT_IN_PRICES).expect("built-in table");

@@ -48,7 +48,7 @@ use crate::event::{EventEnvelope, Limits, Queues, RetryPolicy};
 use crate::policy::ToolPolicy;
 use crate::store::{Lease, SessionStatus};
 use crate::workflow::TurnOutcome;
-use cairn_ledger::{JsonText, ModelSpec, ToolSpec, Usage};
+use cairn_ledger::{CallOptions, JsonText, ModelSpec, ToolChoice, ToolSpec, Usage};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use utoipa::ToSchema;
@@ -103,6 +103,11 @@ pub struct CreateSession {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<schema::CompactionPolicy>)]
     pub compaction: Option<CompactionPolicy>,
+    /// The options of its model calls (tool choice, server tools, prompt caching); all unset
+    /// when absent.
+    #[serde(default, skip_serializing_if = "CallOptions::is_default")]
+    #[schema(value_type = Option<schema::CallOptions>)]
+    pub call_options: CallOptions,
 }
 
 /// The answer to `POST /v1/sessions/{id}/compact`: what compaction on request did.
@@ -189,6 +194,10 @@ pub struct SendMessage {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schema(value_type = Vec<schema::Media>)]
     pub media: Vec<cairn_ledger::Media>,
+    /// A tool choice for this turn only: `"auto"`, `"any"`, `"none"` or `{"tool": NAME}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<ToolChoice>,
 }
 
 /// `202` to [`SendMessage`].
@@ -641,6 +650,20 @@ pub mod schema {
         pub max_tokens: Option<u32>,
         /// Extended-thinking budget, when thinking is enabled.
         pub thinking_budget_tokens: Option<u32>,
+    }
+
+    /// The options of a session's model calls.
+    #[derive(Serialize, ToSchema)]
+    pub struct CallOptions {
+        /// Which tools the model may or must call: `"auto"`, `"any"`, `"none"` or
+        /// `{"tool": NAME}`. A forcing choice (any, a tool) holds for each turn's first call.
+        #[schema(value_type = Option<Object>)]
+        pub tool_choice: (),
+        /// The provider's own tools: `[{"kind": "web_search" | "web_fetch", "max_uses": N}]`.
+        #[schema(value_type = Option<Vec<Object>>)]
+        pub server_tools: (),
+        /// Turns Anthropic's prompt-cache breakpoints off.
+        pub no_prompt_cache: Option<bool>,
     }
 
     /// A tool as the model sees it.

@@ -18,8 +18,8 @@ use crate::event::{
 use crate::policy::PolicyDecision;
 use crate::store::{NewTask, TaskId, TaskKind};
 use cairn_ledger::{
-    validate_response, CompactionStrategy, JsonText, ModelResponse, ModelSpec, Part, StopReason,
-    ToolResult, ToolResultContent, ToolUse, Transcript, Usage,
+    validate_response, CallOptions, CompactionStrategy, JsonText, ModelResponse, ModelSpec, Part,
+    StopReason, ToolChoice, ToolResult, ToolResultContent, ToolUse, Transcript, Usage,
 };
 use std::collections::{BTreeSet, VecDeque};
 
@@ -384,6 +384,8 @@ pub struct ActiveTurn {
     pub round: u32,
     /// The model of this turn.
     pub model: ModelSpec,
+    /// The tool choice of this turn, when its message overrides the session's.
+    pub tool_choice: Option<ToolChoice>,
     /// What it waits for.
     pub phase: Phase,
     /// Usage of the turn's model call attempts so far.
@@ -407,6 +409,8 @@ pub enum ScheduledActivity {
         attempt: u32,
         /// The model.
         model: ModelSpec,
+        /// The call's options (the turn's tool choice for this round, the session's others).
+        options: CallOptions,
         /// When the attempt was due.
         not_before_ms: u64,
         /// Details the previous attempt heartbeated last.
@@ -547,6 +551,13 @@ impl SessionState {
                     round: active.round,
                     attempt: slot.attempt,
                     model: active.model.clone(),
+                    options: self
+                        .started
+                        .as_ref()
+                        .map_or_else(CallOptions::default, |s| {
+                            s.call_options
+                                .for_call(active.tool_choice.as_ref(), active.round)
+                        }),
                     not_before_ms: slot.not_before_ms,
                     heartbeat_details: slot.heartbeat_details.clone(),
                 })
@@ -1024,6 +1035,7 @@ impl SessionState {
                 text,
                 model,
                 media,
+                tool_choice,
             } => {
                 if self.cancelled {
                     return Err(self.invalid(seq, "session is cancelled"));
@@ -1057,6 +1069,7 @@ impl SessionState {
                     turn: *turn,
                     round: 0,
                     model,
+                    tool_choice: tool_choice.clone(),
                     phase: Phase::Model(ModelSlot {
                         attempt: 1,
                         scheduled_seq: None,

@@ -68,6 +68,7 @@ fn started() -> impl Strategy<Value = Event> {
                 ..default
             };
             Event::SessionStarted(SessionStarted {
+                call_options: Default::default(),
                 queues: Default::default(),
                 forked_from: None,
                 workflow_version: crate::workflow::WORKFLOW_VERSION,
@@ -169,6 +170,7 @@ fn event() -> impl Strategy<Value = Event> {
     prop_oneof![
         1 => started(),
         3 => turn.clone().prop_map(|turn| Event::UserMessage {
+            tool_choice: None,
             turn,
             text: "go".to_owned(),
             model: None,
@@ -289,6 +291,7 @@ fn targeted(state: &SessionState, step: Step) -> Option<Event> {
     };
     match step {
         Step::NextTurn => Some(Event::UserMessage {
+            tool_choice: None,
             turn: state.turns_started + 1,
             text: "go on".to_owned(),
             model: None,

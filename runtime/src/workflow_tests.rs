@@ -70,6 +70,7 @@ impl Live {
 
 pub(super) fn started(max_rounds: u32) -> SessionStarted {
     SessionStarted {
+        call_options: Default::default(),
         queues: Default::default(),
         forked_from: None,
         workflow_version: crate::workflow::WORKFLOW_VERSION,
@@ -161,6 +162,7 @@ pub(super) fn text(t: &str) -> Part {
 
 pub(super) fn user(turn: u32, t: &str) -> Event {
     Event::UserMessage {
+        tool_choice: None,
         turn,
         text: t.into(),
         model: None,
@@ -1163,6 +1165,7 @@ fn step_routes_tasks_on_the_session_queues_with_targets_and_start_deadlines() {
     ));
     // A turn on another model: its calls need a worker hosting that model's provider.
     let t = live.step(Event::UserMessage {
+        tool_choice: None,
         turn: 2,
         text: "again".into(),
         model: Some(ModelSpec::parse("anthropic:claude-test").unwrap()),

@@ -168,6 +168,7 @@ pub async fn create_session(
         .map_err(|e| ApiError::invalid(e.to_string()))?,
         compaction: request.compaction,
         workdir: None,
+        call_options: request.call_options,
     };
     async {
         match state.engine.start_session(Some(stored), started).await {
@@ -338,7 +339,13 @@ pub async fn send_message(
     }
     let turn = state
         .engine
-        .send_message_with_media(&stored, &request.text, request.model, request.media)
+        .send_turn(
+            &stored,
+            &request.text,
+            request.model,
+            request.media,
+            request.tool_choice,
+        )
         .instrument(session_span(&caller, &path.id))
         .await
         .map_err(|e| ApiError::from_runtime(e, &path.id))?;
@@ -563,6 +570,14 @@ pub async fn transcript(
         model,
         transcript: session.transcript.clone(),
         tools: started.tools.clone(),
+        options: session.active.as_ref().map_or_else(
+            || started.call_options.for_call(None, 0),
+            |a| {
+                started
+                    .call_options
+                    .for_call(a.tool_choice.as_ref(), a.round)
+            },
+        ),
     };
     let body = render_request(format.into(), &request)
         .map_err(|e| ApiError::conflict(format!("cannot render the transcript: {e}")))?;

@@ -7,6 +7,7 @@
 pub mod approvals;
 pub mod attach;
 pub mod budget;
+pub mod call_options;
 pub mod chat;
 pub mod cleanup;
 pub mod compaction;

@@ -39,6 +39,8 @@ pub struct RunRequest {
     pub extra_tools: Vec<cairn_ledger::ToolSpec>,
     /// Print only the outcome, as one JSON object (`--json`).
     pub json: bool,
+    /// Tool choice, server tools and prompt caching.
+    pub call_options: super::call_options::CallOptionArgs,
 }
 
 impl Remote {
@@ -73,6 +75,7 @@ impl Remote {
             },
             None => None,
         };
+        let existed = existing.is_some();
         let description = match existing {
             Some(description) => {
                 crate::refuse_start_options(
@@ -87,6 +90,9 @@ impl Remote {
                 request
                     .compaction
                     .refuse_for_existing(&description.session_id)?;
+                request
+                    .call_options
+                    .refuse_for_existing(&description.session_id)?;
                 description
             }
             None => {
@@ -97,6 +103,7 @@ impl Remote {
                 let mut options = SessionOptions::new(request.model.clone(), tools);
                 options.tool_policy = tool_policy;
                 options.compaction = request.compaction.session_policy()?;
+                options.call_options = request.call_options.session_options();
                 options.session_id = request.session.clone();
                 options.system_prompt = request.system.clone();
                 if let Some(max_rounds) = request.max_rounds {
@@ -132,8 +139,16 @@ impl Remote {
             Some(model) if model != request.model => Some(request.model),
             _ => None,
         };
+        // A new session recorded the tool choice; an existing one takes it for this turn.
+        let turn_choice = request.call_options.tool_choice.clone().filter(|_| existed);
         let turn = client
-            .send_message(&session_id, &request.prompt, turn_model, request.media)
+            .send_turn(
+                &session_id,
+                &request.prompt,
+                turn_model,
+                request.media,
+                turn_choice,
+            )
             .await?;
         let outcome = follow_turn(client, &mut stream, &mut writer, &session_id, turn);
         let outcome = self.interruptible(&session_id, turn, outcome).await?;

@@ -42,12 +42,23 @@ impl Watch<'_> {
         model: Option<ModelSpec>,
         media: Vec<Media>,
     ) -> anyhow::Result<TurnOutcome> {
+        self.send_with(prompt, model, media, None).await
+    }
+
+    /// [`Watch::send`], with a tool choice for this turn when given.
+    pub async fn send_with(
+        &self,
+        prompt: &str,
+        model: Option<ModelSpec>,
+        media: Vec<Media>,
+        tool_choice: Option<cairn_ledger::ToolChoice>,
+    ) -> anyhow::Result<TurnOutcome> {
         let after_seq = self.last_seq().await?;
         // Following from the last event before the message: nothing of the turn is missed.
         let live = self.live(after_seq).await?;
         let client = &self.host.client;
         let turn = client
-            .send_message(self.session_id, prompt, model, media)
+            .send_turn(self.session_id, prompt, model, media, tool_choice)
             .await;
         let turn = match turn {
             Ok(turn) => turn,

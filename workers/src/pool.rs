@@ -568,6 +568,7 @@ async fn run_activity(
             transcript,
             tools,
             timeouts,
+            options,
             ..
         } => {
             if let Err(e) = validate_transcript(&transcript) {
@@ -590,6 +591,7 @@ async fn run_activity(
                 model,
                 transcript,
                 tools,
+                options,
             };
             let sink = EngineDeltas {
                 engine,

@@ -21,10 +21,11 @@ use crate::providers::sse::{SseDecoder, SseEvent};
 use crate::providers::{current_turn_start, prepare_transcript};
 use async_trait::async_trait;
 use cairn_ledger::{
-    validate_response, Delta, ModelResponse, ModelSpec, Part, Role, StopReason, ToolResultContent,
-    ToolSpec, ToolUse, Transcript, Usage,
+    validate_response, Delta, JsonText, ModelResponse, ModelSpec, Part, ProviderJson, Role,
+    ServerToolKind, StopReason, ToolChoice, ToolResultContent, ToolSpec, ToolUse, Transcript,
+    Usage,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::Value;
 
@@ -37,6 +38,10 @@ pub const API_VERSION: &str = "2023-06-01";
 /// The `anthropic-beta` value sent when thinking is enabled, so the model may think between
 /// tool calls (interleaved thinking).
 pub const INTERLEAVED_THINKING_BETA: &str = "interleaved-thinking-2025-05-14";
+/// The `anthropic-beta` value that turns on the web fetch server tool.
+pub const WEB_FETCH_BETA: &str = "web-fetch-2025-09-10";
+/// The server tools Anthropic offers, as cairn declares them.
+pub const SERVER_TOOLS: [ServerToolKind; 2] = [ServerToolKind::WebSearch, ServerToolKind::WebFetch];
 /// `max_tokens` sent when the model spec sets none.
 pub const DEFAULT_MAX_TOKENS: u32 = 4096;
 /// The smallest thinking budget Anthropic accepts.
@@ -111,8 +116,8 @@ impl ModelProvider for AnthropicProvider {
             ("anthropic-version", API_VERSION.to_owned()),
             ("accept", "text/event-stream".to_owned()),
         ];
-        if request.model.thinking_budget_tokens.is_some() {
-            headers.push(("anthropic-beta", INTERLEAVED_THINKING_BETA.to_owned()));
+        if let Some(betas) = beta_header(request) {
+            headers.push(("anthropic-beta", betas));
         }
         let parser = StreamParser::new(request.model.model.clone(), aliases);
         drive::call(
@@ -165,6 +170,20 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
 /// the current tool loop, and tools defined when the transcript has tool blocks.
 pub fn check_request(request: &ModelRequest) -> Result<()> {
     check_thinking_budget(&request.model)?;
+    super::call_options::check_server_tools(PROVIDER, &SERVER_TOOLS, &request.options)?;
+    super::call_options::check_tool_choice(PROVIDER, &request.options, &request.tools)?;
+    if request.model.thinking_budget_tokens.is_some()
+        && request
+            .options
+            .tool_choice
+            .as_ref()
+            .is_some_and(ToolChoice::forces_a_call)
+    {
+        return Err(invalid(format!(
+            "tool_choice {} forces a tool call, which Anthropic does not allow with extended thinking (only auto and none); drop the thinking budget or the tool choice",
+            request.options.tool_choice.as_ref().map(ToString::to_string).unwrap_or_default()
+        )));
+    }
     check_loop_thinking(
         &request.transcript,
         request.model.thinking_budget_tokens.is_some(),
@@ -280,10 +299,12 @@ struct Body<'a> {
     max_tokens: u32,
     stream: bool,
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    system: Vec<Block<'a>>,
+    system: Vec<Cached<'a>>,
     messages: Vec<WireMessage<'a>>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     tools: Vec<WireTool<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<WireToolChoice<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     thinking: Option<ThinkingConfig>,
 }
@@ -294,17 +315,98 @@ struct ThinkingConfig {
     budget_tokens: u32,
 }
 
+/// A prompt-cache breakpoint: `{"type":"ephemeral"}` (the default five-minute cache).
+#[derive(Serialize, Clone, Copy)]
+struct CacheControl {
+    r#type: &'static str,
+}
+
+const EPHEMERAL: CacheControl = CacheControl {
+    r#type: "ephemeral",
+};
+
 #[derive(Serialize)]
-struct WireTool<'a> {
-    name: &'a str,
-    description: &'a str,
-    input_schema: &'a RawValue,
+#[serde(tag = "type", rename_all = "snake_case")]
+enum WireToolChoice<'a> {
+    Auto,
+    Any,
+    None,
+    Tool { name: &'a str },
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum WireTool<'a> {
+    Function {
+        name: &'a str,
+        description: &'a str,
+        input_schema: &'a RawValue,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        cache_control: Option<CacheControl>,
+    },
+    /// A server tool's declaration: `{"type": VERSIONED_TYPE, "name": NAME, "max_uses": N}`.
+    Server {
+        r#type: &'static str,
+        name: &'static str,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        max_uses: Option<u32>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        cache_control: Option<CacheControl>,
+    },
+}
+
+impl WireTool<'_> {
+    fn set_cache(&mut self) {
+        match self {
+            WireTool::Function { cache_control, .. } | WireTool::Server { cache_control, .. } => {
+                *cache_control = Some(EPHEMERAL)
+            }
+        }
+    }
 }
 
 #[derive(Serialize)]
 struct WireMessage<'a> {
     role: &'static str,
-    content: Vec<Block<'a>>,
+    content: Vec<Cached<'a>>,
+}
+
+/// A content block as sent: a modelled block, with a cache breakpoint where the caching rule
+/// puts one, or an opaque block verbatim.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Cached<'a> {
+    Block {
+        #[serde(flatten)]
+        block: Block<'a>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        cache_control: Option<CacheControl>,
+    },
+    Raw(&'a RawValue),
+}
+
+impl<'a> Cached<'a> {
+    fn block(block: Block<'a>) -> Self {
+        Cached::Block {
+            block,
+            cache_control: None,
+        }
+    }
+
+    /// Sets a breakpoint when the block can carry one (thinking and opaque blocks cannot).
+    fn try_set_cache(&mut self) -> bool {
+        match self {
+            Cached::Block {
+                block: Block::Thinking { .. } | Block::RedactedThinking { .. },
+                ..
+            }
+            | Cached::Raw(_) => false,
+            Cached::Block { cache_control, .. } => {
+                *cache_control = Some(EPHEMERAL);
+                true
+            }
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -312,6 +414,8 @@ struct WireMessage<'a> {
 enum Block<'a> {
     Text {
         text: &'a str,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        citations: Option<&'a RawValue>,
     },
     Thinking {
         thinking: &'a str,
@@ -353,18 +457,72 @@ enum ImageSource<'a> {
     Url { url: &'a str },
 }
 
+/// The `anthropic-beta` header value `request` needs, if any: interleaved thinking when thinking
+/// is enabled, web fetch when that server tool is on (comma-separated when both).
+pub fn beta_header(request: &ModelRequest) -> Option<String> {
+    let mut betas = Vec::new();
+    if request.model.thinking_budget_tokens.is_some() {
+        betas.push(INTERLEAVED_THINKING_BETA);
+    }
+    if request
+        .options
+        .server_tools
+        .iter()
+        .any(|t| t.kind == ServerToolKind::WebFetch)
+    {
+        betas.push(WEB_FETCH_BETA);
+    }
+    (!betas.is_empty()).then(|| betas.join(","))
+}
+
+/// The documented declaration of a server tool: its versioned `type` and its `name`.
+fn server_tool_declaration(kind: ServerToolKind) -> (&'static str, &'static str) {
+    match kind {
+        ServerToolKind::WebSearch => ("web_search_20250305", "web_search"),
+        ServerToolKind::WebFetch => ("web_fetch_20250910", "web_fetch"),
+    }
+}
+
+/// Places cairn's prompt-cache breakpoints (Anthropic allows 4; this uses at most 3): on the
+/// last tool (caching every tool definition), the last system block (caching tools and system
+/// prompt), and the last block of the last message that can carry one (caching the whole
+/// conversation, which the next call of the turn or session reads back).
+fn place_cache_breakpoints(
+    system: &mut [Cached<'_>],
+    tools: &mut [WireTool<'_>],
+    messages: &mut [WireMessage<'_>],
+) {
+    if let Some(tool) = tools.last_mut() {
+        tool.set_cache();
+    }
+    if let Some(block) = system.last_mut() {
+        block.try_set_cache();
+    }
+    if let Some(message) = messages.last_mut() {
+        for block in message.content.iter_mut().rev() {
+            if block.try_set_cache() {
+                break;
+            }
+        }
+    }
+}
+
 fn build_body<'a>(
     request: &'a ModelRequest,
     transcript: &'a Transcript,
     aliases: &mut IdAliases,
 ) -> Result<Body<'a>> {
     let spec = &request.model;
+    let options = &request.options;
     let mut system = Vec::new();
     let mut messages = Vec::new();
     for (mi, message) in transcript.messages.iter().enumerate() {
         if message.role == Role::System {
             for text in super::system_texts(PROVIDER, mi, message)? {
-                system.push(Block::Text { text });
+                system.push(Cached::block(Block::Text {
+                    text,
+                    citations: None,
+                }));
             }
             continue;
         }
@@ -383,7 +541,7 @@ fn build_body<'a>(
             content,
         });
     }
-    let mut tools = Vec::with_capacity(request.tools.len());
+    let mut tools = Vec::with_capacity(request.tools.len() + options.server_tools.len());
     for (ti, tool) in request.tools.iter().enumerate() {
         let input_schema =
             serde_json::from_str::<&RawValue>(tool.input_schema.as_str()).map_err(|e| {
@@ -392,12 +550,36 @@ fn build_body<'a>(
                     tool.name
                 ))
             })?;
-        tools.push(WireTool {
+        tools.push(WireTool::Function {
             name: &tool.name,
             description: &tool.description,
             input_schema,
+            cache_control: None,
         });
     }
+    for server in &options.server_tools {
+        let (r#type, name) = server_tool_declaration(server.kind);
+        tools.push(WireTool::Server {
+            r#type,
+            name,
+            max_uses: server.max_uses,
+            cache_control: None,
+        });
+    }
+    if !options.no_prompt_cache {
+        place_cache_breakpoints(&mut system, &mut tools, &mut messages);
+    }
+    // A choice without tools means nothing, and Anthropic takes tool_choice only with tools.
+    let tool_choice = options
+        .tool_choice
+        .as_ref()
+        .filter(|_| !tools.is_empty())
+        .map(|choice| match choice {
+            ToolChoice::Auto => WireToolChoice::Auto,
+            ToolChoice::Any => WireToolChoice::Any,
+            ToolChoice::None => WireToolChoice::None,
+            ToolChoice::Tool(name) => WireToolChoice::Tool { name },
+        });
     Ok(Body {
         model: &spec.model,
         max_tokens: spec.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
@@ -405,6 +587,7 @@ fn build_body<'a>(
         system,
         messages,
         tools,
+        tool_choice,
         thinking: spec
             .thinking_budget_tokens
             .map(|budget_tokens| ThinkingConfig {
@@ -414,14 +597,31 @@ fn build_body<'a>(
     })
 }
 
+/// Provider JSON kept in the ledger, as the raw value sent back.
+fn raw_json<'a>(mi: usize, pi: usize, what: &str, json: &'a JsonText) -> Result<&'a RawValue> {
+    serde_json::from_str::<&RawValue>(json.as_str()).map_err(|e| {
+        invalid(format!(
+            "message {mi} part {pi}: the {what} is not JSON: {e}"
+        ))
+    })
+}
+
 fn render_part<'a>(
     mi: usize,
     pi: usize,
     part: &'a Part,
     aliases: &mut IdAliases,
-) -> Result<Option<Block<'a>>> {
+) -> Result<Option<Cached<'a>>> {
     let block = match part {
-        Part::Text { text, .. } => Block::Text { text },
+        Part::Text {
+            text, citations, ..
+        } => Block::Text {
+            text,
+            citations: match citations.as_ref().and_then(|c| c.for_family(PROVIDER)) {
+                Some(json) => Some(raw_json(mi, pi, "text's citations", json)?),
+                None => None,
+            },
+        },
         Part::Thinking { text, signature } => Block::Thinking {
             thinking: text,
             signature,
@@ -429,6 +629,12 @@ fn render_part<'a>(
         Part::RedactedThinking { data } => Block::RedactedThinking { data },
         // Unsigned reasoning and raw reasoning items belong to other families.
         Part::Reasoning { .. } | Part::ReasoningItem { .. } => return Ok(None),
+        Part::Opaque(opaque) => {
+            return match opaque.for_family(PROVIDER) {
+                Some(json) => Ok(Some(Cached::Raw(raw_json(mi, pi, "opaque block", json)?))),
+                None => Ok(None),
+            }
+        }
         Part::ToolUse(tool_use) => render_tool_use(mi, pi, tool_use, aliases)?,
         Part::ToolResult(result) => Block::ToolResult {
             tool_use_id: aliases.wire_id(&result.tool_use_id, acceptable_tool_id, ALIAS_PREFIX),
@@ -437,6 +643,7 @@ fn render_part<'a>(
                 ToolResultContent::Text(text) => Some(ResultContent::Text(text)),
                 ToolResultContent::Json(json) => Some(ResultContent::Blocks(vec![Block::Text {
                     text: json.as_str(),
+                    citations: None,
                 }])),
                 ToolResultContent::Blocks(blocks) => Some(ResultContent::Blocks(
                     super::media::anthropic_tool_result(blocks)
@@ -461,7 +668,7 @@ fn render_part<'a>(
                 .map_err(|e| invalid(format!("message {mi} part {pi}: {e}")))?,
         ),
     };
-    Ok(Some(block))
+    Ok(Some(Cached::block(block)))
 }
 
 fn render_tool_use<'a>(
@@ -540,6 +747,17 @@ enum BlockContent {
         /// The `input` of `content_block_start`, used when no fragment arrives.
         initial: String,
     },
+    /// A block cairn does not model (`server_tool_use`, `web_search_tool_result`,
+    /// `web_fetch_tool_result`, or a type unknown to it), kept as it came.
+    Opaque {
+        /// The block's `type`.
+        kind: String,
+        /// The `content_block` of `content_block_start`, exactly as received.
+        block: String,
+        /// `input_json_delta` fragments (a server tool call's input), set as the block's
+        /// `input` at `content_block_stop`.
+        input: String,
+    },
 }
 
 impl BlockContent {
@@ -549,6 +767,7 @@ impl BlockContent {
             BlockContent::Thinking { .. } => "thinking",
             BlockContent::Redacted(_) => "redacted_thinking",
             BlockContent::ToolUse { .. } => "tool_use",
+            BlockContent::Opaque { .. } => "opaque",
         }
     }
 }
@@ -557,6 +776,31 @@ impl BlockContent {
 struct BlockState {
     content: BlockContent,
     open: bool,
+    /// A text block's citations, each exactly as received (`content_block_start`'s, then each
+    /// `citations_delta`'s).
+    citations: Vec<Box<RawValue>>,
+}
+
+#[derive(Deserialize)]
+struct RawBlockStart<'a> {
+    #[serde(borrow)]
+    content_block: &'a RawValue,
+}
+
+#[derive(Deserialize)]
+struct RawTextBlock {
+    #[serde(default)]
+    citations: Option<Vec<Box<RawValue>>>,
+}
+
+#[derive(Deserialize)]
+struct RawCitationDelta {
+    delta: RawCitation,
+}
+
+#[derive(Deserialize)]
+struct RawCitation {
+    citation: Box<RawValue>,
 }
 
 /// A strict parser of one Anthropic Messages SSE stream, fed one event at a time.
@@ -617,8 +861,8 @@ impl StreamParser {
             "ping" => Ok(()),
             "error" => Err(in_stream_error(&value)),
             "message_start" => self.message_start(at, &value),
-            "content_block_start" => self.block_start(at, &value, deltas),
-            "content_block_delta" => self.block_delta(at, &value, deltas),
+            "content_block_start" => self.block_start(at, &value, data, deltas),
+            "content_block_delta" => self.block_delta(at, &value, data, deltas),
             "content_block_stop" => self.block_stop(at, &value),
             "message_delta" => self.message_delta(at, &value),
             "message_stop" => self.message_stop(at),
@@ -658,7 +902,25 @@ impl StreamParser {
             match block.content {
                 // An empty text block carries nothing and cannot be a canonical part.
                 BlockContent::Text(text) if text.is_empty() => {}
-                BlockContent::Text(text) => parts.push(Part::text(text)),
+                BlockContent::Text(text) if block.citations.is_empty() => {
+                    parts.push(Part::text(text))
+                }
+                BlockContent::Text(text) => {
+                    let list: Vec<&str> = block.citations.iter().map(|c| c.get()).collect();
+                    let json = JsonText::parse(format!("[{}]", list.join(","))).map_err(|e| {
+                        broken(format!("the citations of a text block are not JSON: {e}"))
+                    })?;
+                    parts.push(Part::Text {
+                        text,
+                        item_id: None,
+                        citations: Some(ProviderJson::new(PROVIDER, json)),
+                    })
+                }
+                BlockContent::Opaque { kind, block, .. } => {
+                    let json = JsonText::parse(block)
+                        .map_err(|e| broken(format!("the {kind} block is not JSON: {e}")))?;
+                    parts.push(Part::Opaque(ProviderJson::new(PROVIDER, json)))
+                }
                 BlockContent::Thinking { text, signature } => {
                     parts.push(Part::Thinking { text, signature })
                 }
@@ -725,7 +987,13 @@ impl StreamParser {
             .ok_or_else(|| broken(format!("event #{at}: {name} without a numeric index")))
     }
 
-    fn block_start(&mut self, at: usize, value: &Value, deltas: &dyn DeltaSink) -> Result<()> {
+    fn block_start(
+        &mut self,
+        at: usize,
+        value: &Value,
+        data: &str,
+        deltas: &dyn DeltaSink,
+    ) -> Result<()> {
         self.expect_open_message(at, "content_block_start")?;
         let index = Self::index(at, "content_block_start", value)?;
         if index != self.blocks.len() {
@@ -741,12 +1009,28 @@ impl StreamParser {
         })?;
         let str_field = |field: &str| block.get(field).and_then(Value::as_str);
         let kind = str_field("type").unwrap_or("");
+        let raw_block = || {
+            serde_json::from_str::<RawBlockStart<'_>>(data)
+                .map(|r| r.content_block)
+                .map_err(|e| {
+                    broken(format!(
+                        "event #{at}: content_block_start {index}: malformed content_block: {e}"
+                    ))
+                })
+        };
+        let mut citations = Vec::new();
         let content = match kind {
             "text" => {
                 let text = str_field("text").unwrap_or("").to_owned();
                 if !text.is_empty() {
                     deltas.delta(Delta::Text(text.clone()));
                 }
+                let raw: RawTextBlock = serde_json::from_str(raw_block()?.get()).map_err(|e| {
+                    broken(format!(
+                        "event #{at}: text block {index}: malformed citations: {e}"
+                    ))
+                })?;
+                citations = raw.citations.unwrap_or_default();
                 BlockContent::Text(text)
             }
             "thinking" => {
@@ -772,7 +1056,9 @@ impl StreamParser {
                     broken(format!("event #{at}: tool_use block {index} without an id"))
                 })?;
                 let name = str_field("name").filter(|s| !s.is_empty()).ok_or_else(|| {
-                    broken(format!("event #{at}: tool_use block {index} without a name"))
+                    broken(format!(
+                        "event #{at}: tool_use block {index} without a name"
+                    ))
                 })?;
                 let initial = match block.get("input") {
                     Some(input) => serde_json::to_string(input).unwrap_or_default(),
@@ -785,15 +1071,23 @@ impl StreamParser {
                     initial,
                 }
             }
-            other => {
+            "" => {
                 return Err(broken(format!(
-                    "event #{at}: content block {index} has type {other:?}, which cairn cannot represent or send back"
+                    "event #{at}: content block {index} has no type"
                 )))
             }
+            // Server tool calls and results, and block types cairn does not know: kept whole,
+            // to go back to Anthropic as they came.
+            other => BlockContent::Opaque {
+                kind: other.to_owned(),
+                block: raw_block()?.get().to_owned(),
+                input: String::new(),
+            },
         };
         self.blocks.push(BlockState {
             content,
             open: true,
+            citations,
         });
         Ok(())
     }
@@ -810,7 +1104,13 @@ impl StreamParser {
         }
     }
 
-    fn block_delta(&mut self, at: usize, value: &Value, deltas: &dyn DeltaSink) -> Result<()> {
+    fn block_delta(
+        &mut self,
+        at: usize,
+        value: &Value,
+        data: &str,
+        deltas: &dyn DeltaSink,
+    ) -> Result<()> {
         self.expect_open_message(at, "content_block_delta")?;
         let index = Self::index(at, "content_block_delta", value)?;
         let delta = value.get("delta").ok_or_else(|| {
@@ -819,6 +1119,23 @@ impl StreamParser {
             ))
         })?;
         let delta_type = delta.get("type").and_then(Value::as_str).unwrap_or("");
+        if delta_type == "citations_delta" {
+            self.open_block(at, "content_block_delta", index)?;
+            let state = &mut self.blocks[index];
+            if !matches!(state.content, BlockContent::Text(_)) {
+                return Err(broken(format!(
+                    "event #{at}: a citations_delta cannot apply to block {index}, a {} block",
+                    state.content.kind()
+                )));
+            }
+            let citation: RawCitationDelta = serde_json::from_str(data).map_err(|e| {
+                broken(format!(
+                    "event #{at}: citations_delta for block {index} without a citation object: {e}"
+                ))
+            })?;
+            state.citations.push(citation.delta.citation);
+            return Ok(());
+        }
         let field = |name: &str| {
             delta.get(name).and_then(Value::as_str).ok_or_else(|| {
                 broken(format!(
@@ -845,6 +1162,9 @@ impl StreamParser {
             ("signature_delta", BlockContent::Thinking { signature, .. }) => {
                 signature.push_str(field("signature")?);
             }
+            ("input_json_delta", BlockContent::Opaque { input, .. }) => {
+                input.push_str(field("partial_json")?);
+            }
             ("input_json_delta", BlockContent::ToolUse { id, json, .. }) => {
                 let fragment = field("partial_json")?;
                 json.push_str(fragment);
@@ -854,6 +1174,11 @@ impl StreamParser {
                         fragment: fragment.to_owned(),
                     });
                 }
+            }
+            (other, BlockContent::Opaque { kind, .. }) => {
+                return Err(broken(format!(
+                    "event #{at}: a {other:?} delta cannot apply to block {index}, a {kind} block kept as received; only input_json_delta can"
+                )))
             }
             (other, block) => {
                 return Err(broken(format!(
@@ -895,6 +1220,16 @@ impl StreamParser {
                         "event #{at}: the arguments of tool_use block {index} ({id}, {name}) are not a JSON object at content_block_stop: {reason}"
                     ))
                 })?;
+            }
+            BlockContent::Opaque { kind, block, input } if !input.is_empty() => {
+                // A server tool call's input streamed in fragments: it becomes the block's
+                // `input`, exactly as streamed.
+                *block = super::raw_json::set_field(block, "input", input).map_err(|reason| {
+                    broken(format!(
+                        "event #{at}: the streamed input of {kind} block {index} does not complete the block: {reason}"
+                    ))
+                })?;
+                input.clear();
             }
             _ => {}
         }
@@ -1107,6 +1442,7 @@ mod tests {
 
     fn request(transcript: Transcript, model: ModelSpec) -> ModelRequest {
         ModelRequest {
+            options: Default::default(),
             context: CallContext::default(),
             model,
             transcript,

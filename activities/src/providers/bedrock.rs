@@ -23,7 +23,7 @@ use async_trait::async_trait;
 use base64::Engine as _;
 use cairn_ledger::{
     validate_response, validate_transcript, Delta, ModelResponse, Part, Role, StopReason,
-    ToolResultBlock, ToolResultContent, Usage,
+    ToolChoice, ToolResultBlock, ToolResultContent, Usage,
 };
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -129,8 +129,34 @@ struct InferenceConfig {
 }
 
 #[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
 struct ToolConfig<'a> {
     tools: Vec<ToolEntry<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<WireToolChoice<'a>>,
+}
+
+/// Converse's `toolChoice` union: `{"auto": {}}`, `{"any": {}}` or `{"tool": {"name": ...}}`.
+/// It has no "none".
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+enum WireToolChoice<'a> {
+    Auto {},
+    Any {},
+    Tool { name: &'a str },
+}
+
+/// The `toolChoice` of `choice`; Converse has no way to forbid tool calls, so `none` is a typed
+/// error before the call rather than a silent `auto`.
+fn wire_tool_choice(choice: &ToolChoice) -> Result<WireToolChoice<'_>> {
+    match choice {
+        ToolChoice::Auto => Ok(WireToolChoice::Auto {}),
+        ToolChoice::Any => Ok(WireToolChoice::Any {}),
+        ToolChoice::Tool(name) => Ok(WireToolChoice::Tool { name }),
+        ToolChoice::None => Err(invalid_request(
+            "bedrock: tool_choice none cannot be expressed: Converse's toolChoice has only auto, any and tool".into(),
+        )),
+    }
 }
 
 #[derive(Serialize)]
@@ -221,6 +247,9 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
     validate_transcript(&transcript)
         .map_err(|e| invalid_request(format!("bedrock: transcript cannot be sent: {e}")))?;
     check_thinking(request, &transcript)?;
+    // Converse has no server tools cairn declares.
+    super::call_options::check_server_tools(PROVIDER, &[], &request.options)?;
+    super::call_options::check_tool_choice(PROVIDER, &request.options, &request.tools)?;
 
     let mut aliases = IdAliases::new();
     let mut system = Vec::new();
@@ -366,7 +395,11 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
                 },
             });
         }
-        Some(ToolConfig { tools })
+        let tool_choice = match &request.options.tool_choice {
+            Some(choice) => Some(wire_tool_choice(choice)?),
+            None => None,
+        };
+        Some(ToolConfig { tools, tool_choice })
     };
 
     let additional_model_request_fields = request.model.thinking_budget_tokens.map(
@@ -711,6 +744,10 @@ enum BlockState {
         name: String,
         input: String,
     },
+    /// A block cairn cannot keep in a form Bedrock takes back (a start other than `toolUse`,
+    /// e.g. a server tool's `toolResult` or an `image`): its events are read and not recorded,
+    /// so the turn goes on without it.
+    Skipped,
 }
 
 impl BlockState {
@@ -719,6 +756,7 @@ impl BlockState {
             BlockState::Text(_) => "text",
             BlockState::Reasoning { .. } => "reasoningContent",
             BlockState::ToolUse { .. } => "toolUse",
+            BlockState::Skipped => "skipped",
         }
     }
 }
@@ -911,9 +949,15 @@ impl StreamParser {
             .get("start")
             .ok_or_else(|| protocol(format!("{where_}: missing \"start\"")))?;
         let Some(tool_use) = start.get("toolUse") else {
-            return Err(protocol(format!(
-                "{where_}: unsupported start {start} (only toolUse blocks are started)"
-            )));
+            tracing::debug!(%where_, "bedrock: skipping a block cairn cannot send back");
+            self.blocks.insert(
+                index,
+                OpenBlock {
+                    state: BlockState::Skipped,
+                    stopped: false,
+                },
+            );
+            return Ok(());
         };
         let wire_id = string_field(tool_use, "toolUseId", &where_)?;
         let name = string_field(tool_use, "name", &where_)?;
@@ -965,9 +1009,19 @@ impl StreamParser {
             "reasoningContent" => "reasoningContent",
             "toolUse" => "toolUse",
             other => {
-                return Err(protocol(format!(
-                    "{where_}: unsupported delta kind {other:?}"
-                )))
+                // Citations, images and kinds added later: not modelled, and not needed to send
+                // the block's text or call back. Skipped rather than failing the turn.
+                tracing::debug!(%where_, kind = other, "bedrock: skipping a delta kind cairn does not keep");
+                let block = self.blocks.entry(index).or_insert(OpenBlock {
+                    state: BlockState::Skipped,
+                    stopped: false,
+                });
+                if block.stopped {
+                    return Err(protocol(format!(
+                        "{where_}: delta after the block's contentBlockStop"
+                    )));
+                }
+                return Ok(());
             }
         };
         let block = match self.blocks.entry(index) {
@@ -996,6 +1050,9 @@ impl StreamParser {
             return Err(protocol(format!(
                 "{where_}: delta after the block's contentBlockStop"
             )));
+        }
+        if matches!(block.state, BlockState::Skipped) {
+            return Ok(());
         }
         if block.state.kind() != wanted {
             return Err(protocol(format!(
@@ -1063,6 +1120,8 @@ impl StreamParser {
                     }
                 }
             }
+            // Returned above: a skipped block takes no deltas.
+            BlockState::Skipped => {}
         }
         Ok(())
     }
@@ -1105,7 +1164,7 @@ impl StreamParser {
                     )));
                 }
             }
-            BlockState::Text(_) => {}
+            BlockState::Text(_) | BlockState::Skipped => {}
         }
         Ok(())
     }
@@ -1165,6 +1224,7 @@ impl StreamParser {
                         signature: None,
                     }));
                 }
+                BlockState::Skipped => {}
             }
         }
         if stop_reason == StopReason::MaxTokens {
@@ -1320,6 +1380,7 @@ mod tests {
 
     fn request(transcript: Transcript) -> ModelRequest {
         ModelRequest {
+            options: Default::default(),
             context: CallContext::default(),
             model: ModelSpec {
                 provider: PROVIDER.into(),

@@ -86,6 +86,7 @@ fn request(provider: &str, model: &str, transcript: Transcript) -> ModelRequest 
             description: "takes a screenshot".into(),
             input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
         }],
+        options: Default::default(),
     }
 }
 

@@ -12,6 +12,7 @@
 pub mod alias;
 pub mod anthropic;
 pub mod bedrock;
+pub mod call_options;
 pub mod drive;
 pub mod http;
 pub mod media;
@@ -19,6 +20,7 @@ pub mod media;
 mod media_tests;
 pub mod openai_chat;
 pub mod openai_responses;
+pub mod raw_json;
 pub mod secrets;
 pub mod sse;
 
@@ -113,8 +115,8 @@ pub fn current_turn_start(transcript: &Transcript) -> usize {
         .map_or(0, |i| i + 1)
 }
 
-/// The transcript as `family` may receive it: reasoning produced by another provider family is
-/// dropped from completed turns (it cannot be verified there); inside the current tool loop a
+/// The transcript as `family` may receive it: reasoning and opaque blocks produced by another
+/// provider family (and its citations) are dropped from completed turns (it cannot be verified there); inside the current tool loop a
 /// message from another family is refused — a switch mid-loop would break the loop's reasoning.
 pub fn prepare_transcript(transcript: &Transcript, family: &str) -> Result<Transcript> {
     let start = current_turn_start(transcript);
@@ -125,7 +127,19 @@ pub fn prepare_transcript(transcript: &Transcript, family: &str) -> Result<Trans
             .as_ref()
             .is_some_and(|p| p.provider != family);
         if !foreign {
-            out.messages.push(message.clone());
+            // Opaque parts and citations carry their own family: another family's are dropped
+            // even from a message of this one.
+            let parts: Vec<Part> = message
+                .parts
+                .iter()
+                .filter_map(|p| p.for_family(family))
+                .collect();
+            if !parts.is_empty() {
+                out.messages.push(Message {
+                    parts,
+                    ..message.clone()
+                });
+            }
             continue;
         }
         if index >= start {
@@ -138,7 +152,12 @@ pub fn prepare_transcript(transcript: &Transcript, family: &str) -> Result<Trans
             });
         }
         let mut kept = message.clone();
-        kept.parts.retain(|p| !p.is_reasoning());
+        kept.parts = message
+            .parts
+            .iter()
+            .filter(|p| !p.is_provider_bound())
+            .filter_map(|p| p.for_family(family))
+            .collect();
         if !kept.parts.is_empty() {
             out.messages.push(kept);
         }

@@ -33,7 +33,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::model::{CallContext, DeltaSink, ModelProvider, ModelRequest};
 use async_trait::async_trait;
 use cairn_ledger::{
-    Delta, Message, ModelResponse, Part, Role, StopReason, ToolResultContent, ToolUse, Usage,
+    Delta, Message, ModelResponse, Part, Role, StopReason, ToolChoice, ToolResultContent, ToolUse,
+    Usage,
 };
 use serde_json::{json, Map, Value};
 
@@ -237,6 +238,9 @@ pub fn render_with(request: &ModelRequest, options: &RenderOptions) -> Result<Va
         return Err(invalid("the model name is empty".into()));
     }
     let transcript = prepare_transcript(&request.transcript, PROVIDER)?;
+    // Chat Completions has no server tools of its own.
+    super::call_options::check_server_tools(PROVIDER, &[], &request.options)?;
+    super::call_options::check_tool_choice(PROVIDER, &request.options, &request.tools)?;
     cairn_ledger::validate_transcript(&transcript).map_err(|e| {
         invalid(format!(
             "the transcript cannot be sent to OpenAI Chat Completions: {e}"
@@ -275,6 +279,9 @@ pub fn render_with(request: &ModelRequest, options: &RenderOptions) -> Result<Va
             }));
         }
         body.insert("tools".into(), Value::Array(tools));
+        if let Some(choice) = &request.options.tool_choice {
+            body.insert("tool_choice".into(), wire_tool_choice(choice));
+        }
     }
     if let Some(max) = request.model.max_tokens {
         body.insert(options.max_tokens_field.as_str().into(), Value::from(max));
@@ -282,6 +289,17 @@ pub fn render_with(request: &ModelRequest, options: &RenderOptions) -> Result<Va
     body.insert("stream".into(), Value::Bool(true));
     body.insert("stream_options".into(), json!({ "include_usage": true }));
     Ok(Value::Object(body))
+}
+
+/// The `tool_choice` value of `choice`: `"auto"`, `"none"`, `"required"` (any), or
+/// `{"type": "function", "function": {"name": ...}}`.
+fn wire_tool_choice(choice: &ToolChoice) -> Value {
+    match choice {
+        ToolChoice::Auto => json!("auto"),
+        ToolChoice::Any => json!("required"),
+        ToolChoice::None => json!("none"),
+        ToolChoice::Tool(name) => json!({"type": "function", "function": {"name": name}}),
+    }
 }
 
 fn render_system(index: usize, message: &Message) -> Result<Value> {

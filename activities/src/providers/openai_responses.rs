@@ -22,8 +22,9 @@ use crate::providers::prepare_transcript;
 use crate::providers::sse::{SseDecoder, SseEvent};
 use async_trait::async_trait;
 use cairn_ledger::{
-    validate_response, validate_transcript, Delta, JsonText, Message, ModelResponse, Part, Role,
-    StopReason, ToolResultContent, ToolUse, Usage, Violation,
+    validate_response, validate_transcript, Delta, JsonText, Message, ModelResponse, Part,
+    ProviderJson, Role, ServerToolKind, StopReason, ToolChoice, ToolResultContent, ToolUse, Usage,
+    Violation,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -102,8 +103,57 @@ struct Body<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning: Option<Value>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    tools: Vec<FunctionTool<'a>>,
+    tools: Vec<WireTool<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<Value>,
     input: Vec<Box<RawValue>>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum WireTool<'a> {
+    Function(FunctionTool<'a>),
+    /// A built-in tool's declaration, e.g. `{"type": "web_search"}`.
+    BuiltIn {
+        #[serde(rename = "type")]
+        kind: &'static str,
+    },
+}
+
+/// The server tools OpenAI Responses offers, as cairn declares them.
+pub const SERVER_TOOLS: [ServerToolKind; 1] = [ServerToolKind::WebSearch];
+
+/// The `tool_choice` value of `choice`: `"auto"`, `"none"`, `"required"` (any), or
+/// `{"type": "function", "name": ...}`.
+fn wire_tool_choice(choice: &ToolChoice) -> Value {
+    match choice {
+        ToolChoice::Auto => json!("auto"),
+        ToolChoice::Any => json!("required"),
+        ToolChoice::None => json!("none"),
+        ToolChoice::Tool(name) => json!({"type": "function", "name": name}),
+    }
+}
+
+/// The call options Responses can carry: its server tools, without a use limit (Responses has
+/// no `max_uses`), and a named tool choice only for a function tool.
+fn check_options(request: &ModelRequest) -> Result<()> {
+    let options = &request.options;
+    super::call_options::check_server_tools(PROVIDER, &SERVER_TOOLS, options)?;
+    super::call_options::check_tool_choice(PROVIDER, options, &request.tools)?;
+    if let Some(tool) = options.server_tools.iter().find(|t| t.max_uses.is_some()) {
+        return Err(invalid_request(format!(
+            "the server tool {} has a use limit, which OpenAI Responses cannot express (no max_uses)",
+            tool.kind.as_str()
+        )));
+    }
+    if let Some(ToolChoice::Tool(name)) = &options.tool_choice {
+        if !request.tools.iter().any(|t| &t.name == name) {
+            return Err(invalid_request(format!(
+                "tool_choice names {name:?}, which is not a function tool; cairn forces only function tools on OpenAI Responses"
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[derive(Serialize)]
@@ -127,6 +177,7 @@ struct FunctionTool<'a> {
 /// transcript as items in order. Raw reasoning items and tool schemas are embedded byte for byte.
 pub fn render_body(request: &ModelRequest) -> Result<Vec<u8>> {
     let transcript = prepare_transcript(&request.transcript, PROVIDER)?;
+    check_options(request)?;
     let mut instructions: Vec<&str> = Vec::new();
     let mut input: Vec<Box<RawValue>> = Vec::new();
     for (mi, message) in transcript.messages.iter().enumerate() {
@@ -147,14 +198,25 @@ pub fn render_body(request: &ModelRequest) -> Result<Vec<u8>> {
                     tool.name
                 ))
             })?;
-        tools.push(FunctionTool {
+        tools.push(WireTool::Function(FunctionTool {
             kind: "function",
             name: &tool.name,
             description: &tool.description,
             parameters,
             strict: false,
+        }));
+    }
+    for server in &request.options.server_tools {
+        tools.push(WireTool::BuiltIn {
+            kind: server.kind.as_str(),
         });
     }
+    let tool_choice = request
+        .options
+        .tool_choice
+        .as_ref()
+        .filter(|_| !tools.is_empty())
+        .map(wire_tool_choice);
     let reasoning = request.model.thinking_budget_tokens.map(|budget| {
         let effort = match budget {
             0..=4096 => "low",
@@ -172,6 +234,7 @@ pub fn render_body(request: &ModelRequest) -> Result<Vec<u8>> {
         max_output_tokens: request.model.max_tokens,
         reasoning,
         tools,
+        tool_choice,
         input,
     };
     serde_json::to_vec(&body).map_err(|e| Error::Provider {
@@ -283,7 +346,9 @@ fn render_assistant(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>
                 "content": content
                     .into_iter()
                     .map(|mut c| {
-                        c["annotations"] = json!([]);
+                        if c.get("annotations").is_none() {
+                            c["annotations"] = json!([]);
+                        }
                         c
                     })
                     .collect::<Vec<_>>(),
@@ -301,7 +366,11 @@ fn render_assistant(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>
     let last = message.parts.len().saturating_sub(1);
     for (pi, part) in message.parts.iter().enumerate() {
         match part {
-            Part::Text { text: t, item_id } => {
+            Part::Text {
+                text: t,
+                item_id,
+                citations,
+            } => {
                 if let Some(call) = first_call {
                     return Err(invalid_request(format!(
                         "message {mi} (assistant) part {pi} (text) comes after the function_call at part {call}; \
@@ -313,7 +382,28 @@ fn render_assistant(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>
                     flush(&mut text, &mut text_id, input, pi)?;
                     text_id = item_id.clone();
                 }
-                text.push(json!({"type": "output_text", "text": t}));
+                let mut content = json!({"type": "output_text", "text": t});
+                // Annotations this family produced go back with their text.
+                if let Some(json) = citations.as_ref().and_then(|c| c.for_family(PROVIDER)) {
+                    content["annotations"] = json.to_value().map_err(|e| {
+                        invalid_request(format!(
+                            "message {mi} (assistant) part {pi}: the text's annotations are not JSON: {e}"
+                        ))
+                    })?;
+                }
+                text.push(content);
+            }
+            Part::Opaque(opaque) => {
+                let Some(json) = opaque.for_family(PROVIDER) else {
+                    continue;
+                };
+                flush(&mut text, &mut text_id, input, pi)?;
+                let verbatim = RawValue::from_string(json.as_str().to_owned()).map_err(|e| {
+                    invalid_request(format!(
+                        "message {mi} (assistant) part {pi} (opaque): not JSON: {e}"
+                    ))
+                })?;
+                input.push(verbatim);
             }
             Part::ReasoningItem { item } => {
                 flush(&mut text, &mut text_id, input, pi)?;
@@ -392,7 +482,13 @@ fn broken(kind: ErrorKind, message: String) -> Error {
 enum ItemKind {
     Reasoning,
     Message,
-    FunctionCall { call_id: String, name: String },
+    FunctionCall {
+        call_id: String,
+        name: String,
+    },
+    /// A server tool's call (`web_search_call`) or an item type cairn does not know: kept raw
+    /// and sent back verbatim.
+    Opaque,
 }
 
 impl ItemKind {
@@ -401,6 +497,7 @@ impl ItemKind {
             ItemKind::Reasoning => "reasoning",
             ItemKind::Message => "message",
             ItemKind::FunctionCall { .. } => "function_call",
+            ItemKind::Opaque => "opaque",
         }
     }
 }
@@ -717,11 +814,10 @@ impl StreamParser {
                     name: name.to_owned(),
                 })
             }
-            other => Err(broken(
+            Some(kind) if !kind.is_empty() => Ok(ItemKind::Opaque),
+            _ => Err(broken(
                 ErrorKind::InvalidResponse,
-                format!(
-                    "{at}: output item type {other:?} at output_index {index} is not supported (only reasoning, message and function_call are requested)"
-                ),
+                format!("{at}: output item at output_index {index} has no type"),
             )),
         }
     }
@@ -799,6 +895,15 @@ impl StreamParser {
                 })?;
                 vec![Part::ReasoningItem { item: text }]
             }
+            ItemKind::Opaque => {
+                let text = JsonText::parse(raw_item.get()).map_err(|e| {
+                    broken(
+                        ErrorKind::InvalidResponse,
+                        format!("{at}: item {id:?}: {e}"),
+                    )
+                })?;
+                vec![Part::Opaque(ProviderJson::new(PROVIDER, text))]
+            }
             ItemKind::Message => {
                 let mut parts = Vec::new();
                 let content = item
@@ -829,10 +934,17 @@ impl StreamParser {
                             format!("{at}: message {id:?} content {ci} has no text"),
                         )
                     })?;
+                    // Annotations (url citations of web search, file citations) are kept to go
+                    // back with the text.
+                    let citations = c
+                        .get("annotations")
+                        .filter(|a| a.as_array().is_some_and(|a| !a.is_empty()))
+                        .map(|a| ProviderJson::new(PROVIDER, JsonText::from_value(a)));
                     if !text.is_empty() {
                         parts.push(Part::Text {
                             text: text.to_owned(),
                             item_id: (!id.is_empty()).then(|| id.to_owned()),
+                            citations,
                         });
                     }
                 }
@@ -989,6 +1101,7 @@ impl StreamParser {
                             vec![Part::Text {
                                 text,
                                 item_id: Some(item.id.clone()).filter(|id| !id.is_empty()),
+                                citations: None,
                             }]
                         });
                     }

@@ -92,6 +92,7 @@ pub fn message(session_id: &str, seq: u64, text: &str) -> EventEnvelope {
         seq,
         1_000 + seq,
         Event::UserMessage {
+            tool_choice: None,
             turn: 1,
             text: text.to_owned(),
             model: None,

@@ -170,6 +170,7 @@ pub async fn racing_appends_on_two_handles(a: Arc<dyn Store>, b: Arc<dyn Store>)
 pub(super) fn started() -> SessionStarted {
     let schema = JsonText::parse(r#"{"type":"object"}"#).unwrap_or_else(|e| panic!("{e}"));
     SessionStarted {
+        call_options: Default::default(),
         queues: Default::default(),
         forked_from: None,
         workflow_version: crate::workflow::WORKFLOW_VERSION,
