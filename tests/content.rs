@@ -303,7 +303,9 @@ async fn the_http_api_takes_media_and_renders_them_per_provider() {
         "{}",
         schemas["SendMessage"]
     );
-    assert!(schemas["Media"].is_object() && schemas["MediaSource"].is_object());
+    for name in ["Media", "ImageSource", "DocumentSource"] {
+        assert!(schemas[name].is_object(), "no schema {name}");
+    }
 }
 
 fn run_with(args: &[&str]) -> std::process::Output {

@@ -212,3 +212,117 @@ async fn options_and_opaque_parts_reach_their_family_only_live_and_in_replay() {
     assert_eq!(choices, vec![None, Some(ToolChoice::None), None]);
     host.shutdown().await;
 }
+
+/// `cairn run --tool-choice/--server-tool/--no-prompt-cache` through the real binary: a new
+/// session records them in `session_started`, a later `--tool-choice` is that turn's (in its
+/// `user_message`), the flags fixed at a session's start are refused for an existing one
+/// (exit 2, nothing written), and a bad value is a usage error.
+#[test]
+fn cairn_run_records_call_options_and_refuses_start_only_ones_later() {
+    use crate::support::cairn_command;
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("script.json");
+    std::fs::write(
+        &script,
+        r#"{"responses": [
+            {"turn": 1, "parts": [{"type": "text", "text": "first"}]},
+            {"turn": 2, "parts": [{"type": "text", "text": "second"}]}
+        ]}"#,
+    )
+    .unwrap();
+    let data = dir.path().join("store");
+    let model = format!("scripted:{}", script.display());
+    let run = |extra: &[&str]| {
+        cairn_command()
+            .arg("run")
+            .arg("--data")
+            .arg(&data)
+            .args(["--model", &model, "--session", "opts", "--workdir"])
+            .arg(dir.path())
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let history = || -> Vec<serde_json::Value> {
+        let out = cairn_command()
+            .args(["history", "opts", "--json", "--data"])
+            .arg(&data)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+
+    let first = run(&[
+        "--tool-choice",
+        "none",
+        "--server-tool",
+        "web_search=2,web_fetch",
+        "--no-prompt-cache",
+        "hello",
+    ]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let events = history();
+    assert_eq!(
+        events[0]["event"]["session_started"]["call_options"],
+        serde_json::json!({
+            "tool_choice": "none",
+            "server_tools": [{"kind": "web_search", "max_uses": 2}, {"kind": "web_fetch"}],
+            "no_prompt_cache": true
+        })
+    );
+    let recorded = events.len();
+
+    // Fixed at the start: refused for the existing session, and nothing is written.
+    let refused = run(&["--server-tool", "web_search", "again"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--server-tool"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    assert_eq!(history().len(), recorded);
+    // A bad value is a usage error.
+    let bad = run(&["--tool-choice", "sometimes", "again"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("sometimes"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+
+    // A tool choice for an existing session is this turn's.
+    let second = run(&["--tool-choice", "auto", "again"]);
+    assert!(
+        second.status.success(),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+    assert!(String::from_utf8_lossy(&second.stdout).contains("second"));
+    let events = history();
+    let message = events
+        .iter()
+        .filter(|e| e["kind"] == "user_message")
+        .nth(1)
+        .expect("turn 2's message");
+    assert_eq!(message["event"]["user_message"]["tool_choice"], "auto");
+    // And the history replays.
+    let replay = cairn_command()
+        .args(["replay", "--data"])
+        .arg(&data)
+        .arg("opts")
+        .output()
+        .unwrap();
+    assert!(
+        replay.status.success(),
+        "{}",
+        String::from_utf8_lossy(&replay.stderr)
+    );
+}

@@ -106,7 +106,7 @@ pub struct CreateSession {
     /// The options of its model calls (tool choice, server tools, prompt caching); all unset
     /// when absent.
     #[serde(default, skip_serializing_if = "CallOptions::is_default")]
-    #[schema(value_type = Option<schema::CallOptions>)]
+    #[schema(value_type = Option<schema::CallOptions>, nullable = false)]
     pub call_options: CallOptions,
 }
 
@@ -196,7 +196,7 @@ pub struct SendMessage {
     pub media: Vec<cairn_ledger::Media>,
     /// A tool choice for this turn only: `"auto"`, `"any"`, `"none"` or `{"tool": NAME}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Option<Object>)]
+    #[schema(value_type = Option<schema::ToolChoice>)]
     pub tool_choice: Option<ToolChoice>,
 }
 
@@ -657,13 +657,47 @@ pub mod schema {
     pub struct CallOptions {
         /// Which tools the model may or must call: `"auto"`, `"any"`, `"none"` or
         /// `{"tool": NAME}`. A forcing choice (any, a tool) holds for each turn's first call.
-        #[schema(value_type = Option<Object>)]
-        pub tool_choice: (),
+        pub tool_choice: Option<ToolChoice>,
         /// The provider's own tools: `[{"kind": "web_search" | "web_fetch", "max_uses": N}]`.
-        #[schema(value_type = Option<Vec<Object>>)]
-        pub server_tools: (),
+        #[schema(nullable = false)]
+        pub server_tools: Option<Vec<ServerTool>>,
         /// Turns Anthropic's prompt-cache breakpoints off.
+        #[schema(nullable = false)]
         pub no_prompt_cache: Option<bool>,
+    }
+
+    /// Which tools the model may or must call: `"auto"`, `"any"`, `"none"` or
+    /// `{"tool": NAME}`.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum ToolChoice {
+        /// The model decides.
+        Auto,
+        /// The model must call some tool.
+        Any,
+        /// The model may call no tool.
+        None,
+        /// The model must call the tool of this name.
+        Tool(String),
+    }
+
+    /// A provider's own tool, turned on for a session.
+    #[derive(Serialize, ToSchema)]
+    pub struct ServerTool {
+        /// Which tool.
+        pub kind: ServerToolKind,
+        /// How many times one model call may use it (Anthropic's `max_uses`).
+        pub max_uses: Option<u32>,
+    }
+
+    /// The provider server tools cairn can turn on.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "snake_case")]
+    pub enum ServerToolKind {
+        /// Web search (Anthropic `web_search`, OpenAI Responses `web_search`).
+        WebSearch,
+        /// Web fetch (Anthropic `web_fetch`).
+        WebFetch,
     }
 
     /// A tool as the model sees it.

@@ -73,11 +73,37 @@ pub fn openapi() -> serde_json::Value {
     let mut json = serde_json::to_value(&doc).unwrap_or_default();
     bound_unsigned(&mut json);
     close_enum_wrappers(&mut json);
+    require_text_or_media(&mut json);
     json
 }
 
+/// Says that a message has text or media: `text` may be empty only when `media` is not, a
+/// rule between two fields that utoipa's derive cannot state.
+fn require_text_or_media(doc: &mut serde_json::Value) {
+    if let Some(message) = doc
+        .pointer_mut("/components/schemas/SendMessage")
+        .and_then(|v| v.as_object_mut())
+    {
+        message.insert(
+            "anyOf".to_owned(),
+            serde_json::json!([
+                {"properties": {"text": {"minLength": 1}}},
+                {"required": ["media"], "properties": {"media": {"minItems": 1}}}
+            ]),
+        );
+    }
+}
+
 /// Enums serde writes externally tagged: `{"VARIANT": ...}`.
-const EXTERNALLY_TAGGED: [&str; 4] = ["ActivityReport", "Part", "ToolResultContent", "Delta"];
+const EXTERNALLY_TAGGED: [&str; 7] = [
+    "ActivityReport",
+    "Part",
+    "ToolResultContent",
+    "Delta",
+    "ImageSource",
+    "DocumentSource",
+    "ToolChoice",
+];
 
 /// Says that an externally tagged enum's object has its one key and no other: serde refuses
 /// `{"failed": {...}, "x": 1}`, and utoipa's schema of a variant does not say so.

@@ -17,14 +17,19 @@ pub struct CallOptionArgs {
     /// optional use limit: web_search[=N],web_fetch[=N] (Anthropic: both; OpenAI Responses:
     /// web_search without a limit; others: none).
     #[arg(long, value_name = "LIST", value_parser = parse_server_tools)]
-    pub server_tool: Option<Vec<ServerTool>>,
+    pub server_tool: Option<ServerTools>,
     /// Do not place Anthropic prompt-cache breakpoints in a new session's requests.
     #[arg(long)]
     pub no_prompt_cache: bool,
 }
 
-fn parse_server_tools(text: &str) -> Result<Vec<ServerTool>, String> {
-    ServerTool::parse_list(text)
+/// The list `--server-tool` names. (A type of its own: clap reads an `Option<Vec<_>>` field
+/// as a flag given many times, not as one value that parses into a list.)
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServerTools(pub Vec<ServerTool>);
+
+fn parse_server_tools(text: &str) -> Result<ServerTools, String> {
+    ServerTool::parse_list(text).map(ServerTools)
 }
 
 impl CallOptionArgs {
@@ -32,7 +37,7 @@ impl CallOptionArgs {
     pub fn session_options(&self) -> CallOptions {
         CallOptions {
             tool_choice: self.tool_choice.clone(),
-            server_tools: self.server_tool.clone().unwrap_or_default(),
+            server_tools: self.server_tool.clone().unwrap_or_default().0,
             no_prompt_cache: self.no_prompt_cache,
         }
     }

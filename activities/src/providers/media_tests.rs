@@ -86,7 +86,11 @@ fn request(provider: &str, model: &str, transcript: Transcript) -> ModelRequest 
             description: "takes a screenshot".into(),
             input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
         }],
-        options: Default::default(),
+        // Cache breakpoints (on by default for Anthropic) are another test's subject.
+        options: cairn_ledger::CallOptions {
+            no_prompt_cache: true,
+            ..Default::default()
+        },
     }
 }
 
