@@ -7,23 +7,35 @@ use crate::support::cairn_command;
 use cairn_mcp::test_server::{TestServer, PIXEL_PNG_BASE64};
 use serde_json::{json, Value};
 
-fn tool_use(id: &str, name: &str, input: Value) -> Value {
-    json!({"type": "tool_use", "id": id, "name": name, "input": input})
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cairn_run_hosts_mcp_tools_and_records_their_results() {
+/// The SDK-built test server on streamable HTTP in this process, and a config file in `dir`
+/// naming it `demo` (calls limited to 5 s).
+async fn serve_test_server(
+    dir: &std::path::Path,
+) -> (
+    tokio::task::JoinHandle<std::io::Result<()>>,
+    std::path::PathBuf,
+) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let server = tokio::spawn(TestServer::new(None).serve_http(listener));
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("mcp.json");
+    let config = dir.join("mcp.json");
     std::fs::write(
         &config,
         json!({"mcpServers": {"demo": {"url": format!("http://{addr}/mcp"), "timeout_ms": 5000}}})
             .to_string(),
     )
     .unwrap();
+    (server, config)
+}
+
+fn tool_use(id: &str, name: &str, input: Value) -> Value {
+    json!({"type": "tool_use", "id": id, "name": name, "input": input})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cairn_run_hosts_mcp_tools_and_records_their_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, config) = serve_test_server(dir.path()).await;
     let script = dir.path().join("script.json");
     std::fs::write(
         &script,
@@ -228,17 +240,8 @@ fn start_until_line(mut command: std::process::Command, prefix: &str) -> (Child,
 /// configuration, hands it their calls, and the history records the results.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_process_hosts_mcp_tools_for_a_server() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let mcp = tokio::spawn(TestServer::new(None).serve_http(listener));
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("mcp.json");
-    std::fs::write(
-        &config,
-        json!({"mcpServers": {"demo": {"url": format!("http://{addr}/mcp"), "timeout_ms": 5000}}})
-            .to_string(),
-    )
-    .unwrap();
+    let (mcp, config) = serve_test_server(dir.path()).await;
     let script = dir.path().join("script.json");
     std::fs::write(
         &script,
@@ -322,15 +325,8 @@ async fn a_worker_process_hosts_mcp_tools_for_a_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_builder_hosts_mcp_tools_from_a_config_file() -> anyhow::Result<()> {
     use cairn::prelude::*;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let mcp = tokio::spawn(TestServer::new(None).serve_http(listener));
     let dir = tempfile::tempdir()?;
-    let config = dir.path().join("mcp.json");
-    std::fs::write(
-        &config,
-        json!({"mcpServers": {"demo": {"url": format!("http://{addr}/mcp")}}}).to_string(),
-    )?;
+    let (mcp, config) = serve_test_server(dir.path()).await;
     let script = json!({"responses": [
         {"parts": [tool_use("b1", "demo__echo", json!({"text": "from the library"}))]},
         {"parts": [{"type": "text", "text": "echoed"}]}

@@ -99,18 +99,20 @@ async fn run_json_through_a_server_prints_the_embedded_outcome() {
     assert_eq!(outcome["totals"]["model_calls"], 1);
 }
 
-/// Ctrl-C once during `run --server`: the turn is cancelled through the server, durably
-/// (its history records it), the message says so, and the status is "turn cancelled" (6).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ctrl_c_through_a_server_cancels_the_turn_durably() {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path();
+/// Starts a server over a store in `root` and `cairn run --server` of a slow answer in
+/// session `session`; once the answer streams, sends it `ctrl_c` SIGINTs (the second after it
+/// offers the choice) and returns the server and the run's exit code, stdout and stderr.
+async fn interrupt_run(
+    root: &std::path::Path,
+    session: &'static str,
+    ctrl_c: usize,
+) -> (Server, (Option<i32>, String, String)) {
     let slow = model(root, "slow", 150, &["alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma"]);
     let data = root.join("store");
     let server = Server::start(root, data.to_str().unwrap());
     let base = server.base.clone();
     let root_owned = root.to_path_buf();
-    let (code, stdout, stderr) = tokio::task::spawn_blocking(move || {
+    let ended = tokio::task::spawn_blocking(move || {
         let mut run = Running::spawn(
             &root_owned,
             &[
@@ -120,16 +122,29 @@ async fn ctrl_c_through_a_server_cancels_the_turn_durably() {
                 "--model",
                 &slow,
                 "--session",
-                "c",
+                session,
                 "talk",
             ],
         );
         run.wait_for("alpha beta", false);
         run.signal(libc::SIGINT);
+        if ctrl_c > 1 {
+            run.wait_for("press Ctrl-C again", true);
+            run.signal(libc::SIGINT);
+        }
         run.finish()
     })
     .await
     .expect("join");
+    (server, ended)
+}
+
+/// Ctrl-C once during `run --server`: the turn is cancelled through the server, durably
+/// (its history records it), the message says so, and the status is "turn cancelled" (6).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_through_a_server_cancels_the_turn_durably() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, (code, stdout, stderr)) = interrupt_run(dir.path(), "c", 1).await;
     assert_eq!(code, Some(6), "{stdout}{stderr}");
     assert!(
         stderr.contains("^C: cancelling turn 1 of session c")
@@ -153,34 +168,7 @@ async fn ctrl_c_through_a_server_cancels_the_turn_durably() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_ctrl_c_through_a_server_leaves_the_turn_running_there() {
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path();
-    let slow = model(root, "slow", 150, &["alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma"]);
-    let data = root.join("store");
-    let server = Server::start(root, data.to_str().unwrap());
-    let base = server.base.clone();
-    let root_owned = root.to_path_buf();
-    let (code, stdout, stderr) = tokio::task::spawn_blocking(move || {
-        let mut run = Running::spawn(
-            &root_owned,
-            &[
-                "run",
-                "--server",
-                &base,
-                "--model",
-                &slow,
-                "--session",
-                "l",
-                "talk",
-            ],
-        );
-        run.wait_for("alpha beta", false);
-        run.signal(libc::SIGINT);
-        run.wait_for("press Ctrl-C again", true);
-        run.signal(libc::SIGINT);
-        run.finish()
-    })
-    .await
-    .expect("join");
+    let (server, (code, stdout, stderr)) = interrupt_run(dir.path(), "l", 2).await;
     let base = &server.base;
     assert_eq!(code, Some(130), "{stdout}{stderr}");
     assert!(
