@@ -19,8 +19,8 @@ use crate::event::ErrorClass;
 use crate::event::{ActivityFailure, Event, EventEnvelope, SessionStarted};
 use crate::pricing::PriceTable;
 use crate::store::{
-    AppendRequest, Lease, Overdue, SessionInfo, SessionStatus, Store, StoreChange, Task,
-    TaskFilter, TaskId,
+    AppendRequest, Lease, LeaseHolder, Overdue, SessionInfo, SessionStatus, Store, StoreChange,
+    Task, TaskFilter, TaskId,
 };
 use crate::task_waiters::TaskWaiters;
 use crate::workflow::{ScheduledActivity, SessionState, Transition, TurnOutcome};
@@ -295,7 +295,7 @@ impl Engine {
         self.inner.clock.now_ms()
     }
 
-    /// Leases like [`Engine::lease_tasks`], waiting until `deadline` for the first task if
+    /// Leases like [`Engine::lease_tasks_for`], waiting until `deadline` for the first task if
     /// none is due (a long poll). An enqueue wakes one waiting lease per task, one whose
     /// filter accepts it; tasks queued by other processes wake every waiting lease. When
     /// `stop` completes during the wait, answers at once with no task.
@@ -308,11 +308,12 @@ impl Engine {
         lease_ms: u64,
         deadline: tokio::time::Instant,
         stop: impl std::future::Future<Output = ()>,
+        holder: LeaseHolder,
     ) -> Result<Vec<LeasedTask>> {
         tokio::pin!(stop);
         // Registered before leasing, so an enqueue between an empty lease and the wait wakes it.
         let mut waiter = self.inner.waiters.register(filter);
-        let mut leased = self.lease_tasks(filter, max, lease_ms).await?;
+        let mut leased = self.lease_tasks_for(holder, filter, max, lease_ms).await?;
         loop {
             if !leased.is_empty() || tokio::time::Instant::now() >= deadline {
                 // A wake this waiter got may be for a task queued after the lease looked: it
@@ -328,7 +329,7 @@ impl Engine {
             }
             let woken = waiter;
             waiter = self.inner.waiters.register(filter);
-            leased = self.lease_tasks(filter, max, lease_ms).await?;
+            leased = self.lease_tasks_for(holder, filter, max, lease_ms).await?;
             // The woken waiter's wakes came before this lease looked.
             woken.leased_after_wake(
                 leased.iter().map(|task| &task.lease.id),
@@ -734,18 +735,38 @@ impl Engine {
     }
 
     /// Leases up to `max` due tasks that `filter` accepts, each for `lease_ms`, with what they
-    /// run. Tasks the workflow no longer wants are dropped on the way and not returned.
+    /// run, durably (for any worker: see [`Engine::lease_tasks_for`]). Tasks the workflow no
+    /// longer wants are dropped on the way and not returned.
     pub async fn lease_tasks(
         &self,
         filter: &TaskFilter,
         max: usize,
         lease_ms: u64,
     ) -> Result<Vec<LeasedTask>> {
-        let leases = self
-            .inner
-            .store
-            .lease_tasks(self.now_ms(), lease_ms, max, filter)
-            .await?;
+        self.lease_tasks_for(LeaseHolder::Remote, filter, max, lease_ms)
+            .await
+    }
+
+    /// Leases like [`Engine::lease_tasks`] for a worker of `holder`'s kind: a lease for a
+    /// worker of this process may be handed out before it is durable
+    /// ([`Store::lease_tasks_in_process`]).
+    pub async fn lease_tasks_for(
+        &self,
+        holder: LeaseHolder,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+    ) -> Result<Vec<LeasedTask>> {
+        let store = &self.inner.store;
+        let now_ms = self.now_ms();
+        let leases = match holder {
+            LeaseHolder::InProcess => {
+                store
+                    .lease_tasks_in_process(now_ms, lease_ms, max, filter)
+                    .await?
+            }
+            LeaseHolder::Remote => store.lease_tasks(now_ms, lease_ms, max, filter).await?,
+        };
         if !leases.is_empty() {
             let mut here = lock(&self.inner.leased_here);
             for lease in &leases {

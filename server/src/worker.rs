@@ -14,7 +14,7 @@ use cairn_runtime::wire::{
     HeartbeatResponse, LeaseRequest, LeaseResponse, ProgressRequest, ReportRequest,
     DEFAULT_NAMESPACE,
 };
-use cairn_runtime::{ActivityInput, Lease, TaskFilter};
+use cairn_runtime::{ActivityInput, Lease, LeaseHolder, TaskFilter};
 use tracing::Instrument;
 
 /// A lease asks for at most this many tasks...
@@ -99,7 +99,14 @@ pub async fn lease(
     // A wait that outlives the start of the drain answers at once.
     let tasks = state
         .engine
-        .lease_tasks_waiting(&filter, max, lease_ms, deadline, state.draining.cancelled())
+        .lease_tasks_waiting(
+            &filter,
+            max,
+            lease_ms,
+            deadline,
+            state.draining.cancelled(),
+            LeaseHolder::Remote,
+        )
         .await
         .map_err(ApiError::from_store)?;
     if tasks.is_empty() && state.is_draining() {

@@ -4,7 +4,9 @@
 
 use async_trait::async_trait;
 use cairn_ledger::{JsonText, Usage};
-use cairn_runtime::{ActivityReport, DeltaEvent, Engine, Lease, LeasedTask, Result, TaskFilter};
+use cairn_runtime::{
+    ActivityReport, DeltaEvent, Engine, Lease, LeaseHolder, LeasedTask, Result, TaskFilter,
+};
 use std::time::Duration;
 use tokio::sync::broadcast;
 
@@ -92,7 +94,14 @@ impl TaskSource for EngineSource {
     ) -> Result<Vec<LeasedTask>> {
         let deadline = tokio::time::Instant::now() + wait;
         self.engine
-            .lease_tasks_waiting(filter, max, lease_ms, deadline, std::future::pending())
+            .lease_tasks_waiting(
+                filter,
+                max,
+                lease_ms,
+                deadline,
+                std::future::pending(),
+                LeaseHolder::InProcess,
+            )
             .await
     }
 

@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 mod concurrency;
 mod deletion;
+mod in_process;
 pub use concurrency::{
     a_lapsed_lease_changes_nothing, concurrent_leases_hand_each_task_once,
     racing_appends_on_two_handles, two_engines_on_one_store,
@@ -28,6 +29,9 @@ pub use concurrency::{
 pub use deletion::{
     a_deletion_is_seen_through_another_handle, a_deletion_survives_a_reopen,
     delete_refuses_a_busy_session, delete_removes_a_finished_session,
+};
+pub use in_process::{
+    an_in_process_lease_is_durable_after_the_next_write, in_process_leases_fence_like_durable_ones,
 };
 
 /// Runs every check, each on a store from `fresh`. With `reopen` (a function that drops a store
@@ -64,6 +68,7 @@ pub async fn run_all<S: Store>(
     delete_removes_a_finished_session(&fresh()).await;
     delete_refuses_a_busy_session(&fresh()).await;
     durable_commits_count_what_was_made_durable(&fresh()).await;
+    in_process_leases_fence_like_durable_ones(&fresh()).await;
     concurrent_appends(Arc::new(fresh())).await;
     let twice = |store: S| {
         let store: Arc<dyn Store> = Arc::new(store);
@@ -81,7 +86,8 @@ pub async fn run_all<S: Store>(
     a_deletion_is_seen_through_another_handle(a, b).await;
     if let Some(reopen) = reopen {
         reopen_keeps_everything(fresh(), &mut *reopen).await;
-        a_deletion_survives_a_reopen(fresh(), reopen).await;
+        a_deletion_survives_a_reopen(fresh(), &mut *reopen).await;
+        an_in_process_lease_is_durable_after_the_next_write(fresh(), reopen).await;
     }
 }
 
@@ -2109,6 +2115,7 @@ mod tests {
         released_tasks_are_leased_again_and_not_overdue,
         delete_removes_a_finished_session,
         delete_refuses_a_busy_session,
+        in_process_leases_fence_like_durable_ones,
     );
 
     macro_rules! each_concurrency_check {
@@ -2159,6 +2166,20 @@ mod tests {
     async fn fjall_a_deletion_survives_a_reopen() {
         let root = tempfile::tempdir().expect("tempdir");
         a_deletion_survives_a_reopen(fjall_factory(root.path())(), &mut fjall_reopen).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sled_an_in_process_lease_is_durable_after_the_next_write() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let store = sled_factory(root.path())();
+        an_in_process_lease_is_durable_after_the_next_write(store, &mut sled_reopen).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fjall_an_in_process_lease_is_durable_after_the_next_write() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let store = fjall_factory(root.path())();
+        an_in_process_lease_is_durable_after_the_next_write(store, &mut fjall_reopen).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -136,3 +136,40 @@ pub(super) fn a_second_open_is_refused<S: EmbeddedStore>() {
         other => panic!("opening an open store must be StoreOpen, got {other:?}"),
     }
 }
+
+/// An in-process lease is answered without a sync of its own, while a durable lease takes
+/// one: the turn's path loses a sync per lease, and a lease for a remote worker keeps it.
+pub(super) async fn an_in_process_lease_takes_no_sync<S: EmbeddedStore>() {
+    use super::{NewTask, TaskFilter, TaskId, TaskKind};
+    let root = temp();
+    let store = S::open(root.path()).expect("open");
+    let mut request = append_request("s", 1, vec![message("s", 1, "go")], 1);
+    request.enqueue = (1..=2)
+        .map(|seq| {
+            let id = TaskId {
+                session_id: "s".to_owned(),
+                scheduled_seq: seq,
+            };
+            NewTask::new(id, TaskKind::Tool, 0)
+        })
+        .collect();
+    store.append(request).await.expect("enqueue");
+    let commits = || {
+        store
+            .durable_commits()
+            .expect("an embedded store counts its syncs")
+    };
+    let before = commits();
+    let here = store
+        .lease_tasks_in_process(10, 1_000, 1, &TaskFilter::any())
+        .await
+        .expect("lease in process");
+    assert_eq!(here.len(), 1);
+    assert_eq!(commits() - before, 0, "an in-process lease syncs nothing");
+    let remote = store
+        .lease_tasks(10, 1_000, 1, &TaskFilter::any())
+        .await
+        .expect("durable lease");
+    assert_eq!(remote.len(), 1);
+    assert_eq!(commits() - before, 1, "a durable lease is one sync");
+}

@@ -210,6 +210,19 @@ impl<S: Store> Store for FaultyStore<S> {
         self.inner.lease_tasks(now_ms, lease_ms, max, filter).await
     }
 
+    async fn lease_tasks_in_process(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
+        self.lease_fault()?;
+        self.inner
+            .lease_tasks_in_process(now_ms, lease_ms, max, filter)
+            .await
+    }
+
     async fn extend_lease(
         &self,
         id: &TaskId,

@@ -45,7 +45,12 @@
 //! # Durability (what fjall 3.1 does, read in its source)
 //!
 //! A write is answered `Ok` only once it survives a power loss, not only a process crash
-//! (leases too: a fencing token handed out must not be handed out again after a restart).
+//! (leases too: a fencing token handed out must not be handed out again after a restart),
+//! with one exception. A lease for a worker of this process
+//! ([`Store::lease_tasks_in_process`]) is answered once committed, and the next sync carries
+//! it to the disk: a crash before that takes its holder down with it, and the log is
+//! written in order, so no durable record can name a lease that was lost. That takes one
+//! sync per lease off a turn's path.
 //!
 //! * Every write batch is one journal record (start marker, items, end marker with an xxh3
 //!   checksum and a magic trailer) appended to the active journal file `<n>.jnl` through an
@@ -135,6 +140,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
+use tokio::sync::oneshot;
 
 /// How error texts name this engine and its sync.
 const ENGINE: Engine = Engine {
@@ -387,6 +393,9 @@ impl Staged {
     }
 }
 
+/// An in-process lease's answer, sent once its batch is committed.
+type Committed = (oneshot::Sender<Result<Vec<Lease>>>, Vec<Lease>);
+
 /// The writer thread: applies every write of a batch to the overlay, commits it, persists.
 struct Writer {
     path: PathBuf,
@@ -403,30 +412,48 @@ impl Writer {
     }
 
     /// Applies a batch in order, commits it as one write batch, persists it once, answers.
+    /// In-process leases are answered once committed; a batch of nothing else is not
+    /// persisted: the next durable batch carries it to the disk.
     fn process(&mut self, batch: Vec<Write>) {
         let mut pending = Vec::with_capacity(batch.len());
+        let mut committed = Vec::new();
         for write in batch {
-            self.apply(write, &mut pending);
+            self.apply(write, &mut pending, &mut committed);
         }
-        if pending.is_empty() {
+        if pending.is_empty() && committed.is_empty() {
             return;
         }
-        let synced =
-            catch_unwind(AssertUnwindSafe(|| self.commit_and_persist())).unwrap_or_else(|panic| {
-                Err(format!(
-                    "fjall panicked while committing: {}",
-                    panic_message(&*panic)
-                ))
-            });
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            self.commit()?;
+            // In order: reports of these leases can only come after this commit.
+            for (reply, leases) in committed.drain(..) {
+                let _ = reply.send(Ok(leases));
+            }
+            if pending.is_empty() {
+                return Ok(());
+            }
+            self.persist()
+        }))
+        .unwrap_or_else(|panic| {
+            Err(format!(
+                "fjall panicked while committing: {}",
+                panic_message(&*panic)
+            ))
+        });
         self.overlay = Overlay::default();
-        self.shared.settle(&synced, pending, ENGINE, &self.path);
+        if outcome.is_err() {
+            // Not committed: refused like the rest of the batch.
+            for (reply, leases) in committed {
+                Pending::Lease(reply, leases).answer(&outcome, ENGINE, &self.path);
+            }
+        }
+        self.shared.settle(&outcome, pending, ENGINE, &self.path);
     }
 
-    /// Commits the overlay as one fjall write batch and makes it durable with one fdatasync.
-    fn commit_and_persist(&mut self) -> std::result::Result<(), String> {
+    /// Commits the overlay as one fjall write batch (to the journal's buffer, not synced).
+    fn commit(&mut self) -> std::result::Result<(), String> {
         if self.overlay.is_empty() {
-            // Only writes that change nothing (empty appends to new sessions): what they read
-            // is durable already, since every earlier batch was persisted before this one.
+            // Only writes that change nothing (empty appends to new sessions).
             return Ok(());
         }
         let mut overlay = std::mem::take(&mut self.overlay);
@@ -444,7 +471,12 @@ impl Writer {
         }
         batch
             .commit()
-            .map_err(|e| format!("fjall commit failed: {}", words(&e)))?;
+            .map_err(|e| format!("fjall commit failed: {}", words(&e)))
+    }
+
+    /// Makes every commit so far durable with one fdatasync of the journal: this batch's and
+    /// the unsynced in-process leases before it.
+    fn persist(&mut self) -> std::result::Result<(), String> {
         let persisted = self.handles.db.persist(PersistMode::SyncData).map_err(|e| {
             format!(
                 "fjall persist (fdatasync of the journal) failed: {}",
@@ -456,7 +488,7 @@ impl Writer {
     }
 
     /// Runs one write against the overlay: answers it now when it fails, or queues its answer.
-    fn apply(&mut self, write: Write, pending: &mut Vec<Pending>) {
+    fn apply(&mut self, write: Write, pending: &mut Vec<Pending>, committed: &mut Vec<Committed>) {
         if let Some(refused) = self.shared.refusal(ENGINE, &self.path) {
             write.refuse(refused);
             return;
@@ -476,6 +508,7 @@ impl Writer {
                 lease_ms,
                 max,
                 filter,
+                durable,
                 reply,
             } => match self.lease(now_ms, lease_ms, max, &filter) {
                 Ok((leases, staged)) if leases.is_empty() && staged.writes.is_empty() => {
@@ -483,7 +516,11 @@ impl Writer {
                 }
                 Ok((leases, staged)) => {
                     self.stage(staged);
-                    pending.push(Pending::Lease(reply, leases));
+                    if durable {
+                        pending.push(Pending::Lease(reply, leases));
+                    } else {
+                        committed.push((reply, leases));
+                    }
                 }
                 Err(e) => {
                     let _ = reply.send(Err(e));
@@ -1060,7 +1097,19 @@ impl Store for FjallStore {
         max: usize,
         filter: &TaskFilter,
     ) -> Result<Vec<Lease>> {
-        self.writes.lease(now_ms, lease_ms, max, filter).await
+        self.writes.lease(now_ms, lease_ms, max, filter, true).await
+    }
+
+    async fn lease_tasks_in_process(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
+        self.writes
+            .lease(now_ms, lease_ms, max, filter, false)
+            .await
     }
 
     async fn extend_lease(
@@ -1180,6 +1229,11 @@ mod tests {
     #[test]
     fn a_second_open_of_an_open_store_is_a_clear_error() {
         engine_tests::a_second_open_is_refused::<FjallStore>();
+    }
+
+    #[tokio::test]
+    async fn an_in_process_lease_takes_no_sync() {
+        engine_tests::an_in_process_lease_takes_no_sync::<FjallStore>().await;
     }
 
     #[tokio::test]
@@ -1353,6 +1407,7 @@ mod tests {
             lease_ms: 100,
             max: 10,
             filter: crate::store::TaskFilter::default(),
+            durable: true,
             reply: lease_reply,
         });
         let (write, answer) = append(complete);

@@ -475,6 +475,18 @@ impl Store for MarkedStore {
         self.inner.lease_tasks(now_ms, lease_ms, max, filter).await
     }
 
+    async fn lease_tasks_in_process(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
+        self.inner
+            .lease_tasks_in_process(now_ms, lease_ms, max, filter)
+            .await
+    }
+
     async fn extend_lease(
         &self,
         id: &TaskId,

@@ -229,6 +229,16 @@ impl TaskFilter {
     }
 }
 
+/// Where the worker that will hold a lease runs: whether the lease must be durable before it
+/// is handed out ([`Store::lease_tasks_in_process`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseHolder {
+    /// A worker of this process, which dies with it.
+    InProcess,
+    /// A worker elsewhere (a worker process over HTTP), which outlives this process.
+    Remote,
+}
+
 /// A task leased to a worker until `expires_at_ms`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
@@ -371,6 +381,29 @@ pub trait Store: Send + Sync + 'static {
         max: usize,
         filter: &TaskFilter,
     ) -> Result<Vec<Lease>>;
+
+    /// Leases like [`Store::lease_tasks`], for a worker in this process: one that dies with
+    /// it. An exclusive embedded store (sled, fjall: locked to one process) answers such a
+    /// lease once it is applied, without waiting for a sync; the lease reaches the disk with
+    /// the next durable write, which every report of the lease is. Should the process die
+    /// first, the lease is gone with its holder, and nothing durable names it: a progress
+    /// record, a heartbeat or a completion of the lease is a later write, durable only once
+    /// everything written before it is (the log is written in order). The lease attempt of
+    /// every durable record therefore stays below the next lease's after a restart.
+    ///
+    /// A store that other processes share, or a lease for a worker elsewhere, must use
+    /// [`Store::lease_tasks`], durable before it is answered: that worker outlives a crash
+    /// of this process, and its fencing token must never be handed out again. The default
+    /// is [`Store::lease_tasks`].
+    async fn lease_tasks_in_process(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
+        self.lease_tasks(now_ms, lease_ms, max, filter).await
+    }
 
     /// Extends a current lease (a heartbeat), storing `details` when given (kept otherwise).
     /// Durable like a lease. `LeaseLost` when the lease is not current.

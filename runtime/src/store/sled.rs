@@ -47,7 +47,12 @@
 //! # Durability
 //!
 //! A write is answered `Ok` only once it survives a power loss, not only a process crash
-//! (leases too: a fencing token handed out must not be handed out again after a restart).
+//! (leases too: a fencing token handed out must not be handed out again after a restart),
+//! with one exception. A lease for a worker of this process
+//! ([`Store::lease_tasks_in_process`]) is answered once committed, and the next sync carries
+//! it to the disk: a crash before that takes its holder down with it, and the log is
+//! written in order, so no durable record can name a lease that was lost. That takes one
+//! sync per lease off a turn's path.
 //! sled alone does not give that:
 //!
 //! * sled writes its log into the `db` file and ends each write with `sync_file_range` on
@@ -362,9 +367,12 @@ impl Writer {
                 lease_ms,
                 max,
                 filter,
+                durable,
                 reply,
             } => match self.lease(now_ms, lease_ms, max, &filter) {
-                Ok(leases) if leases.is_empty() => {
+                // Committed: an in-process lease is answered now, and reaches the disk with
+                // the next flush.
+                Ok(leases) if leases.is_empty() || !durable => {
                     let _ = reply.send(Ok(leases));
                 }
                 Ok(leases) => pending.push(Pending::Lease(reply, leases)),
@@ -891,7 +899,19 @@ impl Store for SledStore {
         max: usize,
         filter: &TaskFilter,
     ) -> Result<Vec<Lease>> {
-        self.writes.lease(now_ms, lease_ms, max, filter).await
+        self.writes.lease(now_ms, lease_ms, max, filter, true).await
+    }
+
+    async fn lease_tasks_in_process(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
+        self.writes
+            .lease(now_ms, lease_ms, max, filter, false)
+            .await
     }
 
     async fn extend_lease(
@@ -977,6 +997,11 @@ mod tests {
     #[test]
     fn a_second_open_of_an_open_store_is_a_clear_error() {
         engine_tests::a_second_open_is_refused::<SledStore>();
+    }
+
+    #[tokio::test]
+    async fn an_in_process_lease_takes_no_sync() {
+        engine_tests::an_in_process_lease_takes_no_sync::<SledStore>().await;
     }
 
     /// Garbage where sled's files are: opening fails or recovers, and never panics.

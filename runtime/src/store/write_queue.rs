@@ -100,6 +100,9 @@ pub(super) enum Write {
         lease_ms: u64,
         max: usize,
         filter: TaskFilter,
+        /// Answered once durable; else once committed
+        /// ([`Store::lease_tasks_in_process`](super::Store::lease_tasks_in_process)).
+        durable: bool,
         reply: oneshot::Sender<Result<Vec<Lease>>>,
     },
     Extend {
@@ -321,13 +324,15 @@ impl WriteQueue {
         self.submit(Write::Append(prepared, reply), answer).await
     }
 
-    /// [`Store::lease_tasks`](super::Store::lease_tasks).
+    /// [`Store::lease_tasks`](super::Store::lease_tasks) when `durable`, else
+    /// [`Store::lease_tasks_in_process`](super::Store::lease_tasks_in_process).
     pub(super) async fn lease(
         &self,
         now_ms: u64,
         lease_ms: u64,
         max: usize,
         filter: &TaskFilter,
+        durable: bool,
     ) -> Result<Vec<Lease>> {
         if max == 0 {
             return Ok(Vec::new());
@@ -338,6 +343,7 @@ impl WriteQueue {
             lease_ms,
             max,
             filter: filter.clone(),
+            durable,
             reply,
         };
         self.submit(write, answer).await

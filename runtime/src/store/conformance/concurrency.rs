@@ -237,6 +237,7 @@ async fn lease_on(engine: &Engine, count: usize) -> Vec<LeasedTask> {
                     60_000,
                     deadline,
                     std::future::pending(),
+                    crate::store::LeaseHolder::InProcess,
                 )
                 .await
             {

@@ -1,0 +1,128 @@
+//! The conformance checks of [`Store::lease_tasks_in_process`]: a lease for a worker of this
+//! process is a lease like any other (attempts, expiry, fencing, the record it leaves), and
+//! the next durable write carries it to the disk, so that a reopen never hands its fencing
+//! token out again.
+
+use super::{append_request, lease_states, message, must_append, new_task, task_id};
+use crate::error::Error;
+use crate::store::{Lease, Store, TaskFilter, TaskKind};
+
+async fn lease_here(store: &dyn Store, now_ms: u64, lease_ms: u64, max: usize) -> Vec<Lease> {
+    store
+        .lease_tasks_in_process(now_ms, lease_ms, max, &TaskFilter::any())
+        .await
+        .unwrap_or_else(|e| {
+            panic!("lease_tasks_in_process({now_ms}, {lease_ms}, {max}) must succeed, got {e:?}")
+        })
+}
+
+/// An in-process lease takes the oldest visible task, bumps its attempt, holds it until now +
+/// lease, and fences like a durable lease: a completion with an older attempt or after the
+/// expiry is `LeaseLost`, one with the current attempt completes it; a durable lease and an
+/// in-process one never hand out the same task.
+pub async fn in_process_leases_fence_like_durable_ones(store: &dyn Store) {
+    let s = "here";
+    let (t1, t2) = (task_id(s, 1), task_id(s, 2));
+    let mut request = append_request(s, 1, vec![message(s, 1, "go")], 0);
+    request.enqueue = vec![
+        new_task(&t1, TaskKind::Model, 100),
+        new_task(&t2, TaskKind::Tool, 200),
+    ];
+    must_append(store, request, "enqueue two tasks").await;
+    let first = lease_here(store, 1_000, 500, 1).await;
+    assert_eq!(
+        first,
+        vec![Lease {
+            id: t1.clone(),
+            kind: TaskKind::Model,
+            lease_attempt: 1,
+            expires_at_ms: 1_500
+        }],
+        "an in-process lease takes the oldest visible task, attempt 1, until now + lease"
+    );
+    let durable = store
+        .lease_tasks(1_000, 500, 10, &TaskFilter::any())
+        .await
+        .unwrap_or_else(|e| panic!("lease_tasks must succeed, got {e:?}"));
+    assert_eq!(
+        durable.iter().map(|l| &l.id).collect::<Vec<_>>(),
+        vec![&t2],
+        "a durable lease does not take the task leased in process"
+    );
+    assert_eq!(
+        lease_states(store).await,
+        vec![(t1.clone(), 1_500, 1, true), (t2.clone(), 1_500, 1, true)],
+        "an in-process lease leaves the same record as a durable one"
+    );
+    let mut stale = append_request(s, 2, vec![message(s, 2, "stale")], 1_100);
+    stale.complete = Some((t1.clone(), 0));
+    assert!(
+        matches!(store.append(stale).await, Err(Error::LeaseLost { .. })),
+        "a completion with an attempt older than the in-process lease is LeaseLost"
+    );
+    let mut late = append_request(s, 2, vec![message(s, 2, "late")], 1_500);
+    late.complete = Some((t1.clone(), 1));
+    assert!(
+        matches!(store.append(late).await, Err(Error::LeaseLost { .. })),
+        "a completion at the in-process lease's expiry is LeaseLost"
+    );
+    let mut current = append_request(s, 2, vec![message(s, 2, "done")], 1_499);
+    current.complete = Some((t1.clone(), 1));
+    must_append(
+        store,
+        current,
+        "a completion of the current in-process lease",
+    )
+    .await;
+    assert_eq!(
+        lease_states(store).await,
+        vec![(t2, 1_500, 1, true)],
+        "the completion removed the task leased in process"
+    );
+}
+
+/// The next durable write makes an in-process lease durable: after a reopen its task still
+/// has the attempt, so the next lease of it (after the leases are released, as an embedded
+/// store does when it opens) has a higher one.
+pub async fn an_in_process_lease_is_durable_after_the_next_write<S: Store>(
+    store: S,
+    reopen: &mut dyn FnMut(S) -> S,
+) {
+    let s = "here-reopen";
+    let t1 = task_id(s, 1);
+    let mut request = append_request(s, 1, vec![message(s, 1, "go")], 0);
+    request.enqueue = vec![new_task(&t1, TaskKind::Tool, 0)];
+    must_append(&store, request, "enqueue a task").await;
+    assert_eq!(
+        lease_here(&store, 10, 60_000, 1).await.len(),
+        1,
+        "the task is leased in process"
+    );
+    let other = "here-other";
+    must_append(
+        &store,
+        append_request(other, 1, vec![message(other, 1, "after")], 20),
+        "a durable write after the lease",
+    )
+    .await;
+    let store = reopen(store);
+    assert_eq!(
+        lease_states(&store).await,
+        vec![(t1.clone(), 60_010, 1, true)],
+        "the write after the in-process lease made it durable"
+    );
+    let released = store
+        .release_leases(30)
+        .await
+        .unwrap_or_else(|e| panic!("release_leases must succeed, got {e:?}"));
+    assert_eq!(released, 1, "the lease from before the reopen is released");
+    let again = lease_here(&store, 40, 60_000, 1).await;
+    assert_eq!(
+        again
+            .iter()
+            .map(|l| (&l.id, l.lease_attempt))
+            .collect::<Vec<_>>(),
+        vec![(&t1, 2)],
+        "the lease after the reopen has a higher attempt than the one before it"
+    );
+}
