@@ -23,8 +23,15 @@
 //! (`Conflict`), its fencing check of `complete` (`LeaseLost`) and every read of a record it
 //! replaces come before it stages anything, and its changes reach the overlay together, only
 //! once it was accepted; a rejected write is answered at once and leaves nothing behind.
-//! Leasing scans `queue` merged with the overlay; as the only writer, the thread sees a queue
+//! Leasing scans the queue merged with the overlay; as the only writer, the thread sees a queue
 //! nothing else changes.
+//!
+//! The queue is scanned in memory ([`QueueIndex`]), not in its keyspace: every lease and
+//! completion deletes queue keys, and an LSM tree keeps a deleted key as a tombstone until a
+//! compaction drops it, so a scan of the keyspace from its start walks every task done since
+//! the last compaction. Profiled, that walk was most of the store's CPU. The keyspace stays the
+//! durable truth, written in the same batches; the index is loaded from it at open and changed
+//! only by the writer, after each commit.
 //!
 //! Then the whole overlay goes to fjall as one [`fjall::OwnedWriteBatch`] over the four
 //! keyspaces (one journal record, atomic: after a crash all of it or none of it is there),
@@ -131,14 +138,13 @@ use crate::event::EventEnvelope;
 use async_trait::async_trait;
 use cairn_ledger::JsonText;
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode, Readable};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{self, File};
-use std::iter::Peekable;
 use std::ops::Bound;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, RwLock};
 use std::thread::JoinHandle;
 use tokio::sync::oneshot;
 
@@ -187,11 +193,15 @@ impl Handles {
     }
 }
 
+/// The queue keyspace's keys, in memory (see the module docs): what is committed to it.
+type QueueIndex = Arc<RwLock<BTreeSet<Vec<u8>>>>;
+
 /// A durable store in a directory, backed by fjall; see the module docs.
 pub struct FjallStore {
     path: PathBuf,
     /// `None` only while dropping.
     handles: Option<Handles>,
+    queue_index: QueueIndex,
     /// To the writer thread; closed only while dropping.
     writes: WriteQueue,
     writer: Option<JoinHandle<()>>,
@@ -294,6 +304,14 @@ impl FjallStore {
         sync_dir_described(&dir.join("keyspaces"))
             .and_then(|()| sync_dir_described(dir))
             .map_err(|e| open_error(dir, e))?;
+        let mut keys = BTreeSet::new();
+        for item in handles.queue.iter() {
+            let key = item
+                .key()
+                .map_err(|e| open_error(dir, format!("cannot read the queue: {}", words(&e))))?;
+            keys.insert(key.to_vec());
+        }
+        let queue_index: QueueIndex = Arc::new(RwLock::new(keys));
 
         let shared = Arc::new(Shared::default());
         let (writes, queue) = mpsc::channel();
@@ -302,6 +320,7 @@ impl FjallStore {
             handles: handles.clone(),
             shared: Arc::clone(&shared),
             overlay: Overlay::default(),
+            queue_index: Arc::clone(&queue_index),
         };
         let writer = std::thread::Builder::new()
             .name("cairn-fjall-writer".to_owned())
@@ -310,6 +329,7 @@ impl FjallStore {
         Ok(FjallStore {
             path: dir.to_path_buf(),
             handles: Some(handles),
+            queue_index,
             writes: WriteQueue::new(ENGINE, dir, writes, shared),
             writer: Some(writer),
         })
@@ -393,6 +413,19 @@ impl Staged {
     }
 }
 
+fn read_index(index: &QueueIndex) -> std::sync::RwLockReadGuard<'_, BTreeSet<Vec<u8>>> {
+    // A set of keys, changed whole per key: consistent even if a holder panicked.
+    index
+        .read()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn write_index(index: &QueueIndex) -> std::sync::RwLockWriteGuard<'_, BTreeSet<Vec<u8>>> {
+    index
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// An in-process lease's answer, sent once its batch is committed.
 type Committed = (oneshot::Sender<Result<Vec<Lease>>>, Vec<Lease>);
 
@@ -402,6 +435,8 @@ struct Writer {
     handles: Handles,
     shared: Arc<Shared>,
     overlay: Overlay,
+    /// Changed here only, after each commit.
+    queue_index: QueueIndex,
 }
 
 impl Writer {
@@ -457,6 +492,7 @@ impl Writer {
             return Ok(());
         }
         let mut overlay = std::mem::take(&mut self.overlay);
+        let queue_changes = overlay.keyspaces[Ks::Queue as usize].clone();
         let mut batch = self.handles.db.batch();
         // Events first, the session records that count them last (snapshot reads see the
         // batch whole anyway; plain reads at the newest seqno then see no count too high).
@@ -471,7 +507,15 @@ impl Writer {
         }
         batch
             .commit()
-            .map_err(|e| format!("fjall commit failed: {}", words(&e)))
+            .map_err(|e| format!("fjall commit failed: {}", words(&e)))?;
+        let mut index = write_index(&self.queue_index);
+        for (key, value) in queue_changes {
+            match value {
+                Some(_) => index.insert(key),
+                None => index.remove(&key),
+            };
+        }
+        Ok(())
     }
 
     /// Makes every commit so far durable with one fdatasync of the journal: this batch's and
@@ -682,11 +726,9 @@ impl Writer {
                 self.path.display()
             ),
         };
-        let mut stored: Peekable<_> = self
-            .handles
-            .queue
-            .range(start.clone()..)
-            .map(|guard| guard.key().map(|k| k.to_vec()))
+        let index = read_index(&self.queue_index);
+        let mut stored = index
+            .range::<Vec<u8>, _>((Bound::Included(start.clone()), Bound::Unbounded))
             .peekable();
         let mut staged = self
             .overlay
@@ -697,27 +739,21 @@ impl Writer {
         while keys.len() < max {
             let from_store = match (stored.peek(), staged.peek()) {
                 (None, None) => break,
-                (Some(Err(_)), _) => {
-                    let Some(Err(e)) = stored.next() else {
-                        unreachable!("peeked an error")
-                    };
-                    return Err(scan_error(words(&e)));
-                }
-                (Some(Ok(s)), Some((o, _))) => s < *o,
-                (Some(Ok(_)), None) => true,
+                (Some(s), Some((o, _))) => s < o,
+                (Some(_), None) => true,
                 (None, Some(_)) => false,
             };
             let key = if from_store {
                 match stored.next() {
-                    Some(Ok(key)) => key,
-                    _ => unreachable!("peeked a key"),
+                    Some(key) => key.clone(),
+                    None => unreachable!("peeked a key"),
                 }
             } else {
                 let Some((key, value)) = staged.next() else {
                     unreachable!("peeked an overlay entry")
                 };
                 // The overlay decides for a key both have.
-                if matches!(stored.peek(), Some(Ok(s)) if s == key) {
+                if stored.peek() == Some(&key) {
                     stored.next();
                 }
                 match value {
@@ -1127,16 +1163,19 @@ impl Store for FjallStore {
 
     async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
         let h = self.handles()?;
-        let snapshot = h.db.snapshot();
         let until = now_ms.saturating_add(1).to_be_bytes().to_vec();
+        // The due keys first (the index, not the keyspace: see the module docs), then their
+        // tasks from one snapshot; a task done in between is gone from it and skipped.
+        let due: Vec<Vec<u8>> = read_index(&self.queue_index)
+            .range::<Vec<u8>, _>(..until)
+            .cloned()
+            .collect();
+        let snapshot = h.db.snapshot();
         let mut out = Vec::new();
-        for item in snapshot.range(&h.queue, ..until) {
+        for key in due {
             if out.len() >= max {
                 break;
             }
-            let key = item
-                .key()
-                .map_err(|e| fjall_error(&self.path, "scanning the queue", &e))?;
             let tkey = &key[8.min(key.len())..];
             let bytes = snapshot
                 .get(&h.tasks, tkey)
@@ -1419,6 +1458,7 @@ mod tests {
             handles: store.handles().expect("handles").clone(),
             shared: Arc::clone(&store.writes.shared),
             overlay: Overlay::default(),
+            queue_index: Arc::clone(&store.queue_index),
         };
         let before = store.persists();
         writer.process(writes);
