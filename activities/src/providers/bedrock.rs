@@ -1811,8 +1811,9 @@ mod tests {
             "{claude}"
         );
         assert!(
-            claude.contains(&format!(r#"}}}}}},{POINT}],"toolChoice"#))
-                || claude.contains(&format!(r#"}}}}}},{POINT}]}}"#)),
+            claude.contains(&format!(
+                r#""toolConfig":{{"tools":[{{"toolSpec":{{"name":"calc","description":"adds","inputSchema":{{"json":{{"type":"object"}}}}}}}},{POINT}]}}"#
+            )),
             "{claude}"
         );
         assert!(
@@ -1878,6 +1879,28 @@ mod tests {
                 r#"{"toolUse":{"toolUseId":"s1","name":"nova_grounding","type":"server_tool_use","input":{"q": 1.10}}}"#,
                 r#"{"toolResult":{"toolUseId":"s1","type":"nova_grounding_result","status":"success","content":[{"text":"found"},{"json":{"n": 9007199254740993}}]}}"#,
             ]
+        );
+
+        // Citations with no text to carry them: kept whole as the block they would go back as.
+        let response = run(&[
+            start,
+            (
+                "contentBlockDelta",
+                r#"{"contentBlockIndex":0,"delta":{"citation":{"title":"t"}}}"#,
+            ),
+            ("contentBlockStop", r#"{"contentBlockIndex":0}"#),
+            stop,
+        ])
+        .unwrap();
+        assert_eq!(
+            response.parts,
+            vec![Part::Opaque(ProviderJson::new(
+                PROVIDER,
+                JsonText::parse(
+                    r#"{"citationsContent":{"content":[],"citations":[{"title":"t"}]}}"#
+                )
+                .unwrap()
+            ))]
         );
 
         let broken = |events: &[(&str, &str)], wanted: &str| {
