@@ -717,6 +717,8 @@ fn describe_sessions_and_json_forms() {
         "status    idle",
         &format!("model     {model}"),
         &format!("workdir   {}", root.display()),
+        // No call options given: each stated with its default.
+        "options   tool choice auto (default), server tools none, prompt cache on",
         "usage     30 in / 7 out tokens",
         "totals    37 tokens (30 in, 7 out, 0 cache read, 0 cache write), ",
         "attempt(s) unpriced)",
@@ -749,6 +751,10 @@ fn describe_sessions_and_json_forms() {
     assert_eq!(json["turns"][0]["detail"], "first answer");
     assert_eq!(json["usage"]["input_tokens"], 30);
     assert_eq!(json["model"], model);
+    assert_eq!(
+        json["call_options"],
+        serde_json::json!({"tool_choice": null, "server_tools": [], "prompt_cache": true})
+    );
 
     // sessions: columns under a header, filters, JSON lines.
     let listing = text(&cairn_at(&root, &["sessions", "--data", data_str]).stdout);

@@ -279,6 +279,37 @@ fn cairn_run_records_call_options_and_refuses_start_only_ones_later() {
         })
     );
     let recorded = events.len();
+    // `cairn describe` states them, as text and as JSON.
+    let describe = |json: bool| {
+        let mut command = cairn_command();
+        command.args(["describe", "opts", "--data"]).arg(&data);
+        if json {
+            command.arg("--json");
+        }
+        let out = command.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let said = describe(false);
+    assert!(
+        said.contains(
+            "\noptions   tool choice none, server tools web_search=2,web_fetch, prompt cache off\n"
+        ),
+        "{said}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&describe(true)).unwrap();
+    assert_eq!(
+        json["call_options"],
+        serde_json::json!({
+            "tool_choice": "none",
+            "server_tools": ["web_search=2", "web_fetch"],
+            "prompt_cache": false
+        })
+    );
 
     // Fixed at the start: refused for the existing session, and nothing is written.
     let refused = run(&["--server-tool", "web_search", "again"]);

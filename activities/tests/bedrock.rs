@@ -14,8 +14,8 @@ use cairn_activities::providers::bedrock::{
 use cairn_activities::providers::http::HttpSettings;
 use cairn_activities::{ActivityContext, CallContext, ErrorKind, ModelProvider, ModelRequest};
 use cairn_ledger::{
-    Delta, JsonText, ModelResponse, ModelSpec, Part, StopReason, ToolResult, ToolResultContent,
-    ToolSpec, ToolUse, Transcript, Usage,
+    Delta, JsonText, ModelResponse, ModelSpec, Part, ProviderJson, StopReason, ToolResult,
+    ToolResultContent, ToolSpec, ToolUse, Transcript, Usage,
 };
 use std::sync::Mutex;
 use std::time::Duration;
@@ -297,7 +297,12 @@ async fn a_tool_loop_streams_parses_and_renders_its_follow_up() {
         serde_json::json!({"thinking": {"type": "enabled", "budget_tokens": 2048}})
     );
     assert_eq!(body["inferenceConfig"]["maxTokens"], 4096);
-    assert_eq!(body["system"], serde_json::json!([{"text": "Be brief."}]));
+    // Claude Sonnet 4 takes cache points: one after the system prompt (and the tools, and the
+    // last turn), on by default.
+    assert_eq!(
+        body["system"],
+        serde_json::json!([{"text": "Be brief."}, {"cachePoint": {"type": "default"}}])
+    );
 
     // The follow-up: results in declaration order, one finished out of order is still second.
     transcript.push_response(&first);
@@ -333,7 +338,7 @@ async fn a_tool_loop_streams_parses_and_renders_its_follow_up() {
     );
     assert!(
         raw.contains(
-            r#"{"role":"user","content":[{"toolResult":{"toolUseId":"tooluse_A1","content":[{"json":{"sum": 1.10}}]}},{"toolResult":{"toolUseId":"tooluse_B2","content":[{"text":"[\"not\", \"an\", \"object\"]"}],"status":"error"}}]}"#
+            r#"{"role":"user","content":[{"toolResult":{"toolUseId":"tooluse_A1","content":[{"json":{"sum": 1.10}}]}},{"toolResult":{"toolUseId":"tooluse_B2","content":[{"text":"[\"not\", \"an\", \"object\"]"}],"status":"error"}},{"cachePoint":{"type":"default"}}]}"#
         ),
         "{raw}"
     );
@@ -367,6 +372,164 @@ async fn a_tool_loop_streams_parses_and_renders_its_follow_up() {
     assert_eq!(
         body["toolConfig"]["tools"][0]["toolSpec"]["inputSchema"]["json"]["type"],
         "object"
+    );
+}
+
+/// A turn with a block kind cairn does not model (a grounding tool's call and result, streamed
+/// as `toolUse` with `type: "server_tool_use"` and `toolResult`, plus a start kind no SDK knows)
+/// and text with `citation` deltas.
+fn grounded_stream() -> Vec<Vec<u8>> {
+    vec![
+        start(),
+        event(
+            "contentBlockStart",
+            r#"{"contentBlockIndex":0,"start":{"toolUse":{"toolUseId":"srv_1","name":"nova_grounding","type":"server_tool_use"}}}"#,
+        ),
+        event(
+            "contentBlockDelta",
+            r#"{"contentBlockIndex":0,"delta":{"toolUse":{"input":"{\"query\": \"tides\", \"n\": 9007199254740993}"}}}"#,
+        ),
+        event("contentBlockStop", r#"{"contentBlockIndex":0}"#),
+        event(
+            "contentBlockStart",
+            r#"{"contentBlockIndex":1,"start":{"toolResult":{"toolUseId":"srv_1","status":"success"}}}"#,
+        ),
+        event(
+            "contentBlockDelta",
+            r#"{"contentBlockIndex":1,"delta":{"toolResult":[{"json":{"hits": 1.50}}]}}"#,
+        ),
+        event("contentBlockStop", r#"{"contentBlockIndex":1}"#),
+        event(
+            "contentBlockStart",
+            r#"{"contentBlockIndex":2,"start":{"hologram":{"id":"h\u00e9","depth":1e3}}}"#,
+        ),
+        event("contentBlockStop", r#"{"contentBlockIndex":2}"#),
+        event(
+            "contentBlockDelta",
+            r#"{"contentBlockIndex":3,"delta":{"text":"High tide "}}"#,
+        ),
+        event(
+            "contentBlockDelta",
+            r#"{"contentBlockIndex":3,"delta":{"citation":{"title":"Tide tables","sourceContent":[{"text":"06:12"}],"location":{"web":{"url":"https://tides.example/today","domain":"tides.example"}}}}}"#,
+        ),
+        event(
+            "contentBlockDelta",
+            r#"{"contentBlockIndex":3,"delta":{"text":"is at 06:12."}}"#,
+        ),
+        event(
+            "contentBlockDelta",
+            r#"{"contentBlockIndex":3,"delta":{"citation":{"location":{"documentChar":{"documentIndex":0,"start":3,"end":9}}}}}"#,
+        ),
+        event("contentBlockStop", r#"{"contentBlockIndex":3}"#),
+        event("messageStop", r#"{"stopReason":"end_turn"}"#),
+        event(
+            "metadata",
+            r#"{"usage":{"inputTokens":1,"outputTokens":2,"totalTokens":3}}"#,
+        ),
+    ]
+}
+
+#[tokio::test]
+async fn unmodelled_blocks_and_citations_go_back_to_bedrock_verbatim_in_place() {
+    let server = FakeServer::start().await;
+    server.push(stream(&grounded_stream()));
+    server.push(stream(&text_stream("Noted.")));
+    server.push(stream(&text_stream("Noted.")));
+    let provider = provider(&server);
+    let ctx = ActivityContext::detached();
+    let mut transcript = Transcript::new();
+    transcript.push_user_text("When is high tide?");
+    let first = provider
+        .call(
+            &request(MODEL, transcript.clone(), false),
+            &cairn_activities::NoDeltas,
+            &ctx,
+        )
+        .await
+        .unwrap();
+    let server_call = r#"{"toolUse":{"toolUseId":"srv_1","name":"nova_grounding","type":"server_tool_use","input":{"query": "tides", "n": 9007199254740993}}}"#;
+    let server_result = r#"{"toolResult":{"toolUseId":"srv_1","status":"success","content":[{"json":{"hits": 1.50}}]}}"#;
+    let unknown = r#"{"hologram":{"id":"h\u00e9","depth":1e3}}"#;
+    let citations = r#"[{"title":"Tide tables","sourceContent":[{"text":"06:12"}],"location":{"web":{"url":"https://tides.example/today","domain":"tides.example"}}},{"location":{"documentChar":{"documentIndex":0,"start":3,"end":9}}}]"#;
+    let opaque =
+        |json: &str| Part::Opaque(ProviderJson::new(PROVIDER, JsonText::parse(json).unwrap()));
+    assert_eq!(
+        first.parts,
+        vec![
+            opaque(server_call),
+            opaque(server_result),
+            opaque(unknown),
+            Part::Text {
+                text: "High tide is at 06:12.".into(),
+                item_id: None,
+                citations: Some(ProviderJson::new(
+                    PROVIDER,
+                    JsonText::parse(citations).unwrap()
+                )),
+            },
+        ]
+    );
+    // A server tool's call is not a call for cairn to run.
+    assert_eq!(first.stop_reason, StopReason::EndTurn);
+
+    transcript.push_response(&first);
+    transcript.push_user_text("Thanks.");
+    provider
+        .call(
+            &request(MODEL, transcript.clone(), false),
+            &cairn_activities::NoDeltas,
+            &ctx,
+        )
+        .await
+        .unwrap();
+    let raw = String::from_utf8(server.requests()[1].body.clone()).unwrap();
+    // Every block exactly as it came, in its place; the text with its citations as the
+    // citationsContent block Converse takes.
+    let assistant = format!(
+        r#"{{"role":"assistant","content":[{server_call},{server_result},{unknown},{{"citationsContent":{{"content":[{{"text":"High tide is at 06:12."}}],"citations":{citations}}}}}]}}"#
+    );
+    assert!(raw.contains(&assistant), "{raw}");
+
+    // Another family's opaque blocks and citations stay behind; the text goes as text.
+    let mut foreign = Transcript::new();
+    foreign.push_user_text("When is high tide?");
+    let mut moved = first.clone();
+    moved.provider = "anthropic".into();
+    moved.parts = vec![
+        Part::Opaque(ProviderJson::new(
+            "anthropic",
+            JsonText::parse(
+                r#"{"type":"server_tool_use","id":"srvtoolu_1","name":"web_search","input":{}}"#,
+            )
+            .unwrap(),
+        )),
+        Part::Text {
+            text: "High tide is at 06:12.".into(),
+            item_id: None,
+            citations: Some(ProviderJson::new(
+                "anthropic",
+                JsonText::parse("[]").unwrap(),
+            )),
+        },
+    ];
+    foreign.push_response(&moved);
+    foreign.push_user_text("Thanks.");
+    provider
+        .call(
+            &request(MODEL, foreign, false),
+            &cairn_activities::NoDeltas,
+            &ctx,
+        )
+        .await
+        .unwrap();
+    let raw = String::from_utf8(server.requests()[2].body.clone()).unwrap();
+    assert!(
+        raw.contains(r#"{"role":"assistant","content":[{"text":"High tide is at 06:12."}]}"#),
+        "{raw}"
+    );
+    assert!(
+        !raw.contains("srvtoolu_1") && !raw.contains("citations"),
+        "{raw}"
     );
 }
 

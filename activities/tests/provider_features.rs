@@ -489,10 +489,10 @@ fn tool_choice_renders_per_provider_and_unsupported_options_are_typed_errors() {
     assert!(err.to_string().contains("no max_uses"), "{err}");
 }
 
-// ---- Bedrock: what it cannot send back does not break the turn -----------------------------
+// ---- Bedrock: blocks it does not model do not break the turn, and are kept -----------------------------
 
 #[test]
-fn bedrock_skips_blocks_and_deltas_it_cannot_send_back() {
+fn bedrock_keeps_blocks_and_citations_it_does_not_model() {
     let mut parser = bedrock::StreamParser::new("m", IdAliases::new());
     let events: [(&str, &str); 9] = [
         ("messageStart", r#"{"role":"assistant"}"#),
@@ -500,7 +500,7 @@ fn bedrock_skips_blocks_and_deltas_it_cannot_send_back() {
             "contentBlockDelta",
             r#"{"contentBlockIndex":0,"delta":{"text":"Rust 1.90 is out."}}"#,
         ),
-        // A citation on the text block: not kept, the text is.
+        // A citation on the text block: kept beside the text.
         (
             "contentBlockDelta",
             r#"{"contentBlockIndex":0,"delta":{"citation":{"location":{"web":{"url":"https://blog.example"}}}}}"#,
@@ -526,5 +526,25 @@ fn bedrock_skips_blocks_and_deltas_it_cannot_send_back() {
         parser.feed(name, payload.as_bytes(), &NoDeltas).unwrap();
     }
     let response: ModelResponse = parser.finish().unwrap();
-    assert_eq!(response.parts, vec![Part::text("Rust 1.90 is out.")]);
+    assert_eq!(
+        response.parts,
+        vec![
+            Part::Text {
+                text: "Rust 1.90 is out.".into(),
+                item_id: None,
+                citations: Some(ProviderJson::new(
+                    "bedrock",
+                    JsonText::parse(r#"[{"location":{"web":{"url":"https://blog.example"}}}]"#)
+                        .unwrap()
+                )),
+            },
+            Part::Opaque(ProviderJson::new(
+                "bedrock",
+                JsonText::parse(
+                    r#"{"toolResult":{"toolUseId":"t1","content":[{"text":"results"}]}}"#
+                )
+                .unwrap()
+            )),
+        ]
+    );
 }

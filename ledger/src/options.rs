@@ -129,7 +129,8 @@ pub struct CallOptions {
     /// The provider's own tools the model may use.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub server_tools: Vec<ServerTool>,
-    /// Turns Anthropic's prompt-cache breakpoints off (they are on by default).
+    /// Turns prompt-cache breakpoints off (Anthropic's `cache_control`, Bedrock's `cachePoint`;
+    /// on by default).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_prompt_cache: bool,
 }

@@ -661,7 +661,7 @@ pub mod schema {
         /// The provider's own tools: `[{"kind": "web_search" | "web_fetch", "max_uses": N}]`.
         #[schema(nullable = false)]
         pub server_tools: Option<Vec<ServerTool>>,
-        /// Turns Anthropic's prompt-cache breakpoints off.
+        /// Turns prompt-cache breakpoints off (Anthropic's, and Bedrock's cache points).
         #[schema(nullable = false)]
         pub no_prompt_cache: Option<bool>,
     }

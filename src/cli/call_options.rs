@@ -18,7 +18,8 @@ pub struct CallOptionArgs {
     /// web_search without a limit; others: none).
     #[arg(long, value_name = "LIST", value_parser = parse_server_tools)]
     pub server_tool: Option<ServerTools>,
-    /// Do not place Anthropic prompt-cache breakpoints in a new session's requests.
+    /// Do not place prompt-cache breakpoints (Anthropic `cache_control`, Bedrock `cachePoint`)
+    /// in a new session's requests.
     #[arg(long)]
     pub no_prompt_cache: bool,
 }

@@ -1,11 +1,12 @@
-//! `cairn describe SESSION`: one session at a glance — status, model, working directory, each
-//! turn with its outcome and usage, the session's usage, and what the running turn waits for
+//! `cairn describe SESSION`: one session at a glance — status, model, working directory, the
+//! options of its model calls (tool choice, server tools, prompt caching), each turn with its
+//! outcome and usage, the session's usage, and what the running turn waits for
 //! (tasks, approvals). Read from the session's description and history, so it works on a store
 //! and through a server alike; `--json` prints the same as one object.
 
 use super::live::one_line;
 use super::out::outln;
-use cairn_ledger::{ModelSpec, Usage};
+use cairn_ledger::{CallOptions, ModelSpec, Usage};
 use cairn_runtime::wire::{PendingApproval, PendingTask, SessionDescription};
 use cairn_runtime::{Client, Event, EventEnvelope};
 use serde::Serialize;
@@ -21,6 +22,8 @@ pub struct Described {
     pub model: Option<String>,
     /// The directory its tools work in, when it recorded one.
     pub workdir: Option<String>,
+    /// The options of its model calls, as its start recorded them.
+    pub call_options: ShownCallOptions,
     /// When its first event was recorded (epoch ms).
     pub started_at_ms: u64,
     /// When its last event was recorded (epoch ms).
@@ -37,6 +40,52 @@ pub struct Described {
     pub pending_tasks: Vec<PendingTask>,
     /// Tool calls the running turn waits on a person for.
     pub pending_approvals: Vec<PendingApproval>,
+}
+
+/// A session's model-call options, each stated even when unset (`cairn run --tool-choice`,
+/// `--server-tool`, `--no-prompt-cache`).
+#[derive(Debug, PartialEq, Eq, Serialize)]
+pub struct ShownCallOptions {
+    /// `auto`, `any`, `none` or `tool:NAME`; `None` when unset (the provider's default, auto).
+    /// A turn may override it.
+    pub tool_choice: Option<String>,
+    /// The provider's own tools turned on, each `NAME` or `NAME=MAX_USES`.
+    pub server_tools: Vec<String>,
+    /// Whether prompt-cache breakpoints are placed (Anthropic, and Bedrock models that take
+    /// cache points); on unless the session turned them off.
+    pub prompt_cache: bool,
+}
+
+impl ShownCallOptions {
+    /// `options` as shown.
+    pub fn new(options: &CallOptions) -> Self {
+        ShownCallOptions {
+            tool_choice: options.tool_choice.as_ref().map(ToString::to_string),
+            server_tools: options
+                .server_tools
+                .iter()
+                .map(|tool| match tool.max_uses {
+                    Some(n) => format!("{}={n}", tool.kind.as_str()),
+                    None => tool.kind.as_str().to_owned(),
+                })
+                .collect(),
+            prompt_cache: !options.no_prompt_cache,
+        }
+    }
+
+    /// One line: `tool choice auto (default), server tools none, prompt cache on`.
+    pub fn text(&self) -> String {
+        format!(
+            "tool choice {}, server tools {}, prompt cache {}",
+            self.tool_choice.as_deref().unwrap_or("auto (default)"),
+            if self.server_tools.is_empty() {
+                "none".to_owned()
+            } else {
+                self.server_tools.join(",")
+            },
+            if self.prompt_cache { "on" } else { "off" }
+        )
+    }
 }
 
 /// One turn of a session.
@@ -69,15 +118,20 @@ pub async fn read(client: &Client, session_id: &str) -> anyhow::Result<Described
 
 /// Puts a description and its history together.
 pub fn build(description: SessionDescription, history: &[EventEnvelope]) -> Described {
-    let workdir = history.iter().find_map(|e| match &e.event {
-        Event::SessionStarted(started) => started.workdir.clone(),
+    let started = history.iter().find_map(|e| match &e.event {
+        Event::SessionStarted(started) => Some(started),
         _ => None,
     });
+    let workdir = started.and_then(|s| s.workdir.clone());
+    // A history without its start (never written so) shows the defaults.
+    let call_options =
+        ShownCallOptions::new(&started.map(|s| s.call_options.clone()).unwrap_or_default());
     Described {
         session_id: description.session_id,
         status: description.status.as_str(),
         model: description.model.as_ref().map(model_name),
         workdir,
+        call_options,
         started_at_ms: history.first().map_or(0, |e| e.recorded_at_ms),
         updated_at_ms: history.last().map_or(0, |e| e.recorded_at_ms),
         events: description.events,
@@ -185,6 +239,7 @@ pub fn print(described: &Described, json: bool) -> anyhow::Result<()> {
             .as_deref()
             .unwrap_or("- (not recorded: the resuming process's)")
     )?;
+    outln!("options   {}", d.call_options.text())?;
     outln!(
         "started   {}   last activity {}",
         super::sessions::timestamp(d.started_at_ms),
@@ -248,4 +303,45 @@ pub fn usage_text(usage: &Usage) -> String {
         "{} in / {} out tokens",
         usage.input_tokens, usage.output_tokens
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cairn_ledger::{ServerTool, ServerToolKind, ToolChoice};
+
+    #[test]
+    fn call_options_are_stated_even_when_unset() {
+        let unset = ShownCallOptions::new(&CallOptions::default());
+        assert_eq!(
+            unset.text(),
+            "tool choice auto (default), server tools none, prompt cache on"
+        );
+        let set = ShownCallOptions::new(&CallOptions {
+            tool_choice: Some(ToolChoice::Tool("calc".into())),
+            server_tools: vec![
+                ServerTool {
+                    kind: ServerToolKind::WebSearch,
+                    max_uses: Some(2),
+                },
+                ServerTool {
+                    kind: ServerToolKind::WebFetch,
+                    max_uses: None,
+                },
+            ],
+            no_prompt_cache: true,
+        });
+        assert_eq!(
+            set.text(),
+            "tool choice tool:calc, server tools web_search=2,web_fetch, prompt cache off"
+        );
+        assert_eq!(
+            serde_json::to_value(&set).unwrap(),
+            serde_json::json!({
+                "tool_choice": "tool:calc",
+                "server_tools": ["web_search=2", "web_fetch"],
+                "prompt_cache": false
+            })
+        );
+    }
 }

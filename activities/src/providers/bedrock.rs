@@ -9,8 +9,15 @@
 //! base64 in JSON); tool ids are 1–64 chars of `[a-zA-Z0-9_-]`; a request whose history has tool
 //! blocks must carry `toolConfig` (`ValidationException: The toolConfig field must be defined
 //! when using toolUse and toolResult content blocks`). Stream events: `messageStart`,
-//! `contentBlockStart` (toolUse only), `contentBlockDelta`, `contentBlockStop`, `messageStop`,
-//! `metadata`, and exceptions (`:message-type` `exception`, named by `:exception-type`).
+//! `contentBlockStart`, `contentBlockDelta`, `contentBlockStop`, `messageStop`, `metadata`, and
+//! exceptions (`:message-type` `exception`, named by `:exception-type`).
+//!
+//! Blocks cairn does not model (a server tool's `toolUse`/`toolResult`, an `image`, a kind
+//! added later) are kept as opaque parts of this family, in the shape a request's `content[]`
+//! takes, and sent back verbatim in place; citations stay with their text and go back as a
+//! `citationsContent` block. Another family's opaque parts and citations are dropped. Cache
+//! points (`cachePoint`) follow Anthropic's rule where the model supports them
+//! ([`cache_fields`]).
 
 use crate::context::ActivityContext;
 use crate::error::{Error, ErrorKind, Result};
@@ -22,8 +29,8 @@ use crate::providers::{current_turn_start, prepare_transcript};
 use async_trait::async_trait;
 use base64::Engine as _;
 use cairn_ledger::{
-    validate_response, validate_transcript, Delta, ModelResponse, Part, Role, StopReason,
-    ToolChoice, ToolResultBlock, ToolResultContent, Usage,
+    validate_response, validate_transcript, Delta, JsonText, ModelResponse, Part, ProviderJson,
+    Role, StopReason, ToolChoice, ToolResultBlock, ToolResultContent, Usage,
 };
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -117,9 +124,59 @@ struct WireMessage<'a> {
     content: Vec<Block<'a>>,
 }
 
+/// A `system` entry: text, or a cache point after it.
 #[derive(Serialize)]
-struct SystemBlock<'a> {
-    text: &'a str,
+#[serde(rename_all = "camelCase")]
+enum SystemBlock<'a> {
+    Text(&'a str),
+    CachePoint(CachePoint),
+}
+
+/// Converse's `CachePointBlock`, `{"type": "default"}`: everything before it in `system`,
+/// `toolConfig.tools` or `messages` is a cached prefix.
+#[derive(Serialize, Clone, Copy)]
+struct CachePoint {
+    r#type: &'static str,
+}
+
+const CACHE_POINT: CachePoint = CachePoint { r#type: "default" };
+
+/// Where Converse takes cache points for a model: none, or `system` and `messages`, and
+/// `toolConfig.tools` too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheFields {
+    /// The tool definitions can be a cached prefix.
+    pub tools: bool,
+}
+
+/// The cache points `model_id` accepts, by the Bedrock user guide's table of prompt-caching
+/// models ("Supported models, Regions, and limits"): Claude 3.5 Haiku, 3.7 Sonnet and the
+/// Claude 4 family take them in the system prompt, messages and tools; Amazon Nova Micro, Lite
+/// and Pro in the system prompt and messages only. Any other model (older Claude models
+/// included) gets none, since Converse refuses a `cachePoint` the model does not support.
+/// Inference profiles (`us.anthropic...`, `global.anthropic...`) and ARNs name the model
+/// inside the id, so the test is on the model's own name.
+pub fn cache_fields(model_id: &str) -> Option<CacheFields> {
+    let id = model_id.to_ascii_lowercase();
+    const OLD_CLAUDE: [&str; 6] = [
+        "claude-v2",
+        "claude-instant",
+        "claude-3-sonnet",
+        "claude-3-opus",
+        "claude-3-haiku",
+        "claude-3-5-sonnet",
+    ];
+    if id.contains("anthropic.claude") {
+        if OLD_CLAUDE.iter().any(|old| id.contains(old)) {
+            return None;
+        }
+        return Some(CacheFields { tools: true });
+    }
+    let nova = ["amazon.nova-micro", "amazon.nova-lite", "amazon.nova-pro"];
+    if nova.iter().any(|n| id.contains(n)) {
+        return Some(CacheFields { tools: false });
+    }
+    None
 }
 
 #[derive(Serialize)]
@@ -159,10 +216,12 @@ fn wire_tool_choice(choice: &ToolChoice) -> Result<WireToolChoice<'_>> {
     }
 }
 
+/// A `toolConfig.tools` entry: a tool, or a cache point after them.
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
-struct ToolEntry<'a> {
-    tool_spec: ToolSpecWire<'a>,
+enum ToolEntry<'a> {
+    ToolSpec(ToolSpecWire<'a>),
+    CachePoint(CachePoint),
 }
 
 #[derive(Serialize)]
@@ -186,9 +245,28 @@ enum Block<'a> {
     ToolUse(ToolUseWire<'a>),
     ToolResult(ToolResultWire<'a>),
     ReasoningContent(Reasoning<'a>),
+    /// Text with the citations Bedrock attached to it, as Converse's `CitationsContentBlock`:
+    /// `{"content": [{"text": ...}], "citations": [Citation, ...]}`. The stream delivers such a
+    /// block as `text` deltas and `citation` deltas on one index (each `CitationsDelta` has
+    /// exactly a `Citation`'s members), so keeping the text as a text part with the citations
+    /// beside it rebuilds the block exactly, and leaves the text readable to everyone.
+    CitationsContent {
+        content: [CitationText<'a>; 1],
+        citations: &'a RawValue,
+    },
+    CachePoint(CachePoint),
     /// An `image` or `document` block built by [`super::media`], already in wire form.
     #[serde(untagged)]
     Media(serde_json::Value),
+    /// A block Bedrock sent that cairn does not model, exactly as it came.
+    #[serde(untagged)]
+    Raw(&'a RawValue),
+}
+
+/// Converse's `CitationGeneratedContent` union, text member.
+#[derive(Serialize)]
+struct CitationText<'a> {
+    text: &'a str,
 }
 
 #[derive(Serialize)]
@@ -241,7 +319,7 @@ pub fn render(request: &ModelRequest) -> Result<serde_json::Value> {
 /// assistant message starts with reasoning, with thinking disabled the loop has none (no toggle
 /// inside a loop); an error tool result has non-empty content; tool inputs are valid JSON;
 /// tool blocks in the history need tools to declare in `toolConfig`; only text, reasoning, tool
-/// use and tool result parts can be rendered.
+/// use, tool result, media and this family's opaque parts can be rendered.
 pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
     let transcript = prepare_transcript(&request.transcript, PROVIDER)?;
     validate_transcript(&transcript)
@@ -258,7 +336,7 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
     for (mi, message) in transcript.messages.iter().enumerate() {
         if message.role == Role::System {
             for text in super::system_texts(PROVIDER, mi, message)? {
-                system.push(SystemBlock { text });
+                system.push(SystemBlock::Text(text));
             }
             continue;
         }
@@ -266,7 +344,25 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
         for (pi, part) in message.parts.iter().enumerate() {
             let at = || format!("bedrock: message {mi} part {pi}");
             let block = match part {
+                Part::Text {
+                    text,
+                    citations: Some(citations),
+                    ..
+                } if citations.provider == PROVIDER => Block::CitationsContent {
+                    content: [CitationText { text }],
+                    citations: serde_json::from_str(citations.json.as_str()).map_err(|e| {
+                        invalid_request(format!("{}: the text's citations are not JSON: {e}", at()))
+                    })?,
+                },
+                // Another family's citations stay behind; the text goes.
                 Part::Text { text, .. } => Block::Text(text),
+                Part::Opaque(opaque) => match opaque.for_family(PROVIDER) {
+                    Some(json) => Block::Raw(serde_json::from_str(json.as_str()).map_err(|e| {
+                        invalid_request(format!("{}: the opaque block is not JSON: {e}", at()))
+                    })?),
+                    // Another family's block means nothing to Bedrock.
+                    None => continue,
+                },
                 Part::Thinking { text, signature } => {
                     Block::ReasoningContent(Reasoning::ReasoningText { text, signature })
                 }
@@ -370,6 +466,18 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
         });
     }
 
+    // The caching rule Anthropic's requests follow (see anthropic.rs): a cache point after the
+    // system prompt, after the tools and at the end of the last turn, unless the session turns
+    // prompt caching off; only where the model takes them.
+    let caching = cache_fields(&request.model.model).filter(|_| !request.options.no_prompt_cache);
+    if caching.is_some() {
+        if !system.is_empty() {
+            system.push(SystemBlock::CachePoint(CACHE_POINT));
+        }
+        if let Some(last) = messages.last_mut() {
+            last.content.push(Block::CachePoint(CACHE_POINT));
+        }
+    }
     let tool_config = if request.tools.is_empty() {
         if has_tool_blocks {
             return Err(invalid_request(
@@ -387,13 +495,14 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
                         tool.name
                     ))
                 })?;
-            tools.push(ToolEntry {
-                tool_spec: ToolSpecWire {
-                    name: &tool.name,
-                    description: &tool.description,
-                    input_schema: JsonWrap { json: schema },
-                },
-            });
+            tools.push(ToolEntry::ToolSpec(ToolSpecWire {
+                name: &tool.name,
+                description: &tool.description,
+                input_schema: JsonWrap { json: schema },
+            }));
+        }
+        if caching.is_some_and(|fields| fields.tools) {
+            tools.push(ToolEntry::CachePoint(CACHE_POINT));
         }
         let tool_choice = match &request.options.tool_choice {
             Some(choice) => Some(wire_tool_choice(choice)?),
@@ -733,7 +842,14 @@ impl WireDecoder for FrameDecoder {
 
 #[derive(Debug)]
 enum BlockState {
-    Text(String),
+    Text {
+        text: String,
+        /// The block's `citation` deltas, each exactly as received. A `CitationsDelta` has the
+        /// members of a `Citation` (`title`, `source`, `sourceContent: [{text}]`, `location`),
+        /// so the list is, as it is, the `citations` of the `citationsContent` block that goes
+        /// back (see [`Block::CitationsContent`]).
+        citations: Vec<Box<RawValue>>,
+    },
     Reasoning {
         text: String,
         signature: String,
@@ -744,21 +860,64 @@ enum BlockState {
         name: String,
         input: String,
     },
-    /// A block cairn cannot keep in a form Bedrock takes back (a start other than `toolUse`,
-    /// e.g. a server tool's `toolResult` or an `image`): its events are read and not recorded,
-    /// so the turn goes on without it.
-    Skipped,
+    /// A block cairn does not model, kept to go back to Bedrock as it came: a server tool's
+    /// call (`toolUse` whose start has `type: "server_tool_use"`) or result (`toolResult`), an
+    /// `image`, or a start or delta kind added to the API later.
+    Opaque {
+        /// The content-block union member: `toolUse`, `toolResult`, `image`, ...
+        kind: String,
+        /// The member's value so far, as exact JSON text: the start's, then extended by each
+        /// delta of the same kind ([`super::raw_json::extend`]); `None` before the first.
+        body: Option<String>,
+        /// A server tool call's `toolUse.input` fragments, set as the block's `input` at the
+        /// stop (as a function call's are).
+        input: String,
+        /// A `toolResult` block's delta items (`ToolResultBlockDelta`: `{text}` or `{json}`, the
+        /// members a `ToolResultContentBlock` has), set as the block's `content` at the stop.
+        content: Vec<Box<RawValue>>,
+    },
 }
 
 impl BlockState {
     fn kind(&self) -> &'static str {
         match self {
-            BlockState::Text(_) => "text",
+            BlockState::Text { .. } => "text",
             BlockState::Reasoning { .. } => "reasoningContent",
             BlockState::ToolUse { .. } => "toolUse",
-            BlockState::Skipped => "skipped",
+            BlockState::Opaque { .. } => "opaque",
         }
     }
+
+    fn opaque(kind: &str, body: Option<String>) -> Self {
+        BlockState::Opaque {
+            kind: kind.to_owned(),
+            body,
+            input: String::new(),
+            content: Vec::new(),
+        }
+    }
+}
+
+/// The one member of the union `field` of an event's payload, with its value's exact text.
+fn union_member(payload: &[u8], field: &str, where_: &str) -> Result<(String, Box<RawValue>)> {
+    let text = std::str::from_utf8(payload)
+        .map_err(|e| protocol(format!("{where_}: payload is not UTF-8: {e}")))?;
+    let outer = super::raw_json::members(text)
+        .map_err(|reason| protocol(format!("{where_}: payload is {reason}")))?;
+    let value = outer
+        .into_iter()
+        .find(|(k, _)| k == field)
+        .map(|(_, v)| v)
+        .ok_or_else(|| protocol(format!("{where_}: missing {field:?}")))?;
+    let mut inner = super::raw_json::members(value.get())
+        .map_err(|reason| protocol(format!("{where_}: {field:?} is {reason}")))?;
+    if inner.len() != 1 {
+        return Err(protocol(format!(
+            "{where_}: {field} must have exactly one member, found {}",
+            inner.len()
+        )));
+    }
+    Ok(inner.remove(0))
 }
 
 #[derive(Debug)]
@@ -889,8 +1048,8 @@ impl StreamParser {
                 }
                 self.started = true;
             }
-            "contentBlockStart" => self.block_start(&value)?,
-            "contentBlockDelta" => self.block_delta(&value, deltas)?,
+            "contentBlockStart" => self.block_start(&value, payload)?,
+            "contentBlockDelta" => self.block_delta(&value, payload, deltas)?,
             "contentBlockStop" => self.block_stop(&value)?,
             "messageStop" => {
                 let raw = string_field(&value, "stopReason", "messageStop")?;
@@ -939,21 +1098,31 @@ impl StreamParser {
         Ok(())
     }
 
-    fn block_start(&mut self, value: &serde_json::Value) -> Result<()> {
+    /// A block's start. Converse's `ContentBlockStart` union has the members `toolUse`
+    /// (`toolUseId`, `name`, optional `type`: `server_tool_use`), `toolResult` (`toolUseId`,
+    /// optional `type` and `status`) and `image` (`format`) — AWS SDK models, e.g.
+    /// `aws-sdk-bedrockruntime` `types.rb` and `@aws-sdk/client-bedrock-runtime`. A function call
+    /// is modelled; every other start (a server tool's call or result, an image, a member added
+    /// later) opens an opaque block holding the member exactly as received.
+    fn block_start(&mut self, value: &serde_json::Value, payload: &[u8]) -> Result<()> {
         let index = block_index("contentBlockStart", value)?;
         let where_ = format!("contentBlockStart {index}");
         if self.blocks.contains_key(&index) {
             return Err(protocol(format!("{where_}: block {index} already exists")));
         }
-        let start = value
-            .get("start")
-            .ok_or_else(|| protocol(format!("{where_}: missing \"start\"")))?;
-        let Some(tool_use) = start.get("toolUse") else {
-            tracing::debug!(%where_, "bedrock: skipping a block cairn cannot send back");
+        let (kind, body) = union_member(payload, "start", &where_)?;
+        let tool_use = value.pointer("/start/toolUse");
+        // Only a call cairn runs is a `ToolUse` part; a server tool's call is Bedrock's own.
+        let function_call = tool_use.is_some_and(|t| match t.get("type") {
+            None | Some(serde_json::Value::Null) => true,
+            Some(kind) => kind.as_str() == Some("tool_use"),
+        });
+        let Some(tool_use) = tool_use.filter(|_| kind == "toolUse" && function_call) else {
+            tracing::debug!(%where_, %kind, "bedrock: keeping a block cairn does not model as opaque");
             self.blocks.insert(
                 index,
                 OpenBlock {
-                    state: BlockState::Skipped,
+                    state: BlockState::opaque(&kind, Some(body.get().to_owned())),
                     stopped: false,
                 },
             );
@@ -990,54 +1159,46 @@ impl StreamParser {
         Ok(())
     }
 
-    fn block_delta(&mut self, value: &serde_json::Value, deltas: &dyn DeltaSink) -> Result<()> {
+    /// A delta. Converse's `ContentBlockDelta` union has the members `text`, `toolUse`
+    /// (`{input}`), `toolResult` (a list of `{text}` / `{json}`), `reasoningContent` (`text`,
+    /// `signature` or `redactedContent`), `citation` (a `CitationsDelta`) and `image` — the
+    /// same AWS SDK models as [`Self::block_start`]. Citations attach to the text block they
+    /// annotate; a kind cairn does not model extends an opaque block of that kind.
+    fn block_delta(
+        &mut self,
+        value: &serde_json::Value,
+        payload: &[u8],
+        deltas: &dyn DeltaSink,
+    ) -> Result<()> {
         let index = block_index("contentBlockDelta", value)?;
         let where_ = format!("contentBlockDelta {index}");
-        let delta = value
-            .get("delta")
-            .and_then(serde_json::Value::as_object)
+        let (kind, raw) = union_member(payload, "delta", &where_)?;
+        let body = value
+            .pointer("/delta")
+            .and_then(|d| d.get(&kind))
             .ok_or_else(|| protocol(format!("{where_}: missing \"delta\" object")))?;
-        let mut members = delta.iter();
-        let (Some((kind, body)), None) = (members.next(), members.next()) else {
-            return Err(protocol(format!(
-                "{where_}: delta must have exactly one member, found {}",
-                delta.len()
-            )));
-        };
-        let wanted = match kind.as_str() {
-            "text" => "text",
-            "reasoningContent" => "reasoningContent",
-            "toolUse" => "toolUse",
-            other => {
-                // Citations, images and kinds added later: not modelled, and not needed to send
-                // the block's text or call back. Skipped rather than failing the turn.
-                tracing::debug!(%where_, kind = other, "bedrock: skipping a delta kind cairn does not keep");
-                let block = self.blocks.entry(index).or_insert(OpenBlock {
-                    state: BlockState::Skipped,
-                    stopped: false,
-                });
-                if block.stopped {
-                    return Err(protocol(format!(
-                        "{where_}: delta after the block's contentBlockStop"
-                    )));
-                }
-                return Ok(());
-            }
-        };
         let block = match self.blocks.entry(index) {
             std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
             std::collections::btree_map::Entry::Vacant(entry) => {
-                let state = match wanted {
-                    "text" => BlockState::Text(String::new()),
+                let state = match kind.as_str() {
+                    // A citation may come before the text it annotates.
+                    "text" | "citation" => BlockState::Text {
+                        text: String::new(),
+                        citations: Vec::new(),
+                    },
                     "reasoningContent" => BlockState::Reasoning {
                         text: String::new(),
                         signature: String::new(),
                         redacted: Vec::new(),
                     },
-                    _ => {
+                    "toolUse" => {
                         return Err(protocol(format!(
                             "{where_}: toolUse delta before its contentBlockStart"
                         )))
+                    }
+                    other => {
+                        tracing::debug!(%where_, kind = other, "bedrock: keeping a delta kind cairn does not model as an opaque block");
+                        BlockState::opaque(other, None)
                     }
                 };
                 entry.insert(OpenBlock {
@@ -1051,17 +1212,8 @@ impl StreamParser {
                 "{where_}: delta after the block's contentBlockStop"
             )));
         }
-        if matches!(block.state, BlockState::Skipped) {
-            return Ok(());
-        }
-        if block.state.kind() != wanted {
-            return Err(protocol(format!(
-                "{where_}: {wanted} delta for a {} block",
-                block.state.kind()
-            )));
-        }
-        match &mut block.state {
-            BlockState::Text(text) => {
+        match (kind.as_str(), &mut block.state) {
+            ("text", BlockState::Text { text, .. }) => {
                 let fragment = body
                     .as_str()
                     .ok_or_else(|| protocol(format!("{where_}: text delta is not a string")))?;
@@ -1070,7 +1222,15 @@ impl StreamParser {
                     deltas.delta(Delta::Text(fragment.to_owned()));
                 }
             }
-            BlockState::ToolUse { id, input, .. } => {
+            ("citation", BlockState::Text { citations, .. }) => {
+                if !body.is_object() {
+                    return Err(protocol(format!(
+                        "{where_}: citation delta is not an object"
+                    )));
+                }
+                citations.push(raw);
+            }
+            ("toolUse", BlockState::ToolUse { id, input, .. }) => {
                 let fragment = string_field(body, "input", &where_)?;
                 input.push_str(fragment);
                 if !fragment.is_empty() {
@@ -1080,11 +1240,14 @@ impl StreamParser {
                     });
                 }
             }
-            BlockState::Reasoning {
-                text,
-                signature,
-                redacted,
-            } => {
+            (
+                "reasoningContent",
+                BlockState::Reasoning {
+                    text,
+                    signature,
+                    redacted,
+                },
+            ) => {
                 let members = body.as_object().ok_or_else(|| {
                     protocol(format!("{where_}: reasoningContent delta is not an object"))
                 })?;
@@ -1120,8 +1283,55 @@ impl StreamParser {
                     }
                 }
             }
-            // Returned above: a skipped block takes no deltas.
-            BlockState::Skipped => {}
+            (
+                "toolUse",
+                BlockState::Opaque {
+                    kind: open, input, ..
+                },
+            ) if open == "toolUse" => {
+                input.push_str(string_field(body, "input", &where_)?);
+            }
+            (
+                "toolResult",
+                BlockState::Opaque {
+                    kind: open,
+                    content,
+                    ..
+                },
+            ) if open == "toolResult" => {
+                let items: Vec<Box<RawValue>> = serde_json::from_str(raw.get()).map_err(|e| {
+                    protocol(format!("{where_}: toolResult delta is not a list: {e}"))
+                })?;
+                content.extend(items);
+            }
+            (
+                delta,
+                BlockState::Opaque {
+                    kind: open, body, ..
+                },
+            ) if delta == open.as_str() => {
+                *body = Some(match body.take() {
+                    None => raw.get().to_owned(),
+                    Some(so_far) => {
+                        super::raw_json::extend(&so_far, raw.get()).map_err(|reason| {
+                            protocol(format!(
+                                "{where_}: the {delta} delta does not extend its block: {reason}"
+                            ))
+                        })?
+                    }
+                });
+            }
+            (delta, BlockState::Opaque { kind: open, .. }) => {
+                return Err(protocol(format!(
+                    "{where_}: {delta} delta for the opaque {open} block"
+                )))
+            }
+            (delta, state) => {
+                return Err(protocol(format!(
+                    "{where_}: {delta} delta for a {} block",
+                    state.kind()
+                )))
+            }
         }
         Ok(())
     }
@@ -1164,7 +1374,43 @@ impl StreamParser {
                     )));
                 }
             }
-            BlockState::Text(_) | BlockState::Skipped => {}
+            BlockState::Opaque {
+                kind,
+                body,
+                input,
+                content,
+            } => {
+                let Some(so_far) = body.as_deref() else {
+                    return Err(protocol(format!("{where_}: {kind} block has no content")));
+                };
+                // The fields a server tool's call and result stream in pieces become the
+                // block's own, as in Converse's `ToolUseBlock` and `ToolResultBlock`.
+                let completed = if kind == "toolUse" {
+                    if input.is_empty() {
+                        input.push_str("{}");
+                    }
+                    if let Err(e) = serde_json::from_str::<&RawValue>(input) {
+                        return Err(protocol(format!(
+                            "{where_}: server toolUse input is not valid JSON ({e}): {input}"
+                        )));
+                    }
+                    Some(super::raw_json::set_field(so_far, "input", input))
+                } else if kind == "toolResult" && !content.is_empty() {
+                    let items: Vec<&str> = content.iter().map(|c| c.get()).collect();
+                    let list = format!("[{}]", items.join(","));
+                    Some(super::raw_json::set_field(so_far, "content", &list))
+                } else {
+                    None
+                };
+                if let Some(completed) = completed {
+                    *body = Some(completed.map_err(|reason| {
+                        protocol(format!(
+                            "{where_}: the streamed fields of the {kind} block do not complete it: {reason}"
+                        ))
+                    })?);
+                }
+            }
+            BlockState::Text { .. } => {}
         }
         Ok(())
     }
@@ -1198,10 +1444,48 @@ impl StreamParser {
         let mut parts = Vec::with_capacity(self.blocks.len());
         for (_, block) in self.blocks {
             match block.state {
-                BlockState::Text(text) => {
-                    if !text.is_empty() {
-                        parts.push(Part::text(text));
+                BlockState::Text { text, citations } => {
+                    let list: Vec<&str> = citations.iter().map(|c| c.get()).collect();
+                    let list = format!("[{}]", list.join(","));
+                    if citations.is_empty() {
+                        // An empty text block carries nothing and cannot be a canonical part.
+                        if !text.is_empty() {
+                            parts.push(Part::text(text));
+                        }
+                    } else if text.is_empty() {
+                        // Citations without generated text: kept whole, as the block they
+                        // would go back as.
+                        let json = format!(
+                            r#"{{"citationsContent":{{"content":[],"citations":{list}}}}}"#
+                        );
+                        parts.push(Part::Opaque(ProviderJson::new(
+                            PROVIDER,
+                            JsonText::parse(json).map_err(|e| {
+                                protocol(format!("the citations of a block are not JSON: {e}"))
+                            })?,
+                        )));
+                    } else {
+                        parts.push(Part::Text {
+                            text,
+                            item_id: None,
+                            citations: Some(ProviderJson::new(
+                                PROVIDER,
+                                JsonText::parse(list).map_err(|e| {
+                                    protocol(format!(
+                                        "the citations of a text block are not JSON: {e}"
+                                    ))
+                                })?,
+                            )),
+                        });
                     }
+                }
+                BlockState::Opaque { kind, body, .. } => {
+                    // Stopped blocks always have a body; `messageStop` refuses open ones.
+                    let body = body.unwrap_or_default();
+                    let key = serde_json::to_string(&kind).unwrap_or_default();
+                    let json = JsonText::parse(format!("{{{key}:{body}}}"))
+                        .map_err(|e| protocol(format!("the {kind} block is not JSON: {e}")))?;
+                    parts.push(Part::Opaque(ProviderJson::new(PROVIDER, json)));
                 }
                 BlockState::Reasoning {
                     text,
@@ -1224,7 +1508,6 @@ impl StreamParser {
                         signature: None,
                     }));
                 }
-                BlockState::Skipped => {}
             }
         }
         if stop_reason == StopReason::MaxTokens {
@@ -1469,6 +1752,7 @@ mod tests {
             .as_array()
             .unwrap()
             .iter()
+            .filter(|b| b.get("cachePoint").is_none())
             .map(|b| b["toolResult"]["toolUseId"].as_str().unwrap())
             .collect();
         assert_eq!(uses, results);
@@ -1505,6 +1789,205 @@ mod tests {
         let err = render(&r).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidRequest);
         assert!(err.to_string().contains("message 1 part 0"), "{err}");
+    }
+
+    #[test]
+    fn cache_points_follow_the_rule_where_the_model_takes_them() {
+        const POINT: &str = r#"{"cachePoint":{"type":"default"}}"#;
+        let mut t = Transcript::new();
+        t.push_system("Be brief.");
+        t.messages
+            .extend(tool_loop(&["a"], vec![ToolResultContent::Text("r".into())], false).messages);
+        let body = |model: &str, off: bool| {
+            let mut r = request(t.clone());
+            r.model.model = model.into();
+            r.options.no_prompt_cache = off;
+            String::from_utf8(render_body(&r).unwrap().0).unwrap()
+        };
+        // Claude: after the system prompt, after the tools, at the end of the last turn.
+        let claude = body("us.anthropic.claude-sonnet-4-20250514-v1:0", false);
+        assert!(
+            claude.contains(&format!(r#""system":[{{"text":"Be brief."}},{POINT}]"#)),
+            "{claude}"
+        );
+        assert!(
+            claude.contains(&format!(
+                r#""toolConfig":{{"tools":[{{"toolSpec":{{"name":"calc","description":"adds","inputSchema":{{"json":{{"type":"object"}}}}}}}},{POINT}]}}"#
+            )),
+            "{claude}"
+        );
+        assert!(
+            claude.contains(&format!(
+                r#"{{"toolResult":{{"toolUseId":"a","content":[{{"text":"r"}}]}}}},{POINT}]}}]"#
+            )),
+            "{claude}"
+        );
+        assert_eq!(claude.matches(POINT).count(), 3, "{claude}");
+        // Nova: system and messages only.
+        let nova = body("amazon.nova-pro-v1:0", false);
+        assert_eq!(nova.matches(POINT).count(), 2, "{nova}");
+        let value: serde_json::Value = serde_json::from_str(&nova).unwrap();
+        assert_eq!(value["toolConfig"]["tools"].as_array().unwrap().len(), 1);
+        // Off by the session's option, and never for a model that refuses them.
+        for (model, off) in [
+            ("anthropic.claude-sonnet-4-20250514-v1:0", true),
+            ("anthropic.claude-3-haiku-20240307-v1:0", false),
+            ("meta.llama3-70b-instruct-v1:0", false),
+        ] {
+            let plain = body(model, off);
+            assert!(!plain.contains("cachePoint"), "{model}: {plain}");
+        }
+        assert_eq!(cache_fields("arn:aws:bedrock:us-east-1:1:inference-profile/global.anthropic.claude-opus-4-1-20250805-v1:0"), Some(CacheFields { tools: true }));
+    }
+
+    #[test]
+    fn unmodelled_blocks_are_kept_and_malformed_ones_named() {
+        let run = |events: &[(&str, &str)]| {
+            let mut p = StreamParser::new("m", IdAliases::new());
+            for (kind, payload) in events {
+                p.feed(kind, payload.as_bytes(), &NoDeltas)?;
+            }
+            p.finish()
+        };
+        let start = ("messageStart", r#"{"role":"assistant"}"#);
+        let stop = ("messageStop", r#"{"stopReason":"end_turn"}"#);
+        // A server tool's call: its input set from its fragments, exactly as streamed.
+        let response = run(&[
+            start,
+            ("contentBlockStart", r#"{"contentBlockIndex":0,"start":{"toolUse":{"toolUseId":"s1","name":"nova_grounding","type":"server_tool_use"}}}"#),
+            ("contentBlockDelta", r#"{"contentBlockIndex":0,"delta":{"toolUse":{"input":"{\"q\": 1.10"}}}"#),
+            ("contentBlockDelta", r#"{"contentBlockIndex":0,"delta":{"toolUse":{"input":"}"}}}"#),
+            ("contentBlockStop", r#"{"contentBlockIndex":0}"#),
+            ("contentBlockStart", r#"{"contentBlockIndex":1,"start":{"toolResult":{"toolUseId":"s1","type":"nova_grounding_result","status":"success"}}}"#),
+            ("contentBlockDelta", r#"{"contentBlockIndex":1,"delta":{"toolResult":[{"text":"found"}]}}"#),
+            ("contentBlockDelta", r#"{"contentBlockIndex":1,"delta":{"toolResult":[{"json":{"n": 9007199254740993}}]}}"#),
+            ("contentBlockStop", r#"{"contentBlockIndex":1}"#),
+            stop,
+        ])
+        .unwrap();
+        let opaque: Vec<&str> = response
+            .parts
+            .iter()
+            .map(|p| match p {
+                Part::Opaque(o) if o.provider == PROVIDER => o.json.as_str(),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            opaque,
+            [
+                r#"{"toolUse":{"toolUseId":"s1","name":"nova_grounding","type":"server_tool_use","input":{"q": 1.10}}}"#,
+                r#"{"toolResult":{"toolUseId":"s1","type":"nova_grounding_result","status":"success","content":[{"text":"found"},{"json":{"n": 9007199254740993}}]}}"#,
+            ]
+        );
+
+        // Citations with no text to carry them: kept whole as the block they would go back as.
+        let response = run(&[
+            start,
+            (
+                "contentBlockDelta",
+                r#"{"contentBlockIndex":0,"delta":{"citation":{"title":"t"}}}"#,
+            ),
+            ("contentBlockStop", r#"{"contentBlockIndex":0}"#),
+            stop,
+        ])
+        .unwrap();
+        assert_eq!(
+            response.parts,
+            vec![Part::Opaque(ProviderJson::new(
+                PROVIDER,
+                JsonText::parse(
+                    r#"{"citationsContent":{"content":[],"citations":[{"title":"t"}]}}"#
+                )
+                .unwrap()
+            ))]
+        );
+
+        let broken = |events: &[(&str, &str)], wanted: &str| {
+            let mut all = vec![start];
+            all.extend_from_slice(events);
+            let err = run(&all).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidResponse, "{err}");
+            assert!(err.to_string().contains(wanted), "{err}");
+        };
+        broken(
+            &[(
+                "contentBlockStart",
+                r#"{"contentBlockIndex":0,"start":{"image":{"format":"png"},"video":{}}}"#,
+            )],
+            "contentBlockStart 0: start must have exactly one member, found 2",
+        );
+        broken(
+            &[("contentBlockStart", r#"{"contentBlockIndex":0,"start":[]}"#)],
+            "contentBlockStart 0: \"start\" is not a JSON object",
+        );
+        broken(
+            &[
+                (
+                    "contentBlockStart",
+                    r#"{"contentBlockIndex":0,"start":{"toolUse":{"toolUseId":"t","name":"calc"}}}"#,
+                ),
+                (
+                    "contentBlockDelta",
+                    r#"{"contentBlockIndex":0,"delta":{"citation":{"title":"x"}}}"#,
+                ),
+            ],
+            "contentBlockDelta 0: citation delta for a toolUse block",
+        );
+        broken(
+            &[(
+                "contentBlockDelta",
+                r#"{"contentBlockIndex":0,"delta":{"citation":"x"}}"#,
+            )],
+            "contentBlockDelta 0: citation delta is not an object",
+        );
+        broken(
+            &[
+                (
+                    "contentBlockStart",
+                    r#"{"contentBlockIndex":0,"start":{"toolResult":{"toolUseId":"s"}}}"#,
+                ),
+                (
+                    "contentBlockDelta",
+                    r#"{"contentBlockIndex":0,"delta":{"toolResult":{"text":"x"}}}"#,
+                ),
+            ],
+            "contentBlockDelta 0: toolResult delta is not a list",
+        );
+        broken(
+            &[
+                ("contentBlockStart", r#"{"contentBlockIndex":0,"start":{"image":{"format":"png"}}}"#),
+                ("contentBlockDelta", r#"{"contentBlockIndex":0,"delta":{"image":{"format":{"x":1}}}}"#),
+            ],
+            "contentBlockDelta 0: the image delta does not extend its block: format: an object cannot extend a string",
+        );
+        broken(
+            &[
+                (
+                    "contentBlockStart",
+                    r#"{"contentBlockIndex":0,"start":{"image":{"format":"png"}}}"#,
+                ),
+                (
+                    "contentBlockDelta",
+                    r#"{"contentBlockIndex":0,"delta":{"text":"x"}}"#,
+                ),
+            ],
+            "contentBlockDelta 0: text delta for the opaque image block",
+        );
+        broken(
+            &[
+                (
+                    "contentBlockStart",
+                    r#"{"contentBlockIndex":0,"start":{"toolUse":{"toolUseId":"s","name":"w","type":"server_tool_use"}}}"#,
+                ),
+                (
+                    "contentBlockDelta",
+                    r#"{"contentBlockIndex":0,"delta":{"toolUse":{"input":"{"}}}"#,
+                ),
+                ("contentBlockStop", r#"{"contentBlockIndex":0}"#),
+            ],
+            "contentBlockStop 0: server toolUse input is not valid JSON",
+        );
     }
 
     #[test]
