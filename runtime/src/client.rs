@@ -123,6 +123,18 @@ impl EventStream {
 pub trait Transport: Send + Sync + 'static {
     /// Starts a session; returns its id.
     async fn start_session(&self, options: SessionOptions) -> Result<String>;
+    /// Starts a session and sends its first message; returns its id and the turn's number.
+    /// By default [`Transport::start_session`] then [`Transport::send`]; a transport that can
+    /// record both at once does, in one durable commit.
+    async fn start_session_and_send(
+        &self,
+        options: SessionOptions,
+        text: &str,
+    ) -> Result<(String, u32)> {
+        let session_id = self.start_session(options).await?;
+        let turn = self.send(&session_id, text, None, Vec::new(), None).await?;
+        Ok((session_id, turn))
+    }
     /// Sends a message with its images and documents (ahead of the text) and, for this turn
     /// only, a model and a tool choice instead of the session's; returns the turn's number.
     async fn send(
@@ -231,6 +243,17 @@ impl Client {
     /// Starts a session; returns its id.
     pub async fn start_session(&self, options: SessionOptions) -> Result<String> {
         self.transport.start_session(options).await
+    }
+
+    /// Starts a session with its first message, starting turn 1, without waiting for it;
+    /// returns the session's id and the turn's number. In process, the start and the message
+    /// are one durable commit.
+    pub async fn start_session_and_send(
+        &self,
+        options: SessionOptions,
+        text: &str,
+    ) -> Result<(String, u32)> {
+        self.transport.start_session_and_send(options, text).await
     }
 
     /// Sends a message, starting a turn; returns the turn number without waiting.
@@ -695,6 +718,17 @@ impl Transport for Local {
     async fn start_session(&self, options: SessionOptions) -> Result<String> {
         let started = options.started();
         self.engine.start_session(options.session_id, started).await
+    }
+
+    async fn start_session_and_send(
+        &self,
+        options: SessionOptions,
+        text: &str,
+    ) -> Result<(String, u32)> {
+        let started = options.started();
+        self.engine
+            .start_session_and_send(options.session_id, started, text)
+            .await
     }
 
     async fn send(

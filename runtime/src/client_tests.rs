@@ -77,3 +77,71 @@ async fn a_turn_that_ends_before_the_deadline_gives_its_outcome() -> Result<()> 
     );
     Ok(())
 }
+
+/// A session's start and its first message are one durable append: the same events, in the
+/// same order, that a start then a send record, and a history that folds (replays) to the
+/// state the engine holds live.
+#[tokio::test]
+async fn a_start_with_its_first_message_is_one_durable_commit() -> Result<()> {
+    use crate::clock::ManualClock;
+    use crate::store::fjall::FjallStore;
+    use crate::store::Store;
+    use crate::workflow::SessionState;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Arc::new(FjallStore::open(dir.path())?);
+    let engine = Engine::new(store.clone(), Arc::new(ManualClock::new(1_000)));
+    let client = Client::new(engine.clone());
+    let commits = || store.durable_commits().expect("fjall counts its commits");
+
+    let before = commits();
+    let mut together = options();
+    together.session_id = Some("together".to_owned());
+    let (id, turn) = client.start_session_and_send(together, "hello").await?;
+    assert_eq!((id.as_str(), turn), ("together", 1));
+    assert_eq!(
+        commits() - before,
+        1,
+        "the start and the message share one commit"
+    );
+
+    let before = commits();
+    let mut apart = options();
+    apart.session_id = Some("apart".to_owned());
+    let apart = client.start_session(apart).await?;
+    assert_eq!(client.send(&apart, "hello").await?, 1);
+    assert_eq!(commits() - before, 2, "a start then a send are two commits");
+
+    let together = store.read_history("together", 1, None).await?;
+    let apart = store.read_history("apart", 1, None).await?;
+    let kinds: Vec<_> = together.iter().map(|e| (e.seq, e.event.kind())).collect();
+    assert_eq!(
+        kinds,
+        [
+            (1, "session_started"),
+            (2, "user_message"),
+            (3, "model_call_scheduled")
+        ]
+    );
+    assert_eq!(
+        together
+            .iter()
+            .map(|e| (e.seq, e.recorded_at_ms, &e.event))
+            .collect::<Vec<_>>(),
+        apart
+            .iter()
+            .map(|e| (e.seq, e.recorded_at_ms, &e.event))
+            .collect::<Vec<_>>(),
+        "the same events as a start then a send"
+    );
+    let replayed = SessionState::fold("together", &together)?;
+    assert_eq!(replayed, engine.state("together").await?, "replay = live");
+    let queued: Vec<_> = store
+        .list_tasks()
+        .await?
+        .into_iter()
+        .filter(|t| t.id.session_id == "together")
+        .map(|t| t.id.scheduled_seq)
+        .collect();
+    assert_eq!(queued, [3], "the model call is queued with the append");
+    Ok(())
+}

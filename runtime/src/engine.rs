@@ -377,6 +377,42 @@ impl Engine {
         Ok(session_id)
     }
 
+    /// Starts a session and sends its first message in one durable append (a fresh session
+    /// per task costs one commit less than [`Engine::start_session`] then
+    /// [`Engine::send_message`]); returns the session's id and the turn's number (1).
+    pub async fn start_session_and_send(
+        &self,
+        session_id: Option<String>,
+        started: SessionStarted,
+        text: &str,
+    ) -> Result<(String, u32)> {
+        let session_id = match session_id {
+            Some(id) => id,
+            None => self.new_session_id(),
+        };
+        crate::store::check_session_id(&session_id)?;
+        self.submit_inputs(
+            &session_id,
+            |_| {
+                Ok(Some(vec![
+                    Event::SessionStarted(started.clone()),
+                    Event::UserMessage {
+                        turn: 1,
+                        text: text.to_owned(),
+                        model: None,
+                        media: Vec::new(),
+                        tool_choice: None,
+                    },
+                ]))
+            },
+            None,
+            None,
+            true,
+        )
+        .await?;
+        Ok((session_id, 1))
+    }
+
     fn new_session_id(&self) -> String {
         let n = self.inner.id_counter.fetch_add(1, Ordering::Relaxed);
         format!("s{:x}-{:x}-{n}", self.now_ms(), std::process::id())
@@ -1452,6 +1488,28 @@ impl Engine {
         drop_task: Option<TaskId>,
         starting: bool,
     ) -> Result<Option<u64>> {
+        self.submit_inputs(
+            session_id,
+            |state| Ok(decide(state)?.map(|input| vec![input])),
+            complete,
+            drop_task,
+            starting,
+        )
+        .await
+    }
+
+    /// [`Engine::submit_with`] for inputs that `decide` makes together: the workflow steps
+    /// each in turn, and one append records every transition, atomically (a session's start
+    /// with its first message costs one durable commit, not two). Returns the first input's
+    /// seq.
+    async fn submit_inputs(
+        &self,
+        session_id: &str,
+        mut decide: impl FnMut(&SessionState) -> Result<Option<Vec<Event>>> + Send,
+        complete: Option<(TaskId, u32)>,
+        drop_task: Option<TaskId>,
+        starting: bool,
+    ) -> Result<Option<u64>> {
         let span = info_span!("session", session_id = %session_id);
         async move {
             let slot = self.slot(session_id);
@@ -1491,7 +1549,7 @@ impl Engine {
         &self,
         session_id: &str,
         guard: &mut Option<SessionState>,
-        decide: &mut (impl FnMut(&SessionState) -> Result<Option<Event>> + Send),
+        decide: &mut (impl FnMut(&SessionState) -> Result<Option<Vec<Event>>> + Send),
         (complete, drop_task): (&Option<(TaskId, u32)>, &Option<TaskId>),
         is_start: bool,
     ) -> Result<Option<u64>> {
@@ -1514,20 +1572,18 @@ impl Engine {
                     None => self.loaded(session_id, guard).await?,
                 }
             };
-            let input = match decide(state) {
-                Ok(Some(input)) => input,
-                Ok(None) | Err(_) if !caught_up => {
+            let inputs = match decide(state) {
+                Ok(Some(inputs)) if !inputs.is_empty() => inputs,
+                Ok(_) | Err(_) if !caught_up => {
                     caught_up = true;
                     continue;
                 }
-                Ok(None) => return Ok(None),
+                Ok(_) => return Ok(None),
                 Err(e) => return Err(e),
             };
             let now = self.now_ms();
             let first_seq = state.next_seq;
-            debug!(event = input.kind(), seq = first_seq, "step");
-            let input = EventEnvelope::new(session_id, first_seq, now, input);
-            match state.step(input) {
+            match step_all(state, session_id, now, inputs) {
                 Ok(transition) => break (state, first_seq, transition, now),
                 Err(e) => {
                     // A rejected input — a stale report (`StaleReport`, the common case: a
@@ -1589,6 +1645,40 @@ impl Engine {
         self.publish(session_id, published.unwrap_or_default(), outcome);
         Ok(Some(first_seq))
     }
+}
+
+/// Steps `state` with each input in turn, recorded at `now`, and puts their transitions
+/// together: every event, task to enqueue and task to cancel, and the last outcome. On an
+/// error the state may have taken the inputs before it.
+fn step_all(
+    state: &mut SessionState,
+    session_id: &str,
+    now: u64,
+    inputs: Vec<Event>,
+) -> Result<Transition> {
+    let mut all: Option<Transition> = None;
+    for input in inputs {
+        let seq = state.next_seq;
+        debug!(event = input.kind(), seq, "step");
+        let transition = state.step(EventEnvelope::new(session_id, seq, now, input))?;
+        match &mut all {
+            None => all = Some(transition),
+            Some(all) => {
+                all.events.extend(transition.events);
+                all.commands.extend(transition.commands);
+                all.enqueue.extend(transition.enqueue);
+                all.cancel.extend(transition.cancel);
+                if transition.outcome.is_some() {
+                    all.outcome = transition.outcome;
+                }
+            }
+        }
+    }
+    all.ok_or_else(|| Error::InvalidEvent {
+        session_id: session_id.to_owned(),
+        seq: state.next_seq,
+        reason: "no input to record".to_owned(),
+    })
 }
 
 /// The event that records `report` for `activity`, the activity `lease` ran, a model
