@@ -151,7 +151,46 @@ fn fold(c: &mut Criterion) {
             SessionState::fold("bench", &decoded).unwrap()
         })
     });
+    // Cold from the store: open it, read the whole history, decode and fold (the OS page
+    // cache is warm; the store's own caches are not).
+    for kind in [StorageEngine::Fjall, StorageEngine::Sled] {
+        let dir = tempfile::tempdir().unwrap();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let store = open_store(kind, dir.path());
+            for chunk in events.chunks(500) {
+                let request = AppendRequest {
+                    session_id: "bench".to_owned(),
+                    expected_next_seq: chunk[0].seq,
+                    events: chunk.to_vec(),
+                    status: SessionStatus::Idle,
+                    enqueue: Vec::new(),
+                    complete: None,
+                    cancel: Vec::new(),
+                    now_ms: 1,
+                };
+                store.append(request).await.unwrap();
+            }
+        });
+        group.bench_function(format!("10k_events_cold_from_{kind}_store"), |b| {
+            b.iter(|| {
+                rt.block_on(async {
+                    let store = open_store(kind, dir.path());
+                    let history = store.read_history("bench", 1, None).await.unwrap();
+                    SessionState::fold("bench", &history).unwrap()
+                })
+            })
+        });
+    }
     group.finish();
+}
+
+/// A store of `kind` in `dir`, created or opened.
+fn open_store(kind: StorageEngine, dir: &std::path::Path) -> Arc<dyn Store> {
+    match kind {
+        StorageEngine::Sled => Arc::new(SledStore::open(dir).unwrap()),
+        StorageEngine::Fjall => Arc::new(FjallStore::open(dir).unwrap()),
+    }
 }
 
 /// Two transitions per iteration: model completion → tool task; tool completion → model task.
@@ -240,10 +279,7 @@ fn transition(c: &mut Criterion) {
                     // session's leases must not pick up.
                     let dir = tempfile::tempdir().unwrap();
                     let store: Arc<dyn Store> = match kind {
-                        Some(StorageEngine::Sled) => Arc::new(SledStore::open(dir.path()).unwrap()),
-                        Some(StorageEngine::Fjall) => {
-                            Arc::new(FjallStore::open(dir.path()).unwrap())
-                        }
+                        Some(kind) => open_store(kind, dir.path()),
                         None => Arc::new(MemoryStore::new()),
                     };
                     let engine = Engine::new(store.clone(), Arc::new(ManualClock::new(1_000)));

@@ -727,3 +727,109 @@ async fn streamed_output_is_recorded_by_workers_at_most_every_interval() {
     assert_eq!(ledgers[0], ledgers[1]);
     assert_eq!(kinds_seen[0], kinds_seen[1]);
 }
+
+/// Eager dispatch: a report that queues tasks hands one to the worker that reported, with
+/// the report's durable append; the other stays queued for any worker. A whole turn runs so
+/// (model → two tools → model), and replays to the same ledger bytes.
+#[tokio::test]
+async fn a_report_hands_the_next_task_to_the_worker_that_reported() {
+    use cairn_runtime::store::fjall::FjallStore;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(FjallStore::open(dir.path()).unwrap());
+    let engine = Engine::new(store.clone(), Arc::new(ManualClock::new(1_000)));
+    let client = Client::new(engine.clone());
+    let tools = cairn_activities::ToolRegistry::builtin(".").specs();
+    let options = SessionOptions::new(cairn_ledger::ModelSpec::new("scripted", "test"), tools);
+    let (session, _) = client.start_session_and_send(options, "go").await.unwrap();
+    let next = LeaseRequest {
+        filter: TaskFilter::any(),
+        max: 1,
+        lease_ms: 60_000,
+    };
+    let mut leased = engine
+        .lease_tasks_for(LeaseHolder::InProcess, &TaskFilter::any(), 10, 60_000)
+        .await
+        .unwrap();
+    assert_eq!(leased.len(), 1, "the model call");
+    let calls = |ids: [&str; 2]| {
+        let mut response = text_answer("");
+        response.parts = ids
+            .iter()
+            .map(|id| {
+                Part::ToolUse(cairn_ledger::ToolUse {
+                    id: (*id).to_owned(),
+                    name: "calculator".to_owned(),
+                    arguments: r#"{"expression":"6*7"}"#.to_owned(),
+                    signature: None,
+                })
+            })
+            .collect();
+        response.stop_reason_raw = "tool_use".into();
+        response.stop_reason = cairn_ledger::StopReason::ToolUse;
+        response
+    };
+    let model = leased.remove(0);
+    let mut handed = engine
+        .report_and_lease(
+            &model.lease,
+            ActivityReport::ModelCompleted(calls(["t1", "t2"])),
+            &next,
+        )
+        .await
+        .unwrap();
+    assert_eq!(handed.len(), 1, "one task for the reporting worker");
+    let first = handed.remove(0);
+    let ActivityInput::Tool { tool_use, .. } = &first.input else {
+        panic!("a tool call is handed on, got {:?}", first.input);
+    };
+    assert_eq!(tool_use.id, "t1");
+    let states: Vec<_> = store
+        .list_tasks()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.lease_attempt, t.held))
+        .collect();
+    assert_eq!(
+        states,
+        [(1, true), (0, false)],
+        "the other tool call stays queued"
+    );
+    let result = || ActivityReport::ToolCompleted {
+        content: ToolResultContent::Text("42".to_owned()),
+        is_error: false,
+    };
+    let mut handed = engine
+        .report_and_lease(&first.lease, result(), &next)
+        .await
+        .unwrap();
+    let second = handed.remove(0);
+    assert!(
+        matches!(&second.input, ActivityInput::Tool { tool_use, .. } if tool_use.id == "t2"),
+        "the report hands on the task still queued"
+    );
+    let mut handed = engine
+        .report_and_lease(&second.lease, result(), &next)
+        .await
+        .unwrap();
+    let last = handed.remove(0);
+    assert!(
+        matches!(last.input, ActivityInput::Model { .. }),
+        "the last result hands on the next model call"
+    );
+    let handed = engine
+        .report_and_lease(
+            &last.lease,
+            ActivityReport::ModelCompleted(text_answer("42, twice")),
+            &next,
+        )
+        .await
+        .unwrap();
+    assert!(handed.is_empty(), "the turn is over: nothing to hand on");
+    assert!(store.list_tasks().await.unwrap().is_empty());
+    match client.wait_turn(&session, 1).await.unwrap() {
+        TurnOutcome::Completed { answer, .. } => assert_eq!(answer, "42, twice"),
+        other => panic!("the turn completes, got {other:?}"),
+    }
+    assert_replays(&client, &session).await;
+}

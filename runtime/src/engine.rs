@@ -19,8 +19,8 @@ use crate::event::ErrorClass;
 use crate::event::{ActivityFailure, Event, EventEnvelope, SessionStarted};
 use crate::pricing::PriceTable;
 use crate::store::{
-    AppendRequest, Lease, LeaseHolder, Overdue, SessionInfo, SessionStatus, Store, StoreChange,
-    Task, TaskFilter, TaskId,
+    AppendRequest, Lease, LeaseHolder, LeaseRequest, Overdue, SessionInfo, SessionStatus, Store,
+    StoreChange, Task, TaskFilter, TaskId,
 };
 use crate::task_waiters::TaskWaiters;
 use crate::workflow::{ScheduledActivity, SessionState, Transition, TurnOutcome};
@@ -408,6 +408,7 @@ impl Engine {
             None,
             None,
             true,
+            None,
         )
         .await?;
         Ok((session_id, 1))
@@ -803,6 +804,12 @@ impl Engine {
             }
             LeaseHolder::Remote => store.lease_tasks(now_ms, lease_ms, max, filter).await?,
         };
+        Ok(self.with_activities(leases).await)
+    }
+
+    /// The leases this engine handed out, each with what it runs; tasks the workflow no
+    /// longer wants are dropped on the way and not returned.
+    async fn with_activities(&self, leases: Vec<Lease>) -> Vec<LeasedTask> {
         if !leases.is_empty() {
             let mut here = lock(&self.inner.leased_here);
             for lease in &leases {
@@ -820,7 +827,7 @@ impl Engine {
                 }
             }
         }
-        Ok(out)
+        out
     }
 
     /// Renews a lease for `lease_ms` from now (a heartbeat), storing `details` durably when
@@ -1026,6 +1033,30 @@ impl Engine {
     /// [`Error::StaleReport`] (the workflow already moved on) or [`Error::LeaseLost`] (the lease
     /// lapsed): the worker drops it, the history is unchanged.
     pub async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()> {
+        self.report_with(lease, report, None).await.map(drop)
+    }
+
+    /// Reports like [`Engine::report`], and leases with the report's append up to
+    /// `next.max` due tasks `next.filter` accepts for the same worker of this process (eager
+    /// dispatch: the next task of a session goes to the worker that finished the last one,
+    /// without a lease round of its own). The tasks come with what they run, like
+    /// [`Engine::lease_tasks`]; they are handed out once the report is durable.
+    pub async fn report_and_lease(
+        &self,
+        lease: &Lease,
+        report: ActivityReport,
+        next: &LeaseRequest,
+    ) -> Result<Vec<LeasedTask>> {
+        let leases = self.report_with(lease, report, Some(next)).await?;
+        Ok(self.with_activities(leases).await)
+    }
+
+    async fn report_with(
+        &self,
+        lease: &Lease,
+        report: ActivityReport,
+        next: Option<&LeaseRequest>,
+    ) -> Result<Vec<Lease>> {
         let session_id = &lease.id.session_id;
         {
             let mut here = lock(&self.inner.leased_here);
@@ -1037,16 +1068,18 @@ impl Engine {
             }
         }
         let prices = self.prices();
-        let submitted = self
-            .submit(
+        let (submitted, leases) = self
+            .submit_inputs(
                 session_id,
                 |state| match state.scheduled_activity(lease.id.scheduled_seq) {
-                    Some(activity) => {
-                        report_event(&prices, lease, activity, report.clone()).map(Some)
-                    }
+                    Some(activity) => report_event(&prices, lease, activity, report.clone())
+                        .map(|event| Some(vec![event])),
                     None => Ok(None),
                 },
                 Some((lease.id.clone(), lease.lease_attempt)),
+                None,
+                false,
+                next,
             )
             .await?;
         if submitted.is_none() {
@@ -1058,7 +1091,7 @@ impl Engine {
                 reason: format!("the workflow no longer waits for task {}", lease.id),
             });
         }
-        Ok(())
+        Ok(leases)
     }
 
     /// Records what a leased model attempt streamed since its previous record, as a
@@ -1494,14 +1527,17 @@ impl Engine {
             complete,
             drop_task,
             starting,
+            None,
         )
         .await
+        .map(|(seq, _)| seq)
     }
 
     /// [`Engine::submit_with`] for inputs that `decide` makes together: the workflow steps
     /// each in turn, and one append records every transition, atomically (a session's start
     /// with its first message costs one durable commit, not two). Returns the first input's
-    /// seq.
+    /// seq. With `eager`, the append leases tasks for the caller's worker too
+    /// ([`Store::append_and_lease`]), and returns them.
     async fn submit_inputs(
         &self,
         session_id: &str,
@@ -1509,7 +1545,8 @@ impl Engine {
         complete: Option<(TaskId, u32)>,
         drop_task: Option<TaskId>,
         starting: bool,
-    ) -> Result<Option<u64>> {
+        eager: Option<&LeaseRequest>,
+    ) -> Result<(Option<u64>, Vec<Lease>)> {
         let span = info_span!("session", session_id = %session_id);
         async move {
             let slot = self.slot(session_id);
@@ -1523,6 +1560,7 @@ impl Engine {
                         &mut decide,
                         (&complete, &drop_task),
                         starting,
+                        eager,
                     )
                     .await
                 {
@@ -1552,7 +1590,8 @@ impl Engine {
         decide: &mut (impl FnMut(&SessionState) -> Result<Option<Vec<Event>>> + Send),
         (complete, drop_task): (&Option<(TaskId, u32)>, &Option<TaskId>),
         is_start: bool,
-    ) -> Result<Option<u64>> {
+        eager: Option<&LeaseRequest>,
+    ) -> Result<(Option<u64>, Vec<Lease>)> {
         // The cached state is decided on as it is, unless a hint says it is behind: an append
         // of a decision on a state that missed another writer's events fails with `Conflict`.
         // Any other answer is given on a state caught up with the store (`caught_up`).
@@ -1578,7 +1617,7 @@ impl Engine {
                     caught_up = true;
                     continue;
                 }
-                Ok(_) => return Ok(None),
+                Ok(_) => return Ok((None, Vec::new())),
                 Err(e) => return Err(e),
             };
             let now = self.now_ms();
@@ -1620,30 +1659,40 @@ impl Engine {
             cancel,
             now_ms: now,
         };
-        let enqueued = request.enqueue.clone();
+        let mut enqueued = request.enqueue.clone();
         let published = (self.inner.appended.receiver_count() > 0).then(|| request.events.clone());
         debug!(
             events = request.events.len(),
             tasks = request.enqueue.len(),
             "append"
         );
-        if let Err(e) = self.inner.store.append(request).await {
-            *guard = None;
-            if is_start {
-                if let Error::Conflict { .. } = e {
-                    // The session exists: a start is never retried.
-                    return Err(Error::InvalidEvent {
-                        session_id: session_id.to_owned(),
-                        seq: first_seq,
-                        reason: "the session already exists".to_owned(),
-                    });
+        let appended = match eager {
+            Some(lease) => self.inner.store.append_and_lease(request, lease).await,
+            None => self.inner.store.append(request).await.map(|()| Vec::new()),
+        };
+        let leases = match appended {
+            Ok(leases) => leases,
+            Err(e) => {
+                *guard = None;
+                if is_start {
+                    if let Error::Conflict { .. } = e {
+                        // The session exists: a start is never retried.
+                        return Err(Error::InvalidEvent {
+                            session_id: session_id.to_owned(),
+                            seq: first_seq,
+                            reason: "the session already exists".to_owned(),
+                        });
+                    }
                 }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
+        // A task leased with the append has its worker already: waking another for it
+        // would only make an empty lease.
+        enqueued.retain(|task| !leases.iter().any(|lease| lease.id == task.id));
         self.inner.waiters.wake_for(&enqueued);
         self.publish(session_id, published.unwrap_or_default(), outcome);
-        Ok(Some(first_seq))
+        Ok((Some(first_seq), leases))
     }
 }
 

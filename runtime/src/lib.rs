@@ -58,7 +58,7 @@ pub use progress::{interrupted_output, streamed_outputs, StreamedOutput};
 pub use replay::{replay, Replay};
 pub use store::memory::MemoryStore;
 pub use store::{
-    AppendRequest, Lease, LeaseHolder, NewTask, SessionInfo, SessionStatus, Store, Task,
-    TaskFilter, TaskId, TaskKind, DEFAULT_QUEUE,
+    AppendRequest, Lease, LeaseHolder, LeaseRequest, NewTask, SessionInfo, SessionStatus, Store,
+    Task, TaskFilter, TaskId, TaskKind, DEFAULT_QUEUE,
 };
 pub use workflow::{Command, SessionState, Transition, TurnOutcome, WORKFLOW_VERSION};

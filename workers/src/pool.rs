@@ -9,7 +9,7 @@ use cairn_activities::{
 use cairn_ledger::{validate_response, validate_transcript, Delta, JsonText};
 use cairn_runtime::{
     ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, Error,
-    ErrorClass, FailurePhase, Lease, LeasedTask, TaskFilter,
+    ErrorClass, FailurePhase, Lease, LeaseRequest, LeasedTask, TaskFilter,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -264,19 +264,26 @@ async fn lease_loop(
             let source = source.clone();
             let activities = activities.clone();
             let registry = registry.clone();
-            let lease_ms = config.lease_ms;
-            let progress_every = config.progress_interval_ms;
+            let timing = Timing {
+                lease_ms: config.lease_ms,
+                renew_ms,
+                progress_every: config.progress_interval_ms,
+            };
+            let next = LeaseRequest {
+                filter: filter.clone(),
+                max: 1,
+                lease_ms: config.lease_ms,
+            };
+            let stopping = stop.clone();
             running.spawn(async move {
-                run_task(
-                    source.as_ref(),
-                    &activities,
-                    &registry,
-                    task,
-                    lease_ms,
-                    renew_ms,
-                    progress_every,
-                )
-                .await;
+                // The slot runs the task its report was handed, if any (eager dispatch),
+                // until a report hands none or the pool stops.
+                let mut task = Some(task);
+                while let Some(this) = task.take() {
+                    let next = (!*stopping.borrow()).then_some(&next);
+                    task =
+                        run_task(source.as_ref(), &activities, &registry, this, timing, next).await;
+                }
                 drop(permit);
             });
         }
@@ -284,6 +291,14 @@ async fn lease_loop(
     // Drain: let every running activity finish and report.
     while running.join_next().await.is_some() {}
     listener.abort();
+}
+
+/// How a slot times the task it runs: its leases, their renewals, its progress records.
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    lease_ms: u64,
+    renew_ms: u64,
+    progress_every: Option<u64>,
 }
 
 /// How long a cancelled activity may take to stop by itself before it is abandoned.
@@ -294,10 +309,14 @@ async fn run_task(
     activities: &Activities,
     registry: &RunningRegistry,
     task: LeasedTask,
-    lease_ms: u64,
-    renew_ms: u64,
-    progress_every: Option<u64>,
-) {
+    timing: Timing,
+    next: Option<&LeaseRequest>,
+) -> Option<LeasedTask> {
+    let Timing {
+        lease_ms,
+        renew_ms,
+        progress_every,
+    } = timing;
     let LeasedTask { lease, input } = task;
     let (origin, timeouts) = match &input {
         ActivityInput::Model {
@@ -448,8 +467,9 @@ async fn run_task(
             if let (ActivityReport::Failed(_), Some(pending), true) = (&report, &pending, recording) {
                 record_pending(engine, &lease, lease_expires_at_ms, pending, context.reported_usage()).await;
             }
-            finish(engine, &lease, report).await;
+            return finish(engine, &lease, report, next).await;
         }
+        None
     }
     .instrument(span)
     .await
@@ -495,9 +515,20 @@ struct Heartbeats {
     details: Option<JsonText>,
 }
 
-async fn finish(engine: &dyn TaskSource, lease: &Lease, report: ActivityReport) {
-    match engine.report(lease, report).await {
-        Ok(()) => {}
+/// Reports the attempt's result; with `next`, takes the next task with it (at most one, for
+/// this slot) when the source hands one.
+async fn finish(
+    engine: &dyn TaskSource,
+    lease: &Lease,
+    report: ActivityReport,
+    next: Option<&LeaseRequest>,
+) -> Option<LeasedTask> {
+    let reported = match next {
+        Some(next) => engine.report_and_lease(lease, report, next).await,
+        None => engine.report(lease, report).await.map(|()| Vec::new()),
+    };
+    match reported {
+        Ok(mut leased) => return leased.pop(),
         // Normal when a lease lapsed and another worker took over: the history already holds the
         // truth and nothing was changed, so nothing is retried; info, because it means an
         // attempt's work was thrown away.
@@ -506,6 +537,7 @@ async fn finish(engine: &dyn TaskSource, lease: &Lease, report: ActivityReport) 
         }
         Err(e) => warn!(error = %e, "reporting the result failed; the task will run again"),
     }
+    None
 }
 
 fn failure(class: ErrorClass, message: impl Into<String>) -> ActivityReport {

@@ -5,7 +5,8 @@
 use async_trait::async_trait;
 use cairn_ledger::{JsonText, Usage};
 use cairn_runtime::{
-    ActivityReport, DeltaEvent, Engine, Lease, LeaseHolder, LeasedTask, Result, TaskFilter,
+    ActivityReport, DeltaEvent, Engine, Lease, LeaseHolder, LeaseRequest, LeasedTask, Result,
+    TaskFilter,
 };
 use std::time::Duration;
 use tokio::sync::broadcast;
@@ -57,6 +58,20 @@ pub trait TaskSource: Send + Sync + 'static {
     /// Reports an attempt's result, fenced by its lease attempt: a stale one is
     /// `StaleReport` or `LeaseLost` and changes nothing.
     async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()>;
+
+    /// Reports like [`TaskSource::report`], and takes up to `next.max` due tasks for the same
+    /// worker with it when the source can (eager dispatch: the report that queues a session's
+    /// next task hands it to the worker that reported). By default it reports, and takes none.
+    async fn report_and_lease(
+        &self,
+        lease: &Lease,
+        report: ActivityReport,
+        next: &LeaseRequest,
+    ) -> Result<Vec<LeasedTask>> {
+        let _ = next;
+        self.report(lease, report).await?;
+        Ok(Vec::new())
+    }
 
     /// Passes a model delta on to the session's followers (presentation only: may be lost).
     fn publish_delta(&self, delta: DeltaEvent);
@@ -139,6 +154,15 @@ impl TaskSource for EngineSource {
 
     async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()> {
         self.engine.report(lease, report).await
+    }
+
+    async fn report_and_lease(
+        &self,
+        lease: &Lease,
+        report: ActivityReport,
+        next: &LeaseRequest,
+    ) -> Result<Vec<LeasedTask>> {
+        self.engine.report_and_lease(lease, report, next).await
     }
 
     fn publish_delta(&self, delta: DeltaEvent) {

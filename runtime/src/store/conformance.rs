@@ -31,7 +31,8 @@ pub use deletion::{
     delete_refuses_a_busy_session, delete_removes_a_finished_session,
 };
 pub use in_process::{
-    an_in_process_lease_is_durable_after_the_next_write, in_process_leases_fence_like_durable_ones,
+    an_in_process_lease_is_durable_after_the_next_write,
+    append_and_lease_takes_what_the_append_queued, in_process_leases_fence_like_durable_ones,
 };
 
 /// Runs every check, each on a store from `fresh`. With `reopen` (a function that drops a store
@@ -69,6 +70,7 @@ pub async fn run_all<S: Store>(
     delete_refuses_a_busy_session(&fresh()).await;
     durable_commits_count_what_was_made_durable(&fresh()).await;
     in_process_leases_fence_like_durable_ones(&fresh()).await;
+    append_and_lease_takes_what_the_append_queued(&fresh()).await;
     concurrent_appends(Arc::new(fresh())).await;
     let twice = |store: S| {
         let store: Arc<dyn Store> = Arc::new(store);
@@ -2116,6 +2118,7 @@ mod tests {
         delete_removes_a_finished_session,
         delete_refuses_a_busy_session,
         in_process_leases_fence_like_durable_ones,
+        append_and_lease_takes_what_the_append_queued,
     );
 
     macro_rules! each_concurrency_check {

@@ -6,7 +6,7 @@
 //! store, so a failed append writes nothing, exactly like a backend whose transaction failed.
 //! Faults apply from the moment they are set until [`FaultyStore::heal`].
 
-use super::{AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
+use super::{AppendRequest, Lease, LeaseRequest, SessionInfo, Store, Task, TaskFilter, TaskId};
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
@@ -182,6 +182,15 @@ impl<S: Store> Store for FaultyStore<S> {
     async fn append(&self, request: AppendRequest) -> Result<()> {
         self.append_fault(&request)?;
         self.inner.append(request).await
+    }
+
+    async fn append_and_lease(
+        &self,
+        request: AppendRequest,
+        lease: &LeaseRequest,
+    ) -> Result<Vec<Lease>> {
+        self.append_fault(&request)?;
+        self.inner.append_and_lease(request, lease).await
     }
 
     async fn read_history(

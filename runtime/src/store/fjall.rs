@@ -130,8 +130,8 @@ use super::memory::{lease_current, released_visibility};
 pub use super::write_queue::MAX_BATCH;
 use super::write_queue::{next_batch, Engine, Pending, PreparedAppend, Shared, Write, WriteQueue};
 use super::{
-    check_deletable, check_session_id, unknown_session, AppendRequest, Lease, SessionInfo, Store,
-    Task, TaskFilter, TaskId,
+    check_deletable, check_session_id, unknown_session, AppendRequest, Lease, LeaseRequest,
+    SessionInfo, Store, Task, TaskFilter, TaskId,
 };
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
@@ -542,6 +542,32 @@ impl Writer {
                 Ok(staged) => {
                     self.stage(staged);
                     pending.push(Pending::Append(reply));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Write::AppendThenLease(prepared, lease, reply) => match self.append(&prepared) {
+                Ok(staged) => {
+                    self.stage(staged);
+                    let LeaseRequest {
+                        filter,
+                        max,
+                        lease_ms,
+                    } = &lease;
+                    // Through the overlay: the lease sees the tasks the append queued.
+                    let leases = match self.lease(prepared.now_ms, *lease_ms, *max, filter) {
+                        Ok((leases, staged)) => {
+                            self.stage(staged);
+                            leases
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "leasing after an append failed; the tasks stay queued");
+                            Vec::new()
+                        }
+                    };
+                    // Answered once durable, with the append.
+                    pending.push(Pending::Lease(reply, leases));
                 }
                 Err(e) => {
                     let _ = reply.send(Err(e));
@@ -1134,6 +1160,14 @@ impl Store for FjallStore {
         filter: &TaskFilter,
     ) -> Result<Vec<Lease>> {
         self.writes.lease(now_ms, lease_ms, max, filter, true).await
+    }
+
+    async fn append_and_lease(
+        &self,
+        request: AppendRequest,
+        lease: &LeaseRequest,
+    ) -> Result<Vec<Lease>> {
+        self.writes.append_and_lease(request, lease).await
     }
 
     async fn lease_tasks_in_process(

@@ -38,7 +38,7 @@
 //! can pass unseen, anything older cannot.
 
 pub(crate) use super::files::sync_dir;
-use super::{AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
+use super::{AppendRequest, Lease, LeaseRequest, SessionInfo, Store, Task, TaskFilter, TaskId};
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
@@ -431,17 +431,18 @@ impl MarksWriter {
     }
 }
 
-#[async_trait]
-impl Store for MarkedStore {
-    fn durable_commits(&self) -> Option<u64> {
-        self.inner.durable_commits()
-    }
+/// The session and last seq an append records events up to, if it records any.
+fn appended_to(request: &AppendRequest) -> Option<(String, u64)> {
+    request
+        .events
+        .last()
+        .map(|e| (request.session_id.clone(), e.seq))
+}
 
-    async fn append(&self, request: AppendRequest) -> Result<()> {
-        let last = request.events.last().map(|e| e.seq);
-        let session_id = last.map(|_| request.session_id.clone());
-        self.inner.append(request).await?;
-        if let (Some(seq), Some(sid)) = (last, session_id) {
+impl MarkedStore {
+    /// Marks the session's journal entry dirty up to `appended`'s seq.
+    fn mark_dirty(&self, appended: Option<(String, u64)>) {
+        if let Some((sid, seq)) = appended {
             let mut pending = self
                 .pending
                 .lock()
@@ -449,7 +450,31 @@ impl Store for MarkedStore {
             let mark = pending.dirty.entry(sid).or_insert(0);
             *mark = (*mark).max(seq);
         }
+    }
+}
+
+#[async_trait]
+impl Store for MarkedStore {
+    fn durable_commits(&self) -> Option<u64> {
+        self.inner.durable_commits()
+    }
+
+    async fn append(&self, request: AppendRequest) -> Result<()> {
+        let appended = appended_to(&request);
+        self.inner.append(request).await?;
+        self.mark_dirty(appended);
         Ok(())
+    }
+
+    async fn append_and_lease(
+        &self,
+        request: AppendRequest,
+        lease: &LeaseRequest,
+    ) -> Result<Vec<Lease>> {
+        let appended = appended_to(&request);
+        let leases = self.inner.append_and_lease(request, lease).await?;
+        self.mark_dirty(appended);
+        Ok(leases)
     }
 
     async fn read_history(

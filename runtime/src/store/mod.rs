@@ -239,6 +239,18 @@ pub enum LeaseHolder {
     Remote,
 }
 
+/// What to lease with an append ([`Store::append_and_lease`]): up to `max` tasks `filter`
+/// accepts, each for `lease_ms`, for a worker of this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRequest {
+    /// Which tasks the worker can run.
+    pub filter: TaskFilter,
+    /// How many at most.
+    pub max: usize,
+    /// For how long, from the append's `now_ms`.
+    pub lease_ms: u64,
+}
+
 /// A task leased to a worker until `expires_at_ms`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
@@ -403,6 +415,33 @@ pub trait Store: Send + Sync + 'static {
         filter: &TaskFilter,
     ) -> Result<Vec<Lease>> {
         self.lease_tasks(now_ms, lease_ms, max, filter).await
+    }
+
+    /// Appends like [`Store::append`], then leases like [`Store::lease_tasks_in_process`] at
+    /// the append's `now_ms`: eager dispatch, where the worker that reported a result takes
+    /// the next task its report queued without asking again. Both are answered once the
+    /// append is durable, so no task runs before the event that scheduled it is on disk.
+    /// An append that fails leases nothing; a lease that fails after the append leaves the
+    /// append standing and answers no task (the tasks stay queued for any worker).
+    ///
+    /// The default appends, then leases; an embedded store does both in one write.
+    async fn append_and_lease(
+        &self,
+        request: AppendRequest,
+        lease: &LeaseRequest,
+    ) -> Result<Vec<Lease>> {
+        let now_ms = request.now_ms;
+        self.append(request).await?;
+        match self
+            .lease_tasks_in_process(now_ms, lease.lease_ms, lease.max, &lease.filter)
+            .await
+        {
+            Ok(leases) => Ok(leases),
+            Err(e) => {
+                tracing::warn!(error = %e, "leasing after an append failed; the tasks stay queued");
+                Ok(Vec::new())
+            }
+        }
     }
 
     /// Extends a current lease (a heartbeat), storing `details` when given (kept otherwise).

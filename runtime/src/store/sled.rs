@@ -100,8 +100,8 @@ use super::keys::{
 use super::memory::{lease_current, released_visibility};
 use super::write_queue::{next_batch, Engine, Pending, PreparedAppend, Shared, Write, WriteQueue};
 use super::{
-    check_deletable, check_session_id, unknown_session, AppendRequest, Lease, SessionInfo, Store,
-    Task, TaskFilter, TaskId,
+    check_deletable, check_session_id, unknown_session, AppendRequest, Lease, LeaseRequest,
+    SessionInfo, Store, Task, TaskFilter, TaskId,
 };
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
@@ -362,6 +362,34 @@ impl Writer {
         }
         match write {
             Write::Append(prepared, reply) => self.append_group(vec![(prepared, reply)], pending),
+            Write::AppendThenLease(prepared, lease, reply) => {
+                match append_all(&self.handles, std::slice::from_ref(&prepared)) {
+                    Ok(mut outcomes) => match outcomes.pop() {
+                        Some(Ok(())) => {
+                            let LeaseRequest {
+                                filter,
+                                max,
+                                lease_ms,
+                            } = &lease;
+                            let leases = self
+                                .lease(prepared.now_ms, *lease_ms, *max, filter)
+                                .unwrap_or_else(|e| {
+                                    tracing::warn!(error = %e, "leasing after an append failed; the tasks stay queued");
+                                    Vec::new()
+                                });
+                            // Answered once durable, with the append.
+                            pending.push(Pending::Lease(reply, leases));
+                        }
+                        Some(Err(e)) => {
+                            let _ = reply.send(Err(e));
+                        }
+                        None => unreachable!("one outcome per append"),
+                    },
+                    Err(reason) => {
+                        let _ = reply.send(Err(sled_error(&self.path, "append", &reason)));
+                    }
+                }
+            }
             Write::Lease {
                 now_ms,
                 lease_ms,
@@ -900,6 +928,14 @@ impl Store for SledStore {
         filter: &TaskFilter,
     ) -> Result<Vec<Lease>> {
         self.writes.lease(now_ms, lease_ms, max, filter, true).await
+    }
+
+    async fn append_and_lease(
+        &self,
+        request: AppendRequest,
+        lease: &LeaseRequest,
+    ) -> Result<Vec<Lease>> {
+        self.writes.append_and_lease(request, lease).await
     }
 
     async fn lease_tasks_in_process(

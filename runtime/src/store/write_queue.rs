@@ -15,7 +15,10 @@
 //! …: persist failed"): an [`Engine`] carries those words.
 
 use super::keys::{encode_meta, seq_key};
-use super::{check_request, AppendRequest, Lease, NewTask, SessionInfo, Task, TaskFilter, TaskId};
+use super::{
+    check_request, AppendRequest, Lease, LeaseRequest, NewTask, SessionInfo, Task, TaskFilter,
+    TaskId,
+};
 use crate::codec;
 use crate::error::{Error, Result};
 use cairn_ledger::JsonText;
@@ -95,6 +98,13 @@ impl Shared {
 /// A write for the writer thread, with where to answer.
 pub(super) enum Write {
     Append(PreparedAppend, oneshot::Sender<Result<()>>),
+    /// An append, then an in-process lease at its `now_ms`, answered together once durable
+    /// ([`Store::append_and_lease`](super::Store::append_and_lease)).
+    AppendThenLease(
+        PreparedAppend,
+        LeaseRequest,
+        oneshot::Sender<Result<Vec<Lease>>>,
+    ),
     Lease {
         now_ms: u64,
         lease_ms: u64,
@@ -130,6 +140,7 @@ impl Write {
         // A caller that stopped waiting dropped its receiver; nothing to do then.
         let _ = match self {
             Write::Append(_, reply) => reply.send(Err(error)).is_ok(),
+            Write::AppendThenLease(_, _, reply) => reply.send(Err(error)).is_ok(),
             Write::Lease { reply, .. } => reply.send(Err(error)).is_ok(),
             Write::Extend { reply, .. } => reply.send(Err(error)).is_ok(),
             Write::Release { reply, .. } => reply.send(Err(error)).is_ok(),
@@ -322,6 +333,18 @@ impl WriteQueue {
         let prepared = PreparedAppend::new(request)?;
         let (reply, answer) = oneshot::channel();
         self.submit(Write::Append(prepared, reply), answer).await
+    }
+
+    /// [`Store::append_and_lease`](super::Store::append_and_lease).
+    pub(super) async fn append_and_lease(
+        &self,
+        request: AppendRequest,
+        lease: &LeaseRequest,
+    ) -> Result<Vec<Lease>> {
+        let prepared = PreparedAppend::new(request)?;
+        let (reply, answer) = oneshot::channel();
+        let write = Write::AppendThenLease(prepared, lease.clone(), reply);
+        self.submit(write, answer).await
     }
 
     /// [`Store::lease_tasks`](super::Store::lease_tasks) when `durable`, else

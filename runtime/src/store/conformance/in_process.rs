@@ -126,3 +126,66 @@ pub async fn an_in_process_lease_is_durable_after_the_next_write<S: Store>(
         "the lease after the reopen has a higher attempt than the one before it"
     );
 }
+
+/// An append with a lease ([`Store::append_and_lease`]) leases, at the append's time and
+/// after it, up to `max` tasks the filter accepts, the ones it queued among them; an append
+/// that fails leases nothing and changes nothing.
+pub async fn append_and_lease_takes_what_the_append_queued(store: &dyn Store) {
+    use crate::store::{LeaseRequest, SessionStatus};
+    let s = "eager";
+    let (t2, t3) = (task_id(s, 2), task_id(s, 3));
+    let next = LeaseRequest {
+        filter: TaskFilter::any(),
+        max: 1,
+        lease_ms: 1_000,
+    };
+    let mut conflict = append_request(s, 2, vec![message(s, 2, "wrong seq")], 100);
+    conflict.enqueue = vec![new_task(&t2, TaskKind::Tool, 100)];
+    assert!(
+        matches!(
+            store.append_and_lease(conflict, &next).await,
+            Err(Error::Conflict { .. })
+        ),
+        "an append at the wrong seq fails whole"
+    );
+    assert_eq!(lease_states(store).await, vec![], "and leases nothing");
+    let mut request = append_request(
+        s,
+        1,
+        vec![message(s, 1, "go"), message(s, 2, "x"), message(s, 3, "y")],
+        100,
+    );
+    request.status = SessionStatus::Running;
+    request.enqueue = vec![
+        new_task(&t2, TaskKind::Tool, 100),
+        new_task(&t3, TaskKind::Tool, 100),
+    ];
+    let leased = store
+        .append_and_lease(request, &next)
+        .await
+        .unwrap_or_else(|e| panic!("append_and_lease must succeed, got {e:?}"));
+    assert_eq!(
+        leased,
+        vec![Lease {
+            id: t2.clone(),
+            kind: TaskKind::Tool,
+            lease_attempt: 1,
+            expires_at_ms: 1_100
+        }],
+        "the append's oldest queued task is leased with it, until its now + lease"
+    );
+    assert_eq!(
+        lease_states(store).await,
+        vec![(t2, 1_100, 1, true), (t3.clone(), 100, 0, false)],
+        "max 1: the other task stays queued for any worker"
+    );
+    assert_eq!(
+        lease_here(store, 100, 1_000, 10)
+            .await
+            .iter()
+            .map(|l| &l.id)
+            .collect::<Vec<_>>(),
+        vec![&t3],
+        "a lease takes the task the eager lease left"
+    );
+}
