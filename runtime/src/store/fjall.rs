@@ -26,7 +26,7 @@
 //! Leasing scans the queue merged with the overlay; as the only writer, the thread sees a queue
 //! nothing else changes.
 //!
-//! The queue is scanned in memory ([`QueueIndex`]), not in its keyspace: every lease and
+//! The queue is scanned in memory (a set of its keys), not in its keyspace: every lease and
 //! completion deletes queue keys, and an LSM tree keeps a deleted key as a tombstone until a
 //! compaction drops it, so a scan of the keyspace from its start walks every task done since
 //! the last compaction. Profiled, that walk was most of the store's CPU. The keyspace stays the
