@@ -273,23 +273,6 @@ impl Drop for SledStore {
     }
 }
 
-/// Where an append of a group is answered: alone, or with a lease after it.
-enum GroupReply {
-    Append(oneshot::Sender<Result<()>>),
-    ThenLease(LeaseRequest, oneshot::Sender<Result<Vec<Lease>>>),
-}
-
-impl GroupReply {
-    /// Answers with `error`.
-    fn refuse(self, error: Error) {
-        // A caller that stopped waiting dropped its receiver; nothing to do then.
-        match self {
-            GroupReply::Append(reply) => drop(reply.send(Err(error))),
-            GroupReply::ThenLease(_, reply) => drop(reply.send(Err(error))),
-        }
-    }
-}
-
 /// The writer thread: runs every write's transaction, then syncs once per batch.
 struct Writer {
     path: PathBuf,
@@ -305,14 +288,7 @@ impl Writer {
             let mut appends = Vec::new();
             for write in batch {
                 match write {
-                    Write::Append(prepared, reply) => {
-                        appends.push((prepared, GroupReply::Append(reply)))
-                    }
-                    // In the group too: a transaction per eager report would cost more than
-                    // the lease round it saves.
-                    Write::AppendThenLease(prepared, lease, reply) => {
-                        appends.push((prepared, GroupReply::ThenLease(lease, reply)))
-                    }
+                    Write::Append(prepared, reply) => appends.push((prepared, reply)),
                     other => {
                         // Keep the order: appends before this write commit before it.
                         self.append_group(std::mem::take(&mut appends), &mut pending);
@@ -343,46 +319,36 @@ impl Writer {
     }
 
     /// Commits consecutive appends in one transaction (each still all or nothing): answers the
-    /// rejected ones now, queues the others' answers for the sync. An append with a lease
-    /// leases after the transaction, in the group's order.
-    fn append_group(&self, group: Vec<(PreparedAppend, GroupReply)>, pending: &mut Vec<Pending>) {
+    /// rejected ones now, queues the others' answers for the sync.
+    fn append_group(
+        &self,
+        group: Vec<(PreparedAppend, oneshot::Sender<Result<()>>)>,
+        pending: &mut Vec<Pending>,
+    ) {
         if group.is_empty() {
             return;
         }
         if self.refusal().is_some() {
             for (_, reply) in group {
-                reply.refuse(self.refusal().unwrap_or(Error::Shutdown));
+                let _ = reply.send(Err(self.refusal().unwrap_or(Error::Shutdown)));
             }
             return;
         }
         let (prepared, replies): (Vec<PreparedAppend>, Vec<_>) = group.into_iter().unzip();
         match append_all(&self.handles, &prepared) {
             Ok(outcomes) => {
-                for ((reply, outcome), p) in replies.into_iter().zip(outcomes).zip(&prepared) {
-                    match (reply, outcome) {
-                        (GroupReply::Append(reply), Ok(())) => pending.push(Pending::Append(reply)),
-                        (GroupReply::ThenLease(lease, reply), Ok(())) => {
-                            let LeaseRequest {
-                                filter,
-                                max,
-                                lease_ms,
-                            } = &lease;
-                            let leases = self
-                                .lease(p.now_ms, *lease_ms, *max, filter)
-                                .unwrap_or_else(|e| {
-                                    tracing::warn!(error = %e, "leasing after an append failed; the tasks stay queued");
-                                    Vec::new()
-                                });
-                            // Answered once durable, with the append.
-                            pending.push(Pending::Lease(reply, leases));
+                for (reply, outcome) in replies.into_iter().zip(outcomes) {
+                    match outcome {
+                        Ok(()) => pending.push(Pending::Append(reply)),
+                        Err(e) => {
+                            let _ = reply.send(Err(e));
                         }
-                        (reply, Err(e)) => reply.refuse(e),
                     }
                 }
             }
             Err(reason) => {
                 for reply in replies {
-                    reply.refuse(sled_error(&self.path, "append", &reason));
+                    let _ = reply.send(Err(sled_error(&self.path, "append", &reason)));
                 }
             }
         }
@@ -395,13 +361,35 @@ impl Writer {
             return;
         }
         match write {
-            Write::Append(prepared, reply) => {
-                self.append_group(vec![(prepared, GroupReply::Append(reply))], pending)
+            Write::Append(prepared, reply) => self.append_group(vec![(prepared, reply)], pending),
+            Write::AppendThenLease(prepared, lease, reply) => {
+                match append_all(&self.handles, std::slice::from_ref(&prepared)) {
+                    Ok(mut outcomes) => match outcomes.pop() {
+                        Some(Ok(())) => {
+                            let LeaseRequest {
+                                filter,
+                                max,
+                                lease_ms,
+                            } = &lease;
+                            let leases = self
+                                .lease(prepared.now_ms, *lease_ms, *max, filter)
+                                .unwrap_or_else(|e| {
+                                    tracing::warn!(error = %e, "leasing after an append failed; the tasks stay queued");
+                                    Vec::new()
+                                });
+                            // Answered once durable, with the append.
+                            pending.push(Pending::Lease(reply, leases));
+                        }
+                        Some(Err(e)) => {
+                            let _ = reply.send(Err(e));
+                        }
+                        None => unreachable!("one outcome per append"),
+                    },
+                    Err(reason) => {
+                        let _ = reply.send(Err(sled_error(&self.path, "append", &reason)));
+                    }
+                }
             }
-            Write::AppendThenLease(prepared, lease, reply) => self.append_group(
-                vec![(prepared, GroupReply::ThenLease(lease, reply))],
-                pending,
-            ),
             Write::Lease {
                 now_ms,
                 lease_ms,
