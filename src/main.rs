@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 mod bench;
+mod footprint;
 mod serve;
 
 #[derive(Parser)]
@@ -398,6 +399,13 @@ enum Command {
         /// Storage engines of the embedded stores, each measured: fjall, sled (default: both).
         #[arg(long, value_delimiter = ',', value_parser = parse_engine)]
         engine: Vec<StorageEngine>,
+        /// Instead of turns per second: the bytes of one long session (raw messages,
+        /// transcript, history by event kind, disk) on each engine.
+        #[arg(long)]
+        footprint: bool,
+        /// Turns of the --footprint session.
+        #[arg(long, default_value_t = 1000, requires = "footprint")]
+        turns: usize,
     },
     /// Chaos test: a child process runs many sessions and is killed with SIGKILL at random
     /// moments, a new one resumes each time; then every promise of the log is checked and the
@@ -1086,7 +1094,17 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             no_embedded,
             worker_concurrency,
             engine,
+            footprint,
+            turns,
         } => {
+            let engines = if engine.is_empty() {
+                StorageEngine::ALL.to_vec()
+            } else {
+                engine
+            };
+            if footprint {
+                return footprint::run(turns, &engines).await;
+            }
             let exe = std::env::current_exe().context("cannot find the cairn executable")?;
             bench::run(
                 bench::BenchArgs {
@@ -1098,11 +1116,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     seconds,
                     no_embedded,
                     worker_concurrency,
-                    engines: if engine.is_empty() {
-                        StorageEngine::ALL.to_vec()
-                    } else {
-                        engine
-                    },
+                    engines,
                 },
                 &exe,
             )
