@@ -320,8 +320,6 @@ pub async fn measure(turns: usize, engine: StorageEngine) -> anyhow::Result<Foot
     let disk_open = disk_usage(&store_dir)?;
     drop(client);
     drop(opened);
-    // The engine's tasks may still hold the store for a moment after the pool stopped.
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     let disk_closed = disk_usage(&store_dir)?;
 
     let mut kinds: BTreeMap<String, (u64, u64)> = BTreeMap::new();
