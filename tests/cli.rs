@@ -1004,3 +1004,37 @@ fn errors_say_their_whole_cause_once_in_words() {
     let err = text(&logged.stderr);
     assert!(err.contains("DEBUG") && !err.contains('\x1b'), "{err}");
 }
+
+/// `cairn bench --footprint` runs a short session on each engine and reports its bytes: the
+/// raw messages as 1.00×, a history larger than them, and every event kind a turn records.
+#[test]
+fn bench_footprint_reports_the_bytes_of_a_session_on_each_engine() {
+    let out = cairn(&["bench", "--footprint", "--turns", "3"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    for engine in ["fjall", "sled"] {
+        assert!(
+            stdout.contains(&format!("footprint of one 3-turn session on {engine}")),
+            "{stdout}"
+        );
+    }
+    let history_multiples: Vec<f64> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| history (encoded records) |"))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            cells[4].trim_end_matches('×').parse().expect("a multiple")
+        })
+        .collect();
+    assert_eq!(history_multiples.len(), 2, "{stdout}");
+    assert!(history_multiples.iter().all(|&m| m > 1.0), "{stdout}");
+    for kind in [
+        "session_started",
+        "user_message",
+        "model_call_scheduled",
+        "tool_call_completed",
+        "turn_completed",
+    ] {
+        assert!(stdout.contains(&format!("| {kind} |")), "{kind}: {stdout}");
+    }
+}
