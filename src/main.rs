@@ -398,6 +398,9 @@ enum Command {
         /// Storage engines of the embedded stores, each measured: fjall, sled (default: both).
         #[arg(long, value_delimiter = ',', value_parser = parse_engine)]
         engine: Vec<StorageEngine>,
+        /// Instead: park this many sessions (one turn each) per engine and report the RSS.
+        #[arg(long, value_name = "N")]
+        parked: Option<usize>,
     },
     /// Chaos test: a child process runs many sessions and is killed with SIGKILL at random
     /// moments, a new one resumes each time; then every promise of the log is checked and the
@@ -1086,6 +1089,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             no_embedded,
             worker_concurrency,
             engine,
+            parked,
         } => {
             let exe = std::env::current_exe().context("cannot find the cairn executable")?;
             bench::run(
@@ -1098,6 +1102,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     seconds,
                     no_embedded,
                     worker_concurrency,
+                    parked,
                     engines: if engine.is_empty() {
                         StorageEngine::ALL.to_vec()
                     } else {

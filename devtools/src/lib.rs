@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod chaos;
+pub mod parked;
 pub mod powercut;
 pub mod process;
 pub mod scratch_database;
