@@ -184,10 +184,10 @@ const CONFLICT_RETRIES: usize = 16;
 
 type SessionSlot = Arc<tokio::sync::Mutex<Option<SessionState>>>;
 
-/// Session states the engine caches before it drops parked ones (see [`Engine::slot`]). A
+/// Session states the engine caches before it drops the parked ones nobody holds. A
 /// dropped state is folded again from the history at its session's next step. Running
 /// sessions' states are kept past it, so a busy engine does not fold its turns again.
-pub const CACHE_CAPACITY: usize = 1_024;
+pub const CACHE_CAPACITY: usize = 512;
 
 /// How many entries each of the engine's per-session maps holds
 /// ([`Engine::per_session_entries`]).

@@ -150,7 +150,7 @@ pub struct SledStore {
 /// sled's page cache (its default is 1 GiB, which a long-lived process fills: issue 13
 /// measured RSS following it). The engine caches running sessions' states, so sled's reads are
 /// mostly of pages just written or of a parked session's history when its next turn starts.
-pub const CACHE_BYTES: u64 = 32 * 1024 * 1024;
+pub const CACHE_BYTES: u64 = 24 * 1024 * 1024;
 
 impl std::fmt::Debug for SledStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
