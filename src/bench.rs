@@ -10,6 +10,8 @@ use cairn_runtime::store::embedded::StorageEngine;
 use std::path::Path;
 use std::process::ExitCode;
 
+mod parked;
+
 /// What `cairn bench` was asked for.
 pub struct BenchArgs {
     /// Sessions in flight, one measurement each.
@@ -32,12 +34,17 @@ pub struct BenchArgs {
     pub engines: Vec<StorageEngine>,
     /// Activities each worker process runs at once.
     pub worker_concurrency: usize,
+    /// Instead of the throughput rows: park this many sessions per engine and report the RSS.
+    pub parked: Option<usize>,
 }
 
 /// Runs every measurement asked for and prints a table (Markdown).
 pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
     if args.engines.is_empty() {
         bail!("no storage engine to measure: give --engine fjall, sled or both");
+    }
+    if let Some(sessions) = args.parked {
+        return parked::run(sessions, &args.engines, exe).await;
     }
     let server_stores: Vec<ServerStore> = match &args.store {
         Some(url) => vec![ServerStore::Postgres {

@@ -401,11 +401,14 @@ enum Command {
         engine: Vec<StorageEngine>,
         /// Instead of turns per second: the bytes of one long session (raw messages,
         /// transcript, history by event kind, disk) on each engine.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "parked")]
         footprint: bool,
         /// Turns of the --footprint session.
         #[arg(long, default_value_t = 1000, requires = "footprint")]
         turns: usize,
+        /// Instead: park this many sessions (one turn each) per engine and report the RSS.
+        #[arg(long, value_name = "N")]
+        parked: Option<usize>,
     },
     /// Chaos test: a child process runs many sessions and is killed with SIGKILL at random
     /// moments, a new one resumes each time; then every promise of the log is checked and the
@@ -1096,6 +1099,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             engine,
             footprint,
             turns,
+            parked,
         } => {
             let engines = if engine.is_empty() {
                 StorageEngine::ALL.to_vec()
@@ -1116,6 +1120,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     seconds,
                     no_embedded,
                     worker_concurrency,
+                    parked,
                     engines,
                 },
                 &exe,

@@ -185,7 +185,7 @@ fn script(latency_ms: u64) -> String {
 }
 
 /// Writes the script into `dir` and returns the model spec that reads it.
-fn write_script(dir: &Path, latency_ms: u64) -> anyhow::Result<ModelSpec> {
+pub(crate) fn write_script(dir: &Path, latency_ms: u64) -> anyhow::Result<ModelSpec> {
     let path = dir.join("bench-turn.json");
     std::fs::write(&path, script(latency_ms)).context("writing the bench script")?;
     ModelSpec::parse(&format!("scripted:{}", path.display())).context("the bench model spec")

@@ -184,10 +184,58 @@ const CONFLICT_RETRIES: usize = 16;
 
 type SessionSlot = Arc<tokio::sync::Mutex<Option<SessionState>>>;
 
+/// Session states the engine caches before it drops the parked ones nobody holds. A
+/// dropped state is folded again from the history at its session's next step. Running
+/// sessions' states are kept past it, so a busy engine does not fold its turns again.
+pub const CACHE_CAPACITY: usize = 512;
+
+/// How many entries each of the engine's per-session maps holds
+/// ([`Engine::per_session_entries`]).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PerSessionEntries {
+    /// Cached session states (slots).
+    pub sessions: usize,
+    /// Outcome channels.
+    pub outcomes: usize,
+    /// Watched sessions.
+    pub watched: usize,
+    /// Change hints.
+    pub heard_seqs: usize,
+    /// Leases handed out here and not yet reported.
+    pub leased_here: usize,
+}
+
+/// A turn waiter's outcome receiver; dropped, it removes the session's outcome channel when
+/// it was the last receiver.
+struct OutcomeWait {
+    engine: Engine,
+    session_id: String,
+    rx: watch::Receiver<Option<TurnOutcome>>,
+}
+
+impl Drop for OutcomeWait {
+    fn drop(&mut self) {
+        // Receivers subscribe under this lock, so none can appear between the count and the
+        // removal; ours is the one still counted.
+        let mut outcomes = lock(&self.engine.inner.outcomes);
+        if outcomes
+            .get(&self.session_id)
+            .is_some_and(|tx| tx.receiver_count() <= 1)
+        {
+            outcomes.remove(&self.session_id);
+        }
+    }
+}
+
 struct Inner {
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
+    /// Folded states, cached. Bounded by `cache_capacity`: past it, parked (idle) states
+    /// nobody holds are dropped first (see [`Engine::slot`]).
     sessions: Mutex<HashMap<String, SessionSlot>>,
+    /// Outcome channels of sessions somebody waits on ([`Engine::wait_turn`]): created by the
+    /// first waiter, removed when the last one leaves, so parked sessions keep none.
     outcomes: Mutex<HashMap<String, watch::Sender<Option<TurnOutcome>>>>,
     /// Leases waiting for tasks ([`Engine::lease_tasks_waiting`]).
     waiters: TaskWaiters,
@@ -264,7 +312,7 @@ impl Engine {
                 watched: Mutex::new(HashMap::new()),
                 leased_here: Mutex::new(HashMap::new()),
                 heard_seqs: Mutex::new(HashMap::new()),
-                cache_capacity: 10_000,
+                cache_capacity: CACHE_CAPACITY,
                 prices: std::sync::RwLock::new(Arc::new(PriceTable::built_in())),
             }),
         }
@@ -650,7 +698,9 @@ impl Engine {
 
     /// Waits until turn `turn` has an outcome.
     pub async fn wait_turn(&self, session_id: &str, turn: u32) -> Result<TurnOutcome> {
-        let mut rx = self.outcome_sender(session_id).subscribe();
+        // Subscribed before the state is read: an outcome appended after the read is sent to
+        // this receiver, one appended before it is in the state.
+        let mut wait = self.outcome_wait(session_id);
         // Another writer of the store may record the outcome: follow the session meanwhile.
         let _watch = self.watch(session_id);
         {
@@ -662,12 +712,12 @@ impl Engine {
             }
         }
         loop {
-            if let Some(outcome) = rx.borrow_and_update().as_ref() {
+            if let Some(outcome) = wait.rx.borrow_and_update().as_ref() {
                 if outcome.turn() >= turn {
                     return Ok(outcome.clone());
                 }
             }
-            if rx.changed().await.is_err() {
+            if wait.rx.changed().await.is_err() {
                 return Err(Error::Shutdown);
             }
         }
@@ -1262,8 +1312,19 @@ impl Engine {
             return slot.clone();
         }
         if sessions.len() >= self.inner.cache_capacity {
-            // Drop idle entries nobody holds; they reload from the history on the next miss.
-            sessions.retain(|_, slot| Arc::strong_count(slot) > 1);
+            // Drop the parked states nobody holds (a session waiting for its next message
+            // may wait for days); they fold again from the history at their next step.
+            // Nobody else holds a slot with one reference, so `try_lock` finds it free.
+            sessions.retain(|_, slot| {
+                Arc::strong_count(slot) > 1
+                    || slot
+                        .try_lock()
+                        .is_ok_and(|state| state.as_ref().is_some_and(SessionState::is_running))
+            });
+            if sessions.len() >= self.inner.cache_capacity {
+                // As many sessions run as the cache holds: drop every state nobody holds.
+                sessions.retain(|_, slot| Arc::strong_count(slot) > 1);
+            }
             lock(&self.inner.heard_seqs).retain(|id, _| sessions.contains_key(id));
         }
         let slot: SessionSlot = Arc::new(tokio::sync::Mutex::new(None));
@@ -1295,15 +1356,46 @@ impl Engine {
         }
     }
 
-    fn outcome_sender(&self, session_id: &str) -> watch::Sender<Option<TurnOutcome>> {
-        let mut outcomes = match self.inner.outcomes.lock() {
-            Ok(o) => o,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        outcomes
+    /// A receiver of the session's outcomes, the channel created if nobody waited yet.
+    fn outcome_wait(&self, session_id: &str) -> OutcomeWait {
+        let rx = lock(&self.inner.outcomes)
             .entry(session_id.to_owned())
             .or_insert_with(|| watch::channel(None).0)
-            .clone()
+            .subscribe();
+        OutcomeWait {
+            engine: self.clone(),
+            session_id: session_id.to_owned(),
+            rx,
+        }
+    }
+
+    /// How many entries the engine keeps per session, map by map (for tests and benches).
+    #[doc(hidden)]
+    pub fn per_session_entries(&self) -> PerSessionEntries {
+        PerSessionEntries {
+            sessions: lock(&self.inner.sessions).len(),
+            outcomes: lock(&self.inner.outcomes).len(),
+            watched: lock(&self.inner.watched).len(),
+            heard_seqs: lock(&self.inner.heard_seqs).len(),
+            leased_here: lock(&self.inner.leased_here).len(),
+        }
+    }
+
+    /// Whether the session's folded state is cached.
+    #[cfg(test)]
+    pub(crate) fn holds_state(&self, session_id: &str) -> bool {
+        lock(&self.inner.sessions)
+            .get(session_id)
+            .is_some_and(|slot| slot.try_lock().is_ok_and(|state| state.is_some()))
+    }
+
+    /// Sets how many session states are cached before parked ones are dropped (for tests).
+    #[doc(hidden)]
+    pub fn with_cache_capacity(mut self, capacity: usize) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.cache_capacity = capacity.max(1);
+        }
+        self
     }
 
     /// The session's state, caught up with the store: a cached state reads only the events
@@ -1379,14 +1471,17 @@ impl Engine {
             }));
         }
         if let Some(outcome) = outcome {
-            self.outcome_sender(session_id).send_if_modified(|current| {
-                if current.as_ref() != Some(&outcome) {
-                    *current = Some(outcome);
-                    true
-                } else {
-                    false
-                }
-            });
+            // Only waiters have a channel: with none, the outcome is in the state.
+            if let Some(tx) = lock(&self.inner.outcomes).get(session_id) {
+                tx.send_if_modified(|current| {
+                    if current.as_ref() != Some(&outcome) {
+                        *current = Some(outcome);
+                        true
+                    } else {
+                        false
+                    }
+                });
+            }
         }
     }
 

@@ -28,6 +28,8 @@ mod client_tests;
 #[cfg(test)]
 mod codec_props;
 #[cfg(test)]
+mod engine_memory_tests;
+#[cfg(test)]
 mod workflow_approval_tests;
 #[cfg(test)]
 mod workflow_budget_tests;

@@ -147,6 +147,11 @@ pub struct SledStore {
     writer: Option<JoinHandle<()>>,
 }
 
+/// sled's page cache (its default is 1 GiB, which a long-lived process fills: issue 13
+/// measured RSS following it). The engine caches running sessions' states, so sled's reads are
+/// mostly of pages just written or of a parked session's history when its next turn starts.
+pub const CACHE_BYTES: u64 = 24 * 1024 * 1024;
+
 impl std::fmt::Debug for SledStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SledStore")
@@ -179,7 +184,7 @@ impl SledStore {
     }
 
     fn open_dir(dir: &Path) -> Result<SledStore> {
-        let config = sled::Config::new().path(dir);
+        let config = sled::Config::new().path(dir).cache_capacity(CACHE_BYTES);
         // sled 0.34 unwraps in places while recovering, so garbage files could make it panic:
         // that must be an error, never a crash of the caller.
         let db = catch_unwind(AssertUnwindSafe(|| config.open()))

@@ -1,0 +1,156 @@
+//! What the engine keeps per session once a session is parked (idle, waiting for its next
+//! message): no outcome channel, no watch, no lease, and its cached state only while the
+//! cache has room; running sessions keep theirs.
+
+use crate::client::{Client, SessionOptions};
+use crate::engine::{ActivityReport, PerSessionEntries};
+use crate::error::Result;
+use crate::store::{Store, TaskFilter};
+use crate::workflow::TurnOutcome;
+use crate::{Engine, MemoryStore, SystemClock};
+use cairn_ledger::{ModelResponse, ModelSpec, Part, StopReason, Usage};
+use std::sync::Arc;
+
+fn answer(text: &str) -> ActivityReport {
+    ActivityReport::ModelCompleted(ModelResponse {
+        provider: "scripted".into(),
+        model: "parked".into(),
+        parts: vec![Part::text(text)],
+        stop_reason_raw: "end_turn".into(),
+        stop_reason: StopReason::EndTurn,
+        usage: Usage::default(),
+    })
+}
+
+fn options(id: &str) -> SessionOptions {
+    let mut options = SessionOptions::new(ModelSpec::new("scripted", "parked"), Vec::new());
+    options.session_id = Some(id.to_owned());
+    options
+}
+
+/// Runs the session's only task (its model call) to a text answer.
+async fn answer_the_model_call(engine: &Engine, text: &str) -> Result<()> {
+    let leased = engine.lease_tasks(&TaskFilter::any(), 1, 60_000).await?;
+    assert_eq!(leased.len(), 1, "one model call to run");
+    engine.report(&leased[0].lease, answer(text)).await
+}
+
+/// Starts a session and sends its first message; the model call stays queued.
+async fn start_turn(client: &Client, id: &str) -> Result<()> {
+    client.start_session(options(id)).await?;
+    assert_eq!(client.send(id, "hello").await?, 1);
+    Ok(())
+}
+
+/// Parks a session: one turn, its outcome awaited by a waiter that subscribed before the
+/// model answered (so the outcome reaches it through the channel, not the state).
+async fn park(engine: &Engine, client: &Client, id: &str) -> Result<()> {
+    start_turn(client, id).await?;
+    let waiter = {
+        let engine = engine.clone();
+        let id = id.to_owned();
+        tokio::spawn(async move { engine.wait_turn(&id, 1).await })
+    };
+    // The waiter's channel appears once it subscribed.
+    while engine.per_session_entries().outcomes == 0 {
+        tokio::task::yield_now().await;
+    }
+    answer_the_model_call(engine, &format!("answer of {id}")).await?;
+    let outcome = waiter.await.expect("the waiter panicked")?;
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { turn: 1, .. }),
+        "{outcome:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_sessions_leave_no_channel_watch_or_lease_and_their_states_go() -> Result<()> {
+    let engine =
+        Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock)).with_cache_capacity(4);
+    let client = Client::new(engine.clone());
+    // A session whose turn runs, started first: the purges must keep its state.
+    // Its model call is leased and held, as by a slow worker.
+    start_turn(&client, "running").await?;
+    let running = engine.lease_tasks(&TaskFilter::any(), 1, 60_000).await?;
+    assert_eq!(running[0].lease.id.session_id, "running");
+    for n in 0..10 {
+        park(&engine, &client, &format!("parked-{n}")).await?;
+        let entries = engine.per_session_entries();
+        assert_eq!(
+            (entries.outcomes, entries.watched, entries.leased_here),
+            (0, 0, 1),
+            "after parked-{n}: {entries:?}"
+        );
+        assert!(entries.sessions <= 4, "after parked-{n}: {entries:?}");
+    }
+    assert!(engine.holds_state("running"));
+    assert!(!engine.holds_state("parked-0"));
+    // A dropped state folds again from the history, outcome and all.
+    let state = engine.state("parked-0").await?;
+    assert_eq!(state.turns_started, 1);
+    assert!(
+        matches!(&state.last_outcome, Some(TurnOutcome::Completed { turn: 1, answer, .. }) if answer == "answer of parked-0"),
+        "{:?}",
+        state.last_outcome
+    );
+    // Waiting for a turn that ended answers from the state and leaves no channel.
+    let outcome = engine.wait_turn("parked-1", 1).await?;
+    assert!(matches!(outcome, TurnOutcome::Completed { turn: 1, .. }));
+    assert_eq!(engine.per_session_entries().outcomes, 0);
+    // The running session's turn still ends, and its waiter hears it.
+    let waiter = {
+        let engine = engine.clone();
+        tokio::spawn(async move { engine.wait_turn("running", 1).await })
+    };
+    while engine.per_session_entries().outcomes == 0 {
+        tokio::task::yield_now().await;
+    }
+    engine
+        .report(&running[0].lease, answer("late answer"))
+        .await?;
+    let outcome = waiter.await.expect("the waiter panicked")?;
+    assert!(
+        matches!(outcome, TurnOutcome::Completed { turn: 1, answer, .. } if answer == "late answer")
+    );
+    let entries = engine.per_session_entries();
+    assert_eq!(
+        (entries.outcomes, entries.leased_here),
+        (0, 0),
+        "{entries:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_engine_keeps_nothing_for_parked_sessions() -> Result<()> {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let first = Engine::new(store.clone(), Arc::new(SystemClock));
+    let client = Client::new(first.clone());
+    for n in 0..3 {
+        park(&first, &client, &format!("parked-{n}")).await?;
+    }
+    start_turn(&client, "running").await?;
+    drop(client);
+    drop(first);
+    // A new process on the same store: resume loads only the running session.
+    let second = Engine::new(store, Arc::new(SystemClock));
+    let report = second.resume(true).await?;
+    assert_eq!(report.running_sessions, vec!["running".to_owned()]);
+    assert_eq!(
+        second.per_session_entries(),
+        PerSessionEntries {
+            sessions: 1,
+            ..PerSessionEntries::default()
+        }
+    );
+    assert!(second.holds_state("running") && !second.holds_state("parked-0"));
+    // A parked session's finished turn is answered from its history, leaving no channel.
+    let outcome = second.wait_turn("parked-2", 1).await?;
+    assert!(
+        matches!(outcome, TurnOutcome::Completed { turn: 1, answer, .. } if answer == "answer of parked-2")
+    );
+    let entries = second.per_session_entries();
+    assert_eq!((entries.outcomes, entries.watched), (0, 0), "{entries:?}");
+    Ok(())
+}
