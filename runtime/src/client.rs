@@ -841,8 +841,45 @@ pub struct Follower {
     last_seq: u64,
     events: broadcast::Receiver<Arc<AppendedEvents>>,
     deltas: broadcast::Receiver<DeltaEvent>,
+    /// The model calls (turn, `model:ROUND`, attempt) whose scheduling event was sent.
+    scheduled: std::collections::HashSet<(u32, String, u32)>,
+    /// Appends taken early that end a model call whose deltas may still be waiting: sent
+    /// once no delta is.
+    held: std::collections::VecDeque<Arc<AppendedEvents>>,
     /// Appends by other writers of the store reach `events` while the session is watched.
     _watch: WatchGuard,
+}
+
+/// The model call (turn, `model:ROUND`, attempt) an event schedules, if it schedules one.
+fn schedules(event: &crate::event::Event) -> Option<(u32, String, u32)> {
+    match event {
+        crate::event::Event::ModelCallScheduled {
+            turn,
+            round,
+            attempt,
+            ..
+        } => Some((*turn, format!("model:{round}"), *attempt)),
+        _ => None,
+    }
+}
+
+/// Whether an append ends the model call `call` (records its completion or failure).
+fn ends(appended: &AppendedEvents, call: &(u32, String, u32)) -> bool {
+    appended.events.iter().any(|e| match &e.event {
+        crate::event::Event::ModelCallCompleted {
+            turn,
+            round,
+            attempt,
+            ..
+        }
+        | crate::event::Event::ModelCallFailed {
+            turn,
+            round,
+            attempt,
+            ..
+        } => (*turn, format!("model:{round}"), *attempt) == *call,
+        _ => false,
+    })
 }
 
 /// A follower of `session_id` from after `after_seq`; subscribed from this moment.
@@ -851,6 +888,8 @@ pub fn follow(engine: Engine, session_id: String, after_seq: u64) -> Follower {
         _watch: engine.watch(&session_id),
         events: engine.subscribe_events(),
         deltas: engine.subscribe_deltas(),
+        scheduled: Default::default(),
+        held: Default::default(),
         engine,
         session_id,
         last_seq: after_seq,
@@ -864,6 +903,22 @@ impl Follower {
         &mut self,
         backlog: &mut std::collections::VecDeque<StreamEvent>,
     ) -> Option<Result<()>> {
+        if !self.held.is_empty() {
+            // A held append ends a model call: the call's deltas, all sent before it, go first.
+            match self.deltas.try_recv() {
+                Ok(delta) => {
+                    if delta.origin.session_id == self.session_id {
+                        backlog.push_back(StreamEvent::Delta(delta));
+                    }
+                    return Some(Ok(()));
+                }
+                Err(broadcast::error::TryRecvError::Lagged(_)) => return Some(Ok(())),
+                Err(_) => {
+                    let appended = self.held.pop_front()?;
+                    return Some(self.take(appended, backlog).await);
+                }
+            }
+        }
         loop {
             tokio::select! {
                 // Deltas first: a worker publishes an answer's deltas before it reports the
@@ -873,6 +928,9 @@ impl Follower {
                 received = self.deltas.recv() => match received {
                     Ok(delta) => {
                         if delta.origin.session_id == self.session_id {
+                            if let Err(e) = self.take_events_before(&delta, backlog).await {
+                                return Some(Err(e));
+                            }
                             backlog.push_back(StreamEvent::Delta(delta));
                             return Some(Ok(()));
                         }
@@ -886,18 +944,7 @@ impl Follower {
                         if appended.session_id != self.session_id {
                             continue;
                         }
-                        let first = appended.events.first().map(|e| e.seq).unwrap_or(0);
-                        if first > self.last_seq + 1 {
-                            // Missed some (appended before we subscribed): read them.
-                            return Some(self.catch_up(backlog).await);
-                        }
-                        for event in &appended.events {
-                            if event.seq > self.last_seq {
-                                self.last_seq = event.seq;
-                                backlog.push_back(StreamEvent::Event(event.clone()));
-                            }
-                        }
-                        return Some(Ok(()));
+                        return Some(self.take(appended, backlog).await);
                     }
                     Err(broadcast::error::RecvError::Lagged(_)) => {
                         return Some(self.catch_up(backlog).await);
@@ -905,6 +952,67 @@ impl Follower {
                     Err(broadcast::error::RecvError::Closed) => return None,
                 },
             }
+        }
+    }
+
+    /// Before a model call's first delta, the events that scheduled the call: a worker that
+    /// reported the task before it may be handed the call with its report (eager dispatch)
+    /// and stream before this follower took those events from the other channel. Takes the
+    /// appends waiting there until the call's scheduling event is sent, holding one that
+    /// ends the call (its deltas go first).
+    async fn take_events_before(
+        &mut self,
+        delta: &DeltaEvent,
+        backlog: &mut std::collections::VecDeque<StreamEvent>,
+    ) -> Result<()> {
+        let origin = &delta.origin;
+        if !origin.activity.starts_with("model:") {
+            return Ok(());
+        }
+        let call = (origin.turn, origin.activity.clone(), origin.attempt);
+        while !self.scheduled.contains(&call) && self.held.is_empty() {
+            match self.events.try_recv() {
+                Ok(appended) if appended.session_id != self.session_id => {}
+                Ok(appended) if ends(&appended, &call) => self.held.push_back(appended),
+                Ok(appended) => self.take(appended, backlog).await?,
+                Err(broadcast::error::TryRecvError::Lagged(_)) => {
+                    return self.catch_up(backlog).await
+                }
+                Err(_) => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends an append's events not sent yet, reading the store first if some were missed.
+    async fn take(
+        &mut self,
+        appended: Arc<AppendedEvents>,
+        backlog: &mut std::collections::VecDeque<StreamEvent>,
+    ) -> Result<()> {
+        let first = appended.events.first().map(|e| e.seq).unwrap_or(0);
+        if first > self.last_seq + 1 {
+            // Missed some (appended before we subscribed): read them.
+            return self.catch_up(backlog).await;
+        }
+        for event in &appended.events {
+            self.send(event.clone(), backlog);
+        }
+        Ok(())
+    }
+
+    /// Sends an event not sent yet.
+    fn send(
+        &mut self,
+        event: EventEnvelope,
+        backlog: &mut std::collections::VecDeque<StreamEvent>,
+    ) {
+        if event.seq > self.last_seq {
+            self.last_seq = event.seq;
+            if let Some(call) = schedules(&event.event) {
+                self.scheduled.insert(call);
+            }
+            backlog.push_back(StreamEvent::Event(event));
         }
     }
 
@@ -925,10 +1033,7 @@ impl Follower {
             Err(e) => return Err(e),
         };
         for event in events {
-            if event.seq > self.last_seq {
-                self.last_seq = event.seq;
-                backlog.push_back(StreamEvent::Event(event));
-            }
+            self.send(event, backlog);
         }
         Ok(())
     }
