@@ -639,12 +639,14 @@ async fn a_follower_passes_on_waiting_deltas_before_a_later_event() {
         .await
         .unwrap();
     let mut follower = cairn_runtime::client::follow(server.engine.clone(), session.clone(), 1);
+    // Deltas of a call other than the one the later event schedules: a call's deltas come
+    // after its scheduling event, which a follower sends first.
     let deltas: Vec<DeltaEvent> = (0..8)
         .map(|n| DeltaEvent {
             origin: ActivityRef {
                 session_id: session.clone(),
                 turn: 1,
-                activity: "model:0".to_owned(),
+                activity: "model:7".to_owned(),
                 attempt: 1,
             },
             delta: Delta::Text(format!("{n}")),

@@ -843,8 +843,7 @@ pub struct Follower {
     deltas: broadcast::Receiver<DeltaEvent>,
     /// The model calls (turn, `model:ROUND`, attempt) whose scheduling event was sent.
     scheduled: std::collections::HashSet<(u32, String, u32)>,
-    /// Appends taken early that end a model call whose deltas may still be waiting: sent
-    /// once no delta is.
+    /// Appends taken early that come after a waiting delta: sent once no delta waits.
     held: std::collections::VecDeque<Arc<AppendedEvents>>,
     /// Appends by other writers of the store reach `events` while the session is watched.
     _watch: WatchGuard,
@@ -861,25 +860,6 @@ fn schedules(event: &crate::event::Event) -> Option<(u32, String, u32)> {
         } => Some((*turn, format!("model:{round}"), *attempt)),
         _ => None,
     }
-}
-
-/// Whether an append ends the model call `call` (records its completion or failure).
-fn ends(appended: &AppendedEvents, call: &(u32, String, u32)) -> bool {
-    appended.events.iter().any(|e| match &e.event {
-        crate::event::Event::ModelCallCompleted {
-            turn,
-            round,
-            attempt,
-            ..
-        }
-        | crate::event::Event::ModelCallFailed {
-            turn,
-            round,
-            attempt,
-            ..
-        } => (*turn, format!("model:{round}"), *attempt) == *call,
-        _ => false,
-    })
 }
 
 /// A follower of `session_id` from after `after_seq`; subscribed from this moment.
@@ -904,7 +884,7 @@ impl Follower {
         backlog: &mut std::collections::VecDeque<StreamEvent>,
     ) -> Option<Result<()>> {
         if !self.held.is_empty() {
-            // A held append ends a model call: the call's deltas, all sent before it, go first.
+            // Held appends came after a delta: the deltas waiting now go first.
             match self.deltas.try_recv() {
                 Ok(delta) => {
                     if delta.origin.session_id == self.session_id {
@@ -958,8 +938,9 @@ impl Follower {
     /// Before a model call's first delta, the events that scheduled the call: a worker that
     /// reported the task before it may be handed the call with its report (eager dispatch)
     /// and stream before this follower took those events from the other channel. Takes the
-    /// appends waiting there until the call's scheduling event is sent, holding one that
-    /// ends the call (its deltas go first).
+    /// appends waiting there: when one schedules the call, they go first; otherwise they are
+    /// later than the delta and are held, to go once no delta waits (as before: deltas
+    /// first).
     async fn take_events_before(
         &mut self,
         delta: &DeltaEvent,
@@ -970,16 +951,34 @@ impl Follower {
             return Ok(());
         }
         let call = (origin.turn, origin.activity.clone(), origin.attempt);
-        while !self.scheduled.contains(&call) && self.held.is_empty() {
+        if self.scheduled.contains(&call) {
+            return Ok(());
+        }
+        let mut waiting = Vec::new();
+        let mut found = false;
+        while !found {
             match self.events.try_recv() {
                 Ok(appended) if appended.session_id != self.session_id => {}
-                Ok(appended) if ends(&appended, &call) => self.held.push_back(appended),
-                Ok(appended) => self.take(appended, backlog).await?,
+                Ok(appended) => {
+                    found = appended
+                        .events
+                        .iter()
+                        .any(|e| schedules(&e.event).as_ref() == Some(&call));
+                    waiting.push(appended);
+                }
                 Err(broadcast::error::TryRecvError::Lagged(_)) => {
-                    return self.catch_up(backlog).await
+                    self.held.extend(waiting);
+                    return self.catch_up(backlog).await;
                 }
                 Err(_) => break,
             }
+        }
+        if found {
+            for appended in waiting {
+                self.take(appended, backlog).await?;
+            }
+        } else {
+            self.held.extend(waiting);
         }
         Ok(())
     }
