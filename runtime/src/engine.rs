@@ -736,83 +736,17 @@ impl Engine {
         let session_id = &lease.id.session_id;
         let slot = self.slot(session_id);
         let mut guard = slot.lock().await;
-        let state = self.loaded(session_id, &mut guard).await?;
-        let Some(started) = state.started.as_ref() else {
-            return Ok(None);
-        };
-        let input = match state.scheduled_activity(lease.id.scheduled_seq) {
-            Some(ScheduledActivity::Model {
-                turn,
-                round,
-                attempt,
-                model,
-                options,
-                not_before_ms,
-                heartbeat_details,
-            }) => Some(ActivityInput::Model {
-                origin: ActivityRef {
-                    session_id: session_id.clone(),
-                    turn,
-                    activity: format!("model:{round}"),
-                    attempt,
-                },
-                round,
-                model,
-                transcript: state.transcript.clone(),
-                tools: started.tools.clone(),
-                timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
-                heartbeat_details,
-                options,
-            }),
-            Some(ScheduledActivity::Summary {
-                turn,
-                round,
-                attempt,
-                model,
-                not_before_ms,
-                keep_last_turns,
-            }) => Some(ActivityInput::Model {
-                origin: ActivityRef {
-                    session_id: session_id.clone(),
-                    turn,
-                    activity: format!("summary:{round}"),
-                    attempt,
-                },
-                round,
-                model,
-                transcript: cairn_ledger::summary_request(&state.transcript, keep_last_turns),
-                // Older turns may hold tool blocks, which providers accept only with tools.
-                tools: started.tools.clone(),
-                timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
-                heartbeat_details: None,
-                // A summary is plain text: no forced tool call, no server tools.
-                options: cairn_ledger::CallOptions::default(),
-            }),
-            Some(ScheduledActivity::Tool {
-                turn,
-                attempt,
-                tool_use,
-                not_before_ms,
-                heartbeat_details,
-            }) => Some(ActivityInput::Tool {
-                origin: ActivityRef {
-                    session_id: session_id.clone(),
-                    turn,
-                    activity: format!("tool:{}", tool_use.id),
-                    attempt,
-                },
-                idempotency_key: format!("{session_id}/{}", tool_use.id),
-                file_versions: if cairn_ledger::file_versions::wants_file_versions(&tool_use.name) {
-                    cairn_ledger::file_versions::file_versions(&state.transcript)
-                } else {
-                    Vec::new()
-                },
-                tool_use,
-                timeouts: ActivityTimeouts::of(&started.tool_retry, not_before_ms),
-                heartbeat_details,
-                workdir: started.workdir.clone(),
-            }),
-            None => None,
+        // This engine applies its own appends to its cached state, so a cached state that
+        // holds the task's scheduling and heard of no append elsewhere since answers without
+        // a read: the common case, a task this engine queued. Otherwise, and before a task is
+        // dropped as unwanted, the state catches up with the store first.
+        let cached = guard
+            .as_ref()
+            .filter(|state| lease.id.scheduled_seq < state.next_seq && !self.heard_ahead(state))
+            .and_then(|state| activity_input(state, lease));
+        let input = match cached {
+            Some(input) => Some(input),
+            None => activity_input(self.loaded(session_id, &mut guard).await?, lease),
         };
         drop(guard);
         if input.is_none() {
@@ -1788,6 +1722,87 @@ impl Engine {
         self.inner.waiters.wake_for(&enqueued);
         self.publish(session_id, published.unwrap_or_default(), outcome);
         Ok((Some(first_seq), leases))
+    }
+}
+
+/// What `lease`'s task runs, as `state` schedules it; `None` when the workflow does not want
+/// it (any more).
+fn activity_input(state: &SessionState, lease: &Lease) -> Option<ActivityInput> {
+    let session_id = &lease.id.session_id;
+    let started = state.started.as_ref()?;
+    match state.scheduled_activity(lease.id.scheduled_seq) {
+        Some(ScheduledActivity::Model {
+            turn,
+            round,
+            attempt,
+            model,
+            options,
+            not_before_ms,
+            heartbeat_details,
+        }) => Some(ActivityInput::Model {
+            origin: ActivityRef {
+                session_id: session_id.clone(),
+                turn,
+                activity: format!("model:{round}"),
+                attempt,
+            },
+            round,
+            model,
+            transcript: state.transcript.clone(),
+            tools: started.tools.clone(),
+            timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
+            heartbeat_details,
+            options,
+        }),
+        Some(ScheduledActivity::Summary {
+            turn,
+            round,
+            attempt,
+            model,
+            not_before_ms,
+            keep_last_turns,
+        }) => Some(ActivityInput::Model {
+            origin: ActivityRef {
+                session_id: session_id.clone(),
+                turn,
+                activity: format!("summary:{round}"),
+                attempt,
+            },
+            round,
+            model,
+            transcript: cairn_ledger::summary_request(&state.transcript, keep_last_turns),
+            // Older turns may hold tool blocks, which providers accept only with tools.
+            tools: started.tools.clone(),
+            timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
+            heartbeat_details: None,
+            // A summary is plain text: no forced tool call, no server tools.
+            options: cairn_ledger::CallOptions::default(),
+        }),
+        Some(ScheduledActivity::Tool {
+            turn,
+            attempt,
+            tool_use,
+            not_before_ms,
+            heartbeat_details,
+        }) => Some(ActivityInput::Tool {
+            origin: ActivityRef {
+                session_id: session_id.clone(),
+                turn,
+                activity: format!("tool:{}", tool_use.id),
+                attempt,
+            },
+            idempotency_key: format!("{session_id}/{}", tool_use.id),
+            file_versions: if cairn_ledger::file_versions::wants_file_versions(&tool_use.name) {
+                cairn_ledger::file_versions::file_versions(&state.transcript)
+            } else {
+                Vec::new()
+            },
+            tool_use,
+            timeouts: ActivityTimeouts::of(&started.tool_retry, not_before_ms),
+            heartbeat_details,
+            workdir: started.workdir.clone(),
+        }),
+        None => None,
     }
 }
 
