@@ -26,7 +26,7 @@
 use crate::failure::{retrying, sqlstate, Failure};
 use crate::rows::{attempt_from_db, from_db, kind_name, storable, to_db};
 use cairn_runtime::codec;
-use cairn_runtime::store::{check_session_id, AppendRequest, TaskId};
+use cairn_runtime::store::{check_session_id, AppendRequest, Lease, LeaseRequest, Task, TaskId};
 use cairn_runtime::{Error, Result};
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::Row;
@@ -64,6 +64,12 @@ struct Enqueued {
     queues: Vec<String>,
     targets: Vec<String>,
     start_by_ms: Vec<Option<i64>>,
+    /// 0, or 1 for a task leased as it is queued ([`Prepared::lease_queued`]).
+    lease_attempts: Vec<i64>,
+    /// Whether a worker holds it from the start (leased as it is queued).
+    held: Vec<bool>,
+    /// Where each came from in the request's `enqueue`.
+    sources: Vec<usize>,
 }
 
 /// Checks a request as the memory store does (a valid session id, events with consecutive seqs
@@ -156,6 +162,9 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
                 .map(|ms| to_db("start_by_ms", ms))
                 .transpose()?,
         );
+        enqueued.lease_attempts.push(0);
+        enqueued.held.push(false);
+        enqueued.sources.push(i);
     }
     Ok(Prepared {
         request,
@@ -170,11 +179,56 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
     })
 }
 
+impl Prepared<'_> {
+    /// Leases up to `lease.max` of the tasks this append queues, as they are queued: those
+    /// `lease.filter` accepts and that are due at the append's time, oldest first. They are
+    /// written held, at attempt 1, until now + `lease.lease_ms`, by the append's own statement,
+    /// so they are durable with it and cost no statement of their own; the leases are the
+    /// answer once the append succeeds. Tasks queued before this append are left to leases.
+    pub(crate) fn lease_queued(&mut self, lease: &LeaseRequest) -> Result<Vec<Lease>> {
+        let now_ms = self.request.now_ms;
+        let expires_at_ms = now_ms.saturating_add(lease.lease_ms);
+        let expires = to_db("lease expiry", expires_at_ms)?;
+        let mut due: Vec<(u64, &TaskId, usize)> = Vec::new();
+        for (at, &source) in self.enqueued.sources.iter().enumerate() {
+            let task = &self.request.enqueue[source];
+            let queued = Task::queued(task);
+            if queued.visible_at_ms <= now_ms
+                && queued.overdue(now_ms).is_none()
+                && lease.filter.accepts(&queued)
+            {
+                due.push((task.visible_at_ms, &task.id, at));
+            }
+        }
+        due.sort();
+        let mut leases = Vec::new();
+        for (_, _, at) in due.into_iter().take(lease.max) {
+            let task = &self.request.enqueue[self.enqueued.sources[at]];
+            self.enqueued.lease_attempts[at] = 1;
+            self.enqueued.held[at] = true;
+            self.enqueued.visible_at_ms[at] = expires;
+            leases.push(Lease {
+                id: task.id.clone(),
+                kind: task.kind,
+                lease_attempt: 1,
+                expires_at_ms,
+            });
+        }
+        Ok(leases)
+    }
+
+    /// Whether the append queues a task no lease took with it.
+    pub(crate) fn queues_unleased(&self) -> bool {
+        self.enqueued.held.iter().any(|held| !held)
+    }
+}
+
 /// The append statement. Parameters: `$1` session id, `$2` the last seq the append expects
 /// (its first seq − 1), `$3` status, `$4` the new last seq (NULL without events), `$5` now,
 /// `$6`/`$7` the events' seqs and records, `$8` whether it completes a task, `$9`/`$10`/`$11`
 /// that task's session, scheduled seq and lease attempt (NULL when the id cannot be stored),
-/// `$12`/`$13` the tasks to remove, `$14`..`$20` the tasks to enqueue.
+/// `$12`/`$13` the tasks to remove, `$14`..`$22` the tasks to enqueue (`$21` and `$22` their
+/// lease attempts and holder flags: 0 and false, but for tasks leased as they are queued).
 ///
 /// The checks are evaluated once (`ok`, materialized) and every write is conditional on them;
 /// the last SELECT says what the checks found. The session row is written before the events
@@ -213,16 +267,18 @@ WITH s AS MATERIALIZED ( \
 ), tasks_enqueued AS ( \
     INSERT INTO cairn_tasks (session_id, scheduled_seq, kind, visible_at_ms, lease_attempt, \
         queue, target, start_by_ms, held, heartbeat_details) \
-    SELECT n.session_id, n.scheduled_seq, n.kind, n.visible_at_ms, 0, n.queue, n.target, \
-        n.start_by_ms, FALSE, NULL \
+    SELECT n.session_id, n.scheduled_seq, n.kind, n.visible_at_ms, n.lease_attempt, n.queue, \
+        n.target, n.start_by_ms, n.held, NULL \
     FROM UNNEST($14::TEXT[], $15::BIGINT[], $16::TEXT[], $17::BIGINT[], $18::TEXT[], \
-        $19::TEXT[], $20::BIGINT[]) \
-        AS n (session_id, scheduled_seq, kind, visible_at_ms, queue, target, start_by_ms) \
+        $19::TEXT[], $20::BIGINT[], $21::BIGINT[], $22::BOOLEAN[]) \
+        AS n (session_id, scheduled_seq, kind, visible_at_ms, queue, target, start_by_ms, \
+            lease_attempt, held) \
     WHERE (SELECT passed FROM ok) \
     ON CONFLICT (session_id, scheduled_seq) DO UPDATE SET \
-        kind = EXCLUDED.kind, visible_at_ms = EXCLUDED.visible_at_ms, lease_attempt = 0, \
-        queue = EXCLUDED.queue, target = EXCLUDED.target, start_by_ms = EXCLUDED.start_by_ms, \
-        held = FALSE, heartbeat_details = NULL \
+        kind = EXCLUDED.kind, visible_at_ms = EXCLUDED.visible_at_ms, \
+        lease_attempt = EXCLUDED.lease_attempt, queue = EXCLUDED.queue, \
+        target = EXCLUDED.target, start_by_ms = EXCLUDED.start_by_ms, held = EXCLUDED.held, \
+        heartbeat_details = NULL \
     RETURNING 1 \
 ) \
 SELECT (SELECT passed FROM ok) AS passed, (SELECT last_seq FROM s) AS last_seq, \
@@ -299,6 +355,8 @@ async fn statement(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Fail
         .bind(&e.queues)
         .bind(&e.targets)
         .bind(&e.start_by_ms)
+        .bind(&e.lease_attempts)
+        .bind(&e.held)
         .fetch_one(&mut *conn)
         .await;
     let row = match row {

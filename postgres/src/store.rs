@@ -12,8 +12,8 @@ use cairn_ledger::JsonText;
 use cairn_runtime::codec;
 use cairn_runtime::event::EventEnvelope;
 use cairn_runtime::store::{
-    check_session_id, AppendRequest, Lease, SessionInfo, Store, StoreChange, Task, TaskFilter,
-    TaskId,
+    check_session_id, AppendRequest, Lease, LeaseRequest, SessionInfo, Store, StoreChange, Task,
+    TaskFilter, TaskId,
 };
 use cairn_runtime::{Error, Result};
 use sqlx::migrate::MigrateError;
@@ -204,6 +204,27 @@ impl Store for PgStore {
         };
         self.hints.notify(change);
         Ok(())
+    }
+
+    /// Leases among the tasks the append queues, in the append's own statement
+    /// ([`append::Prepared::lease_queued`]): durable with it, so fit for any holder, and no
+    /// lease statement of its own.
+    async fn append_and_lease(
+        &self,
+        request: AppendRequest,
+        lease: &LeaseRequest,
+    ) -> Result<Vec<Lease>> {
+        let mut prepared = append::prepare(&request)?;
+        let leases = prepared.lease_queued(lease)?;
+        append::append(&self.pool, &prepared).await?;
+        let change = StoreChange {
+            session_id: request.session_id.clone(),
+            last_seq: request.events.last().map_or(0, |event| event.seq),
+            // Tasks leased with the append wake nobody.
+            enqueued: prepared.queues_unleased(),
+        };
+        self.hints.notify(change);
+        Ok(leases)
     }
 
     async fn read_history(
