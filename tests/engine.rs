@@ -745,6 +745,7 @@ async fn a_report_hands_the_next_task_to_the_worker_that_reported() {
         filter: TaskFilter::any(),
         max: 1,
         lease_ms: 60_000,
+        holder: LeaseHolder::InProcess,
     };
     let mut leased = engine
         .lease_tasks_for(LeaseHolder::InProcess, &TaskFilter::any(), 10, 60_000)

@@ -685,6 +685,120 @@ async fn a_turn_completes_end_to_end_with_in_process_workers() {
     assert_eq!(task["input"]["model"]["model"]["provider"], "custom");
 }
 
+/// Eager dispatch over HTTP: a report with `next` is answered with the task it queued,
+/// leased to the reporting worker (200), and one without `next` keeps its 204. The turn then
+/// completes with the history a lease round per task would give.
+#[tokio::test]
+async fn a_report_with_next_hands_the_worker_the_task_it_queued() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let http = reqwest::Client::new();
+    let model = json!({"provider": "scripted", "model": "unused.json"});
+    let calculator =
+        serde_json::to_value(cairn_activities::Tool::spec(&cairn_activities::Calculator)).unwrap();
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "eager", "model": model, "tools": [calculator]})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let sent = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/eager/messages"),
+        None,
+        Some(json!({"text": "1+2?"})),
+    )
+    .await;
+    assert_eq!(sent.status, StatusCode::ACCEPTED, "{}", sent.body);
+
+    let model_task = lease_one(&http, &server, None, 30_000).await;
+    let call = json!({"model_completed": {
+        "provider": "scripted", "model": "by-hand",
+        "parts": [{"tool_use": {"id": "toolu_1", "name": "calculator",
+                                "arguments": "{\"expression\":\"1+2\"}"}}],
+        "stop_reason_raw": "tool_use", "stop_reason": "tool_use",
+        "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
+                  "cache_write_tokens": 0, "reasoning_tokens": 0}
+    }});
+    let next = json!({"max": 1, "lease_ms": 30000});
+    let reported = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": model_task["lease"], "report": call, "next": next})),
+    )
+    .await;
+    assert_eq!(reported.status, StatusCode::OK, "{}", reported.body);
+    let tasks = reported.body["tasks"].as_array().expect("tasks").clone();
+    assert_eq!(tasks.len(), 1, "{}", reported.body);
+    let tool_task = &tasks[0];
+    assert_eq!(tool_task["lease"]["id"]["session_id"], "eager");
+    assert_eq!(tool_task["lease"]["kind"], "tool");
+    assert_eq!(tool_task["lease"]["lease_attempt"], 1);
+    assert_eq!(
+        tool_task["input"]["tool"]["tool_use"]["name"], "calculator",
+        "{tool_task}"
+    );
+    // The task is the worker's: nobody else can lease it.
+    let nothing = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/lease"),
+        None,
+        Some(json!({"max": 8, "wait_ms": 0, "lease_ms": 30000})),
+    )
+    .await;
+    assert_eq!(nothing.body["tasks"], json!([]), "{}", nothing.body);
+
+    let result = json!({"tool_completed": {"content": {"text": "3"}, "is_error": false}});
+    let reported = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": tool_task["lease"], "report": result, "next": next})),
+    )
+    .await;
+    assert_eq!(reported.status, StatusCode::OK, "{}", reported.body);
+    let tasks = reported.body["tasks"].as_array().expect("tasks").clone();
+    assert_eq!(tasks.len(), 1, "{}", reported.body);
+    assert_eq!(tasks[0]["lease"]["kind"], "model");
+    let transcript = tasks[0]["input"]["model"]["transcript"].to_string();
+    assert!(transcript.contains("toolu_1"), "{transcript}");
+
+    let reported = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": tasks[0]["lease"], "report": answer("3")})),
+    )
+    .await;
+    assert_eq!(reported.status, StatusCode::NO_CONTENT, "{}", reported.body);
+    let outcome = wait_turn(&http, &server, None, "eager", 1).await;
+    assert_eq!(outcome["status"], "completed", "{outcome}");
+    assert_eq!(outcome["answer"], "3", "{outcome}");
+    assert_eq!(
+        kinds(&history(&http, &server, None, "eager").await),
+        [
+            "session_started",
+            "user_message",
+            "model_call_scheduled",
+            "model_call_completed",
+            "tool_call_scheduled",
+            "tool_call_completed",
+            "model_call_scheduled",
+            "model_call_completed",
+            "turn_completed"
+        ]
+    );
+}
+
 #[tokio::test]
 async fn tokens_keep_roles_apart_and_namespaces_from_seeing_each_other() {
     let dir = tempfile::tempdir().unwrap();

@@ -11,15 +11,16 @@ use crate::transport::retryable;
 use async_trait::async_trait;
 use cairn_ledger::JsonText;
 use cairn_runtime::wire::{
-    DeltaBatch, HeartbeatRequest, HeartbeatResponse, LeaseRequest, LeaseResponse, ProgressRequest,
-    ReportRequest,
+    DeltaBatch, HeartbeatRequest, HeartbeatResponse, LeaseRequest, LeaseResponse, NextTasks,
+    ProgressRequest, ReportRequest, ReportResponse,
 };
 use cairn_runtime::{
-    ActivityReport, DeltaEvent, Error, Lease, LeasedTask, Result, TaskFilter, TaskId,
+    ActivityReport, DeltaEvent, Error, Lease, LeaseRequest as StoreLeaseRequest, LeasedTask,
+    Result, TaskFilter, TaskId,
 };
 use cairn_workers::TaskSource;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
@@ -54,6 +55,8 @@ pub struct HttpTaskSource {
     expiries: Mutex<HashMap<(TaskId, u32), u64>>,
     contact: watch::Sender<Contact>,
     lease_failures: AtomicU32,
+    /// The server refused a report with tasks to lease (it predates eager dispatch).
+    eager_refused: AtomicBool,
 }
 
 /// Whether the server has answered a lease request yet.
@@ -86,6 +89,7 @@ impl HttpTaskSource {
             expiries: Mutex::default(),
             contact,
             lease_failures: AtomicU32::new(0),
+            eager_refused: AtomicBool::new(false),
         })
     }
 
@@ -332,6 +336,7 @@ impl TaskSource for HttpTaskSource {
         let body = ReportRequest {
             lease: lease.clone(),
             report,
+            next: None,
         };
         let result = self
             .with_retries(lease, || Request::post("/v1/worker/report", &body))
@@ -339,6 +344,79 @@ impl TaskSource for HttpTaskSource {
         self.lock_expiries()
             .remove(&(lease.id.clone(), lease.lease_attempt));
         result.map(|_| ())
+    }
+
+    async fn report_and_lease(
+        &self,
+        lease: &Lease,
+        report: ActivityReport,
+        next: &StoreLeaseRequest,
+    ) -> Result<Vec<LeasedTask>> {
+        // The server leases the tasks of the token's namespace, and a server from before
+        // eager dispatch refuses the field: report alone then.
+        if next.max == 0
+            || next.filter.sessions.is_some()
+            || next.filter.namespace.is_some()
+            || self.eager_refused.load(Ordering::Relaxed)
+        {
+            self.report(lease, report).await?;
+            return Ok(Vec::new());
+        }
+        self.flush_deltas().await;
+        let mut body = ReportRequest {
+            lease: lease.clone(),
+            report,
+            next: Some(NextTasks {
+                max: u32::try_from(next.max).unwrap_or(u32::MAX),
+                lease_ms: next.lease_ms,
+                queues: next.filter.queues.clone(),
+                tools: next.filter.tools.clone(),
+                providers: next.filter.providers.clone(),
+            }),
+        };
+        let mut result = self
+            .with_retries(lease, || Request::post("/v1/worker/report", &body))
+            .await;
+        if let Err(Error::Remote {
+            status: 400,
+            message,
+            ..
+        }) = &result
+        {
+            if message.contains("unknown field `next`") {
+                debug!("the server takes no tasks with a report; reporting alone from now on");
+                self.eager_refused.store(true, Ordering::Relaxed);
+                body.next = None;
+                result = self
+                    .with_retries(lease, || Request::post("/v1/worker/report", &body))
+                    .await;
+            }
+        }
+        self.lock_expiries()
+            .remove(&(lease.id.clone(), lease.lease_attempt));
+        let answer = result?;
+        // The report is recorded; what came with it is a bonus. An answer without a body
+        // (204) leased nothing, and tasks in an answer that does not decode go back to the
+        // queue when their leases lapse.
+        if answer.is_empty() {
+            return Ok(Vec::new());
+        }
+        let tasks = match self
+            .connection
+            .decode::<ReportResponse>("POST /v1/worker/report", &answer)
+        {
+            Ok(answer) => answer.tasks,
+            Err(e) => {
+                tracing::warn!(error = %e, "the tasks leased with a report are lost until their leases lapse");
+                return Ok(Vec::new());
+            }
+        };
+        let mut expiries = self.lock_expiries();
+        for task in &tasks {
+            let lease = &task.lease;
+            expiries.insert((lease.id.clone(), lease.lease_attempt), lease.expires_at_ms);
+        }
+        Ok(tasks)
     }
 
     fn publish_delta(&self, delta: DeltaEvent) {

@@ -501,6 +501,43 @@ pub struct ReportRequest {
     /// The result.
     #[schema(value_type = schema::ActivityReport)]
     pub report: ActivityReport,
+    /// Tasks to lease with the report (eager dispatch): the report that queues a session's
+    /// next task hands it to this worker, with no lease request of its own. Absent: the
+    /// answer is 204 with no body; present: 200 with a [`ReportResponse`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<NextTasks>,
+}
+
+/// What a report leases with it ([`ReportRequest::next`]), like a [`LeaseRequest`] that does
+/// not wait.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NextTasks {
+    /// Tasks wanted at most (0 leases none).
+    pub max: u32,
+    /// Lease length (ms); renew it with heartbeats before it runs out.
+    pub lease_ms: u64,
+    /// The queues it serves; absent: every queue.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<String>>)]
+    pub queues: Option<BTreeSet<String>>,
+    /// The tools it hosts; absent: any.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<String>>)]
+    pub tools: Option<BTreeSet<String>>,
+    /// The model providers it hosts; absent: any.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<String>>)]
+    pub providers: Option<BTreeSet<String>>,
+}
+
+/// The answer to a [`ReportRequest`] with `next`: the tasks leased with the report, once it
+/// is durable (possibly none).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ReportResponse {
+    /// Leased tasks with what they run.
+    #[schema(value_type = Vec<schema::LeasedTask>)]
+    pub tasks: Vec<LeasedTask>,
 }
 
 /// `POST /v1/worker/deltas`: model deltas for the sessions' live streams.

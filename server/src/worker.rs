@@ -8,13 +8,17 @@ use crate::auth::{Caller, WorkerCaller};
 use crate::errors::{ApiError, JsonBody};
 use axum::extract::State;
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use cairn_runtime::wire::{
     schema, split_session_id, DeltaBatch, ErrorBody, ErrorCode, HeartbeatRequest,
-    HeartbeatResponse, LeaseRequest, LeaseResponse, ProgressRequest, ReportRequest,
+    HeartbeatResponse, LeaseRequest, LeaseResponse, ProgressRequest, ReportRequest, ReportResponse,
     DEFAULT_NAMESPACE,
 };
-use cairn_runtime::{ActivityInput, Lease, LeaseHolder, TaskFilter};
+use cairn_runtime::{
+    ActivityInput, Lease, LeaseHolder, LeaseRequest as StoreLeaseRequest, TaskFilter,
+};
+use std::collections::BTreeSet;
 use tracing::Instrument;
 
 /// A lease asks for at most this many tasks...
@@ -51,6 +55,36 @@ fn unavailable() -> ApiError {
     )
 }
 
+/// The tasks a worker of `caller`'s namespace may lease, of the queues, tools and providers it
+/// names.
+fn worker_filter(
+    caller: &Caller,
+    queues: Option<BTreeSet<String>>,
+    tools: Option<BTreeSet<String>>,
+    providers: Option<BTreeSet<String>>,
+) -> TaskFilter {
+    TaskFilter {
+        queues,
+        tools,
+        providers,
+        sessions: None,
+        // `Some("")` is the default namespace: ids without a prefix.
+        namespace: Some(if caller.namespace == DEFAULT_NAMESPACE {
+            String::new()
+        } else {
+            caller.namespace.clone()
+        }),
+    }
+}
+
+/// A request's task count and lease length, within the server's bounds.
+fn bounded(max: u32, lease_ms: u64) -> (usize, u64) {
+    (
+        usize::try_from(max).unwrap_or(MAX_TASKS).min(MAX_TASKS),
+        lease_ms.min(MAX_LEASE_MS),
+    )
+}
+
 /// Leases due tasks this worker can run, waiting up to `wait_ms` for the first.
 #[utoipa::path(
     post,
@@ -76,22 +110,8 @@ pub async fn lease(
     if state.is_draining() {
         return Err(unavailable());
     }
-    let filter = TaskFilter {
-        queues: request.queues,
-        tools: request.tools,
-        providers: request.providers,
-        sessions: None,
-        // `Some("")` is the default namespace: ids without a prefix.
-        namespace: Some(if caller.namespace == DEFAULT_NAMESPACE {
-            String::new()
-        } else {
-            caller.namespace.clone()
-        }),
-    };
-    let max = usize::try_from(request.max)
-        .unwrap_or(MAX_TASKS)
-        .min(MAX_TASKS);
-    let lease_ms = request.lease_ms.min(MAX_LEASE_MS);
+    let filter = worker_filter(&caller, request.queues, request.tools, request.providers);
+    let (max, lease_ms) = bounded(request.max, request.lease_ms);
     if max == 0 {
         return Ok(Json(LeaseResponse { tasks: Vec::new() }));
     }
@@ -258,14 +278,17 @@ pub async fn progress(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Reports an attempt's result, fenced by its lease attempt.
+/// Reports an attempt's result, fenced by its lease attempt; with `next`, leases this worker's
+/// next tasks with it (eager dispatch), answered once the report and the leases are durable.
+/// Should that answer be lost, its tasks go back to the queue when their leases lapse.
 #[utoipa::path(
     post,
     path = "/v1/worker/report",
     tag = "worker",
     request_body = ReportRequest,
     responses(
-        (status = 204, description = "Recorded"),
+        (status = 200, description = "Recorded, with the tasks leased with it (a request with `next`)", body = ReportResponse),
+        (status = 204, description = "Recorded (a request without `next`)"),
         (status = 400, description = "Malformed request", body = ErrorBody),
         (status = 401, description = "No token, or an unknown one", body = ErrorBody),
         (status = 403, description = "Not a worker token", body = ErrorBody),
@@ -281,15 +304,48 @@ pub async fn report(
     State(state): State<AppState>,
     WorkerCaller(caller): WorkerCaller,
     JsonBody(request): JsonBody<ReportRequest>,
-) -> Result<StatusCode, ApiError> {
+) -> Result<Response, ApiError> {
     check_lease(&caller, &request.lease)?;
-    state
-        .engine
-        .report(&request.lease, request.report)
-        .instrument(lease_span(&request.lease))
-        .await
-        .map_err(|e| ApiError::from_runtime(e, &request.lease.id.session_id))?;
-    Ok(StatusCode::NO_CONTENT)
+    let ReportRequest {
+        lease,
+        report,
+        next,
+    } = request;
+    let span = lease_span(&lease);
+    let Some(next) = next else {
+        state
+            .engine
+            .report(&lease, report)
+            .instrument(span)
+            .await
+            .map_err(|e| ApiError::from_runtime(e, &lease.id.session_id))?;
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    };
+    let (max, lease_ms) = bounded(next.max, next.lease_ms);
+    // A draining server records the report but hands out nothing more.
+    let max = if state.is_draining() { 0 } else { max };
+    let next = StoreLeaseRequest {
+        filter: worker_filter(&caller, next.queues, next.tools, next.providers),
+        max,
+        lease_ms,
+        holder: LeaseHolder::Remote,
+    };
+    let tasks = if next.max == 0 {
+        state
+            .engine
+            .report(&lease, report)
+            .instrument(span)
+            .await
+            .map(|()| Vec::new())
+    } else {
+        state
+            .engine
+            .report_and_lease(&lease, report, &next)
+            .instrument(span)
+            .await
+    }
+    .map_err(|e| ApiError::from_runtime(e, &lease.id.session_id))?;
+    Ok(Json(ReportResponse { tasks }).into_response())
 }
 
 /// Passes model deltas on to the sessions' event streams (presentation only).

@@ -9,7 +9,7 @@ use cairn_activities::{
 use cairn_ledger::{validate_response, validate_transcript, Delta, JsonText};
 use cairn_runtime::{
     ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, Error,
-    ErrorClass, FailurePhase, Lease, LeaseRequest, LeasedTask, TaskFilter,
+    ErrorClass, FailurePhase, Lease, LeaseHolder, LeaseRequest, LeasedTask, TaskFilter,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -269,10 +269,13 @@ async fn lease_loop(
                 renew_ms,
                 progress_every: config.progress_interval_ms,
             };
+            // The source decides where the holder is: a server leases for its workers as
+            // for workers elsewhere, whatever this says.
             let next = LeaseRequest {
                 filter: filter.clone(),
                 max: 1,
                 lease_ms: config.lease_ms,
+                holder: LeaseHolder::InProcess,
             };
             let stopping = stop.clone();
             running.spawn(async move {

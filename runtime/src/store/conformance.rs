@@ -31,6 +31,7 @@ pub use deletion::{
     delete_refuses_a_busy_session, delete_removes_a_finished_session,
 };
 pub use in_process::{
+    a_remote_eager_lease_is_durable_when_answered,
     an_in_process_lease_is_durable_after_the_next_write,
     append_and_lease_takes_what_the_append_queued, in_process_leases_fence_like_durable_ones,
 };
@@ -90,6 +91,7 @@ pub async fn run_all<S: Store>(
         reopen_keeps_everything(fresh(), &mut *reopen).await;
         a_deletion_survives_a_reopen(fresh(), &mut *reopen).await;
         an_in_process_lease_is_durable_after_the_next_write(fresh(), reopen).await;
+        a_remote_eager_lease_is_durable_when_answered(fresh(), reopen).await;
     }
 }
 
@@ -2183,6 +2185,20 @@ mod tests {
         let root = tempfile::tempdir().expect("tempdir");
         let store = fjall_factory(root.path())();
         an_in_process_lease_is_durable_after_the_next_write(store, &mut fjall_reopen).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sled_a_remote_eager_lease_is_durable_when_answered() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let store = sled_factory(root.path())();
+        a_remote_eager_lease_is_durable_when_answered(store, &mut sled_reopen).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fjall_a_remote_eager_lease_is_durable_when_answered() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let store = fjall_factory(root.path())();
+        a_remote_eager_lease_is_durable_when_answered(store, &mut fjall_reopen).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -559,10 +559,12 @@ impl Writer {
             Write::AppendThenLease(prepared, lease, reply) => match self.append(&prepared) {
                 Ok(staged) => {
                     self.stage(staged);
+                    // Durable with the append, so fit for any holder.
                     let LeaseRequest {
                         filter,
                         max,
                         lease_ms,
+                        holder: _,
                     } = &lease;
                     // Through the overlay: the lease sees the tasks the append queued.
                     let leases = match self.lease(prepared.now_ms, *lease_ms, *max, filter) {

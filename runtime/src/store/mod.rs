@@ -240,7 +240,7 @@ pub enum LeaseHolder {
 }
 
 /// What to lease with an append ([`Store::append_and_lease`]): up to `max` tasks `filter`
-/// accepts, each for `lease_ms`, for a worker of this process.
+/// accepts, each for `lease_ms`, for `holder`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseRequest {
     /// Which tasks the worker can run.
@@ -249,6 +249,9 @@ pub struct LeaseRequest {
     pub max: usize,
     /// For how long, from the append's `now_ms`.
     pub lease_ms: u64,
+    /// Who takes them: a worker of this process may be answered before its lease is
+    /// durable ([`Store::lease_tasks_in_process`]), a worker elsewhere may not.
+    pub holder: LeaseHolder,
 }
 
 /// A task leased to a worker until `expires_at_ms`.
@@ -417,14 +420,18 @@ pub trait Store: Send + Sync + 'static {
         self.lease_tasks(now_ms, lease_ms, max, filter).await
     }
 
-    /// Appends like [`Store::append`], then leases like [`Store::lease_tasks_in_process`] at
-    /// the append's `now_ms`: eager dispatch, where the worker that reported a result takes
-    /// the next task its report queued without asking again. Both are answered once the
-    /// append is durable, so no task runs before the event that scheduled it is on disk.
-    /// An append that fails leases nothing; a lease that fails after the append leaves the
-    /// append standing and answers no task (the tasks stay queued for any worker).
+    /// Appends like [`Store::append`], then leases at the append's `now_ms`, like
+    /// [`Store::lease_tasks_in_process`] for a worker of this process and like
+    /// [`Store::lease_tasks`] for one elsewhere (`lease.holder`): eager dispatch, where the
+    /// worker that reported a result takes the next task its report queued without asking
+    /// again. Both are answered once the append is durable, so no task runs before the event
+    /// that scheduled it is on disk. An append that fails leases nothing; a lease that fails
+    /// after the append leaves the append standing and answers no task (the tasks stay queued
+    /// for any worker). A store may lease only among the tasks the append queues (the
+    /// session's next step, as eager dispatch means), or none.
     ///
-    /// The default appends, then leases; an embedded store does both in one write.
+    /// The default appends, then leases; an embedded store does both in one write, and
+    /// PostgreSQL writes the tasks it queues already leased.
     async fn append_and_lease(
         &self,
         request: AppendRequest,
@@ -432,10 +439,17 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Vec<Lease>> {
         let now_ms = request.now_ms;
         self.append(request).await?;
-        match self
-            .lease_tasks_in_process(now_ms, lease.lease_ms, lease.max, &lease.filter)
-            .await
-        {
+        let leased = match lease.holder {
+            LeaseHolder::InProcess => {
+                self.lease_tasks_in_process(now_ms, lease.lease_ms, lease.max, &lease.filter)
+                    .await
+            }
+            LeaseHolder::Remote => {
+                self.lease_tasks(now_ms, lease.lease_ms, lease.max, &lease.filter)
+                    .await
+            }
+        };
+        match leased {
             Ok(leases) => Ok(leases),
             Err(e) => {
                 tracing::warn!(error = %e, "leasing after an append failed; the tasks stay queued");

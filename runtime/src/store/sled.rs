@@ -371,10 +371,12 @@ impl Writer {
                 match append_all(&self.handles, std::slice::from_ref(&prepared)) {
                     Ok(mut outcomes) => match outcomes.pop() {
                         Some(Ok(())) => {
+                            // Durable with the append, so fit for any holder.
                             let LeaseRequest {
                                 filter,
                                 max,
                                 lease_ms,
+                                holder: _,
                             } = &lease;
                             let leases = self
                                 .lease(prepared.now_ms, *lease_ms, *max, filter)

@@ -5,7 +5,7 @@
 
 use super::{append_request, lease_states, message, must_append, new_task, task_id};
 use crate::error::Error;
-use crate::store::{Lease, Store, TaskFilter, TaskKind};
+use crate::store::{Lease, LeaseHolder, Store, TaskFilter, TaskKind};
 
 async fn lease_here(store: &dyn Store, now_ms: u64, lease_ms: u64, max: usize) -> Vec<Lease> {
     store
@@ -139,6 +139,7 @@ pub async fn append_and_lease_takes_what_the_append_queued(store: &dyn Store) {
         filter: TaskFilter::any(),
         max: 1,
         lease_ms: 1_000,
+        holder: LeaseHolder::InProcess,
     };
     let mut conflict = append_request(s, 2, vec![message(s, 2, "wrong seq")], 100);
     conflict.enqueue = vec![new_task(&t2, TaskKind::Tool, 100)];
@@ -201,5 +202,48 @@ pub async fn append_and_lease_takes_what_the_append_queued(store: &dyn Store) {
             .collect::<Vec<_>>(),
         left,
         "a lease takes the tasks the append left"
+    );
+}
+
+/// An append with a lease for a worker elsewhere ([`LeaseHolder::Remote`]) answers only
+/// leases that are durable: with no write after it, a reopen still finds each answered lease
+/// held at its attempt, so the next lease of the task has a higher one.
+pub async fn a_remote_eager_lease_is_durable_when_answered<S: Store>(
+    store: S,
+    reopen: &mut dyn FnMut(S) -> S,
+) {
+    use crate::store::{LeaseRequest, SessionStatus};
+    let s = "eager-remote";
+    let t2 = task_id(s, 2);
+    let mut request = append_request(s, 1, vec![message(s, 1, "go"), message(s, 2, "x")], 100);
+    request.status = SessionStatus::Running;
+    request.enqueue = vec![new_task(&t2, TaskKind::Tool, 100)];
+    let next = LeaseRequest {
+        filter: TaskFilter::any(),
+        max: 1,
+        lease_ms: 60_000,
+        holder: LeaseHolder::Remote,
+    };
+    let leased = store
+        .append_and_lease(request, &next)
+        .await
+        .unwrap_or_else(|e| panic!("append_and_lease must succeed, got {e:?}"));
+    let store = reopen(store);
+    let expected = match leased.as_slice() {
+        [] => vec![(t2.clone(), 100, 0, false)],
+        [one] => {
+            assert_eq!(
+                (&one.id, one.lease_attempt, one.expires_at_ms),
+                (&t2, 1, 60_100),
+                "the append's task is leased with it"
+            );
+            vec![(t2.clone(), 60_100, 1, true)]
+        }
+        more => panic!("max 1 leases one task at most, got {more:?}"),
+    };
+    assert_eq!(
+        lease_states(&store).await,
+        expected,
+        "an answered remote lease is on the disk with no write after it"
     );
 }
