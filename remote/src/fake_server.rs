@@ -43,6 +43,8 @@ pub struct Faults {
     pub page_limit: usize,
     /// Write stream messages as bare events and deltas rather than tagged `StreamEvent`s.
     pub bare_stream: bool,
+    /// Refuse a report that asks for tasks (`next`) as a server from before the field does.
+    pub refuse_next: bool,
 }
 
 /// One request the server saw.
@@ -451,6 +453,13 @@ async fn report(State(server): State<Shared>, Json(body): Json<ReportRequest>) -
         .is_ok();
     if failing {
         return error_answer(ErrorCode::Unavailable, "restarting".to_owned());
+    }
+    if server.faults.refuse_next && body.next.is_some() {
+        // What a server whose ReportRequest has no `next` answers (its JSON rejection).
+        return error_answer(
+            ErrorCode::InvalidRequest,
+            "unknown field `next`, expected `lease` or `report` at line 1 column 9".to_owned(),
+        );
     }
     match source(&server).report(&body.lease, body.report).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),

@@ -539,6 +539,60 @@ async fn a_report_is_tried_again_while_the_server_fails() {
     );
 }
 
+/// A server from before eager dispatch refuses a report's `next` (400): the report goes
+/// again without it, is recorded once, and later reports do not ask again.
+#[tokio::test]
+async fn a_server_that_refuses_next_gets_the_report_alone() {
+    let server = FakeServer::new(
+        None,
+        Faults {
+            refuse_next: true,
+            ..Faults::default()
+        },
+    );
+    let served = serve_tcp(server.router()).await.unwrap();
+    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let next = cairn_runtime::LeaseRequest {
+        filter: TaskFilter::default(),
+        max: 1,
+        lease_ms: 60_000,
+        holder: cairn_runtime::LeaseHolder::InProcess,
+    };
+    let lease = leased_model_task(&server, &source).await;
+    let tasks = source
+        .report_and_lease(&lease, completion(), &next)
+        .await
+        .unwrap();
+    assert!(tasks.is_empty(), "{tasks:?}");
+    assert_eq!(
+        server.reports.load(Ordering::Relaxed),
+        2,
+        "refused with `next`, then taken without it"
+    );
+    let history = Client::new(server.engine.clone())
+        .history(&lease.id.session_id)
+        .await
+        .unwrap();
+    assert_eq!(
+        history
+            .iter()
+            .filter(|e| matches!(e.event, Event::ModelCallFailed { .. }))
+            .count(),
+        1,
+        "the report was recorded once"
+    );
+    let lease = leased_model_task(&server, &source).await;
+    source
+        .report_and_lease(&lease, completion(), &next)
+        .await
+        .unwrap();
+    assert_eq!(
+        server.reports.load(Ordering::Relaxed),
+        3,
+        "the next report goes without `next` at once"
+    );
+}
+
 #[tokio::test]
 async fn a_report_survives_a_server_restart() {
     let server = FakeServer::new(None, Faults::default());
