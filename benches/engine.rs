@@ -1,4 +1,5 @@
-//! Engine benchmarks: folding a 10,000-event history, and one state transition (an activity
+//! Engine benchmarks: folding a 10,000-event history (in memory, and cold from each embedded
+//! store, apart from the store's open), and one state transition (an activity
 //! completion recorded → the next task enqueued) on the memory store and on durable sled.
 
 use cairn_ledger::*;
@@ -6,7 +7,7 @@ use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::store::fjall::FjallStore;
 use cairn_runtime::store::sled::SledStore;
 use cairn_runtime::*;
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use std::sync::Arc;
 
 fn started() -> SessionStarted {
@@ -151,36 +152,84 @@ fn fold(c: &mut Criterion) {
             SessionState::fold("bench", &decoded).unwrap()
         })
     });
-    // Cold from the store: open it, read the whole history, decode and fold (the OS page
-    // cache is warm; the store's own caches are not).
+    group.finish();
+    cold(c, &events);
+}
+
+/// A store of `kind` in a new directory holding `events` (one session), appended 500 at a time.
+fn filled_store(
+    rt: &tokio::runtime::Runtime,
+    kind: StorageEngine,
+    events: &[EventEnvelope],
+) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    rt.block_on(async {
+        let store = open_store(kind, dir.path());
+        for chunk in events.chunks(500) {
+            let request = AppendRequest {
+                session_id: "bench".to_owned(),
+                expected_next_seq: chunk[0].seq,
+                events: chunk.to_vec(),
+                status: SessionStatus::Idle,
+                enqueue: Vec::new(),
+                complete: None,
+                cancel: Vec::new(),
+                now_ms: 1,
+            };
+            store.append(request).await.unwrap();
+        }
+    });
+    dir
+}
+
+/// Reading a history cold from each embedded store (the OS page cache is warm; the store's own
+/// caches are not, as after a process start). Three figures per engine, so that the open and the
+/// read are not confused:
+/// - `open_{kind}_store_of_10k_events`: the open alone (fjall replays its journal, sled recovers),
+///   per open;
+/// - `10k_events_cold_from_{kind}_store`: read, decode and fold a 10k-event history on a store
+///   opened in the (untimed) setup, per event;
+/// - `100k_events_cold_from_{kind}_store_with_open`: open, read, decode and fold a 100k-event
+///   history, per event, as `cairn replay` of a long session does (the open amortised).
+fn cold(c: &mut Criterion, events: &[EventEnvelope]) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let long = history(100_000);
+    let mut group = c.benchmark_group("cold");
     for kind in [StorageEngine::Fjall, StorageEngine::Sled] {
-        let dir = tempfile::tempdir().unwrap();
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        rt.block_on(async {
-            let store = open_store(kind, dir.path());
-            for chunk in events.chunks(500) {
-                let request = AppendRequest {
-                    session_id: "bench".to_owned(),
-                    expected_next_seq: chunk[0].seq,
-                    events: chunk.to_vec(),
-                    status: SessionStatus::Idle,
-                    enqueue: Vec::new(),
-                    complete: None,
-                    cancel: Vec::new(),
-                    now_ms: 1,
-                };
-                store.append(request).await.unwrap();
-            }
+        let dir = filled_store(&rt, kind, events);
+        group.throughput(Throughput::Elements(1));
+        group.bench_function(format!("open_{kind}_store_of_10k_events"), |b| {
+            b.iter(|| drop(open_store(kind, dir.path())))
         });
+        group.throughput(Throughput::Elements(events.len() as u64));
         group.bench_function(format!("10k_events_cold_from_{kind}_store"), |b| {
-            b.iter(|| {
-                rt.block_on(async {
-                    let store = open_store(kind, dir.path());
-                    let history = store.read_history("bench", 1, None).await.unwrap();
-                    SessionState::fold("bench", &history).unwrap()
-                })
-            })
+            b.iter_batched_ref(
+                || open_store(kind, dir.path()),
+                |store| {
+                    rt.block_on(async {
+                        let history = store.read_history("bench", 1, None).await.unwrap();
+                        SessionState::fold("bench", &history).unwrap()
+                    })
+                },
+                BatchSize::PerIteration,
+            )
         });
+        let dir = filled_store(&rt, kind, &long);
+        group.throughput(Throughput::Elements(long.len() as u64));
+        group.sample_size(10);
+        group.bench_function(
+            format!("100k_events_cold_from_{kind}_store_with_open"),
+            |b| {
+                b.iter(|| {
+                    rt.block_on(async {
+                        let store = open_store(kind, dir.path());
+                        let history = store.read_history("bench", 1, None).await.unwrap();
+                        SessionState::fold("bench", &history).unwrap()
+                    })
+                })
+            },
+        );
+        group.sample_size(100);
     }
     group.finish();
 }

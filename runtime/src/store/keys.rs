@@ -120,6 +120,9 @@ pub(super) fn decode_task(what: &dyn std::fmt::Display, bytes: &[u8], space: &st
     })
 }
 
+/// The most events [`read_events`] makes room for before it has read them.
+const READ_RESERVE: usize = 1 << 14;
+
 /// Reads the events `from_seq..` (at most `limit`) of a session whose record says it has
 /// `events`. `scan` gives the stored `(key, record)` pairs of a range of event keys, in order,
 /// with the engine's read errors; a seq missing from them, or a record that does not decode,
@@ -138,10 +141,13 @@ where
 {
     let start = from_seq.max(1);
     let limit = limit.unwrap_or(usize::MAX);
-    let mut out = Vec::new();
     if limit == 0 || start > events {
-        return Ok(out);
+        return Ok(Vec::new());
     }
+    // Room for the whole range up front (no regrowing copies of a long history), but no more
+    // than READ_RESERVE: the count comes from a stored record, which may be damaged.
+    let count = usize::try_from(events - start + 1).unwrap_or(usize::MAX);
+    let mut out = Vec::with_capacity(count.min(limit).min(READ_RESERVE));
     let range = seq_key(session_id, start)..=seq_key(session_id, events);
     let mut expected = start;
     for item in scan(range) {
