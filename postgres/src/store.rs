@@ -207,7 +207,7 @@ impl Store for PgStore {
     }
 
     /// Leases among the tasks the append queues, in the append's own statement
-    /// ([`append::Prepared::lease_queued`]): durable with it, so fit for any holder, and no
+    /// (`append::Prepared::lease_queued`): durable with it, so fit for any holder, and no
     /// lease statement of its own.
     async fn append_and_lease(
         &self,
