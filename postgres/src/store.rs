@@ -184,6 +184,29 @@ impl Drop for PgStore {
     }
 }
 
+impl PgStore {
+    /// Appends, leasing with `lease` among the tasks the append queues, then hints the
+    /// change (a task leased with the append wakes nobody).
+    async fn append_leasing(
+        &self,
+        request: &AppendRequest,
+        lease: Option<&LeaseRequest>,
+    ) -> Result<Vec<Lease>> {
+        let mut prepared = append::prepare(request)?;
+        let leases = match lease {
+            Some(lease) => prepared.lease_queued(lease)?,
+            None => Vec::new(),
+        };
+        append::append(&self.pool, &prepared).await?;
+        self.hints.notify(StoreChange {
+            session_id: request.session_id.clone(),
+            last_seq: request.events.last().map_or(0, |event| event.seq),
+            enqueued: prepared.queues_unleased(),
+        });
+        Ok(leases)
+    }
+}
+
 #[async_trait]
 impl Store for PgStore {
     fn shared(&self) -> bool {
@@ -195,15 +218,7 @@ impl Store for PgStore {
     }
 
     async fn append(&self, request: AppendRequest) -> Result<()> {
-        let prepared = append::prepare(&request)?;
-        append::append(&self.pool, &prepared).await?;
-        let change = StoreChange {
-            session_id: request.session_id.clone(),
-            last_seq: request.events.last().map_or(0, |event| event.seq),
-            enqueued: !request.enqueue.is_empty(),
-        };
-        self.hints.notify(change);
-        Ok(())
+        self.append_leasing(&request, None).await.map(drop)
     }
 
     /// Leases among the tasks the append queues, in the append's own statement
@@ -214,17 +229,7 @@ impl Store for PgStore {
         request: AppendRequest,
         lease: &LeaseRequest,
     ) -> Result<Vec<Lease>> {
-        let mut prepared = append::prepare(&request)?;
-        let leases = prepared.lease_queued(lease)?;
-        append::append(&self.pool, &prepared).await?;
-        let change = StoreChange {
-            session_id: request.session_id.clone(),
-            last_seq: request.events.last().map_or(0, |event| event.seq),
-            // Tasks leased with the append wake nobody.
-            enqueued: prepared.queues_unleased(),
-        };
-        self.hints.notify(change);
-        Ok(leases)
+        self.append_leasing(&request, Some(lease)).await
     }
 
     async fn read_history(
