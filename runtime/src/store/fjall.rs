@@ -113,7 +113,8 @@
 //! such stragglers. This store sets it to [`MAX_JOURNAL_BYTES`], 64 MiB, the least fjall
 //! accepts (the default is 512 MiB), so journals stay at about one active plus at most one
 //! sealed journal, and a reopen replays at most that much. Memtables are capped at
-//! [`MEMTABLE_BYTES`] per keyspace (the default is 64 MiB) and the block cache at
+//! [`MEMTABLE_BYTES`] for the events and [`SMALL_MEMTABLE_BYTES`] for the other keyspaces (the
+//! default is 64 MiB) and the block cache at
 //! [`CACHE_BYTES`], which bounds memory and makes the
 //! busy `events` keyspace flush several times per journal. fjall's background flushes and
 //! compactions stay on (its worker threads). When they fall behind (four sealed memtables
@@ -158,14 +159,29 @@ const ENGINE: Engine = Engine {
 const SPACE: &str = "keyspace";
 /// The file fjall writes first in a database directory.
 const VERSION_FILE: &str = "version";
+/// The memtable size a keyspace is created with.
+fn memtable_bytes(keyspace: &str) -> u64 {
+    if keyspace == EVENTS {
+        MEMTABLE_BYTES
+    } else {
+        SMALL_MEMTABLE_BYTES
+    }
+}
+
 /// fjall's `max_journaling_size`: the least it accepts (see the module docs).
 pub const MAX_JOURNAL_BYTES: u64 = 64 * 1024 * 1024;
-/// Each keyspace's memtable is flushed to a table file past this size (fjall's default is
-/// 64 MiB). Applies when a keyspace is created; fjall keeps the setting in the database.
+/// The events keyspace's memtable is flushed to a table file past this size (fjall's default
+/// is 64 MiB). Applies when a keyspace is created; fjall keeps the setting in the database.
 /// Memtables (the active one and the sealed ones waiting for their flush) are most of the
-/// store's resident memory with many parked sessions, but 4 MiB ones ran 0.72× the turns/s
-/// at 128 sessions in flight (more flushes and compactions), so they stay at 16 MiB.
+/// store's resident memory with many parked sessions, but 4 MiB ones for the events ran
+/// 0.72× the turns/s at 128 sessions in flight (more flushes and compactions), so the events'
+/// stay at 16 MiB.
 pub const MEMTABLE_BYTES: u64 = 16 * 1024 * 1024;
+/// The memtable size of the other keyspaces (sessions, tasks, queue). Their records are small
+/// and short-lived (a task is written, leased and deleted within a turn), so a memtable of
+/// them is mostly superseded versions and tombstones: 16 MiB of them held about 40 MiB of the
+/// RSS of 100,000 parked sessions, and 4 MiB ones cost no measurable turns/s at 128 sessions.
+pub const SMALL_MEMTABLE_BYTES: u64 = 4 * 1024 * 1024;
 /// fjall's block cache (its default is 32 MiB). The engine caches the states of running
 /// sessions, so the store's reads are mostly of events just written (in the memtables) or of
 /// a parked session's history when its next turn starts.
@@ -288,7 +304,7 @@ impl FjallStore {
         let keyspace = |name: &str| {
             catch_unwind(AssertUnwindSafe(|| {
                 db.keyspace(name, || {
-                    KeyspaceCreateOptions::default().max_memtable_size(MEMTABLE_BYTES)
+                    KeyspaceCreateOptions::default().max_memtable_size(memtable_bytes(name))
                 })
             }))
             .map_err(|panic| {
