@@ -2,6 +2,13 @@
 //! store, apart from the store's open), and one state transition (an activity
 //! completion recorded → the next task enqueued) on the memory store and on durable sled.
 
+#[path = "../src/allocator.rs"]
+mod allocator;
+
+// The allocator the `cairn` binary runs with, so these figures are the binary's.
+#[global_allocator]
+static ALLOCATOR: allocator::Allocator = allocator::Allocator {};
+
 use cairn_ledger::*;
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::store::fjall::FjallStore;

@@ -3,7 +3,11 @@
 // Printing goes through `cli::out`: a closed pipe must not panic.
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
+mod allocator;
 mod cli;
+
+#[global_allocator]
+static ALLOCATOR: allocator::Allocator = allocator::Allocator {};
 
 use anyhow::{bail, Context};
 use cairn::demo::{DEMO_NOTES, DEMO_PROMPT, DEMO_SCRIPT};
