@@ -1,6 +1,7 @@
 //! Engine benchmarks: folding a 10,000-event history (in memory, and cold from each embedded
-//! store, apart from the store's open), and one state transition (an activity
-//! completion recorded → the next task enqueued) on the memory store and on durable sled.
+//! store, apart from the store's open), and one state transition (an activity completion
+//! recorded → the next task leased) on the memory store and on durable sled and fjall, with the
+//! next task leased in a round of its own or with the report (eager dispatch).
 
 #[path = "../src/allocator.rs"]
 mod allocator;
@@ -295,6 +296,60 @@ async fn two_transitions(engine: &Engine, turn_round: &mut u32) {
         .unwrap();
 }
 
+/// The same two transitions as a worker slot of this process runs them: each report leases
+/// the session's next task with its own append (eager dispatch), so a transition is one
+/// append. `lease` is the task in hand, and becomes the next one.
+async fn two_eager_transitions(engine: &Engine, lease: &mut Lease, turn_round: &mut u32) {
+    let next = LeaseRequest {
+        filter: cairn_runtime::TaskFilter::default(),
+        max: 1,
+        lease_ms: 60_000,
+        holder: LeaseHolder::InProcess,
+    };
+    *turn_round += 1;
+    let id = *turn_round;
+    let mut r = tool_call_response(id, 1);
+    if let Part::ToolUse(t) = &mut r.parts[2] {
+        t.id = format!("toolu_{id}");
+    }
+    let tool = engine
+        .report_and_lease(lease, ActivityReport::ModelCompleted(r), &next)
+        .await
+        .unwrap();
+    let tool = handed_or_leased(engine, tool).await;
+    let model = engine
+        .report_and_lease(
+            &tool,
+            ActivityReport::ToolCompleted {
+                content: ToolResultContent::Json(JsonText::parse(r#"{"value":126}"#).unwrap()),
+                is_error: false,
+            },
+            &next,
+        )
+        .await
+        .unwrap();
+    *lease = handed_or_leased(engine, model).await;
+}
+
+/// The lease a report handed out, or, from a store that hands none with an append (memory,
+/// sled), one leased in a round of its own, as a worker slot falls back to.
+async fn handed_or_leased(engine: &Engine, handed: Vec<cairn_runtime::LeasedTask>) -> Lease {
+    match handed.into_iter().next() {
+        Some(task) => task.lease,
+        None => engine
+            .store()
+            .lease_tasks_in_process(
+                engine.now_ms(),
+                60_000,
+                1,
+                &cairn_runtime::TaskFilter::default(),
+            )
+            .await
+            .unwrap()
+            .remove(0),
+    }
+}
+
 fn transition(c: &mut Criterion) {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut group = c.benchmark_group("state_transition");
@@ -319,10 +374,13 @@ fn transition(c: &mut Criterion) {
             file.sync_data().unwrap();
         })
     });
-    for (name, kind) in [
-        ("memory", None),
-        ("sled_durable", Some(StorageEngine::Sled)),
-        ("fjall_durable", Some(StorageEngine::Fjall)),
+    for (name, kind, eager) in [
+        ("memory", None, false),
+        ("sled_durable", Some(StorageEngine::Sled), false),
+        ("fjall_durable", Some(StorageEngine::Fjall), false),
+        ("memory_eager", None, true),
+        ("sled_durable_eager", Some(StorageEngine::Sled), true),
+        ("fjall_durable_eager", Some(StorageEngine::Fjall), true),
     ] {
         group.bench_function(format!("{name}_completion_to_next_task"), |b| {
             b.to_async(&rt).iter_custom(|iters| async move {
@@ -347,10 +405,30 @@ fn transition(c: &mut Criterion) {
                     let mut n = 0;
                     // max_rounds 8: at most 7 tool rounds per turn.
                     let batch = (iters - done).min(6);
+                    // Eager: the first task is leased before the clock starts, the rest come
+                    // with the reports.
+                    let mut lease = match eager {
+                        true => Some(
+                            store
+                                .lease_tasks_in_process(
+                                    engine.now_ms(),
+                                    60_000,
+                                    1,
+                                    &cairn_runtime::TaskFilter::default(),
+                                )
+                                .await
+                                .unwrap()
+                                .remove(0),
+                        ),
+                        false => None,
+                    };
                     #[allow(clippy::disallowed_methods)] // benchmarks time themselves
                     let start = std::time::Instant::now();
                     for _ in 0..batch {
-                        two_transitions(&engine, &mut n).await;
+                        match &mut lease {
+                            Some(lease) => two_eager_transitions(&engine, lease, &mut n).await,
+                            None => two_transitions(&engine, &mut n).await,
+                        }
                     }
                     total += start.elapsed();
                     done += batch;
