@@ -253,17 +253,7 @@ fn open_store(kind: StorageEngine, dir: &std::path::Path) -> Arc<dyn Store> {
 /// Two transitions per iteration: model completion → tool task; tool completion → model task.
 /// Each task is leased as a worker of this process leases it.
 async fn two_transitions(engine: &Engine, turn_round: &mut u32) {
-    let store = engine.store();
-    let lease = store
-        .lease_tasks_in_process(
-            engine.now_ms(),
-            60_000,
-            1,
-            &cairn_runtime::TaskFilter::default(),
-        )
-        .await
-        .unwrap()
-        .remove(0);
+    let lease = lease_one(engine).await;
     *turn_round += 1;
     let id = *turn_round;
     let mut r = tool_call_response(id, 1);
@@ -274,16 +264,7 @@ async fn two_transitions(engine: &Engine, turn_round: &mut u32) {
         .report(&lease, ActivityReport::ModelCompleted(r))
         .await
         .unwrap();
-    let lease = store
-        .lease_tasks_in_process(
-            engine.now_ms(),
-            60_000,
-            1,
-            &cairn_runtime::TaskFilter::default(),
-        )
-        .await
-        .unwrap()
-        .remove(0);
+    let lease = lease_one(engine).await;
     engine
         .report(
             &lease,
@@ -331,22 +312,27 @@ async fn two_eager_transitions(engine: &Engine, lease: &mut Lease, turn_round: &
     *lease = handed_or_leased(engine, model).await;
 }
 
+/// One due task, leased as a worker of this process leases it.
+async fn lease_one(engine: &Engine) -> Lease {
+    engine
+        .store()
+        .lease_tasks_in_process(
+            engine.now_ms(),
+            60_000,
+            1,
+            &cairn_runtime::TaskFilter::default(),
+        )
+        .await
+        .unwrap()
+        .remove(0)
+}
+
 /// The lease a report handed out, or, from a store that hands none with an append (memory,
 /// sled), one leased in a round of its own, as a worker slot falls back to.
 async fn handed_or_leased(engine: &Engine, handed: Vec<cairn_runtime::LeasedTask>) -> Lease {
     match handed.into_iter().next() {
         Some(task) => task.lease,
-        None => engine
-            .store()
-            .lease_tasks_in_process(
-                engine.now_ms(),
-                60_000,
-                1,
-                &cairn_runtime::TaskFilter::default(),
-            )
-            .await
-            .unwrap()
-            .remove(0),
+        None => lease_one(engine).await,
     }
 }
 
@@ -408,18 +394,7 @@ fn transition(c: &mut Criterion) {
                     // Eager: the first task is leased before the clock starts, the rest come
                     // with the reports.
                     let mut lease = match eager {
-                        true => Some(
-                            store
-                                .lease_tasks_in_process(
-                                    engine.now_ms(),
-                                    60_000,
-                                    1,
-                                    &cairn_runtime::TaskFilter::default(),
-                                )
-                                .await
-                                .unwrap()
-                                .remove(0),
-                        ),
+                        true => Some(lease_one(&engine).await),
                         false => None,
                     };
                     #[allow(clippy::disallowed_methods)] // benchmarks time themselves
