@@ -1001,6 +1001,28 @@ async fn tokens_keep_roles_apart_and_namespaces_from_seeing_each_other() {
     );
 }
 
+/// The binary's allocator is jemalloc with its options compiled in (`src/allocator.rs`): one
+/// background thread, which returns freed memory to the OS while the process is quiet. Without
+/// the options jemalloc starts no such thread, and with its default maximum it starts one per
+/// CPU, so the count says both that the allocator is in and that its options were read.
+#[test]
+fn the_server_process_allocates_with_jemalloc_and_one_purging_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let threads = std::fs::read_dir(format!("/proc/{}/task", server.child.id()))
+        .expect("the server's threads")
+        .map(|task| {
+            let comm = task.expect("a thread").path().join("comm");
+            std::fs::read_to_string(comm).unwrap_or_default()
+        })
+        .collect::<Vec<_>>();
+    let purging = threads
+        .iter()
+        .filter(|name| name.trim() == "jemalloc_bg_thd")
+        .count();
+    assert_eq!(purging, 1, "the server's threads: {threads:?}");
+}
+
 #[test]
 fn a_server_without_tokens_refuses_to_listen_beyond_loopback() {
     let dir = tempfile::tempdir().unwrap();
