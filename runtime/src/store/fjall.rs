@@ -159,15 +159,6 @@ const ENGINE: Engine = Engine {
 const SPACE: &str = "keyspace";
 /// The file fjall writes first in a database directory.
 const VERSION_FILE: &str = "version";
-/// The memtable size a keyspace is created with.
-fn memtable_bytes(keyspace: &str) -> u64 {
-    if keyspace == EVENTS {
-        MEMTABLE_BYTES
-    } else {
-        SMALL_MEMTABLE_BYTES
-    }
-}
-
 /// fjall's `max_journaling_size`: the least it accepts (see the module docs).
 pub const MAX_JOURNAL_BYTES: u64 = 64 * 1024 * 1024;
 /// The events keyspace's memtable is flushed to a table file past this size (fjall's default
@@ -182,6 +173,15 @@ pub const MEMTABLE_BYTES: u64 = 16 * 1024 * 1024;
 /// them is mostly superseded versions and tombstones: 16 MiB of them held about 40 MiB of the
 /// RSS of 100,000 parked sessions, and 4 MiB ones cost no measurable turns/s at 128 sessions.
 pub const SMALL_MEMTABLE_BYTES: u64 = 4 * 1024 * 1024;
+/// The memtable size a keyspace is created with.
+fn memtable_bytes(keyspace: &str) -> u64 {
+    if keyspace == EVENTS {
+        MEMTABLE_BYTES
+    } else {
+        SMALL_MEMTABLE_BYTES
+    }
+}
+
 /// fjall's block cache (its default is 32 MiB). The engine caches the states of running
 /// sessions, so the store's reads are mostly of events just written (in the memtables) or of
 /// a parked session's history when its next turn starts.
