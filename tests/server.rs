@@ -1,7 +1,8 @@
 //! `cairn server` as a real process on loopback: the client routes end to end, the worker
 //! protocol driven by hand (lease, report, fencing), in-process workers, tokens and
 //! namespaces, malformed requests, the event stream across a reconnect, the drain on SIGTERM,
-//! a SIGKILL mid-turn and a restart, and schemathesis against the OpenAPI document.
+//! a SIGKILL mid-turn and a restart, schemathesis against the OpenAPI document, and the
+//! process's allocator (jemalloc with its purging thread).
 
 use futures_util::StreamExt;
 use reqwest::{Method, StatusCode};
