@@ -13,10 +13,11 @@
 //! # Writes: one writer thread, group commit, one write batch, one persist
 //!
 //! Every write (append, lease, lease extension, release) is prepared on the caller's task
-//! (validation, encoding) and sent to the store's writer thread; the caller awaits a
-//! `tokio::sync::oneshot` for the answer, so no tokio worker ever waits on the disk. (That
-//! queue, its batching, the held answers and the refusal after a failed persist are shared with
-//! the sled store, in the `write_queue` module, `store/write_queue.rs`.) The writer
+//! (validation, encoding) and run by the store's writer: on the caller's thread when the
+//! writer is idle and nothing is queued, else on the writer thread, the caller awaiting a
+//! `tokio::sync::oneshot` for the answer. (That queue, the choice of thread, its batching,
+//! the held answers and the refusal after a failed persist are shared with the sled store, in
+//! the `write_queue` module, `store/write_queue.rs`.) The writer thread
 //! takes every write queued so far (a batch of at most [`MAX_BATCH`]) and applies them in order
 //! to an in-memory overlay of the batch's changes, each write reading through the overlay, so
 //! it sees the writes before it. Each write still stands alone: an append's seq check
@@ -130,7 +131,9 @@ use super::keys::{
 };
 use super::memory::{lease_current, released_visibility};
 pub use super::write_queue::MAX_BATCH;
-use super::write_queue::{next_batch, Engine, Pending, PreparedAppend, Shared, Write, WriteQueue};
+use super::write_queue::{
+    Engine, Pending, PreparedAppend, ProcessBatch, Shared, SharedWriter, Write, WriteQueue,
+};
 use super::{
     check_deletable, check_session_id, unknown_session, AppendRequest, Lease, LeaseRequest,
     SessionInfo, Store, Task, TaskFilter, TaskId,
@@ -347,16 +350,18 @@ impl FjallStore {
             overlay: Overlay::default(),
             queue_index: Arc::clone(&queue_index),
         };
-        let writer = std::thread::Builder::new()
+        let writer = SharedWriter::new(writer);
+        let thread_writer = Arc::clone(&writer);
+        let thread = std::thread::Builder::new()
             .name("cairn-fjall-writer".to_owned())
-            .spawn(move || writer.run(&queue))
+            .spawn(move || thread_writer.run(&queue))
             .map_err(|e| open_error(dir, format!("cannot start the writer thread: {e}")))?;
         Ok(FjallStore {
             path: dir.to_path_buf(),
             handles: Some(handles),
             queue_index,
-            writes: WriteQueue::new(ENGINE, dir, writes, shared),
-            writer: Some(writer),
+            writes: WriteQueue::new(ENGINE, dir, writes, shared).with_inline(writer),
+            writer: Some(thread),
         })
     }
 
@@ -464,13 +469,7 @@ struct Writer {
     queue_index: QueueIndex,
 }
 
-impl Writer {
-    fn run(mut self, queue: &mpsc::Receiver<Write>) {
-        while let Some(batch) = next_batch(queue) {
-            self.process(batch);
-        }
-    }
-
+impl ProcessBatch for Writer {
     /// Applies a batch in order, commits it as one write batch, persists it once, answers.
     /// In-process leases are answered once committed; a batch of nothing else is not
     /// persisted: the next durable batch carries it to the disk.
@@ -509,7 +508,9 @@ impl Writer {
         }
         self.shared.settle(&outcome, pending, ENGINE, &self.path);
     }
+}
 
+impl Writer {
     /// Commits the overlay as one fjall write batch (to the journal's buffer, not synced).
     fn commit(&mut self) -> std::result::Result<(), String> {
         if self.overlay.is_empty() {
@@ -1454,6 +1455,66 @@ mod tests {
                 .expect("append");
         }
         assert_eq!(store.persists() - before, 3);
+    }
+
+    async fn serial_appends(store: &FjallStore, session: &str) {
+        for seq in 1..=3 {
+            store
+                .append(append_request(
+                    session,
+                    seq,
+                    vec![message(session, seq, "x")],
+                    1,
+                ))
+                .await
+                .expect("append");
+        }
+    }
+
+    fn inline_commits(store: &FjallStore) -> u64 {
+        store.writes.shared.inline.load(Ordering::Relaxed)
+    }
+
+    /// A write that finds the writer idle runs on its caller's thread: each of three appends
+    /// in series is committed and persisted there, once each, and reads see them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lone_writes_commit_on_the_callers_thread() {
+        let root = temp();
+        let store = FjallStore::open(root.path()).expect("open");
+        let persists = store.persists();
+        serial_appends(&store, "lone").await;
+        assert_eq!(inline_commits(&store), 3);
+        assert_eq!(store.persists() - persists, 3);
+        let history = store.read_history("lone", 1, None).await.expect("read");
+        assert_eq!(history.len(), 3);
+        drop(store);
+        let store = FjallStore::open(root.path()).expect("reopen");
+        assert_eq!(
+            store
+                .read_history("lone", 1, None)
+                .await
+                .expect("read")
+                .len(),
+            3
+        );
+    }
+
+    /// On a current-thread runtime a sync on the caller's thread would stall every other task,
+    /// so every write goes to the writer thread there.
+    #[tokio::test(flavor = "current_thread")]
+    async fn on_a_current_thread_runtime_every_write_goes_to_the_writer_thread() {
+        let root = temp();
+        let store = FjallStore::open(root.path()).expect("open");
+        serial_appends(&store, "queued").await;
+        assert_eq!(inline_commits(&store), 0);
+        assert_eq!(
+            store
+                .read_history("queued", 1, None)
+                .await
+                .expect("read")
+                .len(),
+            3
+        );
     }
 
     fn tool_task(session: &str, seq: u64) -> NewTask {

@@ -1,15 +1,33 @@
-//! The write queue between an embedded store and its writer thread, shared by
+//! The write queue between an embedded store and its writer, shared by
 //! [`SledStore`](super::sled::SledStore) and [`FjallStore`](super::fjall::FjallStore).
 //!
 //! Every write (append, lease, lease extension, release) is prepared on the caller's task
-//! (validation, encoding: [`PreparedAppend`]) and sent as a [`Write`] to the store's writer
-//! thread; the caller awaits a `tokio::sync::oneshot` for the answer, so no tokio worker ever
-//! waits on the disk. The writer takes every write queued so far, at most [`MAX_BATCH`]
-//! ([`next_batch`]), applies them in order, answers a rejected one at once and holds the
+//! (validation, encoding: [`PreparedAppend`]) and run by the store's writer ([`ProcessBatch`]),
+//! which applies a batch of writes in order, answers a rejected one at once and holds the
 //! answers of the others ([`Pending`]) until one sync makes the whole batch durable. That
 //! sync's outcome answers them all ([`Shared::settle`]); after a failed one the store refuses
 //! further writes until it is reopened ([`Shared::refusal`]). How a batch is applied and made
 //! durable is each engine's own: see their module docs.
+//!
+//! # Where a batch runs: the caller's thread when the writer is idle, else the writer thread
+//!
+//! The writer's state sits behind a lock ([`SharedWriter`]). On a store that allows it
+//! ([`WriteQueue::with_inline`]: fjall's; sled's flush is a sled flush and then an fdatasync,
+//! and measured no better), a write that finds writes not concurrent (the writer thread's last
+//! batch held one at most), nothing queued and the lock free runs as a batch of one on the
+//! caller's own thread, synced there, and is answered before the caller awaits anything. Otherwise it goes through an `mpsc` channel to
+//! the writer thread and the caller awaits a `tokio::sync::oneshot`; the thread takes every
+//! write queued so far, at most [`MAX_BATCH`] ([`next_batch`]), and processes them under the
+//! lock. So a lone write, the common case of one session's turn, saves the two thread
+//! wake-ups of the trip to the writer thread and back (measured: a turn on a store in memory,
+//! where the sync costs nothing, took 0.20 ms through the thread and 0.14 ms inline); while
+//! one write syncs inline, the writes that arrive queue for the thread and share its next
+//! sync, as before, and once the thread sees a batch of more than one, writes keep going to
+//! it until it sees single writes again, so concurrent sessions keep batching as before. The
+//! price is that the caller's tokio worker waits for that one sync, as a database client's
+//! thread would; on a current-thread runtime that would stall every other
+//! task and end group commit, so there every write goes to the thread. Order is unchanged:
+//! either way, a write runs after every write whose answer its caller saw.
 //!
 //! Error texts name the engine and its sync ("sled store at …: sync failed", "fjall store at
 //! …: persist failed"): an [`Engine`] carries those words.
@@ -23,7 +41,7 @@ use crate::codec;
 use crate::error::{Error, Result};
 use cairn_ledger::JsonText;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use tokio::sync::oneshot;
 
@@ -61,6 +79,8 @@ pub(super) struct Shared {
     /// Batches made durable, or tried to (sled's flushes, fjall's persists: for tests of group
     /// commit).
     pub(super) syncs: AtomicU64,
+    /// Writes committed on their caller's thread rather than the writer's (for tests).
+    pub(super) inline: AtomicU64,
 }
 
 impl Shared {
@@ -161,6 +181,98 @@ pub(super) fn next_batch(queue: &mpsc::Receiver<Write>) -> Option<Vec<Write>> {
         }
     }
     Some(batch)
+}
+
+/// An engine's batch processing: applies a batch in order, makes it durable, answers it.
+pub(super) trait ProcessBatch: Send {
+    fn process(&mut self, batch: Vec<Write>);
+}
+
+/// The writer's state behind a lock, shared by the writer thread and callers that commit on
+/// their own thread while the writer is idle (see [`WriteQueue::submit`]).
+pub(super) struct SharedWriter<W> {
+    writer: Mutex<W>,
+    /// Writes sent to the writer thread and not yet taken by it.
+    queued: AtomicUsize,
+    /// Writes in the last batch the writer thread took: more than one means writes are
+    /// concurrent, and then every write goes to the thread (see [`InlineWriter::try_process`]).
+    last_batch: AtomicUsize,
+}
+
+impl<W: ProcessBatch> SharedWriter<W> {
+    pub(super) fn new(writer: W) -> Arc<SharedWriter<W>> {
+        Arc::new(SharedWriter {
+            writer: Mutex::new(writer),
+            queued: AtomicUsize::new(0),
+            last_batch: AtomicUsize::new(0),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, W> {
+        // The writer catches fjall's panics itself; its state stays usable.
+        self.writer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The writer thread: takes batches off the queue and processes each under the lock.
+    pub(super) fn run(&self, queue: &mpsc::Receiver<Write>) {
+        while let Some(batch) = next_batch(queue) {
+            self.queued.fetch_sub(batch.len(), Ordering::AcqRel);
+            self.last_batch.store(batch.len(), Ordering::Release);
+            self.lock().process(batch);
+        }
+    }
+}
+
+/// Whether the caller runs on a multi-thread tokio runtime. On a current-thread one a commit on
+/// the caller's thread would stop every other task for its sync, so concurrent writes would no
+/// longer gather into one batch: there every write goes to the writer thread.
+fn on_a_multi_thread_runtime() -> bool {
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|handle| handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+}
+
+/// What a [`WriteQueue`] needs of a [`SharedWriter`] to commit on the caller's thread.
+pub(super) trait InlineWriter: Send + Sync {
+    /// Processes `write` on this thread when writes are not concurrent (the writer thread's
+    /// last batch held one write at most), nothing is queued for the thread and the writer is
+    /// not busy; else gives it back.
+    fn try_process(&self, write: Write) -> Option<Write>;
+    /// Counts a write sent to the writer thread.
+    fn sent(&self);
+    /// Uncounts a write the writer thread will never take.
+    fn unsent(&self);
+}
+
+impl<W: ProcessBatch> InlineWriter for SharedWriter<W> {
+    fn try_process(&self, write: Write) -> Option<Write> {
+        if self.queued.load(Ordering::Acquire) != 0
+            || self.last_batch.load(Ordering::Acquire) > 1
+            || !on_a_multi_thread_runtime()
+        {
+            return Some(write);
+        }
+        match self.writer.try_lock() {
+            Ok(mut writer) => {
+                writer.process(vec![write]);
+                None
+            }
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => {
+                poisoned.into_inner().process(vec![write]);
+                None
+            }
+            Err(std::sync::TryLockError::WouldBlock) => Some(write),
+        }
+    }
+
+    fn sent(&self) {
+        self.queued.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn unsent(&self) {
+        self.queued.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// An accepted write's answer, held until its batch is durable.
@@ -280,6 +392,8 @@ pub(super) struct WriteQueue {
     /// To the writer thread; `None` once closed.
     sender: Option<mpsc::Sender<Write>>,
     pub(super) shared: Arc<Shared>,
+    /// The writer, for commits on the caller's thread; `None`: every write goes to the thread.
+    inline: Option<Arc<dyn InlineWriter>>,
 }
 
 impl WriteQueue {
@@ -294,7 +408,14 @@ impl WriteQueue {
             path: path.to_path_buf(),
             sender: Some(sender),
             shared,
+            inline: None,
         }
+    }
+
+    /// Lets callers commit on their own thread while the writer is idle.
+    pub(super) fn with_inline(mut self, writer: Arc<dyn InlineWriter>) -> WriteQueue {
+        self.inline = Some(writer);
+        self
     }
 
     /// Closes the queue: the writer stops once it has answered what it has.
@@ -310,7 +431,8 @@ impl WriteQueue {
         }
     }
 
-    /// Hands a write to the writer thread and waits for its answer.
+    /// Runs a write and waits for its answer: on this thread when the writer is idle and
+    /// nothing is queued for it (see the module docs), else on the writer thread.
     async fn submit<T>(&self, write: Write, answer: oneshot::Receiver<Result<T>>) -> Result<T> {
         self.check_writable()?;
         let stopped = || Error::Store {
@@ -320,11 +442,27 @@ impl WriteQueue {
                 self.path.display()
             ),
         };
-        self.sender
-            .as_ref()
-            .ok_or_else(stopped)?
-            .send(write)
-            .map_err(|_| stopped())?;
+        let sender = self.sender.as_ref().ok_or_else(stopped)?;
+        let write = match &self.inline {
+            Some(inline) => match inline.try_process(write) {
+                // Committed here, and answered: the answer is ready.
+                None => {
+                    self.shared.inline.fetch_add(1, Ordering::Relaxed);
+                    return answer.await.map_err(|_| stopped())?;
+                }
+                Some(write) => {
+                    inline.sent();
+                    write
+                }
+            },
+            None => write,
+        };
+        if sender.send(write).is_err() {
+            if let Some(inline) = &self.inline {
+                inline.unsent();
+            }
+            return Err(stopped());
+        }
         answer.await.map_err(|_| stopped())?
     }
 
