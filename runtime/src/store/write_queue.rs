@@ -418,9 +418,12 @@ impl WriteQueue {
         self
     }
 
-    /// Closes the queue: the writer stops once it has answered what it has.
+    /// Closes the queue: the writer stops once it has answered what it has, and the writer
+    /// thread, holding the last reference to the writer, drops it (and the engine's handles)
+    /// as it ends.
     pub(super) fn close(&mut self) {
         drop(self.sender.take());
+        drop(self.inline.take());
     }
 
     /// Refuses writes early once a sync failed (the writer thread refuses them too).
