@@ -1471,6 +1471,11 @@ mod tests {
         }
     }
 
+    async fn events_of(store: &FjallStore, session: &str) -> usize {
+        let history = store.read_history(session, 1, None).await.expect("read");
+        history.len()
+    }
+
     fn inline_commits(store: &FjallStore) -> u64 {
         store.writes.shared.inline.load(Ordering::Relaxed)
     }
@@ -1485,18 +1490,10 @@ mod tests {
         serial_appends(&store, "lone").await;
         assert_eq!(inline_commits(&store), 3);
         assert_eq!(store.persists() - persists, 3);
-        let history = store.read_history("lone", 1, None).await.expect("read");
-        assert_eq!(history.len(), 3);
+        assert_eq!(events_of(&store, "lone").await, 3);
         drop(store);
         let store = FjallStore::open(root.path()).expect("reopen");
-        assert_eq!(
-            store
-                .read_history("lone", 1, None)
-                .await
-                .expect("read")
-                .len(),
-            3
-        );
+        assert_eq!(events_of(&store, "lone").await, 3);
     }
 
     /// On a current-thread runtime a sync on the caller's thread would stall every other task,
@@ -1507,14 +1504,7 @@ mod tests {
         let store = FjallStore::open(root.path()).expect("open");
         serial_appends(&store, "queued").await;
         assert_eq!(inline_commits(&store), 0);
-        assert_eq!(
-            store
-                .read_history("queued", 1, None)
-                .await
-                .expect("read")
-                .len(),
-            3
-        );
+        assert_eq!(events_of(&store, "queued").await, 3);
     }
 
     fn tool_task(session: &str, seq: u64) -> NewTask {
