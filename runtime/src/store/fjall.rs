@@ -360,7 +360,7 @@ impl FjallStore {
             path: dir.to_path_buf(),
             handles: Some(handles),
             queue_index,
-            writes: WriteQueue::new(ENGINE, dir, writes, shared).with_inline(writer),
+            writes: WriteQueue::new(ENGINE, dir, writes, shared, writer),
             writer: Some(thread),
         })
     }

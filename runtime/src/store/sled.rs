@@ -236,15 +236,16 @@ impl SledStore {
         };
         // Every write goes to the thread: sled's flush is a sled flush and then an fdatasync,
         // too long to hold a caller's thread (measured: no gain for one session, a loss at 16).
-        let writer = SharedWriter::new(writer);
+        let writer = SharedWriter::thread_only(writer);
+        let thread_writer = Arc::clone(&writer);
         let thread = std::thread::Builder::new()
             .name("cairn-sled-writer".to_owned())
-            .spawn(move || writer.run(&queue))
+            .spawn(move || thread_writer.run(&queue))
             .map_err(|e| open_error(dir, format!("cannot start the writer thread: {e}")))?;
         Ok(SledStore {
             path: dir.to_path_buf(),
             handles: Some(handles),
-            writes: WriteQueue::new(ENGINE, dir, writes, shared),
+            writes: WriteQueue::new(ENGINE, dir, writes, shared, writer),
             writer: Some(thread),
         })
     }

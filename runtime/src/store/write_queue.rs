@@ -12,10 +12,11 @@
 //! # Where a batch runs: the caller's thread when the writer is idle, else the writer thread
 //!
 //! The writer's state sits behind a lock ([`SharedWriter`]). On a store that allows it
-//! ([`WriteQueue::with_inline`]: fjall's; sled's flush is a sled flush and then an fdatasync,
-//! and measured no better), a write that finds writes not concurrent (the writer thread's last
-//! batch held one at most), nothing queued and the lock free runs as a batch of one on the
-//! caller's own thread, synced there, and is answered before the caller awaits anything. Otherwise it goes through an `mpsc` channel to
+//! ([`SharedWriter::new`], fjall's; not [`SharedWriter::thread_only`], sled's, whose sync is a
+//! sled flush and then an fdatasync and measured no better), a write that finds writes not
+//! concurrent (the writer thread's last batch held one at most), nothing queued and the lock
+//! free runs as a batch of one on the caller's own thread, synced there, and is answered
+//! before the caller awaits anything. Otherwise it goes through an `mpsc` channel to
 //! the writer thread and the caller awaits a `tokio::sync::oneshot`; the thread takes every
 //! write queued so far, at most [`MAX_BATCH`] ([`next_batch`]), and processes them under the
 //! lock. So a lone write, the common case of one session's turn, saves the two thread
@@ -197,14 +198,27 @@ pub(super) struct SharedWriter<W> {
     /// Writes in the last batch the writer thread took: more than one means writes are
     /// concurrent, and then every write goes to the thread (see [`InlineWriter::try_process`]).
     last_batch: AtomicUsize,
+    /// Whether callers may run a batch at all; else every write goes to the thread.
+    inline: bool,
 }
 
 impl<W: ProcessBatch> SharedWriter<W> {
+    /// A writer whose lone writes may run on their callers' threads.
     pub(super) fn new(writer: W) -> Arc<SharedWriter<W>> {
+        Self::with(writer, true)
+    }
+
+    /// A writer that runs every write on its thread.
+    pub(super) fn thread_only(writer: W) -> Arc<SharedWriter<W>> {
+        Self::with(writer, false)
+    }
+
+    fn with(writer: W, inline: bool) -> Arc<SharedWriter<W>> {
         Arc::new(SharedWriter {
             writer: Mutex::new(writer),
             queued: AtomicUsize::new(0),
             last_batch: AtomicUsize::new(0),
+            inline,
         })
     }
 
@@ -247,7 +261,8 @@ pub(super) trait InlineWriter: Send + Sync {
 
 impl<W: ProcessBatch> InlineWriter for SharedWriter<W> {
     fn try_process(&self, write: Write) -> Option<Write> {
-        if self.queued.load(Ordering::Acquire) != 0
+        if !self.inline
+            || self.queued.load(Ordering::Acquire) != 0
             || self.last_batch.load(Ordering::Acquire) > 1
             || !on_a_multi_thread_runtime()
         {
@@ -392,8 +407,9 @@ pub(super) struct WriteQueue {
     /// To the writer thread; `None` once closed.
     sender: Option<mpsc::Sender<Write>>,
     pub(super) shared: Arc<Shared>,
-    /// The writer, for commits on the caller's thread; `None`: every write goes to the thread.
-    inline: Option<Arc<dyn InlineWriter>>,
+    /// The writer, for commits on the caller's thread and to count what is queued for its
+    /// thread; `None` once closed.
+    writer: Option<Arc<dyn InlineWriter>>,
 }
 
 impl WriteQueue {
@@ -402,20 +418,15 @@ impl WriteQueue {
         path: &Path,
         sender: mpsc::Sender<Write>,
         shared: Arc<Shared>,
+        writer: Arc<dyn InlineWriter>,
     ) -> WriteQueue {
         WriteQueue {
             engine,
             path: path.to_path_buf(),
             sender: Some(sender),
             shared,
-            inline: None,
+            writer: Some(writer),
         }
-    }
-
-    /// Lets callers commit on their own thread while the writer is idle.
-    pub(super) fn with_inline(mut self, writer: Arc<dyn InlineWriter>) -> WriteQueue {
-        self.inline = Some(writer);
-        self
     }
 
     /// Closes the queue: the writer stops once it has answered what it has, and the writer
@@ -423,7 +434,7 @@ impl WriteQueue {
     /// as it ends.
     pub(super) fn close(&mut self) {
         drop(self.sender.take());
-        drop(self.inline.take());
+        drop(self.writer.take());
     }
 
     /// Refuses writes early once a sync failed (the writer thread refuses them too).
@@ -446,24 +457,15 @@ impl WriteQueue {
             ),
         };
         let sender = self.sender.as_ref().ok_or_else(stopped)?;
-        let write = match &self.inline {
-            Some(inline) => match inline.try_process(write) {
-                // Committed here, and answered: the answer is ready.
-                None => {
-                    self.shared.inline.fetch_add(1, Ordering::Relaxed);
-                    return answer.await.map_err(|_| stopped())?;
-                }
-                Some(write) => {
-                    inline.sent();
-                    write
-                }
-            },
-            None => write,
+        let writer = self.writer.as_ref().ok_or_else(stopped)?;
+        let Some(write) = writer.try_process(write) else {
+            // Committed here, and answered: the answer is ready.
+            self.shared.inline.fetch_add(1, Ordering::Relaxed);
+            return answer.await.map_err(|_| stopped())?;
         };
+        writer.sent();
         if sender.send(write).is_err() {
-            if let Some(inline) = &self.inline {
-                inline.unsent();
-            }
+            writer.unsent();
             return Err(stopped());
         }
         answer.await.map_err(|_| stopped())?
