@@ -26,7 +26,9 @@
 //! milliseconds after the child was started, while sled opens and recovers the store and the
 //! engine resumes; and power cuts ([`ChaosConfig::power_cuts`]): the child runs under the
 //! [`crate::powercut`] shim, which at a seeded operation of the store directory drops every
-//! write and name change not yet fsynced and exits. The acknowledgements reach the parent on a
+//! write and name change not yet fsynced and exits (a third of the cuts fall within the
+//! child's start, the rest on its work: how many operations a start makes is learnt from the
+//! cuts, see `CutAim`). The acknowledgements reach the parent on a
 //! pipe, out of the cut's reach, as a client on another machine would hold them. With
 //! [`ChaosConfig::check_each_fault`] a copy of the store is checked after every fault (it
 //! opens, holds every acknowledged state, fsck is clean); the first failed check stops the run
@@ -120,7 +122,7 @@
 // (seeded) moments; the clock and sleep ban is for pure code.
 #![allow(clippy::disallowed_methods)]
 
-use crate::powercut::{Cut, CutFigures, FileFate, NameFate, CUT_EXIT_STATUS};
+use crate::powercut::{Cut, CutFigures, CUT_EXIT_STATUS};
 use anyhow::{anyhow, bail, Context};
 use async_trait::async_trait;
 use cairn_activities::{ActivityContext, Tool, ToolCall, ToolOutput, ToolRegistry};
@@ -131,6 +133,7 @@ use cairn_runtime::{
     SessionState, SessionStatus, SystemClock, TurnOutcome,
 };
 use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
+use cut_aim::CutAim;
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -570,8 +573,10 @@ pub fn run_chaos(config: &ChaosConfig, child_exe: &Path) -> anyhow::Result<Chaos
     let faults = config.kills + config.startup_kills + config.power_cuts;
 
     let mut faults_done = 0;
-    // Whether the last kill was aimed past the child's readiness (four in five are).
+    // Whether the last kill or cut was aimed past the child's readiness (four kills in five
+    // are, two cuts in three).
     let mut aimed_after_ready = false;
+    let mut cut_aim = CutAim::new();
     while faults_done < faults {
         let plan = if report.kills < config.kills {
             let (lo, hi) = config.kill_after_ms;
@@ -586,7 +591,9 @@ pub fn run_chaos(config: &ChaosConfig, child_exe: &Path) -> anyhow::Result<Chaos
             let (lo, hi) = config.startup_kill_ms;
             Plan::StartupKill(Duration::from_millis(lo + rng.below(hi - lo + 1)))
         } else {
-            Plan::Cut(random_cut(&mut rng))
+            let (cut, at_work) = cut_aim.next(&mut rng);
+            aimed_after_ready = at_work;
+            Plan::Cut(cut)
         };
         let env = match (&plan, &shim) {
             (Plan::Cut(cut), Some(shim)) => shim.env(&store_dir, cut),
@@ -610,6 +617,7 @@ pub fn run_chaos(config: &ChaosConfig, child_exe: &Path) -> anyhow::Result<Chaos
                     .max(*after)
                     .min(READY_ESTIMATE_MAX);
             }
+            (Plan::Cut(cut), None) if aimed_after_ready => cut_aim.missed_the_work(cut),
             _ => {}
         }
         let before_ready = run.output.ready.is_none();
@@ -816,37 +824,6 @@ enum Plan {
     Cut(Cut),
     /// No fault: the child runs to completion.
     Finish,
-}
-
-/// Operations of the store directory a child's start (opening, recovering, resuming) makes,
-/// roughly: a third of the cuts fall uniformly among the first this many.
-const CUT_STARTUP_OPS: u64 = 60;
-/// The other cuts fall log-uniformly between `CUT_STARTUP_OPS` and this many operations, so
-/// that early work (the first appends after a recovery) is dense and long runs still occur.
-const CUT_MAX_OPS: u64 = 3_000;
-
-fn random_cut(rng: &mut SplitMix64) -> Cut {
-    let after_ops = if rng.below(3) == 0 {
-        1 + rng.below(CUT_STARTUP_OPS)
-    } else {
-        let unit = rng.below(1_000_001) as f64 / 1_000_000.0;
-        let (lo, hi) = (CUT_STARTUP_OPS as f64, CUT_MAX_OPS as f64);
-        (lo * (hi / lo).powf(unit)).round() as u64
-    };
-    Cut {
-        after_ops,
-        files: if rng.below(2) == 0 {
-            FileFate::Revert
-        } else {
-            FileFate::Torn
-        },
-        names: if rng.below(2) == 0 {
-            NameFate::Vanish
-        } else {
-            NameFate::Keep
-        },
-        seed: rng.next(),
-    }
 }
 
 #[derive(Debug, Default)]
@@ -1144,6 +1121,7 @@ fn write_script(data: &Path, turns: usize, seed: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+mod cut_aim;
 pub mod record;
 mod remote;
 
