@@ -132,7 +132,7 @@ use super::keys::{
 use super::memory::{lease_current, released_visibility};
 pub use super::write_queue::MAX_BATCH;
 use super::write_queue::{
-    Engine, Pending, PreparedAppend, ProcessBatch, Shared, SharedWriter, Write, WriteQueue,
+    Engine, LoneWrites, Pending, PreparedAppend, ProcessBatch, Shared, Write, WriteQueue,
 };
 use super::{
     check_deletable, check_session_id, unknown_session, AppendRequest, Lease, LeaseRequest,
@@ -149,7 +149,7 @@ use std::ops::Bound;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc, RwLock};
+use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 use tokio::sync::oneshot;
 
@@ -342,7 +342,6 @@ impl FjallStore {
         let queue_index: QueueIndex = Arc::new(RwLock::new(keys));
 
         let shared = Arc::new(Shared::default());
-        let (writes, queue) = mpsc::channel();
         let writer = Writer {
             path: dir.to_path_buf(),
             handles: handles.clone(),
@@ -350,17 +349,19 @@ impl FjallStore {
             overlay: Overlay::default(),
             queue_index: Arc::clone(&queue_index),
         };
-        let writer = SharedWriter::new(writer);
-        let thread_writer = Arc::clone(&writer);
-        let thread = std::thread::Builder::new()
-            .name("cairn-fjall-writer".to_owned())
-            .spawn(move || thread_writer.run(&queue))
-            .map_err(|e| open_error(dir, format!("cannot start the writer thread: {e}")))?;
+        let (writes, thread) = WriteQueue::start(
+            ENGINE,
+            dir,
+            shared,
+            writer,
+            LoneWrites::OnCallersThread,
+            "cairn-fjall-writer",
+        )?;
         Ok(FjallStore {
             path: dir.to_path_buf(),
             handles: Some(handles),
             queue_index,
-            writes: WriteQueue::new(ENGINE, dir, writes, shared, writer),
+            writes,
             writer: Some(thread),
         })
     }

@@ -100,7 +100,7 @@ use super::keys::{
 };
 use super::memory::{lease_current, released_visibility};
 use super::write_queue::{
-    Engine, Pending, PreparedAppend, ProcessBatch, Shared, SharedWriter, Write, WriteQueue,
+    Engine, LoneWrites, Pending, PreparedAppend, ProcessBatch, Shared, Write, WriteQueue,
 };
 use super::{
     check_deletable, check_session_id, unknown_session, AppendRequest, Lease, LeaseRequest,
@@ -117,7 +117,7 @@ use std::fs::{self, File};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::SystemTime;
 use tokio::sync::oneshot;
@@ -227,7 +227,6 @@ impl SledStore {
             .sync_after_open(&db)
             .map_err(|e| open_error(dir, e))?;
         let shared = Arc::new(Shared::default());
-        let (writes, queue) = mpsc::channel();
         let writer = Writer {
             path: dir.to_path_buf(),
             handles: handles.clone(),
@@ -236,16 +235,18 @@ impl SledStore {
         };
         // Every write goes to the thread: sled's flush is a sled flush and then an fdatasync,
         // too long to hold a caller's thread (measured: no gain for one session, a loss at 16).
-        let writer = SharedWriter::thread_only(writer);
-        let thread_writer = Arc::clone(&writer);
-        let thread = std::thread::Builder::new()
-            .name("cairn-sled-writer".to_owned())
-            .spawn(move || thread_writer.run(&queue))
-            .map_err(|e| open_error(dir, format!("cannot start the writer thread: {e}")))?;
+        let (writes, thread) = WriteQueue::start(
+            ENGINE,
+            dir,
+            shared,
+            writer,
+            LoneWrites::OnWriterThread,
+            "cairn-sled-writer",
+        )?;
         Ok(SledStore {
             path: dir.to_path_buf(),
             handles: Some(handles),
-            writes: WriteQueue::new(ENGINE, dir, writes, shared, writer),
+            writes,
             writer: Some(thread),
         })
     }

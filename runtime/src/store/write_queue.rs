@@ -12,8 +12,8 @@
 //! # Where a batch runs: the caller's thread when the writer is idle, else the writer thread
 //!
 //! The writer's state sits behind a lock ([`SharedWriter`]). On a store that allows it
-//! ([`SharedWriter::new`], fjall's; not [`SharedWriter::thread_only`], sled's, whose sync is a
-//! sled flush and then an fdatasync and measured no better), a write that finds writes not
+//! ([`LoneWrites::OnCallersThread`], fjall's; not sled's, whose sync is a sled flush and then
+//! an fdatasync and measured no better), a write that finds writes not
 //! concurrent (the writer thread's last batch held one at most), nothing queued and the lock
 //! free runs as a batch of one on the caller's own thread, synced there, and is answered
 //! before the caller awaits anything. Otherwise it goes through an `mpsc` channel to
@@ -33,6 +33,7 @@
 //! Error texts name the engine and its sync ("sled store at …: sync failed", "fjall store at
 //! …: persist failed"): an [`Engine`] carries those words.
 
+use super::files::open_error;
 use super::keys::{encode_meta, seq_key};
 use super::{
     check_request, AppendRequest, Lease, LeaseRequest, NewTask, SessionInfo, Task, TaskFilter,
@@ -196,29 +197,28 @@ pub(super) struct SharedWriter<W> {
     /// Writes sent to the writer thread and not yet taken by it.
     queued: AtomicUsize,
     /// Writes in the last batch the writer thread took: more than one means writes are
-    /// concurrent, and then every write goes to the thread (see [`InlineWriter::try_process`]).
+    /// concurrent, and then every write goes to the thread (see [`WriterHandle::try_process`]).
     last_batch: AtomicUsize,
     /// Whether callers may run a batch at all; else every write goes to the thread.
     inline: bool,
 }
 
-impl<W: ProcessBatch> SharedWriter<W> {
-    /// A writer whose lone writes may run on their callers' threads.
-    pub(super) fn new(writer: W) -> Arc<SharedWriter<W>> {
-        Self::with(writer, true)
-    }
+/// Where a lone write (one that finds the writer idle and nothing queued) runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum LoneWrites {
+    /// On its caller's thread, as a batch of one (fjall's).
+    OnCallersThread,
+    /// On the writer thread, like every other write (sled's).
+    OnWriterThread,
+}
 
-    /// A writer that runs every write on its thread.
-    pub(super) fn thread_only(writer: W) -> Arc<SharedWriter<W>> {
-        Self::with(writer, false)
-    }
-
-    fn with(writer: W, inline: bool) -> Arc<SharedWriter<W>> {
+impl<W: ProcessBatch + 'static> SharedWriter<W> {
+    fn new(writer: W, lone_writes: LoneWrites) -> Arc<SharedWriter<W>> {
         Arc::new(SharedWriter {
             writer: Mutex::new(writer),
             queued: AtomicUsize::new(0),
             last_batch: AtomicUsize::new(0),
-            inline,
+            inline: lone_writes == LoneWrites::OnCallersThread,
         })
     }
 
@@ -230,7 +230,7 @@ impl<W: ProcessBatch> SharedWriter<W> {
     }
 
     /// The writer thread: takes batches off the queue and processes each under the lock.
-    pub(super) fn run(&self, queue: &mpsc::Receiver<Write>) {
+    fn run(&self, queue: &mpsc::Receiver<Write>) {
         while let Some(batch) = next_batch(queue) {
             self.queued.fetch_sub(batch.len(), Ordering::AcqRel);
             self.last_batch.store(batch.len(), Ordering::Release);
@@ -247,8 +247,9 @@ fn on_a_multi_thread_runtime() -> bool {
         .is_ok_and(|handle| handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
 
-/// What a [`WriteQueue`] needs of a [`SharedWriter`] to commit on the caller's thread.
-pub(super) trait InlineWriter: Send + Sync {
+/// What a [`WriteQueue`] needs of a [`SharedWriter`]: to commit on the caller's thread, and to
+/// count what it queues for the writer thread.
+pub(super) trait WriterHandle: Send + Sync {
     /// Processes `write` on this thread when writes are not concurrent (the writer thread's
     /// last batch held one write at most), nothing is queued for the thread and the writer is
     /// not busy; else gives it back.
@@ -259,7 +260,7 @@ pub(super) trait InlineWriter: Send + Sync {
     fn unsent(&self);
 }
 
-impl<W: ProcessBatch> InlineWriter for SharedWriter<W> {
+impl<W: ProcessBatch> WriterHandle for SharedWriter<W> {
     fn try_process(&self, write: Write) -> Option<Write> {
         if !self.inline
             || self.queued.load(Ordering::Acquire) != 0
@@ -409,24 +410,35 @@ pub(super) struct WriteQueue {
     pub(super) shared: Arc<Shared>,
     /// The writer, for commits on the caller's thread and to count what is queued for its
     /// thread; `None` once closed.
-    writer: Option<Arc<dyn InlineWriter>>,
+    writer: Option<Arc<dyn WriterHandle>>,
 }
 
 impl WriteQueue {
-    pub(super) fn new(
+    /// Starts the writer thread, named `thread_name`, running `writer`; returns the queue
+    /// that feeds it and the thread's handle, to join after [`WriteQueue::close`].
+    pub(super) fn start<W: ProcessBatch + 'static>(
         engine: Engine,
         path: &Path,
-        sender: mpsc::Sender<Write>,
         shared: Arc<Shared>,
-        writer: Arc<dyn InlineWriter>,
-    ) -> WriteQueue {
-        WriteQueue {
+        writer: W,
+        lone_writes: LoneWrites,
+        thread_name: &str,
+    ) -> Result<(WriteQueue, std::thread::JoinHandle<()>)> {
+        let (sender, queue) = mpsc::channel();
+        let writer = SharedWriter::new(writer, lone_writes);
+        let thread_writer = Arc::clone(&writer);
+        let thread = std::thread::Builder::new()
+            .name(thread_name.to_owned())
+            .spawn(move || thread_writer.run(&queue))
+            .map_err(|e| open_error(path, format!("cannot start the writer thread: {e}")))?;
+        let queue = WriteQueue {
             engine,
             path: path.to_path_buf(),
             sender: Some(sender),
             shared,
             writer: Some(writer),
-        }
+        };
+        Ok((queue, thread))
     }
 
     /// Closes the queue: the writer stops once it has answered what it has, and the writer
