@@ -75,7 +75,9 @@
 //!
 //! If a flush or an fsync fails, every write of that batch gets `Error::Store`, and the store
 //! refuses further writes until it is reopened: after a failed fsync the kernel may have
-//! dropped the dirty pages, so a later fsync that succeeds would prove nothing.
+//! dropped the dirty pages, so a later fsync that succeeds would prove nothing. So does a
+//! failed write into sled (a full disk), after which sled's own state is in doubt; closing
+//! such a store waits for sled a few seconds at most (see `close_after_a_failure`).
 //!
 //! # A lost log tail
 //!
@@ -279,10 +281,45 @@ impl Drop for SledStore {
             let _ = writer.join();
         }
         if let Some(handles) = self.handles.take() {
-            // sled's last handle flushes and unwraps an fsync while dropping: keep a disk error
-            // there from turning into a panic in the caller (or an abort while unwinding).
-            let _ = catch_unwind(AssertUnwindSafe(move || drop(handles)));
+            if self.writes.shared.failed().is_some() {
+                close_after_a_failure(handles, &self.path);
+            } else {
+                // sled's last handle flushes and unwraps an fsync while dropping: keep a disk
+                // error there from turning into a panic in the caller (or an abort while
+                // unwinding).
+                let _ = catch_unwind(AssertUnwindSafe(move || drop(handles)));
+            }
         }
+    }
+}
+
+/// How long closing a store that failed a write waits for sled to let go of it.
+const CLOSE_AFTER_A_FAILURE_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Drops the handles of a store that failed a write, waiting [`CLOSE_AFTER_A_FAILURE_WAIT`]
+/// at most. sled's last handle flushes while dropping, and after a failed log write (a full
+/// disk) sled 0.34 can wait forever for a log position it never writes, even once there is
+/// room again. Nothing acknowledged depends on that flush (every acknowledged write was
+/// synced), so the close gives up waiting and says so; sled keeps its lock on the store until
+/// the process exits.
+fn close_after_a_failure(handles: Handles, path: &Path) {
+    let (closed, done) = std::sync::mpsc::channel::<()>();
+    let spawned = std::thread::Builder::new()
+        .name("cairn-sled-close".to_owned())
+        .spawn(move || {
+            let _ = catch_unwind(AssertUnwindSafe(move || drop(handles)));
+            let _ = closed.send(());
+        });
+    let finished = match spawned {
+        Ok(_) => done.recv_timeout(CLOSE_AFTER_A_FAILURE_WAIT).is_ok(),
+        Err(_) => false,
+    };
+    if !finished {
+        tracing::warn!(
+            store = %path.display(),
+            "sled did not finish closing the store after a failed write; it keeps the store \
+             locked until this process exits (every acknowledged write was synced)"
+        );
     }
 }
 
@@ -332,6 +369,19 @@ impl Writer {
         self.shared.refusal(ENGINE, &self.path)
     }
 
+    /// Why a group failed, in words; a storage failure makes the store refuse further writes.
+    fn group_failed(&self, failure: GroupFailure) -> String {
+        match failure {
+            GroupFailure::Aborted(reason) => reason,
+            GroupFailure::Storage(reason) => {
+                self.shared
+                    .failed()
+                    .get_or_insert_with(|| format!("a write failed: {reason}"));
+                reason
+            }
+        }
+    }
+
     /// Commits consecutive appends in one transaction (each still all or nothing): answers the
     /// rejected ones now, queues the others' answers for the sync.
     fn append_group(
@@ -360,7 +410,8 @@ impl Writer {
                     }
                 }
             }
-            Err(reason) => {
+            Err(failure) => {
+                let reason = self.group_failed(failure);
                 for reply in replies {
                     let _ = reply.send(Err(sled_error(&self.path, "append", &reason)));
                 }
@@ -401,7 +452,8 @@ impl Writer {
                         }
                         None => unreachable!("one outcome per append"),
                     },
-                    Err(reason) => {
+                    Err(failure) => {
+                        let reason = self.group_failed(failure);
                         let _ = reply.send(Err(sled_error(&self.path, "append", &reason)));
                     }
                 }
@@ -778,7 +830,7 @@ fn sled_error(path: &Path, doing: &str, e: impl std::fmt::Display) -> Error {
 fn append_all(
     h: &Handles,
     appends: &[PreparedAppend],
-) -> std::result::Result<Vec<Result<()>>, String> {
+) -> std::result::Result<Vec<Result<()>>, GroupFailure> {
     let trees = (&h.events, &h.sessions, &h.tasks, &h.queue);
     let result = trees.transaction(|trees| {
         let mut outcomes = Vec::with_capacity(appends.len());
@@ -789,9 +841,20 @@ fn append_all(
     });
     match result {
         Ok(outcomes) => Ok(outcomes),
-        Err(TransactionError::Abort(e)) => Err(e.to_string()),
-        Err(TransactionError::Storage(e)) => Err(e.to_string()),
+        Err(TransactionError::Abort(e)) => Err(GroupFailure::Aborted(e.to_string())),
+        Err(TransactionError::Storage(e)) => Err(GroupFailure::Storage(e.to_string())),
     }
+}
+
+/// Why a group of appends committed nothing.
+#[derive(Debug)]
+enum GroupFailure {
+    /// The transaction was aborted; sled is as it was.
+    Aborted(String),
+    /// sled failed to write (a full disk): what it holds in memory is in doubt (sled 0.34 can
+    /// then wait forever for a log position it never writes), so the store refuses writes from
+    /// then on, as after a failed sync.
+    Storage(String),
 }
 
 type TxTrees = (
