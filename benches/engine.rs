@@ -1,7 +1,8 @@
 //! Engine benchmarks: folding a 10,000-event history (in memory, and cold from each embedded
-//! store, apart from the store's open), and one state transition (an activity completion
-//! recorded → the next task leased) on the memory store and on durable sled and fjall, with the
-//! next task leased in a round of its own or with the report (eager dispatch).
+//! store, apart from the store's open), the record codec per record, and one state transition
+//! (an activity completion recorded → the next task leased) on the memory store and on durable
+//! sled and fjall, with the next task leased in a round of its own or with the report (eager
+//! dispatch).
 
 #[path = "../src/allocator.rs"]
 mod allocator;
@@ -161,7 +162,33 @@ fn fold(c: &mut Criterion) {
         })
     });
     group.finish();
+    codec_per_record(c, &events, &records);
     cold(c, &events);
+}
+
+/// The record codec alone, per record: encoding the 10k-event history's envelopes, and
+/// decoding its records (checksum, decompression, msgpack), without the fold.
+fn codec_per_record(c: &mut Criterion, events: &[EventEnvelope], records: &[Vec<u8>]) {
+    let mut group = c.benchmark_group("codec");
+    group.throughput(Throughput::Elements(events.len() as u64));
+    group.bench_function("encode_10k_records", |b| {
+        b.iter(|| {
+            events
+                .iter()
+                .map(|e| codec::encode(e).unwrap().len())
+                .sum::<usize>()
+        })
+    });
+    group.bench_function("decode_10k_records", |b| {
+        b.iter(|| {
+            records
+                .iter()
+                .enumerate()
+                .map(|(i, r)| codec::decode("bench", i as u64 + 1, r).unwrap().seq)
+                .sum::<u64>()
+        })
+    });
+    group.finish();
 }
 
 /// A store of `kind` in a new directory holding `events` (one session), appended 500 at a time.

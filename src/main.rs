@@ -463,6 +463,26 @@ enum Command {
         #[arg(long)]
         keep: bool,
     },
+    /// Trains a zstd dictionary for the record codec's compressed bodies from the golden
+    /// sessions and writes it to --out (how dictionary 1 was made, byte for byte; a shipped
+    /// dictionary never changes, a new one gets a new codec id).
+    #[command(hide = true)]
+    TrainDictionary {
+        /// Where to write the dictionary.
+        #[arg(long)]
+        out: PathBuf,
+        /// The golden files (default: the tests/golden/ this binary was built from).
+        #[arg(long)]
+        golden: Option<PathBuf>,
+        /// Turns of a footprint session also sampled (experiments only: dictionary 1 was
+        /// trained without one); 0 leaves it out.
+        #[arg(long, default_value_t = 0)]
+        turns: usize,
+        /// Also try the dictionary on a new footprint session of this many turns and print
+        /// its records' bytes as a multiple of its raw message bytes.
+        #[arg(long, value_name = "TURNS")]
+        evaluate: Option<usize>,
+    },
     /// The process `cairn chaos` starts and kills.
     #[command(hide = true)]
     ChaosChild {
@@ -1159,6 +1179,36 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 keep,
             })
             .await
+        }
+        Command::TrainDictionary {
+            out,
+            golden,
+            turns,
+            evaluate,
+        } => {
+            use cairn_devtools::dictionary;
+            let golden = golden.unwrap_or_else(dictionary::default_golden_dir);
+            let samples = dictionary::samples(&golden, turns).await?;
+            let trained = dictionary::train(&samples)?;
+            std::fs::write(&out, &trained).with_context(|| format!("writing {}", out.display()))?;
+            let raw: u64 = samples.bodies.iter().map(|b| b.len() as u64).sum();
+            let records = dictionary::record_bytes(&samples.bodies, &trained)?;
+            for (source, count) in &samples.sources {
+                outln!("{source}: {count} records")?;
+            }
+            outln!(
+                "{} bytes of dictionary written to {}; the samples' {raw} body bytes take {records} as records",
+                trained.len(),
+                out.display()
+            )?;
+            if let Some(turns) = evaluate {
+                let (raw, records) = dictionary::evaluate(&trained, turns).await?;
+                outln!(
+                    "a new {turns}-turn footprint session: {raw} raw message bytes, {records} record bytes ({:.2}× raw)",
+                    records as f64 / raw.max(1) as f64
+                )?;
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Command::ChaosChild {
             data,

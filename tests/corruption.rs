@@ -66,7 +66,7 @@ async fn write_pristine(dir: &Path, engine: StorageEngine) {
             }
             let mut text = format!("{sid}-{round}-");
             if sid == "big" && round == BIG_SEQ {
-                text.push_str(&"b".repeat(300 * 1024));
+                text.push_str(&crate::support::incompressible_text(round, 300 * 1024));
             }
             let event = EventEnvelope::new(
                 sid,

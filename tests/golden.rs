@@ -1,6 +1,8 @@
 //! Golden files: the encoded bytes of every event kind, and whole demo sessions as text.
-//! Regenerate with `CAIRN_BLESS=1 cargo test --test integration golden` — only for new files or
-//! an intended format change; old event files must keep decoding forever.
+//! `events/*.bin` are format-1 records (written before format 2): they are never made again and
+//! must keep decoding forever. `events/format2/` holds the same records as `codec::encode`
+//! writes them now. Regenerate with `CAIRN_BLESS=1 cargo test --test integration golden` — only
+//! for new files or an intended format change; old event files must keep decoding forever.
 
 use crate::support::{demo_files, TestHost};
 use cairn_ledger::*;
@@ -17,6 +19,48 @@ fn golden_dir() -> PathBuf {
 
 fn bless() -> bool {
     std::env::var_os("CAIRN_BLESS").is_some()
+}
+
+/// Checks `envelope`'s golden records. `events/NAME` holds it in format 1, as every record was
+/// written before format 2: it must decode to the envelope forever and is never rewritten.
+/// `events/format2/NAME` holds what `codec::encode` writes today (written when missing or
+/// blessed): it must decode to the envelope, and the encoding must not change. Returns the
+/// format-2 record's decoding.
+fn assert_golden_record(name: &str, envelope: &EventEnvelope) -> EventEnvelope {
+    let (session_id, seq) = (envelope.session_id.as_str(), envelope.seq);
+    let format1 = golden_dir().join("events").join(name);
+    let stored = std::fs::read(&format1).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (format-1 files are never made again)",
+            format1.display()
+        )
+    });
+    assert_eq!(stored[0], 1, "{} is a format-1 record", format1.display());
+    let decoded = codec::decode(session_id, seq, &stored)
+        .unwrap_or_else(|e| panic!("{}: {e}", format1.display()));
+    assert_eq!(
+        &decoded,
+        envelope,
+        "{} decodes to a different event",
+        format1.display()
+    );
+    let format2 = golden_dir().join("events/format2").join(name);
+    let bytes = codec::encode(envelope).unwrap();
+    if bless() || !format2.exists() {
+        std::fs::create_dir_all(format2.parent().unwrap()).unwrap();
+        std::fs::write(&format2, &bytes).unwrap();
+    }
+    let stored = std::fs::read(&format2).unwrap();
+    let decoded = codec::decode(session_id, seq, &stored)
+        .unwrap_or_else(|e| panic!("{}: {e}", format2.display()));
+    assert_eq!(
+        &decoded,
+        envelope,
+        "{} decodes to a different event",
+        format2.display()
+    );
+    assert_eq!(bytes, stored, "{}: the encoding changed", format2.display());
+    decoded
 }
 
 fn sample_events() -> Vec<Event> {
@@ -233,37 +277,20 @@ fn every_event_kind_has_golden_bytes_that_decode_and_reencode_identically() {
         let kind = event.kind();
         kinds.push(kind);
         let envelope = EventEnvelope::new("golden-session", i as u64 + 1, 1_700_000_000_000, event);
-        let path = dir.join(format!("v1-{kind}.bin"));
-        let bytes = codec::encode(&envelope).unwrap();
-        if bless() || !path.exists() {
-            std::fs::write(&path, &bytes).unwrap();
-        }
-        let stored = std::fs::read(&path).unwrap();
-        let decoded = codec::decode("golden-session", i as u64 + 1, &stored)
-            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        assert_eq!(
-            decoded,
-            envelope,
-            "{} decodes to a different event",
-            path.display()
-        );
-        assert_eq!(
-            bytes,
-            stored,
-            "{}: the encoding of {kind} changed",
-            path.display()
-        );
+        assert_golden_record(&format!("v1-{kind}.bin"), &envelope);
     }
-    // Every kind is covered: a new kind without a golden file fails here.
-    let mut found: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("v1-"))
-        .collect();
-    found.sort();
+    // Every kind is covered, in both formats: a new kind without a golden file fails here.
     let mut expected: Vec<String> = kinds.iter().map(|k| format!("v1-{k}.bin")).collect();
     expected.sort();
-    assert_eq!(found, expected);
+    for dir in [dir.clone(), dir.join("format2")] {
+        let mut found: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("v1-"))
+            .collect();
+        found.sort();
+        assert_eq!(found, expected, "{}", dir.display());
+    }
     assert_eq!(kinds.len(), 21);
 }
 
@@ -284,17 +311,7 @@ fn a_forked_session_started_has_golden_bytes() {
         1_700_000_000_000,
         Event::SessionStarted(started),
     );
-    let path = golden_dir().join("events/fork-session_started.bin");
-    let bytes = codec::encode(&envelope).unwrap();
-    if bless() || !path.exists() {
-        std::fs::write(&path, &bytes).unwrap();
-    }
-    let stored = std::fs::read(&path).unwrap();
-    assert_eq!(codec::decode("golden-fork", 1, &stored).unwrap(), envelope);
-    assert_eq!(
-        bytes, stored,
-        "the encoding of a fork's session_started changed"
-    );
+    assert_golden_record("fork-session_started.bin", &envelope);
 }
 
 /// A session_started with a tool policy; the field, added after v1, is left out of every
@@ -319,20 +336,7 @@ fn a_session_started_with_a_tool_policy_has_golden_bytes() {
         1_700_000_000_000,
         Event::SessionStarted(started),
     );
-    let path = golden_dir().join("events/policy-session_started.bin");
-    let bytes = codec::encode(&envelope).unwrap();
-    if bless() || !path.exists() {
-        std::fs::write(&path, &bytes).unwrap();
-    }
-    let stored = std::fs::read(&path).unwrap();
-    assert_eq!(
-        codec::decode("golden-policy", 1, &stored).unwrap(),
-        envelope
-    );
-    assert_eq!(
-        bytes, stored,
-        "the encoding of a session_started with a tool policy changed"
-    );
+    assert_golden_record("policy-session_started.bin", &envelope);
 }
 
 /// The events that carry costs, budgets and usage so far, added after v1: each field is
@@ -431,24 +435,7 @@ fn cost_and_budget_fields_have_golden_bytes() {
     for (i, event) in cases.into_iter().enumerate() {
         let kind = event.kind();
         let envelope = EventEnvelope::new("golden-budget", i as u64 + 1, 1_700_000_000_000, event);
-        let path = golden_dir().join(format!("events/budget-{kind}.bin"));
-        let bytes = codec::encode(&envelope).unwrap();
-        if bless() || !path.exists() {
-            std::fs::write(&path, &bytes).unwrap();
-        }
-        let stored = std::fs::read(&path).unwrap();
-        assert_eq!(
-            codec::decode("golden-budget", i as u64 + 1, &stored).unwrap(),
-            envelope,
-            "{} decodes to a different event",
-            path.display()
-        );
-        assert_eq!(
-            bytes,
-            stored,
-            "{}: the encoding of {kind} changed",
-            path.display()
-        );
+        assert_golden_record(&format!("budget-{kind}.bin"), &envelope);
     }
 }
 
@@ -484,17 +471,7 @@ fn compaction_records_have_golden_bytes() {
         ("context_too_long-model_call_failed", failed),
     ] {
         let envelope = EventEnvelope::new("golden-compaction", 1, 1_700_000_000_000, event);
-        let path = golden_dir().join(format!("events/{name}.bin"));
-        let bytes = codec::encode(&envelope).unwrap();
-        if bless() || !path.exists() {
-            std::fs::write(&path, &bytes).unwrap();
-        }
-        let stored = std::fs::read(&path).unwrap();
-        assert_eq!(
-            codec::decode("golden-compaction", 1, &stored).unwrap(),
-            envelope
-        );
-        assert_eq!(bytes, stored, "the encoding of {name} changed");
+        assert_golden_record(&format!("{name}.bin"), &envelope);
     }
 }
 
@@ -512,22 +489,11 @@ fn a_session_started_with_a_workdir_has_golden_bytes() {
         1_700_000_000_000,
         Event::SessionStarted(started),
     );
-    let path = golden_dir().join("events/workdir-session_started.bin");
-    let bytes = codec::encode(&envelope).unwrap();
-    if bless() || !path.exists() {
-        std::fs::write(&path, &bytes).unwrap();
-    }
-    let stored = std::fs::read(&path).unwrap();
-    let decoded = codec::decode("golden-workdir", 1, &stored).unwrap();
-    assert_eq!(decoded, envelope);
+    let decoded = assert_golden_record("workdir-session_started.bin", &envelope);
     let Event::SessionStarted(decoded) = decoded.event else {
         panic!("a session_started decodes as one");
     };
     assert_eq!(decoded.workdir.as_deref(), Some("/home/someone/project"));
-    assert_eq!(
-        bytes, stored,
-        "the encoding of a session_started with a workdir changed"
-    );
 }
 
 #[test]
@@ -704,20 +670,6 @@ fn call_options_tool_choice_and_opaque_parts_have_golden_bytes() {
     for (seq, (kind, event)) in events.into_iter().enumerate() {
         let envelope =
             EventEnvelope::new("golden-options", seq as u64 + 1, 1_700_000_000_000, event);
-        let path = golden_dir().join(format!("events/options-{kind}.bin"));
-        let bytes = codec::encode(&envelope).unwrap();
-        if bless() || !path.exists() {
-            std::fs::write(&path, &bytes).unwrap();
-        }
-        let stored = std::fs::read(&path).unwrap();
-        assert_eq!(
-            codec::decode("golden-options", seq as u64 + 1, &stored).unwrap(),
-            envelope,
-            "{kind}"
-        );
-        assert_eq!(
-            bytes, stored,
-            "the encoding of {kind} with call options changed"
-        );
+        assert_golden_record(&format!("options-{kind}.bin"), &envelope);
     }
 }

@@ -1,7 +1,8 @@
 //! Golden bytes of the content shapes added after v1: a user message with an image and a
 //! document, and a tool result of text and image blocks. Old records are unchanged by them
 //! (the `media` field is left out of a text-only message; see `golden.rs`), and these files pin
-//! the records with them. Regenerate only new files, with `CAIRN_BLESS=1`.
+//! the records with them, in format 1 (never made again) and in format 2 (`format2/`).
+//! Regenerate only new files, with `CAIRN_BLESS=1`.
 
 use cairn_ledger::{Media, MediaKind, MediaSource, ToolResultBlock, ToolResultContent};
 use cairn_runtime::{codec, Event, EventEnvelope};
@@ -13,11 +14,19 @@ fn golden_path(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Checks `event`'s encoding against its golden file (written when missing or blessed), and
-/// that the stored bytes decode to it.
+/// Checks `event`'s golden records: `NAME` is its format-1 record (written before format 2,
+/// never made again), which must keep decoding to it; `format2/NAME` is its record as
+/// `codec::encode` writes it now (written when missing or blessed), which must decode to it and
+/// not change.
 fn assert_golden(name: &str, seq: u64, event: Event) {
     let envelope = EventEnvelope::new("golden-media", seq, 1_700_000_000_000, event);
-    let path = golden_path(name);
+    let format1 = std::fs::read(golden_path(name)).unwrap();
+    assert_eq!(format1[0], 1, "{name} is a format-1 record");
+    assert_eq!(
+        codec::decode("golden-media", seq, &format1).unwrap(),
+        envelope
+    );
+    let path = golden_path(&format!("format2/{name}"));
     let bytes = codec::encode(&envelope).unwrap();
     if std::env::var_os("CAIRN_BLESS").is_some() || !path.exists() {
         std::fs::write(&path, &bytes).unwrap();

@@ -404,7 +404,11 @@ async fn writer(store: &dyn Store, session: &str, w: usize, rng: &mut StdRng, se
                     Event::UserMessage {
                         tool_choice: None,
                         turn: 1,
-                        text: format!("{} {}", tag(k), "x".repeat(size)),
+                        text: format!(
+                            "{} {}",
+                            tag(k),
+                            crate::support::incompressible_text(seq, size)
+                        ),
                         model: None,
                         media: Vec::new(),
                     }

@@ -6,6 +6,9 @@ use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// Large events must be made of text compression does not shrink much: records are compressed.
+pub use cairn_runtime::store::conformance::incompressible_text;
+
 /// A store, an engine and a worker pool, in this process.
 pub struct TestHost {
     pub client: Client,
@@ -148,19 +151,4 @@ pub fn cairn_command() -> std::process::Command {
         .env_remove("DATABASE_URL")
         .env_remove("RUST_LOG");
     command
-}
-
-/// `len` letters picked by a xorshift from `seed`: records are compressed, so a large event
-/// must be made of text that compression does not shrink much (6 bits a letter) to stay large.
-pub fn incompressible_text(seed: u64, len: usize) -> String {
-    const LETTERS: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/";
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            LETTERS[(state % 64) as usize] as char
-        })
-        .collect()
 }

@@ -23,7 +23,7 @@ use cairn_activities::ToolRegistry;
 use cairn_ledger::{ModelSpec, Part, ToolResultContent, Transcript};
 use cairn_runtime::codec;
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
-use cairn_runtime::{Client, Engine, SessionOptions, SystemClock, TurnOutcome};
+use cairn_runtime::{Client, Engine, EventEnvelope, SessionOptions, SystemClock, TurnOutcome};
 use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt as _;
@@ -71,6 +71,8 @@ pub struct Footprint {
     pub disk_closed: DiskUsage,
     /// The store directory once reopened and the history read back.
     pub disk_reopened: DiskUsage,
+    /// The session's history (what the dictionary trainer samples).
+    pub history: Vec<EventEnvelope>,
 }
 
 /// Words the texts are made of (their frequencies are flat, so they compress less than prose).
@@ -361,6 +363,7 @@ pub async fn measure(turns: usize, engine: StorageEngine) -> anyhow::Result<Foot
         disk_open,
         disk_closed,
         disk_reopened,
+        history,
     })
 }
 

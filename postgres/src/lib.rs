@@ -20,9 +20,10 @@
 //!   (= the last seq), `updated_at_ms` the time of the last append. A deleted session keeps
 //!   its row as its tombstone, with the status `deleted` and no events (migration 2).
 //! - `cairn_events (session_id → cairn_sessions, seq, record BYTEA, PK (session_id, seq))`:
-//!   each event as the runtime's record (`codec::encode`: format byte, CRC32, named-field
-//!   msgpack), so these histories carry the same checksummed, versioned bytes as the embedded
-//!   stores' and decode through the same `codec::decode`.
+//!   each event as the runtime's record (`codec::encode`: format byte, codec byte, CRC32,
+//!   named-field msgpack compressed against the runtime's dictionary), so these histories
+//!   carry the same checksummed, versioned bytes as the embedded stores' and decode through
+//!   the same `codec::decode`.
 //! - `cairn_tasks (session_id, scheduled_seq PK, kind, visible_at_ms, lease_attempt, queue,
 //!   target, start_by_ms NULL, held, heartbeat_details NULL)`: the queue, one row per task with
 //!   the fields of [`Task`](cairn_runtime::store::Task) (`kind` is `model` or `tool`,

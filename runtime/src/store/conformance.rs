@@ -95,6 +95,22 @@ pub async fn run_all<S: Store>(
     }
 }
 
+/// `len` letters picked by a xorshift from `seed`: a text that compression shrinks only to
+/// about three quarters (6 bits a letter), for events that must stay large once stored (records
+/// are compressed: a repeated letter would make a large event a small record).
+pub fn incompressible_text(seed: u64, len: usize) -> String {
+    const LETTERS: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/";
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            LETTERS[(state % 64) as usize] as char
+        })
+        .collect()
+}
+
 /// A user message event (the payload is irrelevant to stores, only its round trip matters).
 pub fn message(session_id: &str, seq: u64, text: &str) -> EventEnvelope {
     EventEnvelope::new(
@@ -591,9 +607,12 @@ pub async fn large_events_round_trip(store: &dyn Store) {
 }
 
 fn large_events_fixture() -> Vec<(String, Vec<EventEnvelope>)> {
-    let huge = "h".repeat(600 * 1024);
+    let huge = incompressible_text(1, 600 * 1024);
     let many: Vec<EventEnvelope> = (1..=24)
-        .map(|seq| message("many", seq, &format!("{seq}:{}", "m".repeat(12 * 1024))))
+        .map(|seq| {
+            let text = format!("{seq}:{}", incompressible_text(seq + 1, 12 * 1024));
+            message("many", seq, &text)
+        })
         .collect();
     vec![
         (

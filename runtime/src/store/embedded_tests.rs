@@ -2,7 +2,7 @@
 //! losses named by session and seq, writable opens that put the files back, repair.
 
 use super::*;
-use crate::store::conformance::{append_request, message};
+use crate::store::conformance::{append_request, incompressible_text, message};
 use std::collections::BTreeMap;
 
 /// Every file under `dir` (relative path → bytes), excluding the lock file.
@@ -29,7 +29,7 @@ fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
 
 /// Appends one event at a time to each session (each its own log messages) of a new sled
 /// store, with a marker `MARK-<session>-<seq>-` in every event, and `big` bytes more in
-/// `big_at`'s event.
+/// `big_at`'s event ([`marked_text`]).
 async fn write_marked(dir: &Path, names: &[&str], events: u64, big_at: Option<(&str, u64, usize)>) {
     write_marked_on(dir, StorageEngine::Sled, names, events, big_at).await
 }
@@ -46,12 +46,7 @@ async fn write_marked_on(
         .expect("create");
     for s in names {
         for seq in 1..=events {
-            let mut text = format!("MARK-{s}-{seq}-");
-            if let Some((bs, bseq, len)) = big_at {
-                if (bs, bseq) == (*s, seq) {
-                    text.push_str(&"z".repeat(len));
-                }
-            }
+            let text = marked_text(s, seq, big_at);
             opened
                 .store
                 .append(append_request(s, seq, vec![message(s, seq, &text)], 1))
@@ -75,10 +70,29 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
-fn flip(path: &Path, marker: &[u8]) {
+/// The text of `s`'s event `seq` in [`write_marked`]: its marker, and for `big_at`'s event
+/// `len` more letters that compression does not shrink much, so that the record stays large.
+fn marked_text(s: &str, seq: u64, big_at: Option<(&str, u64, usize)>) -> String {
+    let mut text = format!("MARK-{s}-{seq}-");
+    if let Some((bs, bseq, len)) = big_at {
+        if (bs, bseq) == (s, seq) {
+            text.push_str(&incompressible_text(seq, len));
+        }
+    }
+    text
+}
+
+/// The stored record of `s`'s event `seq` in [`write_marked`] (records are compressed, so the
+/// marker text is not in the files as it is; the record is, as the codec writes it).
+fn marked_record(s: &str, seq: u64, big_at: Option<(&str, u64, usize)>) -> Vec<u8> {
+    crate::codec::encode(&message(s, seq, &marked_text(s, seq, big_at))).expect("encode")
+}
+
+/// Flips a byte in the middle of the first copy of `record` in the file at `path`.
+fn flip(path: &Path, record: &[u8]) {
     let mut bytes = fs::read(path).expect("read");
-    let at = find(&bytes, marker).expect("the marker is in the file");
-    bytes[at + 5] ^= 0x01;
+    let at = find(&bytes, record).expect("the record is in the file");
+    bytes[at + record.len() / 2] ^= 0x01;
     fs::write(path, &bytes).expect("write");
 }
 
@@ -166,7 +180,7 @@ async fn a_byte_flip_in_the_log_is_named_contained_and_destroys_nothing() {
     let root = tempfile::tempdir().expect("tempdir");
     let dir = root.path().join("s");
     write_marked(&dir, &["a", "b", "c"], 20, None).await;
-    flip(&dir.join("db"), b"MARK-b-10-");
+    flip(&dir.join("db"), &marked_record("b", 10, None));
     let before = files(&dir);
 
     let read = open(&dir, OpenMode::ReadOnly, None)
@@ -231,13 +245,15 @@ async fn a_byte_flip_in_the_log_is_named_contained_and_destroys_nothing() {
 async fn a_byte_flip_in_a_blob_is_named_and_destroys_nothing() {
     let root = tempfile::tempdir().expect("tempdir");
     let dir = root.path().join("s");
-    write_marked(&dir, &["a", "b"], 10, Some(("b", 5, 300 * 1024))).await;
+    let big_at = Some(("b", 5, 300 * 1024));
+    write_marked(&dir, &["a", "b"], 10, big_at).await;
+    let record = marked_record("b", 5, big_at);
     let blob = files(&dir.join("blobs"))
         .into_iter()
-        .find(|(_, bytes)| find(bytes, b"MARK-b-5-").is_some())
+        .find(|(_, bytes)| find(bytes, &record).is_some())
         .map(|(name, _)| dir.join("blobs").join(name))
         .expect("the large event is in a blob");
-    flip(&blob, b"MARK-b-5-");
+    flip(&blob, &record);
     let before = files(&dir);
     match open(&dir, OpenMode::Existing, None).await {
         Err(Error::EventsLost { lost, .. }) => assert!(!lost.is_empty()),

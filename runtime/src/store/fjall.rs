@@ -1719,6 +1719,12 @@ mod tests {
         haystack.windows(needle.len()).position(|w| w == needle)
     }
 
+    /// The record of the marked event `s`/`seq` as the journal holds it (records are
+    /// compressed, so the marker text itself is not there as it is).
+    fn marked_record(s: &str, seq: u64) -> Vec<u8> {
+        crate::codec::encode(&message(s, seq, &format!("MARK-{s}-{seq}-"))).expect("encode")
+    }
+
     /// Opens the store and counts its events.
     async fn reopen_count(dir: &Path) -> Result<u64> {
         let store = FjallStore::open_existing(dir)?;
@@ -1753,7 +1759,7 @@ mod tests {
         written(root.path()).await;
         let journal = journal_of(root.path());
         let mut bytes = fs::read(&journal).expect("read");
-        let at = find(&bytes, b"MARK-b-5-").expect("the marker is in the journal");
+        let at = find(&bytes, &marked_record("b", 5)).expect("the record is in the journal");
         bytes[at + 5] ^= 0x01;
         fs::write(&journal, &bytes).expect("write");
         match reopen_count(root.path()).await {
@@ -1768,7 +1774,7 @@ mod tests {
         written(root.path()).await;
         let journal = journal_of(root.path());
         let bytes = fs::read(&journal).expect("read");
-        let at = find(&bytes, b"MARK-c-10-").expect("the last marker");
+        let at = find(&bytes, &marked_record("c", 10)).expect("the last record");
         let mut torn = bytes[..at + 4].to_vec();
         torn.resize(bytes.len(), 0); // the preallocated zeros after a torn write
         fs::write(&journal, &torn).expect("write");
@@ -1780,7 +1786,7 @@ mod tests {
         written(root.path()).await;
         let journal = journal_of(root.path());
         let mut bytes = fs::read(&journal).expect("read");
-        let at = find(&bytes, b"MARK-b-5-").expect("the marker");
+        let at = find(&bytes, &marked_record("b", 5)).expect("the record");
         // The batch's start entry is the last `1` tag before the first item (`2` tag) of it.
         let start = bytes[..at]
             .windows(14)
