@@ -1006,7 +1006,8 @@ fn errors_say_their_whole_cause_once_in_words() {
 }
 
 /// `cairn bench --footprint` runs a short session on each engine and reports its bytes: the
-/// raw messages as 1.00×, a history larger than them, and every event kind a turn records.
+/// raw messages as 1.00×, a history larger than them, the store's live keys and values, and
+/// every event kind a turn records.
 #[test]
 fn bench_footprint_reports_the_bytes_of_a_session_on_each_engine() {
     let out = cairn(&["bench", "--footprint", "--turns", "3"]);
@@ -1028,6 +1029,19 @@ fn bench_footprint_reports_the_bytes_of_a_session_on_each_engine() {
         .collect();
     assert_eq!(history_multiples.len(), 2, "{stdout}");
     assert!(history_multiples.iter().all(|&m| m > 1.0), "{stdout}");
+    // The store's live keys and values hold the history and its keys: more than the history,
+    // and exactly 1.00× of themselves.
+    let live_rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| live keys and values (logical) |"))
+        .map(|l| l.split('|').map(str::trim).collect())
+        .collect();
+    assert_eq!(live_rows.len(), 2, "{stdout}");
+    for cells in &live_rows {
+        let of_history: f64 = cells[5].trim_end_matches('×').parse().expect("a multiple");
+        assert!(of_history > 1.0, "{stdout}");
+        assert_eq!(cells[6], "1.00×", "{stdout}");
+    }
     for kind in [
         "session_started",
         "user_message",

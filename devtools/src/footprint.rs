@@ -15,14 +15,18 @@
 //!   [`codec::encode`] writes them), with a breakdown by event kind;
 //! - disk bytes: the blocks the store directory's files take (allocated, not their lengths: a
 //!   preallocated journal is mostly a hole), while the store is open after the run, once it is
-//!   closed, and once it is reopened and the history read back; also as a multiple of the
-//!   history bytes, the store's logical bytes.
+//!   closed, and once it is reopened and the history read back;
+//! - and each also as a multiple of the history bytes and of the store's logical bytes: the
+//!   keys and values it holds live in every keyspace once the session is done
+//!   (`FjallStore::live_bytes`, `SledStore::live_bytes`).
 
 use anyhow::{bail, Context};
 use cairn_activities::ToolRegistry;
 use cairn_ledger::{ModelSpec, Part, ToolResultContent, Transcript};
 use cairn_runtime::codec;
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
+use cairn_runtime::store::fjall::FjallStore;
+use cairn_runtime::store::sled::SledStore;
 use cairn_runtime::{Client, Engine, EventEnvelope, SessionOptions, SystemClock, TurnOutcome};
 use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
 use std::collections::BTreeMap;
@@ -65,6 +69,10 @@ pub struct Footprint {
     pub history_bytes: u64,
     /// The history by event kind, largest first.
     pub by_kind: Vec<KindBytes>,
+    /// The store's logical bytes: the keys and values it holds live in every keyspace once the
+    /// session is done (the history with its keys, the session's record, what is left of the
+    /// task queue).
+    pub live_bytes: u64,
     /// The store directory while the store is open after the run.
     pub disk_open: DiskUsage,
     /// The store directory once the store is closed.
@@ -352,6 +360,7 @@ pub async fn measure(turns: usize, engine: StorageEngine) -> anyhow::Result<Foot
     }
     let disk_reopened = disk_usage(&store_dir)?;
     drop(reopened);
+    let live_bytes = live_bytes(&store_dir, engine)?;
 
     Ok(Footprint {
         engine,
@@ -363,7 +372,16 @@ pub async fn measure(turns: usize, engine: StorageEngine) -> anyhow::Result<Foot
         disk_open,
         disk_closed,
         disk_reopened,
+        live_bytes,
         history,
+    })
+}
+
+/// The live keys and values of the closed store at `dir`, opened on its own for the count.
+fn live_bytes(dir: &Path, engine: StorageEngine) -> anyhow::Result<u64> {
+    Ok(match engine {
+        StorageEngine::Fjall => FjallStore::open_existing(dir)?.live_bytes()?,
+        StorageEngine::Sled => SledStore::open_existing(dir)?.live_bytes()?,
     })
 }
 
@@ -383,21 +401,23 @@ impl Footprint {
         let raw = self.raw_bytes;
         let history = self.history_bytes;
         let mut out = format!(
-            "footprint of one {}-turn session on {}\n\n| bytes | total | per turn | × raw | × history |\n|---|---|---|---|---|\n",
+            "footprint of one {}-turn session on {}\n\n| bytes | total | per turn | × raw | × history | × live |\n|---|---|---|---|---|---|\n",
             self.turns, self.engine
         );
         let turns = self.turns.max(1) as u64;
         let mut row = |name: &str, bytes: u64| {
             out.push_str(&format!(
-                "| {name} | {bytes} | {} | {} | {} |\n",
+                "| {name} | {bytes} | {} | {} | {} | {} |\n",
                 bytes / turns,
                 times(bytes, raw),
-                times(bytes, history)
+                times(bytes, history),
+                times(bytes, self.live_bytes)
             ));
         };
         row("raw messages", raw);
         row("transcript (canonical JSON)", self.transcript_bytes);
         row("history (encoded records)", history);
+        row("live keys and values (logical)", self.live_bytes);
         for (when, usage) in [
             ("open after the run", self.disk_open),
             ("closed", self.disk_closed),

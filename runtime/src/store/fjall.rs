@@ -381,6 +381,22 @@ impl FjallStore {
             .map_err(|e| fjall_error(&self.path, "measuring the size on disk", &e))
     }
 
+    /// The store's logical bytes: the keys and values it holds live in every keyspace (events,
+    /// sessions, tasks, queue), what its disk bytes are compared with.
+    pub fn live_bytes(&self) -> Result<u64> {
+        let h = self.handles()?;
+        let mut total = 0u64;
+        for keyspace in [&h.events, &h.sessions, &h.tasks, &h.queue] {
+            for item in keyspace.iter() {
+                let (key, value) = item
+                    .into_inner()
+                    .map_err(|e| fjall_error(&self.path, "counting the live bytes", &e))?;
+                total += (key.len() + value.len()) as u64;
+            }
+        }
+        Ok(total)
+    }
+
     /// Persists (journal fdatasyncs) done since the store was opened: with group commit,
     /// concurrent writes share them.
     pub fn persists(&self) -> u64 {

@@ -266,6 +266,21 @@ impl SledStore {
             .map_err(|e| sled_error(&self.path, "measuring the size on disk", Words(&e)))
     }
 
+    /// The store's logical bytes: the keys and values it holds live in every tree (events,
+    /// sessions, tasks, queue), what its disk bytes are compared with.
+    pub fn live_bytes(&self) -> Result<u64> {
+        let h = self.handles()?;
+        let mut total = 0u64;
+        for tree in [&h.events, &h.sessions, &h.tasks, &h.queue] {
+            for item in tree.iter() {
+                let (key, value) =
+                    item.map_err(|e| sled_error(&self.path, "counting the live bytes", Words(&e)))?;
+                total += (key.len() + value.len()) as u64;
+            }
+        }
+        Ok(total)
+    }
+
     fn handles(&self) -> Result<&Handles> {
         self.handles.as_ref().ok_or_else(|| Error::Store {
             reason: format!("sled store at {} is closed", self.path.display()),
