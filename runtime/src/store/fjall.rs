@@ -27,14 +27,18 @@
 //! Leasing scans the queue merged with the overlay; as the only writer, the thread sees a queue
 //! nothing else changes.
 //!
-//! The queue is scanned in memory (a set of its keys), not in its keyspace: every lease and
-//! completion deletes queue keys, and an LSM tree keeps a deleted key as a tombstone until a
-//! compaction drops it, so a scan of the keyspace from its start walks every task done since
-//! the last compaction. Profiled, that walk was most of the store's CPU. The keyspace stays the
-//! durable truth, written in the same batches; the index is loaded from it at open and changed
-//! only by the writer, after each commit.
+//! The queue is kept in memory only (a set of its keys, `visible_at_ms ++ task key`), never
+//! written: every task record holds its `visible_at_ms`, so the task records are the queue's
+//! durable truth and opening the store derives the set from them. The writer changes the set
+//! after each commit. Scanning a queue keyspace instead was most of the store's CPU (an LSM
+//! tree keeps a deleted key as a tombstone until a compaction drops it, and every lease and
+//! completion deletes queue keys, so a scan from the start walked every task done since the
+//! last compaction), and writing one cost three or four journal items per task, about 47
+//! bytes each: a third of a turn's journal items and an eighth of its bytes. Stores made
+//! before kept the queue in the `queue` keyspace too; this store no longer reads it or
+//! writes it, and the entries an older version left there stay, unread.
 //!
-//! Then the whole overlay goes to fjall as one [`fjall::OwnedWriteBatch`] over the four
+//! Then the whole overlay goes to fjall as one [`fjall::OwnedWriteBatch`] over the
 //! keyspaces (one journal record, atomic: after a crash all of it or none of it is there),
 //! and one `persist(PersistMode::SyncData)` makes it durable; only then are the batch's
 //! writers answered. Writes that arrive meanwhile form the next batch, so N concurrent appends
@@ -126,8 +130,9 @@ use super::files::{
     check_store_dir, create_store_dir, open_error, panic_message, sync_dir_described,
 };
 use super::keys::{
-    decode_info, decode_task, deleted, encode_meta, is_tombstone_key, key_visible, queue_key,
-    read_events, seq_key, task_key, tombstone_key, Tombstone, EVENTS, QUEUE, SESSIONS, TASKS,
+    decode_info, decode_task, deleted, encode_meta, is_tombstone_key, key_seq, key_visible,
+    queue_key, read_events, seq_key, task_key, tombstone_key, Tombstone, EVENTS, QUEUE, SESSIONS,
+    TASKS,
 };
 use super::memory::{lease_current, released_visibility};
 pub use super::write_queue::MAX_BATCH;
@@ -332,14 +337,7 @@ impl FjallStore {
         sync_dir_described(&dir.join("keyspaces"))
             .and_then(|()| sync_dir_described(dir))
             .map_err(|e| open_error(dir, e))?;
-        let mut keys = BTreeSet::new();
-        for item in handles.queue.iter() {
-            let key = item
-                .key()
-                .map_err(|e| open_error(dir, format!("cannot read the queue: {}", words(&e))))?;
-            keys.insert(key.to_vec());
-        }
-        let queue_index: QueueIndex = Arc::new(RwLock::new(keys));
+        let queue_index: QueueIndex = Arc::new(RwLock::new(queue_of_tasks(dir, &handles.tasks)?));
 
         let shared = Arc::new(Shared::default());
         let writer = Writer {
@@ -476,6 +474,43 @@ fn write_index(index: &QueueIndex) -> std::sync::RwLockWriteGuard<'_, BTreeSet<V
 /// An in-process lease's answer, sent once its batch is committed.
 type Committed = (oneshot::Sender<Result<Vec<Lease>>>, Vec<Lease>);
 
+/// The queue's keys, one per task record: its visibility time and its key. The queue is never
+/// stored apart from the tasks (see the module docs), so a task's record is its queue entry.
+fn queue_of_tasks(dir: &Path, tasks: &Keyspace) -> Result<BTreeSet<Vec<u8>>> {
+    let mut keys = BTreeSet::new();
+    for item in tasks.iter() {
+        let (key, value) = item
+            .into_inner()
+            .map_err(|e| open_error(dir, format!("cannot read the tasks: {}", words(&e))))?;
+        let name = task_name(&key);
+        let task = decode_task(&name, &value, SPACE).map_err(|e| match e {
+            Error::Store { reason } => open_error(dir, reason),
+            e => open_error(dir, e.to_string()),
+        })?;
+        if task_key(&task.id) != *key {
+            return Err(open_error(
+                dir,
+                format!(
+                    "the record of task {name} in the tasks keyspace names another task, {}",
+                    task.id
+                ),
+            ));
+        }
+        keys.insert(queue_key(task.visible_at_ms, &task.id));
+    }
+    Ok(keys)
+}
+
+/// A task key as its task's name (`session/seq`), or its bytes when it is not a task key.
+fn task_name(key: &[u8]) -> String {
+    match key_seq(key) {
+        Some(seq) if key.len() > 9 && key[key.len() - 9] == 0 => {
+            format!("{}/{seq}", String::from_utf8_lossy(&key[..key.len() - 9]))
+        }
+        _ => format!("{:?}", String::from_utf8_lossy(key)),
+    }
+}
+
 /// The writer thread: applies every write of a batch to the overlay, commits it, persists.
 struct Writer {
     path: PathBuf,
@@ -535,11 +570,12 @@ impl Writer {
             return Ok(());
         }
         let mut overlay = std::mem::take(&mut self.overlay);
-        let queue_changes = overlay.keyspaces[Ks::Queue as usize].clone();
+        // The queue's changes go to the index only: the task records are its durable truth.
+        let queue_changes = std::mem::take(&mut overlay.keyspaces[Ks::Queue as usize]);
         let mut batch = self.handles.db.batch();
         // Events first, the session records that count them last (snapshot reads see the
         // batch whole anyway; plain reads at the newest seqno then see no count too high).
-        for ks in [Ks::Events, Ks::Tasks, Ks::Queue, Ks::Sessions] {
+        for ks in [Ks::Events, Ks::Tasks, Ks::Sessions] {
             let keyspace = self.handles.keyspace(ks);
             for (key, value) in std::mem::take(&mut overlay.keyspaces[ks as usize]) {
                 match value {
@@ -1406,7 +1442,23 @@ mod tests {
             for name in &names {
                 histories.push(store.read_history(name, 1, None).await.expect("read"));
             }
+            let queue = read_index(&store.queue_index).clone();
+            assert_eq!(queue.len(), round as usize + 1, "one entry per task");
             store = reopen(store);
+            assert_eq!(
+                *read_index(&store.queue_index),
+                queue,
+                "the queue is derived again from the task records"
+            );
+            assert!(
+                store
+                    .handles()
+                    .expect("handles")
+                    .queue
+                    .is_empty()
+                    .expect("queue"),
+                "the queue keyspace is never written"
+            );
             assert_eq!(store.list_sessions().await.expect("list"), sessions);
             assert_eq!(store.list_tasks().await.expect("tasks"), tasks);
             for (name, history) in names.iter().zip(&histories) {
@@ -1427,6 +1479,41 @@ mod tests {
                 .collect::<Vec<_>>(),
             [(6, 1, 110), (7, 1, 111), (8, 1, 112)]
         );
+        // The derived queue finds the lapsed leases in their expiry order, and not a lease
+        // still running.
+        let overdue = store.overdue_tasks(111, 5).await.expect("overdue");
+        assert_eq!(
+            overdue
+                .iter()
+                .map(|t| (t.id.scheduled_seq, t.lease_attempt))
+                .collect::<Vec<_>>(),
+            [(6, 1), (7, 1)]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_corrupt_task_record_fails_the_open_naming_the_task() {
+        let root = temp();
+        let dir = root.path().join("s");
+        let store = FjallStore::open(&dir).expect("open");
+        write_sessions(&store, &["s"], 2).await;
+        let mut request = append_request("s", 3, vec![message("s", 3, "x")], 2);
+        request.enqueue = vec![tool_task("s", 3)];
+        store.append(request).await.expect("append");
+        let h = store.handles().expect("handles").clone();
+        h.tasks
+            .insert(seq_key("s", 3), b"\x93not a task".to_vec())
+            .expect("damage the record");
+        drop(h);
+        drop(store);
+        match FjallStore::open_existing(&dir) {
+            Err(Error::StoreOpen { reason, .. }) => assert!(
+                reason.starts_with("corrupt record of task s/3 in the tasks keyspace: "),
+                "{reason}"
+            ),
+            Err(other) => panic!("expected a store error naming the task, got {other:?}"),
+            Ok(_) => panic!("a store whose task record does not decode opened"),
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1627,12 +1714,7 @@ mod tests {
             "b's enqueue was not written, a's task was completed"
         );
         assert!(
-            store
-                .handles()
-                .expect("handles")
-                .queue
-                .is_empty()
-                .expect("queue"),
+            read_index(&store.queue_index).is_empty(),
             "the queue entries of the leased, then completed task are gone"
         );
         let listed = store.list_sessions().await.expect("list");

@@ -9,6 +9,9 @@
 //! | `tasks`         | session id bytes ++ `0x00` ++ scheduled seq (BE) | msgpack [`Task`]        |
 //! | `queue`         | visible_at_ms (u64 BE) ++ task key               | empty                   |
 //!
+//! fjall keeps the queue in memory only, derived from the task records when it opens (see
+//! `store/fjall.rs`); sled writes its `queue` tree in the same transactions as the tasks.
+//!
 //! The msgpack records are arrays of their fields in order ([`encode_meta`]); older stores'
 //! records, maps of named fields, decode as well.
 //!
