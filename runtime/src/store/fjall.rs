@@ -1491,6 +1491,76 @@ mod tests {
         );
     }
 
+    /// A store an older version wrote: task and session records as maps of named fields, and
+    /// a queue keyspace entry beside each task.
+    #[tokio::test]
+    async fn a_store_with_named_records_and_a_queue_keyspace_opens_and_leases() {
+        let root = temp();
+        let dir = root.path().join("s");
+        let store = FjallStore::open(&dir).expect("open");
+        write_sessions(&store, &["old"], 2).await;
+        let h = store.handles().expect("handles").clone();
+        let task = Task::queued(&NewTask::new(
+            TaskId {
+                session_id: "old".to_owned(),
+                scheduled_seq: 2,
+            },
+            TaskKind::Model,
+            500,
+        ));
+        let info = SessionInfo {
+            session_id: "old".to_owned(),
+            status: SessionStatus::Running,
+            events: 2,
+            updated_at_ms: 500,
+        };
+        h.tasks
+            .insert(
+                seq_key("old", 2),
+                rmp_serde::to_vec_named(&task).expect("named"),
+            )
+            .expect("task record");
+        h.queue
+            .insert(queue_key(500, &task.id), Vec::new())
+            .expect("queue entry");
+        h.sessions
+            .insert(
+                "old".as_bytes(),
+                rmp_serde::to_vec_named(&info).expect("named"),
+            )
+            .expect("session record");
+        drop(h);
+        let store = reopen(store);
+        assert_eq!(store.list_tasks().await.expect("tasks"), vec![task.clone()]);
+        let listed = store.list_sessions().await.expect("sessions");
+        assert_eq!(listed, vec![info]);
+        let leases = store
+            .lease_tasks(600, 100, 5, &crate::store::TaskFilter::default())
+            .await
+            .expect("lease");
+        assert_eq!(leases.len(), 1, "the old task is queued: {leases:?}");
+        assert_eq!(
+            (leases[0].id.clone(), leases[0].lease_attempt),
+            (task.id, 1)
+        );
+        let mut request = append_request("old", 3, vec![message("old", 3, "x")], 600);
+        request.complete = Some((leases[0].id.clone(), 1));
+        store.append(request).await.expect("complete the old task");
+        assert_eq!(store.list_tasks().await.expect("tasks"), vec![]);
+        assert!(read_index(&store.queue_index).is_empty());
+        // The older version's queue entry stays in its keyspace, unread: after another reopen
+        // the done task is not queued again.
+        let store = reopen(store);
+        let h = store.handles().expect("handles");
+        assert_eq!(h.queue.len().expect("queue keyspace"), 1);
+        assert!(read_index(&store.queue_index).is_empty());
+        assert!(store
+            .lease_tasks(10_000, 100, 5, &crate::store::TaskFilter::default())
+            .await
+            .expect("lease")
+            .is_empty());
+    }
+
     #[tokio::test]
     async fn a_corrupt_task_record_fails_the_open_naming_the_task() {
         let root = temp();
