@@ -1,7 +1,8 @@
-//! The live view of a running turn on stdout: the model's answer as it streams, and between
-//! its parts each tool call with its arguments when it is scheduled, each result (shortened)
-//! when it is recorded, each retry with its cause and delay, and each call that waits for
-//! approval. It reads the session's own event stream ([`Client::subscribe`]), so it sees
+//! The live view of a running turn on stdout: the model's answer as it streams (what its
+//! deltas did not show, printed from the recorded answer: deltas are presentation only and
+//! may not arrive), and between its parts each tool call with its arguments when it is
+//! scheduled, each result (shortened) when it is recorded, each retry with its cause and
+//! delay, and each call that waits for approval. It reads the session's own event stream ([`Client::subscribe`]), so it sees
 //! exactly what the history records, in order, and works in process and through a server.
 //!
 //! One session streams as it comes (`run`, `chat`, `resume` of one session); several at once
@@ -11,8 +12,8 @@
 use super::deltas::DeltaWriter;
 use cairn_ledger::{Delta, Part};
 use cairn_runtime::wire::StreamEvent;
-use cairn_runtime::{Client, DeltaEvent, Event, EventEnvelope};
-use std::collections::BTreeMap;
+use cairn_runtime::{ActivityRef, Client, DeltaEvent, Event, EventEnvelope};
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::time::Duration;
 
@@ -46,6 +47,8 @@ impl LiveView {
             partial: String::new(),
             mid_line: false,
             calls: BTreeMap::new(),
+            streamed: BTreeMap::new(),
+            completed: BTreeSet::new(),
             failures: BTreeMap::new(),
         };
         let (stop, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -105,11 +108,41 @@ struct LinePrinter {
     calls: BTreeMap<String, (String, String)>,
     /// The last failure of each activity (`model:ROUND` or a tool_use id), said with its retry.
     failures: BTreeMap<String, String>,
+    /// The answer text each model call attempt (turn, `model:ROUND`, attempt) streamed so far.
+    streamed: BTreeMap<(u32, String, u32), String>,
+    /// The model call attempts whose answer is recorded: their late deltas are not shown
+    /// again (the answer's text was shown from the event).
+    completed: BTreeSet<(u32, String, u32)>,
+}
+
+/// What a model's answer (`parts`) holds of text beyond what its deltas showed (`streamed`):
+/// all of it when none arrived, the rest when they stopped part way, nothing when they showed
+/// it all (or something else). Deltas are presentation only: a reader that falls behind skips
+/// some, and a live view that starts after a fast turn has ended reads the turn from the
+/// history, whose events carry no deltas.
+fn unstreamed_text(streamed: &str, parts: &[Part]) -> Option<String> {
+    let answer: String = parts
+        .iter()
+        .filter_map(|part| match part {
+            Part::Text { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect();
+    let rest = answer.strip_prefix(streamed)?;
+    (!rest.is_empty()).then(|| rest.to_owned())
 }
 
 impl LinePrinter {
     fn delta(&mut self, event: &DeltaEvent) {
         let delta = &event.delta;
+        let origin = &event.origin;
+        let key = (origin.turn, origin.activity.clone(), origin.attempt);
+        if self.completed.contains(&key) {
+            return;
+        }
+        if let Delta::Text(text) = delta {
+            self.streamed.entry(key).or_default().push_str(text);
+        }
         match (&self.prefix, delta) {
             (None, _) => {
                 if let Delta::Text(text) | Delta::Thinking(text) = delta {
@@ -169,7 +202,29 @@ impl LinePrinter {
     /// Prints what `envelope` shows; true when the turn (or the session) has ended.
     fn event(&mut self, envelope: &EventEnvelope) -> bool {
         match &envelope.event {
-            Event::ModelCallCompleted { response, .. } => {
+            Event::ModelCallCompleted {
+                turn,
+                round,
+                attempt,
+                response,
+                ..
+            } => {
+                // The answer's text the deltas did not show, shown as they would have.
+                let key = (*turn, format!("model:{round}"), *attempt);
+                let streamed = self.streamed.remove(&key).unwrap_or_default();
+                if let Some(rest) = unstreamed_text(&streamed, &response.parts) {
+                    self.delta(&DeltaEvent {
+                        origin: ActivityRef {
+                            session_id: envelope.session_id.clone(),
+                            turn: *turn,
+                            activity: key.1.clone(),
+                            attempt: *attempt,
+                        },
+                        delta: Delta::Text(rest),
+                    });
+                    self.streamed.remove(&key);
+                }
+                self.completed.insert(key);
                 for part in &response.parts {
                     if let Part::ToolUse(call) = part {
                         self.calls
@@ -178,11 +233,14 @@ impl LinePrinter {
                 }
             }
             Event::ModelCallFailed {
+                turn,
                 round,
                 attempt,
                 failure,
                 ..
             } => {
+                self.streamed
+                    .remove(&(*turn, format!("model:{round}"), *attempt));
                 let cause = format!(
                     "model call {round} attempt {attempt} failed ({}): {}",
                     failure.class.as_str(),
@@ -322,5 +380,39 @@ pub fn one_line(text: &str, max: usize) -> String {
         flat
     } else {
         format!("{}…", flat.chars().take(max).collect::<String>())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(text: &str) -> Part {
+        Part::Text {
+            text: text.to_owned(),
+            item_id: None,
+            citations: None,
+        }
+    }
+
+    #[test]
+    fn the_answer_text_the_deltas_did_not_show_is_what_is_left_to_print() {
+        let parts = [
+            Part::Thinking {
+                text: "hidden".to_owned(),
+                signature: "sig".to_owned(),
+            },
+            text("first "),
+            text("answer"),
+        ];
+        // No delta arrived (the live view read a finished turn from the history).
+        assert_eq!(unstreamed_text("", &parts).as_deref(), Some("first answer"));
+        // The deltas stopped part way (a reader that fell behind skipped the rest).
+        assert_eq!(unstreamed_text("first", &parts).as_deref(), Some(" answer"));
+        // Everything was shown, or something that is not this answer: nothing more.
+        assert_eq!(unstreamed_text("first answer", &parts), None);
+        assert_eq!(unstreamed_text("other", &parts), None);
+        // An answer of tool calls only has no text to show.
+        assert_eq!(unstreamed_text("", &[]), None);
     }
 }
