@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::event::ErrorClass;
 use crate::event::{ActivityFailure, Event, EventEnvelope, SessionStarted};
 use crate::pricing::PriceTable;
+use crate::state_cache::{SessionSlot, StateCache};
 use crate::store::{
     AppendRequest, Lease, LeaseHolder, LeaseRequest, Overdue, SessionInfo, SessionStatus, Store,
     StoreChange, Task, TaskFilter, TaskId,
@@ -182,11 +183,10 @@ const TIMER_BATCH: usize = 256;
 /// writer of the session, before the conflict is returned.
 const CONFLICT_RETRIES: usize = 16;
 
-type SessionSlot = Arc<tokio::sync::Mutex<Option<SessionState>>>;
-
-/// Session states the engine caches before it drops the parked ones nobody holds. A
-/// dropped state is folded again from the history at its session's next step. Running
-/// sessions' states are kept past it, so a busy engine does not fold its turns again.
+/// Session states the engine caches before it drops parked ones nobody holds, least
+/// recently used first (`state_cache`). A dropped state is folded again from the history at
+/// its session's next step. Running sessions' states are kept past it, so a busy engine does
+/// not fold its turns again.
 pub const CACHE_CAPACITY: usize = 512;
 
 /// How many entries each of the engine's per-session maps holds
@@ -231,9 +231,9 @@ impl Drop for OutcomeWait {
 struct Inner {
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
-    /// Folded states, cached. Bounded by `cache_capacity`: past it, parked (idle) states
-    /// nobody holds are dropped first (see [`Engine::slot`]).
-    sessions: Mutex<HashMap<String, SessionSlot>>,
+    /// Folded states, cached. Bounded by [`CACHE_CAPACITY`]: past it, parked (idle) states
+    /// nobody holds are dropped, least recently used first (see `state_cache`).
+    sessions: Mutex<StateCache>,
     /// Outcome channels of sessions somebody waits on ([`Engine::wait_turn`]): created by the
     /// first waiter, removed when the last one leaves, so parked sessions keep none.
     outcomes: Mutex<HashMap<String, watch::Sender<Option<TurnOutcome>>>>,
@@ -255,7 +255,6 @@ struct Inner {
     /// a cached state whose next seq is not past it missed another writer's append, and is
     /// caught up before it decides.
     heard_seqs: Mutex<HashMap<String, u64>>,
-    cache_capacity: usize,
     /// Prices model attempts' usage as their results are recorded ([`Engine::set_prices`]).
     prices: std::sync::RwLock<Arc<PriceTable>>,
 }
@@ -301,7 +300,7 @@ impl Engine {
             inner: Arc::new(Inner {
                 store,
                 clock,
-                sessions: Mutex::new(HashMap::new()),
+                sessions: Mutex::new(StateCache::new(CACHE_CAPACITY)),
                 outcomes: Mutex::new(HashMap::new()),
                 waiters: TaskWaiters::default(),
                 deltas,
@@ -312,7 +311,6 @@ impl Engine {
                 watched: Mutex::new(HashMap::new()),
                 leased_here: Mutex::new(HashMap::new()),
                 heard_seqs: Mutex::new(HashMap::new()),
-                cache_capacity: CACHE_CAPACITY,
                 prices: std::sync::RwLock::new(Arc::new(PriceTable::built_in())),
             }),
         }
@@ -1238,37 +1236,17 @@ impl Engine {
     }
 
     fn slot(&self, session_id: &str) -> SessionSlot {
-        let mut sessions = match self.inner.sessions.lock() {
-            Ok(s) => s,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        if let Some(slot) = sessions.get(session_id) {
-            return slot.clone();
+        let mut sessions = lock(&self.inner.sessions);
+        let (slot, purged) = sessions.slot(session_id);
+        if purged {
+            lock(&self.inner.heard_seqs).retain(|id, _| sessions.contains(id));
         }
-        if sessions.len() >= self.inner.cache_capacity {
-            // Drop the parked states nobody holds (a session waiting for its next message
-            // may wait for days); they fold again from the history at their next step.
-            // Nobody else holds a slot with one reference, so `try_lock` finds it free.
-            sessions.retain(|_, slot| {
-                Arc::strong_count(slot) > 1
-                    || slot
-                        .try_lock()
-                        .is_ok_and(|state| state.as_ref().is_some_and(SessionState::is_running))
-            });
-            if sessions.len() >= self.inner.cache_capacity {
-                // As many sessions run as the cache holds: drop every state nobody holds.
-                sessions.retain(|_, slot| Arc::strong_count(slot) > 1);
-            }
-            lock(&self.inner.heard_seqs).retain(|id, _| sessions.contains_key(id));
-        }
-        let slot: SessionSlot = Arc::new(tokio::sync::Mutex::new(None));
-        sessions.insert(session_id.to_owned(), slot.clone());
         slot
     }
 
     /// Notes a change hint of a cached session (one not cached loads anew anyway).
     fn hear(&self, change: &StoreChange) {
-        let cached = lock(&self.inner.sessions).contains_key(&change.session_id);
+        let cached = lock(&self.inner.sessions).contains(&change.session_id);
         if cached {
             let mut heard = lock(&self.inner.heard_seqs);
             let seq = heard.entry(change.session_id.clone()).or_default();
@@ -1319,7 +1297,7 @@ impl Engine {
     #[cfg(test)]
     pub(crate) fn holds_state(&self, session_id: &str) -> bool {
         lock(&self.inner.sessions)
-            .get(session_id)
+            .peek(session_id)
             .is_some_and(|slot| slot.try_lock().is_ok_and(|state| state.is_some()))
     }
 
@@ -1327,7 +1305,11 @@ impl Engine {
     #[doc(hidden)]
     pub fn with_cache_capacity(mut self, capacity: usize) -> Self {
         if let Some(inner) = Arc::get_mut(&mut self.inner) {
-            inner.cache_capacity = capacity.max(1);
+            match inner.sessions.get_mut() {
+                Ok(cache) => cache,
+                Err(poisoned) => poisoned.into_inner(),
+            }
+            .set_capacity(capacity);
         }
         self
     }

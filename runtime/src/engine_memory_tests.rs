@@ -154,3 +154,33 @@ async fn a_resumed_engine_keeps_nothing_for_parked_sessions() -> Result<()> {
     assert_eq!((entries.outcomes, entries.watched), (0, 0), "{entries:?}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_cache_keeps_the_parked_state_used_last_and_drops_the_oldest() -> Result<()> {
+    let engine =
+        Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock)).with_cache_capacity(4);
+    let client = Client::new(engine.clone());
+    for id in ["a", "b", "c", "d"] {
+        park(&engine, &client, id).await?;
+    }
+    // a is read again (a chat's next message would do the same): b is now the oldest.
+    assert_eq!(engine.state("a").await?.turns_started, 1);
+    park(&engine, &client, "e").await?;
+    for (id, kept) in [
+        ("a", true),
+        ("b", false),
+        ("c", true),
+        ("d", true),
+        ("e", true),
+    ] {
+        assert_eq!(engine.holds_state(id), kept, "{id}");
+    }
+    // The dropped state folds again from the history.
+    let b = engine.state("b").await?;
+    assert!(
+        matches!(&b.last_outcome, Some(TurnOutcome::Completed { answer, .. }) if answer == "answer of b"),
+        "{:?}",
+        b.last_outcome
+    );
+    Ok(())
+}

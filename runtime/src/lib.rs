@@ -18,6 +18,7 @@ pub mod policy;
 pub mod pricing;
 pub mod progress;
 pub mod replay;
+mod state_cache;
 pub mod store;
 mod task_waiters;
 pub mod wire;
