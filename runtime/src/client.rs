@@ -1050,9 +1050,14 @@ impl Follower {
                     return;
                 }
             }
-            step = match self.next(&mut backlog).await {
-                Some(step) => step,
-                None => return,
+            // A follower whose reader left ends at once, not at the session's next event
+            // (which may never come): it holds the engine and a watch of the session.
+            step = tokio::select! {
+                next = self.next(&mut backlog) => match next {
+                    Some(step) => step,
+                    None => return,
+                },
+                () = sender.closed() => return,
             };
         }
     }

@@ -184,3 +184,28 @@ async fn a_full_cache_keeps_the_parked_state_used_last_and_drops_the_oldest() ->
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_event_stream_leaves_no_watch_behind() -> Result<()> {
+    let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
+    let client = Client::new(engine.clone());
+    park(&engine, &client, "parked").await?;
+    let mut stream = client.subscribe("parked", 0).await?;
+    // The stream replays the history from its start.
+    let first = stream.next().await.expect("an event")?;
+    assert!(
+        matches!(&first, crate::wire::StreamEvent::Event(e) if e.seq == 1),
+        "{first:?}"
+    );
+    assert_eq!(engine.per_session_entries().watched, 1);
+    drop(stream);
+    // The parked session gets no new event, and its follower still ends.
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while engine.per_session_entries().watched != 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the follower of a dropped stream ended and dropped its watch");
+    Ok(())
+}
