@@ -12,26 +12,6 @@ fn text(out: &[u8]) -> String {
     String::from_utf8_lossy(out).into_owned()
 }
 
-/// The plain demo (a temporary store, removed at its end) says nothing on stderr but its
-/// session and its turn's usage: its store is closed before its directory goes, so no
-/// warning of files already removed follows the summary (a follower of the session used
-/// to keep the store open until the process exited).
-#[test]
-fn the_plain_demo_closes_its_store_before_removing_it_and_warns_of_nothing() {
-    let out = cairn(&["demo"]);
-    let stderr = text(&out.stderr);
-    assert!(out.status.success(), "{}\n{stderr}", text(&out.stdout));
-    assert!(
-        text(&out.stdout).contains("store        a temporary one"),
-        "{}",
-        text(&out.stdout)
-    );
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 2, "{stderr}");
-    assert!(lines[0].starts_with("new session "), "{stderr}");
-    assert!(lines[1].starts_with("turn 1: "), "{stderr}");
-}
-
 #[test]
 fn demo_runs_offline_and_its_store_can_be_inspected_and_replayed() {
     let dir = tempfile::tempdir().unwrap();

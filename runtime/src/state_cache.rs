@@ -5,12 +5,11 @@
 //! cached forever; a session in a chat is answered again within minutes, and folding its
 //! history again at each message would cost a read of all of it. So when the cache is full
 //! it drops the parked states (idle, held by nobody) least recently used first, down to three
-//! quarters of its capacity (one less than it for a cache of under eight), which leaves room for a
-//! quarter of new sessions before the next purge (a purge sorts the cache: done once per so
-//! many new sessions, not per session).
-//! Running sessions' states are kept past the capacity, so a busy engine does not fold its
-//! turns again; only when as many sessions run as the cache holds are the states nobody
-//! holds at that moment dropped too.
+//! quarters of its capacity (one less than the capacity for a cache of under eight). That
+//! leaves room for a quarter of new sessions before the next purge: a purge sorts the cache,
+//! so it runs once per so many new sessions, not per session. Running sessions' states are
+//! kept past the capacity, so a busy engine does not fold its turns again; only when as many
+//! sessions run as the cache holds are the states nobody holds at that moment dropped too.
 
 use crate::workflow::SessionState;
 use std::collections::HashMap;
@@ -76,8 +75,8 @@ impl StateCache {
     }
 
     /// Drops parked states, least recently used first, down to three quarters of the
-    /// capacity (see the module docs); then, if as many sessions still run as the cache holds, every state nobody
-    /// holds.
+    /// capacity (see the module docs); then, if as many sessions still run as the cache
+    /// holds, every state nobody holds.
     fn purge(&mut self) {
         // At least one slot of room, so that a small cache purges as a large one does.
         let keep = self.capacity - (self.capacity / 4).max(1);
