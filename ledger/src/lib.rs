@@ -4,6 +4,7 @@
 mod compaction;
 mod error;
 pub mod file_versions;
+mod heap_bytes;
 mod json;
 mod media;
 mod options;

@@ -189,6 +189,12 @@ const CONFLICT_RETRIES: usize = 16;
 /// not fold its turns again.
 pub const CACHE_CAPACITY: usize = 512;
 
+/// The bytes the engine's cached states may hold (`SessionState::approx_bytes`) before it
+/// drops parked ones nobody holds, least recently used first, as for [`CACHE_CAPACITY`]. A
+/// thousand-turn session's state is a megabyte or two, so 512 long sessions would otherwise
+/// take a gigabyte.
+pub const CACHE_BYTES: usize = 64 << 20;
+
 /// How many entries each of the engine's per-session maps holds
 /// ([`Engine::per_session_entries`]).
 #[doc(hidden)]
@@ -231,8 +237,9 @@ impl Drop for OutcomeWait {
 struct Inner {
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
-    /// Folded states, cached. Bounded by [`CACHE_CAPACITY`]: past it, parked (idle) states
-    /// nobody holds are dropped, least recently used first (see `state_cache`).
+    /// Folded states, cached. Bounded by [`CACHE_CAPACITY`] and [`CACHE_BYTES`]: past either,
+    /// parked (idle) states nobody holds are dropped, least recently used first (see
+    /// `state_cache`).
     sessions: Mutex<StateCache>,
     /// Outcome channels of sessions somebody waits on ([`Engine::wait_turn`]): created by the
     /// first waiter, removed when the last one leaves, so parked sessions keep none.
@@ -300,7 +307,7 @@ impl Engine {
             inner: Arc::new(Inner {
                 store,
                 clock,
-                sessions: Mutex::new(StateCache::new(CACHE_CAPACITY)),
+                sessions: Mutex::new(StateCache::new(CACHE_CAPACITY, CACHE_BYTES)),
                 outcomes: Mutex::new(HashMap::new()),
                 waiters: TaskWaiters::default(),
                 deltas,
@@ -1298,20 +1305,37 @@ impl Engine {
     pub(crate) fn holds_state(&self, session_id: &str) -> bool {
         lock(&self.inner.sessions)
             .peek(session_id)
-            .is_some_and(|slot| slot.try_lock().is_ok_and(|state| state.is_some()))
+            .is_some_and(|slot| slot.try_lock().is_some_and(|state| state.is_some()))
     }
 
-    /// Sets how many session states are cached before parked ones are dropped (for tests).
-    #[doc(hidden)]
-    pub fn with_cache_capacity(mut self, capacity: usize) -> Self {
+    /// Sets how many session states are cached before parked ones nobody holds are dropped,
+    /// least recently used first ([`CACHE_CAPACITY`] by default).
+    pub fn with_cache_capacity(self, capacity: usize) -> Self {
+        self.with_cache(|cache| cache.set_capacity(capacity))
+    }
+
+    /// Sets how many bytes the cached session states may hold
+    /// ([`SessionState::approx_bytes`]) before parked ones nobody holds are dropped, least
+    /// recently used first ([`CACHE_BYTES`] by default).
+    pub fn with_cache_bytes(self, bytes: usize) -> Self {
+        self.with_cache(|cache| cache.set_byte_budget(bytes))
+    }
+
+    /// Changes the state cache's settings while the engine is not shared yet.
+    fn with_cache(mut self, change: impl FnOnce(&mut StateCache)) -> Self {
         if let Some(inner) = Arc::get_mut(&mut self.inner) {
-            match inner.sessions.get_mut() {
+            change(match inner.sessions.get_mut() {
                 Ok(cache) => cache,
                 Err(poisoned) => poisoned.into_inner(),
-            }
-            .set_capacity(capacity);
+            });
         }
         self
+    }
+
+    /// The bytes the cached session states hold, as last noted (for tests and benches).
+    #[doc(hidden)]
+    pub fn cached_state_bytes(&self) -> usize {
+        lock(&self.inner.sessions).bytes()
     }
 
     /// The session's state, caught up with the store: a cached state reads only the events

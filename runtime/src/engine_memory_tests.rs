@@ -185,6 +185,49 @@ async fn a_full_cache_keeps_the_parked_state_used_last_and_drops_the_oldest() ->
     Ok(())
 }
 
+/// Parks a session whose one answer is about `len` bytes long.
+async fn park_long(engine: &Engine, client: &Client, id: &str, len: usize) -> Result<()> {
+    start_turn(client, id).await?;
+    answer_the_model_call(engine, &format!("{id}: {}", "x".repeat(len))).await?;
+    let outcome = engine.wait_turn(id, 1).await?;
+    assert!(matches!(outcome, TurnOutcome::Completed { turn: 1, .. }));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_its_byte_budget_the_engine_drops_the_parked_states_used_longest_ago() -> Result<()> {
+    // Room for two states of 100 KB, not three; the count (512) is no limit here.
+    let engine =
+        Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock)).with_cache_bytes(250_000);
+    let client = Client::new(engine.clone());
+    park_long(&engine, &client, "a", 100_000).await?;
+    let one = engine.cached_state_bytes();
+    assert!((100_000..110_000).contains(&one), "{one}");
+    assert_eq!(one, engine.state("a").await?.approx_bytes());
+    park_long(&engine, &client, "b", 100_000).await?;
+    park_long(&engine, &client, "c", 100_000).await?;
+    // Over the budget now, but a purge runs only for a new session.
+    assert!(engine.cached_state_bytes() > 250_000);
+    // a is read again (a chat's next message would do the same): b and c are now the oldest.
+    engine.state("a").await?;
+    start_turn(&client, "small").await?;
+    // Down to three quarters of the budget: b went, then c; a, used last, stayed.
+    for (id, kept) in [("a", true), ("b", false), ("c", false), ("small", true)] {
+        assert_eq!(engine.holds_state(id), kept, "{id}");
+    }
+    let small = engine.state("small").await?.approx_bytes();
+    assert_eq!(engine.cached_state_bytes(), one + small);
+    // A dropped state folds again from the history, its answer whole.
+    let b = engine.state("b").await?;
+    assert!(
+        matches!(&b.last_outcome, Some(TurnOutcome::Completed { answer, .. }) if answer.len() == 100_003),
+        "{:?}",
+        b.last_outcome.as_ref().map(|_| "another outcome")
+    );
+    assert_eq!(b.approx_bytes(), one);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_event_stream_leaves_no_watch_behind() -> Result<()> {
     let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));

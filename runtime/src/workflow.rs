@@ -43,6 +43,9 @@ pub const WORKFLOW_VERSION: u32 = 2;
 mod compaction_rules;
 pub use compaction_rules::SummarySlot;
 
+#[path = "workflow_bytes.rs"]
+mod bytes;
+
 /// A decision of the workflow; the engine records it as an event before anything runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Command {
@@ -489,6 +492,8 @@ pub struct SessionState {
     pub totals: UsageTotals,
     tool_use_ids: BTreeSet<String>,
     expected: VecDeque<Command>,
+    /// The estimated bytes the state holds, kept up to date by `apply` (`workflow_bytes.rs`).
+    bytes: usize,
 }
 
 impl SessionState {
@@ -507,6 +512,7 @@ impl SessionState {
             totals: UsageTotals::default(),
             tool_use_ids: BTreeSet::new(),
             expected: VecDeque::new(),
+            bytes: bytes::EMPTY_STATE_BYTES,
         }
     }
 
@@ -866,6 +872,13 @@ impl SessionState {
     /// Applies one event. Input events return the commands they cause; command events are
     /// checked against the commands decided before them. On error the state is unchanged.
     pub fn apply(&mut self, envelope: &EventEnvelope) -> Result<Vec<Command>> {
+        let before = self.bytes_mark();
+        let commands = self.apply_event(envelope)?;
+        self.count_bytes(before, &envelope.event);
+        Ok(commands)
+    }
+
+    fn apply_event(&mut self, envelope: &EventEnvelope) -> Result<Vec<Command>> {
         let seq = envelope.seq;
         if seq != self.next_seq {
             return Err(self.invalid(seq, format!("expected seq {}", self.next_seq)));

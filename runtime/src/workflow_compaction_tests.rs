@@ -396,6 +396,38 @@ fn compaction_on_request_runs_between_turns_only() {
 }
 
 #[test]
+fn the_state_s_byte_count_follows_its_transcript_and_a_compaction_counts_it_again() {
+    let mut live = Live::new(with_policy(None));
+    let mut last = live.state.approx_bytes();
+    assert_eq!(last, live.state.bytes_counted_again());
+    for turn in 1..=3 {
+        let question = "a question of many words ".repeat(40);
+        live.input(user(turn, &question));
+        assert!(
+            live.state.approx_bytes() >= last + question.len(),
+            "turn {turn}"
+        );
+        finish_turn(&mut live, turn);
+        // What `apply` added up equals a count made from scratch.
+        assert_eq!(live.state.approx_bytes(), live.state.bytes_counted_again());
+        last = live.state.approx_bytes();
+    }
+    // The transcript is most of the state.
+    let transcript = live.state.transcript.heap_bytes();
+    assert!(
+        last > transcript && last < transcript + 4_096,
+        "{last} against a transcript of {transcript}"
+    );
+    // A compaction (reasoning and failed results dropped) shrinks the state, and the count
+    // follows.
+    live.input(Event::CompactionRequested {});
+    assert!(live.state.approx_bytes() < last);
+    assert_eq!(live.state.approx_bytes(), live.state.bytes_counted_again());
+    // The replayed state, its count included, equals the live one.
+    live.check_replay();
+}
+
+#[test]
 fn a_bad_policy_is_refused_when_the_session_starts() {
     let mut state = SessionState::new(SID);
     let bad = with_policy(Some(policy(None, vec![], 1)));
