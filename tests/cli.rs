@@ -1006,8 +1006,8 @@ fn errors_say_their_whole_cause_once_in_words() {
 }
 
 /// `cairn bench --footprint` runs a short session on each engine and reports its bytes: the
-/// raw messages as 1.00×, a history larger than them, the store's live keys and values, and
-/// every event kind a turn records.
+/// raw messages as 1.00×, a history larger than them, the store's live keys and values, every
+/// event kind a turn records, and what a miss of the state cache costs.
 #[test]
 fn bench_footprint_reports_the_bytes_of_a_session_on_each_engine() {
     let out = cairn(&["bench", "--footprint", "--turns", "3"]);
@@ -1050,5 +1050,24 @@ fn bench_footprint_reports_the_bytes_of_a_session_on_each_engine() {
         "turn_completed",
     ] {
         assert!(stdout.contains(&format!("| {kind} |")), "{kind}: {stdout}");
+    }
+    // What a miss of the state cache costs: 3 turns are 25 events read back and folded, into
+    // a state estimated at about the transcript's JSON bytes.
+    let misses: Vec<&str> = stdout
+        .lines()
+        .filter(|l| {
+            l.starts_with(
+                "A miss of the engine's state cache on this session: reading its 25 events back ",
+            )
+        })
+        .collect();
+    assert_eq!(misses.len(), 2, "{stdout}");
+    for miss in misses {
+        let of_json: f64 = miss
+            .rsplit_once(" bytes (")
+            .and_then(|(_, rest)| rest.split_once('×'))
+            .and_then(|(multiple, _)| multiple.parse().ok())
+            .unwrap_or_else(|| panic!("no multiple of the transcript in {miss}"));
+        assert!((0.5..4.0).contains(&of_json), "{miss}");
     }
 }

@@ -19,6 +19,11 @@
 //! - and each also as a multiple of the history bytes and of the store's logical bytes: the
 //!   keys and values it holds live in every keyspace once the session is done
 //!   (`FjallStore::live_bytes`, `SledStore::live_bytes`).
+//!
+//! It also reports what a miss of the engine's state cache costs on this session, the cost a
+//! snapshot would save: the time to read the history back from the reopened store and to fold
+//! it, beside the last turn's time with the state cached, and the folded state's estimated
+//! bytes (`SessionState::approx_bytes`, what the cache's byte budget counts).
 
 use anyhow::{bail, Context};
 use cairn_activities::ToolRegistry;
@@ -27,12 +32,15 @@ use cairn_runtime::codec;
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::store::fjall::FjallStore;
 use cairn_runtime::store::sled::SledStore;
-use cairn_runtime::{Client, Engine, EventEnvelope, SessionOptions, SystemClock, TurnOutcome};
+use cairn_runtime::{
+    Client, Engine, EventEnvelope, SessionOptions, SessionState, SystemClock, TurnOutcome,
+};
 use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Bytes a directory's files take.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -81,6 +89,14 @@ pub struct Footprint {
     pub disk_reopened: DiskUsage,
     /// The session's history (what the dictionary trainer samples).
     pub history: Vec<EventEnvelope>,
+    /// The last turn, run with the session's state cached.
+    pub last_turn: Duration,
+    /// Reading the whole history back from the reopened store.
+    pub miss_read: Duration,
+    /// Folding that history into the session's state.
+    pub miss_fold: Duration,
+    /// The folded state's estimated bytes.
+    pub state_bytes: usize,
 }
 
 /// Words the texts are made of (their frequencies are flat, so they compress less than prose).
@@ -314,19 +330,22 @@ pub async fn measure(turns: usize, engine: StorageEngine) -> anyhow::Result<Foot
         let mut options = SessionOptions::new(model, tools.specs());
         options.session_id = Some(session_id.to_owned());
         let id = client.start_session(options).await?;
+        let mut last_turn = Duration::ZERO;
         for turn in 1..=turns {
+            let began = Instant::now();
             let outcome = client.run_turn(&id, &user_text(turn)).await?;
+            last_turn = began.elapsed();
             if !matches!(outcome, TurnOutcome::Completed { .. }) {
                 bail!("footprint turn {turn} did not complete: {outcome:?}");
             }
         }
         let transcript = client.transcript(&id).await?;
         let history = client.history(&id).await?;
-        anyhow::Ok((transcript, history))
+        anyhow::Ok((transcript, history, last_turn))
     };
     let ran = run.await;
     pool.shutdown().await;
-    let (transcript, history) = ran?;
+    let (transcript, history, last_turn) = ran?;
     let disk_open = disk_usage(&store_dir)?;
     drop(client);
     drop(opened);
@@ -354,9 +373,17 @@ pub async fn measure(turns: usize, engine: StorageEngine) -> anyhow::Result<Foot
     let reopened = embedded::open(&store_dir, OpenMode::Existing, Some(engine))
         .await
         .context("reopening the store")?;
+    let began = Instant::now();
     let read_back = reopened.store.read_history(session_id, 1, None).await?;
+    let miss_read = began.elapsed();
+    let began = Instant::now();
+    let state = SessionState::fold(session_id, &read_back)?;
+    let miss_fold = began.elapsed();
     if read_back != history {
         bail!("the reopened store's history differs from the one written");
+    }
+    if state.transcript != transcript {
+        bail!("the history folded again gives another transcript");
     }
     let disk_reopened = disk_usage(&store_dir)?;
     drop(reopened);
@@ -374,6 +401,10 @@ pub async fn measure(turns: usize, engine: StorageEngine) -> anyhow::Result<Foot
         disk_reopened,
         live_bytes,
         history,
+        last_turn,
+        miss_read,
+        miss_fold,
+        state_bytes: state.approx_bytes(),
     })
 }
 
@@ -426,6 +457,18 @@ impl Footprint {
             row(&format!("disk allocated, {when}"), usage.allocated);
             row(&format!("disk file lengths, {when}"), usage.apparent);
         }
+        let ms = |d: Duration| format!("{:.2} ms", d.as_secs_f64() * 1e3);
+        out.push_str(&format!(
+            "\nA miss of the engine's state cache on this session: reading its {} events back {}, \
+             folding them {} (the last turn, state cached: {}); the folded state's estimate \
+             {} bytes ({} the transcript's canonical JSON).\n",
+            self.history.len(),
+            ms(self.miss_read),
+            ms(self.miss_fold),
+            ms(self.last_turn),
+            self.state_bytes,
+            times(self.state_bytes as u64, self.transcript_bytes)
+        ));
         out.push_str("\n| event kind | events | bytes | share of history | bytes per event |\n|---|---|---|---|---|\n");
         for kind in &self.by_kind {
             out.push_str(&format!(
