@@ -6,6 +6,7 @@ use crate::error::Result;
 use async_trait::async_trait;
 use cairn_ledger::{CallOptions, Delta, ModelResponse, ModelSpec, ToolSpec, Transcript};
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// Where a model call sits in its session, for logs, idempotency and deterministic providers.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -27,8 +28,10 @@ pub struct ModelRequest {
     pub context: CallContext,
     /// Which model to call, and its limits.
     pub model: ModelSpec,
-    /// The conversation so far; the provider renders its request from it.
-    pub transcript: Transcript,
+    /// The conversation so far; the provider renders its request from it. Shared with the
+    /// session's state rather than copied: a long session's transcript is megabytes, and a
+    /// copy per call was most of a long session's turn.
+    pub transcript: Arc<Transcript>,
     /// The tools the model may call.
     pub tools: Vec<ToolSpec>,
     /// This call's options: tool choice, server tools, prompt caching.

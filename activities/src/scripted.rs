@@ -293,7 +293,7 @@ impl ModelProvider for ScriptedProvider {
         if let Some(log) = &self.received {
             let call = ReceivedCall {
                 context: request.context.clone(),
-                transcript: prepared,
+                transcript: prepared.into_owned(),
                 options: request.options.clone(),
             };
             match log.lock() {
@@ -985,7 +985,7 @@ mod tests {
                 attempt,
             },
             model: ModelSpec::parse("scripted:example.json").unwrap(),
-            transcript,
+            transcript: transcript.into(),
             tools: Vec::new(),
         }
     }

@@ -121,7 +121,7 @@ fn request(transcript: Transcript, thinking: Option<u32>) -> ModelRequest {
             max_tokens: Some(16000),
             thinking_budget_tokens: thinking,
         },
-        transcript,
+        transcript: transcript.into(),
         tools: vec![calc()],
     }
 }

@@ -87,7 +87,7 @@ fn request(model: &str, transcript: Transcript, thinking: bool) -> ModelRequest 
             max_tokens: Some(4096),
             thinking_budget_tokens: thinking.then_some(2048),
         },
-        transcript,
+        transcript: transcript.into(),
         tools: tools(),
     }
 }

@@ -20,7 +20,7 @@ fn request(transcript: &Transcript, tools: &ToolRegistry, round: u32) -> ModelRe
             attempt: 1,
         },
         model: ModelSpec::parse("scripted:demo.json").expect("valid model spec"),
-        transcript: transcript.clone(),
+        transcript: transcript.clone().into(),
         tools: tools.specs(),
     }
 }

@@ -43,7 +43,7 @@ fn request(transcript: Transcript) -> ModelRequest {
             max_tokens: Some(1024),
             thinking_budget_tokens: None,
         },
-        transcript,
+        transcript: transcript.into(),
         tools: vec![
             ToolSpec {
                 name: "get_weather".into(),

@@ -105,7 +105,7 @@ fn request(transcript: Transcript) -> ModelRequest {
             max_tokens: Some(2048),
             thinking_budget_tokens: None,
         },
-        transcript,
+        transcript: transcript.into(),
         tools: vec![ToolSpec {
             name: "get_weather".into(),
             description: "Current weather for a city".into(),

@@ -40,7 +40,7 @@ fn request(
     ModelRequest {
         context: CallContext::default(),
         model: ModelSpec::new(provider, model),
-        transcript,
+        transcript: transcript.into(),
         tools: vec![calc()],
         options,
     }

@@ -30,7 +30,7 @@ fn request(provider: &str) -> ModelRequest {
             max_tokens: Some(1000),
             thinking_budget_tokens: None,
         },
-        transcript,
+        transcript: transcript.into(),
         tools: vec![],
     }
 }

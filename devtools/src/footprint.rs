@@ -382,7 +382,7 @@ pub async fn measure(turns: usize, engine: StorageEngine) -> anyhow::Result<Foot
     if read_back != history {
         bail!("the reopened store's history differs from the one written");
     }
-    if state.transcript != transcript {
+    if *state.transcript != transcript {
         bail!("the history folded again gives another transcript");
     }
     let disk_reopened = disk_usage(&store_dir)?;

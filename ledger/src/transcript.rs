@@ -272,6 +272,18 @@ impl Part {
         self.is_reasoning() || matches!(self, Part::Opaque(_))
     }
 
+    /// Whether `family` may receive this part as it is ([`Part::for_family`] would return a
+    /// copy of it): not an opaque block or citations of another family.
+    pub fn is_whole_for_family(&self, family: &str) -> bool {
+        match self {
+            Part::Opaque(opaque) => opaque.provider == family,
+            Part::Text {
+                citations: Some(c), ..
+            } => c.provider == family,
+            _ => true,
+        }
+    }
+
     /// This part as `family` may receive it: `None` when it is an opaque block of another
     /// family; text loses the citations of another family.
     pub fn for_family(&self, family: &str) -> Option<Part> {

@@ -801,7 +801,9 @@ impl Transport for Local {
     }
 
     async fn transcript(&self, session_id: &str) -> Result<Transcript> {
-        Ok(self.engine.state(session_id).await?.transcript)
+        Ok(Arc::unwrap_or_clone(
+            self.engine.state(session_id).await?.transcript,
+        ))
     }
 
     async fn describe(&self, session_id: &str) -> Result<SessionDescription> {

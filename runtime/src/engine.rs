@@ -93,8 +93,8 @@ pub enum ActivityInput {
         round: u32,
         /// The model.
         model: ModelSpec,
-        /// The transcript to send.
-        transcript: Transcript,
+        /// The transcript to send, shared with the session's state (not copied per call).
+        transcript: Arc<Transcript>,
         /// Tools offered.
         tools: Vec<ToolSpec>,
         /// Time limits.
@@ -1776,7 +1776,10 @@ fn activity_input(state: &SessionState, lease: &Lease) -> Option<ActivityInput> 
             },
             round,
             model,
-            transcript: cairn_ledger::summary_request(&state.transcript, keep_last_turns),
+            transcript: Arc::new(cairn_ledger::summary_request(
+                &state.transcript,
+                keep_last_turns,
+            )),
             // Older turns may hold tool blocks, which providers accept only with tools.
             tools: started.tools.clone(),
             timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),

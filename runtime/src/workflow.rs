@@ -22,6 +22,7 @@ use cairn_ledger::{
     StopReason, ToolChoice, ToolResult, ToolResultContent, ToolUse, Transcript, Usage,
 };
 use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
 
 /// The version of the workflow's rules this code decides new sessions by. A session keeps
 /// the version it started under (`SessionStarted::workflow_version`), and the rules of every
@@ -476,8 +477,10 @@ pub struct SessionState {
     pub next_seq: u64,
     /// How the session was started; `None` before its first event.
     pub started: Option<SessionStarted>,
-    /// The transcript (the ledger).
-    pub transcript: Transcript,
+    /// The transcript (the ledger). Shared with the model calls in flight, which take it as
+    /// it stands (an `Arc` clone, not a copy); a change copies it only while one still holds
+    /// it.
+    pub transcript: Arc<Transcript>,
     /// Turns started so far.
     pub turns_started: u32,
     /// The turn in progress.
@@ -503,7 +506,7 @@ impl SessionState {
             session_id: session_id.into(),
             next_seq: 1,
             started: None,
-            transcript: Transcript::new(),
+            transcript: Arc::default(),
             turns_started: 0,
             active: None,
             last_outcome: None,
@@ -1038,7 +1041,7 @@ impl SessionState {
                         .map_err(|e| self.invalid(seq, format!("compaction: {e}")))?;
                 }
                 if let Some(prompt) = &started.system_prompt {
-                    self.transcript.push_system(prompt.clone());
+                    Arc::make_mut(&mut self.transcript).push_system(prompt.clone());
                 }
                 self.started = Some(started.clone());
                 Ok(Vec::new())
@@ -1076,7 +1079,7 @@ impl SessionState {
                     Some(m) => m.clone(),
                     None => self.started_ref()?.model.clone(),
                 };
-                self.transcript.push_user(text.clone(), media);
+                Arc::make_mut(&mut self.transcript).push_user(text.clone(), media);
                 self.turns_started = *turn;
                 self.active = Some(ActiveTurn {
                     turn: *turn,
@@ -1499,7 +1502,7 @@ impl SessionState {
             slot.progress_usage = None;
         }
         active.stop_reason = Some(response.stop_reason);
-        self.transcript.push_response(response);
+        Arc::make_mut(&mut self.transcript).push_response(response);
         for t in response.tool_uses() {
             self.tool_use_ids.insert(t.id.clone());
         }
@@ -1787,7 +1790,7 @@ impl SessionState {
                 ToolSlotState::Done(r) => Some(r),
                 _ => None,
             });
-            self.transcript.push_tool_results(results);
+            Arc::make_mut(&mut self.transcript).push_tool_results(results);
         }
         self.next_round(now)
     }
@@ -1878,7 +1881,7 @@ impl SessionState {
                     },
                 })
                 .collect();
-            self.transcript.push_tool_results(results);
+            Arc::make_mut(&mut self.transcript).push_tool_results(results);
         }
     }
 }

@@ -23,6 +23,7 @@ use crate::compaction::{CompactionPolicy, CompactionTrigger};
 use crate::error::Result;
 use crate::event::{ActivityFailure, ErrorClass, Event};
 use cairn_ledger::{compact, estimate_tokens, CompactionPlan, CompactionStrategy, Transcript};
+use std::sync::Arc;
 
 /// Decides the compaction `trigger` calls for under `policy`: strategies are tried in the
 /// policy's order and kept only when they change the transcript; a threshold compaction stops
@@ -412,7 +413,7 @@ impl SessionState {
                 keep_last_turns: keep_last_turns.unwrap_or(1),
                 summary: summary.clone(),
             };
-            self.transcript = compact(&self.transcript, &plan).transcript;
+            self.transcript = Arc::new(compact(&self.transcript, &plan).transcript);
         }
     }
 }

@@ -101,7 +101,7 @@ fn over_the_threshold_a_compaction_goes_before_the_model_call() {
     let all = CompactionPolicy::default().strategies;
     let mut live = Live::new(with_policy(Some(policy(Some(1), all, 4))));
     run_turn(&mut live, 1);
-    let before = live.state.transcript.clone();
+    let before = Transcript::clone(&live.state.transcript);
     let c = live.input(user(2, "question 2"));
     let with_user = {
         let mut t = before.clone();
@@ -145,7 +145,7 @@ fn over_the_threshold_a_compaction_goes_before_the_model_call() {
         ]
     );
     // The model call goes out over the compacted transcript.
-    assert_eq!(live.state.transcript, expected.transcript);
+    assert_eq!(*live.state.transcript, expected.transcript);
     assert_eq!(reasoning_count(&live.state.transcript.messages), 0);
     let note = live.state.transcript.messages[3].parts[0].clone();
     assert!(
@@ -178,7 +178,7 @@ fn under_the_threshold_nothing_is_compacted_and_it_stops_once_under() {
     let mut plain = Live::new(with_policy(None));
     run_turn(&mut plain, 1);
     run_turn(&mut plain, 2);
-    let mut at_turn_3 = plain.state.transcript.clone();
+    let mut at_turn_3 = Transcript::clone(&plain.state.transcript);
     at_turn_3.push_user_text("question 3");
     let without_reasoning = estimate_tokens(&drop_reasoning(&at_turn_3));
     // A threshold that dropping reasoning alone meets: the next strategies are not applied.
@@ -221,7 +221,7 @@ fn keep_last_turns_cuts_at_the_start_of_a_turn() {
     let mut live = Live::new(with_policy(Some(policy(Some(1), keep, 2))));
     run_turn(&mut live, 1);
     run_turn(&mut live, 2);
-    let before = live.state.transcript.clone();
+    let before = Transcript::clone(&live.state.transcript);
     let c = live.input(user(3, "question 3"));
     // system, turn 1 (4 messages), turn 2 from index 5.
     match &c[..] {
@@ -484,7 +484,7 @@ fn summarizing(threshold_tokens: Option<u64>) -> SessionStarted {
 fn a_summary_call_runs_first_and_its_text_is_kept_in_front_of_the_cut() {
     let mut live = Live::new(summarizing(Some(1)));
     run_turn(&mut live, 1);
-    let before = live.state.transcript.clone();
+    let before = Transcript::clone(&live.state.transcript);
     let t = live.step(user(2, "question 2"));
     let due = live.now;
     assert_eq!(

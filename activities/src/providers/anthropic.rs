@@ -1445,7 +1445,7 @@ mod tests {
             options: Default::default(),
             context: CallContext::default(),
             model,
-            transcript,
+            transcript: transcript.into(),
             tools: vec![tool()],
         }
     }

@@ -1671,7 +1671,7 @@ mod tests {
                 max_tokens: Some(4096),
                 thinking_budget_tokens: None,
             },
-            transcript,
+            transcript: transcript.into(),
             tools: vec![ToolSpec {
                 name: "calc".into(),
                 description: "adds".into(),

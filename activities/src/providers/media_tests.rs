@@ -80,7 +80,7 @@ fn request(provider: &str, model: &str, transcript: Transcript) -> ModelRequest 
             max_tokens: Some(1024),
             thinking_budget_tokens: None,
         },
-        transcript,
+        transcript: transcript.into(),
         tools: vec![ToolSpec {
             name: "screenshot".into(),
             description: "takes a screenshot".into(),

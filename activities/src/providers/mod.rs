@@ -27,6 +27,7 @@ pub mod sse;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::ModelRequest;
 use cairn_ledger::{Message, Part, Role, Transcript};
+use std::borrow::Cow;
 
 /// A provider wire format a request can be rendered in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,9 +117,31 @@ pub fn current_turn_start(transcript: &Transcript) -> usize {
 }
 
 /// The transcript as `family` may receive it: reasoning and opaque blocks produced by another
-/// provider family (and its citations) are dropped from completed turns (it cannot be verified there); inside the current tool loop a
-/// message from another family is refused — a switch mid-loop would break the loop's reasoning.
-pub fn prepare_transcript(transcript: &Transcript, family: &str) -> Result<Transcript> {
+/// provider family (and its citations) are dropped from completed turns (it cannot be verified
+/// there); inside the current tool loop a message from another family is refused — a switch
+/// mid-loop would break the loop's reasoning.
+///
+/// A transcript that is `family`'s throughout, the common case, is returned as it is, not
+/// copied: a long session's transcript is megabytes, and it goes to every model call.
+pub fn prepare_transcript<'a>(
+    transcript: &'a Transcript,
+    family: &str,
+) -> Result<Cow<'a, Transcript>> {
+    let whole = transcript.messages.iter().all(|message| {
+        // The copy below leaves out a message with no parts left, so an empty one is a change.
+        message
+            .provenance
+            .as_ref()
+            .is_none_or(|p| p.provider == family)
+            && !message.parts.is_empty()
+            && message
+                .parts
+                .iter()
+                .all(|part| part.is_whole_for_family(family))
+    });
+    if whole {
+        return Ok(Cow::Borrowed(transcript));
+    }
     let start = current_turn_start(transcript);
     let mut out = Transcript::new();
     for (index, message) in transcript.messages.iter().enumerate() {
@@ -135,9 +158,11 @@ pub fn prepare_transcript(transcript: &Transcript, family: &str) -> Result<Trans
                 .filter_map(|p| p.for_family(family))
                 .collect();
             if !parts.is_empty() {
+                // Not `..message.clone()`, which would copy every part only to drop them.
                 out.messages.push(Message {
+                    role: message.role,
                     parts,
-                    ..message.clone()
+                    provenance: message.provenance.clone(),
                 });
             }
             continue;
@@ -151,18 +176,21 @@ pub fn prepare_transcript(transcript: &Transcript, family: &str) -> Result<Trans
                 ),
             });
         }
-        let mut kept = message.clone();
-        kept.parts = message
+        let parts: Vec<Part> = message
             .parts
             .iter()
             .filter(|p| !p.is_provider_bound())
             .filter_map(|p| p.for_family(family))
             .collect();
-        if !kept.parts.is_empty() {
-            out.messages.push(kept);
+        if !parts.is_empty() {
+            out.messages.push(Message {
+                role: message.role,
+                parts,
+                provenance: message.provenance.clone(),
+            });
         }
     }
-    Ok(out)
+    Ok(Cow::Owned(out))
 }
 
 #[cfg(test)]
@@ -196,8 +224,11 @@ mod tests {
         t.push_user_text("two");
         let prepared = prepare_transcript(&t, "openai").unwrap();
         assert_eq!(prepared.messages[1].parts, vec![Part::text("a")]);
-        // Same family: untouched.
-        assert_eq!(prepare_transcript(&t, "anthropic").unwrap(), t);
+        // Same family: untouched, and not copied.
+        assert!(matches!(
+            prepare_transcript(&t, "anthropic").unwrap(),
+            Cow::Borrowed(same) if std::ptr::eq(same, &t)
+        ));
         // Inside a tool loop of another family: refused.
         t.push_response(&response(
             "anthropic",
@@ -236,5 +267,26 @@ mod tests {
             prepared.messages.last().unwrap().parts,
             vec![Part::text("done")]
         );
+    }
+
+    #[test]
+    fn another_family_s_opaque_block_in_a_message_of_this_family_makes_a_copy_without_it() {
+        let mut t = Transcript::new();
+        t.push_user_text("one");
+        let opaque = Part::Opaque(cairn_ledger::ProviderJson::new(
+            "openai-responses",
+            cairn_ledger::JsonText::parse(r#"{"type":"web_search_call"}"#).unwrap(),
+        ));
+        t.push_response(&response(
+            "anthropic",
+            vec![opaque.clone(), Part::text("a")],
+        ));
+        let prepared = prepare_transcript(&t, "anthropic").unwrap();
+        assert!(matches!(prepared, Cow::Owned(_)));
+        assert_eq!(prepared.messages[1].parts, vec![Part::text("a")]);
+        // The family that made the block gets it: from a completed turn of another family,
+        // only reasoning and provider-bound parts go.
+        assert!(!opaque.is_whole_for_family("anthropic"));
+        assert!(opaque.is_whole_for_family("openai-responses"));
     }
 }
