@@ -1,9 +1,10 @@
 //! What the engine keeps per session once a session is parked (idle, waiting for its next
 //! message): no outcome channel, no watch, no lease, and its cached state only while the
-//! cache has room; running sessions keep theirs.
+//! cache has room; running sessions keep theirs. And what a model call costs in memory: the
+//! transcript shared with it, not copied.
 
 use crate::client::{Client, SessionOptions};
-use crate::engine::{ActivityReport, PerSessionEntries};
+use crate::engine::{ActivityInput, ActivityReport, PerSessionEntries};
 use crate::error::Result;
 use crate::store::{Store, TaskFilter};
 use crate::workflow::TurnOutcome;
@@ -225,6 +226,32 @@ async fn over_its_byte_budget_the_engine_drops_the_parked_states_used_longest_ag
         b.last_outcome.as_ref().map(|_| "another outcome")
     );
     assert_eq!(b.approx_bytes(), one);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_call_shares_the_transcript_and_the_answer_extends_it_in_place() -> Result<()> {
+    let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
+    let client = Client::new(engine.clone());
+    start_turn(&client, "shared").await?;
+    let before = Arc::as_ptr(&engine.state("shared").await?.transcript);
+    let leased = engine.lease_tasks(&TaskFilter::any(), 1, 60_000).await?;
+    let ActivityInput::Model { transcript, .. } = &leased[0].input else {
+        panic!("a model call: {:?}", leased[0].input);
+    };
+    // The call got the state's transcript itself, not a copy.
+    assert!(std::ptr::eq(Arc::as_ptr(transcript), before));
+    let lease = leased[0].lease.clone();
+    drop(leased);
+    engine.report(&lease, answer("no copy")).await?;
+    // Nobody held the transcript any more, so the answer went onto it where it was: copied,
+    // it would be at another address (the old one was still taken while copying).
+    let after = engine.state("shared").await?;
+    assert_eq!(after.transcript.messages.len(), 2);
+    assert!(
+        std::ptr::eq(Arc::as_ptr(&after.transcript), before),
+        "the transcript was copied"
+    );
     Ok(())
 }
 
