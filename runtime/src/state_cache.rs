@@ -65,9 +65,8 @@ impl SessionSlot {
         Arc::strong_count(&self.0) > 1
     }
 
-    /// Whether the slot holds a running session's state, read without noting its bytes (the
-    /// cache's lock is held, which a guard's release does not take, but its bytes are
-    /// unchanged by a look).
+    /// Whether the slot's session is running, or its state is locked (in use). It looks
+    /// through the bare lock, not a [`StateGuard`]: a look changes no bytes to note.
     fn is_running_or_busy(&self) -> bool {
         match self.0.state.try_lock() {
             Ok(state) => state.as_ref().is_some_and(SessionState::is_running),
