@@ -1309,14 +1309,16 @@ impl Engine {
     }
 
     /// Sets how many session states are cached before parked ones nobody holds are dropped,
-    /// least recently used first ([`CACHE_CAPACITY`] by default).
+    /// least recently used first ([`CACHE_CAPACITY`] by default). Set it on a new engine,
+    /// before it is cloned: on an engine already shared it changes nothing.
     pub fn with_cache_capacity(self, capacity: usize) -> Self {
         self.with_cache(|cache| cache.set_capacity(capacity))
     }
 
     /// Sets how many bytes the cached session states may hold
     /// ([`SessionState::approx_bytes`]) before parked ones nobody holds are dropped, least
-    /// recently used first ([`CACHE_BYTES`] by default).
+    /// recently used first ([`CACHE_BYTES`] by default). Set it on a new engine, before it is
+    /// cloned: on an engine already shared it changes nothing.
     pub fn with_cache_bytes(self, bytes: usize) -> Self {
         self.with_cache(|cache| cache.set_byte_budget(bytes))
     }
