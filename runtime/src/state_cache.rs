@@ -109,21 +109,15 @@ impl Drop for StateGuard<'_> {
         let bytes = self.state.as_ref().map_or(0, SessionState::approx_bytes);
         // A compare-and-swap, not a store, so that a slot detached meanwhile stays detached:
         // its bytes left the total when it was, and must not come back.
-        let mut current = self.slot.bytes.load(Ordering::Acquire);
-        loop {
-            if current == DETACHED || current == bytes {
-                return;
-            }
-            match self.slot.bytes.compare_exchange_weak(
-                current,
-                bytes,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => break,
-                Err(seen) => current = seen,
-            }
-        }
+        let Ok(current) =
+            self.slot
+                .bytes
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |current| {
+                    (current != DETACHED && current != bytes).then_some(bytes)
+                })
+        else {
+            return;
+        };
         // Added before subtracted, so the total never wraps below zero on the way.
         self.slot.total.fetch_add(bytes, Ordering::AcqRel);
         self.slot.total.fetch_sub(current, Ordering::AcqRel);
