@@ -23,6 +23,11 @@ fn answer(text: &str) -> ActivityReport {
     })
 }
 
+/// An engine on a new store in memory.
+fn memory_engine() -> Engine {
+    Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock))
+}
+
 fn options(id: &str) -> SessionOptions {
     let mut options = SessionOptions::new(ModelSpec::new("scripted", "parked"), Vec::new());
     options.session_id = Some(id.to_owned());
@@ -67,8 +72,7 @@ async fn park(engine: &Engine, client: &Client, id: &str) -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parked_sessions_leave_no_channel_watch_or_lease_and_their_states_go() -> Result<()> {
-    let engine =
-        Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock)).with_cache_capacity(4);
+    let engine = memory_engine().with_cache_capacity(4);
     let client = Client::new(engine.clone());
     // A session whose turn runs, started first: the purges must keep its state.
     // Its model call is leased and held, as by a slow worker.
@@ -158,8 +162,7 @@ async fn a_resumed_engine_keeps_nothing_for_parked_sessions() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_cache_keeps_the_parked_state_used_last_and_drops_the_oldest() -> Result<()> {
-    let engine =
-        Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock)).with_cache_capacity(4);
+    let engine = memory_engine().with_cache_capacity(4);
     let client = Client::new(engine.clone());
     for id in ["a", "b", "c", "d"] {
         park(&engine, &client, id).await?;
@@ -198,8 +201,7 @@ async fn park_long(engine: &Engine, client: &Client, id: &str, len: usize) -> Re
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_its_byte_budget_the_engine_drops_the_parked_states_used_longest_ago() -> Result<()> {
     // Room for two states of 100 KB, not three; the count (512) is no limit here.
-    let engine =
-        Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock)).with_cache_bytes(250_000);
+    let engine = memory_engine().with_cache_bytes(250_000);
     let client = Client::new(engine.clone());
     park_long(&engine, &client, "a", 100_000).await?;
     let one = engine.cached_state_bytes();
@@ -231,7 +233,7 @@ async fn over_its_byte_budget_the_engine_drops_the_parked_states_used_longest_ag
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_call_shares_the_transcript_and_the_answer_extends_it_in_place() -> Result<()> {
-    let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
+    let engine = memory_engine();
     let client = Client::new(engine.clone());
     start_turn(&client, "shared").await?;
     let before = Arc::as_ptr(&engine.state("shared").await?.transcript);
@@ -257,7 +259,7 @@ async fn a_model_call_shares_the_transcript_and_the_answer_extends_it_in_place()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_event_stream_leaves_no_watch_behind() -> Result<()> {
-    let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
+    let engine = memory_engine();
     let client = Client::new(engine.clone());
     park(&engine, &client, "parked").await?;
     let mut stream = client.subscribe("parked", 0).await?;
