@@ -776,19 +776,43 @@ impl Writer {
                 actual,
             });
         }
-        let mut staged = Staged::default();
-        if let Some((id, attempt)) = &p.complete {
-            let task = self.task(&staged, id)?;
-            lease_current(task.as_ref(), id, *attempt, p.now_ms)?;
-        }
-        // Stored tasks this append replaces or removes must decode, or it is rejected whole.
+        // Each task the append touches is read once, as the batch so far leaves it: the
+        // completed one (first in `removed`, its lease checked), the cancelled ones and those
+        // it enqueues, which must all decode or the append is rejected whole. Only their
+        // visibility times are needed afterwards.
+        let mut before: Vec<(Vec<u8>, Option<u64>)> =
+            Vec::with_capacity(p.removed.len() + p.enqueued.len());
+        let no_changes = Staged::default();
         for id in p
             .removed
             .iter()
             .chain(p.enqueued.iter().map(|(new, _)| &new.id))
         {
-            self.task(&staged, id)?;
+            let key = task_key(id);
+            if before.iter().any(|(read, _)| *read == key) {
+                continue;
+            }
+            let task = self.task(&no_changes, id)?;
+            if let Some((completed, attempt)) = &p.complete {
+                if completed == id {
+                    lease_current(task.as_ref(), id, *attempt, p.now_ms)?;
+                }
+            }
+            before.push((key, task.map(|t| t.visible_at_ms)));
         }
+        let mut staged = Staged::default();
+        // A task's visibility as `staged` leaves it (a task staged earlier in this append
+        // wins over the stored one).
+        let visible_at = |staged: &Staged, id: &TaskId, key: &Vec<u8>| -> Result<Option<u64>> {
+            match staged.tasks.get(key) {
+                Some(Some(bytes)) => Ok(Some(decode_task(id, bytes, SPACE)?.visible_at_ms)),
+                Some(None) => Ok(None),
+                None => Ok(before
+                    .iter()
+                    .find(|(read, _)| read == key)
+                    .and_then(|(_, visible)| *visible)),
+            }
+        };
 
         if p.count > 0 {
             for (key, record) in &p.records {
@@ -797,16 +821,18 @@ impl Writer {
             staged.put(Ks::Sessions, sid.as_bytes().to_vec(), Some(p.info.clone()));
         }
         for id in &p.removed {
-            if let Some(old) = self.task(&staged, id)? {
-                staged.put(Ks::Tasks, task_key(id), None);
-                staged.put(Ks::Queue, queue_key(old.visible_at_ms, id), None);
+            let key = task_key(id);
+            if let Some(old_visible) = visible_at(&staged, id, &key)? {
+                staged.put(Ks::Tasks, key, None);
+                staged.put(Ks::Queue, queue_key(old_visible, id), None);
             }
         }
         for (new, bytes) in &p.enqueued {
-            if let Some(old) = self.task(&staged, &new.id)? {
-                staged.put(Ks::Queue, queue_key(old.visible_at_ms, &new.id), None);
+            let key = task_key(&new.id);
+            if let Some(old_visible) = visible_at(&staged, &new.id, &key)? {
+                staged.put(Ks::Queue, queue_key(old_visible, &new.id), None);
             }
-            staged.put(Ks::Tasks, task_key(&new.id), Some(bytes.clone()));
+            staged.put(Ks::Tasks, key, Some(bytes.clone()));
             staged.put(
                 Ks::Queue,
                 queue_key(new.visible_at_ms, &new.id),
