@@ -445,3 +445,43 @@ fn dictionary_1_is_the_one_shipped() {
     assert_eq!(crate::codec::DICTIONARY_1.len(), 8_976);
     assert_eq!(crc32fast::hash(crate::codec::DICTIONARY_1), 0x8a5fc35f);
 }
+
+/// The encoder reuses its thread's buffers from record to record: a record's bytes must not
+/// depend on what the thread encoded before, whether longer, noisier or too big to keep.
+#[test]
+fn a_record_does_not_depend_on_what_its_thread_encoded_before() {
+    let small = EventEnvelope::new(
+        "s",
+        7,
+        1,
+        Event::SessionCancelled {
+            reason: "done".into(),
+        },
+    );
+    let first = std::thread::spawn({
+        let small = small.clone();
+        move || encode(&small).unwrap()
+    })
+    .join()
+    .unwrap();
+    // Long and compressible, then noise (compressed much less), then over what a thread keeps
+    // of its buffers.
+    let mut noise = String::new();
+    let mut x: u32 = 1;
+    for _ in 0..4_000 {
+        x = x.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+        noise.push(char::from(b'!' + (x >> 16) as u8 % 90));
+    }
+    let before = [
+        "a compressible reason ".repeat(500),
+        noise,
+        "x".repeat(3 << 20),
+    ];
+    for (i, reason) in before.into_iter().enumerate() {
+        let big = EventEnvelope::new("s", 8, 1, Event::SessionCancelled { reason });
+        let record = encode(&big).unwrap();
+        assert_eq!(decode("s", 8, &record).unwrap(), big, "record {i}");
+        assert_eq!(encode(&small).unwrap(), first, "after record {i}");
+    }
+    assert_eq!(decode("s", 7, &first).unwrap(), small);
+}
