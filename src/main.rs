@@ -613,6 +613,16 @@ enum Command {
         /// recorded, instead of `CAIRN_PRICES` or the built-in one.
         #[arg(long, value_name = "FILE")]
         prices: Option<PathBuf>,
+        /// Session states kept in memory before parked ones are dropped, least recently
+        /// used first (a dropped state is read and folded again from its history when its
+        /// session next steps).
+        #[arg(long, value_name = "N", default_value_t = cairn_runtime::engine::CACHE_CAPACITY as u64,
+              value_parser = clap::value_parser!(u64).range(1..))]
+        cache_sessions: u64,
+        /// MiB the cached session states may hold before parked ones are dropped, least
+        /// recently used first.
+        #[arg(long, value_name = "MIB", default_value_t = (cairn_runtime::engine::CACHE_BYTES >> 20) as u64)]
+        cache_mib: u64,
     },
     /// Continue every session whose turn was interrupted.
     Resume {
@@ -1302,8 +1312,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             workdir,
             max_poll_ms,
             prices,
+            cache_sessions,
+            cache_mib,
         } => {
             serve::run(serve::ServeArgs {
+                cache_sessions: usize::try_from(cache_sessions).unwrap_or(usize::MAX),
+                cache_bytes: usize::try_from(cache_mib.saturating_mul(1 << 20))
+                    .unwrap_or(usize::MAX),
                 prices: cairn_runtime::PriceTable::from_file_or_env(prices.as_deref())?,
                 store: cli::database::StoreLocation::resolve(store, data)?,
                 pool,

@@ -38,6 +38,10 @@ pub struct ServeArgs {
     pub max_poll_ms: u64,
     /// Prices each model call as it is recorded.
     pub prices: cairn_runtime::PriceTable,
+    /// Session states cached before parked ones are dropped.
+    pub cache_sessions: usize,
+    /// Bytes the cached session states may hold before parked ones are dropped.
+    pub cache_bytes: usize,
 }
 
 /// Runs the server until a signal, then drains; exit 0 after a clean shutdown.
@@ -70,7 +74,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             (database::connect(url, &args.pool).await?, None, None)
         }
     };
-    let engine = Engine::new(store, Arc::new(SystemClock));
+    let engine = Engine::new(store, Arc::new(SystemClock))
+        .with_cache_capacity(args.cache_sessions)
+        .with_cache_bytes(args.cache_bytes);
     engine.set_prices(args.prices);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

@@ -847,7 +847,7 @@ async fn tokens_keep_roles_apart_and_namespaces_from_seeing_each_other() {
         None,
     )
     .await;
-    assert_eq!(health.body, json!({"status": "ok"}));
+    assert_eq!(health.body["status"], "ok");
     let wrong_role = send(
         &http,
         Method::GET,
@@ -1356,7 +1356,7 @@ async fn malformed_requests_get_json_errors_and_the_server_stays_up() {
         }
     }
     let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
-    assert_eq!(health.body, json!({"status": "ok"}));
+    assert_eq!(health.body["status"], "ok");
     let doc = send(
         &http,
         Method::GET,
@@ -2117,5 +2117,95 @@ async fn compaction_over_http_is_recorded_streamed_and_asked_for() {
     assert_eq!(
         events.last().map(|e| e["kind"].clone()),
         Some(json!("compaction_requested"))
+    );
+}
+
+/// Runs one turn of a new session `id` through the server's in-process workers.
+async fn one_turn(http: &reqwest::Client, server: &Server, id: &str, model: &Value) {
+    let created = send(
+        http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": id, "model": model})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let sent = send(
+        http,
+        Method::POST,
+        server.url(&format!("/v1/sessions/{id}/messages")),
+        None,
+        Some(json!({"text": "hi"})),
+    )
+    .await;
+    assert_eq!(sent.status, StatusCode::ACCEPTED, "{}", sent.body);
+    let outcome = wait_turn(http, server, None, id, 1).await;
+    assert_eq!(outcome["answer"], "first", "{outcome}");
+}
+
+/// `--cache-sessions` and `--cache-mib` bound the server's cache of session states, and
+/// `/v1/health` reports it. With room for two, four finished sessions leave two cached; the
+/// first, dropped, takes another turn, its state folded again from its history (the scripted
+/// model answers by the transcript's assistant messages, so a state folded wrong would get
+/// the first answer again). With the defaults, all four stay.
+#[tokio::test]
+async fn the_state_cache_is_bounded_by_the_server_flags_and_reported_by_health() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(dir.path(), &["first", "second"]);
+    let http = reqwest::Client::new();
+
+    let small = Server::start(
+        &dir.path().join("small"),
+        &[
+            "--local-workers",
+            "1",
+            "--cache-sessions",
+            "2",
+            "--cache-mib",
+            "3",
+        ],
+    );
+    for id in ["s0", "s1", "s2", "s3"] {
+        one_turn(&http, &small, id, &model).await;
+    }
+    let health = send(&http, Method::GET, small.url("/v1/health"), None, None).await;
+    assert_eq!(health.body["status"], "ok");
+    let cache = &health.body["state_cache"];
+    assert_eq!(cache["max_sessions"], 2, "{cache}");
+    assert_eq!(cache["max_bytes"], 3 << 20, "{cache}");
+    let cached = cache["sessions"].as_u64().unwrap();
+    assert!((1..=2).contains(&cached), "{cache}");
+    assert!(cache["bytes"].as_u64().unwrap() > 0, "{cache}");
+    let again = send(
+        &http,
+        Method::POST,
+        small.url("/v1/sessions/s0/messages"),
+        None,
+        Some(json!({"text": "again"})),
+    )
+    .await;
+    assert_eq!(again.status, StatusCode::ACCEPTED, "{}", again.body);
+    let outcome = wait_turn(&http, &small, None, "s0", 2).await;
+    assert_eq!(
+        (&outcome["status"], &outcome["answer"]),
+        (&json!("completed"), &json!("second")),
+        "{outcome}"
+    );
+
+    let default = Server::start(&dir.path().join("default"), &["--local-workers", "1"]);
+    for id in ["s0", "s1", "s2", "s3"] {
+        one_turn(&http, &default, id, &model).await;
+    }
+    let health = send(&http, Method::GET, default.url("/v1/health"), None, None).await;
+    let cache = &health.body["state_cache"];
+    assert_eq!(
+        (
+            &cache["sessions"],
+            &cache["max_sessions"],
+            &cache["max_bytes"]
+        ),
+        (&json!(4), &json!(512), &json!(64 << 20)),
+        "{cache}"
     );
 }

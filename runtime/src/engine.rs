@@ -1334,6 +1334,17 @@ impl Engine {
         self
     }
 
+    /// What the cache of session states holds, and its bounds.
+    pub fn cache_stats(&self) -> crate::wire::StateCacheStats {
+        let cache = lock(&self.inner.sessions);
+        crate::wire::StateCacheStats {
+            sessions: cache.len() as u64,
+            bytes: cache.bytes() as u64,
+            max_sessions: cache.capacity() as u64,
+            max_bytes: cache.byte_budget() as u64,
+        }
+    }
+
     /// The bytes the cached session states hold, as last noted (for tests and benches).
     #[doc(hidden)]
     pub fn cached_state_bytes(&self) -> usize {

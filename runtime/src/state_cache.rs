@@ -167,6 +167,16 @@ impl StateCache {
         self.byte_budget = byte_budget;
     }
 
+    /// The states it keeps before it drops parked ones.
+    pub(crate) fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The bytes it keeps before it drops parked ones.
+    pub(crate) fn byte_budget(&self) -> usize {
+        self.byte_budget
+    }
+
     /// The bytes the cached states hold, as their guards last noted them.
     pub(crate) fn bytes(&self) -> usize {
         self.bytes.load(Ordering::Acquire)

@@ -554,6 +554,28 @@ pub struct DeltaBatch {
 pub struct Health {
     /// `ok`, or `draining` once the server stopped handing out tasks.
     pub status: String,
+    /// The server's cache of session states (absent from servers before it was reported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_cache: Option<StateCacheStats>,
+}
+
+/// What an engine's cache of session states holds, and its bounds
+/// ([`Engine::with_cache_capacity`](crate::Engine::with_cache_capacity),
+/// [`Engine::with_cache_bytes`](crate::Engine::with_cache_bytes)). Past either bound, a new
+/// session drops parked states, least recently used first; a dropped state is folded again
+/// from its history when its session next steps. Figures for the whole process, every
+/// namespace together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StateCacheStats {
+    /// Sessions with a cached slot (a state, or one about to be loaded).
+    pub sessions: u64,
+    /// The bytes the cached states hold, by their estimate.
+    pub bytes: u64,
+    /// The sessions the cache keeps before it drops parked ones.
+    pub max_sessions: u64,
+    /// The bytes the cache keeps before it drops parked ones.
+    pub max_bytes: u64,
 }
 
 /// Every error answer: `{"error": {"code", "message"}}`.

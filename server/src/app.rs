@@ -137,7 +137,8 @@ fn panicked(panic: Box<dyn std::any::Any + Send + 'static>) -> axum::response::R
     .into_response()
 }
 
-/// `GET /v1/health`: `ok`, or `draining` once shutdown began.
+/// `GET /v1/health`: `ok`, or `draining` once shutdown began; and what the cache of session
+/// states holds.
 #[utoipa::path(
     get,
     path = "/v1/health",
@@ -156,5 +157,6 @@ pub async fn health(State(state): State<AppState>, _caller: AnyCaller) -> Json<H
             "ok"
         }
         .to_owned(),
+        state_cache: Some(state.engine.cache_stats()),
     })
 }
