@@ -1345,12 +1345,6 @@ impl Engine {
         }
     }
 
-    /// The bytes the cached session states hold, as last noted (for tests and benches).
-    #[doc(hidden)]
-    pub fn cached_state_bytes(&self) -> usize {
-        lock(&self.inner.sessions).bytes()
-    }
-
     /// The session's state, caught up with the store: a cached state reads only the events
     /// appended after its next seq (by another writer: this engine's own appends are applied
     /// as they are made), and publishes them to subscribers and waiters as its own appends
