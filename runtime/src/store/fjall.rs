@@ -1616,11 +1616,45 @@ mod tests {
     async fn concurrent_appends_share_persists() {
         let root = temp();
         let store = Arc::new(FjallStore::open(root.path()).expect("open"));
+        appends_of_64_writers_share_persists(&store).await;
+        // One at a time, each append is its own batch and persist.
+        let before = store.persists();
+        for seq in 1..=3 {
+            store
+                .append(append_request(
+                    "serial",
+                    seq,
+                    vec![message("serial", seq, "x")],
+                    1,
+                ))
+                .await
+                .expect("append");
+        }
+        assert_eq!(store.persists() - before, 3);
+    }
+
+    /// On a multi-thread runtime with a single worker (tokio's default with one CPU), a
+    /// commit on the caller's thread would stall every other task: writes go to the writer
+    /// thread, so lone ones are not committed inline and concurrent ones still share persists.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn on_a_runtime_with_one_worker_writes_go_to_the_writer_thread_and_share_persists() {
+        let root = temp();
+        let store = Arc::new(FjallStore::open(root.path()).expect("open"));
+        serial_appends(&store, "queued").await;
+        assert_eq!(inline_commits(&store), 0);
+        assert_eq!(events_of(&store, "queued").await, 3);
+        appends_of_64_writers_share_persists(&store).await;
+        assert_eq!(inline_commits(&store), 0);
+    }
+
+    /// 64 tasks each append four events to a session of their own: fewer than half as many
+    /// persists as appends.
+    async fn appends_of_64_writers_share_persists(store: &Arc<FjallStore>) {
         let before = store.persists();
         const WRITERS: usize = 64;
         let tasks: Vec<_> = (0..WRITERS)
             .map(|i| {
-                let store = Arc::clone(&store);
+                let store = Arc::clone(store);
                 tokio::spawn(async move {
                     let s = format!("w{i}");
                     for seq in 1..=4 {
@@ -1641,20 +1675,6 @@ mod tests {
             "{} appends took {persists} persists: group commit should share them",
             WRITERS * 4
         );
-        // One at a time, each append is its own batch and persist.
-        let before = store.persists();
-        for seq in 1..=3 {
-            store
-                .append(append_request(
-                    "serial",
-                    seq,
-                    vec![message("serial", seq, "x")],
-                    1,
-                ))
-                .await
-                .expect("append");
-        }
-        assert_eq!(store.persists() - before, 3);
     }
 
     async fn serial_appends(store: &FjallStore, session: &str) {
