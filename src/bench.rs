@@ -78,9 +78,14 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
             args.worker_concurrency
         ),
     };
+    let runtime_workers = tokio::runtime::Handle::current().metrics().num_workers();
     outln!(
-        "durable turns (fresh session, model → 2 parallel tools → model), closed loop, {} s each after {} s of warm-up, model latency {} ms; embedded on a new {engines} store with the default worker pool; {through}. p50 fdatasync: 8 KiB overwrites on the store's filesystem just before each row; durable commits: the store's, per completed turn (in series at 1 session); the last column: turns/s over N × those of 1 worker process with the same servers",
-        args.seconds, args.seconds / 10.0, args.model_latency_ms
+        "durable turns (fresh session, model → 2 parallel tools → model), closed loop, {} s each after {} s of warm-up, model latency {} ms; embedded on a new {engines} store with the default worker pool, in this process on {} tokio worker thread{} (TOKIO_WORKER_THREADS sets them; with one, every write goes through the store's writer thread); {through}. p50 fdatasync: 8 KiB overwrites on the store's filesystem just before each row; durable commits: the store's, per completed turn (in series at 1 session); the last column: turns/s over N × those of 1 worker process with the same servers",
+        args.seconds,
+        args.seconds / 10.0,
+        args.model_latency_ms,
+        runtime_workers,
+        if runtime_workers == 1 { "" } else { "s" }
     )?;
     outln!("{}", BenchResult::header())?;
     for &sessions in &args.sessions {
