@@ -27,8 +27,9 @@
 //! it until it sees single writes again, so concurrent sessions keep batching as before. The
 //! price is that the caller's tokio worker waits for that one sync, as a database client's
 //! thread would; on a current-thread runtime, or a multi-thread one with one worker, that
-//! would stall every other task and end group commit, so there every write goes to the thread. Order is unchanged:
-//! either way, a write runs after every write whose answer its caller saw.
+//! would stall every other task and end group commit, so there every write goes to the
+//! thread. Order is unchanged: either way, a write runs after every write whose answer its
+//! caller saw.
 //!
 //! Error texts name the engine and its sync ("sled store at …: sync failed", "fjall store at
 //! …: persist failed"): an [`Engine`] carries those words.
