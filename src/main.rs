@@ -554,8 +554,9 @@ enum Command {
         /// sessions put their tasks unless they name queues).
         #[arg(long = "queue", value_name = "NAME")]
         queues: Vec<String>,
-        /// Activities run at once at most.
-        #[arg(long, default_value_t = 16)]
+        /// Activities run at once at most (as an embedded pool's default: they mostly wait on
+        /// the network, and a slot is a task, not a thread).
+        #[arg(long, default_value_t = cairn_workers::DEFAULT_CONCURRENCY)]
         concurrency: usize,
         /// The directory read_file may read (default: the current directory).
         #[arg(long)]

@@ -834,3 +834,56 @@ async fn a_report_hands_the_next_task_to_the_worker_that_reported() {
     }
     assert_replays(&client, &session).await;
 }
+
+/// The default pool is not what caps a process's concurrency: 150 sessions whose model call
+/// takes five seconds all have theirs running at once (the pool had 64 slots, and held 128
+/// sessions with 50 ms model calls to half their rate). Each turn completes and replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_pool_runs_the_model_calls_of_150_sessions_at_once() {
+    const SESSIONS: usize = 150;
+    let files = demo_files(
+        r#"{"responses": [{"delay_ms": 5000, "parts": [{"type": "text", "text": "done"}]}]}"#,
+    );
+    let host = TestHost::start(
+        Arc::new(MemoryStore::new()),
+        Arc::new(SystemClock),
+        &files.workdir,
+        WorkerConfig::default(),
+    );
+    let engine = host
+        .client
+        .engine()
+        .expect("an engine in this process")
+        .clone();
+    let started = Instant::now();
+    let mut turns = Vec::new();
+    for i in 0..SESSIONS {
+        let options = host.session_options(&files.script, &format!("wide-{i}"));
+        turns.push(
+            host.client
+                .start_session_and_send(options, "go")
+                .await
+                .unwrap(),
+        );
+    }
+    // Every call is leased long before the first one answers; the most held at once is
+    // sampled until then.
+    let mut most = 0;
+    while most < SESSIONS && started.elapsed() < Duration::from_millis(4_500) {
+        most = most.max(engine.leases_held_here().len());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        most, SESSIONS,
+        "model calls running at once under the default pool"
+    );
+    for (session, turn) in &turns {
+        let outcome = host.client.wait_turn(session, *turn).await.unwrap();
+        let TurnOutcome::Completed { answer, .. } = outcome else {
+            panic!("{session}: {outcome:?}")
+        };
+        assert_eq!(answer, "done");
+        assert_replays(&host.client, session).await;
+    }
+    host.shutdown().await;
+}

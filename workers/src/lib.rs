@@ -11,7 +11,7 @@ mod progress;
 mod source;
 
 pub use models::{ModelResolver, StandardModels, STANDARD_PROVIDERS};
-pub use pool::{filter_of, Activities, WorkerConfig, WorkerPool};
+pub use pool::{filter_of, Activities, WorkerConfig, WorkerPool, DEFAULT_CONCURRENCY};
 pub use source::{EngineSource, TaskSource};
 
 /// The workers' one error type.

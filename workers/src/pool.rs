@@ -21,10 +21,15 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, info_span, warn, Instrument};
 
+/// [`WorkerConfig::concurrency`]'s default.
+pub const DEFAULT_CONCURRENCY: usize = 1_000;
+
 /// Pool settings.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
-    /// Activities run at once at most.
+    /// Activities run at once at most. Default 1,000, as Temporal's Go SDK: an activity
+    /// here mostly waits (a model call on the network, for seconds), and a slot is a task,
+    /// not a thread; 64 held 128 sessions with 50 ms model calls to half their rate.
     pub concurrency: usize,
     /// Lease length; a running activity renews it every third of it (heartbeat). This long
     /// after a crashed worker's last renewal its leases lapse, and the engine's timers record
@@ -59,7 +64,7 @@ pub struct WorkerConfig {
 impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
-            concurrency: 64,
+            concurrency: DEFAULT_CONCURRENCY,
             lease_ms: 30_000,
             poll_interval_ms: 100,
             progress_interval_ms: Some(250),
