@@ -80,7 +80,7 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
     };
     let runtime_workers = tokio::runtime::Handle::current().metrics().num_workers();
     outln!(
-        "durable turns (fresh session, model → 2 parallel tools → model), closed loop, {} s each after {} s of warm-up, model latency {} ms; embedded on a new {engines} store with the default worker pool, in this process on {} tokio worker thread{} (TOKIO_WORKER_THREADS sets them; with one, every write goes through the store's writer thread); {through}. p50 fdatasync: 8 KiB overwrites on the store's filesystem just before each row; durable commits: the store's, per completed turn (in series at 1 session); the last column: turns/s over N × those of 1 worker process with the same servers",
+        "durable turns (fresh session, model → 2 parallel tools → model), closed loop, {} s each after {} s of warm-up, model latency {} ms; embedded on a new {engines} store with the default worker pool, in this process on {} tokio worker thread{} (TOKIO_WORKER_THREADS sets them; with one, every write goes through the store's writer thread); {through}. p50 fdatasync: 8 KiB overwrites on the store's filesystem just before each row; p50 store sync: the store's own syncs (flush and fdatasync of its journal) in the row; durable commits: the store's, per completed turn (in series at 1 session); the last column: turns/s over N × those of 1 worker process with the same servers",
         args.seconds,
         args.seconds / 10.0,
         args.model_latency_ms,

@@ -1005,6 +1005,58 @@ fn errors_say_their_whole_cause_once_in_words() {
     assert!(err.contains("DEBUG") && !err.contains('\x1b'), "{err}");
 }
 
+/// `cairn bench` runs durable turns on each embedded engine and reports, per row, the probe's
+/// p50 fdatasync beside the store's own p50 sync, and the commits a turn waited for in series:
+/// five at one session (the start, the model's result, each tool's, the second model's).
+#[test]
+fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
+    let out = cairn(&["bench", "--sessions", "1", "--seconds", "0.5"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let header: Vec<&str> = stdout
+        .lines()
+        .find(|l| l.starts_with("| setup |"))
+        .unwrap_or_else(|| panic!("no table header: {stdout}"))
+        .split('|')
+        .map(str::trim)
+        .collect();
+    let column = |name: &str| {
+        header
+            .iter()
+            .position(|c| *c == name)
+            .unwrap_or_else(|| panic!("no column {name}: {stdout}"))
+    };
+    let (probe, store, commits) = (
+        column("p50 fdatasync"),
+        column("p50 store sync"),
+        column("durable commits per turn"),
+    );
+    let ms = |cell: &str| -> f64 {
+        cell.strip_suffix(" ms")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("not a time: {cell:?} in {stdout}"))
+    };
+    for engine in ["fjall", "sled"] {
+        let row: Vec<&str> = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("| embedded, {engine} | 1 |")))
+            .unwrap_or_else(|| panic!("no row for {engine}: {stdout}"))
+            .split('|')
+            .map(str::trim)
+            .collect();
+        assert_eq!(row.len(), header.len(), "{stdout}");
+        assert!(ms(row[probe]) > 0.0, "{stdout}");
+        let store_sync = ms(row[store]);
+        assert!(
+            store_sync > 0.0 && store_sync < 60_000.0,
+            "{engine}: {stdout}"
+        );
+        // Counted over the measured window, which cuts the turns at its ends.
+        let per_turn: f64 = row[commits].parse().expect("a number");
+        assert!((per_turn - 5.0).abs() < 0.2, "{engine}: {stdout}");
+    }
+}
+
 /// `cairn bench --footprint` runs a short session on each engine and reports its bytes: the
 /// raw messages as 1.00×, a history larger than them, the store's live keys and values, every
 /// event kind a turn records, and what a miss of the state cache costs.

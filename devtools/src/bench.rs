@@ -19,7 +19,10 @@
 //! flush it waits for, measured under the same load. Embedded, the store counts its durable
 //! commits ([`Store::durable_commits`]); commits per turn at one session in flight are the
 //! commits a turn waits for in series, and the row shows p50 ÷ (commits × p50 fdatasync): 1.0
-//! would be a turn that costs nothing but its flushes.
+//! would be a turn that costs nothing but its flushes. Beside the probe's p50 stands the
+//! store's own ([`Store::sync_times`]): the probe's is the cheapest durable write there is,
+//! the store's is what its commits paid in the same row, so the two tell a turn's time in
+//! its syncs from its time between them.
 
 // A benchmark reads clocks and waits on real time.
 #![allow(clippy::disallowed_methods)]
@@ -121,6 +124,9 @@ pub struct BenchResult {
     /// store does not count them (through servers). At one session in flight these are the
     /// commits a turn waits for in series.
     pub commits_per_turn: Option<f64>,
+    /// Median of the store's own syncs in the measured time ([`Store::sync_times`]), beside
+    /// the probe's; `None` when the store does not time them (through servers).
+    pub store_sync_p50_ms: Option<f64>,
 }
 
 impl BenchResult {
@@ -152,7 +158,7 @@ impl BenchResult {
         };
         let latency = |ms: f64| (self.turns > 0).then_some(ms);
         format!(
-            "| {} | {} | {} ms | {:.0} turns/s | {} | {} | {:.3} ms | {} | {} | {} |",
+            "| {} | {} | {} ms | {:.0} turns/s | {} | {} | {:.3} ms | {} | {} | {} | {} |",
             self.setup,
             self.sessions,
             self.model_latency_ms,
@@ -160,6 +166,7 @@ impl BenchResult {
             shown(latency(self.p50_ms), |ms| format!("{ms:.2} ms")),
             shown(latency(self.p99_ms), |ms| format!("{ms:.2} ms")),
             self.fdatasync_p50_ms,
+            shown(self.store_sync_p50_ms, |ms| format!("{ms:.3} ms")),
             shown(self.commits_per_turn, |n| format!("{n:.2}")),
             shown(self.over_flushes(), |ratio| format!("{ratio:.2}")),
             shown(scaling, |ratio| format!("{ratio:.2}")),
@@ -168,7 +175,7 @@ impl BenchResult {
 
     /// The header of the report table.
     pub fn header() -> &'static str {
-        "| setup | sessions in flight | model latency | throughput | p50 turn | p99 turn | p50 fdatasync | durable commits per turn | p50 turn ÷ (commits × fdatasync) | turns/s ÷ (N × 1 worker's) |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| setup | sessions in flight | model latency | throughput | p50 turn | p99 turn | p50 fdatasync | p50 store sync | durable commits per turn | p50 turn ÷ (commits × fdatasync) | turns/s ÷ (N × 1 worker's) |\n|---|---|---|---|---|---|---|---|---|---|---|"
     }
 }
 
@@ -254,13 +261,21 @@ async fn closed_loop(
     let started = Instant::now();
     let measure_from = started + warmup;
     let measure_until = measure_from + measured;
-    // The store's commit counter read at both ends of the measured window.
-    let commits = store.map(|store| {
+    // The store's commit counter and sync times read at both ends of the measured window.
+    let counters = store.map(|store| {
         tokio::spawn(async move {
             tokio::time::sleep_until(measure_from.into()).await;
-            let first = store.durable_commits();
+            let (first, first_times) = (store.durable_commits(), store.sync_times());
             tokio::time::sleep_until(measure_until.into()).await;
-            Some(store.durable_commits()? - first?)
+            let commits = store
+                .durable_commits()
+                .zip(first)
+                .map(|(last, first)| last - first);
+            let times = store
+                .sync_times()
+                .zip(first_times)
+                .and_then(|(last, first)| last.since(&first));
+            (commits, times)
         })
     });
     let mut runners = Vec::new();
@@ -302,9 +317,9 @@ async fn closed_loop(
             .map(|d| d.as_secs_f64() * 1e3)
             .unwrap_or(f64::NAN)
     };
-    let commits = match commits {
-        Some(counter) => counter.await.context("the commit counter panicked")?,
-        None => None,
+    let (commits, sync_times) = match counters {
+        Some(counters) => counters.await.context("the commit counter panicked")?,
+        None => (None, None),
     };
     Ok(BenchResult {
         setup,
@@ -319,6 +334,7 @@ async fn closed_loop(
         commits_per_turn: commits
             .filter(|_| !latencies.is_empty())
             .map(|n| n as f64 / latencies.len() as f64),
+        store_sync_p50_ms: sync_times.and_then(|times| times.quantile_ms(0.5)),
     })
 }
 
@@ -482,6 +498,7 @@ mod tests {
             p99_ms: 5.0,
             fdatasync_p50_ms: 0.25,
             commits_per_turn,
+            store_sync_p50_ms: Some(0.3),
         }
     }
 
@@ -491,8 +508,13 @@ mod tests {
         assert_eq!(one.over_flushes(), Some(2.0));
         assert_eq!(
             one.row(None),
-            "| embedded, fjall | 1 | 0 ms | 10 turns/s | 3.00 ms | 5.00 ms | 0.250 ms | 6.00 | 2.00 | – |"
+            "| embedded, fjall | 1 | 0 ms | 10 turns/s | 3.00 ms | 5.00 ms | 0.250 ms | 0.300 ms | 6.00 | 2.00 | – |"
         );
+        let untimed = BenchResult {
+            store_sync_p50_ms: None,
+            ..result(1, Some(6.0))
+        };
+        assert!(untimed.row(None).contains("| 0.250 ms | – | 6.00 |"));
         // Commits are shared, not in series, with more sessions; unknown through servers.
         assert_eq!(result(16, Some(0.5)).over_flushes(), None);
         assert_eq!(result(1, None).over_flushes(), None);

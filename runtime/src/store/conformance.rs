@@ -1603,10 +1603,17 @@ pub async fn released_tasks_are_leased_again_and_not_overdue(store: &dyn Store) 
 /// conflict-and-retry: every successful append lands, each session's seqs are 1..=n.
 /// A store that counts its durable commits ([`Store::durable_commits`]) counts one for an
 /// append made alone, one for a lease that leased something, and none for a refused append or
-/// a lease that found nothing; a store that does not count them says so every time.
+/// a lease that found nothing; a store that does not count them says so every time. A store
+/// that times its syncs ([`Store::sync_times`]) times each of those commits once; one that
+/// does not count them does not time them either.
 pub async fn durable_commits_count_what_was_made_durable(store: &dyn Store) {
     let s = "commits";
+    let times_at_start = store.sync_times();
     let Some(at_start) = store.durable_commits() else {
+        assert!(
+            times_at_start.is_none(),
+            "a store that times its syncs counts its durable commits"
+        );
         must_append(
             store,
             append_request(s, 1, vec![message(s, 1, "a")], 1_000),
@@ -1660,6 +1667,22 @@ pub async fn durable_commits_count_what_was_made_durable(store: &dyn Store) {
         at_start + 3,
         "an append and a lease that leased a task are a durable commit each"
     );
+    if let Some(times_at_start) = times_at_start {
+        let times = store
+            .sync_times()
+            .expect("a store that times its syncs keeps timing them");
+        let window = times.since(&times_at_start).expect("sync times only grow");
+        assert_eq!(
+            window.count(),
+            3,
+            "each durable commit's sync is timed once, and nothing else is"
+        );
+        let slowest = window.quantile_ms(1.0).expect("three syncs were timed");
+        assert!(
+            slowest > 0.0 && slowest < 60_000.0,
+            "a sync's time is what it took, got {slowest} ms"
+        );
+    }
 }
 
 pub async fn concurrent_appends(store: Arc<dyn Store>) {

@@ -141,7 +141,7 @@ use super::write_queue::{
 };
 use super::{
     check_deletable, check_session_id, unknown_session, AppendRequest, Lease, LeaseRequest,
-    SessionInfo, Store, Task, TaskFilter, TaskId,
+    SessionInfo, Store, SyncTimes, Task, TaskFilter, TaskId,
 };
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
@@ -156,6 +156,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
+use std::time::Instant;
 use tokio::sync::oneshot;
 
 /// How error texts name this engine and its sync.
@@ -600,13 +601,15 @@ impl Writer {
     /// Makes every commit so far durable with one fdatasync of the journal: this batch's and
     /// the unsynced in-process leases before it.
     fn persist(&mut self) -> std::result::Result<(), String> {
+        #[allow(clippy::disallowed_methods)] // timing IO for benchmarks; not recorded in history
+        let began = Instant::now();
         let persisted = self.handles.db.persist(PersistMode::SyncData).map_err(|e| {
             format!(
                 "fjall persist (fdatasync of the journal) failed: {}",
                 words(&e)
             )
         });
-        self.shared.syncs.fetch_add(1, Ordering::Relaxed);
+        self.shared.synced(began.elapsed());
         persisted
     }
 
@@ -1207,6 +1210,10 @@ fn lsm_words(e: &fjall::LsmError) -> String {
 impl Store for FjallStore {
     fn durable_commits(&self) -> Option<u64> {
         Some(self.writes.shared.syncs.load(Ordering::Relaxed))
+    }
+
+    fn sync_times(&self) -> Option<SyncTimes> {
+        Some(self.writes.shared.sync_times())
     }
 
     async fn append(&self, request: AppendRequest) -> Result<()> {

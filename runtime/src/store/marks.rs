@@ -38,7 +38,9 @@
 //! can pass unseen, anything older cannot.
 
 pub(crate) use super::files::sync_dir;
-use super::{AppendRequest, Lease, LeaseRequest, SessionInfo, Store, Task, TaskFilter, TaskId};
+use super::{
+    AppendRequest, Lease, LeaseRequest, SessionInfo, Store, SyncTimes, Task, TaskFilter, TaskId,
+};
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
 use async_trait::async_trait;
@@ -457,6 +459,10 @@ impl MarkedStore {
 impl Store for MarkedStore {
     fn durable_commits(&self) -> Option<u64> {
         self.inner.durable_commits()
+    }
+
+    fn sync_times(&self) -> Option<SyncTimes> {
+        self.inner.sync_times()
     }
 
     async fn append(&self, request: AppendRequest) -> Result<()> {

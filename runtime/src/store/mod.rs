@@ -25,7 +25,10 @@ mod keys;
 pub mod marks;
 pub mod memory;
 pub mod sled;
+mod sync_times;
 mod write_queue;
+
+pub use sync_times::SyncTimes;
 
 /// Which kind of activity a task runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -365,6 +368,13 @@ pub trait Store: Send + Sync + 'static {
     /// store does not count them. For benchmarks: commits per turn at one session in flight
     /// are the commits a turn waits for in series.
     fn durable_commits(&self) -> Option<u64> {
+        None
+    }
+
+    /// How long each of those durable commits took to sync (the sync alone: an engine's flush
+    /// and fdatasync), or `None` when the store does not time them. For benchmarks: the
+    /// store's own sync set beside an fdatasync probe's.
+    fn sync_times(&self) -> Option<SyncTimes> {
         None
     }
 

@@ -37,8 +37,8 @@
 use super::files::open_error;
 use super::keys::{encode_meta, seq_key};
 use super::{
-    check_request, AppendRequest, Lease, LeaseRequest, NewTask, SessionInfo, Task, TaskFilter,
-    TaskId,
+    check_request, AppendRequest, Lease, LeaseRequest, NewTask, SessionInfo, SyncTimes, Task,
+    TaskFilter, TaskId,
 };
 use crate::codec;
 use crate::error::{Error, Result};
@@ -46,6 +46,7 @@ use cairn_ledger::JsonText;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// Writes in one batch at most, bounding the wait of the first one.
@@ -82,6 +83,8 @@ pub(super) struct Shared {
     /// Batches made durable, or tried to (sled's flushes, fjall's persists: for tests of group
     /// commit).
     pub(super) syncs: AtomicU64,
+    /// How long those took ([`Shared::synced`]).
+    sync_times: Mutex<SyncTimes>,
     /// Writes committed on their caller's thread rather than the writer's (for tests).
     pub(super) inline: AtomicU64,
 }
@@ -92,6 +95,24 @@ impl Shared {
         self.failed
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Counts a batch made durable, or tried to, in `took`.
+    pub(super) fn synced(&self, took: Duration) {
+        self.syncs.fetch_add(1, Ordering::Relaxed);
+        // A plain value: consistent even if a holder panicked.
+        self.sync_times
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .record(took);
+    }
+
+    /// A copy of the sync times so far.
+    pub(super) fn sync_times(&self) -> SyncTimes {
+        self.sync_times
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
     }
 
     /// Why writes are refused, once a sync failed.
