@@ -2144,6 +2144,59 @@ async fn one_turn(http: &reqwest::Client, server: &Server, id: &str, model: &Val
     assert_eq!(outcome["answer"], "first", "{outcome}");
 }
 
+/// `/v1/health` reports the embedded store's durable commits and how long their syncs took:
+/// counts that grow with each turn, and times in order (p50 ≤ p99 ≤ the slowest), every one a
+/// real sync's. The OpenAPI document describes them.
+#[tokio::test]
+async fn health_reports_the_stores_commits_and_sync_times() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(dir.path(), &["first", "second"]);
+    let http = reqwest::Client::new();
+    let server = Server::start(&dir.path().join("data"), &["--local-workers", "1"]);
+    let syncs = |body: &Value| -> (u64, u64, u64, u64) {
+        let s = &body["store_syncs"];
+        let field = |name: &str| {
+            s[name]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no {name} in {body}"))
+        };
+        (
+            field("durable_commits"),
+            field("sync_p50_us"),
+            field("sync_p99_us"),
+            field("sync_max_us"),
+        )
+    };
+    one_turn(&http, &server, "s0", &model).await;
+    let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
+    let (commits, p50, p99, max) = syncs(&health.body);
+    // A turn here is at least its start, the model's result and the turn's end.
+    assert!(commits >= 3, "{}", health.body);
+    assert!(0 < p50 && p50 <= p99 && p99 <= max, "{}", health.body);
+    assert!(max < 60_000_000, "{}", health.body);
+    one_turn(&http, &server, "s1", &model).await;
+    let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
+    let (more, ..) = syncs(&health.body);
+    assert!(more >= commits + 3, "{commits} then {}", health.body);
+    let doc = send(
+        &http,
+        Method::GET,
+        server.url("/v1/openapi.json"),
+        None,
+        None,
+    )
+    .await;
+    let schema = &doc.body["components"]["schemas"]["StoreSyncStats"]["properties"];
+    for field in [
+        "durable_commits",
+        "sync_p50_us",
+        "sync_p99_us",
+        "sync_max_us",
+    ] {
+        assert!(schema.get(field).is_some(), "{field}: {schema}");
+    }
+}
+
 /// `--cache-sessions` and `--cache-mib` bound the server's cache of session states, and
 /// `/v1/health` reports it. With room for two, four finished sessions leave two cached; the
 /// first, dropped, takes another turn, its state folded again from its history (the scripted

@@ -557,6 +557,30 @@ pub struct Health {
     /// The server's cache of session states (absent from servers before it was reported).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_cache: Option<StateCacheStats>,
+    /// The store's durable commits and how long their syncs took, since it opened; absent
+    /// for a store that does not time them (PostgreSQL's) and from servers before it was
+    /// reported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_syncs: Option<StoreSyncStats>,
+}
+
+/// What an embedded store made durable since it opened ([`Store::durable_commits`] and
+/// [`Store::sync_times`](crate::Store::sync_times)): its commits, each a batch of writes made
+/// durable by one sync, and how long those syncs took, in microseconds (to two significant
+/// digits). A p50 well above the disk's own fdatasync says the disk, not the server, is slow.
+///
+/// [`Store::durable_commits`]: crate::Store::durable_commits
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StoreSyncStats {
+    /// Durable commits.
+    pub durable_commits: u64,
+    /// Median sync, µs.
+    pub sync_p50_us: u64,
+    /// 99th percentile sync, µs.
+    pub sync_p99_us: u64,
+    /// Slowest sync, µs.
+    pub sync_max_us: u64,
 }
 
 /// What an engine's cache of session states holds, and its bounds

@@ -9,8 +9,9 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::Request;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use cairn_runtime::wire::{ErrorBody, Health};
+use cairn_runtime::wire::{ErrorBody, Health, StoreSyncStats};
 use cairn_runtime::Engine;
+use cairn_runtime::Store;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
@@ -137,8 +138,8 @@ fn panicked(panic: Box<dyn std::any::Any + Send + 'static>) -> axum::response::R
     .into_response()
 }
 
-/// `GET /v1/health`: `ok`, or `draining` once shutdown began; and what the cache of session
-/// states holds.
+/// `GET /v1/health`: `ok`, or `draining` once shutdown began; what the cache of session
+/// states holds; and, on an embedded store, its durable commits and sync times.
 #[utoipa::path(
     get,
     path = "/v1/health",
@@ -158,5 +159,18 @@ pub async fn health(State(state): State<AppState>, _caller: AnyCaller) -> Json<H
         }
         .to_owned(),
         state_cache: Some(state.engine.cache_stats()),
+        store_syncs: store_syncs(state.engine.store().as_ref()),
+    })
+}
+
+/// The store's durable commits and sync times, when it times them.
+fn store_syncs(store: &dyn Store) -> Option<StoreSyncStats> {
+    let durable_commits = store.durable_commits()?;
+    let times = store.sync_times()?;
+    Some(StoreSyncStats {
+        durable_commits,
+        sync_p50_us: times.quantile_us(0.5).unwrap_or(0),
+        sync_p99_us: times.quantile_us(0.99).unwrap_or(0),
+        sync_max_us: times.quantile_us(1.0).unwrap_or(0),
     })
 }

@@ -51,13 +51,15 @@ impl SyncTimes {
         Some(SyncTimes(later))
     }
 
-    /// The sync time at quantile `q` (0.5 for the median), in milliseconds; `None` when no
-    /// sync is counted.
+    /// The sync time at quantile `q` (0.5 for the median, 1.0 for the slowest), in
+    /// microseconds; `None` when no sync is counted.
+    pub fn quantile_us(&self, q: f64) -> Option<u64> {
+        (!self.0.is_empty()).then(|| self.0.value_at_quantile(q))
+    }
+
+    /// [`quantile_us`](Self::quantile_us) in milliseconds.
     pub fn quantile_ms(&self, q: f64) -> Option<f64> {
-        if self.0.is_empty() {
-            return None;
-        }
-        Some(self.0.value_at_quantile(q) as f64 / 1e3)
+        self.quantile_us(q).map(|us| us as f64 / 1e3)
     }
 }
 
