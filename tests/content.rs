@@ -3,7 +3,7 @@
 //! bad media refused before anything is written; the HTTP API (a real server process) and
 //! `cairn run --attach` (the real binary).
 
-use crate::server::{script, send, wait_turn, Server};
+use crate::server::{openapi_document, script, send, wait_turn, Server};
 use crate::support::{cairn_command, reopen_sled, TestHost};
 use cairn_activities::ToolRegistry;
 use cairn_ledger::file_versions::sha256_hex;
@@ -289,15 +289,8 @@ async fn the_http_api_takes_media_and_renders_them_per_provider() {
     );
     assert_eq!(remote.history("m1").await.unwrap().len(), before);
     // The OpenAPI document describes the media of a message.
-    let openapi = send(
-        &http,
-        Method::GET,
-        server.url("/v1/openapi.json"),
-        None,
-        None,
-    )
-    .await;
-    let schemas = &openapi.body["components"]["schemas"];
+    let openapi = openapi_document(&http, &server).await;
+    let schemas = &openapi["components"]["schemas"];
     assert!(
         schemas["SendMessage"]["properties"]["media"].is_object(),
         "{}",

@@ -1357,15 +1357,22 @@ async fn malformed_requests_get_json_errors_and_the_server_stays_up() {
     }
     let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
     assert_eq!(health.body["status"], "ok");
+    let doc = openapi_document(&http, &server).await;
+    assert!(doc["paths"]["/v1/worker/report"]["post"].is_object());
+}
+
+/// The server's OpenAPI document, `GET /v1/openapi.json`.
+pub(crate) async fn openapi_document(http: &reqwest::Client, server: &Server) -> Value {
     let doc = send(
-        &http,
+        http,
         Method::GET,
         server.url("/v1/openapi.json"),
         None,
         None,
     )
     .await;
-    assert!(doc.body["paths"]["/v1/worker/report"]["post"].is_object());
+    assert_eq!(doc.status, StatusCode::OK, "{}", doc.body);
+    doc.body
 }
 
 /// One message of an event stream.
@@ -2178,15 +2185,8 @@ async fn health_reports_the_stores_commits_and_sync_times() {
     let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
     let (more, ..) = syncs(&health.body);
     assert!(more >= commits + 3, "{commits} then {}", health.body);
-    let doc = send(
-        &http,
-        Method::GET,
-        server.url("/v1/openapi.json"),
-        None,
-        None,
-    )
-    .await;
-    let schema = &doc.body["components"]["schemas"]["StoreSyncStats"]["properties"];
+    let doc = openapi_document(&http, &server).await;
+    let schema = &doc["components"]["schemas"]["StoreSyncStats"]["properties"];
     for field in [
         "durable_commits",
         "sync_p50_us",
