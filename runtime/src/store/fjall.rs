@@ -45,6 +45,17 @@
 //! cost about one fdatasync, not N. Nothing is persisted per event, and no history is re-read:
 //! an append reads one session record and the task records it touches.
 //!
+//! On the writer thread the persist runs on a second thread, `cairn-fjall-sync`, which then
+//! answers the batch, while the writer thread already applies the writes that came meanwhile
+//! to a new overlay (reads, checks, encoding: about half of a batch's work). The next batch
+//! waits for that persist before it commits (fjall's persist holds the journal through its
+//! fdatasync anyway) and takes the writes that came during the wait too, so batches are as
+//! large as without the overlap; after a failed persist it is refused, never committed. So
+//! answers still follow a persist that began after their commit, and commits stay in order.
+//! A lone write committed on its caller's thread waits for a persist in flight, then persists
+//! itself. Measured (`cairn bench --engine fjall --seconds 3`, builds in turn, four rounds):
+//! 16 sessions 1.06–1.21× the turns/s, 128 sessions 0.89–1.51× (median about 1.3×).
+//!
 //! Reads run on the caller's thread, each on a fjall snapshot, which shows whole write batches
 //! only (fjall's plain `Keyspace::get`/`range` read at the newest sequence number and could see
 //! a batch half applied to the memtables). A read can see a batch whose persist is still
@@ -347,6 +358,7 @@ impl FjallStore {
             shared: Arc::clone(&shared),
             overlay: Overlay::default(),
             queue_index: Arc::clone(&queue_index),
+            syncer: None,
         };
         let (writes, thread) = WriteQueue::start(
             ENGINE,
@@ -520,6 +532,88 @@ struct Writer {
     overlay: Overlay,
     /// Changed here only, after each commit.
     queue_index: QueueIndex,
+    /// The thread that persists the writer thread's batches, started with the first.
+    syncer: Option<Syncer>,
+}
+
+/// The thread that persists a committed batch and answers it, while the writer thread
+/// applies the next one.
+struct Syncer {
+    /// The committed batches' held answers, to persist and answer.
+    jobs: Option<std::sync::mpsc::Sender<Vec<Pending>>>,
+    /// One message per batch persisted and answered.
+    done: std::sync::mpsc::Receiver<()>,
+    /// Whether a batch sent is not persisted yet.
+    in_flight: bool,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Syncer {
+    fn start(path: &Path, db: Database, shared: Arc<Shared>) -> std::io::Result<Syncer> {
+        let (jobs, queue) = std::sync::mpsc::channel::<Vec<Pending>>();
+        let (finished, done) = std::sync::mpsc::channel();
+        let path = path.to_path_buf();
+        let thread = std::thread::Builder::new()
+            .name("cairn-fjall-sync".to_owned())
+            .spawn(move || {
+                for pending in queue {
+                    let outcome = persist(&db, &shared);
+                    shared.settle(&outcome, pending, ENGINE, &path);
+                    if finished.send(()).is_err() {
+                        break;
+                    }
+                }
+            })?;
+        Ok(Syncer {
+            jobs: Some(jobs),
+            done,
+            in_flight: false,
+            thread: Some(thread),
+        })
+    }
+
+    /// Waits until the batch in flight, if any, is persisted and answered.
+    fn wait(&mut self) {
+        if self.in_flight {
+            // An error means the thread ended, having answered what it took.
+            let _ = self.done.recv();
+            self.in_flight = false;
+        }
+    }
+}
+
+impl Drop for Syncer {
+    fn drop(&mut self) {
+        self.wait();
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Makes every commit so far durable with one fdatasync of the journal, timed. A panic in
+/// fjall is a failed persist.
+fn persist(db: &Database, shared: &Shared) -> std::result::Result<(), String> {
+    #[allow(clippy::disallowed_methods)] // timing IO for benchmarks; not recorded in history
+    let began = Instant::now();
+    let persisted = catch_unwind(AssertUnwindSafe(|| db.persist(PersistMode::SyncData)))
+        .map_err(|panic| {
+            format!(
+                "fjall panicked while persisting: {}",
+                panic_message(&*panic)
+            )
+        })
+        .and_then(|persisted| {
+            persisted.map_err(|e| {
+                format!(
+                    "fjall persist (fdatasync of the journal) failed: {}",
+                    words(&e)
+                )
+            })
+        });
+    shared.synced(began.elapsed());
+    persisted
 }
 
 impl ProcessBatch for Writer {
@@ -527,26 +621,101 @@ impl ProcessBatch for Writer {
     /// In-process leases are answered once committed; a batch of nothing else is not
     /// persisted: the next durable batch carries it to the disk.
     fn process(&mut self, batch: Vec<Write>) {
+        if let Some(syncer) = &mut self.syncer {
+            syncer.wait();
+        }
         let mut pending = Vec::with_capacity(batch.len());
         let mut committed = Vec::new();
         for write in batch {
             self.apply(write, &mut pending, &mut committed);
         }
-        if pending.is_empty() && committed.is_empty() {
+        self.settle_in_place(pending, committed);
+    }
+
+    /// As [`process`](Self::process), but the batch is persisted and answered by the sync
+    /// thread, so that the next batch is applied while this one syncs. Only its commit waits
+    /// for the sync before it (fjall's persist holds the journal through its fdatasync), and
+    /// a failed sync refuses the batch applied behind it.
+    fn process_on_writer_thread(
+        &mut self,
+        batch: Vec<Write>,
+        more: &mut dyn FnMut() -> Vec<Write>,
+    ) {
+        let mut pending = Vec::with_capacity(batch.len());
+        let mut committed = Vec::new();
+        for write in batch {
+            self.apply(write, &mut pending, &mut committed);
+        }
+        if self.syncer.is_none() {
+            match Syncer::start(
+                &self.path,
+                self.handles.db.clone(),
+                Arc::clone(&self.shared),
+            ) {
+                Ok(syncer) => self.syncer = Some(syncer),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot start the fjall sync thread; syncing on the writer thread");
+                    return self.settle_in_place(pending, committed);
+                }
+            }
+        }
+        if let Some(syncer) = &mut self.syncer {
+            syncer.wait();
+        }
+        // The writes that came while the last batch synced join this one, as they would
+        // have without the overlap.
+        for write in more() {
+            self.apply(write, &mut pending, &mut committed);
+        }
+        if let Some(refused) = self.shared.refusal(ENGINE, &self.path) {
+            self.overlay = Overlay::default();
+            let reason = Err(refused.to_string());
+            for (reply, leases) in committed {
+                Pending::Lease(reply, leases).answer(&reason, ENGINE, &self.path);
+            }
+            self.shared.settle(&reason, pending, ENGINE, &self.path);
             return;
         }
-        let outcome = catch_unwind(AssertUnwindSafe(|| {
-            self.commit()?;
-            // In order: reports of these leases can only come after this commit.
-            for (reply, leases) in committed.drain(..) {
-                let _ = reply.send(Ok(leases));
+        let Some(pending) = self.commit_answering_leases(pending, committed) else {
+            return;
+        };
+        let Some(syncer) = &mut self.syncer else {
+            unreachable!("started above")
+        };
+        match syncer.jobs.as_ref().map(|jobs| jobs.send(pending)) {
+            Some(Ok(())) => syncer.in_flight = true,
+            Some(Err(std::sync::mpsc::SendError(pending))) => {
+                let outcome = persist(&self.handles.db, &self.shared);
+                self.shared.settle(&outcome, pending, ENGINE, &self.path);
             }
-            if pending.is_empty() {
-                return Ok(());
-            }
-            self.persist()
-        }))
-        .unwrap_or_else(|panic| {
+            None => unreachable!("the jobs end is dropped only with the syncer"),
+        }
+    }
+}
+
+impl Writer {
+    /// The rest of [`process`](ProcessBatch::process) for a batch applied: commits it as one
+    /// write batch, answers its in-process leases, persists it once, answers the rest.
+    fn settle_in_place(&mut self, pending: Vec<Pending>, committed: Vec<Committed>) {
+        let Some(pending) = self.commit_answering_leases(pending, committed) else {
+            return;
+        };
+        let outcome = self.persist();
+        self.shared.settle(&outcome, pending, ENGINE, &self.path);
+    }
+
+    /// Commits the overlay and answers the in-process leases of the batch, then gives back
+    /// the answers that wait for a persist, if any; when the commit fails (or fjall panics in
+    /// it), answers the whole batch with the failure instead and gives back nothing.
+    fn commit_answering_leases(
+        &mut self,
+        pending: Vec<Pending>,
+        committed: Vec<Committed>,
+    ) -> Option<Vec<Pending>> {
+        if pending.is_empty() && committed.is_empty() {
+            return None;
+        }
+        let outcome = catch_unwind(AssertUnwindSafe(|| self.commit())).unwrap_or_else(|panic| {
             Err(format!(
                 "fjall panicked while committing: {}",
                 panic_message(&*panic)
@@ -558,12 +727,16 @@ impl ProcessBatch for Writer {
             for (reply, leases) in committed {
                 Pending::Lease(reply, leases).answer(&outcome, ENGINE, &self.path);
             }
+            self.shared.settle(&outcome, pending, ENGINE, &self.path);
+            return None;
         }
-        self.shared.settle(&outcome, pending, ENGINE, &self.path);
+        // In order: reports of these leases can only come after this commit.
+        for (reply, leases) in committed {
+            let _ = reply.send(Ok(leases));
+        }
+        (!pending.is_empty()).then_some(pending)
     }
-}
 
-impl Writer {
     /// Commits the overlay as one fjall write batch (to the journal's buffer, not synced).
     fn commit(&mut self) -> std::result::Result<(), String> {
         if self.overlay.is_empty() {
@@ -601,16 +774,7 @@ impl Writer {
     /// Makes every commit so far durable with one fdatasync of the journal: this batch's and
     /// the unsynced in-process leases before it.
     fn persist(&mut self) -> std::result::Result<(), String> {
-        #[allow(clippy::disallowed_methods)] // timing IO for benchmarks; not recorded in history
-        let began = Instant::now();
-        let persisted = self.handles.db.persist(PersistMode::SyncData).map_err(|e| {
-            format!(
-                "fjall persist (fdatasync of the journal) failed: {}",
-                words(&e)
-            )
-        });
-        self.shared.synced(began.elapsed());
-        persisted
+        persist(&self.handles.db, &self.shared)
     }
 
     /// Runs one write against the overlay: answers it now when it fails, or queues its answer.
@@ -1745,6 +1909,61 @@ mod tests {
         )
     }
 
+    /// An append for a writer, and where its answer comes.
+    fn append(r: AppendRequest) -> (Write, oneshot::Receiver<Result<()>>) {
+        let (reply, answer) = oneshot::channel();
+        (
+            Write::Append(PreparedAppend::new(r).expect("prepare"), reply),
+            answer,
+        )
+    }
+
+    /// A writer of `store`'s database beside its own writer thread, to hand batches to.
+    fn writer_beside(store: &FjallStore) -> Writer {
+        Writer {
+            path: store.path.clone(),
+            handles: store.handles().expect("handles").clone(),
+            shared: Arc::clone(&store.writes.shared),
+            overlay: Overlay::default(),
+            queue_index: Arc::clone(&store.queue_index),
+            syncer: None,
+        }
+    }
+
+    /// On the writer thread a batch is persisted and answered by the sync thread, and the
+    /// writes that came while it synced join the next batch: three appends in two batches
+    /// are two persists, each answered, each landed in order.
+    #[tokio::test]
+    async fn on_the_writer_thread_writes_that_come_during_a_sync_join_the_next_batch() {
+        let root = temp();
+        let store = FjallStore::open(root.path()).expect("open");
+        let mut writer = writer_beside(&store);
+        let before = store.persists();
+        let (first, first_answer) = append(append_request("a", 1, vec![message("a", 1, "a1")], 10));
+        writer.process_on_writer_thread(vec![first], &mut Vec::new);
+        assert!(writer.syncer.is_some(), "the sync thread is started");
+        let (second, second_answer) =
+            append(append_request("a", 2, vec![message("a", 2, "a2")], 20));
+        let (queued, queued_answer) =
+            append(append_request("b", 1, vec![message("b", 1, "b1")], 20));
+        let mut during_the_sync = Some(vec![queued]);
+        writer.process_on_writer_thread(vec![second], &mut || {
+            during_the_sync.take().unwrap_or_default()
+        });
+        // Dropping the writer waits for the sync in flight and stops the sync thread; a
+        // write not taken would be dropped unanswered here.
+        drop(writer);
+        drop(during_the_sync);
+        for answer in [first_answer, second_answer, queued_answer] {
+            answer.await.expect("answered").expect("durable");
+        }
+        assert_eq!(store.persists() - before, 2, "one persist per batch");
+        let a = store.read_history("a", 1, None).await.expect("a");
+        assert_eq!(a.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
+        let b = store.read_history("b", 1, None).await.expect("b");
+        assert_eq!(b.iter().map(|e| e.seq).collect::<Vec<_>>(), [1]);
+    }
+
     /// Writes applied as one batch: each sees the ones before it, a rejected one writes
     /// nothing while the others land, and the whole batch costs one persist.
     #[tokio::test]
@@ -1762,13 +1981,6 @@ mod tests {
         complete.status = SessionStatus::Idle;
         let mut writes = Vec::new();
         let mut answers = Vec::new();
-        let append = |r: AppendRequest| {
-            let (reply, answer) = oneshot::channel();
-            (
-                Write::Append(PreparedAppend::new(r).expect("prepare"), reply),
-                answer,
-            )
-        };
         for r in [
             first,
             append_request("a", 1, vec![message("a", 1, "dup")], 10),
@@ -1792,13 +2004,7 @@ mod tests {
         writes.push(write);
         answers.push(answer);
 
-        let mut writer = Writer {
-            path: store.path.clone(),
-            handles: store.handles().expect("handles").clone(),
-            shared: Arc::clone(&store.writes.shared),
-            overlay: Overlay::default(),
-            queue_index: Arc::clone(&store.queue_index),
-        };
+        let mut writer = writer_beside(&store);
         let before = store.persists();
         writer.process(writes);
         assert_eq!(store.persists() - before, 1, "one persist for the batch");

@@ -209,7 +209,21 @@ pub(super) fn next_batch(queue: &mpsc::Receiver<Write>) -> Option<Vec<Write>> {
 
 /// An engine's batch processing: applies a batch in order, makes it durable, answers it.
 pub(super) trait ProcessBatch: Send {
+    /// Processes a batch on a caller's thread: answered, or answered once durable, when it
+    /// returns.
     fn process(&mut self, batch: Vec<Write>);
+
+    /// Processes a batch on the writer thread, which may leave its sync running when it
+    /// returns (see fjall's writer) and may take the writes queued since with `more`; by
+    /// default as [`process`](Self::process).
+    fn process_on_writer_thread(
+        &mut self,
+        batch: Vec<Write>,
+        more: &mut dyn FnMut() -> Vec<Write>,
+    ) {
+        let _ = more;
+        self.process(batch);
+    }
 }
 
 /// The writer's state behind a lock, shared by the writer thread and callers that commit on
@@ -256,7 +270,26 @@ impl<W: ProcessBatch + 'static> SharedWriter<W> {
         while let Some(batch) = next_batch(queue) {
             self.queued.fetch_sub(batch.len(), Ordering::AcqRel);
             self.last_batch.store(batch.len(), Ordering::Release);
-            self.lock().process(batch);
+            let mut taken = batch.len();
+            let mut more = || {
+                let mut extra = Vec::new();
+                while taken < MAX_BATCH {
+                    match queue.try_recv() {
+                        Ok(write) => {
+                            extra.push(write);
+                            taken += 1;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                self.queued.fetch_sub(extra.len(), Ordering::AcqRel);
+                extra
+            };
+            let mut writer = self.lock();
+            writer.process_on_writer_thread(batch, &mut more);
+            // Writes taken while the last batch synced count as concurrent with this one.
+            self.last_batch.store(taken, Ordering::Release);
+            drop(writer);
         }
     }
 }
