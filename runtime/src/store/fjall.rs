@@ -53,8 +53,9 @@
 //! large as without the overlap; after a failed persist it is refused, never committed. So
 //! answers still follow a persist that began after their commit, and commits stay in order.
 //! A lone write committed on its caller's thread waits for a persist in flight, then persists
-//! itself. Measured (`cairn bench --engine fjall --seconds 3`, builds in turn, four rounds):
-//! 16 sessions 1.06–1.21× the turns/s, 128 sessions 0.89–1.51× (median about 1.3×).
+//! itself. Measured (`cairn bench --engine fjall --seconds 3`, builds in turn, eight rounds
+//! on a disk whose speed varied): 16 sessions 0.86–1.21× the turns/s (median 1.06×), 128
+//! sessions 0.82–1.51× (median about 1.2×).
 //!
 //! Reads run on the caller's thread, each on a fjall snapshot, which shows whole write batches
 //! only (fjall's plain `Keyspace::get`/`range` read at the newest sequence number and could see
