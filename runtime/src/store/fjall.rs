@@ -598,6 +598,13 @@ impl Drop for Syncer {
 fn persist(db: &Database, shared: &Shared) -> std::result::Result<(), String> {
     #[allow(clippy::disallowed_methods)] // timing IO for benchmarks; not recorded in history
     let began = Instant::now();
+    #[cfg(test)]
+    if let Some(reason) = shared.faults.before_sync() {
+        shared.synced(began.elapsed());
+        return Err(format!(
+            "fjall persist (fdatasync of the journal) failed: {reason}"
+        ));
+    }
     let persisted = catch_unwind(AssertUnwindSafe(|| db.persist(PersistMode::SyncData)))
         .map_err(|panic| {
             format!(
@@ -661,6 +668,11 @@ impl ProcessBatch for Writer {
             }
         }
         if let Some(syncer) = &mut self.syncer {
+            #[cfg(test)]
+            if syncer.in_flight {
+                // A sync held by a test goes on once this batch is applied behind it.
+                self.shared.faults.release();
+            }
             syncer.wait();
         }
         // The writes that came while the last batch synced join this one, as they would
@@ -1963,6 +1975,152 @@ mod tests {
         assert_eq!(a.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
         let b = store.read_history("b", 1, None).await.expect("b");
         assert_eq!(b.iter().map(|e| e.seq).collect::<Vec<_>>(), [1]);
+    }
+
+    /// The seqs of `session`'s history, or `None` when the store has no such session.
+    async fn seqs(store: &FjallStore, session: &str) -> Option<Vec<u64>> {
+        match store.read_history(session, 1, None).await {
+            Ok(events) => Some(events.iter().map(|e| e.seq).collect()),
+            Err(Error::UnknownSession { .. }) => None,
+            Err(e) => panic!("reading {session}: {e}"),
+        }
+    }
+
+    /// Asserts that `answer` is a refusal of the store's writes after a failed persist.
+    fn assert_refused<T: std::fmt::Debug>(answer: Result<T>, what: &str) {
+        match answer {
+            Err(Error::Store { reason }) => assert!(
+                reason.contains("refuses writes after a failed persist")
+                    && reason.contains("injected fault"),
+                "{what}: {reason}"
+            ),
+            other => panic!("{what} must be refused after a failed persist, got {other:?}"),
+        }
+    }
+
+    /// A persist that fails on the sync thread answers its batch with the failure, refuses
+    /// the batch the writer thread applied meanwhile (and the write that joined it during
+    /// the sync) without committing it, and refuses every write after; a reopen clears the
+    /// refusal and finds none of the refused writes.
+    #[tokio::test]
+    async fn a_persist_failing_on_the_sync_thread_refuses_the_batch_applied_behind_it() {
+        let root = temp();
+        let store = FjallStore::open(root.path()).expect("open");
+        write_sessions(&store, &["a"], 1).await;
+        let mut writer = writer_beside(&store);
+        let before = store.persists();
+        // The first batch's persist fails, and only once the writer thread has applied the
+        // next batch and waits for it.
+        store
+            .writes
+            .shared
+            .faults
+            .failing
+            .store(1, Ordering::Relaxed);
+        store.writes.shared.faults.hold_next();
+        let (first, first_answer) = append(append_request("a", 2, vec![message("a", 2, "a2")], 10));
+        writer.process_on_writer_thread(vec![first], &mut Vec::new);
+        let (second, second_answer) =
+            append(append_request("a", 3, vec![message("a", 3, "a3")], 20));
+        let (queued, queued_answer) =
+            append(append_request("b", 1, vec![message("b", 1, "b1")], 20));
+        let mut during_the_sync = Some(vec![queued]);
+        writer.process_on_writer_thread(vec![second], &mut || {
+            during_the_sync.take().unwrap_or_default()
+        });
+        drop(writer);
+        assert!(
+            during_the_sync.is_none(),
+            "the write queued during the sync was taken"
+        );
+
+        match first_answer.await.expect("answered") {
+            Err(Error::Store { reason }) => assert!(
+                reason.contains("fjall persist (fdatasync of the journal) failed: injected fault"),
+                "{reason}"
+            ),
+            other => panic!("the batch whose persist failed must fail, got {other:?}"),
+        }
+        assert_refused(
+            second_answer.await.expect("answered"),
+            "the batch applied behind it",
+        );
+        assert_refused(
+            queued_answer.await.expect("answered"),
+            "the write queued during the sync",
+        );
+        assert_eq!(
+            store.persists() - before,
+            1,
+            "the refused batch was not persisted"
+        );
+        assert_refused(
+            store
+                .append(append_request("c", 1, vec![message("c", 1, "c1")], 30))
+                .await,
+            "a later append",
+        );
+        // The failed batch is in doubt (committed, not known durable); the refused ones were
+        // never committed, so no read finds them.
+        assert!(!seqs(&store, "a").await.expect("a").contains(&3));
+        assert_eq!(seqs(&store, "b").await, None);
+        assert_eq!(seqs(&store, "c").await, None);
+
+        drop(store);
+        let store = FjallStore::open_existing(root.path()).expect("a reopen clears the refusal");
+        let a = seqs(&store, "a").await.expect("a");
+        assert!(a == [1] || a == [1, 2], "a holds {a:?}");
+        assert_eq!(seqs(&store, "b").await, None);
+        store
+            .append(append_request("b", 1, vec![message("b", 1, "b1")], 40))
+            .await
+            .expect("the reopened store takes writes");
+        assert_eq!(seqs(&store, "b").await, Some(vec![1]));
+    }
+
+    /// A lone write that fails its persist on its caller's thread is answered with the
+    /// failure there, and the store refuses the writes after it until it is reopened.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_persist_failing_on_the_callers_thread_fails_that_write_and_refuses_the_next() {
+        let root = temp();
+        let store = FjallStore::open(root.path()).expect("open");
+        write_sessions(&store, &["a"], 1).await;
+        let inline_before = store.writes.shared.inline.load(Ordering::Relaxed);
+        store
+            .writes
+            .shared
+            .faults
+            .failing
+            .store(1, Ordering::Relaxed);
+        match store
+            .append(append_request("a", 2, vec![message("a", 2, "a2")], 10))
+            .await
+        {
+            Err(Error::Store { reason }) => assert!(
+                reason.contains("fjall persist (fdatasync of the journal) failed: injected fault"),
+                "{reason}"
+            ),
+            other => panic!("the write whose persist failed must fail, got {other:?}"),
+        }
+        assert_eq!(
+            store.writes.shared.inline.load(Ordering::Relaxed) - inline_before,
+            1,
+            "the lone write ran on its caller's thread"
+        );
+        assert_refused(
+            store
+                .append(append_request("b", 1, vec![message("b", 1, "b1")], 20))
+                .await,
+            "the next append",
+        );
+        assert_eq!(seqs(&store, "b").await, None);
+        drop(store);
+        let store = FjallStore::open_existing(root.path()).expect("a reopen clears the refusal");
+        assert_eq!(seqs(&store, "b").await, None);
+        store
+            .append(append_request("b", 1, vec![message("b", 1, "b1")], 30))
+            .await
+            .expect("the reopened store takes writes");
     }
 
     /// Writes applied as one batch: each sees the ones before it, a rejected one writes

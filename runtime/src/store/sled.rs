@@ -399,13 +399,20 @@ impl ProcessBatch for Writer {
         // Everything in `pending` committed before this flush starts.
         #[allow(clippy::disallowed_methods)] // timing IO for benchmarks; not recorded in history
         let began = Instant::now();
-        let synced = catch_unwind(AssertUnwindSafe(|| self.syncer.sync(&self.handles.db)))
-            .unwrap_or_else(|panic| {
-                Err(format!(
-                    "sled panicked while flushing: {}",
-                    panic_message(&*panic)
-                ))
-            });
+        #[cfg(test)]
+        let injected = self.shared.faults.before_sync();
+        #[cfg(not(test))]
+        let injected: Option<String> = None;
+        let synced = match injected {
+            Some(reason) => Err(format!("sled flush failed: {reason}")),
+            None => catch_unwind(AssertUnwindSafe(|| self.syncer.sync(&self.handles.db)))
+                .unwrap_or_else(|panic| {
+                    Err(format!(
+                        "sled panicked while flushing: {}",
+                        panic_message(&*panic)
+                    ))
+                }),
+        };
         self.shared.synced(began.elapsed());
         self.shared.settle(&synced, pending, ENGINE, &self.path);
     }
@@ -1458,6 +1465,56 @@ mod tests {
             store.read_history("big", 1, None).await.expect("read"),
             vec![big]
         );
+    }
+
+    /// A batch whose sync fails is answered with the failure, and the store refuses the
+    /// writes after it until it is reopened, which finds none of the refused writes.
+    #[tokio::test]
+    async fn a_failing_sync_fails_its_batch_and_refuses_the_next() {
+        let root = temp();
+        let store = SledStore::open(root.path()).expect("open");
+        write_sessions(&store, &["a"], 1).await;
+        store
+            .writes
+            .shared
+            .faults
+            .failing
+            .store(1, Ordering::Relaxed);
+        match store
+            .append(append_request("a", 2, vec![message("a", 2, "a2")], 10))
+            .await
+        {
+            Err(Error::Store { reason }) => assert!(
+                reason.contains("sled flush failed: injected fault"),
+                "{reason}"
+            ),
+            other => panic!("the write whose sync failed must fail, got {other:?}"),
+        }
+        match store
+            .append(append_request("b", 1, vec![message("b", 1, "b1")], 20))
+            .await
+        {
+            Err(Error::Store { reason }) => assert!(
+                reason.contains("refuses writes after a failed sync")
+                    && reason.contains("injected fault"),
+                "{reason}"
+            ),
+            other => panic!("an append after a failed sync must be refused, got {other:?}"),
+        }
+        assert!(matches!(
+            store.read_history("b", 1, None).await,
+            Err(Error::UnknownSession { .. })
+        ));
+        drop(store);
+        let store = SledStore::open_existing(root.path()).expect("a reopen clears the refusal");
+        assert!(matches!(
+            store.read_history("b", 1, None).await,
+            Err(Error::UnknownSession { .. })
+        ));
+        store
+            .append(append_request("b", 1, vec![message("b", 1, "b1")], 30))
+            .await
+            .expect("the reopened store takes writes");
     }
 
     #[tokio::test]

@@ -87,6 +87,53 @@ pub(super) struct Shared {
     sync_times: Mutex<SyncTimes>,
     /// Writes committed on their caller's thread rather than the writer's (for tests).
     pub(super) inline: AtomicU64,
+    /// Faults injected into the syncs (tests).
+    #[cfg(test)]
+    pub(super) faults: SyncFaults,
+}
+
+/// Faults injected into an engine's syncs, for tests of the refusal paths: nothing below
+/// the engines can make a real fdatasync fail, or wait, on demand here.
+#[cfg(test)]
+#[derive(Default)]
+pub(super) struct SyncFaults {
+    /// Syncs still to fail as if the disk had refused them.
+    pub(super) failing: AtomicU64,
+    /// Held by the next sync until [`SyncFaults::release`].
+    held: Mutex<Option<mpsc::Receiver<()>>>,
+    release: Mutex<Option<mpsc::Sender<()>>>,
+}
+
+#[cfg(test)]
+impl SyncFaults {
+    /// Makes the next sync wait, before it does anything, until [`SyncFaults::release`].
+    pub(super) fn hold_next(&self) {
+        let (release, held) = mpsc::channel();
+        *self.held.lock().expect("held") = Some(held);
+        *self.release.lock().expect("release") = Some(release);
+    }
+
+    /// Lets a held sync go on.
+    pub(super) fn release(&self) {
+        if let Some(release) = self.release.lock().expect("release").take() {
+            let _ = release.send(());
+        }
+    }
+
+    /// Waits if this sync is held, then tells whether it is to fail (counting it off), and
+    /// with what words.
+    pub(super) fn before_sync(&self) -> Option<String> {
+        let held = self.held.lock().expect("held").take();
+        if let Some(held) = held {
+            let _ = held.recv();
+        }
+        self.failing
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
+                left.checked_sub(1)
+            })
+            .ok()
+            .map(|_| "injected fault: fdatasync failed (EIO)".to_owned())
+    }
 }
 
 impl Shared {
