@@ -34,4 +34,4 @@ pub use transcript::{
     Message, Part, Provenance, ProviderJson, Role, ToolResult, ToolResultContent, ToolUse,
     Transcript,
 };
-pub use validate::{validate_response, validate_transcript};
+pub use validate::{validate_response, validate_transcript, validate_transcript_from};

@@ -4,7 +4,7 @@ use crate::error::{Error, Result, Violation};
 use crate::media::ToolResultBlock;
 use crate::response::{ModelResponse, StopReason};
 use crate::transcript::{Message, Part, Role, ToolResultContent, Transcript};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 
 fn at(message: usize, part: Option<usize>, violation: Violation) -> Error {
     Error::InvalidTranscript {
@@ -24,10 +24,26 @@ fn at(message: usize, part: Option<usize>, violation: Violation) -> Error {
 /// documents only in user messages (and tool results), each with a supported media type and
 /// valid base64 data or an http(s) URL.
 pub fn validate_transcript(transcript: &Transcript) -> Result<()> {
-    let mut seen_ids = BTreeSet::new();
-    let mut seen_non_system = false;
+    validate_transcript_from(transcript, 0)
+}
+
+/// Checks the messages of `transcript` from index `from` on by the rules of
+/// [`validate_transcript`], in the context of the messages before them: the tool_uses the
+/// message before `from` leaves open must be answered first, and a system message after a
+/// non-system one is out of place. The messages before `from` are not checked, nor the
+/// tail's tool_use ids against theirs. Errors name messages by their index in the whole
+/// transcript.
+///
+/// For a transcript whose head is known good, such as a session's, which its workflow grows
+/// one checked input at a time (unique tool_use ids included), the check before a model call
+/// then costs the length of the current turn, not of the session.
+pub fn validate_transcript_from(transcript: &Transcript, from: usize) -> Result<()> {
     let messages = &transcript.messages;
-    for (mi, message) in messages.iter().enumerate() {
+    let from = from.min(messages.len());
+    // Hashed, not ordered: a transcript can hold thousands of ids.
+    let mut seen_ids = HashSet::new();
+    let mut seen_non_system = messages[..from].iter().any(|m| m.role != Role::System);
+    for (mi, message) in messages.iter().enumerate().skip(from) {
         if message.parts.is_empty() {
             return Err(at(mi, None, Violation::EmptyMessage));
         }
@@ -66,7 +82,7 @@ pub fn validate_transcript(transcript: &Transcript) -> Result<()> {
         }
     }
     // A trailing assistant message with tool_uses has no results yet.
-    if let Some(last) = messages.last() {
+    if let Some(last) = messages.last().filter(|_| messages.len() > from) {
         if last.role == Role::Assistant {
             if let Some((pi, Part::ToolUse(t))) = last
                 .parts

@@ -3,9 +3,9 @@
 //! is deterministic and bounded.
 
 use cairn_ledger::{
-    project_tool_result, validate_transcript, Error, JsonText, Message, Part, Provenance, Role,
-    ToolResult, ToolResultContent, ToolUse, Transcript, Violation, PREVIEW_BYTES,
-    TRANSCRIPT_RESULT_LIMIT_BYTES as LIMIT,
+    project_tool_result, validate_transcript, validate_transcript_from, Error, JsonText, Message,
+    Part, Provenance, Role, ToolResult, ToolResultContent, ToolUse, Transcript, Violation,
+    PREVIEW_BYTES, TRANSCRIPT_RESULT_LIMIT_BYTES as LIMIT,
 };
 use proptest::prelude::*;
 use proptest::sample::{select, Index};
@@ -364,6 +364,18 @@ fn at(message: usize, part: Option<usize>, violation: Violation) -> Error {
 
 /// Applies `mutation` in place and returns the error validation must report, or `None` when the
 /// transcript offers nothing to mutate that way.
+/// The index of the first message with a tool_use of `id`.
+fn first_use(t: &Transcript, id: &str) -> usize {
+    t.messages
+        .iter()
+        .position(|m| {
+            m.parts
+                .iter()
+                .any(|p| matches!(p, Part::ToolUse(u) if u.id == id))
+        })
+        .expect("the duplicated id is used")
+}
+
 fn mutate(t: &mut Transcript, mutation: Mutation, [a, b, c]: [Index; 3]) -> Option<Error> {
     let l = layout(t);
     match mutation {
@@ -574,6 +586,39 @@ proptest! {
         let expected = mutate(&mut mutated, MUTATIONS[kind], [a, b, c]);
         prop_assume!(expected.is_some());
         prop_assert_eq!(validate_transcript(&mutated), Err(expected.unwrap()));
+    }
+
+    #[test]
+    fn a_valid_transcript_is_valid_from_any_point(t in arb_transcript(), from in any::<Index>()) {
+        let from = from.index(t.messages.len() + 1);
+        prop_assert_eq!(validate_transcript_from(&t, from), Ok(()));
+    }
+
+    /// Checked from any point at or before the first broken message, a mutated transcript
+    /// fails as the whole check fails; a duplicated tool_use id only when the check starts
+    /// at or before its first use.
+    #[test]
+    fn a_check_from_a_point_before_the_violation_finds_it(
+        t in arb_transcript().prop_filter("needs a tool round", has_tool_round),
+        kind in 0..MUTATIONS.len(),
+        a in any::<Index>(),
+        b in any::<Index>(),
+        c in any::<Index>(),
+        from in any::<Index>(),
+    ) {
+        let mut mutated = t.clone();
+        let expected = mutate(&mut mutated, MUTATIONS[kind], [a, b, c]);
+        prop_assume!(expected.is_some());
+        let expected = expected.unwrap();
+        let Error::InvalidTranscript { message, violation, .. } = &expected else {
+            panic!("a mutation breaks a transcript rule: {expected:?}");
+        };
+        let last_from = match violation {
+            Violation::DuplicateToolUseId { id } => first_use(&mutated, id),
+            _ => *message,
+        };
+        let from = from.index(last_from + 1);
+        prop_assert_eq!(validate_transcript_from(&mutated, from), Err(expected));
     }
 
     #[test]

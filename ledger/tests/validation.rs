@@ -2,9 +2,9 @@
 //! index, violation with its fields), plus the valid shapes that must pass.
 
 use cairn_ledger::{
-    validate_response, validate_transcript, Error, JsonText, Message, ModelResponse, Part,
-    Provenance, Role, StopReason, ToolResult, ToolResultContent, ToolUse, Transcript, Usage,
-    Violation,
+    validate_response, validate_transcript, validate_transcript_from, Error, JsonText, Message,
+    ModelResponse, Part, Provenance, Role, StopReason, ToolResult, ToolResultContent, ToolUse,
+    Transcript, Usage, Violation,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -983,5 +983,112 @@ fn response_errors_name_the_part() {
     assert_eq!(
         err.to_string(),
         "invalid model response: response has no parts"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// A check from a point on
+// ---------------------------------------------------------------------------------------------
+
+fn invalid_at(message: usize, part: Option<usize>, violation: Violation) -> Result<(), Error> {
+    Err(Error::InvalidTranscript {
+        message,
+        part,
+        violation,
+    })
+}
+
+#[test]
+fn a_check_from_a_point_leaves_the_head_unchecked_and_names_tail_messages_by_their_index() {
+    let mut messages = full_round();
+    messages[1] = user(vec![text("")]); // broken, in the head
+    let t = transcript(messages.clone());
+    assert_eq!(
+        validate_transcript(&t),
+        invalid_at(1, Some(0), Violation::EmptyText)
+    );
+    assert_eq!(validate_transcript_from(&t, 2), Ok(()));
+    assert_eq!(validate_transcript_from(&t, 99), Ok(()), "past the end");
+
+    messages[4] = assistant(vec![text("")]); // broken, in the tail
+    let t = transcript(messages);
+    assert_eq!(
+        validate_transcript_from(&t, 2),
+        invalid_at(4, Some(0), Violation::EmptyText)
+    );
+    assert_eq!(
+        validate_transcript_from(&t, 4),
+        invalid_at(4, Some(0), Violation::EmptyText)
+    );
+}
+
+#[test]
+fn a_check_from_a_point_holds_the_tail_to_the_tool_uses_the_head_leaves_open() {
+    let mut messages = full_round();
+    messages[3] = user(vec![result("b"), result("a")]);
+    let t = transcript(messages.clone());
+    let expected = invalid_at(
+        3,
+        Some(0),
+        Violation::ToolResultOutOfOrder {
+            expected: "a".to_owned(),
+            found: "b".to_owned(),
+        },
+    );
+    assert_eq!(validate_transcript(&t), expected);
+    assert_eq!(validate_transcript_from(&t, 3), expected);
+    assert_eq!(validate_transcript_from(&t, 4), Ok(()));
+
+    // A transcript whose head ends on open tool_uses, checked from its end: nothing to check.
+    messages.truncate(3);
+    let t = transcript(messages);
+    assert_eq!(
+        validate_transcript(&t),
+        invalid_at(
+            2,
+            Some(2),
+            Violation::MissingToolResult {
+                tool_use_id: "a".to_owned()
+            }
+        )
+    );
+    assert_eq!(validate_transcript_from(&t, 3), Ok(()));
+}
+
+#[test]
+fn a_check_from_a_point_finds_a_late_system_message_and_duplicates_within_the_tail_only() {
+    let mut messages = full_round();
+    messages.push(system(vec![text("late")]));
+    let t = transcript(messages);
+    assert_eq!(
+        validate_transcript_from(&t, 5),
+        invalid_at(5, None, Violation::SystemNotFirst)
+    );
+    let t = transcript(vec![system(vec![text("a")]), system(vec![text("b")])]);
+    assert_eq!(
+        validate_transcript_from(&t, 1),
+        Ok(()),
+        "only system messages before"
+    );
+
+    // The tail reuses the head's tool_use id "a": the whole check finds it, the tail's does
+    // not (a session's workflow refuses such a response before it joins the transcript).
+    let mut messages = full_round();
+    messages.push(user(vec![text("again")]));
+    messages.push(assistant(vec![tool_use("a", "ls"), tool_use("c", "ls")]));
+    messages.push(user(vec![result("a"), result("c")]));
+    let t = transcript(messages.clone());
+    let duplicate = |id: &str| Violation::DuplicateToolUseId { id: id.to_owned() };
+    assert_eq!(
+        validate_transcript(&t),
+        invalid_at(6, Some(0), duplicate("a"))
+    );
+    assert_eq!(validate_transcript_from(&t, 5), Ok(()));
+    messages.push(assistant(vec![tool_use("c", "ls")]));
+    messages.push(user(vec![result("c")]));
+    let t = transcript(messages);
+    assert_eq!(
+        validate_transcript_from(&t, 5),
+        invalid_at(8, Some(0), duplicate("c"))
     );
 }

@@ -1,8 +1,9 @@
 //! Property tests of the workflow state machine: random sequences of events (inputs with small
 //! random field values, recorded commands, stray command events, wrong seqs) never make
 //! `SessionState::apply` panic; every rejection is `InvalidEvent`, `StaleReport` or
-//! `Nondeterminism` and leaves the state exactly as it was; and the accepted events replay to
-//! the same state.
+//! `Nondeterminism` and leaves the state exactly as it was; every accepted event leaves a
+//! transcript a model call may be sent (the workers check only the current turn's); and the
+//! accepted events replay to the same state.
 
 use crate::error::Error;
 use crate::event::{
@@ -11,8 +12,8 @@ use crate::event::{
 use crate::replay::replay;
 use crate::workflow::{Command, Phase, SessionState, ToolSlotState};
 use cairn_ledger::{
-    JsonText, ModelResponse, ModelSpec, Part, StopReason, ToolResultContent, ToolSpec, ToolUse,
-    Usage,
+    validate_transcript, JsonText, ModelResponse, ModelSpec, Part, Role, StopReason,
+    ToolResultContent, ToolSpec, ToolUse, Usage, Violation,
 };
 use proptest::prelude::*;
 use std::collections::VecDeque;
@@ -356,6 +357,24 @@ fn run() -> impl Strategy<Value = (Option<Event>, Vec<Step>)> {
 }
 
 /// Applies one envelope, checking the rejection contract; returns whether it was accepted.
+/// The state's transcript passes `validate_transcript`, but for a trailing assistant message
+/// whose tool_uses are not answered yet (its tool round in progress): a worker checks only the
+/// current turn of a model call's transcript, so every accepted input must keep it so.
+fn assert_sendable(state: &SessionState, envelope: &EventEnvelope) -> Result<(), TestCaseError> {
+    let messages = &state.transcript.messages;
+    match validate_transcript(&state.transcript) {
+        Ok(()) => Ok(()),
+        Err(cairn_ledger::Error::InvalidTranscript {
+            message,
+            violation: Violation::MissingToolResult { .. },
+            ..
+        }) if message + 1 == messages.len() && messages[message].role == Role::Assistant => Ok(()),
+        Err(e) => Err(TestCaseError::fail(format!(
+            "after {envelope:?} the transcript is not sendable: {e}"
+        ))),
+    }
+}
+
 fn apply_checked(
     state: &mut SessionState,
     envelope: &EventEnvelope,
@@ -365,6 +384,7 @@ fn apply_checked(
     match state.apply(envelope) {
         Ok(commands) => {
             decided.extend(commands);
+            assert_sendable(state, envelope)?;
             Ok(true)
         }
         Err(

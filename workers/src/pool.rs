@@ -6,7 +6,9 @@ use crate::source::{EngineSource, TaskSource};
 use cairn_activities::{
     ActivityContext, CallContext, DeltaSink, ErrorKind, ModelRequest, ToolCall, ToolRegistry,
 };
-use cairn_ledger::{validate_response, validate_transcript, Delta, JsonText};
+use cairn_ledger::{
+    validate_response, validate_transcript_from, Delta, JsonText, Part, Role, Transcript,
+};
 use cairn_runtime::{
     ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, Error,
     ErrorClass, FailurePhase, Lease, LeaseHolder, LeaseRequest, LeasedTask, TaskFilter,
@@ -593,6 +595,18 @@ impl DeltaSink for EngineDeltas<'_> {
     }
 }
 
+/// The index of a transcript's last user message that is not tool results: the current
+/// turn's input, where the check of a model call's transcript starts.
+fn current_turn_input(transcript: &Transcript) -> usize {
+    transcript
+        .messages
+        .iter()
+        .rposition(|m| {
+            m.role == Role::User && !matches!(m.parts.first(), Some(Part::ToolResult(_)))
+        })
+        .unwrap_or(0)
+}
+
 async fn run_activity(
     engine: &dyn TaskSource,
     activities: &Activities,
@@ -611,7 +625,11 @@ async fn run_activity(
             options,
             ..
         } => {
-            if let Err(e) = validate_transcript(&transcript) {
+            // The workflow checks every input it adds to a session's transcript (each user
+            // message and its media, each response, tool_use ids unique in the session), so
+            // only the current turn is checked again here: a model call late in a long
+            // session costs the length of its turn, not of the session.
+            if let Err(e) = validate_transcript_from(&transcript, current_turn_input(&transcript)) {
                 return failure(
                     ErrorClass::InvalidRequest,
                     format!("transcript not sendable: {e}"),
@@ -787,6 +805,129 @@ mod tests {
         fn now_ms(&self) -> u64 {
             0
         }
+    }
+
+    fn message(role: Role, parts: Vec<Part>) -> cairn_ledger::Message {
+        cairn_ledger::Message {
+            role,
+            parts,
+            provenance: None,
+        }
+    }
+
+    fn tool_use(id: &str) -> Part {
+        Part::ToolUse(cairn_ledger::ToolUse {
+            id: id.to_owned(),
+            name: "calculator".to_owned(),
+            arguments: r#"{"expression":"1+2"}"#.to_owned(),
+            signature: None,
+        })
+    }
+
+    fn tool_result(id: &str) -> Part {
+        Part::ToolResult(cairn_ledger::ToolResult {
+            tool_use_id: id.to_owned(),
+            content: cairn_ledger::ToolResultContent::Text("3".to_owned()),
+            is_error: false,
+        })
+    }
+
+    /// A model call on `transcript` (two assistant messages), with a scripted model answering
+    /// "ok".
+    async fn call_model(transcript: Transcript) -> ActivityReport {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("script.json");
+        std::fs::write(
+            &script,
+            // The script answers by the assistant messages before the call: two here.
+            r#"{"responses": [
+                {"parts": [{"type": "text", "text": "first"}]},
+                {"parts": [{"type": "text", "text": "second"}]},
+                {"parts": [{"type": "text", "text": "ok"}]}]}"#,
+        )
+        .unwrap();
+        let input = ActivityInput::Model {
+            origin: ActivityRef {
+                session_id: "s".to_owned(),
+                turn: 2,
+                activity: "model:1".to_owned(),
+                attempt: 1,
+            },
+            round: 1,
+            model: cairn_ledger::ModelSpec::parse(&format!("scripted:{}", script.display()))
+                .unwrap(),
+            transcript: Arc::new(transcript),
+            tools: Vec::new(),
+            timeouts: cairn_runtime::ActivityTimeouts {
+                due_at_ms: 0,
+                schedule_to_start_ms: None,
+                start_to_close_ms: 10_000,
+                heartbeat_ms: None,
+            },
+            heartbeat_details: None,
+            options: Default::default(),
+        };
+        let activities = Activities {
+            models: Arc::new(StandardModels::new()),
+            tools: Arc::new(ToolRegistry::new()),
+        };
+        run_activity(
+            &DownOnce::default(),
+            &activities,
+            input,
+            &ActivityContext::detached(),
+            None,
+        )
+        .await
+    }
+
+    /// A session's second turn: its first turn, then "again", a tool round, and `results`.
+    fn second_turn(first_answer: &str, results: Vec<Part>) -> Transcript {
+        Transcript {
+            messages: vec![
+                message(Role::User, vec![Part::text("go")]),
+                message(Role::Assistant, vec![Part::text(first_answer)]),
+                message(Role::User, vec![Part::text("again")]),
+                message(Role::Assistant, vec![tool_use("a"), tool_use("b")]),
+                message(Role::User, results),
+            ],
+        }
+    }
+
+    /// Before a model call the worker checks the current turn of its transcript: a broken
+    /// one fails the call as an invalid request naming the message, while an earlier turn,
+    /// which the workflow checked as it grew, is not read again.
+    #[tokio::test]
+    async fn a_model_call_checks_the_current_turn_of_its_transcript() {
+        let ok = second_turn("done", vec![tool_result("a"), tool_result("b")]);
+        assert_eq!(current_turn_input(&ok), 2);
+        match call_model(ok).await {
+            ActivityReport::ModelCompleted(response) => assert_eq!(response.text(), "ok"),
+            other => panic!("a sendable transcript is sent, got {other:?}"),
+        }
+
+        let out_of_order = second_turn("done", vec![tool_result("b"), tool_result("a")]);
+        match call_model(out_of_order).await {
+            ActivityReport::Failed(failure) => {
+                assert_eq!(failure.class, ErrorClass::InvalidRequest);
+                assert!(
+                    failure.message.starts_with(
+                        "transcript not sendable: invalid transcript at message 4, part 0"
+                    ),
+                    "{}",
+                    failure.message
+                );
+            }
+            other => panic!("a broken current turn fails the call, got {other:?}"),
+        }
+
+        // An empty text in the first turn: outside the current turn, not checked again.
+        let earlier = second_turn("", vec![tool_result("a"), tool_result("b")]);
+        assert!(cairn_ledger::validate_transcript(&earlier).is_err());
+        assert!(matches!(
+            call_model(earlier).await,
+            ActivityReport::ModelCompleted(_)
+        ));
     }
 
     // The clock is paused: the pauses are measured in virtual time, exactly.
