@@ -4,6 +4,7 @@
 
 use super::fjall::FjallStore;
 use super::sled::SledStore;
+use super::write_queue::Shared;
 use super::Store;
 use crate::error::{Error, Result};
 use crate::store::conformance::{append_request, message};
@@ -16,6 +17,8 @@ pub(super) trait EmbeddedStore: Store + Sized + std::fmt::Debug {
     fn open_existing(dir: &Path) -> Result<Self>;
     fn path(&self) -> &Path;
     fn size_on_disk(&self) -> Result<u64>;
+    /// What the store shares with its writer: counters, injected faults.
+    fn writer_shared(&self) -> &Shared;
 }
 
 impl EmbeddedStore for SledStore {
@@ -31,6 +34,9 @@ impl EmbeddedStore for SledStore {
     fn size_on_disk(&self) -> Result<u64> {
         SledStore::size_on_disk(self)
     }
+    fn writer_shared(&self) -> &Shared {
+        Self::writer_shared(self)
+    }
 }
 
 impl EmbeddedStore for FjallStore {
@@ -45,6 +51,9 @@ impl EmbeddedStore for FjallStore {
     }
     fn size_on_disk(&self) -> Result<u64> {
         FjallStore::size_on_disk(self)
+    }
+    fn writer_shared(&self) -> &Shared {
+        Self::writer_shared(self)
     }
 }
 
@@ -172,4 +181,50 @@ pub(super) async fn an_in_process_lease_takes_no_sync<S: EmbeddedStore>() {
         .expect("durable lease");
     assert_eq!(remote.len(), 1);
     assert_eq!(commits() - before, 1, "a durable lease is one sync");
+}
+
+/// A lone write whose sync fails is answered with the failure (its text contains `failure`),
+/// and the store refuses the writes after it, uncommitted, until it is reopened. Gives back
+/// whether the failed write ran on its caller's thread.
+pub(super) async fn a_failing_sync_fails_its_write_and_refuses_the_next<S: EmbeddedStore>(
+    failure: &str,
+) -> bool {
+    use std::sync::atomic::Ordering;
+    let root = temp();
+    let store = S::open(root.path()).expect("open");
+    write_sessions(&store, &["a"], 1).await;
+    let inline_before = store.writer_shared().inline.load(Ordering::Relaxed);
+    store
+        .writer_shared()
+        .faults
+        .failing
+        .store(1, Ordering::Relaxed);
+    match store
+        .append(append_request("a", 2, vec![message("a", 2, "a2")], 10))
+        .await
+    {
+        Err(Error::Store { reason }) => assert!(reason.contains(failure), "{reason}"),
+        other => panic!("the write whose sync failed must fail, got {other:?}"),
+    }
+    let inline = store.writer_shared().inline.load(Ordering::Relaxed) - inline_before;
+    match store
+        .append(append_request("b", 1, vec![message("b", 1, "b1")], 20))
+        .await
+    {
+        Err(Error::Store { reason }) => assert!(
+            reason.contains("refuses writes after a failed") && reason.contains("injected fault"),
+            "{reason}"
+        ),
+        other => panic!("an append after a failed sync must be refused, got {other:?}"),
+    }
+    let unknown = |read: Result<_>| matches!(read, Err(Error::UnknownSession { .. }));
+    assert!(unknown(store.read_history("b", 1, None).await));
+    drop(store);
+    let store = S::open_existing(root.path()).expect("a reopen clears the refusal");
+    assert!(unknown(store.read_history("b", 1, None).await));
+    store
+        .append(append_request("b", 1, vec![message("b", 1, "b1")], 30))
+        .await
+        .expect("the reopened store takes writes");
+    inline == 1
 }

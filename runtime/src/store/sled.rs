@@ -291,6 +291,14 @@ impl SledStore {
     }
 }
 
+#[cfg(test)]
+impl SledStore {
+    /// What the store shares with its writer: counters, injected faults.
+    pub(super) fn writer_shared(&self) -> &super::write_queue::Shared {
+        &self.writes.shared
+    }
+}
+
 impl Drop for SledStore {
     fn drop(&mut self) {
         // Closing the channel stops the writer once it has answered what it has.
@@ -1467,54 +1475,16 @@ mod tests {
         );
     }
 
-    /// A batch whose sync fails is answered with the failure, and the store refuses the
+    /// A write whose sync fails is answered with the failure, and the store refuses the
     /// writes after it until it is reopened, which finds none of the refused writes.
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failing_sync_fails_its_batch_and_refuses_the_next() {
-        let root = temp();
-        let store = SledStore::open(root.path()).expect("open");
-        write_sessions(&store, &["a"], 1).await;
-        store
-            .writes
-            .shared
-            .faults
-            .failing
-            .store(1, Ordering::Relaxed);
-        match store
-            .append(append_request("a", 2, vec![message("a", 2, "a2")], 10))
-            .await
-        {
-            Err(Error::Store { reason }) => assert!(
-                reason.contains("sled flush failed: injected fault"),
-                "{reason}"
-            ),
-            other => panic!("the write whose sync failed must fail, got {other:?}"),
-        }
-        match store
-            .append(append_request("b", 1, vec![message("b", 1, "b1")], 20))
-            .await
-        {
-            Err(Error::Store { reason }) => assert!(
-                reason.contains("refuses writes after a failed sync")
-                    && reason.contains("injected fault"),
-                "{reason}"
-            ),
-            other => panic!("an append after a failed sync must be refused, got {other:?}"),
-        }
-        assert!(matches!(
-            store.read_history("b", 1, None).await,
-            Err(Error::UnknownSession { .. })
-        ));
-        drop(store);
-        let store = SledStore::open_existing(root.path()).expect("a reopen clears the refusal");
-        assert!(matches!(
-            store.read_history("b", 1, None).await,
-            Err(Error::UnknownSession { .. })
-        ));
-        store
-            .append(append_request("b", 1, vec![message("b", 1, "b1")], 30))
-            .await
-            .expect("the reopened store takes writes");
+        let inline =
+            engine_tests::a_failing_sync_fails_its_write_and_refuses_the_next::<SledStore>(
+                "sled flush failed: injected fault",
+            )
+            .await;
+        assert!(!inline, "sled commits every write on its writer thread");
     }
 
     #[tokio::test]
