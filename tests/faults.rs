@@ -2,7 +2,7 @@
 //! with `FaultyStore`, and a real full disk on a small tmpfs), and corruption found by
 //! `cairn fsck`.
 
-use crate::support::{demo_files, TestHost};
+use crate::support::{demo_files, TestHost, Tmpfs};
 use cairn_runtime::fsck::fsck;
 use cairn_runtime::store::faulty::{FaultyStore, DISK_FULL};
 use cairn_runtime::store::marks::MARKS_FILE;
@@ -433,48 +433,6 @@ async fn a_report_that_fails_to_append_runs_again_after_the_lease_lapses() {
     assert!(store.list_tasks().await.unwrap().is_empty());
     let report = fsck(store.as_ref()).await.unwrap();
     assert!(report.is_clean(), "{report}");
-}
-
-/// A small tmpfs, unmounted (and its directory removed) when dropped.
-struct Tmpfs {
-    dir: PathBuf,
-}
-
-impl Tmpfs {
-    fn mount(dir: PathBuf, size: &str) -> Tmpfs {
-        std::fs::create_dir_all(&dir).unwrap();
-        let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(&dir)
-            .output()
-            .expect("run mount");
-        assert!(
-            out.status.success(),
-            "this test mounts a 2 MiB tmpfs to fill it and needs root (CAP_SYS_ADMIN) for that; \
-             mount failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Tmpfs { dir }
-    }
-
-    fn resize(&self, size: &str) {
-        let out = Command::new("mount")
-            .args(["-o", &format!("remount,size={size}")])
-            .arg(&self.dir)
-            .output()
-            .expect("run mount");
-        assert!(
-            out.status.success(),
-            "remount failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.dir).status();
-    }
 }
 
 /// Where the full-disk child fills a store; set only for it.

@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
+use crate::support::Tmpfs;
+
 /// A `cairn server` child process; killed when dropped.
 pub(crate) struct Server {
     child: Child,
@@ -2195,6 +2197,115 @@ async fn health_reports_the_stores_commits_and_sync_times() {
     ] {
         assert!(schema.get(field).is_some(), "{field}: {schema}");
     }
+}
+
+/// A server whose disk fills: once a write fails, its store refuses writes and `/v1/health`
+/// answers 503 `failed`, saying why, until the server restarts, even after room comes back;
+/// restarted, it is `ok`, and every message it acknowledged is in its session's history.
+#[tokio::test]
+async fn health_fails_while_the_store_refuses_writes_after_the_disk_filled() {
+    let root = tempfile::tempdir().unwrap();
+    let model = script(root.path(), &["first"]);
+    let mnt = Tmpfs::mount(root.path().join("mnt"), "2m");
+    let data = mnt.dir.join("store");
+    let http = reqwest::Client::new();
+    let health = |server: &Server| {
+        let url = server.url("/v1/health");
+        let http = http.clone();
+        async move { send(&http, Method::GET, url, None, None).await }
+    };
+    let create = |server: &Server, id: &str| {
+        let (url, body) = (
+            server.url("/v1/sessions"),
+            json!({"session_id": id, "model": model}),
+        );
+        let http = http.clone();
+        async move { send(&http, Method::POST, url, None, Some(body)).await }
+    };
+    let mut server = Server::start(&data, &[]);
+    let fine = health(&server).await;
+    assert_eq!(fine.status, StatusCode::OK, "{}", fine.body);
+    assert_eq!(fine.body["status"], "ok");
+    assert!(fine.body.get("reason").is_none(), "{}", fine.body);
+
+    // Sessions with a message of 64 KiB each (incompressible) until the disk is full.
+    let mut acknowledged = Vec::new();
+    let mut refused = None;
+    for n in 0..100u64 {
+        let id = format!("s{n}");
+        let created = create(&server, &id).await;
+        if created.status != StatusCode::CREATED {
+            refused = Some(created);
+            break;
+        }
+        let text = crate::support::incompressible_text(n, 64 * 1024);
+        let sent = send(
+            &http,
+            Method::POST,
+            server.url(&format!("/v1/sessions/{id}/messages")),
+            None,
+            Some(json!({ "text": text })),
+        )
+        .await;
+        if sent.status != StatusCode::ACCEPTED {
+            refused = Some(sent);
+            break;
+        }
+        acknowledged.push(id);
+    }
+    let refused = refused.expect("a 2 MiB disk fills within 100 messages of 64 KiB");
+    assert!(
+        refused.status.is_server_error(),
+        "{} {}",
+        refused.status,
+        refused.body
+    );
+    assert!(acknowledged.len() >= 5, "only {} fit", acknowledged.len());
+    let failed = health(&server).await;
+    assert_eq!(
+        failed.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        failed.body
+    );
+    assert_eq!(failed.body["status"], "failed", "{}", failed.body);
+    let reason = failed.body["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("refuses writes") && reason.contains("restart the server"),
+        "{reason}"
+    );
+    assert!(
+        !reason.contains(&*mnt.dir.to_string_lossy()),
+        "no path: {reason}"
+    );
+    // Room again is not enough: what the store wrote since its last good sync is in doubt.
+    mnt.resize("64m");
+    let still = create(&server, "after").await;
+    assert!(still.status.is_server_error(), "{}", still.body);
+    assert_eq!(
+        health(&server).await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+
+    server.kill().await;
+    let server = Server::start(&data, &[]);
+    let back = health(&server).await;
+    assert_eq!(back.status, StatusCode::OK, "{}", back.body);
+    assert_eq!(back.body["status"], "ok");
+    for (n, id) in acknowledged.iter().enumerate() {
+        let events = history(&http, &server, None, id).await;
+        let text = crate::support::incompressible_text(n as u64, 64 * 1024);
+        assert!(
+            events
+                .iter()
+                .any(|e| e["kind"] == "user_message" && e["event"]["user_message"]["text"] == text),
+            "session {id} lost its acknowledged message: {:?}",
+            kinds(&events)
+        );
+    }
+    assert_eq!(create(&server, "after").await.status, StatusCode::CREATED);
+    drop(server);
+    drop(mnt);
 }
 
 /// `--cache-sessions` and `--cache-mib` bound the server's cache of session states, and

@@ -152,3 +152,45 @@ pub fn cairn_command() -> std::process::Command {
         .env_remove("RUST_LOG");
     command
 }
+
+/// A small tmpfs, unmounted (and its directory removed) when dropped.
+pub struct Tmpfs {
+    pub dir: PathBuf,
+}
+
+impl Tmpfs {
+    pub fn mount(dir: PathBuf, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir)
+            .output()
+            .expect("run mount");
+        assert!(
+            out.status.success(),
+            "this test mounts a small tmpfs to fill it and needs root (CAP_SYS_ADMIN) for that; \
+             mount failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Tmpfs { dir }
+    }
+
+    pub fn resize(&self, size: &str) {
+        let out = std::process::Command::new("mount")
+            .args(["-o", &format!("remount,size={size}")])
+            .arg(&self.dir)
+            .output()
+            .expect("run mount");
+        assert!(
+            out.status.success(),
+            "remount failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.dir).status();
+    }
+}

@@ -552,8 +552,13 @@ pub struct DeltaBatch {
 /// `GET /v1/health`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Health {
-    /// `ok`, or `draining` once the server stopped handing out tasks.
+    /// `ok`; `draining` once the server stopped handing out tasks; `failed`, answered with
+    /// status 503, while its store refuses writes (after a write or sync that failed, until
+    /// the server is restarted: `reason` says why).
     pub status: String,
+    /// Why the server is `failed`; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     /// The server's cache of session states (absent from servers before it was reported).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_cache: Option<StateCacheStats>,

@@ -6,7 +6,7 @@ use crate::auth::AnyCaller;
 use crate::errors::{json_errors, ApiError};
 use crate::{compact, delete, events, inspect, openapi, sessions, ui, worker, ServerConfig};
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::Request;
+use axum::http::{Request, StatusCode};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use cairn_runtime::wire::{ErrorBody, Health, StoreSyncStats};
@@ -138,7 +138,10 @@ fn panicked(panic: Box<dyn std::any::Any + Send + 'static>) -> axum::response::R
     .into_response()
 }
 
-/// `GET /v1/health`: `ok`, or `draining` once shutdown began; what the cache of session
+/// `GET /v1/health`: `ok`, or `draining` once shutdown began; `failed`, with status 503,
+/// while the store refuses writes (an embedded store after a write or sync that failed: what
+/// it wrote since its last good sync is in doubt, and only a restart, which reopens it, ends
+/// that), so that a supervisor's probe restarts the server. Also what the cache of session
 /// states holds; and, on an embedded store, its durable commits and sync times.
 #[utoipa::path(
     get,
@@ -148,20 +151,38 @@ fn panicked(panic: Box<dyn std::any::Any + Send + 'static>) -> axum::response::R
         (status = 200, description = "The server's state", body = Health),
         (status = 401, description = "No token, or an unknown one", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
+        (status = 503, description = "The store refuses writes until the server restarts (`status` is `failed`, `reason` says why)", body = Health),
     )
 )]
-pub async fn health(State(state): State<AppState>, _caller: AnyCaller) -> Json<Health> {
-    Json(Health {
-        status: if state.is_draining() {
-            "draining"
-        } else {
-            "ok"
-        }
-        .to_owned(),
-        state_cache: Some(state.engine.cache_stats()),
-        store_syncs: store_syncs(state.engine.store().as_ref()),
-    })
+pub async fn health(
+    State(state): State<AppState>,
+    _caller: AnyCaller,
+) -> (StatusCode, Json<Health>) {
+    let store = state.engine.store();
+    // The store's own words name its files; the log has them (the store logged the failure).
+    let reason = store
+        .write_refusal()
+        .map(|_| STORE_REFUSES_WRITES.to_owned());
+    let (code, status) = match (&reason, state.is_draining()) {
+        (Some(_), _) => (StatusCode::SERVICE_UNAVAILABLE, "failed"),
+        (None, true) => (StatusCode::OK, "draining"),
+        (None, false) => (StatusCode::OK, "ok"),
+    };
+    (
+        code,
+        Json(Health {
+            status: status.to_owned(),
+            reason,
+            state_cache: Some(state.engine.cache_stats()),
+            store_syncs: store_syncs(store.as_ref()),
+        }),
+    )
 }
+
+/// Why a server is `failed`, as `/v1/health` says it.
+pub const STORE_REFUSES_WRITES: &str = "the store refuses writes after a write or sync that \
+    failed (what it wrote since its last good sync is in doubt); restart the server to reopen \
+    it (the server's log names the failure)";
 
 /// The store's durable commits and sync times, when it times them.
 fn store_syncs(store: &dyn Store) -> Option<StoreSyncStats> {

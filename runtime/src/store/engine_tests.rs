@@ -193,6 +193,7 @@ pub(super) async fn a_failing_sync_fails_its_write_and_refuses_the_next<S: Embed
     let root = temp();
     let store = S::open(root.path()).expect("open");
     write_sessions(&store, &["a"], 1).await;
+    assert_eq!(store.write_refusal(), None, "a fresh store takes writes");
     let inline_before = store.writer_shared().inline.load(Ordering::Relaxed);
     store
         .writer_shared()
@@ -217,10 +218,20 @@ pub(super) async fn a_failing_sync_fails_its_write_and_refuses_the_next<S: Embed
         ),
         other => panic!("an append after a failed sync must be refused, got {other:?}"),
     }
+    let refusal = store
+        .write_refusal()
+        .expect("the store says it refuses writes");
+    assert!(
+        refusal.contains("refuses writes after a failed")
+            && refusal.contains(failure)
+            && refusal.contains("reopen it"),
+        "{refusal}"
+    );
     let unknown = |read: Result<_>| matches!(read, Err(Error::UnknownSession { .. }));
     assert!(unknown(store.read_history("b", 1, None).await));
     drop(store);
     let store = S::open_existing(root.path()).expect("a reopen clears the refusal");
+    assert_eq!(store.write_refusal(), None);
     assert!(unknown(store.read_history("b", 1, None).await));
     store
         .append(append_request("b", 1, vec![message("b", 1, "b1")], 30))

@@ -1401,6 +1401,10 @@ impl Store for FjallStore {
         Some(self.writes.shared.sync_times())
     }
 
+    fn write_refusal(&self) -> Option<String> {
+        self.writes.shared.refusal_words(ENGINE, &self.path)
+    }
+
     async fn append(&self, request: AppendRequest) -> Result<()> {
         self.writes.append(request).await
     }

@@ -465,6 +465,10 @@ impl Store for MarkedStore {
         self.inner.sync_times()
     }
 
+    fn write_refusal(&self) -> Option<String> {
+        self.inner.write_refusal()
+    }
+
     async fn append(&self, request: AppendRequest) -> Result<()> {
         let appended = appended_to(&request);
         self.inner.append(request).await?;

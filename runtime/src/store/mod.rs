@@ -378,6 +378,14 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Why the store refuses writes until it is reopened, when it does (an embedded store
+    /// after a write or sync that failed: what it wrote since its last good sync is in
+    /// doubt); `None` while it takes writes. For health checks: a process whose store refuses
+    /// writes makes no progress until it is restarted.
+    fn write_refusal(&self) -> Option<String> {
+        None
+    }
+
     /// Appends atomically and durably: when this returns `Ok`, everything in the request
     /// survives a crash or power loss. Fails with `Conflict` when `expected_next_seq` is not the
     /// session's next seq, and with `LeaseLost` when `complete` names a task whose lease is not

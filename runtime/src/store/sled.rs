@@ -1014,6 +1014,10 @@ impl Store for SledStore {
         Some(self.writes.shared.sync_times())
     }
 
+    fn write_refusal(&self) -> Option<String> {
+        self.writes.shared.refusal_words(ENGINE, &self.path)
+    }
+
     async fn append(&self, request: AppendRequest) -> Result<()> {
         self.writes.append(request).await
     }

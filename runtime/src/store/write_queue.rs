@@ -168,6 +168,14 @@ impl Shared {
         failed.as_ref().map(|reason| engine.refusal(path, reason))
     }
 
+    /// Why writes are refused, in words ([`Store::write_refusal`](super::Store::write_refusal)).
+    pub(super) fn refusal_words(&self, engine: Engine, path: &Path) -> Option<String> {
+        self.refusal(engine, path).map(|refused| match refused {
+            Error::Store { reason } => reason,
+            other => other.to_string(),
+        })
+    }
+
     /// Records a failed sync (the first reason stays), then answers every write of the batch
     /// with its outcome.
     pub(super) fn settle(
@@ -178,7 +186,17 @@ impl Shared {
         path: &Path,
     ) {
         if let Err(reason) = synced {
-            self.failed().get_or_insert_with(|| reason.clone());
+            let mut failed = self.failed();
+            if failed.is_none() {
+                // Once: every write after it is refused with these words.
+                tracing::error!(
+                    store = %path.display(),
+                    engine = engine.name,
+                    %reason,
+                    "a batch could not be made durable; the store refuses writes until it is reopened"
+                );
+                *failed = Some(reason.clone());
+            }
         }
         for p in pending {
             p.answer(synced, engine, path);
