@@ -2278,6 +2278,15 @@ async fn health_fails_while_the_store_refuses_writes_after_the_disk_filled() {
         !reason.contains(&*mnt.dir.to_string_lossy()),
         "no path: {reason}"
     );
+    let remote = cairn_remote::HttpTransport::new(&server.url(""), None).unwrap();
+    let seen = remote
+        .health()
+        .await
+        .expect("the remote client reads a failed health");
+    assert_eq!(
+        (seen.status.as_str(), seen.reason.as_deref()),
+        ("failed", Some(reason))
+    );
     // Room again is not enough: what the store wrote since its last good sync is in doubt.
     mnt.resize("64m");
     let still = create(&server, "after").await;

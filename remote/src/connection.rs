@@ -236,6 +236,17 @@ impl Connection {
         subject: Subject<'_>,
         timeout: Duration,
     ) -> Result<Vec<u8>> {
+        let (status, body) = self.exchange(request, timeout).await?;
+        if (200..300).contains(&status) {
+            Ok(body)
+        } else {
+            Err(self.error_answer(status, &body, subject))
+        }
+    }
+
+    /// Sends `request` and reads its answer whole within `timeout`: its status and body,
+    /// whatever the status.
+    pub async fn exchange(&self, request: Request, timeout: Duration) -> Result<(u16, Vec<u8>)> {
         let what = format!("{} {}", request.method, request.path);
         let exchange = async {
             let response = self.send(request).await?;
@@ -251,11 +262,7 @@ impl Connection {
                     timeout.as_secs()
                 ))
             })??;
-        if (200..300).contains(&status) {
-            Ok(body)
-        } else {
-            Err(self.error_answer(status, &body, subject))
-        }
+        Ok((status, body))
     }
 
     /// [`Connection::call`], decoding the answer as JSON.

@@ -53,15 +53,23 @@ impl HttpTransport {
         self.connection.url()
     }
 
-    /// `GET /v1/health`.
+    /// `GET /v1/health`. A server whose store refuses writes answers 503 with its health
+    /// (`status` `failed`, and why): that is returned too, not an error.
     pub async fn health(&self) -> Result<Health> {
-        self.connection
-            .call_json(
-                Request::get("/v1/health"),
-                Subject::default(),
-                REQUEST_TIMEOUT,
-            )
-            .await
+        let (status, body) = self
+            .connection
+            .exchange(Request::get("/v1/health"), REQUEST_TIMEOUT)
+            .await?;
+        match status {
+            200..=299 => self.connection.decode("GET /v1/health", &body),
+            503 => serde_json::from_slice::<Health>(&body).map_err(|_| {
+                self.connection
+                    .error_answer(status, &body, Subject::default())
+            }),
+            _ => Err(self
+                .connection
+                .error_answer(status, &body, Subject::default())),
+        }
     }
 }
 
