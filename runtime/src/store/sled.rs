@@ -407,20 +407,19 @@ impl ProcessBatch for Writer {
         // Everything in `pending` committed before this flush starts.
         #[allow(clippy::disallowed_methods)] // timing IO for benchmarks; not recorded in history
         let began = Instant::now();
-        #[cfg(test)]
-        let injected = self.shared.faults.before_sync();
-        #[cfg(not(test))]
-        let injected: Option<String> = None;
-        let synced = match injected {
-            Some(reason) => Err(format!("sled flush failed: {reason}")),
-            None => catch_unwind(AssertUnwindSafe(|| self.syncer.sync(&self.handles.db)))
-                .unwrap_or_else(|panic| {
-                    Err(format!(
-                        "sled panicked while flushing: {}",
-                        panic_message(&*panic)
-                    ))
-                }),
-        };
+        let synced = catch_unwind(AssertUnwindSafe(|| {
+            #[cfg(test)]
+            if let Some(reason) = self.shared.faults.before_sync() {
+                return Err(format!("sled flush failed: {reason}"));
+            }
+            self.syncer.sync(&self.handles.db)
+        }))
+        .unwrap_or_else(|panic| {
+            Err(format!(
+                "sled panicked while flushing: {}",
+                panic_message(&*panic)
+            ))
+        });
         self.shared.synced(began.elapsed());
         self.shared.settle(&synced, pending, ENGINE, &self.path);
     }
