@@ -106,7 +106,8 @@ pub fn turn_starts(transcript: &Transcript) -> Vec<usize> {
 /// The index of the message that starts the last (current) turn; messages before it belong
 /// to completed turns. `None` when no turn started yet (nothing is completed either).
 pub fn current_turn_start(transcript: &Transcript) -> Option<usize> {
-    turn_starts(transcript).last().copied()
+    // From the end: a worker asks this before every model call of a long session.
+    transcript.messages.iter().rposition(starts_turn)
 }
 
 /// Drops the reasoning parts of completed turns' assistant messages. A message that would be

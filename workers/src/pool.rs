@@ -7,7 +7,7 @@ use cairn_activities::{
     ActivityContext, CallContext, DeltaSink, ErrorKind, ModelRequest, ToolCall, ToolRegistry,
 };
 use cairn_ledger::{
-    validate_response, validate_transcript_from, Delta, JsonText, Part, Role, Transcript,
+    current_turn_start, validate_response, validate_transcript_from, Delta, JsonText,
 };
 use cairn_runtime::{
     ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, Error,
@@ -595,18 +595,6 @@ impl DeltaSink for EngineDeltas<'_> {
     }
 }
 
-/// The index of a transcript's last user message that is not tool results: the current
-/// turn's input, where the check of a model call's transcript starts.
-fn current_turn_input(transcript: &Transcript) -> usize {
-    transcript
-        .messages
-        .iter()
-        .rposition(|m| {
-            m.role == Role::User && !matches!(m.parts.first(), Some(Part::ToolResult(_)))
-        })
-        .unwrap_or(0)
-}
-
 async fn run_activity(
     engine: &dyn TaskSource,
     activities: &Activities,
@@ -629,7 +617,9 @@ async fn run_activity(
             // message and its media, each response, tool_use ids unique in the session), so
             // only the current turn is checked again here: a model call late in a long
             // session costs the length of its turn, not of the session.
-            if let Err(e) = validate_transcript_from(&transcript, current_turn_input(&transcript)) {
+            if let Err(e) =
+                validate_transcript_from(&transcript, current_turn_start(&transcript).unwrap_or(0))
+            {
                 return failure(
                     ErrorClass::InvalidRequest,
                     format!("transcript not sendable: {e}"),
@@ -733,6 +723,7 @@ mod tests {
     use super::*;
     use crate::StandardModels;
     use async_trait::async_trait;
+    use cairn_ledger::{Part, Role, Transcript};
     use tokio::sync::{broadcast, Notify};
     use tokio::time::Instant;
 
@@ -900,7 +891,7 @@ mod tests {
     #[tokio::test]
     async fn a_model_call_checks_the_current_turn_of_its_transcript() {
         let ok = second_turn("done", vec![tool_result("a"), tool_result("b")]);
-        assert_eq!(current_turn_input(&ok), 2);
+        assert_eq!(current_turn_start(&ok), Some(2));
         match call_model(ok).await {
             ActivityReport::ModelCompleted(response) => assert_eq!(response.text(), "ok"),
             other => panic!("a sendable transcript is sent, got {other:?}"),
