@@ -1006,8 +1006,9 @@ fn errors_say_their_whole_cause_once_in_words() {
 }
 
 /// `cairn bench` runs durable turns on each embedded engine and reports, per row, the probe's
-/// p50 fdatasync beside the store's own p50 sync, and the commits a turn waited for in series:
-/// five at one session (the start, the model's result, each tool's, the second model's).
+/// p50 fdatasync beside the store's own p50 sync, the commits a turn waited for in series
+/// (five at one session: the start, the model's result, each tool's, the second model's), and
+/// the CPU time a turn cost.
 #[test]
 fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
     let out = cairn(&["bench", "--sessions", "1", "--seconds", "0.5"]);
@@ -1026,10 +1027,11 @@ fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
             .position(|c| *c == name)
             .unwrap_or_else(|| panic!("no column {name}: {stdout}"))
     };
-    let (probe, store, commits) = (
+    let (probe, store, commits, cpu) = (
         column("p50 fdatasync"),
         column("p50 store sync"),
         column("durable commits per turn"),
+        column("CPU per turn"),
     );
     let ms = |cell: &str| -> f64 {
         cell.strip_suffix(" ms")
@@ -1054,6 +1056,12 @@ fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
         // Counted over the measured window, which cuts the turns at its ends.
         let per_turn: f64 = row[commits].parse().expect("a number");
         assert!((per_turn - 5.0).abs() < 0.2, "{engine}: {stdout}");
+        // Some CPU, and not seconds of it: a turn is a few milliseconds of work.
+        let cpu_per_turn = ms(row[cpu]);
+        assert!(
+            cpu_per_turn > 0.0 && cpu_per_turn < 1_000.0,
+            "{engine}: {stdout}"
+        );
     }
 }
 

@@ -22,11 +22,14 @@
 //! would be a turn that costs nothing but its flushes. Beside the probe's p50 stands the
 //! store's own ([`Store::sync_times`]): the probe's is the cheapest durable write there is,
 //! the store's is what its commits paid in the same row, so the two tell a turn's time in
-//! its syncs from its time between them.
+//! its syncs from its time between them. Every row also shows the CPU time (user and system)
+//! the serving processes used in its measured window per completed turn ([`crate::cpu`]):
+//! this process embedded, the servers and workers through servers.
 
 // A benchmark reads clocks and waits on real time.
 #![allow(clippy::disallowed_methods)]
 
+use crate::cpu::total_cpu_seconds;
 use crate::process::{start_and_wait, Process};
 use crate::scratch_database::ScratchDatabase;
 use anyhow::{bail, Context};
@@ -127,6 +130,11 @@ pub struct BenchResult {
     /// Median of the store's own syncs in the measured time ([`Store::sync_times`]), beside
     /// the probe's; `None` when the store does not time them (through servers).
     pub store_sync_p50_ms: Option<f64>,
+    /// The CPU time (user and system) the processes that serve the turns used in the measured
+    /// time, per completed turn, ms: this process embedded (store, engine, workers and the
+    /// bench's clients), the servers and workers through servers. `None` when no turn
+    /// completed or `/proc` could not be read.
+    pub cpu_ms_per_turn: Option<f64>,
 }
 
 impl BenchResult {
@@ -158,13 +166,14 @@ impl BenchResult {
         };
         let latency = |ms: f64| (self.turns > 0).then_some(ms);
         format!(
-            "| {} | {} | {} ms | {:.0} turns/s | {} | {} | {:.3} ms | {} | {} | {} | {} |",
+            "| {} | {} | {} ms | {:.0} turns/s | {} | {} | {} | {:.3} ms | {} | {} | {} | {} |",
             self.setup,
             self.sessions,
             self.model_latency_ms,
             self.turns_per_sec,
             shown(latency(self.p50_ms), |ms| format!("{ms:.2} ms")),
             shown(latency(self.p99_ms), |ms| format!("{ms:.2} ms")),
+            shown(self.cpu_ms_per_turn, |ms| format!("{ms:.2} ms")),
             self.fdatasync_p50_ms,
             shown(self.store_sync_p50_ms, |ms| format!("{ms:.3} ms")),
             shown(self.commits_per_turn, |n| format!("{n:.2}")),
@@ -175,8 +184,22 @@ impl BenchResult {
 
     /// The header of the report table.
     pub fn header() -> &'static str {
-        "| setup | sessions in flight | model latency | throughput | p50 turn | p99 turn | p50 fdatasync | p50 store sync | durable commits per turn | p50 turn ÷ (commits × fdatasync) | turns/s ÷ (N × 1 worker's) |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "| setup | sessions in flight | model latency | throughput | p50 turn | p99 turn | CPU per turn | p50 fdatasync | p50 store sync | durable commits per turn | p50 turn ÷ (commits × fdatasync) | turns/s ÷ (N × 1 worker's) |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     }
+}
+
+/// What serves a closed loop's turns, as its row names and measures it.
+struct Served {
+    /// The row's setup: `embedded, fjall`, or a [`Deployment::label`].
+    setup: String,
+    /// Worker processes, through servers; `None` embedded.
+    worker_processes: Option<usize>,
+    /// The store, when it is in this process: its commits and syncs are counted.
+    store: Option<Arc<dyn Store>>,
+    /// The processes whose CPU time is counted.
+    serving: Vec<u32>,
+    /// The probe's p50 fdatasync beside the store, just before.
+    fdatasync_p50_ms: f64,
 }
 
 /// The scripted turn: two parallel calculator calls, then an answer.
@@ -247,11 +270,15 @@ async fn closed_loop(
     clients: &[Client],
     model: ModelSpec,
     config: &BenchConfig,
-    store: Option<Arc<dyn Store>>,
-    fdatasync_p50_ms: f64,
-    setup: String,
-    worker_processes: Option<usize>,
+    served: Served,
 ) -> anyhow::Result<BenchResult> {
+    let Served {
+        setup,
+        worker_processes,
+        store,
+        serving,
+        fdatasync_p50_ms,
+    } = served;
     if clients.is_empty() {
         bail!("no client to run the bench turns on");
     }
@@ -261,22 +288,34 @@ async fn closed_loop(
     let started = Instant::now();
     let measure_from = started + warmup;
     let measure_until = measure_from + measured;
-    // The store's commit counter and sync times read at both ends of the measured window.
-    let counters = store.map(|store| {
-        tokio::spawn(async move {
-            tokio::time::sleep_until(measure_from.into()).await;
-            let (first, first_times) = (store.durable_commits(), store.sync_times());
-            tokio::time::sleep_until(measure_until.into()).await;
-            let commits = store
-                .durable_commits()
-                .zip(first)
-                .map(|(last, first)| last - first);
-            let times = store
-                .sync_times()
-                .zip(first_times)
-                .and_then(|(last, first)| last.since(&first));
-            (commits, times)
-        })
+    // The store's commit counter and sync times, and the serving processes' CPU time, read at
+    // both ends of the measured window.
+    let counters = tokio::spawn(async move {
+        tokio::time::sleep_until(measure_from.into()).await;
+        let first_cpu = total_cpu_seconds(&serving);
+        let first = store
+            .as_ref()
+            .map(|store| (store.durable_commits(), store.sync_times()));
+        tokio::time::sleep_until(measure_until.into()).await;
+        let cpu = match (first_cpu, total_cpu_seconds(&serving)) {
+            (Ok(first), Ok(last)) => Some(last - first),
+            (Err(e), _) | (_, Err(e)) => {
+                warn!(error = %format!("{e:#}"), "no CPU figure for this row");
+                None
+            }
+        };
+        let Some((store, (first, first_times))) = store.zip(first) else {
+            return (None, None, cpu);
+        };
+        let commits = store
+            .durable_commits()
+            .zip(first)
+            .map(|(last, first)| last - first);
+        let times = store
+            .sync_times()
+            .zip(first_times)
+            .and_then(|(last, first)| last.since(&first));
+        (commits, times, cpu)
     });
     let mut runners = Vec::new();
     for client_no in 0..config.sessions {
@@ -317,10 +356,8 @@ async fn closed_loop(
             .map(|d| d.as_secs_f64() * 1e3)
             .unwrap_or(f64::NAN)
     };
-    let (commits, sync_times) = match counters {
-        Some(counters) => counters.await.context("the commit counter panicked")?,
-        None => (None, None),
-    };
+    let (commits, sync_times, cpu_seconds) =
+        counters.await.context("the commit counter panicked")?;
     Ok(BenchResult {
         setup,
         worker_processes,
@@ -335,6 +372,9 @@ async fn closed_loop(
             .filter(|_| !latencies.is_empty())
             .map(|n| n as f64 / latencies.len() as f64),
         store_sync_p50_ms: sync_times.and_then(|times| times.quantile_ms(0.5)),
+        cpu_ms_per_turn: cpu_seconds
+            .filter(|_| !latencies.is_empty())
+            .map(|seconds| seconds * 1e3 / latencies.len() as f64),
     })
 }
 
@@ -355,16 +395,14 @@ pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Re
         },
         WorkerConfig::default(),
     );
-    let result = closed_loop(
-        &[Client::new(engine)],
-        model,
-        config,
-        Some(opened.store.clone()),
-        fdatasync_p50_ms,
+    let served = Served {
         setup,
-        None,
-    )
-    .await;
+        worker_processes: None,
+        store: Some(opened.store.clone()),
+        serving: vec![std::process::id()],
+        fdatasync_p50_ms,
+    };
+    let result = closed_loop(&[Client::new(engine)], model, config, served).await;
     pool.shutdown().await;
     result
 }
@@ -466,16 +504,19 @@ async fn run_deployment(
         .iter()
         .map(|url| connect(url))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let result = closed_loop(
-        &clients,
-        model,
-        config,
-        None,
+    let serving = servers
+        .iter()
+        .chain(&workers)
+        .map(|process| process.child.id())
+        .collect();
+    let served = Served {
+        setup: deployment.label(),
+        worker_processes: Some(deployment.workers),
+        store: None,
+        serving,
         fdatasync_p50_ms,
-        deployment.label(),
-        Some(deployment.workers),
-    )
-    .await;
+    };
+    let result = closed_loop(&clients, model, config, served).await;
     // Workers first, so that none of them sees its server go and retries against it.
     drop(workers);
     drop(servers);
@@ -499,6 +540,7 @@ mod tests {
             fdatasync_p50_ms: 0.25,
             commits_per_turn,
             store_sync_p50_ms: Some(0.3),
+            cpu_ms_per_turn: Some(0.75),
         }
     }
 
@@ -508,7 +550,7 @@ mod tests {
         assert_eq!(one.over_flushes(), Some(2.0));
         assert_eq!(
             one.row(None),
-            "| embedded, fjall | 1 | 0 ms | 10 turns/s | 3.00 ms | 5.00 ms | 0.250 ms | 0.300 ms | 6.00 | 2.00 | – |"
+            "| embedded, fjall | 1 | 0 ms | 10 turns/s | 3.00 ms | 5.00 ms | 0.75 ms | 0.250 ms | 0.300 ms | 6.00 | 2.00 | – |"
         );
         let untimed = BenchResult {
             store_sync_p50_ms: None,
