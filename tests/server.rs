@@ -690,9 +690,10 @@ async fn a_turn_completes_end_to_end_with_in_process_workers() {
 
 /// Eager dispatch over HTTP: a report with `next` is answered with the task it queued,
 /// leased to the reporting worker (200), and one without `next` keeps its 204. The turn then
-/// completes with the history a lease round per task would give.
+/// completes with the history a lease round per task would give. Deltas a report carries
+/// reach the session's followers before the report's events.
 #[tokio::test]
-async fn a_report_with_next_hands_the_worker_the_task_it_queued() {
+async fn a_report_with_next_hands_the_worker_the_task_it_queued_and_deltas_precede_it() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("store"), &[]);
     let http = reqwest::Client::new();
@@ -774,15 +775,49 @@ async fn a_report_with_next_hands_the_worker_the_task_it_queued() {
     let transcript = tasks[0]["input"]["model"]["transcript"].to_string();
     assert!(transcript.contains("toolu_1"), "{transcript}");
 
+    // The last report carries the answer's streamed text, not sent before: a follower of the
+    // session gets it ahead of the report's events.
+    let stream = http
+        .get(server.url("/v1/sessions/eager/events?after_seq=7"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), StatusCode::OK);
+    let origin = json!({"session_id": "eager", "turn": 1, "activity": "model:6", "attempt": 1});
+    let deltas = json!([
+        {"origin": origin, "delta": {"text": "the answer "}},
+        {"origin": origin, "delta": {"text": "is 3"}}
+    ]);
     let reported = send(
         &http,
         Method::POST,
         server.url("/v1/worker/report"),
         None,
-        Some(json!({"lease": tasks[0]["lease"], "report": answer("3")})),
+        Some(json!({"lease": tasks[0]["lease"], "report": answer("3"), "deltas": deltas})),
     )
     .await;
     assert_eq!(reported.status, StatusCode::NO_CONTENT, "{}", reported.body);
+    let followed = read_stream(stream, |m| {
+        m.event == "event" && m.data["kind"] == "turn_completed"
+    })
+    .await;
+    let order: Vec<String> = followed
+        .iter()
+        .map(|m| match m.event.as_str() {
+            "delta" => format!("delta {}", m.data["delta"]["text"].as_str().unwrap_or("?")),
+            _ => m.data["kind"].as_str().unwrap_or("?").to_owned(),
+        })
+        .collect();
+    assert_eq!(
+        order,
+        [
+            "delta the answer ",
+            "delta is 3",
+            "model_call_completed",
+            "turn_completed"
+        ],
+        "{followed:?}"
+    );
     let outcome = wait_turn(&http, &server, None, "eager", 1).await;
     assert_eq!(outcome["status"], "completed", "{outcome}");
     assert_eq!(outcome["answer"], "3", "{outcome}");

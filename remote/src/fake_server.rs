@@ -45,6 +45,8 @@ pub struct Faults {
     pub bare_stream: bool,
     /// Refuse a report that asks for tasks (`next`) as a server from before the field does.
     pub refuse_next: bool,
+    /// Refuse a report that carries deltas as a server from before the field does.
+    pub refuse_deltas: bool,
 }
 
 /// One request the server saw.
@@ -69,6 +71,8 @@ pub struct FakeServer {
     pub reports: AtomicU32,
     /// The size of each delta batch received.
     pub delta_batches: Mutex<Vec<usize>>,
+    /// The deltas each accepted report carried.
+    pub reported_deltas: Mutex<Vec<usize>>,
 }
 
 type Shared = Arc<FakeServer>;
@@ -90,6 +94,7 @@ impl FakeServer {
             seen: Mutex::default(),
             reports: AtomicU32::new(0),
             delta_batches: Mutex::default(),
+            reported_deltas: Mutex::default(),
         })
     }
 
@@ -460,6 +465,22 @@ async fn report(State(server): State<Shared>, Json(body): Json<ReportRequest>) -
             ErrorCode::InvalidRequest,
             "unknown field `next`, expected `lease` or `report` at line 1 column 9".to_owned(),
         );
+    }
+    if server.faults.refuse_deltas && !body.deltas.is_empty() {
+        // What a server whose ReportRequest has no `deltas` answers.
+        return error_answer(
+            ErrorCode::InvalidRequest,
+            "unknown field `deltas`, expected one of `lease`, `report`, `next` at line 1 column 9"
+                .to_owned(),
+        );
+    }
+    server
+        .reported_deltas
+        .lock()
+        .unwrap()
+        .push(body.deltas.len());
+    for delta in body.deltas {
+        server.engine.publish_delta(delta);
     }
     match source(&server).report(&body.lease, body.report).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),

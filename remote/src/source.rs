@@ -4,7 +4,9 @@
 //! Results are what a worker must not lose: a report or a heartbeat that fails on the way
 //! (the server restarting, a broken connection, a 5xx) is tried again with backoff for as
 //! long as its lease lasts; a 409 (`stale_report`, `lease_lost`) is final. Deltas are
-//! presentation only: they are batched off the activity's path and may be dropped.
+//! presentation only: they are batched off the activity's path and may be dropped. Those not
+//! sent yet when an activity reports go with its report, which the server passes on first:
+//! one request fewer in series per model call than sending them ahead of it.
 
 use crate::connection::{Connection, Request, Subject, REQUEST_TIMEOUT};
 use crate::transport::retryable;
@@ -57,6 +59,8 @@ pub struct HttpTaskSource {
     lease_failures: AtomicU32,
     /// The server refused a report with tasks to lease (it predates eager dispatch).
     eager_refused: AtomicBool,
+    /// The server refused a report with deltas (it predates the field): they go by themselves.
+    deltas_refused: AtomicBool,
 }
 
 /// Whether the server has answered a lease request yet.
@@ -76,6 +80,9 @@ enum Batched {
     Delta(DeltaEvent),
     /// Send everything queued before this, then acknowledge.
     Flush(oneshot::Sender<()>),
+    /// Hand over everything queued before this that is not sent yet, unsent: a report carries
+    /// it ([`ReportRequest::deltas`]).
+    Take(oneshot::Sender<Vec<DeltaEvent>>),
 }
 
 impl HttpTaskSource {
@@ -90,6 +97,7 @@ impl HttpTaskSource {
             contact,
             lease_failures: AtomicU32::new(0),
             eager_refused: AtomicBool::new(false),
+            deltas_refused: AtomicBool::new(false),
         })
     }
 
@@ -165,6 +173,71 @@ impl HttpTaskSource {
                     backoff = (backoff * 2).min(RETRY_BACKOFF.1);
                 }
                 Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The deltas published so far and not sent yet, for a report to carry, once those sent
+    /// before them are (so they stay in order); or, with a server that takes no deltas with a
+    /// report, none, once all of them are sent by themselves.
+    async fn deltas_for_report(&self) -> Vec<DeltaEvent> {
+        if self.deltas_refused.load(Ordering::Relaxed) {
+            self.flush_deltas().await;
+            return Vec::new();
+        }
+        let Some(queue) = self.deltas.get() else {
+            return Vec::new();
+        };
+        let (reply, taken) = oneshot::channel();
+        if queue.send(Batched::Take(reply)).await.is_err() {
+            return Vec::new();
+        }
+        match tokio::time::timeout(DELTA_FLUSH_WAIT, taken).await {
+            Ok(Ok(deltas)) => deltas,
+            _ => Vec::new(),
+        }
+    }
+
+    /// Posts a report. A server from before a field the report carries refuses it as unknown
+    /// (400): without `next` the report goes again and leases nothing; without `deltas` they
+    /// go by themselves first, then the report without them; and later reports leave the
+    /// field out from the start.
+    async fn post_report(&self, lease: &Lease, mut body: ReportRequest) -> Result<Vec<u8>> {
+        loop {
+            let result = self
+                .with_retries(lease, || Request::post("/v1/worker/report", &body))
+                .await;
+            let Err(Error::Remote {
+                status: 400,
+                message,
+                ..
+            }) = &result
+            else {
+                return result;
+            };
+            if !body.deltas.is_empty() && message.contains("unknown field `deltas`") {
+                debug!("the server takes no deltas with a report; sending them by themselves from now on");
+                self.deltas_refused.store(true, Ordering::Relaxed);
+                let batch = DeltaBatch {
+                    deltas: std::mem::take(&mut body.deltas),
+                };
+                let sent = self
+                    .connection
+                    .call(
+                        Request::post("/v1/worker/deltas", &batch),
+                        Subject::default(),
+                        DELTA_POST_TIMEOUT,
+                    )
+                    .await;
+                if let Err(e) = sent {
+                    debug!(error = %e, deltas = batch.deltas.len(), "sending model deltas failed; they are dropped");
+                }
+            } else if body.next.is_some() && message.contains("unknown field `next`") {
+                debug!("the server takes no tasks with a report; reporting alone from now on");
+                self.eager_refused.store(true, Ordering::Relaxed);
+                body.next = None;
+            } else {
+                return result;
             }
         }
     }
@@ -331,16 +404,15 @@ impl TaskSource for HttpTaskSource {
     }
 
     async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()> {
-        // The followers of the session see the streamed text before the response that ends it.
-        self.flush_deltas().await;
+        // The followers of the session see the streamed text before the response that ends it:
+        // the report carries what is not sent yet.
         let body = ReportRequest {
             lease: lease.clone(),
             report,
             next: None,
+            deltas: self.deltas_for_report().await,
         };
-        let result = self
-            .with_retries(lease, || Request::post("/v1/worker/report", &body))
-            .await;
+        let result = self.post_report(lease, body).await;
         self.lock_expiries()
             .remove(&(lease.id.clone(), lease.lease_attempt));
         result.map(|_| ())
@@ -362,8 +434,7 @@ impl TaskSource for HttpTaskSource {
             self.report(lease, report).await?;
             return Ok(Vec::new());
         }
-        self.flush_deltas().await;
-        let mut body = ReportRequest {
+        let body = ReportRequest {
             lease: lease.clone(),
             report,
             next: Some(NextTasks {
@@ -373,25 +444,9 @@ impl TaskSource for HttpTaskSource {
                 tools: next.filter.tools.clone(),
                 providers: next.filter.providers.clone(),
             }),
+            deltas: self.deltas_for_report().await,
         };
-        let mut result = self
-            .with_retries(lease, || Request::post("/v1/worker/report", &body))
-            .await;
-        if let Err(Error::Remote {
-            status: 400,
-            message,
-            ..
-        }) = &result
-        {
-            if message.contains("unknown field `next`") {
-                debug!("the server takes no tasks with a report; reporting alone from now on");
-                self.eager_refused.store(true, Ordering::Relaxed);
-                body.next = None;
-                result = self
-                    .with_retries(lease, || Request::post("/v1/worker/report", &body))
-                    .await;
-            }
-        }
+        let result = self.post_report(lease, body).await;
         self.lock_expiries()
             .remove(&(lease.id.clone(), lease.lease_attempt));
         let answer = result?;
@@ -457,6 +512,7 @@ impl TaskSource for HttpTaskSource {
 async fn send_deltas(connection: Arc<Connection>, mut queue: mpsc::Receiver<Batched>) {
     let mut batch = Vec::new();
     let mut acks = Vec::new();
+    let mut taker = None;
     while let Some(first) = queue.recv().await {
         let mut open = true;
         match first {
@@ -471,6 +527,10 @@ async fn send_deltas(connection: Arc<Connection>, mut queue: mpsc::Receiver<Batc
                                 acks.push(ack);
                                 break;
                             }
+                            Some(Batched::Take(reply)) => {
+                                taker = Some(reply);
+                                break;
+                            }
                             None => {
                                 open = false;
                                 break;
@@ -481,6 +541,12 @@ async fn send_deltas(connection: Arc<Connection>, mut queue: mpsc::Receiver<Batc
                 }
             }
             Batched::Flush(ack) => acks.push(ack),
+            Batched::Take(reply) => taker = Some(reply),
+        }
+        if let Some(reply) = taker.take() {
+            // A report carries them: nothing to send. Should it have given up waiting, they
+            // are dropped, as a delta that finds the queue full is.
+            let _ = reply.send(std::mem::take(&mut batch));
         }
         if !batch.is_empty() {
             let body = DeltaBatch {

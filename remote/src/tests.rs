@@ -630,8 +630,10 @@ async fn a_report_survives_a_server_restart() {
     );
 }
 
+/// Published deltas go in batches of at most 256, in order, and the report takes the ones not
+/// sent yet with it: every delta reaches the server, in order, before the report's outcome.
 #[tokio::test]
-async fn deltas_are_batched_in_order_and_sent_before_the_report() {
+async fn deltas_are_batched_in_order_and_the_rest_go_with_the_report() {
     let server = FakeServer::new(None, Faults::default());
     let served = serve_tcp(server.router()).await.unwrap();
     let source = HttpTaskSource::new(&served.url, None).unwrap();
@@ -666,12 +668,91 @@ async fn deltas_are_batched_in_order_and_sent_before_the_report() {
         .collect();
     assert_eq!(received, expected);
     let batches = server.delta_batches.lock().unwrap().clone();
-    assert_eq!(batches.iter().sum::<usize>(), 1000);
+    let reported = server.reported_deltas.lock().unwrap().clone();
     assert!(
         batches.iter().all(|&b| (1..=256).contains(&b)),
         "{batches:?}"
     );
-    assert!(batches.len() >= 4, "{batches:?}");
+    // All were queued before the report: it waits for the batches ahead of its own.
+    assert!(batches.len() >= 3, "{batches:?}");
+    assert_eq!(reported.len(), 1, "{reported:?}");
+    assert!((1..=256).contains(&reported[0]), "{reported:?}");
+    assert_eq!(batches.iter().sum::<usize>() + reported[0], 1000);
+
+    // With nothing published since, a report carries none and nothing is sent beside it.
+    let _ = source.report(&lease_of("s1", 4), failure()).await;
+    assert_eq!(*server.delta_batches.lock().unwrap(), batches);
+    assert_eq!(server.reported_deltas.lock().unwrap()[1..], [0]);
+}
+
+/// A server from before reports carried deltas refuses one that does (400): the deltas go by
+/// themselves, then the report alone, recorded once; later reports send their deltas ahead of
+/// them as before, without asking again.
+#[tokio::test]
+async fn a_server_that_refuses_deltas_in_a_report_gets_them_by_themselves_first() {
+    let server = FakeServer::new(
+        None,
+        Faults {
+            refuse_deltas: true,
+            ..Faults::default()
+        },
+    );
+    let served = serve_tcp(server.router()).await.unwrap();
+    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let mut deltas = server.engine.subscribe_deltas();
+    let lease = leased_model_task(&server, &source).await;
+    let origin = ActivityRef {
+        session_id: lease.id.session_id.clone(),
+        turn: 1,
+        activity: "model:3".to_owned(),
+        attempt: 1,
+    };
+    let publish = |text: &str| {
+        source.publish_delta(DeltaEvent {
+            origin: origin.clone(),
+            delta: Delta::Text(text.to_owned()),
+        })
+    };
+    publish("first ");
+    publish("answer");
+    source.report(&lease, completion()).await.unwrap();
+    assert_eq!(
+        server.reports.load(Ordering::Relaxed),
+        2,
+        "refused with the deltas, then taken without them"
+    );
+    assert_eq!(*server.delta_batches.lock().unwrap(), [2]);
+    assert_eq!(*server.reported_deltas.lock().unwrap(), [0]);
+    let history = Client::new(server.engine.clone())
+        .history(&lease.id.session_id)
+        .await
+        .unwrap();
+    assert_eq!(
+        history
+            .iter()
+            .filter(|e| matches!(e.event, Event::ModelCallFailed { .. }))
+            .count(),
+        1,
+        "the report was recorded once"
+    );
+
+    let lease = leased_model_task(&server, &source).await;
+    publish("second");
+    source.report(&lease, completion()).await.unwrap();
+    assert_eq!(
+        server.reports.load(Ordering::Relaxed),
+        3,
+        "the next report goes without deltas at once"
+    );
+    assert_eq!(*server.delta_batches.lock().unwrap(), [2, 1]);
+    let mut received = Vec::new();
+    while let Ok(delta) = deltas.try_recv() {
+        received.push(delta.delta);
+    }
+    assert_eq!(
+        received,
+        ["first ", "answer", "second"].map(|t| Delta::Text(t.to_owned()))
+    );
 }
 
 #[tokio::test]

@@ -506,6 +506,14 @@ pub struct ReportRequest {
     /// answer is 204 with no body; present: 200 with a [`ReportResponse`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next: Option<NextTasks>,
+    /// Model deltas the worker published and has not sent yet (`POST /v1/worker/deltas`), in
+    /// order: passed on to their sessions' live streams before the report is recorded, so a
+    /// session's followers see an answer's text before its end without a request of its own
+    /// ahead of the report. Presentation only, like the deltas route: a report sent again
+    /// after a lost answer passes them on again. Absent: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schema(value_type = Vec<schema::DeltaEvent>)]
+    pub deltas: Vec<DeltaEvent>,
 }
 
 /// What a report leases with it ([`ReportRequest::next`]), like a [`LeaseRequest`] that does

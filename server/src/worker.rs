@@ -306,11 +306,19 @@ pub async fn report(
     JsonBody(request): JsonBody<ReportRequest>,
 ) -> Result<Response, ApiError> {
     check_lease(&caller, &request.lease)?;
+    for delta in &request.deltas {
+        check_session(&caller, &delta.origin.session_id)?;
+    }
     let ReportRequest {
         lease,
         report,
         next,
+        deltas,
     } = request;
+    // Before the report's events, as the deltas route would have passed them on.
+    for delta in deltas {
+        state.engine.publish_delta(delta);
+    }
     let span = lease_span(&lease);
     let Some(next) = next else {
         state
