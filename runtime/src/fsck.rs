@@ -613,6 +613,7 @@ mod tests {
     /// A record damaged inside the store (sled checks only its own log): fsck names the
     /// session and seq, goes on reading after it, and other sessions stay clean.
     #[tokio::test]
+    #[allow(clippy::disallowed_methods)] // waits for sled's thread to let go of its lock
     async fn corrupt_records_are_reported_and_reading_goes_on() {
         let root = tempfile::tempdir().expect("tempdir");
         let store = SledStore::open(root.path()).expect("open");
@@ -639,7 +640,19 @@ mod tests {
             events.insert(key("c", 1), foreign).expect("insert");
             db.flush().expect("flush");
         }
-        let store = SledStore::open_existing(&dir).expect("reopen: same event count");
+        // sled's flusher thread lets go of the file lock a moment after the last handle goes.
+        let mut tries = 0;
+        let store = loop {
+            match SledStore::open_existing(&dir) {
+                Err(Error::StoreOpen { reason, .. })
+                    if reason.contains("lock is held") && tries < 500 =>
+                {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                other => break other.expect("reopen: same event count"),
+            }
+        };
         match store.read_history("b", 1, None).await {
             Err(Error::CorruptRecord {
                 session_id, seq, ..
