@@ -218,20 +218,7 @@ impl HttpTaskSource {
             if !body.deltas.is_empty() && message.contains("unknown field `deltas`") {
                 debug!("the server takes no deltas with a report; sending them by themselves from now on");
                 self.deltas_refused.store(true, Ordering::Relaxed);
-                let batch = DeltaBatch {
-                    deltas: std::mem::take(&mut body.deltas),
-                };
-                let sent = self
-                    .connection
-                    .call(
-                        Request::post("/v1/worker/deltas", &batch),
-                        Subject::default(),
-                        DELTA_POST_TIMEOUT,
-                    )
-                    .await;
-                if let Err(e) = sent {
-                    debug!(error = %e, deltas = batch.deltas.len(), "sending model deltas failed; they are dropped");
-                }
+                post_deltas(&self.connection, std::mem::take(&mut body.deltas)).await;
             } else if body.next.is_some() && message.contains("unknown field `next`") {
                 debug!("the server takes no tasks with a report; reporting alone from now on");
                 self.eager_refused.store(true, Ordering::Relaxed);
@@ -506,6 +493,21 @@ impl TaskSource for HttpTaskSource {
     }
 }
 
+/// Posts one batch of deltas; a failure drops them (they are presentation only).
+async fn post_deltas(connection: &Connection, deltas: Vec<DeltaEvent>) {
+    let body = DeltaBatch { deltas };
+    let sent = connection
+        .call(
+            Request::post("/v1/worker/deltas", &body),
+            Subject::default(),
+            DELTA_POST_TIMEOUT,
+        )
+        .await;
+    if let Err(e) = sent {
+        debug!(error = %e, deltas = body.deltas.len(), "sending model deltas failed; they are dropped");
+    }
+}
+
 /// Sends the queued deltas in batches, in order, until the source is dropped (its end of the
 /// queue closes). A batch goes when [`DELTA_BATCH_MAX`] are waiting or [`DELTA_BATCH_INTERVAL`]
 /// after its first delta, and at once on a flush.
@@ -549,19 +551,7 @@ async fn send_deltas(connection: Arc<Connection>, mut queue: mpsc::Receiver<Batc
             let _ = reply.send(std::mem::take(&mut batch));
         }
         if !batch.is_empty() {
-            let body = DeltaBatch {
-                deltas: std::mem::take(&mut batch),
-            };
-            let sent = connection
-                .call(
-                    Request::post("/v1/worker/deltas", &body),
-                    Subject::default(),
-                    DELTA_POST_TIMEOUT,
-                )
-                .await;
-            if let Err(e) = sent {
-                debug!(error = %e, deltas = body.deltas.len(), "sending model deltas failed; they are dropped");
-            }
+            post_deltas(&connection, std::mem::take(&mut batch)).await;
         }
         for ack in acks.drain(..) {
             let _ = ack.send(());

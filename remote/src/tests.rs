@@ -506,6 +506,18 @@ async fn leased_model_task(server: &FakeServer, source: &HttpTaskSource) -> Leas
 }
 
 /// A report the engine records (a failure the retry policy does not retry).
+/// The failed model calls `session`'s history records.
+async fn failed_model_calls(server: &FakeServer, session: &str) -> usize {
+    let history = Client::new(server.engine.clone())
+        .history(session)
+        .await
+        .unwrap();
+    history
+        .iter()
+        .filter(|e| matches!(e.event, Event::ModelCallFailed { .. }))
+        .count()
+}
+
 fn completion() -> ActivityReport {
     ActivityReport::Failed(ActivityFailure::new(
         ErrorClass::InvalidRequest,
@@ -569,15 +581,8 @@ async fn a_server_that_refuses_next_gets_the_report_alone() {
         2,
         "refused with `next`, then taken without it"
     );
-    let history = Client::new(server.engine.clone())
-        .history(&lease.id.session_id)
-        .await
-        .unwrap();
     assert_eq!(
-        history
-            .iter()
-            .filter(|e| matches!(e.event, Event::ModelCallFailed { .. }))
-            .count(),
+        failed_model_calls(&server, &lease.id.session_id).await,
         1,
         "the report was recorded once"
     );
@@ -723,15 +728,8 @@ async fn a_server_that_refuses_deltas_in_a_report_gets_them_by_themselves_first(
     );
     assert_eq!(*server.delta_batches.lock().unwrap(), [2]);
     assert_eq!(*server.reported_deltas.lock().unwrap(), [0]);
-    let history = Client::new(server.engine.clone())
-        .history(&lease.id.session_id)
-        .await
-        .unwrap();
     assert_eq!(
-        history
-            .iter()
-            .filter(|e| matches!(e.event, Event::ModelCallFailed { .. }))
-            .count(),
+        failed_model_calls(&server, &lease.id.session_id).await,
         1,
         "the report was recorded once"
     );
