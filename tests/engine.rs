@@ -835,6 +835,198 @@ async fn a_report_hands_the_next_task_to_the_worker_that_reported() {
     assert_replays(&client, &session).await;
 }
 
+/// The in-process source, counting what the pool asks of it: the lease requests that
+/// brought tasks, and what each report asked for and was handed (eager dispatch).
+struct CountingSource {
+    inner: cairn_workers::EngineSource,
+    leases_with_tasks: std::sync::atomic::AtomicUsize,
+    /// Per report: the `max` it asked for and the tasks it was handed.
+    reports: std::sync::Mutex<Vec<(usize, usize)>>,
+}
+
+#[async_trait::async_trait]
+impl cairn_workers::TaskSource for CountingSource {
+    async fn lease(
+        &self,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+        wait: Duration,
+    ) -> Result<Vec<LeasedTask>> {
+        let leased = self.inner.lease(filter, max, lease_ms, wait).await?;
+        if !leased.is_empty() {
+            self.leases_with_tasks
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        Ok(leased)
+    }
+
+    async fn heartbeat(
+        &self,
+        lease: &Lease,
+        lease_ms: u64,
+        details: Option<cairn_ledger::JsonText>,
+    ) -> Result<u64> {
+        self.inner.heartbeat(lease, lease_ms, details).await
+    }
+
+    async fn record_progress(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+    ) -> Result<()> {
+        self.inner
+            .record_progress(lease, text_appended, thinking_appended)
+            .await
+    }
+
+    async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()> {
+        self.inner.report(lease, report).await
+    }
+
+    async fn report_and_lease(
+        &self,
+        lease: &Lease,
+        report: ActivityReport,
+        next: &LeaseRequest,
+    ) -> Result<Vec<LeasedTask>> {
+        let handed = self.inner.report_and_lease(lease, report, next).await?;
+        self.reports.lock().unwrap().push((next.max, handed.len()));
+        Ok(handed)
+    }
+
+    fn publish_delta(&self, delta: DeltaEvent) {
+        self.inner.publish_delta(delta)
+    }
+
+    fn cancellations(&self) -> Option<tokio::sync::broadcast::Receiver<String>> {
+        self.inner.cancellations()
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.inner.now_ms()
+    }
+}
+
+/// A model call, then two calculator calls at once, then the answer.
+const TWO_TOOLS_SCRIPT: &str = r#"{
+  "responses": [
+    {"parts": [{"type": "tool_use", "id": "t1", "name": "calculator", "input": {"expression": "6*7"}},
+               {"type": "tool_use", "id": "t2", "name": "calculator", "input": {"expression": "2+2"}}]},
+    {"parts": [{"type": "text", "text": "42 and 4"}]}
+  ]
+}"#;
+
+/// Runs one turn of [`TWO_TOOLS_SCRIPT`] on a pool of `concurrency` slots over a counting
+/// source; checks the turn's answer, its tool results and its replay, and gives back the
+/// lease requests that brought tasks and the reports' asks and hands.
+async fn two_tools_turn(concurrency: usize) -> (usize, Vec<(usize, usize)>) {
+    let files = demo_files(TWO_TOOLS_SCRIPT);
+    let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
+    let source = Arc::new(CountingSource {
+        inner: cairn_workers::EngineSource::new(engine.clone()),
+        leases_with_tasks: Default::default(),
+        reports: Default::default(),
+    });
+    let tools = Arc::new(cairn_activities::ToolRegistry::builtin(&files.workdir));
+    let pool = cairn_workers::WorkerPool::start_with(
+        source.clone(),
+        cairn_workers::Activities {
+            models: Arc::new(cairn_workers::StandardModels::new()),
+            tools: tools.clone(),
+        },
+        WorkerConfig {
+            concurrency,
+            ..fast_workers()
+        },
+    );
+    let client = Client::new(engine);
+    let model =
+        cairn_ledger::ModelSpec::parse(&format!("scripted:{}", files.script.display())).unwrap();
+    let mut options = SessionOptions::new(model, tools.specs());
+    options.session_id = Some(format!("two-tools-{concurrency}"));
+    let (session, turn) = client.start_session_and_send(options, "go").await.unwrap();
+    let outcome = client.wait_turn(&session, turn).await.unwrap();
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { answer, .. } if answer == "42 and 4"),
+        "{outcome:?}"
+    );
+    pool.shutdown().await;
+    let history = assert_replays(&client, &session).await;
+    let results: Vec<_> = client
+        .transcript(&session)
+        .await
+        .unwrap()
+        .messages
+        .iter()
+        .flat_map(|m| &m.parts)
+        .filter_map(|p| match p {
+            Part::ToolResult(r) => Some((r.tool_use_id.clone(), format!("{:?}", r.content))),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        results,
+        [
+            (
+                "t1".to_owned(),
+                r#"Json(JsonText({"expression":"6*7","value":42}))"#.to_owned()
+            ),
+            (
+                "t2".to_owned(),
+                r#"Json(JsonText({"expression":"2+2","value":4}))"#.to_owned()
+            ),
+        ]
+    );
+    assert_eq!(
+        kinds(&history)
+            .iter()
+            .filter(|k| **k == "tool_call_completed")
+            .count(),
+        2
+    );
+    let leases = source
+        .leases_with_tasks
+        .load(std::sync::atomic::Ordering::SeqCst);
+    let reports = source.reports.lock().unwrap().clone();
+    (leases, reports)
+}
+
+/// Eager dispatch of parallel tool calls: the report of a model call that asks for two
+/// tools hands both to the pool, one to the slot that reported and one to a free slot, so
+/// the turn's only lease request is its first model call's. With one slot, the report asks
+/// for one task and the other tool call is leased as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_calls_report_hands_both_its_parallel_tool_calls_to_free_slots() {
+    let (leases, reports) = two_tools_turn(8).await;
+    assert_eq!(
+        leases, 1,
+        "only the first model call is leased: {reports:?}"
+    );
+    assert_eq!(
+        reports[0],
+        (4, 2),
+        "the model call's report asks for its slot's next task and three more, and is handed both tool calls"
+    );
+    // One tool's report hands the next model call on (whichever reports last); the model
+    // call's report at the end hands nothing.
+    assert_eq!(reports.len(), 4, "{reports:?}");
+    assert_eq!(reports.iter().map(|(_, handed)| handed).sum::<usize>(), 3);
+
+    let (leases, reports) = two_tools_turn(1).await;
+    assert_eq!(
+        reports[0],
+        (1, 1),
+        "with no slot free the report asks for one task: {reports:?}"
+    );
+    assert_eq!(
+        leases, 1,
+        "the second tool call is handed on by the first one's report"
+    );
+    assert_eq!(reports.iter().map(|(_, handed)| handed).sum::<usize>(), 3);
+}
+
 /// The default pool is not what caps a process's concurrency: 150 sessions whose model call
 /// takes five seconds all have theirs running at once (the pool had 64 slots, and held 128
 /// sessions with 50 ms model calls to half their rate). Each turn completes and replays.

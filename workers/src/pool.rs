@@ -13,14 +13,15 @@ use cairn_runtime::{
     ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, Error,
     ErrorClass, FailurePhase, Lease, LeaseHolder, LeaseRequest, LeasedTask, TaskFilter,
 };
+use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Duration;
-use tokio::sync::{watch, Semaphore};
-use tokio::task::JoinSet;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{debug, info, info_span, warn, Instrument};
 
 /// [`WorkerConfig::concurrency`]'s default.
@@ -215,6 +216,58 @@ pub fn filter_of(activities: &Activities, config: &WorkerConfig) -> TaskFilter {
     }
 }
 
+/// Tasks a report may hand a slot beyond its own next one, each to a free slot of the pool
+/// (eager dispatch of a model call's parallel tool calls: the report that schedules them
+/// hands them out with its answer, with no lease round of their own). Like Temporal's eager
+/// activities, a few at most, so that one worker's reports do not take a whole queue while
+/// others wait on theirs.
+pub const MAX_EXTRA_HANDED: usize = 3;
+
+/// What every slot of a pool shares.
+struct Slots {
+    source: Arc<dyn TaskSource>,
+    activities: Activities,
+    registry: RunningRegistry,
+    timing: Timing,
+    /// What a slot's report leases with it (eager dispatch); its `max` is set per report.
+    next: LeaseRequest,
+    permits: Arc<Semaphore>,
+    tracker: TaskTracker,
+    stop: watch::Receiver<bool>,
+}
+
+impl Slots {
+    /// Runs `task` on a slot of its own, holding `permit`: then each task its reports hand it
+    /// (eager dispatch), until a report hands none or the pool stops. Tasks handed beyond the
+    /// slot's own next one get slots of their own.
+    fn spawn(self: &Arc<Self>, task: LeasedTask, permit: OwnedSemaphorePermit) {
+        let slots = self.clone();
+        self.tracker.spawn(async move {
+            let mut task = Some(task);
+            while let Some(this) = task.take() {
+                let eager = (!*slots.stop.borrow()).then_some(EagerDispatch {
+                    request: &slots.next,
+                    permits: &slots.permits,
+                });
+                let handed = run_task(
+                    slots.source.as_ref(),
+                    &slots.activities,
+                    &slots.registry,
+                    this,
+                    slots.timing,
+                    eager,
+                )
+                .await;
+                task = handed.next;
+                for (more, permit) in handed.more {
+                    slots.spawn(more, permit);
+                }
+            }
+            drop(permit);
+        });
+    }
+}
+
 async fn lease_loop(
     source: Arc<dyn TaskSource>,
     activities: Activities,
@@ -222,7 +275,6 @@ async fn lease_loop(
     mut stop: watch::Receiver<bool>,
 ) {
     let permits = Arc::new(Semaphore::new(config.concurrency.max(1)));
-    let mut running = JoinSet::new();
     let registry: RunningRegistry = Arc::default();
     let listener = tokio::spawn(cancellation_listener(
         source.cancellations(),
@@ -234,15 +286,36 @@ async fn lease_loop(
         .renew_interval_ms
         .unwrap_or(config.lease_ms / 3)
         .clamp(1, (config.lease_ms / 3).max(1));
+    let slots = Arc::new(Slots {
+        source: source.clone(),
+        activities,
+        registry,
+        timing: Timing {
+            lease_ms: config.lease_ms,
+            renew_ms,
+            progress_every: config.progress_interval_ms,
+        },
+        // The source decides where the holder is: a server leases for its workers as for
+        // workers elsewhere, whatever this says.
+        next: LeaseRequest {
+            filter: filter.clone(),
+            max: 1,
+            lease_ms: config.lease_ms,
+            holder: LeaseHolder::InProcess,
+        },
+        permits: permits.clone(),
+        tracker: TaskTracker::new(),
+        stop: stop.clone(),
+    });
     loop {
         if *stop.borrow() {
             break;
         }
-        while running.try_join_next().is_some() {}
         let free = permits.available_permits();
         if free == 0 {
+            // Wait for a slot to come free.
             tokio::select! {
-                _ = running.join_next() => {}
+                _ = permits.acquire() => {}
                 _ = stop.changed() => {}
             }
             continue;
@@ -268,38 +341,12 @@ async fn lease_loop(
             let Ok(permit) = permits.clone().acquire_owned().await else {
                 break;
             };
-            let source = source.clone();
-            let activities = activities.clone();
-            let registry = registry.clone();
-            let timing = Timing {
-                lease_ms: config.lease_ms,
-                renew_ms,
-                progress_every: config.progress_interval_ms,
-            };
-            // The source decides where the holder is: a server leases for its workers as
-            // for workers elsewhere, whatever this says.
-            let next = LeaseRequest {
-                filter: filter.clone(),
-                max: 1,
-                lease_ms: config.lease_ms,
-                holder: LeaseHolder::InProcess,
-            };
-            let stopping = stop.clone();
-            running.spawn(async move {
-                // The slot runs the task its report was handed, if any (eager dispatch),
-                // until a report hands none or the pool stops.
-                let mut task = Some(task);
-                while let Some(this) = task.take() {
-                    let next = (!*stopping.borrow()).then_some(&next);
-                    task =
-                        run_task(source.as_ref(), &activities, &registry, this, timing, next).await;
-                }
-                drop(permit);
-            });
+            slots.spawn(task, permit);
         }
     }
     // Drain: let every running activity finish and report.
-    while running.join_next().await.is_some() {}
+    slots.tracker.close();
+    slots.tracker.wait().await;
     listener.abort();
 }
 
@@ -320,8 +367,8 @@ async fn run_task(
     registry: &RunningRegistry,
     task: LeasedTask,
     timing: Timing,
-    next: Option<&LeaseRequest>,
-) -> Option<LeasedTask> {
+    next: Option<EagerDispatch<'_>>,
+) -> Handed {
     let Timing {
         lease_ms,
         renew_ms,
@@ -479,7 +526,7 @@ async fn run_task(
             }
             return finish(engine, &lease, report, next).await;
         }
-        None
+        Handed::default()
     }
     .instrument(span)
     .await
@@ -525,20 +572,86 @@ struct Heartbeats {
     details: Option<JsonText>,
 }
 
-/// Reports the attempt's result; with `next`, takes the next task with it (at most one, for
-/// this slot) when the source hands one.
+/// How a slot's report leases more tasks with it (eager dispatch).
+#[derive(Clone, Copy)]
+struct EagerDispatch<'a> {
+    /// The lease request, but for its `max`.
+    request: &'a LeaseRequest,
+    /// The pool's free slots, for the tasks beyond the slot's own next one.
+    permits: &'a Arc<Semaphore>,
+}
+
+impl EagerDispatch<'_> {
+    /// Takes up to [`MAX_EXTRA_HANDED`] free slots of the pool for tasks the report may hand
+    /// beyond the slot's own next one; none when the pool has none free.
+    fn extra_slots(&self) -> Option<OwnedSemaphorePermit> {
+        let wanted = self.permits.available_permits().min(MAX_EXTRA_HANDED);
+        let wanted = u32::try_from(wanted).ok().filter(|n| *n > 0)?;
+        self.permits.clone().try_acquire_many_owned(wanted).ok()
+    }
+}
+
+/// What a report handed a slot: its next task, and tasks beyond it with the slot each runs on.
+#[derive(Default)]
+struct Handed {
+    next: Option<LeasedTask>,
+    more: Vec<(LeasedTask, OwnedSemaphorePermit)>,
+}
+
+impl Handed {
+    /// Hands out `tasks`: the first to the slot that reported, each other one with a slot of
+    /// `extra` (whose unused slots go back to the pool when it drops).
+    fn of(tasks: Vec<LeasedTask>, mut extra: Option<OwnedSemaphorePermit>) -> Handed {
+        let mut tasks = tasks.into_iter();
+        let next = tasks.next();
+        let mut more = Vec::new();
+        for task in tasks {
+            match extra.as_mut().and_then(|slots| slots.split(1)) {
+                Some(slot) => more.push((task, slot)),
+                // A source that hands more than asked for breaks the protocol: the task's
+                // lease lapses unused and it runs again.
+                None => warn!(
+                    task = %task.lease.id,
+                    "a report handed more tasks than asked for; this one is left to lapse"
+                ),
+            }
+        }
+        Handed { next, more }
+    }
+}
+
+/// Reports the attempt's result; with `next`, takes tasks with it (eager dispatch): one for
+/// this slot and, when the pool has slots free, a few more for them.
 async fn finish(
     engine: &dyn TaskSource,
     lease: &Lease,
     report: ActivityReport,
-    next: Option<&LeaseRequest>,
-) -> Option<LeasedTask> {
+    next: Option<EagerDispatch<'_>>,
+) -> Handed {
     let reported = match next {
-        Some(next) => engine.report_and_lease(lease, report, next).await,
-        None => engine.report(lease, report).await.map(|()| Vec::new()),
+        Some(eager) => {
+            let extra = eager.extra_slots();
+            let more = extra.as_ref().map_or(0, OwnedSemaphorePermit::num_permits);
+            // The request as it is when only this slot's next task is wanted (its `max` is 1).
+            let request = match more {
+                0 => Cow::Borrowed(eager.request),
+                more => Cow::Owned(LeaseRequest {
+                    max: 1 + more,
+                    ..eager.request.clone()
+                }),
+            };
+            engine
+                .report_and_lease(lease, report, &request)
+                .await
+                .map(|tasks| Handed::of(tasks, extra))
+        }
+        None => engine
+            .report(lease, report)
+            .await
+            .map(|()| Handed::default()),
     };
     match reported {
-        Ok(mut leased) => return leased.pop(),
+        Ok(handed) => return handed,
         // Normal when a lease lapsed and another worker took over: the history already holds the
         // truth and nothing was changed, so nothing is retried; info, because it means an
         // attempt's work was thrown away.
@@ -547,7 +660,7 @@ async fn finish(
         }
         Err(e) => warn!(error = %e, "reporting the result failed; the task will run again"),
     }
-    None
+    Handed::default()
 }
 
 fn failure(class: ErrorClass, message: impl Into<String>) -> ActivityReport {
