@@ -688,6 +688,99 @@ async fn a_turn_completes_end_to_end_with_in_process_workers() {
     assert_eq!(task["input"]["model"]["model"]["provider"], "custom");
 }
 
+/// `POST /v1/sessions` with a first message starts turn 1 with the session: one request, one
+/// durable commit (the store's count in `/v1/health`), the answer naming the turn, and the
+/// turn runs on the server's workers. A bad first message is refused like a bad `messages`
+/// body, naming its field, and records nothing.
+#[tokio::test]
+async fn a_session_created_with_its_first_message_starts_turn_one_in_one_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(dir.path(), &["Hello to you."]);
+    // No workers yet: the commit count holds still while it is read.
+    let server = Server::start(&dir.path().join("store"), &["--local-workers", "0"]);
+    let http = reqwest::Client::new();
+    let commits = |body: &Value| body["store_syncs"]["durable_commits"].as_u64().unwrap();
+    let before = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "first", "model": model, "message": {"text": "hello"}})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    assert_eq!(created.body, json!({"session_id": "first", "turn": 1}));
+    let after = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
+    assert_eq!(
+        commits(&after.body),
+        commits(&before.body) + 1,
+        "{}",
+        after.body
+    );
+    let events = history(&http, &server, None, "first").await;
+    assert_eq!(
+        kinds(&events),
+        ["session_started", "user_message", "model_call_scheduled"]
+    );
+    assert_eq!(
+        events[1]["event"]["user_message"]["text"], "hello",
+        "{}",
+        events[1]
+    );
+
+    // Without a message: no turn in the answer, as before.
+    let alone = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "alone", "model": model})),
+    )
+    .await;
+    assert_eq!(alone.body, json!({"session_id": "alone"}));
+
+    for (message, field) in [
+        (json!({"text": ""}), "message.text"),
+        (
+            json!({"text": "hi", "model": {"provider": "", "model": "x"}}),
+            "message.model",
+        ),
+        (
+            json!({"text": "hi", "media": [{"kind": "image", "source": {"url": {"url": "ftp://example.com/x.png"}}}]}),
+            "message.media[0]",
+        ),
+    ] {
+        let refused = send(
+            &http,
+            Method::POST,
+            server.url("/v1/sessions"),
+            None,
+            Some(json!({"session_id": "bad", "model": model, "message": message})),
+        )
+        .await;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+        assert_eq!(refused.code(), "invalid_request");
+        let said = refused.body["error"]["message"].as_str().unwrap();
+        assert!(said.starts_with(field), "{field}: {said}");
+    }
+    let missing = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/bad"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND, "{}", missing.body);
+    drop(server);
+
+    // With workers, the turn runs to its end.
+    let server = Server::start(&dir.path().join("store"), &["--local-workers", "1"]);
+    let outcome = wait_turn(&http, &server, None, "first", 1).await;
+    assert_eq!(outcome["answer"], "Hello to you.", "{outcome}");
+}
+
 /// Eager dispatch over HTTP: a report with `next` is answered with the task it queued,
 /// leased to the reporting worker (200), and one without `next` keeps its 204. The turn then
 /// completes with the history a lease round per task would give. Deltas a report carries

@@ -47,6 +47,9 @@ pub struct Faults {
     pub refuse_next: bool,
     /// Refuse a report that carries deltas as a server from before the field does.
     pub refuse_deltas: bool,
+    /// Refuse a new session's first message (`message` in `POST /v1/sessions`) as a server
+    /// from before the field does.
+    pub refuse_first_message: bool,
 }
 
 /// One request the server saw.
@@ -190,10 +193,32 @@ async fn create_session(State(server): State<Shared>, Json(body): Json<CreateSes
         queues: body.queues.unwrap_or_default(),
         ..SessionOptions::new(body.model, body.tools)
     };
-    match server.client.start_session(options).await {
-        Ok(session_id) => {
-            (StatusCode::CREATED, Json(SessionCreated { session_id })).into_response()
+    let created = match body.message {
+        Some(_) if server.faults.refuse_first_message => {
+            // What a server whose CreateSession has no `message` answers.
+            return error_answer(
+                ErrorCode::InvalidRequest,
+                "unknown field `message`, expected one of `session_id`, `model`, `tools` at line 1 column 9"
+                    .to_owned(),
+            );
         }
+        Some(message) => server
+            .client
+            .start_session_and_send(options, &message.text)
+            .await
+            .map(|(session_id, turn)| (session_id, Some(turn))),
+        None => server
+            .client
+            .start_session(options)
+            .await
+            .map(|session_id| (session_id, None)),
+    };
+    match created {
+        Ok((session_id, turn)) => (
+            StatusCode::CREATED,
+            Json(SessionCreated { session_id, turn }),
+        )
+            .into_response(),
         Err(e) => failed(e),
     }
 }

@@ -753,6 +753,100 @@ async fn a_server_that_refuses_deltas_in_a_report_gets_them_by_themselves_first(
     );
 }
 
+/// The requests to the session routes `server` has seen since `from`, without their session
+/// ids.
+fn session_requests(server: &FakeServer, from: usize) -> Vec<String> {
+    server.seen()[from..]
+        .iter()
+        .map(|seen| seen.uri.clone())
+        .filter(|uri| uri.starts_with("/v1/sessions"))
+        .map(|uri| match uri.strip_prefix("/v1/sessions/") {
+            Some(rest) => format!(
+                "/v1/sessions/ID{}",
+                rest.find('/').map_or("", |at| &rest[at..])
+            ),
+            None => uri,
+        })
+        .collect()
+}
+
+/// The events of `session` as the server stored them.
+async fn stored_kinds(server: &FakeServer, session: &str) -> Vec<String> {
+    Client::new(server.engine.clone())
+        .history(session)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect()
+}
+
+/// A session and its first message go in one request, and the server records them in one
+/// append: the session's first two events, turn 1 named in the answer.
+#[tokio::test]
+async fn a_session_and_its_first_message_go_in_one_request() {
+    let server = FakeServer::new(None, Faults::default());
+    let served = serve_tcp(server.router()).await.unwrap();
+    let client = connect(&served.url, None).unwrap();
+    let mut options = SessionOptions::new(demo_model(), Vec::new());
+    options.session_id = Some("together".to_owned());
+    let (session, turn) = client
+        .start_session_and_send(options, "hello")
+        .await
+        .unwrap();
+    assert_eq!((session.as_str(), turn), ("together", 1));
+    assert_eq!(session_requests(&server, 0), ["/v1/sessions"]);
+    assert_eq!(
+        stored_kinds(&server, "together").await[..2],
+        ["session_started", "user_message"]
+    );
+    let history = Client::new(server.engine.clone())
+        .history("together")
+        .await
+        .unwrap();
+    assert!(
+        matches!(&history[1].event, Event::UserMessage { turn: 1, text, .. } if text == "hello"),
+        "{:?}",
+        history[1].event
+    );
+}
+
+/// A server from before a session's first message could come with it refuses the field
+/// (400) and records nothing: the client then creates the session and sends the message by
+/// themselves, and from then on does so without asking again.
+#[tokio::test]
+async fn a_server_that_refuses_a_first_message_gets_the_session_then_the_message() {
+    let server = FakeServer::new(
+        None,
+        Faults {
+            refuse_first_message: true,
+            ..Faults::default()
+        },
+    );
+    let served = serve_tcp(server.router()).await.unwrap();
+    let client = connect(&served.url, None).unwrap();
+    for (n, asked) in [(1, true), (2, false)] {
+        let mut options = SessionOptions::new(demo_model(), Vec::new());
+        let id = format!("apart-{n}");
+        options.session_id = Some(id.clone());
+        let from = server.seen().len();
+        let (session, turn) = client
+            .start_session_and_send(options, "hello")
+            .await
+            .unwrap();
+        assert_eq!((session.as_str(), turn), (id.as_str(), 1));
+        let mut expected = vec!["/v1/sessions", "/v1/sessions/ID/messages"];
+        if asked {
+            expected.insert(0, "/v1/sessions");
+        }
+        assert_eq!(session_requests(&server, from), expected, "session {n}");
+        assert_eq!(
+            stored_kinds(&server, &id).await[..2],
+            ["session_started", "user_message"]
+        );
+    }
+}
+
 #[tokio::test]
 async fn health_and_the_transport_address() {
     let server = FakeServer::new(None, Faults::default());

@@ -15,6 +15,7 @@ use cairn_runtime::{
     Error, EventEnvelope, EventStream, Result, SessionOptions, SessionQuery, Transport, TurnOutcome,
 };
 use futures_util::StreamExt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -37,6 +38,9 @@ const RECONNECT_BACKOFF: (Duration, Duration) =
 #[derive(Clone)]
 pub struct HttpTransport {
     connection: Arc<Connection>,
+    /// Set once the server refused a session's first message in its `POST /v1/sessions`
+    /// (a server from before the field): from then on the message goes by itself.
+    first_message_refused: Arc<AtomicBool>,
 }
 
 impl HttpTransport {
@@ -45,6 +49,7 @@ impl HttpTransport {
     pub fn new(url: &str, token: Option<String>) -> Result<Self> {
         Ok(HttpTransport {
             connection: Arc::new(Connection::new(url, token)?),
+            first_message_refused: Arc::default(),
         })
     }
 
@@ -84,38 +89,98 @@ fn session(session_id: &str) -> Subject<'_> {
     }
 }
 
-#[async_trait]
-impl Transport for HttpTransport {
-    async fn start_session(&self, options: SessionOptions) -> Result<String> {
-        let body = CreateSession {
-            session_id: options.session_id,
-            model: options.model,
-            tools: options.tools,
-            system_prompt: options.system_prompt,
-            // Sent explicitly, so the session records what this client asked for, not the
-            // server build's defaults.
-            limits: Some(options.limits),
-            model_retry: Some(options.model_retry),
-            tool_retry: Some(options.tool_retry),
-            queues: (!options.queues.is_default()).then_some(options.queues),
-            // None leaves the server's default: ask before calls of tools that ask by default.
-            tool_policy: options.tool_policy,
-            compaction: options.compaction,
-            call_options: options.call_options,
-        };
+/// The `POST /v1/sessions` body for `options`, with the session's first message if any.
+fn create_session(options: SessionOptions, message: Option<SendMessage>) -> CreateSession {
+    CreateSession {
+        session_id: options.session_id,
+        model: options.model,
+        tools: options.tools,
+        system_prompt: options.system_prompt,
+        // Sent explicitly, so the session records what this client asked for, not the
+        // server build's defaults.
+        limits: Some(options.limits),
+        model_retry: Some(options.model_retry),
+        tool_retry: Some(options.tool_retry),
+        queues: (!options.queues.is_default()).then_some(options.queues),
+        // None leaves the server's default: ask before calls of tools that ask by default.
+        tool_policy: options.tool_policy,
+        compaction: options.compaction,
+        call_options: options.call_options,
+        message,
+    }
+}
+
+impl HttpTransport {
+    /// `POST /v1/sessions`.
+    async fn create(&self, body: &CreateSession) -> Result<SessionCreated> {
         let subject = Subject {
             session_id: body.session_id.as_deref(),
             lease: None,
         };
-        let created: SessionCreated = self
-            .connection
+        self.connection
             .call_json(
-                Request::post("/v1/sessions", &body),
+                Request::post("/v1/sessions", body),
                 subject,
                 REQUEST_TIMEOUT,
             )
-            .await?;
+            .await
+    }
+}
+
+#[async_trait]
+impl Transport for HttpTransport {
+    async fn start_session(&self, options: SessionOptions) -> Result<String> {
+        let created = self.create(&create_session(options, None)).await?;
         Ok(created.session_id)
+    }
+
+    /// One request, one commit on the server: the session and its first message together.
+    /// A server from before `message` refuses the field (400), recording nothing; then, and
+    /// from then on, the session is created and the message sent by themselves.
+    async fn start_session_and_send(
+        &self,
+        options: SessionOptions,
+        text: &str,
+    ) -> Result<(String, u32)> {
+        let message = SendMessage {
+            text: text.to_owned(),
+            model: None,
+            media: Vec::new(),
+            tool_choice: None,
+        };
+        let mut body = create_session(options, Some(message));
+        // The session, when the server created it without the message.
+        let mut created = None;
+        if !self.first_message_refused.load(Ordering::Relaxed) {
+            match self.create(&body).await {
+                Ok(SessionCreated {
+                    session_id,
+                    turn: Some(turn),
+                }) => return Ok((session_id, turn)),
+                // A server that ignores fields it does not know created the session alone.
+                Ok(SessionCreated {
+                    session_id,
+                    turn: None,
+                }) => created = Some(session_id),
+                Err(Error::Remote {
+                    status: 400,
+                    message,
+                    ..
+                }) if message.contains("unknown field `message`") => {}
+                Err(e) => return Err(e),
+            }
+            debug!("the server takes no first message with a new session; sending it by itself from now on");
+            self.first_message_refused.store(true, Ordering::Relaxed);
+        }
+        let message = body.message.take().expect("the message was set above");
+        let session_id = match created {
+            Some(session_id) => session_id,
+            None => self.create(&body).await?.session_id,
+        };
+        let turn = self
+            .send(&session_id, &message.text, None, Vec::new(), None)
+            .await?;
+        Ok((session_id, turn))
     }
 
     async fn send(
@@ -513,6 +578,7 @@ impl Follower {
             let missing = (event.seq - self.last_seq - 1) as usize;
             let transport = HttpTransport {
                 connection: self.connection.clone(),
+                first_message_refused: Arc::default(),
             };
             let read = transport
                 .history(&self.session_id, self.last_seq + 1, Some(missing))

@@ -246,8 +246,8 @@ impl Client {
     }
 
     /// Starts a session with its first message, starting turn 1, without waiting for it;
-    /// returns the session's id and the turn's number. In process, the start and the message
-    /// are one durable commit.
+    /// returns the session's id and the turn's number. The start and the message are one
+    /// durable commit, in process and through a server (one request there).
     pub async fn start_session_and_send(
         &self,
         options: SessionOptions,

@@ -439,6 +439,22 @@ impl Engine {
         started: SessionStarted,
         text: &str,
     ) -> Result<(String, u32)> {
+        self.start_session_and_send_turn(session_id, started, text, None, Vec::new(), None)
+            .await
+    }
+
+    /// [`Engine::start_session_and_send`] with the first message's images and documents
+    /// (ahead of the text), and a model and a tool choice for turn 1 only, as
+    /// [`Engine::send_turn`] takes them.
+    pub async fn start_session_and_send_turn(
+        &self,
+        session_id: Option<String>,
+        started: SessionStarted,
+        text: &str,
+        model: Option<ModelSpec>,
+        media: Vec<Media>,
+        tool_choice: Option<cairn_ledger::ToolChoice>,
+    ) -> Result<(String, u32)> {
         let session_id = match session_id {
             Some(id) => id,
             None => self.new_session_id(),
@@ -452,9 +468,9 @@ impl Engine {
                     Event::UserMessage {
                         turn: 1,
                         text: text.to_owned(),
-                        model: None,
-                        media: Vec::new(),
-                        tool_choice: None,
+                        model: model.clone(),
+                        media: media.clone(),
+                        tool_choice: tool_choice.clone(),
                     },
                 ]))
             },

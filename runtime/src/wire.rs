@@ -108,6 +108,12 @@ pub struct CreateSession {
     #[serde(default, skip_serializing_if = "CallOptions::is_default")]
     #[schema(value_type = Option<schema::CallOptions>, nullable = false)]
     pub call_options: CallOptions,
+    /// The session's first message, starting turn 1 in the same durable append as the
+    /// session (one request and one commit instead of two, as `Client::start_session_and_send`
+    /// sends it); the answer then names the turn. Checked like a `POST
+    /// /v1/sessions/{id}/messages` body. Absent: the session waits for its first message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<SendMessage>,
 }
 
 /// The answer to `POST /v1/sessions/{id}/compact`: what compaction on request did.
@@ -176,6 +182,9 @@ pub struct PendingApproval {
 pub struct SessionCreated {
     /// The session's id.
     pub session_id: String,
+    /// The turn the request's first message started (1); absent when it sent none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn: Option<u32>,
 }
 
 /// `POST /v1/sessions/{id}/messages`: a user message, starting a turn.

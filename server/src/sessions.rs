@@ -170,12 +170,35 @@ pub async fn create_session(
         workdir: None,
         call_options: request.call_options,
     };
+    if let Some(message) = &request.message {
+        check_message(message, "message.")?;
+    }
     async {
-        match state.engine.start_session(Some(stored), started).await {
-            Ok(_) => Ok((
+        let created = match request.message {
+            None => state
+                .engine
+                .start_session(Some(stored), started)
+                .await
+                .map(|_| None),
+            Some(message) => state
+                .engine
+                .start_session_and_send_turn(
+                    Some(stored),
+                    started,
+                    &message.text,
+                    message.model,
+                    message.media,
+                    message.tool_choice,
+                )
+                .await
+                .map(|(_, turn)| Some(turn)),
+        };
+        match created {
+            Ok(turn) => Ok((
                 StatusCode::CREATED,
                 Json(SessionCreated {
                     session_id: id.clone(),
+                    turn,
                 }),
             )),
             Err(cairn_runtime::Error::Conflict { .. }) => {
@@ -324,19 +347,7 @@ pub async fn send_message(
     JsonBody(request): JsonBody<cairn_runtime::wire::SendMessage>,
 ) -> Result<(StatusCode, Json<TurnStarted>), ApiError> {
     let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
-    if request.text.is_empty() && request.media.is_empty() {
-        return Err(ApiError::invalid(
-            "text: the message must not be empty (unless it carries media)",
-        ));
-    }
-    if let Some(model) = &request.model {
-        check_model(model, "model")?;
-    }
-    for (i, media) in request.media.iter().enumerate() {
-        media
-            .check()
-            .map_err(|v| ApiError::invalid(format!("media[{i}]: {v}")))?;
-    }
+    check_message(&request, "")?;
     let turn = state
         .engine
         .send_turn(
@@ -350,6 +361,25 @@ pub async fn send_message(
         .await
         .map_err(|e| ApiError::from_runtime(e, &path.id))?;
     Ok((StatusCode::ACCEPTED, Json(TurnStarted { turn })))
+}
+
+/// Checks a user message before anything is recorded; `at` prefixes the fields named in
+/// errors (`message.` in a [`CreateSession`]).
+fn check_message(message: &cairn_runtime::wire::SendMessage, at: &str) -> Result<(), ApiError> {
+    if message.text.is_empty() && message.media.is_empty() {
+        return Err(ApiError::invalid(format!(
+            "{at}text: the message must not be empty (unless it carries media)"
+        )));
+    }
+    if let Some(model) = &message.model {
+        check_model(model, &format!("{at}model"))?;
+    }
+    for (i, media) in message.media.iter().enumerate() {
+        media
+            .check()
+            .map_err(|v| ApiError::invalid(format!("{at}media[{i}]: {v}")))?;
+    }
+    Ok(())
 }
 
 /// A turn in the path.
