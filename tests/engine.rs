@@ -839,6 +839,8 @@ async fn a_report_hands_the_next_task_to_the_worker_that_reported() {
 /// brought tasks, and what each report asked for and was handed (eager dispatch).
 struct CountingSource {
     inner: cairn_workers::EngineSource,
+    /// The `max` of each lease request.
+    lease_asks: std::sync::Mutex<Vec<usize>>,
     leases_with_tasks: std::sync::atomic::AtomicUsize,
     /// Per report: the `max` it asked for and the tasks it was handed.
     reports: std::sync::Mutex<Vec<(usize, usize)>>,
@@ -853,6 +855,7 @@ impl cairn_workers::TaskSource for CountingSource {
         lease_ms: u64,
         wait: Duration,
     ) -> Result<Vec<LeasedTask>> {
+        self.lease_asks.lock().unwrap().push(max);
         let leased = self.inner.lease(filter, max, lease_ms, wait).await?;
         if !leased.is_empty() {
             self.leases_with_tasks
@@ -920,12 +923,14 @@ const TWO_TOOLS_SCRIPT: &str = r#"{
 
 /// Runs one turn of [`TWO_TOOLS_SCRIPT`] on a pool of `concurrency` slots over a counting
 /// source; checks the turn's answer, its tool results and its replay, and gives back the
-/// lease requests that brought tasks and the reports' asks and hands.
-async fn two_tools_turn(concurrency: usize) -> (usize, Vec<(usize, usize)>) {
+/// lease requests that brought tasks, the largest `max` a lease asked for, and the reports'
+/// asks and hands.
+async fn two_tools_turn(concurrency: usize) -> (usize, usize, Vec<(usize, usize)>) {
     let files = demo_files(TWO_TOOLS_SCRIPT);
     let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
     let source = Arc::new(CountingSource {
         inner: cairn_workers::EngineSource::new(engine.clone()),
+        lease_asks: Default::default(),
         leases_with_tasks: Default::default(),
         reports: Default::default(),
     });
@@ -990,19 +995,25 @@ async fn two_tools_turn(concurrency: usize) -> (usize, Vec<(usize, usize)>) {
         .leases_with_tasks
         .load(std::sync::atomic::Ordering::SeqCst);
     let reports = source.reports.lock().unwrap().clone();
-    (leases, reports)
+    let largest_ask = source.lease_asks.lock().unwrap().iter().copied().max();
+    (leases, largest_ask.unwrap_or(0), reports)
 }
 
 /// Eager dispatch of parallel tool calls: the report of a model call that asks for two
 /// tools hands both to the pool, one to the slot that reported and one to a free slot, so
-/// the turn's only lease request is its first model call's. With one slot, the report asks
-/// for one task and the other tool call is leased as before.
+/// the turn's only lease request is its first model call's. The lease loop leaves three
+/// slots free for such tasks while it waits, so a task it leases always has a slot. With
+/// one slot, the report asks for one task and the lease loop for one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_calls_report_hands_both_its_parallel_tool_calls_to_free_slots() {
-    let (leases, reports) = two_tools_turn(8).await;
+    let (leases, largest_ask, reports) = two_tools_turn(8).await;
     assert_eq!(
         leases, 1,
         "only the first model call is leased: {reports:?}"
+    );
+    assert_eq!(
+        largest_ask, 5,
+        "the lease loop leaves three of eight slots free"
     );
     assert_eq!(
         reports[0],
@@ -1014,7 +1025,8 @@ async fn a_model_calls_report_hands_both_its_parallel_tool_calls_to_free_slots()
     assert_eq!(reports.len(), 4, "{reports:?}");
     assert_eq!(reports.iter().map(|(_, handed)| handed).sum::<usize>(), 3);
 
-    let (leases, reports) = two_tools_turn(1).await;
+    let (leases, largest_ask, reports) = two_tools_turn(1).await;
+    assert_eq!(largest_ask, 1);
     assert_eq!(
         reports[0],
         (1, 1),

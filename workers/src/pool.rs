@@ -220,7 +220,8 @@ pub fn filter_of(activities: &Activities, config: &WorkerConfig) -> TaskFilter {
 /// (eager dispatch of a model call's parallel tool calls: the report that schedules them
 /// hands them out with its answer, with no lease round of their own). Like Temporal's eager
 /// activities, a few at most, so that one worker's reports do not take a whole queue while
-/// others wait on theirs.
+/// others wait on theirs. The pool's lease loop leaves as many slots free for them while it
+/// waits (but asks for one at least).
 pub const MAX_EXTRA_HANDED: usize = 3;
 
 /// What every slot of a pool shares.
@@ -320,8 +321,19 @@ async fn lease_loop(
             }
             continue;
         }
+        // The slots a lease asks for are its own until it answers, so that every task it
+        // gets has one; a few stay free for the tasks reports hand on beside their own
+        // (eager dispatch), which would otherwise take the slots of tasks leased here.
+        let wanted = free.saturating_sub(MAX_EXTRA_HANDED).max(1);
+        let reserved = tokio::select! {
+            reserved = permits.clone().acquire_many_owned(u32::try_from(wanted).unwrap_or(u32::MAX)) => reserved,
+            _ = stop.changed() => continue,
+        };
+        let Ok(mut reserved) = reserved else {
+            break;
+        };
         let leased = tokio::select! {
-            leased = source.lease(&filter, free, config.lease_ms, poll) => leased,
+            leased = source.lease(&filter, reserved.num_permits(), config.lease_ms, poll) => leased,
             _ = stop.changed() => continue,
         };
         let leased = match leased {
@@ -338,10 +350,15 @@ async fn lease_loop(
             }
         };
         for task in leased {
-            let Ok(permit) = permits.clone().acquire_owned().await else {
-                break;
-            };
-            slots.spawn(task, permit);
+            match reserved.split(1) {
+                Some(permit) => slots.spawn(task, permit),
+                // A source that hands more than asked for breaks the protocol: the task's
+                // lease lapses unused and it runs again.
+                None => warn!(
+                    task = %task.lease.id,
+                    "a lease handed more tasks than asked for; this one is left to lapse"
+                ),
+            }
         }
     }
     // Drain: let every running activity finish and report.
