@@ -781,6 +781,172 @@ async fn a_session_created_with_its_first_message_starts_turn_one_in_one_commit(
     assert_eq!(outcome["answer"], "Hello to you.", "{outcome}");
 }
 
+/// `wait_ms` on the two routes that start a turn: the answer waits for the turn and carries
+/// its outcome (201 for a new session, 200 for a message), the same outcome a long poll then
+/// reads; without workers it answers after the wait without one (the turn started, 202 for a
+/// message); a new session without a message is answered at once; a bad `wait_ms` is refused
+/// naming it, with nothing recorded.
+#[tokio::test]
+async fn a_request_that_starts_a_turn_can_wait_for_its_outcome() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(dir.path(), &["One.", "Two.", "Three."]);
+    let http = reqwest::Client::new();
+    let server = Server::start(&dir.path().join("store"), &["--local-workers", "0"]);
+    // No worker: the wait runs out and the answer has no outcome.
+    let unfinished = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions?wait_ms=200"),
+        None,
+        Some(json!({"session_id": "waits", "model": model, "message": {"text": "one"}})),
+    )
+    .await;
+    assert_eq!(
+        unfinished.status,
+        StatusCode::CREATED,
+        "{}",
+        unfinished.body
+    );
+    assert_eq!(unfinished.body, json!({"session_id": "waits", "turn": 1}));
+    for (query, body, said) in [
+        (
+            "wait_ms=soon",
+            json!({"session_id": "bad", "model": model, "message": {"text": "x"}}),
+            "wait_ms",
+        ),
+        (
+            "wait=5",
+            json!({"session_id": "bad", "model": model, "message": {"text": "x"}}),
+            "unknown field `wait`",
+        ),
+    ] {
+        let refused = send(
+            &http,
+            Method::POST,
+            server.url(&format!("/v1/sessions?{query}")),
+            None,
+            Some(body),
+        )
+        .await;
+        assert_eq!(
+            refused.status,
+            StatusCode::BAD_REQUEST,
+            "{query}: {}",
+            refused.body
+        );
+        assert_eq!(refused.code(), "invalid_request");
+        let message = refused.body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(said), "{query}: {message}");
+    }
+    // A new session without a message has no turn to wait for: answered at once.
+    let alone = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions?wait_ms=30000"),
+        None,
+        Some(json!({"session_id": "alone", "model": model})),
+    )
+    .await;
+    assert_eq!(alone.status, StatusCode::CREATED, "{}", alone.body);
+    assert_eq!(alone.body, json!({"session_id": "alone"}));
+    let refused = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/waits/messages?wait_ms=-1"),
+        None,
+        Some(json!({"text": "two"})),
+    )
+    .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+    assert!(refused.body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("wait_ms"));
+    let missing = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/bad"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND, "{}", missing.body);
+    assert_eq!(
+        kinds(&history(&http, &server, None, "waits").await).len(),
+        3,
+        "only turn 1 began"
+    );
+    drop(server);
+
+    // With a worker: turn 1 ends; then a message with wait_ms gets its turn's outcome.
+    let server = Server::start(&dir.path().join("store"), &["--local-workers", "1"]);
+    let first = wait_turn(&http, &server, None, "waits", 1).await;
+    assert_eq!(first["answer"], "One.", "{first}");
+    let second = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/waits/messages?wait_ms=30000"),
+        None,
+        Some(json!({"text": "two"})),
+    )
+    .await;
+    assert_eq!(second.status, StatusCode::OK, "{}", second.body);
+    assert_eq!(second.body["turn"], 2, "{}", second.body);
+    assert_eq!(
+        second.body["outcome"]["status"], "completed",
+        "{}",
+        second.body
+    );
+    assert_eq!(second.body["outcome"]["answer"], "Two.", "{}", second.body);
+    assert_eq!(
+        wait_turn(&http, &server, None, "waits", 2).await,
+        second.body["outcome"]
+    );
+    // Without wait_ms, as before: 202 and the turn alone.
+    let third = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/waits/messages"),
+        None,
+        Some(json!({"text": "three"})),
+    )
+    .await;
+    assert_eq!(third.status, StatusCode::ACCEPTED, "{}", third.body);
+    assert_eq!(third.body, json!({"turn": 3}));
+    assert_eq!(
+        wait_turn(&http, &server, None, "waits", 3).await["answer"],
+        "Three."
+    );
+
+    // A new session, its first message and the wait in one request.
+    // A script of its own: the worker keeps a script it read.
+    let other = dir.path().join("in-one");
+    std::fs::create_dir(&other).unwrap();
+    let model = script(&other, &["Hello in one."]);
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions?wait_ms=30000"),
+        None,
+        Some(json!({"session_id": "in-one", "model": model, "message": {"text": "hi"}})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    assert_eq!(created.body["session_id"], "in-one");
+    assert_eq!(created.body["turn"], 1);
+    assert_eq!(
+        created.body["outcome"]["answer"], "Hello in one.",
+        "{}",
+        created.body
+    );
+    assert_eq!(
+        wait_turn(&http, &server, None, "in-one", 1).await,
+        created.body["outcome"]
+    );
+    let events = history(&http, &server, None, "in-one").await;
+    assert_eq!(kinds(&events).last().copied(), Some("turn_completed"));
+}
+
 /// Eager dispatch over HTTP: a report with `next` is answered with the task it queued,
 /// leased to the reporting worker (200), and one without `next` keeps its 204. The turn then
 /// completes with the history a lease round per task would give. Deltas a report carries

@@ -333,8 +333,7 @@ async fn closed_loop(
                 n += 1;
                 let mut options = SessionOptions::new(model.clone(), tools.clone());
                 options.session_id = Some(format!("bench-{client_no}-{n}"));
-                let (id, turn) = client.start_session_and_send(options, "go").await?;
-                let outcome = client.wait_turn(&id, turn).await?;
+                let (_, outcome) = client.start_session_and_run(options, "go").await?;
                 if !matches!(outcome, TurnOutcome::Completed { .. }) {
                     bail!("a bench turn did not complete: {outcome:?}");
                 }

@@ -50,6 +50,9 @@ pub struct Faults {
     /// Refuse a new session's first message (`message` in `POST /v1/sessions`) as a server
     /// from before the field does.
     pub refuse_first_message: bool,
+    /// Ignore `wait_ms` on the routes that start a turn, answering at once without the
+    /// outcome, as a server from before the parameter does.
+    pub ignore_wait: bool,
 }
 
 /// One request the server saw.
@@ -183,7 +186,30 @@ fn answer<T: serde::Serialize>(result: cairn_runtime::Result<T>) -> Response {
     }
 }
 
-async fn create_session(State(server): State<Shared>, Json(body): Json<CreateSession>) -> Response {
+/// The outcome of `turn` once it ends, waiting up to the query's `wait_ms` (none: no wait).
+async fn outcome_within(
+    server: &FakeServer,
+    query: &BTreeMap<String, u64>,
+    id: &str,
+    turn: u32,
+) -> Option<cairn_runtime::TurnOutcome> {
+    let wait = query.get("wait_ms").copied().unwrap_or(0);
+    if wait == 0 || server.faults.ignore_wait {
+        return None;
+    }
+    server
+        .client
+        .wait_turn_for(id, turn, Duration::from_millis(wait))
+        .await
+        .ok()
+        .flatten()
+}
+
+async fn create_session(
+    State(server): State<Shared>,
+    Query(query): Query<BTreeMap<String, u64>>,
+    Json(body): Json<CreateSession>,
+) -> Response {
     let options = SessionOptions {
         session_id: body.session_id,
         system_prompt: body.system_prompt,
@@ -214,11 +240,21 @@ async fn create_session(State(server): State<Shared>, Json(body): Json<CreateSes
             .map(|session_id| (session_id, None)),
     };
     match created {
-        Ok((session_id, turn)) => (
-            StatusCode::CREATED,
-            Json(SessionCreated { session_id, turn }),
-        )
-            .into_response(),
+        Ok((session_id, turn)) => {
+            let outcome = match turn {
+                Some(turn) => outcome_within(&server, &query, &session_id, turn).await,
+                None => None,
+            };
+            (
+                StatusCode::CREATED,
+                Json(SessionCreated {
+                    session_id,
+                    turn,
+                    outcome,
+                }),
+            )
+                .into_response()
+        }
         Err(e) => failed(e),
     }
 }
@@ -249,6 +285,7 @@ async fn describe(State(server): State<Shared>, Path(id): Path<String>) -> Respo
 async fn send_message(
     State(server): State<Shared>,
     Path(id): Path<String>,
+    Query(query): Query<BTreeMap<String, u64>>,
     Json(body): Json<SendMessage>,
 ) -> Response {
     let sent = match body.model {
@@ -256,7 +293,14 @@ async fn send_message(
         None => server.client.send(&id, &body.text).await,
     };
     match sent {
-        Ok(turn) => (StatusCode::ACCEPTED, Json(TurnStarted { turn })).into_response(),
+        Ok(turn) => {
+            let outcome = outcome_within(&server, &query, &id, turn).await;
+            let status = match outcome {
+                Some(_) => StatusCode::OK,
+                None => StatusCode::ACCEPTED,
+            };
+            (status, Json(TurnStarted { turn, outcome })).into_response()
+        }
         Err(e) => failed(e),
     }
 }

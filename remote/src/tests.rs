@@ -845,6 +845,163 @@ async fn a_server_that_refuses_a_first_message_gets_the_session_then_the_message
     }
 }
 
+/// A client over the test server at `url`, waiting its first slice of `first_wait` as the
+/// default client waits its stall warning's.
+fn remote_client(url: &str, first_wait: Duration) -> Client {
+    connect(url, None).unwrap().with_stall_warning(first_wait)
+}
+
+/// The outcome the engine recorded for `session`'s last turn.
+async fn recorded_outcome(server: &FakeServer, session: &str) -> Option<TurnOutcome> {
+    Client::new(server.engine.clone())
+        .describe(session)
+        .await
+        .unwrap()
+        .last_outcome
+}
+
+/// A session, its first message and the wait for that turn go in one request, and so do a
+/// later message and the wait for its turn: no long poll follows, and the outcome is the one
+/// the server recorded.
+#[tokio::test]
+async fn a_turn_is_started_and_waited_for_in_one_request() {
+    let server = FakeServer::new(None, Faults::default());
+    let served = serve_tcp(server.router()).await.unwrap();
+    let workdir = tempfile::tempdir().unwrap();
+    std::fs::write(workdir.path().join("notes.txt"), "Tuesday.\n").unwrap();
+    let (pool, _) = remote_pool(&served.url, None, workdir.path());
+    let client = remote_client(&served.url, Duration::from_secs(30));
+    let tools = ToolRegistry::builtin(workdir.path()).specs();
+
+    let mut options = SessionOptions::new(demo_model(), tools.clone());
+    options.session_id = Some("one-request".to_owned());
+    let (session, outcome) = guarded(
+        "a turn through the test server",
+        client.start_session_and_run(options, "What is (17 + 25) * 3?"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(session, "one-request");
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { turn: 1, answer, .. } if answer.contains("126")),
+        "{outcome:?}"
+    );
+    assert_eq!(recorded_outcome(&server, &session).await, Some(outcome));
+    assert_eq!(session_requests(&server, 0), ["/v1/sessions?wait_ms=30000"]);
+
+    let mut options = SessionOptions::new(demo_model(), tools);
+    options.session_id = Some("then-a-message".to_owned());
+    let session = client.start_session(options).await.unwrap();
+    let from = server.seen().len();
+    let outcome = guarded(
+        "a turn through the test server",
+        client.run_turn(&session, "What is (17 + 25) * 3?"),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { turn: 1, .. }),
+        "{outcome:?}"
+    );
+    assert_eq!(recorded_outcome(&server, &session).await, Some(outcome));
+    assert_eq!(
+        session_requests(&server, from),
+        ["/v1/sessions/ID/messages?wait_ms=30000"]
+    );
+    pool.shutdown().await;
+}
+
+/// A server from before `wait_ms` ignores it and answers at once without the outcome: the
+/// client then long-polls for it, as it did before.
+#[tokio::test]
+async fn a_server_that_ignores_wait_ms_is_long_polled_for_the_outcome() {
+    let server = FakeServer::new(
+        None,
+        Faults {
+            ignore_wait: true,
+            ..Faults::default()
+        },
+    );
+    let served = serve_tcp(server.router()).await.unwrap();
+    let workdir = tempfile::tempdir().unwrap();
+    std::fs::write(workdir.path().join("notes.txt"), "Tuesday.\n").unwrap();
+    let (pool, _) = remote_pool(&served.url, None, workdir.path());
+    let client = remote_client(&served.url, Duration::from_secs(30));
+    let mut options =
+        SessionOptions::new(demo_model(), ToolRegistry::builtin(workdir.path()).specs());
+    options.session_id = Some("old-server".to_owned());
+    let (session, outcome) = guarded(
+        "a turn through the test server",
+        client.start_session_and_run(options, "What is (17 + 25) * 3?"),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { turn: 1, .. }),
+        "{outcome:?}"
+    );
+    assert_eq!(recorded_outcome(&server, &session).await, Some(outcome));
+    let requests = session_requests(&server, 0);
+    assert_eq!(requests[0], "/v1/sessions?wait_ms=30000");
+    assert!(
+        requests.len() >= 2
+            && requests[1..]
+                .iter()
+                .all(|r| r.starts_with("/v1/sessions/ID/turns/1?timeout_ms=")),
+        "{requests:?}"
+    );
+    pool.shutdown().await;
+}
+
+/// A turn that outlasts the wait of the request that started it is waited for with long
+/// polls, and the client's deadline counts from the start, not from the first answer.
+#[tokio::test]
+async fn a_turn_longer_than_the_first_wait_meets_the_deadline_counted_from_its_start() {
+    let server = FakeServer::new(None, Faults::default());
+    let served = serve_tcp(server.router()).await.unwrap();
+    // No worker: the turn never ends.
+    let client = remote_client(&served.url, Duration::from_millis(100))
+        .with_turn_deadline(Duration::from_millis(400));
+    let mut options = SessionOptions::new(demo_model(), Vec::new());
+    options.session_id = Some("no-worker".to_owned());
+    match guarded(
+        "the client's deadline",
+        client.start_session_and_run(options, "hello"),
+    )
+    .await
+    {
+        Err(Error::TurnDeadline {
+            session_id,
+            turn,
+            deadline_ms,
+            ..
+        }) => assert_eq!(
+            (session_id.as_str(), turn, deadline_ms),
+            ("no-worker", 1, 400)
+        ),
+        other => panic!("expected a turn deadline, got {other:?}"),
+    }
+    let requests = session_requests(&server, 0);
+    assert_eq!(requests[0], "/v1/sessions?wait_ms=100", "{requests:?}");
+    // Long polls for the rest of the deadline (300 ms), and a description naming the
+    // pending task; never more than the deadline in all.
+    let polled: u128 = requests[1..]
+        .iter()
+        .filter_map(|r| r.strip_prefix("/v1/sessions/ID/turns/1?timeout_ms="))
+        .map(|ms| ms.parse::<u128>().unwrap())
+        .sum();
+    assert!((1..=300).contains(&polled), "{requests:?}");
+    assert_eq!(
+        Client::new(server.engine.clone())
+            .describe("no-worker")
+            .await
+            .unwrap()
+            .running_turn,
+        Some(1),
+        "the turn goes on"
+    );
+}
+
 #[tokio::test]
 async fn health_and_the_transport_address() {
     let server = FakeServer::new(None, Faults::default());

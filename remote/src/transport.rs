@@ -110,38 +110,70 @@ fn create_session(options: SessionOptions, message: Option<SendMessage>) -> Crea
     }
 }
 
+/// How long one request that starts a turn asks the server to wait for it (`wait_ms`): the
+/// caller's `timeout`, at most a long poll's; `None` when it asks not to wait.
+fn start_turn_wait(timeout: Option<Duration>) -> Option<Duration> {
+    let wait = timeout.map_or(TURN_POLL, |t| t.min(TURN_POLL));
+    (!wait.is_zero()).then_some(wait)
+}
+
+/// `path` with `?wait_ms=` for `wait`, if any.
+fn with_wait(path: &str, wait: Option<Duration>) -> String {
+    match wait {
+        Some(wait) => format!("{path}?wait_ms={}", wait.as_millis()),
+        None => path.to_owned(),
+    }
+}
+
 impl HttpTransport {
-    /// `POST /v1/sessions`.
-    async fn create(&self, body: &CreateSession) -> Result<SessionCreated> {
+    /// `POST /v1/sessions`, asking the server to wait up to `wait` for the first message's
+    /// turn.
+    async fn create(&self, body: &CreateSession, wait: Option<Duration>) -> Result<SessionCreated> {
         let subject = Subject {
             session_id: body.session_id.as_deref(),
             lease: None,
         };
         self.connection
             .call_json(
-                Request::post("/v1/sessions", body),
+                Request::post(with_wait("/v1/sessions", wait), body),
                 subject,
-                REQUEST_TIMEOUT,
+                REQUEST_TIMEOUT + wait.unwrap_or_default(),
             )
             .await
     }
-}
 
-#[async_trait]
-impl Transport for HttpTransport {
-    async fn start_session(&self, options: SessionOptions) -> Result<String> {
-        let created = self.create(&create_session(options, None)).await?;
-        Ok(created.session_id)
+    /// `POST /v1/sessions/{id}/messages`, asking the server to wait up to `wait` for the
+    /// turn.
+    async fn post_message(
+        &self,
+        session_id: &str,
+        body: &SendMessage,
+        wait: Option<Duration>,
+    ) -> Result<TurnStarted> {
+        let path = format!("{}/messages", session_path(session_id));
+        self.connection
+            .call_json(
+                Request::post(with_wait(&path, wait), body),
+                session(session_id),
+                REQUEST_TIMEOUT + wait.unwrap_or_default(),
+            )
+            .await
     }
 
-    /// One request, one commit on the server: the session and its first message together.
+    /// Creates a session with its first message, in one request when the server takes the
+    /// message with the session (asking it to wait up to `wait` for the turn), else in two;
+    /// returns the session, its turn, and the turn's outcome when the server waited for it
+    /// and it ended in time.
+    ///
     /// A server from before `message` refuses the field (400), recording nothing; then, and
-    /// from then on, the session is created and the message sent by themselves.
-    async fn start_session_and_send(
+    /// from then on, the session is created and the message sent by themselves. A server
+    /// from before `wait_ms` ignores it and answers without an outcome.
+    async fn create_with_message(
         &self,
         options: SessionOptions,
         text: &str,
-    ) -> Result<(String, u32)> {
+        wait: Option<Duration>,
+    ) -> Result<(String, u32, Option<TurnOutcome>)> {
         let message = SendMessage {
             text: text.to_owned(),
             model: None,
@@ -152,15 +184,17 @@ impl Transport for HttpTransport {
         // The session, when the server created it without the message.
         let mut created = None;
         if !self.first_message_refused.load(Ordering::Relaxed) {
-            match self.create(&body).await {
+            match self.create(&body, wait).await {
                 Ok(SessionCreated {
                     session_id,
                     turn: Some(turn),
-                }) => return Ok((session_id, turn)),
+                    outcome,
+                }) => return Ok((session_id, turn, outcome)),
                 // A server that ignores fields it does not know created the session alone.
                 Ok(SessionCreated {
                     session_id,
                     turn: None,
+                    ..
                 }) => created = Some(session_id),
                 Err(Error::Remote {
                     status: 400,
@@ -175,12 +209,102 @@ impl Transport for HttpTransport {
         let message = body.message.take().expect("the message was set above");
         let session_id = match created {
             Some(session_id) => session_id,
-            None => self.create(&body).await?.session_id,
+            None => self.create(&body, None).await?.session_id,
         };
-        let turn = self
-            .send(&session_id, &message.text, None, Vec::new(), None)
-            .await?;
+        let started = self.post_message(&session_id, &message, wait).await?;
+        Ok((session_id, started.turn, started.outcome))
+    }
+
+    /// Waits for `turn` after the request that started it answered without its outcome (the
+    /// turn took longer than the request waited, or the server is from before `wait_ms`): on
+    /// until `timeout` from `since` (as long as it takes when `None`).
+    async fn wait_after_start(
+        &self,
+        session_id: &str,
+        turn: u32,
+        since: Instant,
+        timeout: Option<Duration>,
+    ) -> Result<Option<TurnOutcome>> {
+        let remaining = match timeout {
+            None => None,
+            Some(timeout) => {
+                let remaining = timeout.saturating_sub(since.elapsed());
+                if remaining.is_zero() {
+                    return Ok(None);
+                }
+                Some(remaining)
+            }
+        };
+        self.wait_turn(session_id, turn, remaining).await
+    }
+}
+
+#[async_trait]
+impl Transport for HttpTransport {
+    async fn start_session(&self, options: SessionOptions) -> Result<String> {
+        let created = self.create(&create_session(options, None), None).await?;
+        Ok(created.session_id)
+    }
+
+    /// One request, one commit on the server: the session and its first message together
+    /// (a server from before that gets the session, then the message).
+    async fn start_session_and_send(
+        &self,
+        options: SessionOptions,
+        text: &str,
+    ) -> Result<(String, u32)> {
+        let (session_id, turn, _) = self.create_with_message(options, text, None).await?;
         Ok((session_id, turn))
+    }
+
+    /// One request: the session, its first message, and the wait for that turn's outcome
+    /// (then long polls, if the turn takes longer than one may wait).
+    async fn start_session_send_and_wait(
+        &self,
+        options: SessionOptions,
+        text: &str,
+        timeout: Option<Duration>,
+    ) -> Result<(String, u32, Option<TurnOutcome>)> {
+        let since = Instant::now();
+        let (session_id, turn, outcome) = self
+            .create_with_message(options, text, start_turn_wait(timeout))
+            .await?;
+        let outcome = match outcome {
+            Some(outcome) => Some(outcome),
+            None => {
+                self.wait_after_start(&session_id, turn, since, timeout)
+                    .await?
+            }
+        };
+        Ok((session_id, turn, outcome))
+    }
+
+    /// One request: the message and the wait for its turn's outcome (then long polls, if the
+    /// turn takes longer than one may wait).
+    async fn send_and_wait(
+        &self,
+        session_id: &str,
+        text: &str,
+        timeout: Option<Duration>,
+    ) -> Result<(u32, Option<TurnOutcome>)> {
+        let since = Instant::now();
+        let body = SendMessage {
+            text: text.to_owned(),
+            model: None,
+            media: Vec::new(),
+            tool_choice: None,
+        };
+        let started = self
+            .post_message(session_id, &body, start_turn_wait(timeout))
+            .await?;
+        let outcome = match started.outcome {
+            Some(outcome) => Some(outcome),
+            None => {
+                self.wait_after_start(session_id, started.turn, since, timeout)
+                    .await?
+            }
+        };
+        Ok((started.turn, outcome))
     }
 
     async fn send(
@@ -197,16 +321,7 @@ impl Transport for HttpTransport {
             media,
             tool_choice,
         };
-        let path = format!("{}/messages", session_path(session_id));
-        let started: TurnStarted = self
-            .connection
-            .call_json(
-                Request::post(path, &body),
-                session(session_id),
-                REQUEST_TIMEOUT,
-            )
-            .await?;
-        Ok(started.turn)
+        Ok(self.post_message(session_id, &body, None).await?.turn)
     }
 
     async fn wait_turn(

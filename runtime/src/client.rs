@@ -145,6 +145,33 @@ pub trait Transport: Send + Sync + 'static {
         media: Vec<Media>,
         tool_choice: Option<ToolChoice>,
     ) -> Result<u32>;
+    /// Sends a message and waits up to `timeout` (`None`: as long as it takes) for the turn it
+    /// starts; returns the turn's number and, when it ended in time, its outcome. By default
+    /// [`Transport::send`] then [`Transport::wait_turn`]; a transport that can ask for both at
+    /// once does (one request to a server).
+    async fn send_and_wait(
+        &self,
+        session_id: &str,
+        text: &str,
+        timeout: Option<Duration>,
+    ) -> Result<(u32, Option<TurnOutcome>)> {
+        let turn = self.send(session_id, text, None, Vec::new(), None).await?;
+        let outcome = self.wait_turn(session_id, turn, timeout).await?;
+        Ok((turn, outcome))
+    }
+    /// Starts a session with its first message and waits up to `timeout` for that turn;
+    /// returns the session's id, the turn's number and, when it ended in time, its outcome.
+    /// By default [`Transport::start_session_and_send`] then [`Transport::wait_turn`].
+    async fn start_session_send_and_wait(
+        &self,
+        options: SessionOptions,
+        text: &str,
+        timeout: Option<Duration>,
+    ) -> Result<(String, u32, Option<TurnOutcome>)> {
+        let (session_id, turn) = self.start_session_and_send(options, text).await?;
+        let outcome = self.wait_turn(&session_id, turn, timeout).await?;
+        Ok((session_id, turn, outcome))
+    }
     /// Waits up to `timeout` (`None`: as long as it takes) for turn `turn`'s outcome.
     async fn wait_turn(
         &self,
@@ -335,10 +362,50 @@ impl Client {
     }
 
     /// Sends a message and waits for the turn's outcome (workers must be running: see
-    /// [`Client::wait_turn`] for what happens when none takes the turn's tasks).
+    /// [`Client::wait_turn`] for what happens when none takes the turn's tasks). Through a
+    /// server the message and the wait go in one request.
+    #[allow(clippy::disallowed_methods)] // a client waits on real time; not pure code
     pub async fn run_turn(&self, session_id: &str, text: &str) -> Result<TurnOutcome> {
-        let turn = self.send(session_id, text).await?;
-        self.wait_turn(session_id, turn).await
+        let started = tokio::time::Instant::now();
+        let (turn, outcome) = self
+            .transport
+            .send_and_wait(session_id, text, self.first_wait())
+            .await?;
+        match outcome {
+            Some(outcome) => Ok(outcome),
+            None => self.wait_turn_since(session_id, turn, started).await,
+        }
+    }
+
+    /// Starts a session with its first message and waits for that turn's outcome; returns
+    /// the session's id and the outcome. The start and the message are one durable commit,
+    /// and through a server the start, the message and the wait are one request.
+    #[allow(clippy::disallowed_methods)] // a client waits on real time; not pure code
+    pub async fn start_session_and_run(
+        &self,
+        options: SessionOptions,
+        text: &str,
+    ) -> Result<(String, TurnOutcome)> {
+        let started = tokio::time::Instant::now();
+        let (session_id, turn, outcome) = self
+            .transport
+            .start_session_send_and_wait(options, text, self.first_wait())
+            .await?;
+        let outcome = match outcome {
+            Some(outcome) => outcome,
+            None => self.wait_turn_since(&session_id, turn, started).await?,
+        };
+        Ok((session_id, outcome))
+    }
+
+    /// How long the first wait for a turn may take before [`Client::wait_turn`] has to look
+    /// at it: until the stall warning or the deadline, whichever comes first.
+    fn first_wait(&self) -> Option<Duration> {
+        let mut slice = self.stall_warning;
+        if let Some(deadline) = self.turn_deadline {
+            slice = slice.min(deadline);
+        }
+        Some(slice)
     }
 
     /// Waits for a turn's outcome.
@@ -349,7 +416,18 @@ impl Client {
     /// deadline ([`Client::with_turn_deadline`]) it fails with [`Error::TurnDeadline`].
     #[allow(clippy::disallowed_methods)] // a client waits on real time; not pure code
     pub async fn wait_turn(&self, session_id: &str, turn: u32) -> Result<TurnOutcome> {
-        let started = tokio::time::Instant::now();
+        self.wait_turn_since(session_id, turn, tokio::time::Instant::now())
+            .await
+    }
+
+    /// [`Client::wait_turn`], its stall warning and deadline counted from `started`.
+    #[allow(clippy::disallowed_methods)] // a client waits on real time; not pure code
+    async fn wait_turn_since(
+        &self,
+        session_id: &str,
+        turn: u32,
+        started: tokio::time::Instant,
+    ) -> Result<TurnOutcome> {
         let mut warned = false;
         loop {
             let waited = started.elapsed();

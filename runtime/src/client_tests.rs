@@ -78,6 +78,55 @@ async fn a_turn_that_ends_before_the_deadline_gives_its_outcome() -> Result<()> 
     Ok(())
 }
 
+/// A session started with its first message and waited for at once: the outcome when the
+/// turn ends (here cancelled while it waits), and the deadline counted from the start when it
+/// does not.
+#[tokio::test]
+#[allow(clippy::disallowed_methods)] // the turn is cancelled a little later, in real time
+async fn a_session_started_and_run_gives_its_first_turns_outcome_or_meets_the_deadline(
+) -> Result<()> {
+    let client = Client::new(engine())
+        .with_stall_warning(Duration::from_millis(20))
+        .with_turn_deadline(Duration::from_secs(5));
+    let mut first = options();
+    first.session_id = Some("run-at-once".to_owned());
+    let canceller = client.clone();
+    let cancel = tokio::spawn(async move {
+        // Once the turn has begun, which the session's existence shows.
+        while canceller.describe("run-at-once").await.is_err() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        canceller.cancel_turn("run-at-once", "enough").await
+    });
+    let (id, outcome) = client.start_session_and_run(first, "hello").await?;
+    assert_eq!(cancel.await.expect("the canceller ran")?, 1);
+    assert_eq!(id, "run-at-once");
+    assert!(
+        matches!(&outcome, TurnOutcome::Cancelled { turn: 1, reason, .. } if reason == "enough"),
+        "{outcome:?}"
+    );
+    assert_eq!(client.describe(&id).await?.last_outcome, Some(outcome));
+
+    let client = client.with_turn_deadline(Duration::from_millis(200));
+    let mut second = options();
+    second.session_id = Some("no-worker".to_owned());
+    match client.start_session_and_run(second, "hello").await {
+        Err(Error::TurnDeadline {
+            session_id,
+            turn,
+            deadline_ms,
+            ..
+        }) => assert_eq!(
+            (session_id.as_str(), turn, deadline_ms),
+            ("no-worker", 1, 200)
+        ),
+        other => panic!("expected a turn deadline, got {other:?}"),
+    }
+    assert_eq!(client.describe("no-worker").await?.running_turn, Some(1));
+    Ok(())
+}
+
 /// A session's start and its first message are one durable append: the same events, in the
 /// same order, that a start then a send record, and a history that folds (replays) to the
 /// state the engine holds live.

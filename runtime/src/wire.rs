@@ -6,10 +6,10 @@
 //!
 //! | method | path | body → answer |
 //! |---|---|---|
-//! | POST | `/v1/sessions` | [`CreateSession`] → 201 [`SessionCreated`] |
+//! | POST | `/v1/sessions?wait_ms=` | [`CreateSession`] → 201 [`SessionCreated`] (with `wait_ms` and a first message: its turn's outcome when it ends in time) |
 //! | GET | `/v1/sessions?status=&after=&limit=` | → [`SessionPage`] |
 //! | GET | `/v1/sessions/{id}` | → [`SessionDescription`] |
-//! | POST | `/v1/sessions/{id}/messages` | [`SendMessage`] → 202 [`TurnStarted`] |
+//! | POST | `/v1/sessions/{id}/messages?wait_ms=` | [`SendMessage`] → 202 [`TurnStarted`] (with `wait_ms`: 200 and the turn's outcome when it ends in time) |
 //! | GET | `/v1/sessions/{id}/turns/{turn}?timeout_ms=` | long poll → [`TurnWait`] |
 //! | GET | `/v1/sessions/{id}/history?from_seq=&limit=` | → [`HistoryPage`] |
 //! | GET | `/v1/sessions/{id}/transcript?as=` | → the canonical transcript JSON, or a provider's |
@@ -185,6 +185,11 @@ pub struct SessionCreated {
     /// The turn the request's first message started (1); absent when it sent none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub turn: Option<u32>,
+    /// How that turn ended, when the request asked to wait for it (`wait_ms`) and it ended in
+    /// time; absent otherwise (then wait with `GET /v1/sessions/{id}/turns/{turn}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<schema::TurnOutcome>)]
+    pub outcome: Option<TurnOutcome>,
 }
 
 /// `POST /v1/sessions/{id}/messages`: a user message, starting a turn.
@@ -209,11 +214,16 @@ pub struct SendMessage {
     pub tool_choice: Option<ToolChoice>,
 }
 
-/// `202` to [`SendMessage`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+/// `202` to [`SendMessage`] (`200` when it carries the turn's outcome).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct TurnStarted {
     /// The turn's number.
     pub turn: u32,
+    /// How the turn ended, when the request asked to wait for it (`wait_ms`) and it ended in
+    /// time; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<schema::TurnOutcome>)]
+    pub outcome: Option<TurnOutcome>,
 }
 
 /// The answer to a long poll for a turn's outcome.
@@ -1217,8 +1227,9 @@ pub mod schema {
         },
         /// An http(s) URL the provider fetches.
         Url {
-            /// The URL.
-            #[schema(pattern = "^https?://[^\\s]+$")]
+            /// The URL, without white space. (The server's check counts U+0085 as white
+            /// space, as Unicode does; a pattern's `\s` does not, so it is named.)
+            #[schema(pattern = "^https?://[^\\s\\u0085]+$")]
             url: String,
         },
     }
@@ -1262,8 +1273,9 @@ pub mod schema {
         },
         /// An http(s) URL the provider fetches.
         Url {
-            /// The URL.
-            #[schema(pattern = "^https?://[^\\s]+$")]
+            /// The URL, without white space. (The server's check counts U+0085 as white
+            /// space, as Unicode does; a pattern's `\s` does not, so it is named.)
+            #[schema(pattern = "^https?://[^\\s\\u0085]+$")]
             url: String,
         },
     }

@@ -22,7 +22,7 @@ use cairn_runtime::wire::{
     CancelRequest, Cancelled, CreateSession, ErrorBody, HistoryPage, SessionCreated,
     SessionDescription, SessionPage, TurnStarted, TurnWait,
 };
-use cairn_runtime::SessionState;
+use cairn_runtime::{SessionState, TurnOutcome};
 use serde::Deserialize;
 use std::sync::atomic::Ordering;
 use tracing::Instrument;
@@ -116,14 +116,17 @@ pub fn session_span(caller: &Caller, id: &str) -> tracing::Span {
     tracing::info_span!("session", namespace = %caller.namespace, session_id = %id)
 }
 
-/// Starts a session.
+/// Starts a session, with its first message when the body has one (one commit); with
+/// `wait_ms` as well, answers once that turn has ended (or that time has passed) and with its
+/// outcome.
 #[utoipa::path(
     post,
     path = "/v1/sessions",
     tag = "sessions",
+    params(StartTurnQuery),
     request_body = CreateSession,
     responses(
-        (status = 201, description = "The session was started", body = SessionCreated),
+        (status = 201, description = "The session was started (with `wait_ms`, its first turn's outcome when that ended in time)", body = SessionCreated),
         (status = 400, description = "Malformed or invalid request", body = ErrorBody),
         (status = 401, description = "No token, or an unknown one", body = ErrorBody),
         (status = 403, description = "Not a client token", body = ErrorBody),
@@ -137,6 +140,7 @@ pub fn session_span(caller: &Caller, id: &str) -> tracing::Span {
 pub async fn create_session(
     State(state): State<AppState>,
     ClientCaller(caller): ClientCaller,
+    QueryParams(query): QueryParams<StartTurnQuery>,
     JsonBody(request): JsonBody<CreateSession>,
 ) -> Result<(StatusCode, Json<SessionCreated>), ApiError> {
     check_model(&request.model, "model")?;
@@ -177,13 +181,13 @@ pub async fn create_session(
         let created = match request.message {
             None => state
                 .engine
-                .start_session(Some(stored), started)
+                .start_session(Some(stored.clone()), started)
                 .await
                 .map(|_| None),
             Some(message) => state
                 .engine
                 .start_session_and_send_turn(
-                    Some(stored),
+                    Some(stored.clone()),
                     started,
                     &message.text,
                     message.model,
@@ -194,13 +198,20 @@ pub async fn create_session(
                 .map(|(_, turn)| Some(turn)),
         };
         match created {
-            Ok(turn) => Ok((
-                StatusCode::CREATED,
-                Json(SessionCreated {
-                    session_id: id.clone(),
-                    turn,
-                }),
-            )),
+            Ok(turn) => {
+                let outcome = match turn {
+                    Some(turn) => query.outcome(&state, &stored, turn).await,
+                    None => None,
+                };
+                Ok((
+                    StatusCode::CREATED,
+                    Json(SessionCreated {
+                        session_id: id.clone(),
+                        turn,
+                        outcome,
+                    }),
+                ))
+            }
             Err(cairn_runtime::Error::Conflict { .. }) => {
                 Err(ApiError::conflict(format!("session {id:?} exists already")))
             }
@@ -320,15 +331,57 @@ pub async fn describe_session(
     Ok(Json(description))
 }
 
-/// Sends a user message, starting the next turn.
+/// How long a request that starts a turn waits for it.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct StartTurnQuery {
+    /// Answer once the turn has ended, with its outcome, or after this many milliseconds
+    /// without it (capped by the server, as a long poll is); absent or 0: answer at once. The
+    /// turn starts either way. A new session without a first message has no turn: it is
+    /// answered at once.
+    wait_ms: Option<u64>,
+}
+
+impl StartTurnQuery {
+    fn waits(&self) -> bool {
+        self.wait_ms.is_some_and(|ms| ms > 0)
+    }
+
+    /// The outcome of turn `turn` of the stored session once it has ended, waiting up to
+    /// `wait_ms`; `None` when asked not to wait, when it has not ended by then, when the
+    /// server is closing, or when waiting failed. The turn has started, so the request
+    /// succeeds even then: a failed answer would have the client send its message again.
+    async fn outcome(&self, state: &AppState, stored: &str, turn: u32) -> Option<TurnOutcome> {
+        if !self.waits() {
+            return None;
+        }
+        let wait = state.poll_wait(self.wait_ms, 0);
+        tokio::select! {
+            outcome = state.engine.wait_turn(stored, turn) => match outcome {
+                Ok(outcome) => Some(outcome),
+                Err(e) => {
+                    tracing::warn!(error = %e, turn, "waiting for a turn the request started failed; answering without its outcome");
+                    None
+                }
+            },
+            _ = tokio::time::sleep(wait) => None,
+            _ = state.closing.cancelled() => None,
+        }
+    }
+}
+
+/// Sends a user message, starting the next turn; with `wait_ms`, answers once the turn has
+/// ended (or that time has passed) and with its outcome, sparing a wait request.
 #[utoipa::path(
     post,
     path = "/v1/sessions/{id}/messages",
     tag = "sessions",
-    params(SessionPath),
+    params(SessionPath, StartTurnQuery),
     request_body = cairn_runtime::wire::SendMessage,
     responses(
-        (status = 202, description = "The turn started", body = TurnStarted),
+        (status = 200, description = "The turn started and ended within `wait_ms`: its outcome is in the answer", body = TurnStarted),
+        (status = 202, description = "The turn started (and, with `wait_ms`, had not ended by then)", body = TurnStarted),
         (status = 400, description = "Malformed or invalid request", body = ErrorBody),
         (status = 401, description = "No token, or an unknown one", body = ErrorBody),
         (status = 403, description = "Not a client token", body = ErrorBody),
@@ -344,6 +397,7 @@ pub async fn send_message(
     State(state): State<AppState>,
     ClientCaller(caller): ClientCaller,
     PathParams(path): PathParams<SessionPath>,
+    QueryParams(query): QueryParams<StartTurnQuery>,
     JsonBody(request): JsonBody<cairn_runtime::wire::SendMessage>,
 ) -> Result<(StatusCode, Json<TurnStarted>), ApiError> {
     let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
@@ -360,7 +414,15 @@ pub async fn send_message(
         .instrument(session_span(&caller, &path.id))
         .await
         .map_err(|e| ApiError::from_runtime(e, &path.id))?;
-    Ok((StatusCode::ACCEPTED, Json(TurnStarted { turn })))
+    let outcome = query
+        .outcome(&state, &stored, turn)
+        .instrument(session_span(&caller, &path.id))
+        .await;
+    let status = match outcome {
+        Some(_) => StatusCode::OK,
+        None => StatusCode::ACCEPTED,
+    };
+    Ok((status, Json(TurnStarted { turn, outcome })))
 }
 
 /// Checks a user message before anything is recorded; `at` prefixes the fields named in
