@@ -851,6 +851,19 @@ fn remote_client(url: &str, first_wait: Duration) -> Client {
     connect(url, None).unwrap().with_stall_warning(first_wait)
 }
 
+/// The test server with `faults` on TCP, and a remote worker pool over it whose tools work
+/// in a directory with the demo's `notes.txt`.
+async fn served_with_a_pool(
+    faults: Faults,
+) -> (Arc<FakeServer>, Served, WorkerPool, tempfile::TempDir) {
+    let server = FakeServer::new(None, faults);
+    let served = serve_tcp(server.router()).await.unwrap();
+    let workdir = tempfile::tempdir().unwrap();
+    std::fs::write(workdir.path().join("notes.txt"), "Tuesday.\n").unwrap();
+    let (pool, _) = remote_pool(&served.url, None, workdir.path());
+    (server, served, pool, workdir)
+}
+
 /// The outcome the engine recorded for `session`'s last turn.
 async fn recorded_outcome(server: &FakeServer, session: &str) -> Option<TurnOutcome> {
     Client::new(server.engine.clone())
@@ -865,11 +878,7 @@ async fn recorded_outcome(server: &FakeServer, session: &str) -> Option<TurnOutc
 /// the server recorded.
 #[tokio::test]
 async fn a_turn_is_started_and_waited_for_in_one_request() {
-    let server = FakeServer::new(None, Faults::default());
-    let served = serve_tcp(server.router()).await.unwrap();
-    let workdir = tempfile::tempdir().unwrap();
-    std::fs::write(workdir.path().join("notes.txt"), "Tuesday.\n").unwrap();
-    let (pool, _) = remote_pool(&served.url, None, workdir.path());
+    let (server, served, pool, workdir) = served_with_a_pool(Faults::default()).await;
     let client = remote_client(&served.url, Duration::from_secs(30));
     let tools = ToolRegistry::builtin(workdir.path()).specs();
 
@@ -915,17 +924,11 @@ async fn a_turn_is_started_and_waited_for_in_one_request() {
 /// client then long-polls for it, as it did before.
 #[tokio::test]
 async fn a_server_that_ignores_wait_ms_is_long_polled_for_the_outcome() {
-    let server = FakeServer::new(
-        None,
-        Faults {
-            ignore_wait: true,
-            ..Faults::default()
-        },
-    );
-    let served = serve_tcp(server.router()).await.unwrap();
-    let workdir = tempfile::tempdir().unwrap();
-    std::fs::write(workdir.path().join("notes.txt"), "Tuesday.\n").unwrap();
-    let (pool, _) = remote_pool(&served.url, None, workdir.path());
+    let (server, served, pool, workdir) = served_with_a_pool(Faults {
+        ignore_wait: true,
+        ..Faults::default()
+    })
+    .await;
     let client = remote_client(&served.url, Duration::from_secs(30));
     let mut options =
         SessionOptions::new(demo_model(), ToolRegistry::builtin(workdir.path()).specs());
