@@ -151,9 +151,16 @@ pub async fn create_session(
     }
     let id = request.session_id.unwrap_or_else(|| new_session_id(&state));
     let stored = stored_id(&caller, &id)?;
+    let tool_policy = cairn_workers::policy::session_policy(
+        tools_hosted(),
+        &request.tools,
+        request.tool_policy,
+        false,
+    )
+    .map_err(|e| ApiError::invalid(e.to_string()))?;
     let started = SessionStarted {
         model: request.model,
-        tools: request.tools.clone(),
+        tools: request.tools,
         system_prompt: request.system_prompt,
         limits: request.limits.unwrap_or_default(),
         model_retry: request
@@ -163,13 +170,7 @@ pub async fn create_session(
         queues: request.queues.unwrap_or_default(),
         forked_from: None,
         workflow_version: cairn_runtime::WORKFLOW_VERSION,
-        tool_policy: cairn_workers::policy::session_policy(
-            &tools_hosted(),
-            &request.tools,
-            request.tool_policy,
-            false,
-        )
-        .map_err(|e| ApiError::invalid(e.to_string()))?,
+        tool_policy,
         compaction: request.compaction,
         workdir: None,
         call_options: request.call_options,
@@ -727,8 +728,13 @@ pub async fn cancel(
 }
 
 /// The tools a server knows the policy subjects and defaults of: the ones its workers host.
-fn tools_hosted() -> cairn_activities::ToolRegistry {
-    cairn_activities::ToolRegistry::hosted(".")
+/// The tools a worker hosts, for what a session's policy asks of them by default. Built once:
+/// a registry builds every tool's spec and schema, which cost more than the rest of a
+/// create request.
+fn tools_hosted() -> &'static cairn_activities::ToolRegistry {
+    static HOSTED: std::sync::LazyLock<cairn_activities::ToolRegistry> =
+        std::sync::LazyLock::new(|| cairn_activities::ToolRegistry::hosted("."));
+    &HOSTED
 }
 
 /// A tool call in the path.
