@@ -19,7 +19,18 @@ const RAW_VALUE_TOKEN: &str = "$serde_json::private::RawValue";
 
 /// Parses `bytes` as one JSON value of type `T`, taking whole floats for integers. The error
 /// says what is wrong and at which field.
+///
+/// A body is parsed without tracking the path first, and again with it only when that
+/// fails: the tracking wrappers cost about as much as the rest of the parse, and only an
+/// error needs the path. Both parses run the same deserializer, so they take and refuse the
+/// same bodies.
 pub fn from_slice<T: de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
+    let mut json = serde_json::Deserializer::from_slice(bytes);
+    if let Ok(value) = T::deserialize(Lenient(&mut json)) {
+        if json.end().is_ok() {
+            return Ok(value);
+        }
+    }
     let mut json = serde_json::Deserializer::from_slice(bytes);
     let value = serde_path_to_error::deserialize(Lenient(&mut json)).map_err(|e| {
         let path = e.path().to_string();
