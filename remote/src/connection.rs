@@ -138,7 +138,7 @@ impl Connection {
     /// not be reached or broke the connection before answering.
     pub async fn send(&self, request: Request) -> Result<Response> {
         match &self.endpoint {
-            Endpoint::Http { url, .. } => self.send_http(url, request).await,
+            Endpoint::Http { url } => self.send_http(url, request).await,
             Endpoint::Unix { path } => self.send_unix(path, request).await,
         }
     }

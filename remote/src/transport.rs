@@ -117,6 +117,16 @@ fn start_turn_wait(timeout: Option<Duration>) -> Option<Duration> {
     (!wait.is_zero()).then_some(wait)
 }
 
+/// A message of text alone.
+fn text_message(text: &str) -> SendMessage {
+    SendMessage {
+        text: text.to_owned(),
+        model: None,
+        media: Vec::new(),
+        tool_choice: None,
+    }
+}
+
 /// `path` with `?wait_ms=` for `wait`, if any.
 fn with_wait(path: &str, wait: Option<Duration>) -> String {
     match wait {
@@ -174,13 +184,7 @@ impl HttpTransport {
         text: &str,
         wait: Option<Duration>,
     ) -> Result<(String, u32, Option<TurnOutcome>)> {
-        let message = SendMessage {
-            text: text.to_owned(),
-            model: None,
-            media: Vec::new(),
-            tool_choice: None,
-        };
-        let mut body = create_session(options, Some(message));
+        let mut body = create_session(options, Some(text_message(text)));
         // The session, when the server created it without the message.
         let mut created = None;
         if !self.first_message_refused.load(Ordering::Relaxed) {
@@ -215,16 +219,21 @@ impl HttpTransport {
         Ok((session_id, started.turn, started.outcome))
     }
 
-    /// Waits for `turn` after the request that started it answered without its outcome (the
-    /// turn took longer than the request waited, or the server is from before `wait_ms`): on
-    /// until `timeout` from `since` (as long as it takes when `None`).
-    async fn wait_after_start(
+    /// The outcome of `turn`, given what the request that started it answered: that
+    /// request's outcome, or, when it came without one (the turn took longer than the request
+    /// waited, or the server is from before `wait_ms`), a wait on until `timeout` from `since`
+    /// (as long as it takes when `None`).
+    async fn outcome_after_start(
         &self,
+        answered: Option<TurnOutcome>,
         session_id: &str,
         turn: u32,
         since: Instant,
         timeout: Option<Duration>,
     ) -> Result<Option<TurnOutcome>> {
+        if answered.is_some() {
+            return Ok(answered);
+        }
         let remaining = match timeout {
             None => None,
             Some(timeout) => {
@@ -266,16 +275,12 @@ impl Transport for HttpTransport {
         timeout: Option<Duration>,
     ) -> Result<(String, u32, Option<TurnOutcome>)> {
         let since = Instant::now();
-        let (session_id, turn, outcome) = self
+        let (session_id, turn, answered) = self
             .create_with_message(options, text, start_turn_wait(timeout))
             .await?;
-        let outcome = match outcome {
-            Some(outcome) => Some(outcome),
-            None => {
-                self.wait_after_start(&session_id, turn, since, timeout)
-                    .await?
-            }
-        };
+        let outcome = self
+            .outcome_after_start(answered, &session_id, turn, since, timeout)
+            .await?;
         Ok((session_id, turn, outcome))
     }
 
@@ -288,22 +293,12 @@ impl Transport for HttpTransport {
         timeout: Option<Duration>,
     ) -> Result<(u32, Option<TurnOutcome>)> {
         let since = Instant::now();
-        let body = SendMessage {
-            text: text.to_owned(),
-            model: None,
-            media: Vec::new(),
-            tool_choice: None,
-        };
         let started = self
-            .post_message(session_id, &body, start_turn_wait(timeout))
+            .post_message(session_id, &text_message(text), start_turn_wait(timeout))
             .await?;
-        let outcome = match started.outcome {
-            Some(outcome) => Some(outcome),
-            None => {
-                self.wait_after_start(session_id, started.turn, since, timeout)
-                    .await?
-            }
-        };
+        let outcome = self
+            .outcome_after_start(started.outcome, session_id, started.turn, since, timeout)
+            .await?;
         Ok((started.turn, outcome))
     }
 

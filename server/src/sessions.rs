@@ -345,19 +345,13 @@ pub struct StartTurnQuery {
 }
 
 impl StartTurnQuery {
-    fn waits(&self) -> bool {
-        self.wait_ms.is_some_and(|ms| ms > 0)
-    }
-
     /// The outcome of turn `turn` of the stored session once it has ended, waiting up to
     /// `wait_ms`; `None` when asked not to wait, when it has not ended by then, when the
     /// server is closing, or when waiting failed. The turn has started, so the request
     /// succeeds even then: a failed answer would have the client send its message again.
     async fn outcome(&self, state: &AppState, stored: &str, turn: u32) -> Option<TurnOutcome> {
-        if !self.waits() {
-            return None;
-        }
-        let wait = state.poll_wait(self.wait_ms, 0);
+        let wait_ms = self.wait_ms.filter(|&ms| ms > 0)?;
+        let wait = state.poll_wait(Some(wait_ms), 0);
         tokio::select! {
             outcome = state.engine.wait_turn(stored, turn) => match outcome {
                 Ok(outcome) => Some(outcome),
