@@ -97,6 +97,7 @@ fn history(events: usize) -> Vec<EventEnvelope> {
             &mut state,
             &mut out,
             Event::UserMessage {
+                idempotency_key: None,
                 tool_choice: None,
                 turn,
                 text: "what is (17+25)*3?".into(),

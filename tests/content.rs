@@ -145,6 +145,7 @@ async fn a_user_image_and_a_tool_result_image_live_after_a_restart_and_in_replay
     assert_eq!(text, "what do these show?");
     assert_eq!(media.len(), 2);
     let text_only = Event::UserMessage {
+        idempotency_key: None,
         turn: 2,
         text: "hi".into(),
         model: None,

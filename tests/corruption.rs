@@ -73,6 +73,7 @@ async fn write_pristine(dir: &Path, engine: StorageEngine) {
                 round,
                 1_000 + round,
                 Event::UserMessage {
+                    idempotency_key: None,
                     tool_choice: None,
                     turn: 1,
                     text,

@@ -446,6 +446,7 @@ fn full_disk_event(seq: u64) -> EventEnvelope {
         seq,
         seq,
         Event::UserMessage {
+            idempotency_key: None,
             tool_choice: None,
             turn: 1,
             text: crate::support::incompressible_text(seq, 40 * 1024),

@@ -141,6 +141,7 @@ fn sample_events() -> Vec<Event> {
             workdir: None,
         }),
         Event::UserMessage {
+            idempotency_key: None,
             tool_choice: None,
             turn: 1,
             text: "hello".into(),
@@ -631,6 +632,7 @@ fn call_options_tool_choice_and_opaque_parts_have_golden_bytes() {
         (
             "user_message",
             Event::UserMessage {
+                idempotency_key: None,
                 turn: 1,
                 text: "search".into(),
                 model: None,

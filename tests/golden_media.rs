@@ -45,6 +45,7 @@ fn a_user_message_with_media_has_golden_bytes() {
         "media-user_message.bin",
         2,
         Event::UserMessage {
+            idempotency_key: None,
             turn: 1,
             text: "compare these".into(),
             model: None,

@@ -381,6 +381,7 @@ fn a_store_opens_after_a_kill_while_sled_wrote_its_snapshot() {
         1,
         0,
         Event::UserMessage {
+            idempotency_key: None,
             tool_choice: None,
             turn: 1,
             text: "acknowledged".to_owned(),

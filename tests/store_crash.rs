@@ -402,6 +402,7 @@ async fn writer(store: &dyn Store, session: &str, w: usize, rng: &mut StdRng, se
                         rng.gen_range(200..4_000)
                     };
                     Event::UserMessage {
+                        idempotency_key: None,
                         tool_choice: None,
                         turn: 1,
                         text: format!(
@@ -460,6 +461,7 @@ async fn worker(store: &dyn Store, seed: u64) {
                     next,
                     now_ms(),
                     Event::UserMessage {
+                        idempotency_key: None,
                         tool_choice: None,
                         turn: 1,
                         text: format!("s{seed:x}-done-{n}-{} result", lease.id.scheduled_seq),

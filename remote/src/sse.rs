@@ -96,6 +96,7 @@ mod tests {
             seq,
             recorded_at_ms: 1_700_000_000_000 + seq,
             event: Event::UserMessage {
+                idempotency_key: None,
                 tool_choice: None,
                 turn: 1,
                 text: format!("line one\nline two of {seq}"),

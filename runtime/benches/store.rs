@@ -19,6 +19,7 @@ fn event(session_id: &str, seq: u64) -> EventEnvelope {
         seq,
         1_700_000_000_000 + seq,
         Event::UserMessage {
+            idempotency_key: None,
             tool_choice: None,
             turn: 1,
             text: "x".repeat(200),

@@ -52,6 +52,7 @@ fn event() -> impl Strategy<Value = Event> {
             proptest::collection::vec(media(), 0..3)
         )
             .prop_map(|(turn, text, media)| Event::UserMessage {
+                idempotency_key: None,
                 turn,
                 text,
                 model: None,

@@ -13,6 +13,9 @@
 //! a change hint says is behind is caught up before deciding, which saves the conflict.
 //! Waiters and followers of a session hear of foreign appends through [`Engine::follow_store`].
 
+#[path = "engine_idempotent.rs"]
+mod idempotent;
+
 use crate::clock::Clock;
 use crate::error::{Error, Result};
 use crate::event::ErrorClass;
@@ -466,6 +469,7 @@ impl Engine {
                 Ok(Some(vec![
                     Event::SessionStarted(started.clone()),
                     Event::UserMessage {
+                        idempotency_key: None,
                         turn: 1,
                         text: text.to_owned(),
                         model: model.clone(),
@@ -529,6 +533,7 @@ impl Engine {
             |state| {
                 turn = state.turns_started + 1;
                 Ok(Some(Event::UserMessage {
+                    idempotency_key: None,
                     turn,
                     text: text.to_owned(),
                     model: model.clone(),

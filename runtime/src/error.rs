@@ -96,6 +96,17 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A message sent under an idempotency key that an earlier, different message of the
+    /// session was sent under (a resend of the same message is answered with its turn).
+    #[error("session {session_id:?}: idempotency key {key:?} was used by turn {turn} for another message")]
+    IdempotencyKeyReused {
+        /// Session.
+        session_id: String,
+        /// The key.
+        key: String,
+        /// The turn the key's first message started.
+        turn: u32,
+    },
     /// A report (a result, a failure, streamed output) for a lease or attempt the workflow no
     /// longer waits for: a retry superseded it, a newer lease already recorded output, the
     /// activity was answered or cancelled, or the turn ended. Expected in normal operation (a

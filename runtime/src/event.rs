@@ -72,6 +72,10 @@ pub enum Event {
         /// A tool choice for this turn only, instead of the session's.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         tool_choice: Option<ToolChoice>,
+        /// The key the client sent the message under (`Idempotency-Key`): a resend under it
+        /// starts no second turn. Absent from messages sent without one (and old histories).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        idempotency_key: Option<String>,
     },
     /// A model call was scheduled (its task enqueued in the same append).
     ModelCallScheduled {

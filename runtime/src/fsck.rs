@@ -507,6 +507,7 @@ mod tests {
         for event in [
             started(),
             Event::UserMessage {
+                idempotency_key: None,
                 tool_choice: None,
                 turn: 1,
                 text: format!("hello from {sid}"),
@@ -555,6 +556,7 @@ mod tests {
             1,
             1,
             Event::UserMessage {
+                idempotency_key: None,
                 tool_choice: None,
                 turn: 1,
                 text: "x".to_owned(),

@@ -14,6 +14,7 @@ pub mod export;
 pub mod follow;
 pub mod fork;
 pub mod fsck;
+pub mod idempotency;
 pub mod policy;
 pub mod pricing;
 pub mod progress;
@@ -28,6 +29,8 @@ pub mod workflow;
 mod client_tests;
 #[cfg(test)]
 mod codec_props;
+#[cfg(test)]
+mod engine_idempotent_tests;
 #[cfg(test)]
 mod engine_memory_tests;
 #[cfg(test)]

@@ -15,13 +15,14 @@ use crate::error::{Error, Result};
 use crate::event::{
     ActivityFailure, ErrorClass, Event, EventEnvelope, RetryPolicy, SessionStarted,
 };
+use crate::idempotency::{idempotency_key_problem, message_fingerprint, KeyedMessage};
 use crate::policy::PolicyDecision;
 use crate::store::{NewTask, TaskId, TaskKind};
 use cairn_ledger::{
     validate_response, CallOptions, CompactionStrategy, JsonText, ModelResponse, ModelSpec, Part,
     StopReason, ToolChoice, ToolResult, ToolResultContent, ToolUse, Transcript, Usage,
 };
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 /// The version of the workflow's rules this code decides new sessions by. A session keeps
@@ -494,6 +495,8 @@ pub struct SessionState {
     /// Usage, cost and model calls of every attempt of the session.
     pub totals: UsageTotals,
     tool_use_ids: BTreeSet<String>,
+    /// The messages sent under an idempotency key, by key.
+    message_keys: BTreeMap<String, KeyedMessage>,
     expected: VecDeque<Command>,
     /// The estimated bytes the state holds, kept up to date by `apply` (`workflow_bytes.rs`).
     bytes: usize,
@@ -514,9 +517,16 @@ impl SessionState {
             usage: Usage::default(),
             totals: UsageTotals::default(),
             tool_use_ids: BTreeSet::new(),
+            message_keys: BTreeMap::new(),
             expected: VecDeque::new(),
             bytes: bytes::EMPTY_STATE_BYTES,
         }
+    }
+
+    /// The message sent under idempotency key `key`, if one was: the turn it started and its
+    /// fingerprint ([`crate::idempotency`]).
+    pub fn keyed_message(&self, key: &str) -> Option<KeyedMessage> {
+        self.message_keys.get(key).copied()
     }
 
     /// Folds a whole history, checking determinism on the way.
@@ -1052,6 +1062,7 @@ impl SessionState {
                 model,
                 media,
                 tool_choice,
+                idempotency_key,
             } => {
                 if self.cancelled {
                     return Err(self.invalid(seq, "session is cancelled"));
@@ -1075,10 +1086,35 @@ impl SessionState {
                     m.check()
                         .map_err(|v| self.invalid(seq, format!("media {i}: {v}")))?;
                 }
+                if let Some(key) = idempotency_key {
+                    if let Some(problem) = idempotency_key_problem(key) {
+                        return Err(self.invalid(seq, problem));
+                    }
+                    if let Some(used) = self.message_keys.get(key) {
+                        return Err(self.invalid(
+                            seq,
+                            format!("idempotency key {key:?} was used by turn {}", used.turn),
+                        ));
+                    }
+                }
+                let keyed = idempotency_key.as_ref().map(|key| {
+                    let fingerprint =
+                        message_fingerprint(text, model.as_ref(), media, tool_choice.as_ref());
+                    (
+                        key.clone(),
+                        KeyedMessage {
+                            turn: *turn,
+                            fingerprint,
+                        },
+                    )
+                });
                 let model = match model {
                     Some(m) => m.clone(),
                     None => self.started_ref()?.model.clone(),
                 };
+                if let Some((key, message)) = keyed {
+                    self.message_keys.insert(key, message);
+                }
                 Arc::make_mut(&mut self.transcript).push_user(text.clone(), media);
                 self.turns_started = *turn;
                 self.active = Some(ActiveTurn {

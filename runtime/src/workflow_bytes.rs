@@ -4,13 +4,14 @@
 //! The transcript is most of a long session's state, and it grows only by whole messages,
 //! except when compacted. So each event adds the estimate of the messages it appended
 //! (`Message::heap_bytes`), and a compaction counts the state again. The tool-use ids the
-//! state remembers and the session's start (tool specs, system prompt) are counted too; the
-//! rest of the state is small and of fixed size. Keeping the count as events are applied makes
-//! it free to read, where counting the transcript at each read would cost a walk of it per
-//! step. The count depends on the history alone, so a live state and its replay agree on it.
+//! state remembers, its messages' idempotency keys, and the session's start (tool specs,
+//! system prompt) are counted too; the rest of the state is small and of fixed size. Keeping
+//! the count as events are applied makes it free to read, where counting the transcript at
+//! each read would cost a walk of it per step. The count depends on the history alone, so a live state and its replay agree on it.
 
 use super::SessionState;
 use crate::event::{Event, SessionStarted};
+use crate::idempotency::KeyedMessage;
 use cairn_ledger::Message;
 use std::mem::size_of;
 
@@ -20,6 +21,10 @@ pub(super) const EMPTY_STATE_BYTES: usize = size_of::<SessionState>();
 /// What one remembered tool-use id costs: the string's inline size, an id of a typical length
 /// (providers' ids run from about 24 to 40 bytes) and its share of the set's tree nodes.
 const TOOL_USE_ID_BYTES: usize = size_of::<String>() + 40;
+
+/// What one remembered idempotency key costs beyond its own bytes: the string's inline size,
+/// the turn and fingerprint it maps to, and its share of the map's tree nodes.
+const MESSAGE_KEY_BYTES: usize = size_of::<String>() + size_of::<KeyedMessage>() + 16;
 
 /// The state's counts before an event, which the bytes it added are measured from.
 pub(super) struct BytesMark {
@@ -62,7 +67,14 @@ impl SessionState {
             (Some(started), false) => started_bytes(started),
             _ => 0,
         };
-        self.bytes += added + ids * TOOL_USE_ID_BYTES + started;
+        let key = match event {
+            Event::UserMessage {
+                idempotency_key: Some(key),
+                ..
+            } => MESSAGE_KEY_BYTES + key.len(),
+            _ => 0,
+        };
+        self.bytes += added + ids * TOOL_USE_ID_BYTES + started + key;
     }
 
     /// The state's estimate counted from scratch.
@@ -75,6 +87,11 @@ impl SessionState {
                 .map(Message::heap_bytes)
                 .sum::<usize>()
             + self.tool_use_ids.len() * TOOL_USE_ID_BYTES
+            + self
+                .message_keys
+                .keys()
+                .map(|key| MESSAGE_KEY_BYTES + key.len())
+                .sum::<usize>()
             + self.started.as_ref().map_or(0, started_bytes)
     }
 }

@@ -170,7 +170,9 @@ fn event() -> impl Strategy<Value = Event> {
     let attempt = 0u32..4;
     prop_oneof![
         1 => started(),
-        3 => turn.clone().prop_map(|turn| Event::UserMessage {
+        3 => (turn.clone(), prop::option::of("[ab ]")).prop_map(|(turn, idempotency_key)| Event::UserMessage {
+            // Sometimes a key used already, sometimes one that is no key (a space).
+            idempotency_key,
             tool_choice: None,
             turn,
             text: "go".to_owned(),
@@ -292,6 +294,7 @@ fn targeted(state: &SessionState, step: Step) -> Option<Event> {
     };
     match step {
         Step::NextTurn => Some(Event::UserMessage {
+            idempotency_key: None,
             tool_choice: None,
             turn: state.turns_started + 1,
             text: "go on".to_owned(),

@@ -162,6 +162,7 @@ pub(super) fn text(t: &str) -> Part {
 
 pub(super) fn user(turn: u32, t: &str) -> Event {
     Event::UserMessage {
+        idempotency_key: None,
         tool_choice: None,
         turn,
         text: t.into(),
@@ -1165,6 +1166,7 @@ fn step_routes_tasks_on_the_session_queues_with_targets_and_start_deadlines() {
     ));
     // A turn on another model: its calls need a worker hosting that model's provider.
     let t = live.step(Event::UserMessage {
+        idempotency_key: None,
         tool_choice: None,
         turn: 2,
         text: "again".into(),

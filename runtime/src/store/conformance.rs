@@ -118,6 +118,7 @@ pub fn message(session_id: &str, seq: u64, text: &str) -> EventEnvelope {
         seq,
         1_000 + seq,
         Event::UserMessage {
+            idempotency_key: None,
             tool_choice: None,
             turn: 1,
             text: text.to_owned(),
