@@ -44,6 +44,14 @@ fn assert_golden_record(name: &str, envelope: &EventEnvelope) -> EventEnvelope {
         "{} decodes to a different event",
         format1.display()
     );
+    assert_format2_record(name, envelope)
+}
+
+/// `events/format2/NAME` holds what `codec::encode` writes today (written when missing or
+/// blessed): it must decode to the envelope, and the encoding must not change. For shapes
+/// added after format 2, which have no format-1 record. Returns the record's decoding.
+fn assert_format2_record(name: &str, envelope: &EventEnvelope) -> EventEnvelope {
+    let (session_id, seq) = (envelope.session_id.as_str(), envelope.seq);
     let format2 = golden_dir().join("events/format2").join(name);
     let bytes = codec::encode(envelope).unwrap();
     if bless() || !format2.exists() {
@@ -674,4 +682,34 @@ fn call_options_tool_choice_and_opaque_parts_have_golden_bytes() {
             EventEnvelope::new("golden-options", seq as u64 + 1, 1_700_000_000_000, event);
         assert_golden_record(&format!("options-{kind}.bin"), &envelope);
     }
+}
+
+/// A user message sent under an idempotency key: the field, added after format 2, is left
+/// out of every message sent without one (the records above are unchanged by it).
+#[test]
+fn a_user_message_sent_under_an_idempotency_key_has_golden_bytes() {
+    let envelope = EventEnvelope::new(
+        "golden-keyed",
+        2,
+        1_700_000_000_000,
+        Event::UserMessage {
+            turn: 1,
+            text: "once".into(),
+            model: None,
+            media: Vec::new(),
+            tool_choice: None,
+            idempotency_key: Some("0b4f5a1e-2c3d-4e5f-8a9b-0c1d2e3f4a5b".into()),
+        },
+    );
+    let decoded = assert_format2_record("keyed-user_message.bin", &envelope);
+    let Event::UserMessage {
+        idempotency_key, ..
+    } = decoded.event
+    else {
+        panic!("a user_message decodes as one");
+    };
+    assert_eq!(
+        idempotency_key.as_deref(),
+        Some("0b4f5a1e-2c3d-4e5f-8a9b-0c1d2e3f4a5b")
+    );
 }

@@ -18,6 +18,7 @@ mod first_hour;
 mod golden;
 mod golden_media;
 mod history_files;
+mod idempotency;
 mod library;
 mod lifecycle;
 mod mcp;

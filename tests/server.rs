@@ -23,10 +23,15 @@ pub(crate) struct Server {
 impl Server {
     /// Starts `cairn server` on a free loopback port and waits for its `listening on` line.
     pub(crate) fn start(data: &Path, extra: &[&str]) -> Server {
+        Server::start_on("127.0.0.1:0", data, extra)
+    }
+
+    /// Starts `cairn server` listening on `listen` (a restart on the port a killed one had).
+    pub(crate) fn start_on(listen: &str, data: &Path, extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_cairn"))
             .args(["server", "--data"])
             .arg(data)
-            .args(["--listen", "127.0.0.1:0"])
+            .args(["--listen", listen])
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -73,7 +78,7 @@ impl Server {
     }
 
     /// SIGKILL, and wait until it is gone.
-    async fn kill(&mut self) {
+    pub(crate) async fn kill(&mut self) {
         self.signal(libc::SIGKILL);
         self.exit().await;
     }
@@ -90,7 +95,7 @@ impl Drop for Server {
 pub(crate) struct Answer {
     pub(crate) status: StatusCode,
     pub(crate) body: Value,
-    headers: reqwest::header::HeaderMap,
+    pub(crate) headers: reqwest::header::HeaderMap,
 }
 
 impl Answer {
@@ -211,7 +216,7 @@ async fn lease_one(
     tasks[0].clone()
 }
 
-async fn history(
+pub(crate) async fn history(
     http: &reqwest::Client,
     server: &Server,
     token: Option<&str>,
@@ -229,7 +234,7 @@ async fn history(
     page.body["events"].as_array().expect("events").clone()
 }
 
-fn kinds(events: &[Value]) -> Vec<&str> {
+pub(crate) fn kinds(events: &[Value]) -> Vec<&str> {
     events
         .iter()
         .map(|e| e["kind"].as_str().unwrap_or("?"))

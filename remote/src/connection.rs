@@ -40,6 +40,7 @@ enum Endpoint {
 }
 
 /// A request: method, path and query (`/v1/...`), and an optional JSON body.
+#[derive(Clone)]
 pub(crate) struct Request {
     pub method: Method,
     pub path: String,
@@ -48,6 +49,8 @@ pub(crate) struct Request {
     pub last_event_id: Option<u64>,
     /// Ask for an event stream rather than JSON.
     pub event_stream: bool,
+    /// `Idempotency-Key` of a request that starts a turn, the same on each resend.
+    pub idempotency_key: Option<String>,
 }
 
 impl Request {
@@ -59,6 +62,7 @@ impl Request {
             body: None,
             last_event_id: None,
             event_stream: false,
+            idempotency_key: None,
         }
     }
 
@@ -79,6 +83,7 @@ impl Request {
             body: Some(serde_json::to_vec(body).unwrap_or_default()),
             last_event_id: None,
             event_stream: false,
+            idempotency_key: None,
         }
     }
 }
@@ -225,6 +230,9 @@ impl Connection {
         }
         if let Some(id) = request.last_event_id {
             headers.push(("last-event-id", id.to_string()));
+        }
+        if let Some(key) = &request.idempotency_key {
+            headers.push(("idempotency-key", key.clone()));
         }
         headers
     }

@@ -53,6 +53,9 @@ pub struct Faults {
     /// Ignore `wait_ms` on the routes that start a turn, answering at once without the
     /// outcome, as a server from before the parameter does.
     pub ignore_wait: bool,
+    /// Carry out this many requests that start a turn and then answer them 503, as if the
+    /// answer were lost on the way (the client cannot tell whether its message landed).
+    pub lose_answers: AtomicU32,
 }
 
 /// One request the server saw.
@@ -62,6 +65,8 @@ pub struct Seen {
     pub uri: String,
     /// Its `Last-Event-ID` header.
     pub last_event_id: Option<String>,
+    /// Its `Idempotency-Key` header.
+    pub idempotency_key: Option<String>,
 }
 
 /// The test server's state.
@@ -139,6 +144,7 @@ async fn check(State(server): State<Shared>, request: Request, next: Next) -> Re
     server.seen.lock().unwrap().push(Seen {
         uri: request.uri().to_string(),
         last_event_id: header(request.headers(), "last-event-id"),
+        idempotency_key: header(request.headers(), "idempotency-key"),
     });
     if let Some(token) = &server.token {
         if header(request.headers(), "authorization") != Some(format!("Bearer {token}")) {
@@ -174,6 +180,7 @@ fn failed(e: Error) -> Response {
         Error::LeaseLost { .. } => ErrorCode::LeaseLost,
         Error::InvalidEvent { .. } => ErrorCode::Conflict,
         Error::InvalidSessionId { .. } => ErrorCode::InvalidRequest,
+        Error::IdempotencyKeyReused { .. } => ErrorCode::IdempotencyKeyReused,
         _ => ErrorCode::Internal,
     };
     error_answer(code, e.to_string())
@@ -184,6 +191,25 @@ fn answer<T: serde::Serialize>(result: cairn_runtime::Result<T>) -> Response {
         Ok(value) => Json(value).into_response(),
         Err(e) => failed(e),
     }
+}
+
+/// The answer to a request that started a turn, unless [`Faults::lose_answers`] has it
+/// lost.
+fn unless_lost(server: &FakeServer, answer: Response) -> Response {
+    let lost = server
+        .faults
+        .lose_answers
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
+            left.checked_sub(1)
+        })
+        .is_ok();
+    if lost {
+        return error_answer(
+            ErrorCode::Unavailable,
+            "the answer was lost on the way".into(),
+        );
+    }
+    answer
 }
 
 /// The outcome of `turn` once it ends, waiting up to the query's `wait_ms` (none: no wait).
@@ -208,8 +234,10 @@ async fn outcome_within(
 async fn create_session(
     State(server): State<Shared>,
     Query(query): Query<BTreeMap<String, u64>>,
+    headers: HeaderMap,
     Json(body): Json<CreateSession>,
 ) -> Response {
+    let key = header(&headers, "idempotency-key");
     let options = SessionOptions {
         session_id: body.session_id,
         system_prompt: body.system_prompt,
@@ -228,6 +256,19 @@ async fn create_session(
                     .to_owned(),
             );
         }
+        message if key.is_some() && options.session_id.is_some() => {
+            let session_id = options.session_id.clone().unwrap_or_default();
+            server
+                .engine
+                .start_session_idempotent(
+                    &session_id,
+                    options.started(),
+                    key.as_deref().unwrap_or_default(),
+                    message.as_ref(),
+                )
+                .await
+                .map(|turn| (session_id, turn))
+        }
         Some(message) => server
             .client
             .start_session_and_send(options, &message.text)
@@ -245,15 +286,15 @@ async fn create_session(
                 Some(turn) => outcome_within(&server, &query, &session_id, turn).await,
                 None => None,
             };
-            (
+            let created = (
                 StatusCode::CREATED,
                 Json(SessionCreated {
                     session_id,
                     turn,
                     outcome,
                 }),
-            )
-                .into_response()
+            );
+            unless_lost(&server, created.into_response())
         }
         Err(e) => failed(e),
     }
@@ -286,11 +327,13 @@ async fn send_message(
     State(server): State<Shared>,
     Path(id): Path<String>,
     Query(query): Query<BTreeMap<String, u64>>,
+    headers: HeaderMap,
     Json(body): Json<SendMessage>,
 ) -> Response {
-    let sent = match body.model {
-        Some(model) => server.client.send_with_model(&id, &body.text, model).await,
-        None => server.client.send(&id, &body.text).await,
+    let sent = match (header(&headers, "idempotency-key"), body.model.clone()) {
+        (Some(key), _) => server.engine.send_idempotent(&id, &key, &body).await,
+        (None, Some(model)) => server.client.send_with_model(&id, &body.text, model).await,
+        (None, None) => server.client.send(&id, &body.text).await,
     };
     match sent {
         Ok(turn) => {
@@ -299,7 +342,10 @@ async fn send_message(
                 Some(_) => StatusCode::OK,
                 None => StatusCode::ACCEPTED,
             };
-            (status, Json(TurnStarted { turn, outcome })).into_response()
+            unless_lost(
+                &server,
+                (status, Json(TurnStarted { turn, outcome })).into_response(),
+            )
         }
         Err(e) => failed(e),
     }

@@ -1050,3 +1050,90 @@ async fn a_follower_passes_on_waiting_deltas_before_a_later_event() {
     let expected: Vec<StreamEvent> = deltas.into_iter().map(StreamEvent::Delta).collect();
     assert_eq!(first, expected);
 }
+
+/// The keys and paths of the requests that started turns, from the `from`th request on.
+fn keyed_requests(server: &FakeServer, from: usize) -> Vec<(String, Option<String>)> {
+    let paths = session_requests(server, from);
+    let keys = server.seen()[from..]
+        .iter()
+        .filter(|seen| seen.uri.starts_with("/v1/sessions"))
+        .map(|seen| seen.idempotency_key.clone())
+        .collect::<Vec<_>>();
+    paths
+        .into_iter()
+        .zip(keys)
+        .filter(|(path, _)| !path.contains("/turns/"))
+        .collect()
+}
+
+/// A request that starts a turn whose answer is lost (a 503 after the server carried it
+/// out) is sent again under the same idempotency key: the turn starts once, and the client
+/// gets its outcome. Each request gets a key of its own.
+#[tokio::test]
+async fn a_request_whose_answer_is_lost_is_sent_again_under_its_key_and_starts_one_turn() {
+    let (server, served, pool, workdir) = served_with_a_pool(Faults {
+        lose_answers: std::sync::atomic::AtomicU32::new(1),
+        ..Faults::default()
+    })
+    .await;
+    let client = remote_client(&served.url, Duration::from_secs(30));
+    // No id: the client names the session, so that the resend finds it.
+    let options = SessionOptions::new(demo_model(), ToolRegistry::builtin(workdir.path()).specs());
+    let (session, outcome) = guarded(
+        "a turn through the test server",
+        client.start_session_and_run(options, "What is (17 + 25) * 3?"),
+    )
+    .await
+    .unwrap();
+    assert!(session.starts_with('s'), "{session}");
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { turn: 1, .. }),
+        "{outcome:?}"
+    );
+    let sent = keyed_requests(&server, 0);
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert!(sent
+        .iter()
+        .all(|(path, _)| path == "/v1/sessions?wait_ms=30000"));
+    let first_key = sent[0].1.clone().expect("a key");
+    assert_eq!(first_key.len(), 32, "{first_key}");
+    assert_eq!(
+        sent[1].1.as_deref(),
+        Some(first_key.as_str()),
+        "the same key"
+    );
+
+    server.faults.lose_answers.store(1, Ordering::Relaxed);
+    let from = server.seen().len();
+    let outcome = guarded(
+        "a turn through the test server",
+        client.run_turn(&session, "And what is 2 + 2?"),
+    )
+    .await
+    .unwrap();
+    // The demo's script has answers for one turn: the second fails, and that is its outcome.
+    assert!(
+        matches!(&outcome, TurnOutcome::Failed { turn: 2, reason, .. } if reason.contains("exhausted")),
+        "{outcome:?}"
+    );
+    let sent = keyed_requests(&server, from);
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert_eq!(sent[0].1, sent[1].1, "the same key");
+    assert_ne!(sent[0].1.as_deref(), Some(first_key.as_str()), "a new key");
+    // One message per turn in the history.
+    let history = server
+        .engine
+        .store()
+        .read_history(&session, 1, None)
+        .await
+        .unwrap();
+    let messages: Vec<u32> = history
+        .iter()
+        .filter_map(|envelope| match &envelope.event {
+            cairn_runtime::Event::UserMessage { turn, .. } => Some(*turn),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(messages, [1, 2]);
+    pool.shutdown().await;
+}

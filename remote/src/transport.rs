@@ -34,6 +34,11 @@ const RECONNECT_GIVE_UP: Duration = Duration::from_secs(60);
 const RECONNECT_BACKOFF: (Duration, Duration) =
     (Duration::from_millis(100), Duration::from_secs(5));
 
+/// How long a request that starts a turn is sent again, under its idempotency key, while
+/// the server stays unreachable (or keeps failing) before the error is given up on; a
+/// restart of the server takes less.
+const RESEND_GIVE_UP: Duration = Duration::from_secs(60);
+
 /// A client transport to a cairn server (`http(s)://HOST:PORT` or `unix:PATH`).
 #[derive(Clone)]
 pub struct HttpTransport {
@@ -90,9 +95,12 @@ fn session(session_id: &str) -> Subject<'_> {
 }
 
 /// The `POST /v1/sessions` body for `options`, with the session's first message if any.
+/// A session without an id of its own gets one here, not from the server, so that a resend
+/// of the request ([`HttpTransport::until_answered`]) names the session the first one
+/// started.
 fn create_session(options: SessionOptions, message: Option<SendMessage>) -> CreateSession {
     CreateSession {
-        session_id: options.session_id,
+        session_id: Some(options.session_id.unwrap_or_else(new_session_id)),
         model: options.model,
         tools: options.tools,
         system_prompt: options.system_prompt,
@@ -127,6 +135,22 @@ fn text_message(text: &str) -> SendMessage {
     }
 }
 
+/// A key no other request has: 128 random bits, in hex.
+#[allow(clippy::disallowed_methods)] // a client's keys are random by design; not pure code
+fn new_idempotency_key() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// A new session's id: `s`, the time in hex milliseconds (so ids sort by creation, as the
+/// server's own do) and 64 random bits.
+#[allow(clippy::disallowed_methods)] // the time and randomness of an id; not pure code
+fn new_session_id() -> String {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_millis());
+    format!("s{now_ms:x}-{:016x}", rand::random::<u64>())
+}
+
 /// `path` with `?wait_ms=` for `wait`, if any.
 fn with_wait(path: &str, wait: Option<Duration>) -> String {
     match wait {
@@ -137,23 +161,22 @@ fn with_wait(path: &str, wait: Option<Duration>) -> String {
 
 impl HttpTransport {
     /// `POST /v1/sessions`, asking the server to wait up to `wait` for the first message's
-    /// turn.
+    /// turn; sent again while it fails retryably ([`HttpTransport::until_answered`]).
     async fn create(&self, body: &CreateSession, wait: Option<Duration>) -> Result<SessionCreated> {
         let subject = Subject {
             session_id: body.session_id.as_deref(),
             lease: None,
         };
-        self.connection
-            .call_json(
-                Request::post(with_wait("/v1/sessions", wait), body),
-                subject,
-                REQUEST_TIMEOUT + wait.unwrap_or_default(),
-            )
-            .await
+        self.until_answered(
+            Request::post(with_wait("/v1/sessions", wait), body),
+            subject,
+            REQUEST_TIMEOUT + wait.unwrap_or_default(),
+        )
+        .await
     }
 
     /// `POST /v1/sessions/{id}/messages`, asking the server to wait up to `wait` for the
-    /// turn.
+    /// turn; sent again while it fails retryably ([`HttpTransport::until_answered`]).
     async fn post_message(
         &self,
         session_id: &str,
@@ -161,13 +184,44 @@ impl HttpTransport {
         wait: Option<Duration>,
     ) -> Result<TurnStarted> {
         let path = format!("{}/messages", session_path(session_id));
-        self.connection
-            .call_json(
-                Request::post(with_wait(&path, wait), body),
-                session(session_id),
-                REQUEST_TIMEOUT + wait.unwrap_or_default(),
-            )
-            .await
+        self.until_answered(
+            Request::post(with_wait(&path, wait), body),
+            session(session_id),
+            REQUEST_TIMEOUT + wait.unwrap_or_default(),
+        )
+        .await
+    }
+
+    /// Sends a request that starts a turn under an idempotency key of its own, and sends it
+    /// again under the same key while it fails retryably (the server unreachable, a broken
+    /// connection, a 5xx), backing off, for up to [`RESEND_GIVE_UP`]: the server records the
+    /// message once and answers a resend as it did the first request, so a client that lost
+    /// an answer neither loses its message nor sends it twice. (A server from before the
+    /// header ignores it; a resend to one would start a second turn if the first request
+    /// had landed, or be refused as a turn already running.)
+    async fn until_answered<T: serde::de::DeserializeOwned>(
+        &self,
+        mut request: Request,
+        subject: Subject<'_>,
+        timeout: Duration,
+    ) -> Result<T> {
+        request.idempotency_key = Some(new_idempotency_key());
+        let since = Instant::now();
+        let mut backoff = RECONNECT_BACKOFF.0;
+        loop {
+            match self
+                .connection
+                .call_json(request.clone(), subject, timeout)
+                .await
+            {
+                Err(e) if retryable(&e) && since.elapsed() + backoff < RESEND_GIVE_UP => {
+                    debug!(error = %e, path = %request.path, "a request that starts a turn failed; sending it again under its idempotency key");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(RECONNECT_BACKOFF.1);
+                }
+                answered => return answered,
+            }
+        }
     }
 
     /// Creates a session with its first message, in one request when the server takes the

@@ -680,6 +680,9 @@ pub enum ErrorCode {
     Unavailable,
     /// 409: a delete of a session that is not finished (a turn runs, a task is queued).
     SessionBusy,
+    /// 422: a message under an `Idempotency-Key` that an earlier, different message of the
+    /// session was sent under.
+    IdempotencyKeyReused,
 }
 
 impl ErrorCode {
@@ -697,6 +700,7 @@ impl ErrorCode {
             | ErrorCode::SessionBusy => 409,
             ErrorCode::TooLarge => 413,
             ErrorCode::UnsupportedMediaType => 415,
+            ErrorCode::IdempotencyKeyReused => 422,
             ErrorCode::Internal => 500,
             ErrorCode::Unavailable => 503,
         }
@@ -718,6 +722,7 @@ impl ErrorCode {
             ErrorCode::Internal => "internal",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::SessionBusy => "session_busy",
+            ErrorCode::IdempotencyKeyReused => "idempotency_key_reused",
         }
     }
 }

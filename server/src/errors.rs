@@ -73,6 +73,13 @@ impl ApiError {
                 ErrorCode::SessionBusy,
                 format!("session {session_id:?} cannot be deleted: {reason}"),
             ),
+            RuntimeError::IdempotencyKeyReused { key, turn, .. } => Self::new(
+                ErrorCode::IdempotencyKeyReused,
+                format!(
+                    "Idempotency-Key {key:?} was sent with another message, which started turn \
+                     {turn} of session {session_id:?}; send a new message under a new key"
+                ),
+            ),
             RuntimeError::Conflict { .. } => Self::conflict(format!(
                 "session {session_id:?} changed while this request was applied; retry"
             )),

@@ -14,6 +14,7 @@ mod compact;
 mod delete;
 mod errors;
 mod events;
+mod idempotency_key;
 mod inspect;
 mod lenient;
 mod openapi;

@@ -5,8 +5,9 @@
 use crate::app::AppState;
 use crate::auth::{Caller, ClientCaller};
 use crate::errors::{ApiError, JsonBody, PathParams, QueryParams};
+use crate::idempotency_key::{idempotency_key, session_id_for_key, IdempotencyKeyHeader};
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use cairn_activities::providers::{render_request, RequestFormat};
@@ -123,14 +124,14 @@ pub fn session_span(caller: &Caller, id: &str) -> tracing::Span {
     post,
     path = "/v1/sessions",
     tag = "sessions",
-    params(StartTurnQuery),
+    params(StartTurnQuery, IdempotencyKeyHeader),
     request_body = CreateSession,
     responses(
         (status = 201, description = "The session was started (with `wait_ms`, its first turn's outcome when that ended in time)", body = SessionCreated),
         (status = 400, description = "Malformed or invalid request", body = ErrorBody),
         (status = 401, description = "No token, or an unknown one", body = ErrorBody),
         (status = 403, description = "Not a client token", body = ErrorBody),
-        (status = 409, description = "The session id is taken", body = ErrorBody),
+        (status = 409, description = "The session id is taken (under an `Idempotency-Key`: by a start that was not this one)", body = ErrorBody),
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 415, description = "The body is not JSON", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
@@ -141,15 +142,21 @@ pub async fn create_session(
     State(state): State<AppState>,
     ClientCaller(caller): ClientCaller,
     QueryParams(query): QueryParams<StartTurnQuery>,
+    headers: HeaderMap,
     JsonBody(request): JsonBody<CreateSession>,
 ) -> Result<(StatusCode, Json<SessionCreated>), ApiError> {
+    let key = idempotency_key(&headers)?;
     check_model(&request.model, "model")?;
     if let Some(policy) = &request.compaction {
         policy
             .check()
             .map_err(|e| ApiError::invalid(format!("compaction: {e}")))?;
     }
-    let id = request.session_id.unwrap_or_else(|| new_session_id(&state));
+    let id = match (request.session_id, &key) {
+        (Some(id), _) => id,
+        (None, Some(key)) => session_id_for_key(key),
+        (None, None) => new_session_id(&state),
+    };
     let stored = stored_id(&caller, &id)?;
     let tool_policy = cairn_workers::policy::session_policy(
         tools_hosted(),
@@ -179,13 +186,19 @@ pub async fn create_session(
         check_message(message, "message.")?;
     }
     async {
-        let created = match request.message {
-            None => state
+        let created = match (key, request.message) {
+            (Some(key), message) => {
+                state
+                    .engine
+                    .start_session_idempotent(&stored, started, &key, message.as_ref())
+                    .await
+            }
+            (None, None) => state
                 .engine
                 .start_session(Some(stored.clone()), started)
                 .await
                 .map(|_| None),
-            Some(message) => state
+            (None, Some(message)) => state
                 .engine
                 .start_session_and_send_turn(
                     Some(stored.clone()),
@@ -372,7 +385,7 @@ impl StartTurnQuery {
     post,
     path = "/v1/sessions/{id}/messages",
     tag = "sessions",
-    params(SessionPath, StartTurnQuery),
+    params(SessionPath, StartTurnQuery, IdempotencyKeyHeader),
     request_body = cairn_runtime::wire::SendMessage,
     responses(
         (status = 200, description = "The turn started and ended within `wait_ms`: its outcome is in the answer", body = TurnStarted),
@@ -384,6 +397,7 @@ impl StartTurnQuery {
         (status = 409, description = "A turn is running, or the session is cancelled", body = ErrorBody),
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 415, description = "The body is not JSON", body = ErrorBody),
+        (status = 422, description = "The `Idempotency-Key` was sent with another message of the session", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
         (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
     )
@@ -393,19 +407,30 @@ pub async fn send_message(
     ClientCaller(caller): ClientCaller,
     PathParams(path): PathParams<SessionPath>,
     QueryParams(query): QueryParams<StartTurnQuery>,
+    headers: HeaderMap,
     JsonBody(request): JsonBody<cairn_runtime::wire::SendMessage>,
 ) -> Result<(StatusCode, Json<TurnStarted>), ApiError> {
+    let key = idempotency_key(&headers)?;
     let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
     check_message(&request, "")?;
-    let turn = state
-        .engine
-        .send_turn(
-            &stored,
-            &request.text,
-            request.model,
-            request.media,
-            request.tool_choice,
-        )
+    let sent = async {
+        match key {
+            Some(key) => state.engine.send_idempotent(&stored, &key, &request).await,
+            None => {
+                state
+                    .engine
+                    .send_turn(
+                        &stored,
+                        &request.text,
+                        request.model,
+                        request.media,
+                        request.tool_choice,
+                    )
+                    .await
+            }
+        }
+    };
+    let turn = sent
         .instrument(session_span(&caller, &path.id))
         .await
         .map_err(|e| ApiError::from_runtime(e, &path.id))?;
