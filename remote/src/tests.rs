@@ -1135,5 +1135,36 @@ async fn a_request_whose_answer_is_lost_is_sent_again_under_its_key_and_starts_o
         })
         .collect();
     assert_eq!(messages, [1, 2]);
+
+    // A key of the caller's: sent twice, one turn; another message under it, refused.
+    let mine = || cairn_runtime::wire::SendMessage {
+        text: "And 3 + 3?".into(),
+        model: None,
+        media: Vec::new(),
+        tool_choice: None,
+    };
+    let turn = client
+        .send_idempotent(&session, "mine", mine())
+        .await
+        .unwrap();
+    assert_eq!(turn, 3);
+    client.wait_turn(&session, turn).await.unwrap();
+    assert_eq!(
+        client
+            .send_idempotent(&session, "mine", mine())
+            .await
+            .unwrap(),
+        3
+    );
+    let mut other = mine();
+    other.text = "And 4 + 4?".into();
+    match client.send_idempotent(&session, "mine", other).await {
+        Err(Error::Remote { status, code, .. }) => {
+            assert_eq!((status, code.as_str()), (422, "idempotency_key_reused"))
+        }
+        other => panic!("expected the key refused as reused, got {other:?}"),
+    }
+    let last = server.seen().last().unwrap().idempotency_key.clone();
+    assert_eq!(last.as_deref(), Some("mine"));
     pool.shutdown().await;
 }

@@ -169,6 +169,7 @@ impl HttpTransport {
         };
         self.until_answered(
             Request::post(with_wait("/v1/sessions", wait), body),
+            new_idempotency_key(),
             subject,
             REQUEST_TIMEOUT + wait.unwrap_or_default(),
         )
@@ -183,17 +184,30 @@ impl HttpTransport {
         body: &SendMessage,
         wait: Option<Duration>,
     ) -> Result<TurnStarted> {
+        self.post_message_under(session_id, body, wait, new_idempotency_key())
+            .await
+    }
+
+    /// [`HttpTransport::post_message`] under idempotency key `key`.
+    async fn post_message_under(
+        &self,
+        session_id: &str,
+        body: &SendMessage,
+        wait: Option<Duration>,
+        key: String,
+    ) -> Result<TurnStarted> {
         let path = format!("{}/messages", session_path(session_id));
         self.until_answered(
             Request::post(with_wait(&path, wait), body),
+            key,
             session(session_id),
             REQUEST_TIMEOUT + wait.unwrap_or_default(),
         )
         .await
     }
 
-    /// Sends a request that starts a turn under an idempotency key of its own, and sends it
-    /// again under the same key while it fails retryably (the server unreachable, a broken
+    /// Sends a request that starts a turn under idempotency key `key`, and sends it again
+    /// under the same key while it fails retryably (the server unreachable, a broken
     /// connection, a 5xx), backing off, for up to [`RESEND_GIVE_UP`]: the server records the
     /// message once and answers a resend as it did the first request, so a client that lost
     /// an answer neither loses its message nor sends it twice. (A server from before the
@@ -202,10 +216,11 @@ impl HttpTransport {
     async fn until_answered<T: serde::de::DeserializeOwned>(
         &self,
         mut request: Request,
+        key: String,
         subject: Subject<'_>,
         timeout: Duration,
     ) -> Result<T> {
-        request.idempotency_key = Some(new_idempotency_key());
+        request.idempotency_key = Some(key);
         let since = Instant::now();
         let mut backoff = RECONNECT_BACKOFF.0;
         loop {
@@ -371,6 +386,19 @@ impl Transport for HttpTransport {
             tool_choice,
         };
         Ok(self.post_message(session_id, &body, None).await?.turn)
+    }
+
+    /// The message under the caller's key, sent again under it while it fails retryably.
+    async fn send_idempotent(
+        &self,
+        session_id: &str,
+        key: &str,
+        message: SendMessage,
+    ) -> Result<u32> {
+        let started = self
+            .post_message_under(session_id, &message, None, key.to_owned())
+            .await?;
+        Ok(started.turn)
     }
 
     async fn wait_turn(

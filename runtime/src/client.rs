@@ -11,8 +11,8 @@ use crate::follow::SessionEvents;
 use crate::policy::ToolPolicy;
 use crate::store::{SessionInfo, SessionStatus};
 use crate::wire::{
-    CompactionOutcome, PendingApproval, PendingTask, SessionDeleted, SessionDescription,
-    SessionPage, SessionSummary, StreamEvent,
+    CompactionOutcome, PendingApproval, PendingTask, SendMessage, SessionDeleted,
+    SessionDescription, SessionPage, SessionSummary, StreamEvent,
 };
 use crate::workflow::{ScheduledActivity, SessionState, TurnOutcome};
 use async_trait::async_trait;
@@ -144,6 +144,16 @@ pub trait Transport: Send + Sync + 'static {
         model: Option<ModelSpec>,
         media: Vec<Media>,
         tool_choice: Option<ToolChoice>,
+    ) -> Result<u32>;
+    /// Sends a message under an idempotency key; returns the turn's number. Sent again under
+    /// the same key, the same message starts no second turn and gets the first one's number;
+    /// another message under a used key is refused ([`Error::IdempotencyKeyReused`], or a
+    /// 422 error from a server).
+    async fn send_idempotent(
+        &self,
+        session_id: &str,
+        key: &str,
+        message: SendMessage,
     ) -> Result<u32>;
     /// Sends a message and waits up to `timeout` (`None`: as long as it takes) for the turn it
     /// starts; returns the turn's number and, when it ended in time, its outcome. By default
@@ -358,6 +368,25 @@ impl Client {
     ) -> Result<u32> {
         self.transport
             .send(session_id, text, model, media, tool_choice)
+            .await
+    }
+
+    /// Sends a message under an idempotency key of the caller's (a UUID, say), starting a
+    /// turn; returns the turn number without waiting. A process that cannot tell whether a
+    /// send landed (it crashed, or lost the answer) sends again under the same key: the
+    /// same message starts no second turn and gets the first one's number, while another
+    /// message under a used key is refused ([`Error::IdempotencyKeyReused`]; from a server,
+    /// a 422 `idempotency_key_reused` error). Keys are 1-255 visible ASCII characters,
+    /// remembered for the session's life. (The remote client already sends every message
+    /// under a key of its own, and again while the server is unreachable.)
+    pub async fn send_idempotent(
+        &self,
+        session_id: &str,
+        key: &str,
+        message: SendMessage,
+    ) -> Result<u32> {
+        self.transport
+            .send_idempotent(session_id, key, message)
             .await
     }
 
@@ -820,6 +849,15 @@ impl Transport for Local {
         self.engine
             .send_turn(session_id, text, model, media, tool_choice)
             .await
+    }
+
+    async fn send_idempotent(
+        &self,
+        session_id: &str,
+        key: &str,
+        message: SendMessage,
+    ) -> Result<u32> {
+        self.engine.send_idempotent(session_id, key, &message).await
     }
 
     async fn wait_turn(

@@ -109,6 +109,14 @@ async fn a_resent_message_starts_no_second_turn_and_another_under_its_key_is_ref
             .await?,
         1
     );
+    // The client's call is the engine's.
+    let client = crate::Client::new(engine.clone());
+    assert_eq!(
+        client
+            .send_idempotent(&session, "k-2", message("again"))
+            .await?,
+        2
+    );
     // A message without a key is not remembered.
     assert_eq!(engine.send_message(&session, "plain", None).await?, 3);
     let events = history(&engine, &session).await?;
