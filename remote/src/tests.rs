@@ -1168,3 +1168,30 @@ async fn a_request_whose_answer_is_lost_is_sent_again_under_its_key_and_starts_o
     assert_eq!(last.as_deref(), Some("mine"));
     pool.shutdown().await;
 }
+
+/// With a resend window of zero, a request that starts a turn is sent once: a lost answer
+/// is the caller's error (the 503 as the server gave it), and the message was recorded.
+#[tokio::test]
+async fn a_resend_window_of_zero_sends_a_request_once() {
+    let server = FakeServer::new(None, Faults::default());
+    let served = serve_tcp(server.router()).await.unwrap();
+    let transport = HttpTransport::new(&served.url, None)
+        .unwrap()
+        .with_resend_window(Duration::ZERO);
+    let client = Client::with_transport(Arc::new(transport));
+    let mut options = SessionOptions::new(demo_model(), Vec::new());
+    options.session_id = Some("once".into());
+    let session = client.start_session(options).await.unwrap();
+    server.faults.lose_answers.store(1, Ordering::Relaxed);
+    match client.send(&session, "hello").await {
+        Err(Error::Remote { status, .. }) => assert_eq!(status, 503),
+        other => panic!("expected the lost answer's 503, got {other:?}"),
+    }
+    let sent = keyed_requests(&server, 0);
+    assert_eq!(sent.len(), 2, "the create and one message: {sent:?}");
+    let described = Client::new(server.engine.clone())
+        .describe(&session)
+        .await
+        .unwrap();
+    assert_eq!(described.turns, 1, "the message landed");
+}

@@ -35,8 +35,8 @@ const RECONNECT_BACKOFF: (Duration, Duration) =
     (Duration::from_millis(100), Duration::from_secs(5));
 
 /// How long a request that starts a turn is sent again, under its idempotency key, while
-/// the server stays unreachable (or keeps failing) before the error is given up on; a
-/// restart of the server takes less.
+/// the server stays unreachable (or keeps failing) before the error is given up on, unless
+/// [`HttpTransport::with_resend_window`] says otherwise; a restart of the server takes less.
 const RESEND_GIVE_UP: Duration = Duration::from_secs(60);
 
 /// A client transport to a cairn server (`http(s)://HOST:PORT` or `unix:PATH`).
@@ -46,6 +46,8 @@ pub struct HttpTransport {
     /// Set once the server refused a session's first message in its `POST /v1/sessions`
     /// (a server from before the field): from then on the message goes by itself.
     first_message_refused: Arc<AtomicBool>,
+    /// How long a request that starts a turn is sent again while it fails retryably.
+    resend_window: Duration,
 }
 
 impl HttpTransport {
@@ -55,7 +57,18 @@ impl HttpTransport {
         Ok(HttpTransport {
             connection: Arc::new(Connection::new(url, token)?),
             first_message_refused: Arc::default(),
+            resend_window: RESEND_GIVE_UP,
         })
+    }
+
+    /// This transport, sending a request that starts a turn again (under its idempotency
+    /// key) while it fails retryably for up to `window` instead of 60 s; `Duration::ZERO`
+    /// sends it once, and its failure is the caller's to handle. A turn deadline
+    /// ([`cairn_runtime::Client::with_turn_deadline`]) does not bound these resends: a
+    /// client that must answer sooner sets a window within its deadline.
+    pub fn with_resend_window(mut self, window: Duration) -> Self {
+        self.resend_window = window;
+        self
     }
 
     /// The server's address as given.
@@ -208,7 +221,7 @@ impl HttpTransport {
 
     /// Sends a request that starts a turn under idempotency key `key`, and sends it again
     /// under the same key while it fails retryably (the server unreachable, a broken
-    /// connection, a 5xx), backing off, for up to [`RESEND_GIVE_UP`]: the server records the
+    /// connection, a 5xx), backing off, for up to its resend window (60 s by default): the server records the
     /// message once and answers a resend as it did the first request, so a client that lost
     /// an answer neither loses its message nor sends it twice. (A server from before the
     /// header ignores it; a resend to one would start a second turn if the first request
@@ -229,7 +242,7 @@ impl HttpTransport {
                 .call_json(request.clone(), subject, timeout)
                 .await
             {
-                Err(e) if retryable(&e) && since.elapsed() + backoff < RESEND_GIVE_UP => {
+                Err(e) if retryable(&e) && since.elapsed() + backoff < self.resend_window => {
                     debug!(error = %e, path = %request.path, "a request that starts a turn failed; sending it again under its idempotency key");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(RECONNECT_BACKOFF.1);
@@ -771,6 +784,7 @@ impl Follower {
             let transport = HttpTransport {
                 connection: self.connection.clone(),
                 first_message_refused: Arc::default(),
+                resend_window: RESEND_GIVE_UP,
             };
             let read = transport
                 .history(&self.session_id, self.last_seq + 1, Some(missing))
