@@ -1086,28 +1086,28 @@ impl SessionState {
                     m.check()
                         .map_err(|v| self.invalid(seq, format!("media {i}: {v}")))?;
                 }
-                if let Some(key) = idempotency_key {
-                    if let Some(problem) = idempotency_key_problem(key) {
-                        return Err(self.invalid(seq, problem));
-                    }
-                    if let Some(used) = self.message_keys.get(key) {
-                        return Err(self.invalid(
-                            seq,
-                            format!("idempotency key {key:?} was used by turn {}", used.turn),
-                        ));
-                    }
-                }
-                let keyed = idempotency_key.as_ref().map(|key| {
-                    let fingerprint =
-                        message_fingerprint(text, model.as_ref(), media, tool_choice.as_ref());
-                    (
-                        key.clone(),
-                        KeyedMessage {
+                // Remembered once the message is known to be accepted, below.
+                let keyed = match idempotency_key {
+                    None => None,
+                    Some(key) => {
+                        if let Some(problem) = idempotency_key_problem(key) {
+                            return Err(self.invalid(seq, problem));
+                        }
+                        if let Some(used) = self.message_keys.get(key) {
+                            return Err(self.invalid(
+                                seq,
+                                format!("idempotency key {key:?} was used by turn {}", used.turn),
+                            ));
+                        }
+                        let fingerprint =
+                            message_fingerprint(text, model.as_ref(), media, tool_choice.as_ref());
+                        let message = KeyedMessage {
                             turn: *turn,
                             fingerprint,
-                        },
-                    )
-                });
+                        };
+                        Some((key.clone(), message))
+                    }
+                };
                 let model = match model {
                     Some(m) => m.clone(),
                     None => self.started_ref()?.model.clone(),
