@@ -4,27 +4,21 @@
 //! refused naming the header, and a create without a session id gets one derived from its
 //! key so that its resend finds the session.
 
-use crate::server::{history, kinds, script, wait_turn, Answer, Server};
+use crate::server::{history, kinds, script, send_with_headers, wait_turn, Answer, Server};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 
 /// A POST of `body` under `key`.
 async fn post_keyed(http: &reqwest::Client, url: String, key: &str, body: Value) -> Answer {
-    let response = http
-        .request(Method::POST, url)
-        .header("Idempotency-Key", key)
-        .json(&body)
-        .send()
-        .await
-        .expect("request");
-    let status = response.status();
-    let headers = response.headers().clone();
-    let body = response.json().await.expect("a JSON body");
-    Answer {
-        status,
-        body,
-        headers,
-    }
+    send_with_headers(
+        http,
+        Method::POST,
+        url,
+        None,
+        &[("Idempotency-Key", key)],
+        Some(body),
+    )
+    .await
 }
 
 #[tokio::test]

@@ -95,7 +95,7 @@ impl Drop for Server {
 pub(crate) struct Answer {
     pub(crate) status: StatusCode,
     pub(crate) body: Value,
-    pub(crate) headers: reqwest::header::HeaderMap,
+    headers: reqwest::header::HeaderMap,
 }
 
 impl Answer {
@@ -118,7 +118,22 @@ pub(crate) async fn send(
     token: Option<&str>,
     body: Option<Value>,
 ) -> Answer {
+    send_with_headers(http, method, url, token, &[], body).await
+}
+
+/// [`send`] with extra request headers.
+pub(crate) async fn send_with_headers(
+    http: &reqwest::Client,
+    method: Method,
+    url: String,
+    token: Option<&str>,
+    headers: &[(&str, &str)],
+    body: Option<Value>,
+) -> Answer {
     let mut request = http.request(method, url);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
     if let Some(token) = token {
         request = request.bearer_auth(token);
     }

@@ -758,16 +758,20 @@ async fn a_server_that_refuses_deltas_in_a_report_gets_them_by_themselves_first(
 fn session_requests(server: &FakeServer, from: usize) -> Vec<String> {
     server.seen()[from..]
         .iter()
-        .map(|seen| seen.uri.clone())
-        .filter(|uri| uri.starts_with("/v1/sessions"))
-        .map(|uri| match uri.strip_prefix("/v1/sessions/") {
-            Some(rest) => format!(
-                "/v1/sessions/ID{}",
-                rest.find('/').map_or("", |at| &rest[at..])
-            ),
-            None => uri,
-        })
+        .filter(|seen| seen.uri.starts_with("/v1/sessions"))
+        .map(|seen| without_session_id(&seen.uri))
         .collect()
+}
+
+/// A session route's URI with its session id as `ID`.
+fn without_session_id(uri: &str) -> String {
+    match uri.strip_prefix("/v1/sessions/") {
+        Some(rest) => format!(
+            "/v1/sessions/ID{}",
+            rest.find('/').map_or("", |at| &rest[at..])
+        ),
+        None => uri.to_owned(),
+    }
 }
 
 /// The events of `session` as the server stored them.
@@ -1053,16 +1057,10 @@ async fn a_follower_passes_on_waiting_deltas_before_a_later_event() {
 
 /// The keys and paths of the requests that started turns, from the `from`th request on.
 fn keyed_requests(server: &FakeServer, from: usize) -> Vec<(String, Option<String>)> {
-    let paths = session_requests(server, from);
-    let keys = server.seen()[from..]
+    server.seen()[from..]
         .iter()
-        .filter(|seen| seen.uri.starts_with("/v1/sessions"))
-        .map(|seen| seen.idempotency_key.clone())
-        .collect::<Vec<_>>();
-    paths
-        .into_iter()
-        .zip(keys)
-        .filter(|(path, _)| !path.contains("/turns/"))
+        .filter(|seen| seen.uri.starts_with("/v1/sessions") && !seen.uri.contains("/turns/"))
+        .map(|seen| (without_session_id(&seen.uri), seen.idempotency_key.clone()))
         .collect()
 }
 
