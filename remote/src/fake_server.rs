@@ -33,6 +33,9 @@ use std::time::Duration;
 pub struct Faults {
     /// Answer this many reports with 503 before accepting one.
     pub fail_reports: AtomicU32,
+    /// Take this many reports (their deltas passed on, the report recorded) and answer each
+    /// with 503, as a connection cut after the server took a report loses its answer.
+    pub lose_report_answers: AtomicU32,
     /// Close each event stream after this many history events.
     pub events_per_connection: Option<usize>,
     /// On a reconnect, send again this many events before `Last-Event-ID`.
@@ -597,7 +600,17 @@ async fn report(State(server): State<Shared>, Json(body): Json<ReportRequest>) -
     for delta in body.deltas {
         server.engine.publish_delta(delta);
     }
-    match source(&server).report(&body.lease, body.report).await {
+    let recorded = source(&server).report(&body.lease, body.report).await;
+    let lost = server
+        .faults
+        .lose_report_answers
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok();
+    match recorded {
+        Ok(()) if lost => error_answer(
+            ErrorCode::Unavailable,
+            "the answer was lost on the way".into(),
+        ),
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => failed(e),
     }

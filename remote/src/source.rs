@@ -21,6 +21,7 @@ use cairn_runtime::{
     Result, TaskFilter, TaskId,
 };
 use cairn_workers::TaskSource;
+use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -202,10 +203,23 @@ impl HttpTaskSource {
     /// (400): without `next` the report goes again and leases nothing; without `deltas` they
     /// go by themselves first, then the report without them; and later reports leave the
     /// field out from the start.
+    ///
+    /// Only the first try carries the deltas: a try that failed may still have reached the
+    /// server, which passed them on to the session's followers before it recorded the report
+    /// and lost the answer, and they must not see the same text twice. A later try goes
+    /// without them ([`ResentReport`]); should the first have got nowhere, they are missed,
+    /// as deltas may be.
     async fn post_report(&self, lease: &Lease, mut body: ReportRequest) -> Result<Vec<u8>> {
         loop {
+            let tried = AtomicBool::new(false);
             let result = self
-                .with_retries(lease, || Request::post("/v1/worker/report", &body))
+                .with_retries(lease, || {
+                    if tried.swap(true, Ordering::Relaxed) && !body.deltas.is_empty() {
+                        Request::post("/v1/worker/report", &ResentReport::of(&body))
+                    } else {
+                        Request::post("/v1/worker/report", &body)
+                    }
+                })
                 .await;
             let Err(Error::Remote {
                 status: 400,
@@ -490,6 +504,25 @@ impl TaskSource for HttpTaskSource {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+}
+
+/// A report tried again: a [`ReportRequest`] without the deltas its first try carried.
+#[derive(Serialize)]
+struct ResentReport<'a> {
+    lease: &'a Lease,
+    report: &'a ActivityReport,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    next: Option<&'a NextTasks>,
+}
+
+impl<'a> ResentReport<'a> {
+    fn of(body: &'a ReportRequest) -> Self {
+        ResentReport {
+            lease: &body.lease,
+            report: &body.report,
+            next: body.next.as_ref(),
+        }
     }
 }
 

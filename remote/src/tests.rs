@@ -753,6 +753,62 @@ async fn a_server_that_refuses_deltas_in_a_report_gets_them_by_themselves_first(
     );
 }
 
+/// A report whose answer is lost after the server took it goes again without its deltas:
+/// the session's followers see each delta once, and the report is recorded once.
+/// (Before, the second try passed them on again: the test fails with every try carrying
+/// them.)
+#[tokio::test]
+async fn a_report_sent_again_after_a_lost_answer_passes_no_delta_on_twice() {
+    let server = FakeServer::new(
+        None,
+        Faults {
+            lose_report_answers: 1.into(),
+            ..Faults::default()
+        },
+    );
+    let served = serve_tcp(server.router()).await.unwrap();
+    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let mut deltas = server.engine.subscribe_deltas();
+    let lease = leased_model_task(&server, &source).await;
+    for text in ["first ", "answer"] {
+        source.publish_delta(DeltaEvent {
+            origin: ActivityRef {
+                session_id: lease.id.session_id.clone(),
+                turn: 1,
+                activity: "model:0".to_owned(),
+                attempt: 1,
+            },
+            delta: Delta::Text(text.to_owned()),
+        });
+    }
+    // The second try finds the report recorded by the first: stale, which a pool drops.
+    let err = source.report(&lease, completion()).await.unwrap_err();
+    assert!(matches!(err, Error::StaleReport { .. }), "{err:?}");
+    assert_eq!(
+        server.reports.load(Ordering::Relaxed),
+        2,
+        "taken with its answer lost, then sent again"
+    );
+    assert_eq!(
+        *server.reported_deltas.lock().unwrap(),
+        [2, 0],
+        "only the first try carried the deltas"
+    );
+    let mut received = Vec::new();
+    while let Ok(delta) = deltas.try_recv() {
+        received.push(delta.delta);
+    }
+    assert_eq!(
+        received,
+        ["first ", "answer"].map(|t| Delta::Text(t.to_owned()))
+    );
+    assert_eq!(
+        failed_model_calls(&server, &lease.id.session_id).await,
+        1,
+        "the report was recorded once"
+    );
+}
+
 /// The requests to the session routes `server` has seen since `from`, without their session
 /// ids.
 fn session_requests(server: &FakeServer, from: usize) -> Vec<String> {

@@ -528,8 +528,9 @@ pub struct ReportRequest {
     /// Model deltas the worker published and has not sent yet (`POST /v1/worker/deltas`), in
     /// order: passed on to their sessions' live streams before the report is recorded, so a
     /// session's followers see an answer's text before its end without a request of its own
-    /// ahead of the report. Presentation only, like the deltas route: a report sent again
-    /// after a lost answer passes them on again. Absent: none.
+    /// ahead of the report. Presentation only, like the deltas route: a worker sends them with
+    /// a report's first try only, because a try whose answer was lost may already have passed
+    /// them on. Absent: none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schema(value_type = Vec<schema::DeltaEvent>)]
     pub deltas: Vec<DeltaEvent>,
