@@ -36,6 +36,9 @@ pub struct Faults {
     /// Take this many reports (their deltas passed on, the report recorded) and answer each
     /// with 503, as a connection cut after the server took a report loses its answer.
     pub lose_report_answers: AtomicU32,
+    /// Never answer this many heartbeats (each waits forever, as a request sent on a
+    /// connection that went dead without a reset does).
+    pub hang_heartbeats: AtomicU32,
     /// Close each event stream after this many history events.
     pub events_per_connection: Option<usize>,
     /// On a reconnect, send again this many events before `Last-Event-ID`.
@@ -544,6 +547,14 @@ async fn lease(State(server): State<Shared>, Json(body): Json<LeaseRequest>) -> 
 }
 
 async fn heartbeat(State(server): State<Shared>, Json(body): Json<HeartbeatRequest>) -> Response {
+    let hang = server
+        .faults
+        .hang_heartbeats
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok();
+    if hang {
+        std::future::pending::<()>().await;
+    }
     answer(
         source(&server)
             .heartbeat(&body.lease, body.lease_ms, body.details)

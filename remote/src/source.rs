@@ -3,7 +3,9 @@
 //!
 //! Results are what a worker must not lose: a report or a heartbeat that fails on the way
 //! (the server restarting, a broken connection, a 5xx) is tried again with backoff for as
-//! long as its lease lasts; a 409 (`stale_report`, `lease_lost`) is final. Deltas are
+//! long as its lease lasts, each try given at most half of what the lease has left (so one
+//! stuck on a dead connection leaves time for another); a 409 (`stale_report`, `lease_lost`)
+//! is final. Deltas are
 //! presentation only: they are batched off the activity's path and may be dropped. Those not
 //! sent yet when an activity reports go with its report, which the server passes on first:
 //! one request fewer in series per model call than sending them ahead of it.
@@ -42,6 +44,9 @@ const DELTA_POST_TIMEOUT: Duration = Duration::from_secs(5);
 /// followers see an answer's text before its completion).
 const DELTA_FLUSH_WAIT: Duration = Duration::from_secs(6);
 
+/// The shortest time one try of a report, heartbeat or progress record is given, however
+/// little its lease has left.
+const MIN_TRY_TIMEOUT: Duration = Duration::from_secs(1);
 /// The first and the longest pause between tries of a report or a heartbeat.
 const RETRY_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(2));
 /// The first and the longest pause after a failed lease request, so that a worker whose
@@ -149,8 +154,18 @@ impl HttpTaskSource {
         known.unwrap_or(0).max(lease.expires_at_ms)
     }
 
+    /// How long one try of a request under `lease` may take: half the time the lease has
+    /// left, at least [`MIN_TRY_TIMEOUT`] and at most [`REQUEST_TIMEOUT`]. A try stuck on a
+    /// connection that went dead without a reset (a NAT or a balancer that dropped it) is
+    /// given up while the lease still has time for another try on a new connection, rather
+    /// than outliving the lease it was sent to keep.
+    fn try_timeout(&self, lease: &Lease) -> Duration {
+        let left_ms = self.expiry(lease).saturating_sub(self.now_ms());
+        Duration::from_millis(left_ms / 2).clamp(MIN_TRY_TIMEOUT, REQUEST_TIMEOUT)
+    }
+
     /// Sends `request` until it succeeds, fails for good, or `lease` has lapsed (no later
-    /// try could be accepted then).
+    /// try could be accepted then). Each try is bounded by [`Self::try_timeout`].
     async fn with_retries(&self, lease: &Lease, request: impl Fn() -> Request) -> Result<Vec<u8>> {
         let subject = Subject {
             session_id: Some(&lease.id.session_id),
@@ -160,7 +175,7 @@ impl HttpTaskSource {
         loop {
             match self
                 .connection
-                .call(request(), subject, REQUEST_TIMEOUT)
+                .call(request(), subject, self.try_timeout(lease))
                 .await
             {
                 Ok(body) => return Ok(body),
@@ -398,7 +413,7 @@ impl TaskSource for HttpTaskSource {
             .call(
                 Request::post("/v1/worker/progress", &body),
                 subject,
-                REQUEST_TIMEOUT,
+                self.try_timeout(lease),
             )
             .await?;
         Ok(())

@@ -809,6 +809,46 @@ async fn a_report_sent_again_after_a_lost_answer_passes_no_delta_on_twice() {
     );
 }
 
+/// A heartbeat stuck on a connection that never answers is given up while its lease still
+/// has time, and tried again on a new one: the lease is renewed, not lost. (Before, each try
+/// waited the whole request timeout, 60 s, past the lease's 4 s.)
+#[tokio::test]
+async fn a_heartbeat_that_gets_no_answer_is_tried_again_before_its_lease_lapses() {
+    let server = FakeServer::new(
+        None,
+        Faults {
+            hang_heartbeats: 1.into(),
+            ..Faults::default()
+        },
+    );
+    let served = serve_tcp(server.router()).await.unwrap();
+    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let local = Client::new(server.engine.clone());
+    let session = local
+        .start_session(SessionOptions::new(demo_model(), Vec::new()))
+        .await
+        .unwrap();
+    local.send(&session, "hello").await.unwrap();
+    let tasks = source
+        .lease(&TaskFilter::default(), 1, 4_000, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let lease = tasks[0].lease.clone();
+    let renewed = tokio::time::timeout(
+        Duration::from_secs(4),
+        source.heartbeat(&lease, 4_000, None),
+    )
+    .await
+    .expect("the stuck try is given up within the lease")
+    .expect("the second try renews the lease");
+    assert!(
+        renewed > lease.expires_at_ms,
+        "renewed to {renewed}, leased until {}",
+        lease.expires_at_ms
+    );
+    assert_eq!(server.faults.hang_heartbeats.load(Ordering::Relaxed), 0);
+}
+
 /// The requests to the session routes `server` has seen since `from`, without their session
 /// ids.
 fn session_requests(server: &FakeServer, from: usize) -> Vec<String> {
