@@ -1287,3 +1287,143 @@ async fn overdue_tasks_that_cannot_fire_do_not_starve_the_others() {
     assert!(reason.contains("schedule-to-start"), "{reason}");
     replays(&client, &session).await;
 }
+
+/// A tool that heartbeats every 20 ms for 600 ms, recording when it did.
+struct Steady {
+    beats: Arc<Mutex<Vec<std::time::Instant>>>,
+}
+
+#[async_trait]
+impl Tool for Steady {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec {
+            name: "steady".into(),
+            description: "heartbeats as it works".into(),
+            input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
+        }
+    }
+    async fn call(
+        &self,
+        _call: &ToolCall,
+        context: &ActivityContext,
+    ) -> cairn_activities::Result<ToolOutput> {
+        for _ in 0..30 {
+            self.beats.lock().unwrap().push(std::time::Instant::now());
+            context.heartbeat(None);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(ToolOutput::text("worked"))
+    }
+}
+
+/// A task source whose first lease renewal takes `stall` (a server restarting, a connection
+/// gone dead), over an engine in this process.
+struct SlowFirstRenewal {
+    inner: cairn_workers::EngineSource,
+    stall: Duration,
+    renewals: AtomicU32,
+}
+
+#[async_trait]
+impl cairn_workers::TaskSource for SlowFirstRenewal {
+    async fn lease(
+        &self,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+        wait: Duration,
+    ) -> Result<Vec<LeasedTask>, cairn_runtime::Error> {
+        self.inner.lease(filter, max, lease_ms, wait).await
+    }
+    async fn heartbeat(
+        &self,
+        lease: &Lease,
+        lease_ms: u64,
+        details: Option<JsonText>,
+    ) -> Result<u64, cairn_runtime::Error> {
+        if self.renewals.fetch_add(1, Ordering::SeqCst) == 0 {
+            tokio::time::sleep(self.stall).await;
+        }
+        self.inner.heartbeat(lease, lease_ms, details).await
+    }
+    async fn record_progress(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+    ) -> Result<(), cairn_runtime::Error> {
+        self.inner
+            .record_progress(lease, text_appended, thinking_appended)
+            .await
+    }
+    async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<(), cairn_runtime::Error> {
+        self.inner.report(lease, report).await
+    }
+    fn publish_delta(&self, delta: DeltaEvent) {
+        self.inner.publish_delta(delta)
+    }
+    fn cancellations(&self) -> Option<tokio::sync::broadcast::Receiver<String>> {
+        self.inner.cancellations()
+    }
+    fn now_ms(&self) -> u64 {
+        self.inner.now_ms()
+    }
+}
+
+/// A lease renewal that takes long does not stop the activity meanwhile: it goes on working
+/// and heartbeating, and its heartbeat timeout does not fire. (Before, the pool awaited the
+/// renewal in place of the activity, which stood still for the whole stall and could then be
+/// failed as a missed heartbeat.)
+#[tokio::test]
+async fn a_slow_lease_renewal_does_not_pause_the_activity() {
+    let beats = Arc::new(Mutex::new(Vec::new()));
+    let tools = Arc::new(ToolRegistry::new().with(Steady {
+        beats: beats.clone(),
+    }));
+    let model = FnModel::new(vec![call_tool("s1", "steady"), answer("finished")]);
+    let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
+    let source = SlowFirstRenewal {
+        inner: cairn_workers::EngineSource::new(engine.clone()),
+        stall: Duration::from_millis(400),
+        renewals: AtomicU32::new(0),
+    };
+    let pool = WorkerPool::start_with(
+        Arc::new(source),
+        Activities {
+            models: Arc::new(Fixed(model)),
+            tools: tools.clone(),
+        },
+        WorkerConfig {
+            renew_interval_ms: Some(50),
+            ..workers()
+        },
+    );
+    let client = Client::new(engine);
+    let mut o = options(&tools, "slow-renewal");
+    o.tool_retry.heartbeat_timeout_ms = Some(200);
+    let session = client.start_session(o).await.unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(10), client.run_turn(&session, "go"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(outcome, TurnOutcome::Completed { .. }),
+        "{outcome:?}"
+    );
+    let beats = beats.lock().unwrap().clone();
+    assert_eq!(
+        beats.len(),
+        30,
+        "one attempt, never failed for a missed heartbeat"
+    );
+    let longest = beats.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+    assert!(
+        longest < Duration::from_millis(200),
+        "the activity stood still for {longest:?} while its lease was being renewed"
+    );
+    let history = replays(&client, &session).await;
+    assert!(!history
+        .iter()
+        .any(|e| matches!(e.event, Event::ToolCallFailed { .. })));
+    pool.shutdown().await;
+}

@@ -474,13 +474,43 @@ async fn run_task(
         let mut next_check = tokio::time::Instant::now() + check_every;
         let mut cancelled_at = None;
         let mut lease_lost = false;
+        // A renewal and a progress record in flight are polled beside the activity, never
+        // instead of it: through a server either can take seconds (a restart, a connection
+        // gone dead), and the work must go on meanwhile, heartbeating as it does; a renewal
+        // awaited in place stopped the activity, so a heartbeat timeout could fire on a
+        // healthy one as soon as the renewal came back.
+        let mut renewal: Option<InFlight<'_, (Option<JsonText>, cairn_runtime::Result<u64>)>> = None;
+        let mut progress: Option<InFlight<'_, bool>> = None;
         let report = loop {
             tokio::select! {
                 report = &mut work => break (!lease_lost).then_some(report),
-                _ = tokio::time::sleep_until(next_progress), if recording && !lease_lost => {
+                Some((details, extended)) = in_flight(&mut renewal) => {
+                    renewal = None;
+                    match extended {
+                        Ok(expires_at_ms) => {
+                            lease_expires_at_ms = expires_at_ms;
+                            if details.is_some() {
+                                details_sent = details;
+                            }
+                        }
+                        Err(e) => {
+                            // The task was cancelled, or another worker owns it now: ask
+                            // the activity to stop, and report nothing.
+                            debug!(error = %e, "lease lost while running; cancelling the attempt");
+                            lease_lost = true;
+                            token.cancel();
+                        }
+                    }
+                }
+                Some(go_on) = in_flight(&mut progress) => {
+                    progress = None;
+                    recording = go_on;
+                }
+                _ = tokio::time::sleep_until(next_progress), if recording && !lease_lost && progress.is_none() => {
                     next_progress = tokio::time::Instant::now() + progress_every;
                     if let Some(pending) = &pending {
-                        recording = record_pending(engine, &lease, lease_expires_at_ms, pending, context.reported_usage()).await;
+                        let usage = context.reported_usage();
+                        progress = Some(Box::pin(record_pending(engine, &lease, lease_expires_at_ms, pending, usage)));
                     }
                 }
                 _ = tokio::time::sleep_until(next_check) => {
@@ -508,7 +538,7 @@ async fn run_task(
                             break (!lease_lost).then(|| failure(ErrorClass::Cancelled, "cancelled"));
                         }
                     }
-                    if now >= next_renewal && !lease_lost {
+                    if now >= next_renewal && !lease_lost && renewal.is_none() {
                         next_renewal = now + renew_every;
                         let details = beats
                             .lock()
@@ -516,24 +546,20 @@ async fn run_task(
                             .details
                             .clone()
                             .filter(|d| details_sent.as_ref() != Some(d));
-                        let extended = engine.heartbeat(&lease, lease_ms, details.clone()).await;
-                        if extended.is_ok() && details.is_some() {
-                            details_sent = details;
-                        }
-                        match extended {
-                            Ok(expires_at_ms) => lease_expires_at_ms = expires_at_ms,
-                            Err(e) => {
-                                // The task was cancelled, or another worker owns it now: ask
-                                // the activity to stop, and report nothing.
-                                debug!(error = %e, "lease lost while running; cancelling the attempt");
-                                lease_lost = true;
-                                token.cancel();
-                            }
-                        }
+                        let lease = &lease;
+                        renewal = Some(Box::pin(async move {
+                            let extended = engine.heartbeat(lease, lease_ms, details.clone()).await;
+                            (details, extended)
+                        }));
                     }
                 }
             }
         };
+        // A record of streamed output still on its way goes before the last one.
+        if let Some(progress) = progress.take() {
+            recording = progress.await;
+        }
+        drop(renewal);
         lock(registry).by_id.remove(&id);
         if let Some(report) = report {
             // A failed attempt's last output goes on record before the failure does; a
@@ -581,6 +607,17 @@ async fn record_pending(
             warn!(error = %e, "recording streamed output failed; the attempt goes on");
             true
         }
+    }
+}
+
+/// A request of a running attempt's (a lease renewal, a progress record) on its way.
+type InFlight<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// The output of the request in `slot` once it is done; never, while there is none.
+async fn in_flight<T>(slot: &mut Option<InFlight<'_, T>>) -> Option<T> {
+    match slot {
+        Some(request) => Some(request.await),
+        None => std::future::pending().await,
     }
 }
 
