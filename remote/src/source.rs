@@ -5,10 +5,10 @@
 //! (the server restarting, a broken connection, a 5xx) is tried again with backoff for as
 //! long as its lease lasts, each try given at most half of what the lease has left (so one
 //! stuck on a dead connection leaves time for another); a 409 (`stale_report`, `lease_lost`)
-//! is final. Deltas are
-//! presentation only: they are batched off the activity's path and may be dropped. Those not
-//! sent yet when an activity reports go with its report, which the server passes on first:
-//! one request fewer in series per model call than sending them ahead of it.
+//! is final. Deltas are presentation only: they are batched off the activity's path and may
+//! be dropped. Those of its session not sent yet when an activity reports go with its
+//! report, which the server passes on first: one request fewer in series per model call
+//! than sending them ahead of it.
 
 use crate::connection::{Connection, Request, Subject, REQUEST_TIMEOUT};
 use crate::transport::retryable;
@@ -86,9 +86,11 @@ enum Batched {
     Delta(DeltaEvent),
     /// Send everything queued before this, then acknowledge.
     Flush(oneshot::Sender<()>),
-    /// Hand over everything queued before this that is not sent yet, unsent: a report carries
-    /// it ([`ReportRequest::deltas`]).
-    Take(oneshot::Sender<Vec<DeltaEvent>>),
+    /// Hand over the deltas of this session queued before this and not sent yet, unsent: a
+    /// report of its activity carries them ([`ReportRequest::deltas`]). Other sessions'
+    /// stay in the batch: carried by this report, they could reach their followers after
+    /// later ones sent by themselves, or be lost with a report that got nowhere.
+    Take(String, oneshot::Sender<Vec<DeltaEvent>>),
 }
 
 impl HttpTaskSource {
@@ -137,6 +139,12 @@ impl HttpTaskSource {
             }),
             Contact::Reached | Contact::Waiting => Ok(()),
         }
+    }
+
+    /// How many leases this source keeps an expiry of.
+    #[cfg(test)]
+    pub(crate) fn leases_known(&self) -> usize {
+        self.lock_expiries().len()
     }
 
     fn lock_expiries(&self) -> std::sync::MutexGuard<'_, HashMap<(TaskId, u32), u64>> {
@@ -193,10 +201,11 @@ impl HttpTaskSource {
         }
     }
 
-    /// The deltas published so far and not sent yet, for a report to carry, once those sent
-    /// before them are (so they stay in order); or, with a server that takes no deltas with a
-    /// report, none, once all of them are sent by themselves.
-    async fn deltas_for_report(&self) -> Vec<DeltaEvent> {
+    /// The deltas of `lease`'s session published so far and not sent yet, for the report of
+    /// its activity to carry, once those sent before them are (so they stay in order); or,
+    /// with a server that takes no deltas with a report, none, once all of them are sent by
+    /// themselves. (A session streams one model call at a time: its deltas are that call's.)
+    async fn deltas_for_report(&self, lease: &Lease) -> Vec<DeltaEvent> {
         if self.deltas_refused.load(Ordering::Relaxed) {
             self.flush_deltas().await;
             return Vec::new();
@@ -205,7 +214,8 @@ impl HttpTaskSource {
             return Vec::new();
         };
         let (reply, taken) = oneshot::channel();
-        if queue.send(Batched::Take(reply)).await.is_err() {
+        let session = lease.id.session_id.clone();
+        if queue.send(Batched::Take(session, reply)).await.is_err() {
             return Vec::new();
         }
         match tokio::time::timeout(DELTA_FLUSH_WAIT, taken).await {
@@ -259,7 +269,7 @@ impl HttpTaskSource {
     }
 
     /// Waits (briefly) until the deltas published so far have been sent.
-    async fn flush_deltas(&self) {
+    pub(crate) async fn flush_deltas(&self) {
         let Some(queue) = self.deltas.get() else {
             return;
         };
@@ -368,9 +378,19 @@ impl TaskSource for HttpTaskSource {
             lease_ms,
             details,
         };
-        let answer = self
+        let answer = match self
             .with_retries(lease, || Request::post("/v1/worker/heartbeat", &body))
-            .await?;
+            .await
+        {
+            Ok(answer) => answer,
+            Err(e) => {
+                // The lease is lost, or lapsed while the server could not be reached: the
+                // attempt ends without a report, which is what forgets a lease otherwise.
+                self.lock_expiries()
+                    .remove(&(lease.id.clone(), lease.lease_attempt));
+                return Err(e);
+            }
+        };
         let answer: HeartbeatResponse = self
             .connection
             .decode("POST /v1/worker/heartbeat", &answer)?;
@@ -426,7 +446,7 @@ impl TaskSource for HttpTaskSource {
             lease: lease.clone(),
             report,
             next: None,
-            deltas: self.deltas_for_report().await,
+            deltas: self.deltas_for_report(lease).await,
         };
         let result = self.post_report(lease, body).await;
         self.lock_expiries()
@@ -460,7 +480,7 @@ impl TaskSource for HttpTaskSource {
                 tools: next.filter.tools.clone(),
                 providers: next.filter.providers.clone(),
             }),
-            deltas: self.deltas_for_report().await,
+            deltas: self.deltas_for_report(lease).await,
         };
         let result = self.post_report(lease, body).await;
         self.lock_expiries()
@@ -577,8 +597,8 @@ async fn send_deltas(connection: Arc<Connection>, mut queue: mpsc::Receiver<Batc
                                 acks.push(ack);
                                 break;
                             }
-                            Some(Batched::Take(reply)) => {
-                                taker = Some(reply);
+                            Some(Batched::Take(session, reply)) => {
+                                taker = Some((session, reply));
                                 break;
                             }
                             None => {
@@ -591,12 +611,16 @@ async fn send_deltas(connection: Arc<Connection>, mut queue: mpsc::Receiver<Batc
                 }
             }
             Batched::Flush(ack) => acks.push(ack),
-            Batched::Take(reply) => taker = Some(reply),
+            Batched::Take(session, reply) => taker = Some((session, reply)),
         }
-        if let Some(reply) = taker.take() {
-            // A report carries them: nothing to send. Should it have given up waiting, they
-            // are dropped, as a delta that finds the queue full is.
-            let _ = reply.send(std::mem::take(&mut batch));
+        if let Some((session, reply)) = taker.take() {
+            // A report carries its session's: they are not sent here. Should it have given
+            // up waiting, they are dropped, as a delta that finds the queue full is.
+            let (taken, others) = std::mem::take(&mut batch)
+                .into_iter()
+                .partition(|delta: &DeltaEvent| delta.origin.session_id == session);
+            batch = others;
+            let _ = reply.send(taken);
         }
         if !batch.is_empty() {
             post_deltas(&connection, std::mem::take(&mut batch)).await;

@@ -809,6 +809,72 @@ async fn a_report_sent_again_after_a_lost_answer_passes_no_delta_on_twice() {
     );
 }
 
+/// A report carries its own session's unsent deltas only: another session's go by the
+/// deltas route, in order with the ones that session publishes later. (Before, the report
+/// took every unsent delta, so another session's could reach its followers after its later
+/// ones, or be lost with a report that got nowhere.)
+#[tokio::test]
+async fn a_report_carries_its_own_sessions_deltas_only() {
+    let server = FakeServer::new(None, Faults::default());
+    let served = serve_tcp(server.router()).await.unwrap();
+    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let mut deltas = server.engine.subscribe_deltas();
+    let lease = leased_model_task(&server, &source).await;
+    let delta = |session: &str, text: &str| DeltaEvent {
+        origin: ActivityRef {
+            session_id: session.to_owned(),
+            turn: 1,
+            activity: "model:0".to_owned(),
+            attempt: 1,
+        },
+        delta: Delta::Text(text.to_owned()),
+    };
+    let own = lease.id.session_id.clone();
+    source.publish_delta(delta(&own, "mine"));
+    source.publish_delta(delta("other", "theirs 1"));
+    let err = source.report(&lease, completion()).await;
+    assert!(err.is_ok(), "{err:?}");
+    source.publish_delta(delta("other", "theirs 2"));
+    source.flush_deltas().await;
+    assert_eq!(
+        *server.reported_deltas.lock().unwrap(),
+        [1],
+        "the report carried its session's delta only"
+    );
+    let mut received = Vec::new();
+    while let Ok(delta) = deltas.try_recv() {
+        received.push((delta.origin.session_id, delta.delta));
+    }
+    let others: Vec<_> = received
+        .iter()
+        .filter(|(session, _)| session == "other")
+        .map(|(_, delta)| delta.clone())
+        .collect();
+    assert_eq!(
+        others,
+        ["theirs 1", "theirs 2"].map(|t| Delta::Text(t.to_owned()))
+    );
+    assert!(received.contains(&(own, Delta::Text("mine".to_owned()))));
+}
+
+/// A lease whose heartbeat finds it lost (its session cancelled) is forgotten: the attempt
+/// ends without a report, and a long-lived worker must not keep one entry per such lease.
+#[tokio::test]
+async fn a_lease_found_lost_by_a_heartbeat_is_forgotten() {
+    let server = FakeServer::new(None, Faults::default());
+    let served = serve_tcp(server.router()).await.unwrap();
+    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let lease = leased_model_task(&server, &source).await;
+    assert_eq!(source.leases_known(), 1);
+    Client::new(server.engine.clone())
+        .cancel(&lease.id.session_id, "done with it")
+        .await
+        .unwrap();
+    let err = source.heartbeat(&lease, 30_000, None).await.unwrap_err();
+    assert!(matches!(err, Error::LeaseLost { .. }), "{err:?}");
+    assert_eq!(source.leases_known(), 0);
+}
+
 /// A heartbeat stuck on a connection that never answers is given up while its lease still
 /// has time, and tried again on a new one: the lease is renewed, not lost. (Before, each try
 /// waited the whole request timeout, 60 s, past the lease's 4 s.)

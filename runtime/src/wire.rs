@@ -525,10 +525,10 @@ pub struct ReportRequest {
     /// answer is 204 with no body; present: 200 with a [`ReportResponse`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next: Option<NextTasks>,
-    /// Model deltas the worker published and has not sent yet (`POST /v1/worker/deltas`), in
-    /// order: passed on to their sessions' live streams before the report is recorded, so a
-    /// session's followers see an answer's text before its end without a request of its own
-    /// ahead of the report. Presentation only, like the deltas route: a worker sends them with
+    /// Model deltas of the reported task's session the worker published and has not sent
+    /// yet (`POST /v1/worker/deltas`), in order: passed on to the session's live stream before
+    /// the report is recorded, so its followers see an answer's text before its end without a
+    /// request of its own ahead of the report. Presentation only, like the deltas route: a worker sends them with
     /// a report's first try only, because a try whose answer was lost may already have passed
     /// them on. Absent: none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
