@@ -487,8 +487,8 @@ impl TaskSource for HttpTaskSource {
             .remove(&(lease.id.clone(), lease.lease_attempt));
         let answer = result?;
         // The report is recorded; what came with it is a bonus. An answer without a body
-        // (204) leased nothing, and tasks in an answer that does not decode go back to the
-        // queue when their leases lapse.
+        // (204) leased nothing, and tasks in an answer that does not decode are recorded as
+        // timed out when their leases lapse, and retried under their policies.
         if answer.is_empty() {
             return Ok(Vec::new());
         }

@@ -280,7 +280,9 @@ pub async fn progress(
 
 /// Reports an attempt's result, fenced by its lease attempt; with `next`, leases this worker's
 /// next tasks with it (eager dispatch), answered once the report and the leases are durable.
-/// Should that answer be lost, its tasks go back to the queue when their leases lapse.
+/// Should that answer be lost, no one runs its tasks until their leases lapse: the engine's
+/// timers then record each attempt as timed out, and its retry policy schedules the next (a
+/// report sent again finds itself recorded, `stale_report`, and learns nothing of them).
 #[utoipa::path(
     post,
     path = "/v1/worker/report",
