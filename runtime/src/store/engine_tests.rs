@@ -4,8 +4,8 @@
 
 use super::fjall::FjallStore;
 use super::sled::SledStore;
-use super::write_queue::Shared;
-use super::Store;
+use super::write_queue::{PreparedAppend, ProcessBatch, Shared, Write};
+use super::{Lease, NewTask, Store, TaskFilter, TaskId, TaskKind};
 use crate::error::{Error, Result};
 use crate::store::conformance::{append_request, message};
 use std::fs;
@@ -19,6 +19,8 @@ pub(super) trait EmbeddedStore: Store + Sized + std::fmt::Debug {
     fn size_on_disk(&self) -> Result<u64>;
     /// What the store shares with its writer: counters, injected faults.
     fn writer_shared(&self) -> &Shared;
+    /// A writer of the store's database beside its own writer thread, to hand batches to.
+    fn writer_beside(&self) -> Box<dyn ProcessBatch>;
 }
 
 impl EmbeddedStore for SledStore {
@@ -37,6 +39,9 @@ impl EmbeddedStore for SledStore {
     fn writer_shared(&self) -> &Shared {
         Self::writer_shared(self)
     }
+    fn writer_beside(&self) -> Box<dyn ProcessBatch> {
+        Self::writer_beside(self)
+    }
 }
 
 impl EmbeddedStore for FjallStore {
@@ -54,6 +59,9 @@ impl EmbeddedStore for FjallStore {
     }
     fn writer_shared(&self) -> &Shared {
         Self::writer_shared(self)
+    }
+    fn writer_beside(&self) -> Box<dyn ProcessBatch> {
+        Self::writer_beside(self)
     }
 }
 
@@ -149,7 +157,6 @@ pub(super) fn a_second_open_is_refused<S: EmbeddedStore>() {
 /// An in-process lease is answered without a sync of its own, while a durable lease takes
 /// one: the turn's path loses a sync per lease, and a lease for a remote worker keeps it.
 pub(super) async fn an_in_process_lease_takes_no_sync<S: EmbeddedStore>() {
-    use super::{NewTask, TaskFilter, TaskId, TaskKind};
     let root = temp();
     let store = S::open(root.path()).expect("open");
     let mut request = append_request("s", 1, vec![message("s", 1, "go")], 1);
@@ -238,4 +245,130 @@ pub(super) async fn a_failing_sync_fails_its_write_and_refuses_the_next<S: Embed
         .await
         .expect("the reopened store takes writes");
     inline == 1
+}
+
+/// A tool task of session `s` scheduled at `seq`, visible at once.
+fn tool_task(s: &str, seq: u64) -> NewTask {
+    let id = TaskId {
+        session_id: s.to_owned(),
+        scheduled_seq: seq,
+    };
+    NewTask::new(id, TaskKind::Tool, 0)
+}
+
+type Answer<T> = tokio::sync::oneshot::Receiver<Result<T>>;
+
+/// An append of one event to `s` at `seq` that queues task `s`/`seq`, as a write for a writer.
+fn append_queueing(s: &str, seq: u64) -> (Write, Answer<()>) {
+    let mut request = append_request(s, seq, vec![message(s, seq, "go")], 10);
+    request.enqueue = vec![tool_task(s, seq)];
+    let prepared = PreparedAppend::new(request).expect("prepare");
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    (Write::Append(prepared, reply), answer)
+}
+
+/// An in-process lease of one task at 20 ms, as a write for a writer.
+fn in_process_lease() -> (Write, Answer<Vec<Lease>>) {
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let write = Write::Lease {
+        now_ms: 20,
+        lease_ms: 1_000,
+        max: 1,
+        filter: TaskFilter::any(),
+        durable: false,
+        reply,
+    };
+    (write, answer)
+}
+
+/// Hands `batch` to a writer beside `store`'s own on a thread of its own, as the writer thread
+/// would, and waits until its sync, held, has begun: everything the batch answers before its
+/// sync is answered then. The thread ends once the sync is let go and has answered the batch.
+fn run_with_the_sync_held<S: EmbeddedStore>(
+    store: &S,
+    batch: Vec<Write>,
+) -> std::thread::JoinHandle<()> {
+    let reached = store.writer_shared().faults.hold_next();
+    let mut writer = store.writer_beside();
+    let thread = std::thread::spawn(move || {
+        writer.process_on_writer_thread(batch, &mut Vec::new);
+        // Waits for a sync still in flight on another thread (fjall's).
+        drop(writer);
+    });
+    reached
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("the batch's sync began (a batch with a write to sync reaches its sync)");
+    thread
+}
+
+/// The tasks leased, by id.
+fn leased(leases: &[Lease]) -> Vec<String> {
+    leases.iter().map(|l| l.id.to_string()).collect()
+}
+
+/// An in-process lease that joins a batch behind a write waiting for the batch's sync (here an
+/// append that queued the very task it leases) is answered with that write, once the sync
+/// succeeds, and with the sync's failure when it fails: no task runs before the event that
+/// scheduled it is on disk. An in-process lease ahead of every such write is still answered
+/// as soon as it is committed, before the sync.
+pub(super) async fn an_in_process_lease_behind_an_append_waits_for_its_sync<S: EmbeddedStore>() {
+    use std::sync::atomic::Ordering;
+    use tokio::sync::oneshot::error::TryRecvError;
+    let root = temp();
+    let store = S::open(root.path()).expect("open");
+    let mut first = append_request("s", 1, vec![message("s", 1, "go")], 1);
+    first.enqueue = vec![tool_task("s", 1)];
+    store.append(first).await.expect("queue s/1 durably");
+
+    // s/1 is durable; s/2 is queued by an append of the same batch.
+    let (ahead, mut ahead_answer) = in_process_lease();
+    let (append, mut append_answer) = append_queueing("s", 2);
+    let (behind, mut behind_answer) = in_process_lease();
+    let batch = run_with_the_sync_held(&store, vec![ahead, append, behind]);
+    match ahead_answer.try_recv() {
+        Ok(Ok(leases)) => assert_eq!(leased(&leases), ["s/1"]),
+        other => panic!("a lease ahead of the append is answered at its commit, got {other:?}"),
+    }
+    assert!(matches!(append_answer.try_recv(), Err(TryRecvError::Empty)));
+    assert!(
+        matches!(behind_answer.try_recv(), Err(TryRecvError::Empty)),
+        "the lease of s/2 was answered before the append that queued s/2 was durable"
+    );
+    store.writer_shared().faults.release();
+    batch.join().expect("the writer");
+    append_answer.await.expect("answered").expect("durable");
+    let leases = behind_answer.await.expect("answered").expect("leased");
+    assert_eq!(leased(&leases), ["s/2"], "answered with the append");
+
+    // The same batch whose sync fails: the lease is answered with the failure.
+    let (append, mut append_answer) = append_queueing("s", 3);
+    let (behind, mut behind_answer) = in_process_lease();
+    store
+        .writer_shared()
+        .faults
+        .failing
+        .store(1, Ordering::Relaxed);
+    let batch = run_with_the_sync_held(&store, vec![append, behind]);
+    assert!(matches!(append_answer.try_recv(), Err(TryRecvError::Empty)));
+    assert!(
+        matches!(behind_answer.try_recv(), Err(TryRecvError::Empty)),
+        "the lease of s/3 was answered before the append that queued s/3 was durable"
+    );
+    store.writer_shared().faults.release();
+    batch.join().expect("the writer");
+    for (what, answer) in [
+        (
+            "the append",
+            append_answer.await.expect("answered").map(|()| Vec::new()),
+        ),
+        ("the lease", behind_answer.await.expect("answered")),
+    ] {
+        match answer {
+            Err(Error::Store { reason }) => {
+                assert!(reason.contains("injected fault"), "{what}: {reason}")
+            }
+            other => panic!("{what} must fail with its sync, got {other:?}"),
+        }
+    }
+    assert!(store.write_refusal().is_some(), "the store refuses writes");
 }

@@ -82,7 +82,12 @@
 //! ([`Store::lease_tasks_in_process`]) is answered once committed, and the next sync carries
 //! it to the disk: a crash before that takes its holder down with it, and the log is
 //! written in order, so no durable record can name a lease that was lost. That takes one
-//! sync per lease off a turn's path.
+//! sync per lease off a turn's path. It holds only for a lease of tasks durable before its
+//! batch: one that takes a task an append before it in the batch queued would let it run
+//! before the event that scheduled it is on disk, so such a lease is answered with the batch's
+//! other writes, once their persist succeeds (with its failure when it fails). A batch of
+//! in-process leases alone is not persisted at all. (A lone write on its caller's thread is a
+//! batch of one, so there a lease never waits.)
 //!
 //! * Every write batch is one journal record (start marker, items, end marker with an xxh3
 //!   checksum and a magic trailer) appended to the active journal file `<n>.jnl` through an
@@ -442,6 +447,11 @@ impl FjallStore {
     pub(super) fn writer_shared(&self) -> &super::write_queue::Shared {
         &self.writes.shared
     }
+
+    /// A writer of this store's database beside its own writer thread, to hand batches to.
+    pub(super) fn writer_beside(&self) -> Box<dyn ProcessBatch> {
+        Box::new(tests::writer_beside(self))
+    }
 }
 
 impl Drop for FjallStore {
@@ -507,7 +517,8 @@ fn write_index(index: &QueueIndex) -> std::sync::RwLockWriteGuard<'_, BTreeSet<V
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// An in-process lease's answer, sent once its batch is committed.
+/// An in-process lease's answer, sent once its batch is committed (a lease of no task an
+/// earlier write of its batch wrote; see [`Writer::apply`]).
 type Committed = (oneshot::Sender<Result<Vec<Lease>>>, Vec<Lease>);
 
 /// The live task records, by key, and the queue's keys, one per task record: its visibility
@@ -653,8 +664,9 @@ fn persist(db: &Database, shared: &Shared) -> std::result::Result<(), String> {
 
 impl ProcessBatch for Writer {
     /// Applies a batch in order, commits it as one write batch, persists it once, answers.
-    /// In-process leases are answered once committed; a batch of nothing else is not
-    /// persisted: the next durable batch carries it to the disk.
+    /// In-process leases of tasks durable before the batch are answered once committed (the
+    /// others with the batch's persist); a batch of nothing else is not persisted: the next
+    /// durable batch carries it to the disk.
     fn process(&mut self, batch: Vec<Write>) {
         if let Some(syncer) = &mut self.syncer {
             syncer.wait();
@@ -889,8 +901,16 @@ impl Writer {
                     let _ = reply.send(Ok(leases));
                 }
                 Ok((leases, staged)) => {
+                    // An in-process lease is answered once committed, unless a write before
+                    // it in this batch wrote a task it leases (an append that queued it): no
+                    // task may run before the event that scheduled it is durable. Then it is
+                    // answered with that write (it costs no persist: the batch is persisted
+                    // anyway). A lease of tasks durable before the batch need not wait.
+                    let written_in_batch = leases
+                        .iter()
+                        .any(|l| self.overlay.map(Ks::Tasks).contains_key(&task_key(&l.id)));
                     self.stage(staged);
-                    if durable {
+                    if durable || written_in_batch {
                         pending.push(Pending::Lease(reply, leases));
                     } else {
                         committed.push((reply, leases));
@@ -1652,6 +1672,11 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_in_process_lease_behind_an_append_waits_for_its_sync() {
+        engine_tests::an_in_process_lease_behind_an_append_waits_for_its_sync::<FjallStore>().await;
+    }
+
+    #[tokio::test]
     async fn a_sled_store_is_refused_not_shadowed_by_an_empty_one() {
         let root = temp();
         {
@@ -1983,7 +2008,7 @@ mod tests {
     }
 
     /// A writer of `store`'s database beside its own writer thread, to hand batches to.
-    fn writer_beside(store: &FjallStore) -> Writer {
+    pub(super) fn writer_beside(store: &FjallStore) -> Writer {
         let handles = store.handles().expect("handles").clone();
         let (live_tasks, _) = tasks_at_open(&store.path, &handles.tasks).expect("tasks");
         Writer {

@@ -422,7 +422,10 @@ pub trait Store: Send + Sync + 'static {
     /// first, the lease is gone with its holder, and nothing durable names it: a progress
     /// record, a heartbeat or a completion of the lease is a later write, durable only once
     /// everything written before it is (the log is written in order). The lease attempt of
-    /// every durable record therefore stays below the next lease's after a restart.
+    /// every durable record therefore stays below the next lease's after a restart. A lease
+    /// applied behind writes that wait for a sync (the append that queued the task it leases,
+    /// say) is answered with them, once durable: no task runs before the event that scheduled
+    /// it is on disk.
     ///
     /// A store that other processes share, or a lease for a worker elsewhere, must use
     /// [`Store::lease_tasks`], durable before it is answered: that worker outlives a crash

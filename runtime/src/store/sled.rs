@@ -53,7 +53,11 @@
 //! ([`Store::lease_tasks_in_process`]) is answered once committed, and the next sync carries
 //! it to the disk: a crash before that takes its holder down with it, and the log is
 //! written in order, so no durable record can name a lease that was lost. That takes one
-//! sync per lease off a turn's path.
+//! sync per lease off a turn's path. It holds only for a lease that no write before it in its
+//! batch waits behind: an append there may have queued the very task it leases, and no task
+//! may run before the event that scheduled it is on disk. Such a lease is answered with those
+//! writes, once their sync succeeds (with its failure when it fails); a batch of in-process
+//! leases alone is not synced at all.
 //! sled alone does not give that:
 //!
 //! * sled writes its log into the `db` file and ends each write with `sync_file_range` on
@@ -76,8 +80,10 @@
 //! If a flush or an fsync fails, every write of that batch gets `Error::Store`, and the store
 //! refuses further writes until it is reopened: after a failed fsync the kernel may have
 //! dropped the dirty pages, so a later fsync that succeeds would prove nothing. So does a
-//! failed write into sled (a full disk), after which sled's own state is in doubt; closing
-//! such a store waits for sled a few seconds at most (see `close_after_a_failure`).
+//! failed write into sled (a full disk) of any kind, an append, a lease, an extension, a
+//! release or a delete, after which sled's own state is in doubt; closing such a store waits
+//! for sled a few seconds at most (see `close_after_a_failure`). (A write this store refuses
+//! itself, a conflict or a lost lease, aborts its transaction and leaves sled as it was.)
 //!
 //! # A lost log tail
 //!
@@ -297,6 +303,16 @@ impl SledStore {
     pub(super) fn writer_shared(&self) -> &super::write_queue::Shared {
         &self.writes.shared
     }
+
+    /// A writer of this store's database beside its own writer thread, to hand batches to.
+    pub(super) fn writer_beside(&self) -> Box<dyn ProcessBatch> {
+        Box::new(Writer {
+            path: self.path.clone(),
+            handles: self.handles().expect("handles").clone(),
+            syncer: Syncer::new(&self.path).expect("a handle to sync"),
+            shared: Arc::clone(&self.writes.shared),
+        })
+    }
 }
 
 impl Drop for SledStore {
@@ -436,11 +452,24 @@ impl Writer {
         match failure {
             GroupFailure::Aborted(reason) => reason,
             GroupFailure::Storage(reason) => {
-                self.shared
-                    .failed()
-                    .get_or_insert_with(|| format!("a write failed: {reason}"));
+                self.write_failed(&reason);
                 reason
             }
+        }
+    }
+
+    /// Makes the store refuse further writes after sled failed one (see
+    /// [`GroupFailure::Storage`]): whichever write it was, sled's state is in doubt. The first
+    /// reason stays.
+    fn write_failed(&self, reason: &str) {
+        let mut failed = self.shared.failed();
+        if failed.is_none() {
+            tracing::error!(
+                store = %self.path.display(),
+                %reason,
+                "sled failed a write; the store refuses writes until it is reopened"
+            );
+            *failed = Some(format!("a write failed: {reason}"));
         }
     }
 
@@ -529,8 +558,11 @@ impl Writer {
                 reply,
             } => match self.lease(now_ms, lease_ms, max, &filter) {
                 // Committed: an in-process lease is answered now, and reaches the disk with
-                // the next flush.
-                Ok(leases) if leases.is_empty() || !durable => {
+                // the next flush, unless a write before it in this batch waits for this
+                // flush: an append there may have queued the very tasks it leases, and no
+                // task may run before the event that scheduled it is durable. Then it is
+                // answered with that write (it costs no flush: the batch flushes anyway).
+                Ok(leases) if leases.is_empty() || (!durable && pending.is_empty()) => {
                     let _ = reply.send(Ok(leases));
                 }
                 Ok(leases) => pending.push(Pending::Lease(reply, leases)),
@@ -573,6 +605,10 @@ impl Writer {
         }
     }
 
+    /// The outcome of a lease's, an extension's, a release's or a delete's transaction. An
+    /// abort is this store's own refusal (a lost lease, a record that does not decode) and
+    /// wrote nothing; a storage failure is sled's, after which its state is in doubt as after
+    /// a failed append, so the store refuses further writes.
     fn txn_result<T>(
         &self,
         doing: &str,
@@ -581,7 +617,10 @@ impl Writer {
         match r {
             Ok(v) => Ok(v),
             Err(TransactionError::Abort(e)) => Err(e),
-            Err(TransactionError::Storage(e)) => Err(sled_error(&self.path, doing, Words(&e))),
+            Err(TransactionError::Storage(e)) => {
+                self.write_failed(&format!("{doing}: {}", Words(&e)));
+                Err(sled_error(&self.path, doing, Words(&e)))
+            }
         }
     }
 
@@ -602,9 +641,7 @@ impl Writer {
             }
             let (key, _) =
                 item.map_err(|e| sled_error(&self.path, "scanning the queue", Words(&e)))?;
-            let visible = key_visible(&key).ok_or_else(|| {
-                sled_error(&self.path, "scanning the queue", format!("bad key {key:?}"))
-            })?;
+            let visible = key_visible(&key).ok_or_else(|| bad_queue_key(&self.path, &key))?;
             if visible > now_ms {
                 break;
             }
@@ -627,9 +664,11 @@ impl Writer {
         }
         let trees = (&h.tasks, &h.queue);
         let result = trees.transaction(|(tasks, queue)| {
+            #[cfg(test)]
+            injected_write_fault(&self.shared)?;
             let mut leases = Vec::with_capacity(due.len());
             for qkey in &due {
-                let tkey = &qkey[8..];
+                let tkey = &qkey[8..]; // 8 bytes at least: checked while scanning
                 let Some(bytes) = tasks.get(tkey)? else {
                     // Appends remove both together, so this cannot happen; should it, drop the
                     // stray entry rather than fail every lease from now on (memory skips it too).
@@ -699,6 +738,8 @@ impl Writer {
         )?;
         let trees = (&h.events, &h.sessions);
         let result = trees.transaction(|(events, sessions)| {
+            #[cfg(test)]
+            injected_write_fault(&self.shared)?;
             for seq in 1..=info.events {
                 events.remove(seq_key(sid, seq))?;
             }
@@ -723,6 +764,8 @@ impl Writer {
         let key = task_key(id);
         let trees = (&h.tasks, &h.queue);
         let result = trees.transaction(|(tasks, queue)| {
+            #[cfg(test)]
+            injected_write_fault(&self.shared)?;
             let task = match tasks.get(&key)? {
                 Some(bytes) => Some(decode_task(id, &bytes, SPACE).map_err(abort)?),
                 None => None,
@@ -754,6 +797,11 @@ impl Writer {
         for item in h.queue.iter() {
             let (key, _) =
                 item.map_err(|e| sled_error(&self.path, "scanning the queue", Words(&e)))?;
+            // The transaction takes the task key after the visibility time: a key too short
+            // for one is damage, named here, not a panic of this thread.
+            if key_visible(&key).is_none() {
+                return Err(bad_queue_key(&self.path, &key));
+            }
             later.push(key);
         }
         if later.is_empty() {
@@ -761,9 +809,11 @@ impl Writer {
         }
         let trees = (&h.tasks, &h.queue);
         let result = trees.transaction(|(tasks, queue)| {
+            #[cfg(test)]
+            injected_write_fault(&self.shared)?;
             let mut released = 0;
             for qkey in &later {
-                let tkey = &qkey[8..];
+                let tkey = &qkey[8..]; // 8 bytes at least: checked while scanning
                 let Some(bytes) = tasks.get(tkey)? else {
                     continue; // a stray entry; leasing drops it
                 };
@@ -887,6 +937,19 @@ fn sled_error(path: &Path, doing: &str, e: impl std::fmt::Display) -> Error {
     }
 }
 
+/// A key of the queue tree too short to begin with its visibility time, which every key this
+/// store writes does ([`queue_key`]): damage on the disk.
+fn bad_queue_key(path: &Path, key: &[u8]) -> Error {
+    sled_error(
+        path,
+        "scanning the queue",
+        format!(
+            "bad key {key:?} ({} bytes, shorter than the 8 of its visibility time)",
+            key.len()
+        ),
+    )
+}
+
 /// Commits `appends` in one sled transaction, in order, each seeing the ones before it.
 /// The outer error is sled's (nothing committed); the inner ones are rejected appends.
 fn append_all(
@@ -1001,6 +1064,23 @@ fn append_one(
 
 fn abort(e: Error) -> ConflictableTransactionError<Error> {
     ConflictableTransactionError::Abort(e)
+}
+
+/// Fails a transaction, before it writes anything, the way sled fails one it cannot write
+/// (`Storage`), when a test asked for it ([`SyncFaults::write_fails`]): nothing else makes
+/// sled fail a write on demand.
+///
+/// [`SyncFaults::write_fails`]: super::write_queue::SyncFaults::write_fails
+#[cfg(test)]
+fn injected_write_fault(
+    shared: &Shared,
+) -> std::result::Result<(), ConflictableTransactionError<Error>> {
+    match shared.faults.write_fails() {
+        Some(reason) => Err(ConflictableTransactionError::Storage(sled::Error::Io(
+            std::io::Error::other(reason),
+        ))),
+        None => Ok(()),
+    }
 }
 
 #[async_trait]
@@ -1192,6 +1272,11 @@ mod tests {
     #[tokio::test]
     async fn an_in_process_lease_takes_no_sync() {
         engine_tests::an_in_process_lease_takes_no_sync::<SledStore>().await;
+    }
+
+    #[tokio::test]
+    async fn an_in_process_lease_behind_an_append_waits_for_its_sync() {
+        engine_tests::an_in_process_lease_behind_an_append_waits_for_its_sync::<SledStore>().await;
     }
 
     /// Garbage where sled's files are: opening fails or recovers, and never panics.
@@ -1488,6 +1573,121 @@ mod tests {
             )
             .await;
         assert!(!inline, "sled commits every write on its writer thread");
+    }
+
+    /// A queue key too short to hold its visibility time (damage on the disk) fails a release
+    /// with an error naming the key, never a panic of the writer thread; nothing was written,
+    /// so the store takes other writes as before.
+    #[tokio::test]
+    async fn a_short_queue_key_fails_a_release_naming_it() {
+        let root = temp();
+        let store = SledStore::open(root.path()).expect("open");
+        write_sessions(&store, &["s"], 1).await;
+        let h = store.handles().expect("handles");
+        h.queue.insert(b"abc", &[] as &[u8]).expect("insert");
+        for attempt in ["a release", "a release after it"] {
+            match store.release_leases(10).await {
+                Err(Error::Store { reason }) => assert!(
+                    reason.contains("queue") && reason.contains("[97, 98, 99]"),
+                    "{attempt}: the error names the key: {reason}"
+                ),
+                other => panic!("{attempt} over a short queue key must fail, got {other:?}"),
+            }
+        }
+        assert_eq!(store.write_refusal(), None, "nothing was written");
+        store
+            .append(append_request("s", 2, vec![message("s", 2, "x")], 20))
+            .await
+            .expect("the store takes writes");
+        assert_eq!(
+            store.read_history("s", 1, None).await.expect("read").len(),
+            2
+        );
+    }
+
+    /// A lease, a lease extension, a release or a delete that sled fails to write (a full
+    /// disk) leaves sled's state in doubt, as a failed append does: it is answered with the
+    /// failure, the store says it refuses writes, refuses them, still reads, and a reopen
+    /// clears the refusal.
+    #[tokio::test]
+    async fn a_write_sled_fails_to_make_refuses_the_writes_after_it() {
+        use crate::store::{NewTask, TaskFilter};
+        let id = TaskId {
+            session_id: "s".to_owned(),
+            scheduled_seq: 1,
+        };
+        for kind in ["lease", "extension", "release", "delete"] {
+            let root = temp();
+            let store = SledStore::open(root.path()).expect("open");
+            let mut request = append_request("s", 1, vec![message("s", 1, "go")], 1);
+            if kind == "delete" {
+                request.status = SessionStatus::Idle; // deletable: no turn, no task
+            } else {
+                request.enqueue = vec![NewTask::new(id.clone(), TaskKind::Tool, 0)];
+            }
+            store.append(request).await.expect("append");
+            let attempt = if matches!(kind, "extension" | "release") {
+                let leases = store
+                    .lease_tasks(10, 1_000, 1, &TaskFilter::any())
+                    .await
+                    .expect("lease");
+                leases[0].lease_attempt
+            } else {
+                0
+            };
+            store
+                .writes
+                .shared
+                .faults
+                .failing_writes
+                .store(1, Ordering::Relaxed);
+            let failed = match kind {
+                "lease" => store
+                    .lease_tasks(10, 1_000, 1, &TaskFilter::any())
+                    .await
+                    .map(drop),
+                "extension" => store
+                    .extend_lease(&id, attempt, 20, 1_000, None)
+                    .await
+                    .map(drop),
+                "release" => store.release_leases(20).await.map(drop),
+                _ => store.delete_session("s", 20).await.map(drop),
+            };
+            match failed {
+                Err(Error::Store { reason }) => {
+                    assert!(reason.contains("injected fault"), "{kind}: {reason}")
+                }
+                other => panic!("a {kind} sled fails to write must fail, got {other:?}"),
+            }
+            let refusal = store
+                .write_refusal()
+                .unwrap_or_else(|| panic!("after a failed {kind} the store must refuse writes"));
+            assert!(
+                refusal.contains("injected fault") && refusal.contains("reopen it"),
+                "{kind}: {refusal}"
+            );
+            match store
+                .append(append_request("t", 1, vec![message("t", 1, "x")], 30))
+                .await
+            {
+                Err(Error::Store { reason }) => {
+                    assert!(reason.contains("refuses writes"), "{kind}: {reason}")
+                }
+                other => panic!("an append after a failed {kind} must be refused, got {other:?}"),
+            }
+            assert_eq!(
+                store.read_history("s", 1, None).await.expect("read").len(),
+                1,
+                "{kind}: reads go on"
+            );
+            drop(store);
+            let store = SledStore::open_existing(root.path()).expect("reopen");
+            assert_eq!(store.write_refusal(), None, "{kind}: a reopen clears it");
+            store
+                .append(append_request("t", 1, vec![message("t", 1, "x")], 40))
+                .await
+                .expect("the reopened store takes writes");
+        }
     }
 
     #[tokio::test]

@@ -92,25 +92,36 @@ pub(super) struct Shared {
     pub(super) faults: SyncFaults,
 }
 
-/// Faults injected into an engine's syncs, for tests of the refusal paths: nothing below
-/// the engines can make a real fdatasync fail, or wait, on demand here.
+/// Faults injected into an engine's syncs (and sled's transactions), for tests of the refusal
+/// paths: nothing below the engines can make a real fdatasync or sled write fail, or wait, on
+/// demand here.
 #[cfg(test)]
 #[derive(Default)]
 pub(super) struct SyncFaults {
     /// Syncs still to fail as if the disk had refused them.
     pub(super) failing: AtomicU64,
+    /// sled transactions of leases, lease extensions, releases and deletes still to fail as if
+    /// sled could not write (its `TransactionError::Storage`), committing nothing.
+    pub(super) failing_writes: AtomicU64,
     /// Held by the next sync until [`SyncFaults::release`].
     held: Mutex<Option<mpsc::Receiver<()>>>,
     release: Mutex<Option<mpsc::Sender<()>>>,
+    /// Told when the held sync has begun to wait.
+    reached: Mutex<Option<mpsc::Sender<()>>>,
 }
 
 #[cfg(test)]
 impl SyncFaults {
     /// Makes the next sync wait, before it does anything, until [`SyncFaults::release`].
-    pub(super) fn hold_next(&self) {
+    /// The receiver given back hears once that sync waits: by then its batch is applied and
+    /// committed, and whatever it answers before its sync is answered.
+    pub(super) fn hold_next(&self) -> mpsc::Receiver<()> {
         let (release, held) = mpsc::channel();
+        let (reached, waiting) = mpsc::channel();
         *self.held.lock().expect("held") = Some(held);
         *self.release.lock().expect("release") = Some(release);
+        *self.reached.lock().expect("reached") = Some(reached);
+        waiting
     }
 
     /// Lets a held sync go on.
@@ -125,6 +136,9 @@ impl SyncFaults {
     pub(super) fn before_sync(&self) -> Option<String> {
         let held = self.held.lock().expect("held").take();
         if let Some(held) = held {
+            if let Some(reached) = self.reached.lock().expect("reached").take() {
+                let _ = reached.send(());
+            }
             let _ = held.recv();
         }
         self.failing
@@ -133,6 +147,16 @@ impl SyncFaults {
             })
             .ok()
             .map(|_| "injected fault: fdatasync failed (EIO)".to_owned())
+    }
+
+    /// Whether this sled write is to fail (counting it off), and with what words.
+    pub(super) fn write_fails(&self) -> Option<String> {
+        self.failing_writes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
+                left.checked_sub(1)
+            })
+            .ok()
+            .map(|_| "injected fault: sled could not write (ENOSPC)".to_owned())
     }
 }
 
@@ -220,7 +244,9 @@ pub(super) enum Write {
         max: usize,
         filter: TaskFilter,
         /// Answered once durable; else once committed
-        /// ([`Store::lease_tasks_in_process`](super::Store::lease_tasks_in_process)).
+        /// ([`Store::lease_tasks_in_process`](super::Store::lease_tasks_in_process)), unless
+        /// a write before it in its batch waits for the batch's sync (an append that may have
+        /// queued the tasks it leases): then with that write, once durable.
         durable: bool,
         reply: oneshot::Sender<Result<Vec<Lease>>>,
     },
