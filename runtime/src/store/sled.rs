@@ -1206,10 +1206,13 @@ impl Store for SledStore {
             }
             let (key, _) =
                 item.map_err(|e| sled_error(&self.path, "scanning the queue", Words(&e)))?;
-            if key_visible(&key).is_none_or(|visible| visible > now_ms) {
+            let Some(visible) = key_visible(&key) else {
+                return Err(bad_queue_key(&self.path, &key));
+            };
+            if visible > now_ms {
                 break;
             }
-            let tkey = &key[8..];
+            let tkey = &key[8..]; // 8 bytes at least: `key_visible` read them
             let bytes = h
                 .tasks
                 .get(tkey)
@@ -1576,8 +1579,9 @@ mod tests {
     }
 
     /// A queue key too short to hold its visibility time (damage on the disk) fails a release
-    /// with an error naming the key, never a panic of the writer thread; nothing was written,
-    /// so the store takes other writes as before.
+    /// and the timers' scan with an error naming the key, never a panic of the writer thread
+    /// nor a scan that stops there unsaid; nothing was written, so the store takes other
+    /// writes as before.
     #[tokio::test]
     async fn a_short_queue_key_fails_a_release_naming_it() {
         let root = temp();
@@ -1593,6 +1597,13 @@ mod tests {
                 ),
                 other => panic!("{attempt} over a short queue key must fail, got {other:?}"),
             }
+        }
+        match store.overdue_tasks(u64::MAX, 10).await {
+            Err(Error::Store { reason }) => assert!(
+                reason.contains("[97, 98, 99]"),
+                "the timers' scan names the key: {reason}"
+            ),
+            other => panic!("a scan for overdue tasks over a short key must fail, got {other:?}"),
         }
         assert_eq!(store.write_refusal(), None, "nothing was written");
         store
