@@ -1206,14 +1206,14 @@ impl Engine {
         if reclaim_leases && !self.inner.store.shared() {
             report.reclaimed_leases = self.inner.store.release_leases(self.now_ms()).await?;
         }
-        let queued: BTreeSet<TaskId> = self
-            .inner
-            .store
-            .list_tasks()
-            .await?
-            .into_iter()
-            .map(|t| t.id)
-            .collect();
+        // Each running session's state first, then the queue: a task is missing only if the
+        // state read before the listing has it outstanding and the listing lacks it. Listed
+        // first, the queue could miss a task another engine on the same store scheduled
+        // after the listing and before the state was read, and queueing it again would hand
+        // its lease out twice. Should the session move on after its state was read, the
+        // append that queues its missing tasks conflicts and is dropped: its tasks are then
+        // the latest events' to queue.
+        let mut running = Vec::new();
         for info in self.inner.store.list_sessions().await? {
             if info.status != SessionStatus::Running || !wanted(&info.session_id) {
                 continue;
@@ -1222,39 +1222,54 @@ impl Engine {
             let slot = self.slot(&session_id);
             let mut guard = slot.lock().await;
             let state = self.loaded(&session_id, &mut guard).await?;
-            let mut missing = Vec::new();
+            let mut outstanding = Vec::new();
             for seq in state.outstanding_tasks() {
                 report.outstanding_tasks += 1;
-                let id = TaskId {
-                    session_id: session_id.clone(),
-                    scheduled_seq: seq,
-                };
-                if !queued.contains(&id) {
-                    if let Some(mut task) = state.queued_task(seq) {
-                        // An approval deadline keeps its time: visible early, it would be
-                        // leased like an activity.
-                        if state.approval_timer(seq).is_none() {
-                            task.visible_at_ms = 0;
-                        }
-                        missing.push(task);
+                if let Some(mut task) = state.queued_task(seq) {
+                    // An approval deadline keeps its time: visible early, it would be
+                    // leased like an activity.
+                    if state.approval_timer(seq).is_none() {
+                        task.visible_at_ms = 0;
                     }
+                    outstanding.push(task);
                 }
             }
+            running.push((session_id, state.next_seq, status_of(state), outstanding));
+        }
+        let queued: BTreeSet<TaskId> = self
+            .inner
+            .store
+            .list_tasks()
+            .await?
+            .into_iter()
+            .map(|t| t.id)
+            .collect();
+        for (session_id, next_seq, status, outstanding) in running {
+            let missing: Vec<_> = outstanding
+                .into_iter()
+                .filter(|task| !queued.contains(&task.id))
+                .collect();
             if !missing.is_empty() {
-                report.requeued_tasks += missing.len();
+                let slot = self.slot(&session_id);
+                let mut guard = slot.lock().await;
+                let count = missing.len();
                 let request = AppendRequest {
                     session_id: session_id.clone(),
-                    expected_next_seq: state.next_seq,
+                    expected_next_seq: next_seq,
                     events: Vec::new(),
-                    status: status_of(state),
+                    status,
                     enqueue: missing,
                     complete: None,
                     cancel: Vec::new(),
                     now_ms: self.now_ms(),
                 };
-                if let Err(e) = self.inner.store.append(request).await {
-                    *guard = None;
-                    return Err(e);
+                match self.inner.store.append(request).await {
+                    Ok(()) => report.requeued_tasks += count,
+                    Err(Error::Conflict { .. }) => *guard = None,
+                    Err(e) => {
+                        *guard = None;
+                        return Err(e);
+                    }
                 }
             }
             report.running_sessions.push(session_id);
@@ -1729,14 +1744,21 @@ impl Engine {
             tasks = request.enqueue.len(),
             "append"
         );
+        // Out of the cache while the append is in doubt: should this call be dropped before
+        // the store answers (its caller gone: a server's handler whose client hung up), the
+        // next one loads the session from the store instead of trusting a state the store
+        // may never hold. Put back once the append is durable.
+        let stepped = guard.take();
         let appended = match eager {
             Some(lease) => self.inner.store.append_and_lease(request, lease).await,
             None => self.inner.store.append(request).await.map(|()| Vec::new()),
         };
         let leases = match appended {
-            Ok(leases) => leases,
+            Ok(leases) => {
+                *guard = stepped;
+                leases
+            }
             Err(e) => {
-                *guard = None;
                 if is_start {
                     if let Error::Conflict { .. } = e {
                         // The session exists: a start is never retried.

@@ -34,6 +34,8 @@ mod engine_idempotent_tests;
 #[cfg(test)]
 mod engine_memory_tests;
 #[cfg(test)]
+mod engine_race_tests;
+#[cfg(test)]
 mod workflow_approval_tests;
 #[cfg(test)]
 mod workflow_budget_tests;

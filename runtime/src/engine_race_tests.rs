@@ -1,0 +1,213 @@
+//! The engine when a call is dropped before the store answers its append (a server's handler
+//! whose client hung up), and when it resumes sessions while another engine writes the same
+//! store: what it caches and what it queues stays what the store holds.
+
+use crate::client::{Client, SessionOptions};
+use crate::engine::ActivityReport;
+use crate::error::Result;
+use crate::event::EventEnvelope;
+use crate::event::{ActivityFailure, ErrorClass};
+use crate::store::{AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
+use crate::{Engine, MemoryStore, SystemClock};
+use async_trait::async_trait;
+use cairn_ledger::{JsonText, ModelResponse, ModelSpec, Part, StopReason, Usage};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::sync::Notify;
+
+/// A store in memory whose appends can be held before they reach it, and whose task listing
+/// can let something happen right after it read the tasks.
+#[derive(Default)]
+struct Gated {
+    inner: MemoryStore,
+    /// While set, an append tells `entered` and then waits forever, never reaching the store.
+    hold_appends: AtomicBool,
+    entered: Notify,
+    /// Awaited once, inside the next `list_tasks`, after the tasks were read (it waits for
+    /// `listed` itself).
+    after_listing: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    listed: Notify,
+}
+
+#[async_trait]
+impl Store for Gated {
+    async fn append(&self, request: AppendRequest) -> Result<()> {
+        if self.hold_appends.load(Ordering::SeqCst) {
+            self.entered.notify_one();
+            std::future::pending::<()>().await;
+        }
+        self.inner.append(request).await
+    }
+    async fn read_history(
+        &self,
+        session_id: &str,
+        from_seq: u64,
+        limit: Option<usize>,
+    ) -> Result<Vec<EventEnvelope>> {
+        self.inner.read_history(session_id, from_seq, limit).await
+    }
+    async fn list_sessions(&self) -> Result<Vec<SessionInfo>> {
+        self.inner.list_sessions().await
+    }
+    async fn lease_tasks(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        max: usize,
+        filter: &TaskFilter,
+    ) -> Result<Vec<Lease>> {
+        self.inner.lease_tasks(now_ms, lease_ms, max, filter).await
+    }
+    async fn extend_lease(
+        &self,
+        id: &TaskId,
+        lease_attempt: u32,
+        now_ms: u64,
+        lease_ms: u64,
+        details: Option<JsonText>,
+    ) -> Result<u64> {
+        self.inner
+            .extend_lease(id, lease_attempt, now_ms, lease_ms, details)
+            .await
+    }
+    async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
+        self.inner.overdue_tasks(now_ms, max).await
+    }
+    async fn list_tasks(&self) -> Result<Vec<Task>> {
+        let tasks = self.inner.list_tasks().await?;
+        let meanwhile = self.after_listing.lock().expect("after_listing").take();
+        if let Some(meanwhile) = meanwhile {
+            self.listed.notify_one();
+            meanwhile.await.expect("what happened meanwhile");
+        }
+        Ok(tasks)
+    }
+    async fn release_leases(&self, now_ms: u64) -> Result<usize> {
+        self.inner.release_leases(now_ms).await
+    }
+    async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
+        self.inner.delete_session(session_id, now_ms).await
+    }
+}
+
+fn options(id: &str) -> SessionOptions {
+    let mut options = SessionOptions::new(ModelSpec::new("scripted", "race"), Vec::new());
+    options.session_id = Some(id.to_owned());
+    options
+}
+
+fn answer(text: &str) -> ActivityReport {
+    ActivityReport::ModelCompleted(ModelResponse {
+        provider: "scripted".into(),
+        model: "race".into(),
+        parts: vec![Part::text(text)],
+        stop_reason_raw: "end_turn".into(),
+        stop_reason: StopReason::EndTurn,
+        usage: Usage::default(),
+    })
+}
+
+/// A send dropped while its append waits for the store leaves no trace in what the engine
+/// answers: the state it gives is the store's, and the next send goes on from there.
+/// (Before, the cached state kept the dropped send's message and its model call, events the
+/// store never held.)
+#[tokio::test]
+async fn a_send_dropped_before_its_append_is_answered_leaves_the_cache_as_the_store_is() {
+    let store = Arc::new(Gated::default());
+    let engine = Engine::new(store.clone(), Arc::new(SystemClock));
+    let client = Client::new(engine.clone());
+    client.start_session(options("s")).await.unwrap();
+    assert_eq!(client.send("s", "hello").await.unwrap(), 1);
+    let leased = engine
+        .lease_tasks(&TaskFilter::any(), 1, 60_000)
+        .await
+        .unwrap();
+    engine.report(&leased[0].lease, answer("hi")).await.unwrap();
+    let stored = store.inner.read_history("s", 1, None).await.unwrap().len() as u64;
+
+    store.hold_appends.store(true, Ordering::SeqCst);
+    let dropped = {
+        let client = client.clone();
+        tokio::spawn(async move { client.send("s", "never stored").await })
+    };
+    store.entered.notified().await;
+    dropped.abort();
+    assert!(dropped.await.unwrap_err().is_cancelled());
+    store.hold_appends.store(false, Ordering::SeqCst);
+
+    let state = engine.state("s").await.unwrap();
+    assert_eq!(
+        state.next_seq,
+        stored + 1,
+        "the engine's state is the store's, not the dropped send's"
+    );
+    let transcript = client.transcript("s").await.unwrap();
+    assert!(
+        !String::from_utf8_lossy(&transcript.canonical_json()).contains("never stored"),
+        "the dropped message is in no answer"
+    );
+    assert_eq!(client.send("s", "again").await.unwrap(), 2);
+    let history = store.inner.read_history("s", 1, None).await.unwrap();
+    let replayed = crate::replay("s", &history).unwrap();
+    assert_eq!(
+        replayed.state.transcript.canonical_json(),
+        client.transcript("s").await.unwrap().canonical_json()
+    );
+}
+
+/// A resume that reads the queue just before another engine on the same store schedules and
+/// leases a session's next task queues nothing again: the task's lease stays the one worker's.
+/// (Before, the queue was listed before the session's state was read, so the new task looked
+/// missing from it and was queued again, its lease reset for a second worker to take.)
+#[tokio::test]
+async fn a_resume_racing_another_engine_does_not_queue_its_new_task_again() {
+    let store = Arc::new(Gated::default());
+    let serving = Engine::new(store.clone(), Arc::new(SystemClock));
+    let resuming = Engine::new(store.clone(), Arc::new(SystemClock));
+    let client = Client::new(serving.clone());
+    let mut o = options("s");
+    o.model_retry.initial_interval_ms = 0;
+    client.start_session(o).await.unwrap();
+    client.send("s", "hello").await.unwrap();
+    let first = serving
+        .lease_tasks(&TaskFilter::any(), 1, 60_000)
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 1);
+
+    // Right after the resuming engine lists the queue, the serving one records the model
+    // call's failure, which schedules its retry, and a worker of its leases the retry.
+    let retry: Arc<Mutex<Vec<Lease>>> = Arc::default();
+    let meanwhile = {
+        let (store, serving, retry) = (store.clone(), serving.clone(), retry.clone());
+        let lease = first[0].lease.clone();
+        tokio::spawn(async move {
+            store.listed.notified().await;
+            let failure = ActivityFailure::new(ErrorClass::Transient, "try again");
+            serving
+                .report(&lease, ActivityReport::Failed(failure))
+                .await
+                .unwrap();
+            let leased = serving
+                .lease_tasks(&TaskFilter::any(), 1, 60_000)
+                .await
+                .unwrap();
+            *retry.lock().unwrap() = leased.into_iter().map(|t| t.lease).collect();
+        })
+    };
+    *store.after_listing.lock().unwrap() = Some(meanwhile);
+    let report = resuming.resume(false).await.unwrap();
+    let retry = retry.lock().unwrap().clone();
+    assert_eq!(retry.len(), 1, "the retry was leased");
+    assert_eq!(report.requeued_tasks, 0, "{report:?}");
+    let again = serving
+        .lease_tasks(&TaskFilter::any(), 1, 60_000)
+        .await
+        .unwrap();
+    assert!(
+        again.is_empty(),
+        "the retry, leased at attempt {}, was handed out again: {:?}",
+        retry[0].lease_attempt,
+        again.iter().map(|t| &t.lease).collect::<Vec<_>>()
+    );
+}
