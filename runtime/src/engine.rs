@@ -260,6 +260,7 @@ struct Inner {
     watched: Mutex<HashMap<String, (usize, SessionSlot)>>,
     /// Leases this engine handed out and has not seen reported, with their attempt and
     /// expiry: on a shared store, a draining server waits for these, not for other servers'.
+    /// Those that run out unreported are forgotten by the timers ([`Engine::fire_timers`]).
     leased_here: Mutex<HashMap<TaskId, (u32, u64)>>,
     /// The highest seq change hints reported for cached sessions ([`Engine::follow_store`]):
     /// a cached state whose next seq is not past it missed another writer's append, and is
@@ -830,10 +831,14 @@ impl Engine {
         for lease in leases {
             match self.activity(&lease).await {
                 Ok(Some(input)) => out.push(LeasedTask { lease, input }),
-                Ok(None) => debug!(task = %lease.id, "task no longer wanted; dropped"),
+                Ok(None) => {
+                    debug!(task = %lease.id, "task no longer wanted; dropped");
+                    lock(&self.inner.leased_here).remove(&lease.id);
+                }
                 // Its lease lapses and the timers record the attempt as failed.
                 Err(e) => {
-                    warn!(task = %lease.id, error = %e, "cannot load a leased task's activity")
+                    warn!(task = %lease.id, error = %e, "cannot load a leased task's activity");
+                    lock(&self.inner.leased_here).remove(&lease.id);
                 }
             }
         }
@@ -888,6 +893,9 @@ impl Engine {
     /// needed to notice. Returns how many attempts it recorded as failed.
     pub async fn fire_timers(&self) -> Result<usize> {
         let now = self.now_ms();
+        // Leases handed out here that ran out without a report (their worker stopped, or
+        // dropped the task) are forgotten here, or they would be kept for the process's life.
+        lock(&self.inner.leased_here).retain(|_, (_, expires_at_ms)| *expires_at_ms > now);
         // Tasks that failed to fire stay overdue and first in line; asking for that many more
         // keeps them (a session that cannot load, say) from starving the ones behind them.
         let stuck = self.inner.timers_stuck.load(Ordering::Relaxed);

@@ -281,3 +281,24 @@ async fn a_dropped_event_stream_leaves_no_watch_behind() -> Result<()> {
     .expect("the follower of a dropped stream ended and dropped its watch");
     Ok(())
 }
+
+/// A lease handed out here that runs out without a report (its worker gone) is forgotten by
+/// the timers that record its attempt as failed: a long-lived server keeps no entry per
+/// abandoned lease.
+#[tokio::test]
+async fn a_lease_that_lapses_unreported_is_forgotten() -> Result<()> {
+    let engine = memory_engine();
+    let client = Client::new(engine.clone());
+    start_turn(&client, "abandoned").await?;
+    let leased = engine.lease_tasks(&TaskFilter::any(), 1, 1).await?;
+    assert_eq!(leased.len(), 1);
+    assert_eq!(engine.per_session_entries().leased_here, 1);
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert_eq!(
+        engine.fire_timers().await?,
+        1,
+        "the lapsed attempt is recorded"
+    );
+    assert_eq!(engine.per_session_entries().leased_here, 0);
+    Ok(())
+}
