@@ -1650,6 +1650,22 @@ async fn malformed_requests_get_json_errors_and_the_server_stays_up() {
             StatusCode::BAD_REQUEST,
             "invalid_request",
         ),
+        (
+            raw(Method::GET, "/v1/sessions/s/events", None, Vec::new())
+                .header("last-event-id", u64::MAX.to_string()),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            raw(
+                Method::GET,
+                &format!("/v1/sessions/s/events?after_seq={}", u64::MAX),
+                None,
+                Vec::new(),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
     ];
     for (i, (request, status, code)) in cases.into_iter().enumerate() {
         let response = request.send().await.expect("send");

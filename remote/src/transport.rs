@@ -779,7 +779,7 @@ impl Follower {
             return Ok(());
         }
         let mut events = Vec::new();
-        if event.seq > self.last_seq + 1 {
+        if event.seq > self.last_seq.saturating_add(1) {
             let missing = (event.seq - self.last_seq - 1) as usize;
             let transport = HttpTransport {
                 connection: self.connection.clone(),
@@ -787,14 +787,18 @@ impl Follower {
                 resend_window: RESEND_GIVE_UP,
             };
             let read = transport
-                .history(&self.session_id, self.last_seq + 1, Some(missing))
+                .history(
+                    &self.session_id,
+                    self.last_seq.saturating_add(1),
+                    Some(missing),
+                )
                 .await
                 .map_err(Some)?;
             events.extend(read.into_iter().filter(|e| e.seq < event.seq));
         }
         events.push(event);
         for event in events {
-            if event.seq != self.last_seq + 1 {
+            if event.seq != self.last_seq.saturating_add(1) {
                 return Err(Some(self.connection.bad_answer(format!(
                     "the event stream of session {:?} skipped from seq {} to {}, and the history does not have them",
                     self.session_id, self.last_seq, event.seq

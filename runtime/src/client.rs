@@ -1108,7 +1108,7 @@ impl Follower {
         backlog: &mut std::collections::VecDeque<StreamEvent>,
     ) -> Result<()> {
         let first = appended.events.first().map(|e| e.seq).unwrap_or(0);
-        if first > self.last_seq + 1 {
+        if first > self.last_seq.saturating_add(1) {
             // Missed some (appended before we subscribed): read them.
             return self.catch_up(backlog).await;
         }
@@ -1141,7 +1141,7 @@ impl Follower {
         let events = match self
             .engine
             .store()
-            .read_history(&self.session_id, self.last_seq + 1, None)
+            .read_history(&self.session_id, self.last_seq.saturating_add(1), None)
             .await
         {
             Ok(events) => events,

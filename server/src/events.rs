@@ -25,6 +25,9 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use utoipa::IntoParams;
 
+/// The highest seq an event can have.
+const MAX_SEQ: u64 = i64::MAX.unsigned_abs();
+
 /// How often an idle stream sends a keep-alive comment.
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
 
@@ -74,6 +77,13 @@ pub async fn events(
             .ok_or_else(|| ApiError::invalid("Last-Event-ID must be the seq of an event"))?,
         None => query.after_seq.unwrap_or(0),
     };
+    // No store holds a seq past i64's range (PostgreSQL's is a bigint), and the stream counts
+    // on from the one after: anything beyond is no event's.
+    if after_seq > MAX_SEQ {
+        return Err(ApiError::invalid(format!(
+            "Last-Event-ID or after_seq {after_seq} is past any event's seq (at most {MAX_SEQ})"
+        )));
+    }
     // Subscribe before checking the session exists, so nothing appended in between is missed.
     let follower = follow(state.engine.clone(), stored.clone(), after_seq);
     state
