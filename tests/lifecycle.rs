@@ -1356,7 +1356,11 @@ impl cairn_workers::TaskSource for SlowFirstRenewal {
             .record_progress(lease, text_appended, thinking_appended)
             .await
     }
-    async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<(), cairn_runtime::Error> {
+    async fn report(
+        &self,
+        lease: &Lease,
+        report: ActivityReport,
+    ) -> Result<(), cairn_runtime::Error> {
         self.inner.report(lease, report).await
     }
     fn publish_delta(&self, delta: DeltaEvent) {
