@@ -36,6 +36,9 @@ pub struct Faults {
     /// Take this many reports (their deltas passed on, the report recorded) and answer each
     /// with 503, as a connection cut after the server took a report loses its answer.
     pub lose_report_answers: AtomicU32,
+    /// Answer this many turn waits (`GET /v1/sessions/{id}/turns/{turn}`) with 503, as a
+    /// server restarting or a store briefly unavailable does.
+    pub fail_turn_waits: AtomicU32,
     /// Never answer this many heartbeats (each waits forever, as a request sent on a
     /// connection that went dead without a reset does).
     pub hang_heartbeats: AtomicU32,
@@ -362,6 +365,14 @@ async fn wait_turn(
     Path((id, turn)): Path<(String, u32)>,
     Query(query): Query<BTreeMap<String, u64>>,
 ) -> Response {
+    let fail = server
+        .faults
+        .fail_turn_waits
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok();
+    if fail {
+        return error_answer(ErrorCode::Unavailable, "restarting".into());
+    }
     let timeout = Duration::from_millis(query.get("timeout_ms").copied().unwrap_or(0));
     answer(
         server

@@ -1122,6 +1122,41 @@ async fn a_server_that_ignores_wait_ms_is_long_polled_for_the_outcome() {
     pool.shutdown().await;
 }
 
+/// A wait for a turn that fails on the way (503: the server restarting, its store briefly
+/// unavailable) is asked again: the turn goes on, and its outcome still reaches the client.
+/// (Before, the first failed poll ended `run_turn` with the error.)
+#[tokio::test]
+async fn a_turn_wait_that_fails_on_the_way_is_asked_again() {
+    let (server, served, pool, workdir) = served_with_a_pool(Faults {
+        ignore_wait: true,
+        fail_turn_waits: 2.into(),
+        ..Faults::default()
+    })
+    .await;
+    let client = remote_client(&served.url, Duration::from_secs(30));
+    let mut options =
+        SessionOptions::new(demo_model(), ToolRegistry::builtin(workdir.path()).specs());
+    options.session_id = Some("flaky-waits".to_owned());
+    let (session, outcome) = guarded(
+        "a turn through the test server",
+        client.start_session_and_run(options, "What is (17 + 25) * 3?"),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { turn: 1, .. }),
+        "{outcome:?}"
+    );
+    assert_eq!(recorded_outcome(&server, &session).await, Some(outcome));
+    assert_eq!(server.faults.fail_turn_waits.load(Ordering::Relaxed), 0);
+    let polls = session_requests(&server, 0)
+        .iter()
+        .filter(|r| r.starts_with("/v1/sessions/ID/turns/1?timeout_ms="))
+        .count();
+    assert!(polls >= 3, "two failed polls, then one answered: {polls}");
+    pool.shutdown().await;
+}
+
 /// A turn that outlasts the wait of the request that started it is waited for with long
 /// polls, and the client's deadline counts from the start, not from the first answer.
 #[tokio::test]

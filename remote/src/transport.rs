@@ -421,6 +421,11 @@ impl Transport for HttpTransport {
         timeout: Option<Duration>,
     ) -> Result<Option<TurnOutcome>> {
         let deadline = timeout.map(|t| Instant::now() + t);
+        // A wait is read-only, so one that fails on the way (the server restarting, the store
+        // briefly unavailable) is asked again, as the event stream reconnects, for as long as
+        // the resend window and the caller's deadline allow: the turn goes on regardless.
+        let mut failing_since: Option<Instant> = None;
+        let mut backoff = RECONNECT_BACKOFF.0;
         loop {
             let wait = match deadline {
                 Some(deadline) => deadline
@@ -433,14 +438,33 @@ impl Transport for HttpTransport {
                 session_path(session_id),
                 wait.as_millis()
             );
-            let answer: TurnWait = self
+            let answer = self
                 .connection
-                .call_json(
+                .call_json::<TurnWait>(
                     Request::get(path),
                     session(session_id),
                     REQUEST_TIMEOUT + wait,
                 )
-                .await?;
+                .await;
+            let answer = match answer {
+                Ok(answer) => {
+                    failing_since = None;
+                    backoff = RECONNECT_BACKOFF.0;
+                    answer
+                }
+                Err(e) if retryable(&e) => {
+                    let since = *failing_since.get_or_insert_with(Instant::now);
+                    let past_deadline = deadline.is_some_and(|d| Instant::now() + backoff >= d);
+                    if past_deadline || since.elapsed() + backoff >= self.resend_window {
+                        return Err(e);
+                    }
+                    debug!(error = %e, "waiting for a turn failed; asking again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(RECONNECT_BACKOFF.1);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             match answer {
                 TurnWait {
                     done: true,
