@@ -723,31 +723,54 @@ impl Engine {
         self.inner.cancellations.subscribe()
     }
 
-    /// Waits until turn `turn` has an outcome.
+    /// Waits until turn `turn` has an outcome, and answers with it: that turn's own, even
+    /// when the session has gone on to later turns since (a resent message's wait, say).
     pub async fn wait_turn(&self, session_id: &str, turn: u32) -> Result<TurnOutcome> {
         // Subscribed before the state is read: an outcome appended after the read is sent to
         // this receiver, one appended before it is in the state.
         let mut wait = self.outcome_wait(session_id);
         // Another writer of the store may record the outcome: follow the session meanwhile.
         let _watch = self.watch(session_id);
-        {
+        let ended = {
             let slot = self.slot(session_id);
             let mut guard = slot.lock().await;
             let state = self.loaded(session_id, &mut guard).await?;
-            if let Some(outcome) = outcome_for(state, turn) {
-                return Ok(outcome);
-            }
-        }
-        loop {
-            if let Some(outcome) = wait.rx.borrow_and_update().as_ref() {
-                if outcome.turn() >= turn {
-                    return Ok(outcome.clone());
+            outcome_for(state, turn)
+        };
+        let ended = match ended {
+            Some(outcome) => outcome,
+            None => loop {
+                if let Some(outcome) = wait.rx.borrow_and_update().as_ref() {
+                    if outcome.turn() >= turn {
+                        break outcome.clone();
+                    }
                 }
-            }
-            if wait.rx.changed().await.is_err() {
-                return Err(Error::Shutdown);
+                if wait.rx.changed().await.is_err() {
+                    return Err(Error::Shutdown);
+                }
+            },
+        };
+        if ended.turn() == turn {
+            return Ok(ended);
+        }
+        Ok(self.past_outcome(session_id, turn).await?.unwrap_or(ended))
+    }
+
+    /// Turn `turn`'s own outcome once the session has gone past it: the history folded up to
+    /// the event that ended the turn (the state keeps only the last turn's). Rare, so read
+    /// whole rather than kept per turn. `None` if no event gave that turn an outcome.
+    async fn past_outcome(&self, session_id: &str, turn: u32) -> Result<Option<TurnOutcome>> {
+        let history = self.inner.store.read_history(session_id, 1, None).await?;
+        let mut state = SessionState::new(session_id);
+        for envelope in &history {
+            state.apply(envelope)?;
+            match &state.last_outcome {
+                Some(outcome) if outcome.turn() == turn => return Ok(Some(outcome.clone())),
+                Some(outcome) if outcome.turn() > turn => return Ok(None),
+                _ => {}
             }
         }
+        Ok(None)
     }
 
     /// The folded state of a session (a clone of the cached one).

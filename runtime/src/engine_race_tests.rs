@@ -1,6 +1,7 @@
-//! The engine when a call is dropped before the store answers its append (a server's handler
-//! whose client hung up), and when it resumes sessions while another engine writes the same
-//! store: what it caches and what it queues stays what the store holds.
+//! The engine under races: a call dropped before the store answers its append (a server's
+//! handler whose client hung up), a resume while another engine writes the same store, a
+//! wait that comes after later turns ended. What it caches, queues and answers stays what
+//! the store holds.
 
 use crate::client::{Client, SessionOptions};
 use crate::engine::ActivityReport;
@@ -210,4 +211,32 @@ async fn a_resume_racing_another_engine_does_not_queue_its_new_task_again() {
         retry[0].lease_attempt,
         again.iter().map(|t| &t.lease).collect::<Vec<_>>()
     );
+}
+
+/// A wait for a turn that comes after the session went on (a resent message's, whose first
+/// answer was lost while other messages ran their turns) gets that turn's own outcome, not
+/// the last turn's.
+#[tokio::test]
+async fn a_late_wait_for_a_turn_gets_that_turns_outcome() {
+    let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
+    let client = Client::new(engine.clone());
+    client.start_session(options("s")).await.unwrap();
+    for (turn, text) in [(1, "first answer"), (2, "second answer")] {
+        assert_eq!(client.send("s", "go").await.unwrap(), turn);
+        let leased = engine
+            .lease_tasks(&TaskFilter::any(), 1, 60_000)
+            .await
+            .unwrap();
+        engine.report(&leased[0].lease, answer(text)).await.unwrap();
+    }
+    for (turn, text) in [(1, "first answer"), (2, "second answer")] {
+        match engine.wait_turn("s", turn).await.unwrap() {
+            crate::workflow::TurnOutcome::Completed {
+                turn: answered,
+                answer,
+                ..
+            } => assert_eq!((answered, answer.as_str()), (turn, text)),
+            other => panic!("turn {turn}: {other:?}"),
+        }
+    }
 }

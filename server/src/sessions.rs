@@ -485,8 +485,7 @@ pub struct WaitQuery {
 }
 
 /// Waits for a turn's outcome (a long poll): `done: false` when it has not ended in time.
-/// The outcome is that of the session's last finished turn once it is this turn or a later
-/// one.
+/// The outcome is this turn's own, even when the session has gone on to later turns.
 #[utoipa::path(
     get,
     path = "/v1/sessions/{id}/turns/{turn}",
