@@ -287,13 +287,14 @@ async fn a_dropped_event_stream_leaves_no_watch_behind() -> Result<()> {
 /// abandoned lease.
 #[tokio::test]
 async fn a_lease_that_lapses_unreported_is_forgotten() -> Result<()> {
-    let engine = memory_engine();
+    let clock = Arc::new(crate::ManualClock::new(1_000_000));
+    let engine = Engine::new(Arc::new(MemoryStore::new()), clock.clone());
     let client = Client::new(engine.clone());
     start_turn(&client, "abandoned").await?;
-    let leased = engine.lease_tasks(&TaskFilter::any(), 1, 1).await?;
+    let leased = engine.lease_tasks(&TaskFilter::any(), 1, 1_000).await?;
     assert_eq!(leased.len(), 1);
     assert_eq!(engine.per_session_entries().leased_here, 1);
-    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    clock.advance(1_001);
     assert_eq!(
         engine.fire_timers().await?,
         1,
