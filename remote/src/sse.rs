@@ -1,7 +1,8 @@
 //! A session's server-sent event stream decoded into [`StreamEvent`]s. The SSE framing is the
 //! activities crate's decoder — the one the model providers' streams go through, linear in its
 //! input, bounded per event, tested against the spec — and this module gives the messages
-//! their meaning: `event` messages are history events, `delta` messages model deltas.
+//! their meaning: `event` messages are history events, `delta` messages model deltas, and an
+//! `error` message the server's reason for ending the stream.
 
 use crate::connection::MAX_BODY_BYTES;
 use cairn_activities::providers::sse::{SseDecoder, SseEvent};
@@ -13,6 +14,9 @@ use tracing::debug;
 /// Decodes one connection's body, chunk by chunk.
 pub(crate) struct StreamDecoder {
     sse: SseDecoder,
+    /// The data of an `error` message: the server's last word on this connection (it ends
+    /// the stream after one, when it cannot read the history on).
+    server_error: Option<String>,
 }
 
 impl StreamDecoder {
@@ -20,7 +24,14 @@ impl StreamDecoder {
     pub fn new() -> Self {
         StreamDecoder {
             sse: SseDecoder::new("cairn server", MAX_BODY_BYTES),
+            server_error: None,
         }
+    }
+
+    /// The data of the `error` message the server ended the stream with, if it did (a JSON
+    /// error body).
+    pub fn take_server_error(&mut self) -> Option<String> {
+        self.server_error.take()
     }
 
     /// Feeds a chunk of the body. An error (an event over the size cap, a line that is not
@@ -34,6 +45,10 @@ impl StreamDecoder {
     /// presentation only), an error for a history event that does not decode.
     pub fn next(&mut self) -> Option<Result<Option<StreamEvent>, String>> {
         let message = self.sse.next_event()?;
+        if message.event == "error" {
+            self.server_error = Some(message.data);
+            return Some(Ok(None));
+        }
         Some(decode(&message))
     }
 }

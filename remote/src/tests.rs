@@ -21,7 +21,7 @@ use cairn_workers::{Activities, StandardModels, TaskSource, WorkerConfig, Worker
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -307,6 +307,54 @@ fn error_body(status: u16, code: &str, message: &str) -> axum::response::Respons
         serde_json::json!({"error": {"code": code, "message": message}}).to_string(),
     )
         .into_response()
+}
+
+/// A stream the server ends with an `error` message it does not call passing (a record it
+/// cannot read) ends for the consumer with that error, after one connection; one it calls
+/// passing (`unavailable`) is reconnected past. (Before, the message was skipped as of an
+/// unknown kind and the stream reconnected forever, the consumer never told.)
+#[tokio::test]
+async fn a_stream_the_server_ends_with_an_error_ends_with_it() {
+    let hits = Arc::new(AtomicU32::new(0));
+    let router = Router::new()
+        .route(
+            "/v1/sessions/{id}/events",
+            get({
+                let hits = hits.clone();
+                move || {
+                    let hits = hits.clone();
+                    async move {
+                        // The first connection ends on a passing error, the later ones on a
+                        // lasting one.
+                        let code = if hits.fetch_add(1, Ordering::SeqCst) == 0 {
+                            "unavailable"
+                        } else {
+                            "internal"
+                        };
+                        let body = serde_json::json!({"error": {"code": code, "message": "corrupt record at seq 5"}});
+                        (
+                            [("content-type", "text/event-stream")],
+                            format!("event: error\ndata: {body}\n\n"),
+                        )
+                    }
+                }
+            }),
+        );
+    let served = serve_tcp(router).await.unwrap();
+    let client = Client::with_transport(Arc::new(HttpTransport::new(&served.url, None).unwrap()));
+    let mut stream = client.subscribe("s1", 0).await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(10), stream.next())
+        .await
+        .expect("the stream ends, not reconnects forever");
+    match ended {
+        Some(Err(e)) => assert!(e.to_string().contains("corrupt record at seq 5"), "{e}"),
+        other => panic!("the server's error, got {other:?}"),
+    }
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        2,
+        "reconnected once past the passing error, then ended"
+    );
 }
 
 /// A router answering each route with a fixed error.

@@ -8,8 +8,9 @@ use async_trait::async_trait;
 use cairn_ledger::{Media, ModelSpec, ToolChoice, Transcript};
 use cairn_runtime::wire::{
     ApprovalDecided, ApprovalDecision, ApprovalRequest, CancelRequest, Cancelled,
-    CompactionOutcome, CreateSession, Health, HistoryPage, SendMessage, SessionCreated,
-    SessionDeleted, SessionDescription, SessionPage, StreamEvent, TurnStarted, TurnWait,
+    CompactionOutcome, CreateSession, ErrorBody, ErrorCode, Health, HistoryPage, SendMessage,
+    SessionCreated, SessionDeleted, SessionDescription, SessionPage, StreamEvent, TurnStarted,
+    TurnWait,
 };
 use cairn_runtime::{
     Error, EventEnvelope, EventStream, Result, SessionOptions, SessionQuery, Transport, TurnOutcome,
@@ -617,6 +618,7 @@ impl Transport for HttpTransport {
             connection: self.connection.clone(),
             session_id: session_id.to_owned(),
             last_seq: after_seq,
+            server_failing_since: None,
         };
         // The first connection is opened here, so an unknown session or a refused token is
         // this call's error rather than the stream's.
@@ -682,6 +684,10 @@ struct Follower {
     connection: Arc<Connection>,
     session_id: String,
     last_seq: u64,
+    /// Since when each connection has ended on the server's `error` message that it could
+    /// not read the history (store unavailable), with no event passed on since: reconnecting
+    /// gives up after [`RECONNECT_GIVE_UP`] of that, as after failed connects.
+    server_failing_since: Option<Instant>,
 }
 
 impl Follower {
@@ -789,7 +795,29 @@ impl Follower {
                     Some(delta) => sender.send(Ok(delta)).await.map_err(|_| None)?,
                 }
             }
+            if let Some(data) = decoder.take_server_error() {
+                return self.ended_by_the_server(&data);
+            }
         }
+    }
+
+    /// The server ended the stream with an `error` message (`data`, a JSON error body): one
+    /// it says is passing (`unavailable`: its store) is reconnected past, for a while; any
+    /// other is the stream's end, passed to the consumer. (Reconnected past, a corrupt record
+    /// would end every connection the same way, forever.)
+    fn ended_by_the_server(&mut self, data: &str) -> std::result::Result<(), Option<Error>> {
+        let passing = serde_json::from_str::<ErrorBody>(data)
+            .is_ok_and(|body| body.error.code == ErrorCode::Unavailable);
+        let status = if passing { 503 } else { 500 };
+        let error =
+            self.connection
+                .error_answer(status, data.as_bytes(), session(&self.session_id));
+        let since = *self.server_failing_since.get_or_insert_with(Instant::now);
+        if !passing || since.elapsed() >= RECONNECT_GIVE_UP {
+            return Err(Some(error));
+        }
+        debug!(session_id = %self.session_id, error = %error, "the server ended the event stream for now; reconnecting");
+        Ok(())
     }
 
     /// Passes on a history event unless it was passed on already, after any events between
@@ -829,6 +857,7 @@ impl Follower {
                 ))));
             }
             self.last_seq = event.seq;
+            self.server_failing_since = None;
             if sender.send(Ok(StreamEvent::Event(event))).await.is_err() {
                 return Err(None);
             }
