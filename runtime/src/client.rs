@@ -2,7 +2,6 @@
 //! events. One API over two transports: an in-process engine ([`Client::new`]) or a server
 //! (a [`Transport`] over HTTP, from the `cairn-remote` crate), with the same types.
 
-use crate::budget::UsageTotals;
 use crate::compaction::CompactionPolicy;
 use crate::engine::{status_of, AppendedEvents, DeltaEvent, Engine, WatchGuard};
 use crate::error::{Error, Result};
@@ -746,34 +745,37 @@ pub fn describe_state(state: &SessionState, status: SessionStatus) -> SessionDes
     }
 }
 
-/// The tool_use ids a listed session's running turn has parked for approval (read from its
-/// folded state, cached by the engine; only running sessions can have any).
-pub async fn awaiting_approval(engine: &Engine, summary: &SessionSummary) -> Result<Vec<String>> {
-    awaiting_approval_of(engine, &summary.session_id, summary.status).await
-}
-
-/// What the model call attempts of the session stored as `stored_id` consumed (from its
-/// folded state, cached by the engine).
-pub async fn totals_of(engine: &Engine, stored_id: &str) -> Result<UsageTotals> {
-    Ok(engine.state(stored_id).await?.totals)
-}
-
-/// [`awaiting_approval`] of the session stored as `stored_id` with this listed status.
-pub async fn awaiting_approval_of(
+/// Fills in each listed session's totals and the calls it awaits approval for, from its
+/// folded state (cached by the engine; `stored_id` gives the id it is stored under). One
+/// session must not fail the listing: one deleted since the store listed it leaves the page,
+/// and one whose state cannot be read (its history does not fold) is listed without them,
+/// with a warning.
+pub async fn fill_in_summaries(
     engine: &Engine,
-    stored_id: &str,
-    status: SessionStatus,
-) -> Result<Vec<String>> {
-    if status != SessionStatus::Running {
-        return Ok(Vec::new());
+    page: &mut SessionPage,
+    stored_id: impl Fn(&str) -> String,
+) {
+    let mut filled = Vec::with_capacity(page.sessions.len());
+    for mut summary in std::mem::take(&mut page.sessions) {
+        match engine.state(&stored_id(&summary.session_id)).await {
+            Ok(state) => {
+                if summary.status == SessionStatus::Running {
+                    summary.awaiting_approval = state
+                        .pending_approvals()
+                        .into_iter()
+                        .map(|p| p.tool_use.id)
+                        .collect();
+                }
+                summary.totals = Some(state.totals);
+            }
+            Err(Error::UnknownSession { .. } | Error::SessionDeleted { .. }) => continue,
+            Err(e) => {
+                tracing::warn!(session_id = %summary.session_id, error = %e, "a listed session's state cannot be read; listed without its totals");
+            }
+        }
+        filled.push(summary);
     }
-    Ok(engine
-        .state(stored_id)
-        .await?
-        .pending_approvals()
-        .into_iter()
-        .map(|p| p.tool_use.id)
-        .collect())
+    page.sessions = filled;
 }
 
 /// One page of a store's listing (ordered by stored id): the sessions `shown` gives an id to
@@ -935,10 +937,7 @@ impl Transport for Local {
             query.status,
             query.limit.unwrap_or(usize::MAX),
         );
-        for summary in &mut page.sessions {
-            summary.awaiting_approval = awaiting_approval(&self.engine, summary).await?;
-            summary.totals = Some(totals_of(&self.engine, &summary.session_id).await?);
-        }
+        fill_in_summaries(&self.engine, &mut page, str::to_owned).await;
         Ok(page)
     }
 

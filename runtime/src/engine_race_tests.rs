@@ -1,6 +1,6 @@
 //! The engine under races: a call dropped before the store answers its append (a server's
 //! handler whose client hung up), a resume while another engine writes the same store, a
-//! wait that comes after later turns ended. What it caches, queues and answers stays what
+//! wait that comes after later turns ended, a listing whose sessions change under it. What it caches, queues and answers stays what
 //! the store holds.
 
 use crate::client::{Client, SessionOptions};
@@ -239,4 +239,44 @@ async fn a_late_wait_for_a_turn_gets_that_turns_outcome() {
             other => panic!("turn {turn}: {other:?}"),
         }
     }
+}
+
+/// A listing is filled in session by session after the store listed them: one deleted
+/// meanwhile leaves the page, and one whose history does not fold is listed without its
+/// totals; neither fails the listing. (Before, either made the whole listing an error.)
+#[tokio::test]
+async fn a_listing_survives_a_session_deleted_under_it_and_one_that_does_not_fold() {
+    use crate::store::conformance::{append_request, message};
+    let store = Arc::new(MemoryStore::new());
+    let engine = Engine::new(store.clone(), Arc::new(SystemClock));
+    let client = Client::new(engine.clone());
+    for id in ["a", "gone"] {
+        client.start_session(options(id)).await.unwrap();
+    }
+    // A history with no session start: it does not fold.
+    store
+        .append(append_request(
+            "broken",
+            1,
+            vec![message("broken", 1, "hi")],
+            1,
+        ))
+        .await
+        .unwrap();
+    let mut page = crate::client::page_sessions(
+        store.list_sessions().await.unwrap(),
+        |id| Some(id),
+        None,
+        None,
+        10,
+    );
+    assert_eq!(page.sessions.len(), 3);
+    client.delete_session("gone").await.unwrap();
+    crate::client::fill_in_summaries(&engine, &mut page, str::to_owned).await;
+    let listed: Vec<_> = page
+        .sessions
+        .iter()
+        .map(|s| (s.session_id.as_str(), s.totals.is_some()))
+        .collect();
+    assert_eq!(listed, [("a", true), ("broken", false)]);
 }

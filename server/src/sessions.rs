@@ -294,18 +294,10 @@ pub async fn list_sessions(
         query.status,
         limit,
     );
-    for summary in &mut page.sessions {
-        let stored = store_session_id(&caller.namespace, &summary.session_id);
-        summary.awaiting_approval =
-            cairn_runtime::client::awaiting_approval_of(&state.engine, &stored, summary.status)
-                .await
-                .map_err(|e| ApiError::from_runtime(e, &summary.session_id))?;
-        summary.totals = Some(
-            cairn_runtime::client::totals_of(&state.engine, &stored)
-                .await
-                .map_err(|e| ApiError::from_runtime(e, &summary.session_id))?,
-        );
-    }
+    cairn_runtime::client::fill_in_summaries(&state.engine, &mut page, |id| {
+        store_session_id(&caller.namespace, id)
+    })
+    .await;
     Ok(Json(page))
 }
 
