@@ -67,6 +67,13 @@ pub struct Faults {
     pub lose_answers: AtomicU32,
 }
 
+/// Counts one off a fault's countdown: whether it was not yet at zero (the fault applies).
+fn take_one(countdown: &AtomicU32) -> bool {
+    countdown
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok()
+}
+
 /// One request the server saw.
 #[derive(Debug, Clone)]
 pub struct Seen {
@@ -205,13 +212,7 @@ fn answer<T: serde::Serialize>(result: cairn_runtime::Result<T>) -> Response {
 /// The answer to a request that started a turn, unless [`Faults::lose_answers`] has it
 /// lost.
 fn unless_lost(server: &FakeServer, answer: Response) -> Response {
-    let lost = server
-        .faults
-        .lose_answers
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
-            left.checked_sub(1)
-        })
-        .is_ok();
+    let lost = take_one(&server.faults.lose_answers);
     if lost {
         return error_answer(
             ErrorCode::Unavailable,
@@ -365,11 +366,7 @@ async fn wait_turn(
     Path((id, turn)): Path<(String, u32)>,
     Query(query): Query<BTreeMap<String, u64>>,
 ) -> Response {
-    let fail = server
-        .faults
-        .fail_turn_waits
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-        .is_ok();
+    let fail = take_one(&server.faults.fail_turn_waits);
     if fail {
         return error_answer(ErrorCode::Unavailable, "restarting".into());
     }
@@ -558,11 +555,7 @@ async fn lease(State(server): State<Shared>, Json(body): Json<LeaseRequest>) -> 
 }
 
 async fn heartbeat(State(server): State<Shared>, Json(body): Json<HeartbeatRequest>) -> Response {
-    let hang = server
-        .faults
-        .hang_heartbeats
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-        .is_ok();
+    let hang = take_one(&server.faults.hang_heartbeats);
     if hang {
         std::future::pending::<()>().await;
     }
@@ -591,11 +584,7 @@ async fn progress(State(server): State<Shared>, Json(body): Json<ProgressRequest
 
 async fn report(State(server): State<Shared>, Json(body): Json<ReportRequest>) -> Response {
     server.reports.fetch_add(1, Ordering::Relaxed);
-    let failing = server
-        .faults
-        .fail_reports
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-        .is_ok();
+    let failing = take_one(&server.faults.fail_reports);
     if failing {
         return error_answer(ErrorCode::Unavailable, "restarting".to_owned());
     }
@@ -623,11 +612,7 @@ async fn report(State(server): State<Shared>, Json(body): Json<ReportRequest>) -
         server.engine.publish_delta(delta);
     }
     let recorded = source(&server).report(&body.lease, body.report).await;
-    let lost = server
-        .faults
-        .lose_report_answers
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-        .is_ok();
+    let lost = take_one(&server.faults.lose_report_answers);
     match recorded {
         Ok(()) if lost => error_answer(
             ErrorCode::Unavailable,

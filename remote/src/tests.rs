@@ -1087,6 +1087,29 @@ async fn recorded_outcome(server: &FakeServer, session: &str) -> Option<TurnOutc
         .last_outcome
 }
 
+/// Runs one turn of a new session `id` through a test server with `faults` and a remote pool,
+/// with the remote client's start-and-run; checks it completed as recorded and gives back the
+/// server (to inspect its requests) and the pool (to shut down).
+async fn one_turn_through(faults: Faults, id: &str) -> (Arc<FakeServer>, WorkerPool) {
+    let (server, served, pool, workdir) = served_with_a_pool(faults).await;
+    let client = remote_client(&served.url, Duration::from_secs(30));
+    let mut options =
+        SessionOptions::new(demo_model(), ToolRegistry::builtin(workdir.path()).specs());
+    options.session_id = Some(id.to_owned());
+    let (session, outcome) = guarded(
+        "a turn through the test server",
+        client.start_session_and_run(options, "What is (17 + 25) * 3?"),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { turn: 1, .. }),
+        "{outcome:?}"
+    );
+    assert_eq!(recorded_outcome(&server, &session).await, Some(outcome));
+    (server, pool)
+}
+
 /// A session, its first message and the wait for that turn go in one request, and so do a
 /// later message and the wait for its turn: no long poll follows, and the outcome is the one
 /// the server recorded.
@@ -1138,26 +1161,14 @@ async fn a_turn_is_started_and_waited_for_in_one_request() {
 /// client then long-polls for it, as it did before.
 #[tokio::test]
 async fn a_server_that_ignores_wait_ms_is_long_polled_for_the_outcome() {
-    let (server, served, pool, workdir) = served_with_a_pool(Faults {
-        ignore_wait: true,
-        ..Faults::default()
-    })
-    .await;
-    let client = remote_client(&served.url, Duration::from_secs(30));
-    let mut options =
-        SessionOptions::new(demo_model(), ToolRegistry::builtin(workdir.path()).specs());
-    options.session_id = Some("old-server".to_owned());
-    let (session, outcome) = guarded(
-        "a turn through the test server",
-        client.start_session_and_run(options, "What is (17 + 25) * 3?"),
+    let (server, pool) = one_turn_through(
+        Faults {
+            ignore_wait: true,
+            ..Faults::default()
+        },
+        "old-server",
     )
-    .await
-    .unwrap();
-    assert!(
-        matches!(&outcome, TurnOutcome::Completed { turn: 1, .. }),
-        "{outcome:?}"
-    );
-    assert_eq!(recorded_outcome(&server, &session).await, Some(outcome));
+    .await;
     let requests = session_requests(&server, 0);
     assert_eq!(requests[0], "/v1/sessions?wait_ms=30000");
     assert!(
@@ -1175,27 +1186,15 @@ async fn a_server_that_ignores_wait_ms_is_long_polled_for_the_outcome() {
 /// (Before, the first failed poll ended `run_turn` with the error.)
 #[tokio::test]
 async fn a_turn_wait_that_fails_on_the_way_is_asked_again() {
-    let (server, served, pool, workdir) = served_with_a_pool(Faults {
-        ignore_wait: true,
-        fail_turn_waits: 2.into(),
-        ..Faults::default()
-    })
-    .await;
-    let client = remote_client(&served.url, Duration::from_secs(30));
-    let mut options =
-        SessionOptions::new(demo_model(), ToolRegistry::builtin(workdir.path()).specs());
-    options.session_id = Some("flaky-waits".to_owned());
-    let (session, outcome) = guarded(
-        "a turn through the test server",
-        client.start_session_and_run(options, "What is (17 + 25) * 3?"),
+    let (server, pool) = one_turn_through(
+        Faults {
+            ignore_wait: true,
+            fail_turn_waits: 2.into(),
+            ..Faults::default()
+        },
+        "flaky-waits",
     )
-    .await
-    .unwrap();
-    assert!(
-        matches!(&outcome, TurnOutcome::Completed { turn: 1, .. }),
-        "{outcome:?}"
-    );
-    assert_eq!(recorded_outcome(&server, &session).await, Some(outcome));
+    .await;
     assert_eq!(server.faults.fail_turn_waits.load(Ordering::Relaxed), 0);
     let polls = session_requests(&server, 0)
         .iter()
