@@ -3,6 +3,7 @@
 use crate::support::{cairn_command, demo_files};
 use std::path::Path;
 use std::process::Output;
+use std::sync::Arc;
 
 fn cairn(args: &[&str]) -> Output {
     cairn_command().args(args).output().expect("run cairn")
@@ -1130,4 +1131,62 @@ fn bench_footprint_reports_the_bytes_of_a_session_on_each_engine() {
             .unwrap_or_else(|| panic!("no multiple of the transcript in {miss}"));
         assert!((0.5..4.0).contains(&of_json), "{miss}");
     }
+}
+
+#[tokio::test]
+async fn resume_says_which_session_cannot_be_resumed_and_resumes_the_others() {
+    use cairn_runtime::store::embedded::{open, OpenMode};
+    use cairn_runtime::{Client, Engine, SessionOptions, SystemClock};
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("script.json");
+    std::fs::write(
+        &script,
+        r#"{"responses": [{"parts": [{"type": "text", "text": "resumed answer"}]}]}"#,
+    )
+    .unwrap();
+    let data = dir.path().join("store");
+    {
+        // A process that accepted two messages and died before any worker ran.
+        let opened = open(&data, OpenMode::Create, None).await.unwrap();
+        let client = Client::new(Engine::new(opened.store.clone(), Arc::new(SystemClock)));
+        for id in ["broken", "good"] {
+            let mut options = SessionOptions::new(
+                cairn_ledger::ModelSpec::new("scripted", script.display().to_string()),
+                Vec::new(),
+            );
+            options.session_id = Some(id.into());
+            options.workdir = Some(dir.path().display().to_string());
+            client.start_session(options).await.unwrap();
+            client.send(id, "go").await.unwrap();
+        }
+    }
+    crate::support::append_a_turn_end_no_workflow_records(&data, "broken").await;
+    let data = data.to_str().unwrap();
+    let resume = cairn(&["resume", "--data", data]);
+    let (stdout, stderr) = (text(&resume.stdout), text(&resume.stderr));
+    assert_eq!(resume.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("broken: cannot resume: nondeterminism in session \"broken\" at seq 4"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("resuming 1 session(s)") && stdout.contains("resumed answer"),
+        "{stdout}"
+    );
+    let listed = cairn(&["sessions", "--data", data]);
+    let listing = text(&listed.stdout);
+    assert!(listed.status.success(), "{}", text(&listed.stderr));
+    assert!(
+        listing
+            .lines()
+            .any(|l| l.starts_with("good ") && l.contains("idle")),
+        "{listing}"
+    );
+    assert!(
+        listing.lines().any(|l| l.starts_with("broken ")
+            && l.contains("running")
+            && l.contains("unreadable: nondeterminism in session \"broken\" at seq 4")),
+        "{listing}"
+    );
+    assert!(cairn(&["replay", "--data", data, "good"]).status.success());
 }

@@ -2712,3 +2712,48 @@ async fn the_state_cache_is_bounded_by_the_server_flags_and_reported_by_health()
         "{cache}"
     );
 }
+
+#[tokio::test]
+async fn a_session_whose_history_does_not_fold_leaves_the_server_starting_and_the_others_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(dir.path(), &["Still here."]);
+    let data: PathBuf = dir.path().join("store");
+    let mut server = Server::start(&data, &[]);
+    let http = reqwest::Client::new();
+    for id in ["broken", "good"] {
+        let created = send(
+            &http,
+            Method::POST,
+            server.url("/v1/sessions"),
+            None,
+            Some(json!({"session_id": id, "model": model, "message": {"text": "hi"}})),
+        )
+        .await;
+        assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    }
+    server.kill().await;
+    crate::support::append_a_turn_end_no_workflow_records(&data, "broken").await;
+
+    let server = Server::start(&data, &["--local-workers", "1"]);
+    let outcome = wait_turn(&http, &server, None, "good", 1).await;
+    assert_eq!(
+        json!([&outcome["status"], &outcome["answer"]]),
+        json!(["completed", "Still here."])
+    );
+    let broken = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/broken"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(
+        broken.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{}",
+        broken.body
+    );
+    let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
+    assert_eq!(health.status, StatusCode::OK, "{}", health.body);
+}

@@ -133,6 +133,41 @@ pub async fn reopen_sled(data: &std::path::Path) -> cairn_runtime::store::sled::
     }
 }
 
+/// Breaks a session's history the way an older or newer cairn's might: opens the embedded
+/// store in `data` (its process gone) and appends the end of turn 1 while its model call is
+/// outstanding, which no workflow records; the history no longer folds.
+pub async fn append_a_turn_end_no_workflow_records(data: &Path, session_id: &str) {
+    use cairn_runtime::store::embedded::{open, OpenMode};
+    let opened = open(data, OpenMode::Existing, None).await.expect("open");
+    let next_seq = opened
+        .store
+        .read_history(session_id, 1, None)
+        .await
+        .expect("history")
+        .len() as u64
+        + 1;
+    let event = cairn_runtime::Event::TurnCompleted {
+        turn: 1,
+        usage: Default::default(),
+    };
+    opened
+        .store
+        .append(cairn_runtime::AppendRequest {
+            session_id: session_id.to_owned(),
+            expected_next_seq: next_seq,
+            events: vec![cairn_runtime::EventEnvelope::new(
+                session_id, next_seq, 1, event,
+            )],
+            status: cairn_runtime::SessionStatus::Running,
+            enqueue: Vec::new(),
+            complete: None,
+            cancel: Vec::new(),
+            now_ms: 1,
+        })
+        .await
+        .expect("append");
+}
+
 /// The `cairn` binary as a command, with its environment pinned: no server from
 /// `CAIRN_SERVER`, no database from `CAIRN_STORE` or `DATABASE_URL` (scripts/test sets the
 /// latter for the PostgreSQL tests), and a default data directory no store can be made in (a path under a

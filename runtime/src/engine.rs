@@ -177,6 +177,21 @@ pub struct ResumeReport {
     pub requeued_tasks: usize,
     /// Leases of a previous process released so their tasks run again at once (when asked to).
     pub reclaimed_leases: usize,
+    /// Running sessions whose history this code cannot fold (a corrupt record, an event of a
+    /// newer cairn, a decision the current code no longer takes), so their tasks were not
+    /// checked. Each is left as it is, and every other session is resumed: one damaged
+    /// history does not keep a server from starting. Reading such a session gives the same
+    /// typed error.
+    pub unresumable: Vec<UnresumableSession>,
+}
+
+/// A running session [`Engine::resume`] could not load, with why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnresumableSession {
+    /// The session.
+    pub session_id: String,
+    /// The error its history gave, as displayed.
+    pub error: String,
 }
 
 /// Overdue tasks one round of timers records at most (besides those that failed last round).
@@ -1208,6 +1223,9 @@ impl Engine {
     /// once, as the same attempt, rather than fail as lapsed leases. Only for a store no other process can hold
     /// leases on (an embedded store the OS locks to this process, like sled); on a shared
     /// store ([`Store::shared`]) it is ignored and leases lapse.
+    ///
+    /// A running session whose history does not fold ([`Error::is_history_fault`]) is listed
+    /// in [`ResumeReport::unresumable`] and skipped; the store's own failures are errors.
     pub async fn resume(&self, reclaim_leases: bool) -> Result<ResumeReport> {
         self.resume_where(reclaim_leases, |_| true).await
     }
@@ -1216,14 +1234,21 @@ impl Engine {
     /// its outstanding activities has a queued task. Other sessions' histories and tasks are
     /// left as they are, except that `reclaim_leases` releases every lease in the store (the
     /// store releases leases only all at once); that changes no history, and a pool that runs
-    /// only this session's tasks leaves the others queued.
+    /// only this session's tasks leaves the others queued. A history that does not fold is
+    /// this call's error.
     pub async fn resume_session(
         &self,
         session_id: &str,
         reclaim_leases: bool,
     ) -> Result<ResumeReport> {
-        self.resume_where(reclaim_leases, |id| id == session_id)
-            .await
+        let report = self
+            .resume_where(reclaim_leases, |id| id == session_id)
+            .await?;
+        if !report.unresumable.is_empty() {
+            // The one session asked for: its own typed error, not a report entry.
+            self.state(session_id).await?;
+        }
+        Ok(report)
     }
 
     async fn resume_where(
@@ -1252,7 +1277,24 @@ impl Engine {
             let session_id = info.session_id;
             let slot = self.slot(&session_id);
             let mut guard = slot.lock().await;
-            let state = self.loaded(&session_id, &mut guard).await?;
+            let state = match self.loaded(&session_id, &mut guard).await {
+                Ok(state) => state,
+                // Deleted since the listing: nothing of it runs any more.
+                Err(Error::UnknownSession { .. } | Error::SessionDeleted { .. }) => continue,
+                Err(e) if e.is_history_fault() => {
+                    tracing::error!(
+                        session_id = %session_id,
+                        error = %e,
+                        "cannot resume a session: its history does not fold with this code"
+                    );
+                    report.unresumable.push(UnresumableSession {
+                        session_id,
+                        error: e.to_string(),
+                    });
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             let mut outstanding = Vec::new();
             for seq in state.outstanding_tasks() {
                 report.outstanding_tasks += 1;

@@ -272,6 +272,21 @@ impl Error {
         )
     }
 
+    /// Whether the error is a fault of one session's stored history rather than of the store
+    /// or the request: a record that does not decode, an event of a newer cairn, a history
+    /// the current code replays to other decisions, or events the workflow or the ledger
+    /// refuses. Other sessions are not affected by it.
+    pub fn is_history_fault(&self) -> bool {
+        matches!(
+            self,
+            Error::CorruptRecord { .. }
+                | Error::UnknownSchemaVersion { .. }
+                | Error::Nondeterminism { .. }
+                | Error::InvalidEvent { .. }
+                | Error::Ledger(_)
+        )
+    }
+
     /// Whether opening a store failed because another process holds it (its lock): that
     /// process may serve the store on its socket instead.
     pub fn is_store_in_use(&self) -> bool {

@@ -36,6 +36,8 @@ mod engine_memory_tests;
 #[cfg(test)]
 mod engine_race_tests;
 #[cfg(test)]
+mod engine_resume_tests;
+#[cfg(test)]
 mod workflow_approval_tests;
 #[cfg(test)]
 mod workflow_budget_tests;
@@ -52,7 +54,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use compaction::{CompactionPolicy, CompactionTrigger};
 pub use engine::{
     ActivityInput, ActivityRef, ActivityReport, ActivityTimeouts, AppendedEvents, DeltaEvent,
-    Engine, LeasedTask, ResumeReport, WatchGuard,
+    Engine, LeasedTask, ResumeReport, UnresumableSession, WatchGuard,
 };
 pub use error::{Error, Result};
 pub use event::{

@@ -4,7 +4,7 @@
 
 use super::exit_codes;
 use super::live::LiveView;
-use super::out::showln;
+use super::out::{note, showln};
 use super::StoreDir;
 use cairn::host::Host;
 use cairn_runtime::store::embedded::OpenMode;
@@ -18,9 +18,24 @@ pub async fn run(store: StoreDir, workdir: PathBuf) -> anyhow::Result<ExitCode> 
     store.check_exists()?;
     let mut host = Host::open(&store.path, OpenMode::Existing, None, workdir).await?;
     let report = host.engine.resume(true).await?;
+    // A damaged history is said and left; the other sessions carry on.
+    for unresumable in &report.unresumable {
+        note!(
+            "{}: cannot resume: {}",
+            unresumable.session_id,
+            unresumable.error
+        );
+    }
+    let first_code = if report.unresumable.is_empty() {
+        exit_codes::OK
+    } else {
+        exit_codes::ERROR
+    };
     if report.running_sessions.is_empty() {
-        showln!("nothing to resume");
-        return Ok(ExitCode::SUCCESS);
+        if report.unresumable.is_empty() {
+            showln!("nothing to resume");
+        }
+        return Ok(ExitCode::from(first_code));
     }
     showln!(
         "resuming {} session(s), {} outstanding activit{}{}",
@@ -58,7 +73,7 @@ pub async fn run(store: StoreDir, workdir: PathBuf) -> anyhow::Result<ExitCode> 
         watched.push((session_id.clone(), state.turns_started, live));
     }
     host.start_workers();
-    let mut code = exit_codes::OK;
+    let mut code = first_code;
     for (session_id, turn, live) in watched {
         // A turn parked on a person is left parked: deciding it needs no process.
         let Some(outcome) =

@@ -7,7 +7,7 @@ use super::exit_codes::usage_bail;
 use super::out::outln;
 use cairn_ledger::Usage;
 use cairn_runtime::budget::UsageTotals;
-use cairn_runtime::{Client, SessionQuery, SessionStatus};
+use cairn_runtime::{Client, Error as RuntimeError, SessionQuery, SessionStatus};
 use serde::Serialize;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -36,19 +36,23 @@ fn parse_status(text: &str) -> Result<SessionStatus, String> {
     }
 }
 
-/// One listed session.
+/// One listed session. A session whose history this build cannot read (a corrupt record,
+/// an event of a newer cairn) is listed with what the store's listing knows and `unreadable`
+/// saying why, rather than failing the whole listing.
 #[derive(Debug, Serialize)]
 struct Listed {
     session_id: String,
     status: &'static str,
     model: Option<String>,
-    turns: u32,
+    turns: Option<u32>,
     updated_at_ms: u64,
-    usage: Usage,
-    totals: UsageTotals,
+    usage: Option<Usage>,
+    totals: Option<UsageTotals>,
     events: u64,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     awaiting_approval: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    unreadable: Option<String>,
 }
 
 /// Lists the sessions `filter` selects.
@@ -76,17 +80,26 @@ pub async fn list(client: &Client, filter: &SessionFilter) -> anyhow::Result<()>
             if since_ms.is_some_and(|since| summary.updated_at_ms < since) {
                 continue;
             }
-            let description = client.describe(&summary.session_id).await?;
+            let (description, unreadable) = match client.describe(&summary.session_id).await {
+                Ok(description) => (Some(description), None),
+                // Deleted since the page was read.
+                Err(RuntimeError::UnknownSession { .. }) => continue,
+                Err(e) if e.is_history_fault() => (None, Some(e.to_string())),
+                Err(e) => return Err(e.into()),
+            };
             listed.push(Listed {
                 status: summary.status.as_str(),
-                model: description.model.as_ref().map(model_name),
-                turns: description.turns,
+                model: description
+                    .as_ref()
+                    .and_then(|d| d.model.as_ref().map(model_name)),
+                turns: description.as_ref().map(|d| d.turns),
                 updated_at_ms: summary.updated_at_ms,
-                usage: description.usage,
-                totals: description.totals,
+                usage: description.as_ref().map(|d| d.usage),
+                totals: description.map(|d| d.totals),
                 events: summary.events,
                 awaiting_approval: summary.awaiting_approval,
                 session_id: summary.session_id,
+                unreadable,
             });
         }
         match page.next_after {
@@ -111,10 +124,10 @@ pub async fn list(client: &Client, filter: &SessionFilter) -> anyhow::Result<()>
                 l.session_id.clone(),
                 l.status.to_owned(),
                 l.model.clone().unwrap_or_else(|| "-".to_owned()),
-                l.turns.to_string(),
+                l.turns.map_or_else(|| "-".to_owned(), |t| t.to_string()),
                 timestamp(l.updated_at_ms),
-                usage_text(&l.usage),
-                super::budget::summary_columns(Some(&l.totals)),
+                l.usage.as_ref().map(usage_text).unwrap_or_default(),
+                super::budget::summary_columns(l.totals.as_ref()),
                 format!("{} events", l.events),
             ]
         })
@@ -143,7 +156,11 @@ pub async fn list(client: &Client, filter: &SessionFilter) -> anyhow::Result<()>
         } else {
             format!("  awaiting approval: {}", l.awaiting_approval.join(", "))
         };
-        outln!("{}{parked}", columns(row, &widths))?;
+        let unreadable = match &l.unreadable {
+            Some(why) => format!("  unreadable: {why}"),
+            None => String::new(),
+        };
+        outln!("{}{parked}{unreadable}", columns(row, &widths))?;
     }
     Ok(())
 }

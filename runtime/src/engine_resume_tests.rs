@@ -1,0 +1,154 @@
+//! Resume on a store where one running session's history does not fold: that session is
+//! reported and left as it is, and every other running session is resumed.
+
+use crate::client::{Client, SessionOptions};
+use crate::engine::{ActivityReport, UnresumableSession};
+use crate::error::{Error, Result};
+use crate::event::{Event, EventEnvelope};
+use crate::store::{AppendRequest, SessionStatus, Store, TaskFilter};
+use crate::workflow::TurnOutcome;
+use crate::{Engine, MemoryStore, SystemClock};
+use cairn_ledger::{ModelResponse, ModelSpec, Part, StopReason, Usage};
+use std::sync::Arc;
+
+fn options(id: &str) -> SessionOptions {
+    let mut options = SessionOptions::new(ModelSpec::new("scripted", "resume"), Vec::new());
+    options.session_id = Some(id.to_owned());
+    options
+}
+
+/// Appends `events` (none for a change of tasks only) after the session's last event.
+async fn append_raw(
+    store: &Arc<dyn Store>,
+    session_id: &str,
+    events: Vec<Event>,
+    cancel: Vec<crate::store::TaskId>,
+) -> Result<()> {
+    let next_seq = store.read_history(session_id, 1, None).await?.len() as u64 + 1;
+    let events = events
+        .into_iter()
+        .enumerate()
+        .map(|(n, event)| EventEnvelope::new(session_id, next_seq + n as u64, 1, event))
+        .collect();
+    store
+        .append(AppendRequest {
+            session_id: session_id.to_owned(),
+            expected_next_seq: next_seq,
+            events,
+            status: SessionStatus::Running,
+            enqueue: Vec::new(),
+            complete: None,
+            cancel,
+            now_ms: 1,
+        })
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_history_that_does_not_fold_is_reported_and_the_other_sessions_resume() -> Result<()> {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    {
+        let first = Engine::new(store.clone(), Arc::new(SystemClock));
+        let client = Client::new(first.clone());
+        for id in ["broken", "good"] {
+            client.start_session(options(id)).await?;
+            assert_eq!(client.send(id, "hello").await?, 1);
+        }
+    }
+    // The good session lost its queued model call (resume queues it again); the broken one
+    // records its turn's end while its model call is still outstanding, which no workflow
+    // does: its history does not fold.
+    let good_task = store
+        .list_tasks()
+        .await?
+        .into_iter()
+        .find(|t| t.id.session_id == "good")
+        .expect("good's model call is queued")
+        .id;
+    append_raw(&store, "good", Vec::new(), vec![good_task.clone()]).await?;
+    append_raw(
+        &store,
+        "broken",
+        vec![Event::TurnCompleted {
+            turn: 1,
+            usage: Usage::default(),
+        }],
+        Vec::new(),
+    )
+    .await?;
+    let broken_history = store.read_history("broken", 1, None).await?;
+    let folded = crate::replay("broken", &broken_history).unwrap_err();
+    assert!(folded.is_history_fault(), "{folded}");
+
+    let second = Engine::new(store.clone(), Arc::new(SystemClock));
+    let report = second.resume(true).await?;
+    assert_eq!(report.running_sessions, ["good"]);
+    assert_eq!(
+        report.unresumable,
+        [UnresumableSession {
+            session_id: "broken".into(),
+            error: folded.to_string(),
+        }]
+    );
+    assert_eq!((report.outstanding_tasks, report.requeued_tasks), (1, 1));
+    let queued: Vec<_> = store
+        .list_tasks()
+        .await?
+        .into_iter()
+        .map(|t| t.id)
+        .collect();
+    assert_eq!(
+        queued.iter().filter(|id| **id == good_task).count(),
+        1,
+        "good's model call is queued again: {queued:?}"
+    );
+    assert_eq!(
+        store.read_history("broken", 1, None).await?,
+        broken_history,
+        "the broken session is left as it is"
+    );
+    // Asked for alone, the broken session is the call's own typed error.
+    let alone = second.resume_session("broken", false).await.unwrap_err();
+    assert!(
+        matches!(&alone, Error::InvalidEvent { session_id, .. } | Error::Nondeterminism { session_id, .. } if session_id == "broken"),
+        "{alone}"
+    );
+
+    // The good session's turn ends, live and on replay alike.
+    let leased = second
+        .lease_tasks(
+            &TaskFilter {
+                sessions: Some(["good".to_owned()].into()),
+                ..TaskFilter::any()
+            },
+            1,
+            60_000,
+        )
+        .await?;
+    assert_eq!(leased.len(), 1);
+    second
+        .report(
+            &leased[0].lease,
+            ActivityReport::ModelCompleted(ModelResponse {
+                provider: "scripted".into(),
+                model: "resume".into(),
+                parts: vec![Part::text("resumed")],
+                stop_reason_raw: "end_turn".into(),
+                stop_reason: StopReason::EndTurn,
+                usage: Usage::default(),
+            }),
+        )
+        .await?;
+    let outcome = second.wait_turn("good", 1).await?;
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { answer, .. } if answer == "resumed"),
+        "{outcome:?}"
+    );
+    let history = store.read_history("good", 1, None).await?;
+    let replayed = crate::replay("good", &history)?;
+    assert_eq!(
+        replayed.state.transcript.canonical_json(),
+        second.state("good").await?.transcript.canonical_json()
+    );
+    Ok(())
+}
