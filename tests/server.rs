@@ -1667,6 +1667,25 @@ async fn malformed_requests_get_json_errors_and_the_server_stays_up() {
             "invalid_request",
         ),
     ];
+    // An id no session can have is a bad request on every route that names a session, with
+    // a message saying what ids may be.
+    let mut cases = cases;
+    let first_bad_id = cases.len();
+    let bad_id = "bad%20id%21";
+    for (method, path) in [
+        (Method::GET, format!("/v1/sessions/{bad_id}")),
+        (Method::GET, format!("/v1/sessions/{bad_id}/history")),
+        (Method::GET, format!("/v1/sessions/{bad_id}/events")),
+        (Method::GET, format!("/v1/sessions/{bad_id}/state")),
+        (Method::GET, format!("/v1/sessions/{bad_id}/turns/1")),
+        (Method::DELETE, format!("/v1/sessions/{bad_id}")),
+    ] {
+        cases.push((
+            raw(method, &path, None, Vec::new()),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ));
+    }
     for (i, (request, status, code)) in cases.into_iter().enumerate() {
         let response = request.send().await.expect("send");
         assert_eq!(response.status(), status, "case {i}");
@@ -1674,6 +1693,14 @@ async fn malformed_requests_get_json_errors_and_the_server_stays_up() {
         let body: Value = serde_json::from_slice(&response.bytes().await.unwrap())
             .unwrap_or_else(|e| panic!("case {i}: not JSON: {e}"));
         assert_eq!(body["error"]["code"], code, "case {i}: {body}");
+        if i >= first_bad_id {
+            assert!(
+                body["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("invalid session id \"bad id!\"")),
+                "case {i}: {body}"
+            );
+        }
         assert!(
             body["error"]["message"]
                 .as_str()

@@ -20,7 +20,7 @@ use cairn_runtime::wire::{CompactionOutcome, ErrorBody};
     params(SessionPath),
     responses(
         (status = 200, description = "Compacted, or nothing to compact (`compacted: false`)", body = CompactionOutcome),
-        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 400, description = "Malformed request, or an invalid session id", body = ErrorBody),
         (status = 401, description = "No token, or an unknown one", body = ErrorBody),
         (status = 403, description = "Not a client token", body = ErrorBody),
         (status = 404, description = "No such session in this namespace", body = ErrorBody),
@@ -34,7 +34,7 @@ pub async fn compact(
     ClientCaller(caller): ClientCaller,
     PathParams(path): PathParams<SessionPath>,
 ) -> Result<Json<CompactionOutcome>, ApiError> {
-    let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
+    let stored = stored_id(&caller, &path.id)?;
     state
         .engine
         .compact(&stored)

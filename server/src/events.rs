@@ -68,7 +68,7 @@ pub async fn events(
     QueryParams(query): QueryParams<EventsQuery>,
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
-    let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
+    let stored = stored_id(&caller, &path.id)?;
     let after_seq = match headers.get("last-event-id") {
         Some(value) => value
             .to_str()

@@ -93,7 +93,7 @@ pub async fn state_at(
     PathParams(path): PathParams<SessionPath>,
     QueryParams(query): QueryParams<StateQuery>,
 ) -> Result<Json<StateAt>, ApiError> {
-    let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
+    let stored = stored_id(&caller, &path.id)?;
     let events = whole_history(&state, &stored, &path.id).await?;
     let last = events.last().map_or(0, |e| e.seq);
     let seq = query.at.unwrap_or(last);
@@ -131,7 +131,7 @@ pub async fn fork(
     PathParams(path): PathParams<SessionPath>,
     JsonBody(request): JsonBody<ForkSession>,
 ) -> Result<(StatusCode, Json<Forked>), ApiError> {
-    let parent = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
+    let parent = stored_id(&caller, &path.id)?;
     let model = match &request.model {
         None => None,
         Some(text) => Some(ModelSpec::parse(text).ok_or_else(|| {

@@ -104,7 +104,7 @@ async fn session_state(
     caller: &Caller,
     id: &str,
 ) -> Result<(String, SessionState), ApiError> {
-    let stored = stored_id(caller, id).map_err(|_| ApiError::no_session(id))?;
+    let stored = stored_id(caller, id)?;
     let session = state
         .engine
         .state(&stored)
@@ -403,7 +403,7 @@ pub async fn send_message(
     JsonBody(request): JsonBody<cairn_runtime::wire::SendMessage>,
 ) -> Result<(StatusCode, Json<TurnStarted>), ApiError> {
     let key = idempotency_key(&headers)?;
-    let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
+    let stored = stored_id(&caller, &path.id)?;
     check_message(&request, "")?;
     let sent = async {
         match key {
@@ -554,7 +554,7 @@ pub async fn history(
     PathParams(path): PathParams<SessionPath>,
     QueryParams(query): QueryParams<HistoryQuery>,
 ) -> Result<Json<HistoryPage>, ApiError> {
-    let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
+    let stored = stored_id(&caller, &path.id)?;
     let from_seq = query.from_seq.unwrap_or(1).max(1);
     let limit = match query.limit {
         None => MAX_HISTORY_PAGE,
@@ -713,7 +713,7 @@ pub async fn cancel(
     PathParams(path): PathParams<SessionPath>,
     JsonBody(request): JsonBody<CancelRequest>,
 ) -> Result<Json<Cancelled>, ApiError> {
-    let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
+    let stored = stored_id(&caller, &path.id)?;
     let reason = request
         .reason
         .unwrap_or_else(|| "cancelled through the API".to_owned());
@@ -788,7 +788,7 @@ pub async fn decide_approval(
     PathParams(path): PathParams<ToolCallPath>,
     JsonBody(request): JsonBody<ApprovalRequest>,
 ) -> Result<Json<ApprovalDecided>, ApiError> {
-    let stored = stored_id(&caller, &path.id).map_err(|_| ApiError::no_session(&path.id))?;
+    let stored = stored_id(&caller, &path.id)?;
     if path.tool_use_id.is_empty() || path.tool_use_id.len() > 256 {
         return Err(ApiError::invalid("tool_use_id: 1-256 characters"));
     }
