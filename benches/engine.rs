@@ -210,6 +210,7 @@ fn filled_store(
                 enqueue: Vec::new(),
                 complete: None,
                 cancel: Vec::new(),
+                drop_if_unchanged: None,
                 now_ms: 1,
             };
             store.append(request).await.unwrap();

@@ -91,6 +91,7 @@ async fn write_pristine(dir: &Path, engine: StorageEngine) {
                     enqueue: Vec::new(),
                     complete: None,
                     cancel: Vec::new(),
+                    drop_if_unchanged: None,
                     now_ms: 1,
                 })
                 .await

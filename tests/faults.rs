@@ -554,6 +554,7 @@ fn full_disk_child() {
             enqueue: Vec::new(),
             complete: None,
             cancel: Vec::new(),
+            drop_if_unchanged: None,
             now_ms: event.recorded_at_ms,
             events: vec![event],
         };

@@ -1256,6 +1256,7 @@ async fn overdue_tasks_that_cannot_fire_do_not_starve_the_others() {
         enqueue: Vec::new(),
         complete: None,
         cancel: Vec::new(),
+        drop_if_unchanged: None,
         now_ms: 0,
     };
     for seq in 1..=300 {

@@ -400,6 +400,7 @@ fn a_store_opens_after_a_kill_while_sled_wrote_its_snapshot() {
                 enqueue: Vec::new(),
                 complete: None,
                 cancel: Vec::new(),
+                drop_if_unchanged: None,
                 now_ms: 0,
             }))
             .unwrap();

@@ -425,6 +425,7 @@ async fn writer(store: &dyn Store, session: &str, w: usize, rng: &mut StdRng, se
             enqueue,
             complete: None,
             cancel: Vec::new(),
+            drop_if_unchanged: None,
             now_ms: now_ms(),
         };
         match store.append(request).await {
@@ -477,6 +478,7 @@ async fn worker(store: &dyn Store, seed: u64) {
                     enqueue: Vec::new(),
                     complete: Some((lease.id.clone(), lease.lease_attempt)),
                     cancel: Vec::new(),
+                    drop_if_unchanged: None,
                     now_ms: now_ms(),
                 };
                 match store.append(request).await {

@@ -162,6 +162,7 @@ pub async fn append_a_turn_end_no_workflow_records(data: &Path, session_id: &str
             enqueue: Vec::new(),
             complete: None,
             cancel: Vec::new(),
+            drop_if_unchanged: None,
             now_ms: 1,
         })
         .await

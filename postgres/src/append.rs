@@ -1,5 +1,6 @@
-//! The append: one statement that checks the session's next seq and the completed task's
-//! lease, then writes the events, the session row and the queue changes, or nothing.
+//! The append: one statement that checks the session's next seq, the completed task's lease
+//! and that the fenced task is unchanged, then writes the events, the session row and the
+//! queue changes, or nothing.
 //!
 //! One statement rather than a transaction of six to eight: every statement is a round trip
 //! and a parse-bind-execute in the backend, and PostgreSQL's CPU is what a durable turn on this
@@ -8,10 +9,11 @@
 //! ```text
 //! WITH s  AS (SELECT last_seq ... FROM cairn_sessions ... FOR UPDATE)          -- next seq, row locked
 //!      l  AS (SELECT lease_attempt, visible_at_ms FROM cairn_tasks ... FOR UPDATE)  -- with `complete`
-//!      ok AS (the seq and the lease checks)
+//!      f  AS (SELECT lease_attempt, visible_at_ms, held ... FOR UPDATE)    -- with a fenced drop
+//!      ok AS (the seq, the lease and the fence checks)
 //!      UPDATE / INSERT cairn_sessions, INSERT cairn_events (UNNEST), DELETE and upsert
 //!      cairn_tasks (UNNEST)                                 -- each only WHERE the checks passed
-//! SELECT ok, last_seq, lease_attempt, lease expiry                        -- why, when they failed
+//! SELECT ok, last_seq, lease_attempt, lease expiry, the fenced task    -- why, when they failed
 //! ```
 //!
 //! It runs as its own transaction: when a check fails, nothing is written and the answer says
@@ -22,13 +24,21 @@
 //! answer) becomes `Conflict` with the winner's next seq. The sub-statements never touch one
 //! row twice, which PostgreSQL leaves unpredictable: a task both removed and enqueued is only
 //! enqueued (the upsert replaces it anyway).
+//!
+//! The fenced task's row is locked like the completed one's: a lease (`FOR UPDATE SKIP
+//! LOCKED`) skips it while the append runs and finds it gone after, a heartbeat's UPDATE
+//! waits and then finds it gone; and a lease or heartbeat that committed first is what the
+//! lock reads (READ COMMITTED reads the newest version of a row it locks), so the fence sees
+//! it and refuses the append.
 
 use crate::failure::{retrying, sqlstate, Failure};
 use crate::rows::{attempt_from_db, from_db, kind_name, storable, to_db};
 use cairn_runtime::codec;
-use cairn_runtime::store::{check_session_id, AppendRequest, Lease, LeaseRequest, Task, TaskId};
+use cairn_runtime::store::{
+    check_session_id, AppendRequest, Lease, LeaseRequest, Task, TaskFence, TaskId,
+};
 use cairn_runtime::{Error, Result};
-use sqlx::postgres::{PgConnection, PgPool};
+use sqlx::postgres::{PgConnection, PgPool, PgRow};
 use sqlx::Row;
 use std::collections::BTreeMap;
 
@@ -43,8 +53,20 @@ pub(crate) struct Prepared<'r> {
     /// The completed task, and its lease attempt; `None` also when the task cannot exist
     /// (an id PostgreSQL cannot store), which the lease check answers as gone.
     complete: Option<(String, i64, u32)>,
+    /// The task to drop only if unchanged, as column values: its session and scheduled seq
+    /// (`None` when the id cannot be stored: the task is gone, the fence check fails), lease
+    /// attempt, visibility time and holder flag.
+    fenced: Option<Fenced>,
     removed: Removed,
     enqueued: Enqueued,
+}
+
+/// [`AppendRequest::drop_if_unchanged`] as column values.
+struct Fenced {
+    id: Option<(String, i64)>,
+    lease_attempt: i64,
+    visible_at_ms: i64,
+    held: bool,
 }
 
 /// Task ids to delete, as two parallel arrays for UNNEST.
@@ -106,6 +128,15 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
     let complete = request.complete.as_ref().and_then(|(id, attempt)| {
         storable_id(id).map(|(session_id, seq)| (session_id, seq, *attempt))
     });
+    let fenced = match &request.drop_if_unchanged {
+        Some(fence) => Some(Fenced {
+            id: storable_id(&fence.id),
+            lease_attempt: i64::from(fence.lease_attempt),
+            visible_at_ms: to_db("fenced visible_at_ms", fence.visible_at_ms)?,
+            held: fence.held,
+        }),
+        None => None,
+    };
     // One row per id, the last enqueue winning as in the memory store: an INSERT ... ON
     // CONFLICT cannot change one row twice.
     let mut last: BTreeMap<&TaskId, usize> = BTreeMap::new();
@@ -121,6 +152,7 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
         .iter()
         .map(|(id, _)| id)
         .chain(&request.cancel)
+        .chain(request.drop_if_unchanged.iter().map(|fence| &fence.id))
         .filter(|id| !last.contains_key(id))
         .filter_map(storable_id)
     {
@@ -174,6 +206,7 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
         status: request.status.as_str(),
         now_ms: to_db("now_ms", request.now_ms)?,
         complete,
+        fenced,
         removed,
         enqueued,
     })
@@ -228,7 +261,11 @@ impl Prepared<'_> {
 /// `$6`/`$7` the events' seqs and records, `$8` whether it completes a task, `$9`/`$10`/`$11`
 /// that task's session, scheduled seq and lease attempt (NULL when the id cannot be stored),
 /// `$12`/`$13` the tasks to remove, `$14`..`$22` the tasks to enqueue (`$21` and `$22` their
-/// lease attempts and holder flags: 0 and false, but for tasks leased as they are queued).
+/// lease attempts and holder flags: 0 and false, but for tasks leased as they are queued),
+/// `$23` whether it drops a task only if unchanged, `$24`/`$25` that task's session and
+/// scheduled seq (NULL when the id cannot be stored), `$26`/`$27`/`$28` its lease attempt,
+/// visibility time and holder flag as the caller read them (the task is also among those to
+/// remove).
 ///
 /// The checks are evaluated once (`ok`, materialized) and every write is conditional on them;
 /// the last SELECT says what the checks found. The session row is written before the events
@@ -240,10 +277,15 @@ WITH s AS MATERIALIZED ( \
 ), l AS MATERIALIZED ( \
     SELECT lease_attempt, visible_at_ms FROM cairn_tasks \
     WHERE $8 AND session_id = $9 AND scheduled_seq = $10 FOR UPDATE \
+), f AS MATERIALIZED ( \
+    SELECT lease_attempt, visible_at_ms, held FROM cairn_tasks \
+    WHERE $23 AND session_id = $24 AND scheduled_seq = $25 FOR UPDATE \
 ), ok AS MATERIALIZED ( \
     SELECT COALESCE((SELECT last_seq FROM s), 0) = $2 \
        AND COALESCE((SELECT status FROM s), '') <> 'deleted' \
        AND (NOT $8 OR EXISTS (SELECT 1 FROM l WHERE lease_attempt = $11 AND visible_at_ms > $5)) \
+       AND (NOT $23 OR EXISTS ( \
+            SELECT 1 FROM f WHERE lease_attempt = $26 AND visible_at_ms = $27 AND held = $28)) \
        AS passed \
 ), session_updated AS ( \
     UPDATE cairn_sessions SET status = $3, last_seq = COALESCE($4, last_seq), updated_at_ms = $5 \
@@ -283,7 +325,9 @@ WITH s AS MATERIALIZED ( \
 ) \
 SELECT (SELECT passed FROM ok) AS passed, (SELECT last_seq FROM s) AS last_seq, \
     (SELECT status FROM s) AS status, \
-    (SELECT lease_attempt FROM l) AS lease_attempt, (SELECT visible_at_ms FROM l) AS expiry";
+    (SELECT lease_attempt FROM l) AS lease_attempt, (SELECT visible_at_ms FROM l) AS expiry, \
+    (SELECT lease_attempt FROM f) AS fenced_attempt, \
+    (SELECT visible_at_ms FROM f) AS fenced_visible_at_ms, (SELECT held FROM f) AS fenced_held";
 
 /// Runs the append statement, again while it loses races.
 pub(crate) async fn append(pool: &PgPool, prepared: &Prepared<'_>) -> Result<()> {
@@ -333,6 +377,10 @@ async fn statement(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Fail
         ),
         None => (None, None, None),
     };
+    let (fenced_session, fenced_seq) = match p.fenced.as_ref().and_then(|f| f.id.as_ref()) {
+        Some((session_id, seq)) => (Some(session_id.as_str()), Some(*seq)),
+        None => (None, None),
+    };
     let e = &p.enqueued;
     let row = sqlx::query(APPEND)
         .bind(p.session_id)
@@ -357,6 +405,12 @@ async fn statement(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Fail
         .bind(&e.start_by_ms)
         .bind(&e.lease_attempts)
         .bind(&e.held)
+        .bind(p.fenced.is_some())
+        .bind(fenced_session)
+        .bind(fenced_seq)
+        .bind(p.fenced.as_ref().map(|f| f.lease_attempt))
+        .bind(p.fenced.as_ref().map(|f| f.visible_at_ms))
+        .bind(p.fenced.as_ref().map(|f| f.held))
         .fetch_one(&mut *conn)
         .await;
     let row = match row {
@@ -395,7 +449,53 @@ async fn statement(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Fail
         (Some(attempt), Some(expiry)) => Some((attempt, expiry)),
         _ => None,
     };
-    Err(lease_lost(p, lease))
+    let lease_current = matches!(
+        (&p.complete, lease),
+        (Some((_, _, attempt)), Some((current, expiry)))
+            if current == i64::from(*attempt) && expiry > p.now_ms
+    );
+    if p.request.complete.is_some() && !lease_current {
+        return Err(lease_lost(p, lease));
+    }
+    Err(fence_refused(p, &row))
+}
+
+/// Why the fenced task is not as its caller read it: the fence's own check
+/// ([`TaskFence::check`]) on the task row the append found, or on nothing when it is gone.
+fn fence_refused(p: &Prepared<'_>, row: &PgRow) -> Failure {
+    let Some(fence) = &p.request.drop_if_unchanged else {
+        return Failure::Done(Error::Store {
+            reason: "an append failed none of its checks yet was not written".to_owned(),
+        });
+    };
+    let found = match fenced_task(row, fence) {
+        Ok(found) => found,
+        Err(failure) => return failure,
+    };
+    match fence.check(found.as_ref()) {
+        Err(e) => Failure::Done(e),
+        // The statement saw a change this row does not show: refused all the same.
+        Ok(()) => Failure::Done(Error::LeaseLost {
+            task: fence.id.to_string(),
+            reason: "the task changed while the append ran".to_owned(),
+        }),
+    }
+}
+
+/// The fence of the fenced task as the append found its row; `None` when there was none.
+fn fenced_task(row: &PgRow, fence: &TaskFence) -> Result<Option<TaskFence>, Failure> {
+    let attempt: Option<i64> = row.try_get("fenced_attempt")?;
+    let visible_at_ms: Option<i64> = row.try_get("fenced_visible_at_ms")?;
+    let held: Option<bool> = row.try_get("fenced_held")?;
+    let (Some(attempt), Some(visible_at_ms), Some(held)) = (attempt, visible_at_ms, held) else {
+        return Ok(None);
+    };
+    Ok(Some(TaskFence {
+        id: fence.id.clone(),
+        lease_attempt: attempt_from_db(attempt)?,
+        visible_at_ms: from_db("visible_at_ms", visible_at_ms)?,
+        held,
+    }))
 }
 
 /// Why the completed task's lease is not current (the memory store's `lease_current`), from

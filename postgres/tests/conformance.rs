@@ -43,6 +43,10 @@ each_check!(
     overdue_tasks_are_listed_and_never_leased,
     heartbeat_details_are_kept_until_the_next_lease,
     released_tasks_are_leased_again_and_not_overdue,
+    a_fenced_drop_removes_an_unchanged_overdue_task,
+    a_fenced_drop_of_a_task_leased_since_is_refused,
+    a_fenced_drop_of_a_task_renewed_since_is_refused,
+    a_fenced_drop_of_a_task_released_or_gone_since_is_refused,
 );
 
 /// Runs `future` to its end from synchronous code inside the test's (multi-threaded) runtime:

@@ -35,6 +35,7 @@ fn append(session_id: &str, seq: u64) -> AppendRequest {
         enqueue: Vec::new(),
         complete: None,
         cancel: Vec::new(),
+        drop_if_unchanged: None,
         now_ms: 1_700_000_000_000 + seq,
     }
 }

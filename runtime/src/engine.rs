@@ -24,7 +24,7 @@ use crate::pricing::PriceTable;
 use crate::state_cache::{SessionSlot, StateCache};
 use crate::store::{
     AppendRequest, Lease, LeaseHolder, LeaseRequest, Overdue, SessionInfo, SessionStatus, Store,
-    StoreChange, Task, TaskFilter, TaskId,
+    StoreChange, Task, TaskFence, TaskFilter, TaskId,
 };
 use crate::task_waiters::TaskWaiters;
 use crate::workflow::{ScheduledActivity, SessionState, Transition, TurnOutcome};
@@ -1009,6 +1009,11 @@ impl Engine {
         let mut failure = ActivityFailure::new(ErrorClass::Timeout, message);
         failure.heartbeat_details = task.heartbeat_details.clone();
         let prices = self.prices();
+        // The task is dropped with the failure only if it is still as `overdue_tasks` read
+        // it: a worker may have leased it (its clock read before the deadline), renewed its
+        // lease or had it released since, and that attempt is not the one timed out. Then
+        // the append is refused (`LeaseLost`, skipped by `fire_timers`) and the next round
+        // reads the task again.
         let submitted = self
             .submit_with(
                 session_id,
@@ -1017,11 +1022,13 @@ impl Engine {
                     None => Ok(None),
                 },
                 None,
-                Some(task.id.clone()),
+                Some(TaskFence::of(task)),
                 false,
             )
             .await?;
         if submitted.is_none() {
+            // Unfenced: whoever may hold the task now, the workflow no longer wants its
+            // result, so a report of it would be refused as stale anyway.
             self.discard_task(&lease).await?;
             return Ok(false);
         }
@@ -1071,6 +1078,7 @@ impl Engine {
                 enqueue: Vec::new(),
                 complete: None,
                 cancel: vec![lease.id.clone()],
+                drop_if_unchanged: None,
                 now_ms: self.now_ms(),
             };
             match self.inner.store.append(request).await {
@@ -1334,6 +1342,7 @@ impl Engine {
                     enqueue: missing,
                     complete: None,
                     cancel: Vec::new(),
+                    drop_if_unchanged: None,
                     now_ms: self.now_ms(),
                 };
                 match self.inner.store.append(request).await {
@@ -1658,10 +1667,11 @@ impl Engine {
 
     /// Steps the workflow with the input `decide` makes of the session's state, caught up
     /// with the store, appends the transition atomically (with `complete` fencing it, and
-    /// dropping `drop_task` from the queue: the task of an overdue attempt the input records
-    /// as failed, which has no current lease to complete it with), updates the cache and
-    /// tells waiters. When the append loses a race with another writer, catches up and
-    /// decides again. Returns the input's seq, or `None` when `decide` found nothing to do.
+    /// dropping `drop_if_unchanged`'s task from the queue if it is still as the caller read
+    /// it, else refusing the append with `LeaseLost`: the task of an overdue attempt the
+    /// input records as failed, which has no current lease to complete it with), updates the
+    /// cache and tells waiters. When the append loses a race with another writer, catches up
+    /// and decides again. Returns the input's seq, or `None` when `decide` found nothing to do.
     /// `starting`: the input starts the session, deciding on an empty state (the store
     /// refuses it if the session exists).
     async fn submit_with(
@@ -1669,14 +1679,14 @@ impl Engine {
         session_id: &str,
         mut decide: impl FnMut(&SessionState) -> Result<Option<Event>> + Send,
         complete: Option<(TaskId, u32)>,
-        drop_task: Option<TaskId>,
+        drop_if_unchanged: Option<TaskFence>,
         starting: bool,
     ) -> Result<Option<u64>> {
         self.submit_inputs(
             session_id,
             |state| Ok(decide(state)?.map(|input| vec![input])),
             complete,
-            drop_task,
+            drop_if_unchanged,
             starting,
             None,
         )
@@ -1694,7 +1704,7 @@ impl Engine {
         session_id: &str,
         mut decide: impl FnMut(&SessionState) -> Result<Option<Vec<Event>>> + Send,
         complete: Option<(TaskId, u32)>,
-        drop_task: Option<TaskId>,
+        drop_if_unchanged: Option<TaskFence>,
         starting: bool,
         eager: Option<&LeaseRequest>,
     ) -> Result<(Option<u64>, Vec<Lease>)> {
@@ -1709,7 +1719,7 @@ impl Engine {
                         session_id,
                         &mut guard,
                         &mut decide,
-                        (&complete, &drop_task),
+                        (&complete, &drop_if_unchanged),
                         starting,
                         eager,
                     )
@@ -1739,7 +1749,7 @@ impl Engine {
         session_id: &str,
         guard: &mut Option<SessionState>,
         decide: &mut (impl FnMut(&SessionState) -> Result<Option<Vec<Event>>> + Send),
-        (complete, drop_task): (&Option<(TaskId, u32)>, &Option<TaskId>),
+        (complete, drop_if_unchanged): (&Option<(TaskId, u32)>, &Option<TaskFence>),
         is_start: bool,
         eager: Option<&LeaseRequest>,
     ) -> Result<(Option<u64>, Vec<Lease>)> {
@@ -1795,11 +1805,10 @@ impl Engine {
         let Transition {
             events,
             enqueue,
-            mut cancel,
+            cancel,
             outcome,
             ..
         } = transition;
-        cancel.extend(drop_task.iter().cloned());
         let request = AppendRequest {
             session_id: session_id.to_owned(),
             expected_next_seq: first_seq,
@@ -1808,6 +1817,7 @@ impl Engine {
             enqueue,
             complete: complete.clone(),
             cancel,
+            drop_if_unchanged: drop_if_unchanged.clone(),
             now_ms: now,
         };
         let mut enqueued = request.enqueue.clone();

@@ -1,15 +1,18 @@
 //! The engine under races: a call dropped before the store answers its append (a server's
 //! handler whose client hung up), a resume while another engine writes the same store, a
-//! wait that comes after later turns ended, a listing whose sessions change under it. What it caches, queues and answers stays what
-//! the store holds.
+//! wait that comes after later turns ended, a listing whose sessions change under it, timers
+//! that fire on a task a worker took after they read it. What it caches, queues and answers
+//! stays what the store holds.
 
 use crate::client::{Client, SessionOptions};
-use crate::engine::ActivityReport;
+use crate::engine::{ActivityReport, LeasedTask};
 use crate::error::Result;
+use crate::event::Event;
 use crate::event::EventEnvelope;
 use crate::event::{ActivityFailure, ErrorClass};
 use crate::store::{AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
-use crate::{Engine, MemoryStore, SystemClock};
+use crate::workflow::TurnOutcome;
+use crate::{Engine, ManualClock, MemoryStore, SystemClock};
 use async_trait::async_trait;
 use cairn_ledger::{JsonText, ModelResponse, ModelSpec, Part, StopReason, Usage};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,6 +31,10 @@ struct Gated {
     /// `listed` itself).
     after_listing: Mutex<Option<tokio::task::JoinHandle<()>>>,
     listed: Notify,
+    /// Awaited once, inside the next `overdue_tasks`, after the overdue tasks were read (it
+    /// waits for `overdue_read` itself).
+    after_overdue: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    overdue_read: Notify,
 }
 
 #[async_trait]
@@ -72,7 +79,13 @@ impl Store for Gated {
             .await
     }
     async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
-        self.inner.overdue_tasks(now_ms, max).await
+        let tasks = self.inner.overdue_tasks(now_ms, max).await?;
+        let meanwhile = self.after_overdue.lock().expect("after_overdue").take();
+        if let Some(meanwhile) = meanwhile {
+            self.overdue_read.notify_one();
+            meanwhile.await.expect("what happened meanwhile");
+        }
+        Ok(tasks)
     }
     async fn list_tasks(&self) -> Result<Vec<Task>> {
         let tasks = self.inner.list_tasks().await?;
@@ -279,4 +292,172 @@ async fn a_listing_survives_a_session_deleted_under_it_and_one_that_does_not_fol
         .map(|s| (s.session_id.as_str(), s.totals.is_some()))
         .collect();
     assert_eq!(listed, [("a", true), ("broken", false)]);
+}
+
+/// When the engine clock starts in the timer races below.
+const START_MS: u64 = 1_000;
+
+/// A session "s" on a [`Gated`] store, its engine on a manual clock at [`START_MS`], with its
+/// first turn's model call queued; `schedule_to_start_ms` is the model calls' start deadline.
+async fn turn_with_a_model_call(
+    schedule_to_start_ms: Option<u64>,
+) -> (Arc<Gated>, Arc<ManualClock>, Engine, Client) {
+    let store = Arc::new(Gated::default());
+    let clock = Arc::new(ManualClock::new(START_MS));
+    let engine = Engine::new(store.clone(), clock.clone());
+    let client = Client::new(engine.clone());
+    let mut o = options("s");
+    o.model_retry.schedule_to_start_timeout_ms = schedule_to_start_ms;
+    client.start_session(o).await.unwrap();
+    assert_eq!(client.send("s", "hello").await.unwrap(), 1);
+    (store, clock, engine, client)
+}
+
+/// Runs `meanwhile` right after the next `overdue_tasks` of `store` read the tasks, before
+/// the timers act on what they read; gives back what it returned.
+fn after_overdue_read<T: Send + 'static>(
+    store: &Arc<Gated>,
+    meanwhile: impl std::future::Future<Output = T> + Send + 'static,
+) -> Arc<Mutex<Option<T>>> {
+    let out: Arc<Mutex<Option<T>>> = Arc::default();
+    let task = {
+        let (store, out) = (store.clone(), out.clone());
+        tokio::spawn(async move {
+            store.overdue_read.notified().await;
+            *out.lock().unwrap() = Some(meanwhile.await);
+        })
+    };
+    *store.after_overdue.lock().unwrap() = Some(task);
+    out
+}
+
+/// Fires the timers while the race set up with [`after_overdue_read`] happens: they must
+/// record nothing for a task that changed since they read it.
+async fn fire_timers_during_the_race(engine: &Engine) {
+    assert_eq!(
+        engine.fire_timers().await.unwrap(),
+        0,
+        "the timers record nothing for a task that changed since they read it"
+    );
+}
+
+/// The one lease the race took.
+fn the_lease(leased: &Mutex<Option<Vec<LeasedTask>>>) -> Lease {
+    match leased.lock().unwrap().as_deref() {
+        Some([task]) => task.lease.clone(),
+        other => panic!("the race must lease the one task, got {other:?}"),
+    }
+}
+
+/// The report of `lease` is accepted and ends the turn with its answer; no attempt was
+/// recorded as failed, nothing is left queued or overdue, and a replay of the history gives
+/// the live transcript.
+async fn the_report_ends_the_turn(store: &Gated, engine: &Engine, client: &Client, lease: &Lease) {
+    engine
+        .report(lease, answer("in time"))
+        .await
+        .expect("the worker's report is accepted");
+    match engine.wait_turn("s", 1).await.unwrap() {
+        TurnOutcome::Completed { answer, .. } => assert_eq!(answer, "in time"),
+        other => panic!("the turn must complete with the worker's answer, got {other:?}"),
+    }
+    let history = store.inner.read_history("s", 1, None).await.unwrap();
+    let failed: Vec<u64> = history
+        .iter()
+        .filter(|e| matches!(e.event, Event::ModelCallFailed { .. }))
+        .map(|e| e.seq)
+        .collect();
+    assert_eq!(
+        failed,
+        Vec::<u64>::new(),
+        "no attempt was recorded as failed"
+    );
+    assert_eq!(store.inner.list_tasks().await.unwrap(), vec![]);
+    assert_eq!(engine.fire_timers().await.unwrap(), 0, "nothing is overdue");
+    let replayed = crate::replay("s", &history).unwrap();
+    assert_eq!(
+        replayed.state.transcript.canonical_json(),
+        client.transcript("s").await.unwrap().canonical_json()
+    );
+}
+
+/// A task that a worker leases just as its start deadline passes — after the timers read it
+/// as never started, before they record that — stays the worker's: the timers record no
+/// timeout and drop nothing, and the worker's report ends the turn. (Before, the timers
+/// dropped the task under the worker and recorded the attempt as timed out, the report was
+/// refused, and the retry ran the activity a second time.)
+#[tokio::test]
+async fn a_task_leased_as_its_start_deadline_fires_stays_the_workers() {
+    let (store, clock, engine, client) = turn_with_a_model_call(Some(500)).await;
+    clock.advance(500);
+    // The worker's lease read its clock a millisecond before the deadline: a server whose
+    // clock is behind on a shared database, or a lease request that read the clock and then
+    // waited for the store.
+    let worker = Engine::new(store.clone(), Arc::new(ManualClock::new(START_MS + 499)));
+    let leased = after_overdue_read(&store, async move {
+        worker
+            .lease_tasks(&TaskFilter::any(), 1, 60_000)
+            .await
+            .unwrap()
+    });
+    fire_timers_during_the_race(&engine).await;
+    let lease = the_lease(&leased);
+    the_report_ends_the_turn(&store, &engine, &client, &lease).await;
+}
+
+/// A lapsed lease that is released and leased again by another worker (attempt 2) after the
+/// timers read it as lapsed stays that worker's: the timers record no lapse and drop
+/// nothing, and the new worker's report ends the turn. (Before, the timers dropped the task
+/// under the new lease and recorded attempt 1 as lapsed; the report was refused.)
+#[tokio::test]
+async fn a_lapsed_lease_leased_again_as_the_timers_fire_stays_the_new_workers() {
+    let (store, clock, engine, client) = turn_with_a_model_call(None).await;
+    let first = engine
+        .lease_tasks(&TaskFilter::any(), 1, 1_000)
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 1, "the model call is leased for 1 s");
+    clock.advance(1_000);
+    let leased = after_overdue_read(&store, {
+        let (store, engine) = (store.clone(), engine.clone());
+        async move {
+            // Its worker is gone: a host that lost its workers releases their leases.
+            let released = store.inner.release_leases(START_MS + 1_000).await.unwrap();
+            assert_eq!(released, 1);
+            engine
+                .lease_tasks(&TaskFilter::any(), 1, 60_000)
+                .await
+                .unwrap()
+        }
+    });
+    fire_timers_during_the_race(&engine).await;
+    let lease = the_lease(&leased);
+    assert_eq!(lease.lease_attempt, 2, "another worker holds attempt 2");
+    the_report_ends_the_turn(&store, &engine, &client, &lease).await;
+}
+
+/// A lapsed lease whose worker renews it after the timers read it as lapsed (its heartbeat
+/// read the clock just before the expiry) stays that worker's: the timers record no lapse,
+/// and the worker's report ends the turn.
+#[tokio::test]
+async fn a_lease_renewed_as_the_timers_fire_stays_the_workers() {
+    let (store, clock, engine, client) = turn_with_a_model_call(None).await;
+    let leased = engine
+        .lease_tasks(&TaskFilter::any(), 1, 1_000)
+        .await
+        .unwrap();
+    let lease = leased[0].lease.clone();
+    clock.advance(1_000);
+    let worker = Engine::new(store.clone(), Arc::new(ManualClock::new(START_MS + 999)));
+    let renewed = after_overdue_read(&store, {
+        let lease = lease.clone();
+        async move { worker.heartbeat(&lease, 1_000, None).await.unwrap() }
+    });
+    fire_timers_during_the_race(&engine).await;
+    assert_eq!(
+        *renewed.lock().unwrap(),
+        Some(START_MS + 1_999),
+        "the heartbeat renewed the lease"
+    );
+    the_report_ends_the_turn(&store, &engine, &client, &lease).await;
 }

@@ -39,6 +39,7 @@ async fn append_raw(
             enqueue: Vec::new(),
             complete: None,
             cancel,
+            drop_if_unchanged: None,
             now_ms: 1,
         })
         .await

@@ -234,6 +234,7 @@ pub async fn write_new_session(
         enqueue,
         complete: None,
         cancel: Vec::new(),
+        drop_if_unchanged: None,
     };
     match store.append(request).await {
         Ok(()) => Ok(report),

@@ -69,6 +69,6 @@ pub use replay::{replay, Replay};
 pub use store::memory::MemoryStore;
 pub use store::{
     AppendRequest, Lease, LeaseHolder, LeaseRequest, NewTask, SessionInfo, SessionStatus, Store,
-    SyncTimes, Task, TaskFilter, TaskId, TaskKind, DEFAULT_QUEUE,
+    SyncTimes, Task, TaskFence, TaskFilter, TaskId, TaskKind, DEFAULT_QUEUE,
 };
 pub use workflow::{Command, SessionState, Transition, TurnOutcome, WORKFLOW_VERSION};

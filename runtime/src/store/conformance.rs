@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 mod concurrency;
 mod deletion;
+mod fenced_drop;
 mod in_process;
 pub use concurrency::{
     a_lapsed_lease_changes_nothing, concurrent_leases_hand_each_task_once,
@@ -29,6 +30,12 @@ pub use concurrency::{
 pub use deletion::{
     a_deletion_is_seen_through_another_handle, a_deletion_survives_a_reopen,
     delete_refuses_a_busy_session, delete_removes_a_finished_session,
+};
+pub use fenced_drop::{
+    a_fenced_drop_of_a_task_leased_since_is_refused,
+    a_fenced_drop_of_a_task_released_or_gone_since_is_refused,
+    a_fenced_drop_of_a_task_renewed_since_is_refused,
+    a_fenced_drop_removes_an_unchanged_overdue_task,
 };
 pub use in_process::{
     a_remote_eager_lease_is_durable_when_answered,
@@ -72,6 +79,10 @@ pub async fn run_all<S: Store>(
     durable_commits_count_what_was_made_durable(&fresh()).await;
     in_process_leases_fence_like_durable_ones(&fresh()).await;
     append_and_lease_takes_what_the_append_queued(&fresh()).await;
+    a_fenced_drop_removes_an_unchanged_overdue_task(&fresh()).await;
+    a_fenced_drop_of_a_task_leased_since_is_refused(&fresh()).await;
+    a_fenced_drop_of_a_task_renewed_since_is_refused(&fresh()).await;
+    a_fenced_drop_of_a_task_released_or_gone_since_is_refused(&fresh()).await;
     concurrent_appends(Arc::new(fresh())).await;
     let twice = |store: S| {
         let store: Arc<dyn Store> = Arc::new(store);
@@ -143,6 +154,7 @@ pub fn append_request(
         enqueue: Vec::new(),
         complete: None,
         cancel: Vec::new(),
+        drop_if_unchanged: None,
         now_ms,
     }
 }

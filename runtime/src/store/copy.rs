@@ -103,6 +103,7 @@ async fn copy_session(
             },
             complete: None,
             cancel: Vec::new(),
+            drop_if_unchanged: None,
             now_ms: info.updated_at_ms,
         })
         .await?;

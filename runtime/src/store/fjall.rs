@@ -21,9 +21,10 @@
 //! takes every write queued so far (a batch of at most [`MAX_BATCH`]) and applies them in order
 //! to an in-memory overlay of the batch's changes, each write reading through the overlay, so
 //! it sees the writes before it. Each write still stands alone: an append's seq check
-//! (`Conflict`), its fencing check of `complete` (`LeaseLost`) and every read of a record it
-//! replaces come before it stages anything, and its changes reach the overlay together, only
-//! once it was accepted; a rejected write is answered at once and leaves nothing behind.
+//! (`Conflict`), its fencing checks of `complete` and `drop_if_unchanged` (`LeaseLost`) and
+//! every read of a record it replaces come before it stages anything, and its changes reach
+//! the overlay together, only once it was accepted; a rejected write is answered at once and
+//! leaves nothing behind.
 //! Leasing scans the queue merged with the overlay; as the only writer, the thread sees a queue
 //! nothing else changes.
 //!
@@ -166,7 +167,7 @@ use super::write_queue::{
 };
 use super::{
     check_deletable, check_session_id, unknown_session, AppendRequest, Lease, LeaseRequest,
-    SessionInfo, Store, SyncTimes, Task, TaskFilter, TaskId,
+    SessionInfo, Store, SyncTimes, Task, TaskFence, TaskFilter, TaskId,
 };
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
@@ -1023,10 +1024,11 @@ impl Writer {
                 actual,
             });
         }
-        // Each task the append touches is read once, as the batch so far leaves it: the
-        // completed one (first in `removed`, its lease checked), the cancelled ones and those
-        // it enqueues, which must all decode or the append is rejected whole. Only their
-        // visibility times are needed afterwards.
+        // Each task the append touches is read once, as the batch so far leaves it (a lease
+        // earlier in the batch, in process or not, included): the completed one (first in
+        // `removed`, its lease checked), the cancelled ones, the fenced one (checked
+        // unchanged) and those it enqueues, which must all decode or the append is rejected
+        // whole. Only their visibility times are needed afterwards.
         let mut before: Vec<(Vec<u8>, Option<u64>)> =
             Vec::with_capacity(p.removed.len() + p.enqueued.len());
         let no_changes = Staged::default();
@@ -1043,6 +1045,11 @@ impl Writer {
             if let Some((completed, attempt)) = &p.complete {
                 if completed == id {
                     lease_current(task.as_ref(), id, *attempt, p.now_ms)?;
+                }
+            }
+            if let Some(fence) = &p.drop_if_unchanged {
+                if fence.id == *id {
+                    fence.check(task.as_ref().map(TaskFence::of).as_ref())?;
                 }
             }
             before.push((key, task.map(|t| t.visible_at_ms)));
@@ -2250,6 +2257,89 @@ mod tests {
                 ("c", 1, SessionStatus::Running)
             ]
         );
+    }
+
+    /// In one batch a fenced drop reads the task as the writes before it leave it: an
+    /// in-process lease earlier in the batch (in the overlay, not yet committed) makes the
+    /// drop of that task refused whole, while the drop of a task nothing changed lands, and a
+    /// lease after it in the batch no longer finds the dropped task.
+    #[tokio::test]
+    async fn in_a_batch_a_fenced_drop_sees_the_lease_before_it_and_a_lease_the_drop() {
+        let root = temp();
+        let store = FjallStore::open(root.path()).expect("open");
+        let tasks = [tool_task("a", 1), tool_task("a", 2)].map(|task| NewTask {
+            start_by_ms: Some(100),
+            ..task
+        });
+        let [t1, t2] = [tasks[0].id.clone(), tasks[1].id.clone()];
+        let mut queue = append_request("a", 1, vec![message("a", 1, "a1")], 0);
+        queue.enqueue = tasks.to_vec();
+        store.append(queue).await.expect("queue two tasks");
+        let overdue = store.overdue_tasks(100, 10).await.expect("overdue");
+        assert_eq!(
+            overdue.iter().map(|t| &t.id).collect::<Vec<_>>(),
+            [&t1, &t2],
+            "both tasks are past their start deadline"
+        );
+        let fenced_drop = |task: &Task| {
+            let mut r = append_request("a", 2, vec![message("a", 2, "timed out")], 100);
+            r.drop_if_unchanged = Some(TaskFence::of(task));
+            append(r)
+        };
+        let lease = |durable| {
+            let (reply, answer) = oneshot::channel();
+            let write = Write::Lease {
+                now_ms: 99,
+                lease_ms: 1_000,
+                max: 1,
+                filter: crate::store::TaskFilter::any(),
+                durable,
+                reply,
+            };
+            (write, answer)
+        };
+        let (first_lease, first_leased) = lease(false);
+        let (drop_leased, drop_leased_answer) = fenced_drop(&overdue[0]);
+        let (drop_unchanged, drop_unchanged_answer) = fenced_drop(&overdue[1]);
+        let (second_lease, second_leased) = lease(true);
+        writer_beside(&store).process(vec![first_lease, drop_leased, drop_unchanged, second_lease]);
+
+        let first = first_leased.await.expect("answered").expect("lease");
+        assert_eq!(
+            first
+                .iter()
+                .map(|l| (&l.id, l.lease_attempt))
+                .collect::<Vec<_>>(),
+            [(&t1, 1)],
+            "the in-process lease takes the first task"
+        );
+        assert!(
+            matches!(
+                drop_leased_answer.await.expect("answered"),
+                Err(Error::LeaseLost { .. })
+            ),
+            "the fenced drop of the task leased before it in the batch is refused"
+        );
+        drop_unchanged_answer
+            .await
+            .expect("answered")
+            .expect("the fenced drop of the unchanged task lands");
+        let second = second_leased.await.expect("answered").expect("lease");
+        assert_eq!(
+            second,
+            vec![],
+            "the dropped task is not leased after its drop"
+        );
+        let listed = store.list_tasks().await.expect("tasks");
+        assert_eq!(
+            listed
+                .iter()
+                .map(|t| (&t.id, t.lease_attempt, t.held))
+                .collect::<Vec<_>>(),
+            [(&t1, 1, true)],
+            "the lease stands and the unchanged task is gone"
+        );
+        assert_eq!(seqs(&store, "a").await, Some(vec![1, 2]));
     }
 
     #[tokio::test]

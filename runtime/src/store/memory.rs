@@ -4,7 +4,7 @@
 
 use super::{
     check_deletable, check_request, unknown_session, AppendRequest, Lease, SessionInfo, Store,
-    Task, TaskFilter, TaskId,
+    Task, TaskFence, TaskFilter, TaskId,
 };
 use crate::codec;
 use crate::error::{Error, Result};
@@ -105,6 +105,9 @@ impl Store for MemoryStore {
         if let Some((id, attempt)) = &request.complete {
             lease_current(inner.tasks.get(id), id, *attempt, request.now_ms)?;
         }
+        if let Some(fence) = &request.drop_if_unchanged {
+            fence.check(inner.tasks.get(&fence.id).map(TaskFence::of).as_ref())?;
+        }
         let count = actual - 1 + records.len() as u64;
         if count == 0 {
             // Nothing recorded for this session yet: an empty append creates nothing.
@@ -129,6 +132,12 @@ impl Store for MemoryStore {
             .iter()
             .map(|(id, _)| id.clone())
             .chain(request.cancel.iter().cloned())
+            .chain(
+                request
+                    .drop_if_unchanged
+                    .iter()
+                    .map(|fence| fence.id.clone()),
+            )
             .collect();
         for id in removed {
             if let Some(task) = inner.tasks.remove(&id) {

@@ -324,8 +324,87 @@ pub struct AppendRequest {
     pub complete: Option<(TaskId, u32)>,
     /// Tasks to drop without a lease check (the workflow no longer wants them).
     pub cancel: Vec<TaskId>,
+    /// A task to drop only if it is still exactly as the caller read it (see [`TaskFence`]):
+    /// the task of an overdue attempt the append records as failed. A timer reads the
+    /// overdue tasks first and appends later, and a worker may lease the task (or renew its
+    /// lease) in between; dropping it then would record a running attempt as timed out and
+    /// take its task from under it. So when the task changed or is gone, the whole append is
+    /// refused with `LeaseLost` and nothing is written.
+    pub drop_if_unchanged: Option<TaskFence>,
     /// The caller's clock, for lease checks and `updated_at_ms`.
     pub now_ms: u64,
+}
+
+/// A task as the caller read it, for a drop that must not race a worker
+/// ([`AppendRequest::drop_if_unchanged`]): its lease attempt, visibility time and holder flag.
+///
+/// "Unchanged" means the store holds the task with the same three values. Every change a
+/// worker or a store makes to a queued task moves one of them: a lease (in process or not)
+/// bumps the attempt; a renewal (a heartbeat) moves the lease's expiry, which is the
+/// visibility time; a release ([`Store::release_leases`]) clears `held` (and moves the
+/// visibility time of a lease still current); a completion or a cancellation removes the
+/// task, which is a change too. The one renewal it cannot tell is one whose new expiry
+/// equals the old one (its clock read in the same millisecond as the lease's or the last
+/// renewal's): that renewal extends nothing, so the lease lapses when the timer read it had,
+/// and only the heartbeat details it stored are not in the timer's failure.
+/// A fence is a request field, never stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskFence {
+    /// The task.
+    pub id: TaskId,
+    /// Its lease attempt when read ([`Task::lease_attempt`]).
+    pub lease_attempt: u32,
+    /// Its visibility time (a lease's expiry) when read ([`Task::visible_at_ms`]).
+    pub visible_at_ms: u64,
+    /// Whether a worker held it when read ([`Task::held`]).
+    pub held: bool,
+}
+
+impl TaskFence {
+    /// The fence of `task` as it stands.
+    pub fn of(task: &Task) -> Self {
+        TaskFence {
+            id: task.id.clone(),
+            lease_attempt: task.lease_attempt,
+            visible_at_ms: task.visible_at_ms,
+            held: task.held,
+        }
+    }
+
+    /// Checks that the task is unchanged: `now` is the fence of the task as the store holds
+    /// it at the append (`None`: gone). `LeaseLost`, saying what changed, when it is not.
+    pub fn check(&self, now: Option<&TaskFence>) -> Result<()> {
+        let changed = |reason: String| {
+            Err(crate::error::Error::LeaseLost {
+                task: self.id.to_string(),
+                reason,
+            })
+        };
+        let Some(now) = now else {
+            return changed(
+                "the task is gone (completed or cancelled) since it was read".to_owned(),
+            );
+        };
+        if now.lease_attempt != self.lease_attempt {
+            return changed(format!(
+                "the task was leased since it was read: lease attempt {} then, {} now",
+                self.lease_attempt, now.lease_attempt
+            ));
+        }
+        if now.held != self.held {
+            return changed(format!(
+                "the task's lease was {} since it was read",
+                if now.held { "taken" } else { "released" }
+            ));
+        }
+        if now.visible_at_ms != self.visible_at_ms {
+            return changed(format!(
+                "the task's lease was renewed since it was read: visible at {} then, {} now",
+                self.visible_at_ms, now.visible_at_ms
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A hint that a session changed in a store: an append took its history to `last_seq`
@@ -389,7 +468,8 @@ pub trait Store: Send + Sync + 'static {
     /// Appends atomically and durably: when this returns `Ok`, everything in the request
     /// survives a crash or power loss. Fails with `Conflict` when `expected_next_seq` is not the
     /// session's next seq, and with `LeaseLost` when `complete` names a task whose lease is not
-    /// current at `now_ms` (expired, re-leased or gone); nothing is written then.
+    /// current at `now_ms` (expired, re-leased or gone) or when `drop_if_unchanged` names a
+    /// task that changed since its caller read it ([`TaskFence`]); nothing is written then.
     async fn append(&self, request: AppendRequest) -> Result<()>;
 
     /// Events of a session with `from_seq <= seq`, in order, at most `limit`.

@@ -23,10 +23,10 @@
 //!
 //! Consecutive appends of a batch commit in one sled transaction over the four trees, in
 //! order, each seeing the ones before it. Each append still stands alone: its seq check
-//! (`Conflict`), its fencing check of `complete` (`LeaseLost`) and every read of a record it
-//! replaces come before its first write, so a rejected append writes nothing and is answered
-//! at once, while the others of the group commit; its events, session record and queue
-//! changes go in together or not at all. One transaction per group rather than per append
+//! (`Conflict`), its fencing checks of `complete` and `drop_if_unchanged` (`LeaseLost`) and
+//! every read of a record it replaces come before its first write, so a rejected append
+//! writes nothing and is answered at once, while the others of the group commit; its events,
+//! session record and queue changes go in together or not at all. One transaction per group rather than per append
 //! matters: a sled transaction costs tens of microseconds whatever its size, which made
 //! concurrent appends CPU-bound (about 3.5 times fewer appends per second with 256 sessions).
 //!
@@ -112,7 +112,7 @@ use super::write_queue::{
 };
 use super::{
     check_deletable, check_session_id, unknown_session, AppendRequest, Lease, LeaseRequest,
-    SessionInfo, Store, SyncTimes, Task, TaskFilter, TaskId,
+    SessionInfo, Store, SyncTimes, Task, TaskFence, TaskFilter, TaskId,
 };
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
@@ -1026,6 +1026,15 @@ fn append_one(
             Err(e) => return Ok(Err(e)),
         };
         if let Err(e) = lease_current(task.as_ref(), id, *attempt, p.now_ms) {
+            return Ok(Err(e));
+        }
+    }
+    if let Some(fence) = &p.drop_if_unchanged {
+        let task = match stored_task(&fence.id)? {
+            Ok(task) => task,
+            Err(e) => return Ok(Err(e)),
+        };
+        if let Err(e) = fence.check(task.as_ref().map(TaskFence::of).as_ref()) {
             return Ok(Err(e));
         }
     }

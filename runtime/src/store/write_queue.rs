@@ -38,7 +38,7 @@ use super::files::open_error;
 use super::keys::{encode_meta, seq_key};
 use super::{
     check_request, AppendRequest, Lease, LeaseRequest, NewTask, SessionInfo, SyncTimes, Task,
-    TaskFilter, TaskId,
+    TaskFence, TaskFilter, TaskId,
 };
 use crate::codec;
 use crate::error::{Error, Result};
@@ -501,8 +501,10 @@ pub(super) struct PreparedAppend {
     /// The session record to write.
     pub(super) info: Vec<u8>,
     pub(super) complete: Option<(TaskId, u32)>,
+    /// The task to drop only if it is unchanged ([`AppendRequest::drop_if_unchanged`]).
+    pub(super) drop_if_unchanged: Option<TaskFence>,
     pub(super) now_ms: u64,
-    /// Completed and cancelled tasks.
+    /// Completed, cancelled and fenced tasks.
     pub(super) removed: Vec<TaskId>,
     /// Tasks to enqueue, with their encoded records.
     pub(super) enqueued: Vec<(NewTask, Vec<u8>)>,
@@ -532,6 +534,12 @@ impl PreparedAppend {
             .iter()
             .map(|(id, _)| id.clone())
             .chain(request.cancel.iter().cloned())
+            .chain(
+                request
+                    .drop_if_unchanged
+                    .iter()
+                    .map(|fence| fence.id.clone()),
+            )
             .collect();
         let mut enqueued = Vec::with_capacity(request.enqueue.len());
         for new in request.enqueue {
@@ -546,6 +554,7 @@ impl PreparedAppend {
             count,
             info,
             complete: request.complete,
+            drop_if_unchanged: request.drop_if_unchanged,
             now_ms: request.now_ms,
             removed,
             enqueued,
