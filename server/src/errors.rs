@@ -80,9 +80,17 @@ impl ApiError {
                      {turn} of session {session_id:?}; send a new message under a new key"
                 ),
             ),
-            RuntimeError::Conflict { .. } => Self::conflict(format!(
-                "session {session_id:?} changed while this request was applied; retry"
-            )),
+            // Other writers of the session won every race the engine ran for this request
+            // (it decides again after each): nothing was written, and the same request may
+            // go through in a moment. A 503, which clients and workers retry, not a 409,
+            // which says the request itself does not fit the session.
+            RuntimeError::Conflict { .. } => Self::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "session {session_id:?} kept changing under other writers while this \
+                     request was applied, and nothing was written; retry"
+                ),
+            ),
             RuntimeError::Ledger(e) => Self::invalid(e.to_string()),
             RuntimeError::Shutdown => {
                 Self::new(ErrorCode::Unavailable, "the server is shutting down")
@@ -363,5 +371,34 @@ mod tests {
         );
         assert_eq!(unknown.code, ErrorCode::NotFound);
         assert!(!unknown.message.contains("acme"));
+    }
+
+    #[test]
+    fn an_append_that_kept_losing_races_is_a_retryable_503_not_a_refusal() {
+        let contended = ApiError::from_runtime(
+            RuntimeError::Conflict {
+                session_id: "acme:s1".into(),
+                expected: 7,
+                actual: 9,
+            },
+            "s1",
+        );
+        assert_eq!(
+            (contended.status(), contended.code),
+            (StatusCode::SERVICE_UNAVAILABLE, ErrorCode::Unavailable)
+        );
+        assert!(
+            contended.message.contains("\"s1\"") && contended.message.ends_with("retry"),
+            "{}",
+            contended.message
+        );
+        // What a client makes of that answer: an error it tries again.
+        let seen = RuntimeError::Remote {
+            url: "http://127.0.0.1:1".into(),
+            status: contended.status().as_u16(),
+            code: contended.code.as_str().into(),
+            message: contended.message.clone(),
+        };
+        assert!(seen.is_retryable());
     }
 }
