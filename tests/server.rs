@@ -972,7 +972,8 @@ async fn a_request_that_starts_a_turn_can_wait_for_its_outcome() {
 /// completes with the history a lease round per task would give. Deltas a report carries
 /// reach the session's followers before the report's events.
 #[tokio::test]
-async fn a_report_with_next_hands_the_worker_the_task_it_queued_and_deltas_precede_it() {
+async fn a_report_with_next_hands_the_worker_the_task_it_queued_again_if_sent_again_and_deltas_precede_it(
+) {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("store"), &[]);
     let http = reqwest::Client::new();
@@ -1027,6 +1028,18 @@ async fn a_report_with_next_hands_the_worker_the_task_it_queued_and_deltas_prece
         tool_task["input"]["tool"]["tool_use"]["name"], "calculator",
         "{tool_task}"
     );
+    // The same report sent again (its answer lost on the way) is answered as the first
+    // was: the same task, under the same lease, with its input fetched again.
+    let again = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": model_task["lease"], "report": call, "next": next})),
+    )
+    .await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
+    assert_eq!(again.body["tasks"], json!([tool_task]), "{}", again.body);
     // The task is the worker's: nobody else can lease it.
     let nothing = send(
         &http,
@@ -1053,6 +1066,18 @@ async fn a_report_with_next_hands_the_worker_the_task_it_queued_and_deltas_prece
     assert_eq!(tasks[0]["lease"]["kind"], "model");
     let transcript = tasks[0]["input"]["model"]["transcript"].to_string();
     assert!(transcript.contains("toolu_1"), "{transcript}");
+    // The worker reported the task handed with the first report, so it had that answer:
+    // the first report is forgotten, and a try of it now finds it recorded.
+    let late = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": model_task["lease"], "report": call, "next": next})),
+    )
+    .await;
+    assert_eq!(late.status, StatusCode::CONFLICT, "{}", late.body);
+    assert_eq!(late.body["error"]["code"], "stale_report", "{}", late.body);
 
     // The last report carries the answer's streamed text, not sent before: a follower of the
     // session gets it ahead of the report's events.

@@ -4,6 +4,7 @@
 
 use crate::auth::AnyCaller;
 use crate::errors::{json_errors, ApiError};
+use crate::reports::Reports;
 use crate::{compact, delete, events, inspect, openapi, sessions, ui, worker, ServerConfig};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{Request, StatusCode};
@@ -33,6 +34,9 @@ pub struct AppState {
     pub closing: CancellationToken,
     /// Numbers the session ids the server generates.
     pub id_counter: Arc<AtomicU64>,
+    /// Worker reports being recorded, and those that handed out tasks, by lease: a try sent
+    /// again is answered as the first was.
+    pub reports: Reports,
 }
 
 impl AppState {
@@ -44,6 +48,7 @@ impl AppState {
             draining: CancellationToken::new(),
             closing: CancellationToken::new(),
             id_counter: Arc::new(AtomicU64::new(0)),
+            reports: Reports::default(),
         }
     }
 

@@ -18,6 +18,7 @@ mod idempotency_key;
 mod inspect;
 mod lenient;
 mod openapi;
+mod reports;
 mod serve;
 mod sessions;
 mod ui;

@@ -6,6 +6,7 @@
 use crate::app::AppState;
 use crate::auth::{Caller, WorkerCaller};
 use crate::errors::{ApiError, JsonBody};
+use crate::reports::Joined;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -16,7 +17,7 @@ use cairn_runtime::wire::{
     DEFAULT_NAMESPACE,
 };
 use cairn_runtime::{
-    ActivityInput, Lease, LeaseHolder, LeaseRequest as StoreLeaseRequest, TaskFilter,
+    ActivityInput, Lease, LeaseHolder, LeaseRequest as StoreLeaseRequest, LeasedTask, TaskFilter,
 };
 use std::collections::BTreeSet;
 use tracing::Instrument;
@@ -280,9 +281,11 @@ pub async fn progress(
 
 /// Reports an attempt's result, fenced by its lease attempt; with `next`, leases this worker's
 /// next tasks with it (eager dispatch), answered once the report and the leases are durable.
-/// Should that answer be lost, no one runs its tasks until their leases lapse: the engine's
-/// timers then record each attempt as timed out, and its retry policy schedules the next (a
-/// report sent again finds itself recorded, `stale_report`, and learns nothing of them).
+/// The report is carried to its end even if the worker hangs up. A try sent again for the
+/// same lease (its answer was lost) is answered as the first was: 204, or 200 with the same
+/// tasks while their leases last (fetched again). That holds on this server process only; a
+/// try that reaches another (or this one after a restart) finds the report recorded
+/// (`stale_report`), and the tasks leased with it are retried once their leases lapse.
 #[utoipa::path(
     post,
     path = "/v1/worker/report",
@@ -321,40 +324,87 @@ pub async fn report(
     for delta in deltas {
         state.engine.publish_delta(delta);
     }
-    let span = lease_span(&lease);
-    let Some(next) = next else {
-        state
-            .engine
-            .report(&lease, report)
-            .instrument(span)
-            .await
-            .map_err(|e| ApiError::from_runtime(e, &lease.id.session_id))?;
-        return Ok(StatusCode::NO_CONTENT.into_response());
-    };
-    let (max, lease_ms) = bounded(next.max, next.lease_ms);
+    let wants_tasks = next.is_some();
     // A draining server records the report but hands out nothing more.
-    let max = if state.is_draining() { 0 } else { max };
-    let next = StoreLeaseRequest {
-        filter: worker_filter(&caller, next.queues, next.tools, next.providers),
-        max,
-        lease_ms,
-        holder: LeaseHolder::Remote,
+    let next = next.map(|next| {
+        let (max, lease_ms) = bounded(next.max, next.lease_ms);
+        StoreLeaseRequest {
+            filter: worker_filter(&caller, next.queues, next.tools, next.providers),
+            max: if state.is_draining() { 0 } else { max },
+            lease_ms,
+            holder: LeaseHolder::Remote,
+        }
+    });
+    let first = loop {
+        match state.reports.join(&lease, state.engine.now_ms()) {
+            Joined::First(first) => break first,
+            Joined::Again(earlier) => match earlier.outcome().await {
+                Some(leases) => return answered_again(&state, leases, wants_tasks).await,
+                // The first try failed: this one records the report.
+                None => continue,
+            },
+        }
     };
-    let tasks = if next.max == 0 {
-        state
-            .engine
-            .report(&lease, report)
-            .instrument(span)
-            .await
-            .map(|()| Vec::new())
+    let engine = state.engine.clone();
+    let reported = lease.clone();
+    // In a task of its own: a worker that hangs up (its try timed out) cuts nothing short,
+    // and its next try is answered with what this one recorded.
+    let recording = tokio::spawn(
+        async move {
+            let result = match next {
+                Some(next) if next.max > 0 => {
+                    engine.report_and_lease(&reported, report, &next).await
+                }
+                _ => engine.report(&reported, report).await.map(|()| Vec::new()),
+            };
+            if let Ok(tasks) = &result {
+                first.recorded(tasks.iter().map(|t| t.lease.clone()).collect());
+            }
+            result
+        }
+        .instrument(lease_span(&lease)),
+    );
+    let tasks = recording
+        .await
+        .map_err(|e| ApiError::internal(&e))?
+        .map_err(|e| ApiError::from_runtime(e, &lease.id.session_id))?;
+    Ok(if wants_tasks {
+        Json(ReportResponse { tasks }).into_response()
     } else {
-        state
-            .engine
-            .report_and_lease(&lease, report, &next)
-            .instrument(span)
-            .await
+        StatusCode::NO_CONTENT.into_response()
+    })
+}
+
+/// The answer to a try of a report the first try recorded: the same tasks, fetched again,
+/// those whose leases still last and that the workflow still wants.
+async fn answered_again(
+    state: &AppState,
+    leases: Vec<Lease>,
+    wants_tasks: bool,
+) -> Result<Response, ApiError> {
+    if !wants_tasks {
+        return Ok(StatusCode::NO_CONTENT.into_response());
     }
-    .map_err(|e| ApiError::from_runtime(e, &lease.id.session_id))?;
+    let now = state.engine.now_ms();
+    let mut tasks = Vec::with_capacity(leases.len());
+    for lease in leases {
+        if lease.expires_at_ms <= now {
+            continue;
+        }
+        match state
+            .engine
+            .activity(&lease)
+            .instrument(lease_span(&lease))
+            .await
+        {
+            Ok(Some(input)) => tasks.push(LeasedTask { lease, input }),
+            Ok(None) => {}
+            // Its lease lapses and the timers record the attempt, as for any lost task.
+            Err(e) => {
+                tracing::warn!(task = %lease.id, error = %e, "cannot fetch a task handed with a report again")
+            }
+        }
+    }
     Ok(Json(ReportResponse { tasks }).into_response())
 }
 

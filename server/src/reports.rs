@@ -1,0 +1,282 @@
+//! Reports carried to their end and answered again: each worker report runs in a task of
+//! its own, so a worker that hangs up (its try timed out) does not cut it short, and a try of
+//! the same lease's report sent again (its answer was lost) joins the first instead of being
+//! refused as stale. A report that leased the worker's next tasks with it (eager dispatch) is
+//! remembered until those leases run out, so a try sent again is answered with the same
+//! tasks: without that, they would wait, leased to nobody, for their leases to lapse, and
+//! each would cost an attempt.
+//!
+//! A remembered report is forgotten as soon as the worker shows it had the answer (it
+//! reports one of the tasks handed with it), or else once their leases have run out; so the
+//! reports remembered are about as many as the tasks workers run at once.
+//!
+//! Only this process remembers: a try that reaches another server over the same database,
+//! or this one after a restart, is answered `stale_report` as before.
+
+use cairn_runtime::store::TaskId;
+use cairn_runtime::Lease;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::sync::watch;
+
+/// What became of the report of one lease, as tries sent again see it.
+#[derive(Debug, Clone)]
+enum Fate {
+    /// The first try is being recorded.
+    Pending,
+    /// Recorded, handing these leases to the worker.
+    Recorded(Vec<Lease>),
+    /// The first try failed: nothing is known to be recorded; a try sent again goes on its own.
+    Failed,
+}
+
+/// A report's entry: its fate, and until when it is kept once recorded (the last expiry of
+/// the leases it handed out).
+struct Entry {
+    fate: watch::Receiver<Fate>,
+    keep_until_ms: Option<u64>,
+}
+
+/// A report's key: its task and lease attempt.
+type Key = (TaskId, u32);
+
+fn key_of(lease: &Lease) -> Key {
+    (lease.id.clone(), lease.lease_attempt)
+}
+
+/// The reports of this process by lease; cheap to clone.
+#[derive(Clone, Default)]
+pub struct Reports {
+    known: Arc<Mutex<Known>>,
+}
+
+#[derive(Default)]
+struct Known {
+    /// The reports being recorded, and those remembered for the tasks they handed out.
+    entries: HashMap<Key, Entry>,
+    /// The report that handed out each remembered task.
+    handed_by: HashMap<Key, Key>,
+    /// When reports whose handed leases ran out are next looked for.
+    next_sweep_ms: u64,
+}
+
+/// How often the remembered reports are swept for leases that ran out: each sweep goes
+/// through all of them, so not on every report.
+const SWEEP_EVERY_MS: u64 = 1_000;
+
+/// What a try finds: the first (record it, then [`First::recorded`] or drop), or another
+/// try's fate to wait for.
+pub enum Joined {
+    /// No try of this lease's report is known: this one records it.
+    First(First),
+    /// A try of this lease's report came first.
+    Again(Earlier),
+}
+
+/// The try of a lease's report that came first, as one sent again waits for it.
+pub struct Earlier(watch::Receiver<Fate>);
+
+/// The first try of a lease's report: says what became of it. Dropped without
+/// [`First::recorded`], it counts as failed.
+pub struct First {
+    reports: Reports,
+    key: Key,
+    fate: Option<watch::Sender<Fate>>,
+}
+
+impl Reports {
+    fn lock(&self) -> MutexGuard<'_, Known> {
+        // The maps hold no invariant a panic could break half way: keep using them.
+        self.known
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The try of `lease`'s report arriving now, at `now_ms`: the first, or one sent again.
+    pub fn join(&self, lease: &Lease, now_ms: u64) -> Joined {
+        let key = key_of(lease);
+        let mut known = self.lock();
+        // A report of a task handed with an earlier report: the worker had that answer.
+        if let Some(origin) = known.handed_by.remove(&key) {
+            known.entries.remove(&origin);
+        }
+        if now_ms >= known.next_sweep_ms {
+            known.sweep(now_ms);
+        }
+        if let Some(entry) = known.entries.get(&key) {
+            let kept = entry.keep_until_ms.is_none_or(|until| until > now_ms);
+            if kept && !matches!(*entry.fate.borrow(), Fate::Failed) {
+                return Joined::Again(Earlier(entry.fate.clone()));
+            }
+        }
+        let (sender, receiver) = watch::channel(Fate::Pending);
+        known.entries.insert(
+            key.clone(),
+            Entry {
+                fate: receiver,
+                keep_until_ms: None,
+            },
+        );
+        Joined::First(First {
+            reports: self.clone(),
+            key,
+            fate: Some(sender),
+        })
+    }
+
+    /// How many reports and handed tasks are remembered (for tests).
+    #[cfg(test)]
+    fn len(&self) -> (usize, usize) {
+        let known = self.lock();
+        (known.entries.len(), known.handed_by.len())
+    }
+}
+
+impl Known {
+    /// Forgets the reports whose handed leases have all run out, and the tasks they handed.
+    fn sweep(&mut self, now_ms: u64) {
+        self.next_sweep_ms = now_ms.saturating_add(SWEEP_EVERY_MS);
+        self.entries
+            .retain(|_, entry| entry.keep_until_ms.is_none_or(|until| until > now_ms));
+        let entries = &self.entries;
+        self.handed_by
+            .retain(|_, origin| entries.contains_key(origin));
+    }
+}
+
+impl First {
+    /// The report is recorded, handing `leases` to the worker: a try sent again is answered
+    /// with them while they last. With none, there is nothing to answer again with, and a
+    /// try sent again finds the report recorded (`stale_report`).
+    pub fn recorded(mut self, leases: Vec<Lease>) {
+        let Some(fate) = self.fate.take() else { return };
+        let mut known = self.reports.lock();
+        match leases.iter().map(|lease| lease.expires_at_ms).max() {
+            Some(until) => {
+                if let Some(entry) = known.entries.get_mut(&self.key) {
+                    entry.keep_until_ms = Some(until);
+                }
+                for lease in &leases {
+                    known.handed_by.insert(key_of(lease), self.key.clone());
+                }
+            }
+            None => {
+                known.entries.remove(&self.key);
+            }
+        }
+        fate.send_replace(Fate::Recorded(leases));
+    }
+}
+
+impl Drop for First {
+    fn drop(&mut self) {
+        if let Some(fate) = self.fate.take() {
+            self.reports.lock().entries.remove(&self.key);
+            fate.send_replace(Fate::Failed);
+        }
+    }
+}
+
+impl Earlier {
+    /// What became of it: `Some(leases)` once it was recorded (the leases it handed out,
+    /// possibly none), `None` when it failed (the try sent again goes on its own).
+    pub async fn outcome(self) -> Option<Vec<Lease>> {
+        let mut fate = self.0;
+        loop {
+            match &*fate.borrow_and_update() {
+                Fate::Pending => {}
+                Fate::Recorded(leases) => return Some(leases.clone()),
+                Fate::Failed => return None,
+            }
+            // The sender went without a word: the first try's task is gone.
+            if fate.changed().await.is_err() {
+                return match &*fate.borrow() {
+                    Fate::Recorded(leases) => Some(leases.clone()),
+                    _ => None,
+                };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cairn_runtime::store::TaskKind;
+
+    fn lease(seq: u64, attempt: u32, expires_at_ms: u64) -> Lease {
+        Lease {
+            id: TaskId {
+                session_id: "s".into(),
+                scheduled_seq: seq,
+            },
+            kind: TaskKind::Model,
+            lease_attempt: attempt,
+            expires_at_ms,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_try_sent_again_gets_the_first_tries_leases_until_they_run_out() {
+        let reports = Reports::default();
+        let reported = lease(2, 1, 1_000);
+        let Joined::First(first) = reports.join(&reported, 0) else {
+            panic!("the first try")
+        };
+        let Joined::Again(waiting) = reports.join(&reported, 1) else {
+            panic!("a try while the first is recorded joins it")
+        };
+        let next = lease(5, 1, 60_000);
+        first.recorded(vec![next.clone()]);
+        assert_eq!(waiting.outcome().await, Some(vec![next.clone()]));
+        let Joined::Again(later) = reports.join(&reported, 59_999) else {
+            panic!("remembered while the handed lease lasts")
+        };
+        assert_eq!(later.outcome().await, Some(vec![next]));
+        // Another lease attempt of the same task is another report.
+        assert!(matches!(
+            reports.join(&lease(2, 2, 1_000), 59_999),
+            Joined::First(_)
+        ));
+        assert!(matches!(reports.join(&reported, 60_000), Joined::First(_)));
+    }
+
+    #[tokio::test]
+    async fn a_report_of_a_handed_task_shows_the_worker_had_the_answer() {
+        let reports = Reports::default();
+        let reported = lease(2, 1, 1_000);
+        let Joined::First(first) = reports.join(&reported, 0) else {
+            panic!("the first try")
+        };
+        let (model, tool) = (lease(5, 1, 60_000), lease(6, 1, 60_000));
+        first.recorded(vec![model.clone(), tool]);
+        assert_eq!(reports.len(), (1, 2));
+        let Joined::First(next) = reports.join(&model, 10) else {
+            panic!("the handed task's own report")
+        };
+        next.recorded(Vec::new());
+        assert_eq!(reports.len().0, 0, "the first report is forgotten");
+        assert!(matches!(reports.join(&reported, 20), Joined::First(_)));
+    }
+
+    #[tokio::test]
+    async fn a_failed_or_abandoned_first_try_leaves_the_next_one_to_record_it() {
+        let reports = Reports::default();
+        let reported = lease(2, 1, 1_000);
+        let Joined::First(first) = reports.join(&reported, 0) else {
+            panic!("the first try")
+        };
+        let Joined::Again(waiting) = reports.join(&reported, 0) else {
+            panic!("joins")
+        };
+        drop(first);
+        assert_eq!(waiting.outcome().await, None);
+        assert_eq!(reports.len(), (0, 0));
+        let Joined::First(second) = reports.join(&reported, 0) else {
+            panic!("the next try records it")
+        };
+        // Recorded with nothing handed out: nothing to remember.
+        second.recorded(Vec::new());
+        assert_eq!(reports.len(), (0, 0));
+    }
+}
