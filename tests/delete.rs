@@ -510,8 +510,53 @@ async fn delete_through_a_server_is_refused_while_running_and_not_found_after() 
         .as_array()
         .map(Vec::len)
         .expect("events") as u64;
+    // A client following the session when it is deleted is told so, and its stream ends.
+    let followed = http
+        .get(format!("{base}/v1/sessions/busy/events?after_seq={events}"))
+        .send()
+        .await
+        .expect("GET events");
+    assert_eq!(followed.status().as_u16(), 200);
+    let rest = tokio::spawn(followed.text());
+    // And so is a remote client's stream, as the error of its own: connected once it has
+    // the last event.
+    let remote = cairn_remote::connect(&base, None).expect("client");
+    let mut remote_stream = remote
+        .subscribe("busy", events - 1)
+        .await
+        .expect("subscribe");
+    let first = remote_stream.next().await.expect("the last event");
+    assert!(
+        matches!(&first, Ok(cairn_runtime::wire::StreamEvent::Event(e)) if e.seq == events),
+        "{first:?}"
+    );
     let deleted = delete("busy").await.expect("DELETE");
     assert_eq!(deleted.status().as_u16(), 200);
+    let rest = tokio::time::timeout(Duration::from_secs(10), rest)
+        .await
+        .expect("the stream ends once its session is deleted")
+        .expect("join")
+        .expect("the stream's body");
+    assert!(
+        rest.contains("event: error")
+            && rest.contains(r#""code":"conflict""#)
+            && rest.contains(r#"session \"busy\" was deleted"#),
+        "{rest}"
+    );
+    let remote_end = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match remote_stream.next().await {
+                Some(Ok(cairn_runtime::wire::StreamEvent::Delta(_))) => {}
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the remote stream ends once its session is deleted");
+    assert!(
+        matches!(&remote_end, Some(Err(cairn_runtime::Error::SessionDeleted { session_id })) if session_id == "busy"),
+        "{remote_end:?}"
+    );
     let body: serde_json::Value = deleted.json().await.expect("JSON");
     assert_eq!(
         body,

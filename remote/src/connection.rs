@@ -356,6 +356,15 @@ impl Connection {
                 task: String::new(),
                 reason: message,
             },
+            // The server's words for `Error::SessionDeleted` (a write to a deleted session,
+            // or a stream that ends as its session is deleted).
+            (ErrorCode::Conflict, Some(session_id), _)
+                if message.ends_with("was deleted; its id cannot be used again") =>
+            {
+                Error::SessionDeleted {
+                    session_id: session_id.to_owned(),
+                }
+            }
             (ErrorCode::Conflict, session_id, _) => {
                 let session_id = session_id.unwrap_or_default();
                 let (seq, reason) =

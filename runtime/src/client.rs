@@ -958,6 +958,8 @@ pub struct Follower {
     last_seq: u64,
     events: broadcast::Receiver<Arc<AppendedEvents>>,
     deltas: broadcast::Receiver<DeltaEvent>,
+    /// Sessions the engine deletes: the followed one's deletion ends the follower.
+    deletions: broadcast::Receiver<String>,
     /// The model calls (turn, `model:ROUND`, attempt) whose scheduling event was sent.
     scheduled: std::collections::HashSet<(u32, String, u32)>,
     /// Appends taken early that come after a waiting delta: sent once no delta waits.
@@ -985,6 +987,7 @@ pub fn follow(engine: Engine, session_id: String, after_seq: u64) -> Follower {
         _watch: engine.watch(&session_id),
         events: engine.subscribe_events(),
         deltas: engine.subscribe_deltas(),
+        deletions: engine.subscribe_deletions(),
         scheduled: Default::default(),
         held: Default::default(),
         engine,
@@ -1045,6 +1048,21 @@ impl Follower {
                     }
                     Err(broadcast::error::RecvError::Lagged(_)) => {
                         return Some(self.catch_up(backlog).await);
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                },
+                received = self.deletions.recv() => match received {
+                    Ok(deleted) if deleted == self.session_id => {
+                        return Some(Err(Error::SessionDeleted {
+                            session_id: deleted,
+                        }));
+                    }
+                    Ok(_) => {}
+                    // Missed some: whether this session was among them, its history says.
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        if let Err(e) = self.engine.store().read_history(&self.session_id, 1, Some(1)).await {
+                            return Some(Err(e));
+                        }
                     }
                     Err(broadcast::error::RecvError::Closed) => return None,
                 },

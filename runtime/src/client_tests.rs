@@ -194,3 +194,51 @@ async fn a_start_with_its_first_message_is_one_durable_commit() -> Result<()> {
     assert_eq!(queued, [3], "the model call is queued with the append");
     Ok(())
 }
+
+/// A follower of a session this engine deletes ends, saying so, rather than wait forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_ends_when_its_session_is_deleted() -> Result<()> {
+    let engine = Engine::new(Arc::new(crate::MemoryStore::new()), Arc::new(SystemClock));
+    let client = Client::new(engine.clone());
+    let mut options = SessionOptions::new(ModelSpec::new("scripted", "gone"), Vec::new());
+    options.session_id = Some("gone".into());
+    client.start_session(options).await?;
+    client.send("gone", "hello").await?;
+    let leased = engine
+        .lease_tasks(&crate::store::TaskFilter::any(), 1, 60_000)
+        .await?;
+    engine
+        .report(
+            &leased[0].lease,
+            crate::engine::ActivityReport::ModelCompleted(cairn_ledger::ModelResponse {
+                provider: "scripted".into(),
+                model: "gone".into(),
+                parts: vec![cairn_ledger::Part::text("bye")],
+                stop_reason_raw: "end_turn".into(),
+                stop_reason: cairn_ledger::StopReason::EndTurn,
+                usage: cairn_ledger::Usage::default(),
+            }),
+        )
+        .await?;
+    let history = client.history("gone").await?;
+    let replayed = crate::replay("gone", &history)?;
+    assert_eq!(replayed.state, engine.state("gone").await?, "replay = live");
+    let last = history.last().map_or(0, |e| e.seq);
+    let mut follower = crate::client::follow(engine.clone(), "gone".into(), last);
+    let next = tokio::spawn(async move {
+        let mut backlog = std::collections::VecDeque::new();
+        follower.next(&mut backlog).await
+    });
+    // Let the follower wait before the delete (it is subscribed from `follow` on anyway).
+    tokio::task::yield_now().await;
+    engine.delete_session("gone").await?;
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(10), next)
+        .await
+        .expect("the follower ends")
+        .expect("join");
+    assert!(
+        matches!(&ended, Some(Err(Error::SessionDeleted { session_id })) if session_id == "gone"),
+        "{ended:?}"
+    );
+    Ok(())
+}

@@ -266,6 +266,8 @@ struct Inner {
     waiters: TaskWaiters,
     deltas: broadcast::Sender<DeltaEvent>,
     cancellations: broadcast::Sender<String>,
+    /// Sessions this engine deleted: their followers end.
+    deletions: broadcast::Sender<String>,
     appended: broadcast::Sender<Arc<AppendedEvents>>,
     id_counter: AtomicU64,
     /// Overdue tasks the last round of timers could not record (see [`Engine::fire_timers`]).
@@ -321,6 +323,7 @@ impl Engine {
     pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
         let (deltas, _) = broadcast::channel(4096);
         let (cancellations, _) = broadcast::channel(1024);
+        let (deletions, _) = broadcast::channel(1024);
         let (appended, _) = broadcast::channel(4096);
         Engine {
             inner: Arc::new(Inner {
@@ -331,6 +334,7 @@ impl Engine {
                 waiters: TaskWaiters::default(),
                 deltas,
                 cancellations,
+                deletions,
                 appended,
                 id_counter: AtomicU64::new(0),
                 timers_stuck: std::sync::atomic::AtomicUsize::new(0),
@@ -629,6 +633,8 @@ impl Engine {
             }
             if let Ok(info) = &deleted {
                 info!(events = info.events, "session deleted");
+                // No follower may be left waiting for events that will never come.
+                let _ = self.inner.deletions.send(session_id.to_owned());
             }
             deleted
         }
@@ -736,6 +742,12 @@ impl Engine {
     /// Session ids whose running activities should stop (workers subscribe).
     pub fn subscribe_cancellations(&self) -> broadcast::Receiver<String> {
         self.inner.cancellations.subscribe()
+    }
+
+    /// Session ids this engine deletes, as it deletes them (followers subscribe, to end).
+    /// Deletions by other processes of a shared store are not heard here.
+    pub fn subscribe_deletions(&self) -> broadcast::Receiver<String> {
+        self.inner.deletions.subscribe()
     }
 
     /// Waits until turn `turn` has an outcome, and answers with it: that turn's own, even

@@ -6,7 +6,8 @@
 //! `cairn history --json`); `event: delta` without an id and the delta as `data`; and, if the
 //! store fails while the stream catches up, one `event: error` with an error body, after
 //! which the stream ends (reconnect with the last id seen). Comments keep the connection
-//! alive. The stream ends when the server shuts down.
+//! alive. The stream ends when the server shuts down, and with an `event: error` (409
+//! `conflict`, the session was deleted) when this server deletes the session.
 
 use crate::app::AppState;
 use crate::auth::ClientCaller;
@@ -92,6 +93,7 @@ pub async fn events(
         .await
         .map_err(|e| ApiError::from_runtime(e, &path.id))?;
     let feed = Feed {
+        session_id: path.id,
         follower,
         backlog: VecDeque::new(),
         caught_up: false,
@@ -107,6 +109,8 @@ pub async fn events(
 
 /// One stream's state: the follower and what it found but has not sent yet.
 struct Feed {
+    /// The session's id as the client names it.
+    session_id: String,
     follower: Follower,
     backlog: VecDeque<StreamEvent>,
     caught_up: bool,
@@ -138,7 +142,7 @@ impl Feed {
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
                     self.ended = true;
-                    let error = ApiError::from_store(e);
+                    let error = ApiError::from_runtime(e, &self.session_id);
                     return Some(
                         SseEvent::default()
                             .event("error")
