@@ -624,6 +624,10 @@ enum Command {
         /// recently used first.
         #[arg(long, value_name = "MIB", default_value_t = (cairn_runtime::engine::CACHE_BYTES >> 20) as u64)]
         cache_mib: u64,
+        /// Event streams (`GET /v1/sessions/{id}/events`) open at once, at most; one more is
+        /// answered 503. Each keeps its session's state in memory, beyond the cache's bounds.
+        #[arg(long, value_name = "N", default_value_t = cairn_server::DEFAULT_MAX_STREAMS)]
+        max_streams: usize,
     },
     /// Continue every session whose turn was interrupted.
     Resume {
@@ -1315,8 +1319,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             prices,
             cache_sessions,
             cache_mib,
+            max_streams,
         } => {
             serve::run(serve::ServeArgs {
+                max_streams,
                 cache_sessions: usize::try_from(cache_sessions).unwrap_or(usize::MAX),
                 cache_bytes: usize::try_from(cache_mib.saturating_mul(1 << 20))
                     .unwrap_or(usize::MAX),

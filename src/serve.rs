@@ -42,6 +42,8 @@ pub struct ServeArgs {
     pub cache_sessions: usize,
     /// Bytes the cached session states may hold before parked ones are dropped.
     pub cache_bytes: usize,
+    /// Event streams open at once, at most.
+    pub max_streams: usize,
 }
 
 /// Runs the server until a signal, then drains; exit 0 after a clean shutdown.
@@ -50,6 +52,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let config = ServerConfig {
         tokens,
         max_poll_ms: args.max_poll_ms,
+        max_streams: args.max_streams,
         ..ServerConfig::default()
     };
     // Checked before the store is opened: a refused address changes nothing.

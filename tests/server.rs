@@ -2809,3 +2809,55 @@ async fn a_session_whose_history_does_not_fold_leaves_the_server_starting_and_th
     let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
     assert_eq!(health.status, StatusCode::OK, "{}", health.body);
 }
+
+#[tokio::test]
+async fn event_streams_past_the_cap_are_refused_until_one_closes() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(dir.path(), &["unused"]);
+    let server = Server::start(&dir.path().join("store"), &["--max-streams", "2"]);
+    let http = reqwest::Client::new();
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "s", "model": model})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let open = || http.get(server.url("/v1/sessions/s/events")).send();
+    let first = open().await.unwrap();
+    let second = open().await.unwrap();
+    assert_eq!(
+        (first.status(), second.status()),
+        (StatusCode::OK, StatusCode::OK)
+    );
+    let refused = open().await.unwrap();
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "unavailable", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("2 event streams open") && m.contains("--max-streams")),
+        "{body}"
+    );
+    let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
+    assert_eq!(health.body["event_streams"], json!({"open": 2, "max": 2}));
+    // A client that goes away gives its place back.
+    drop(first);
+    let mut third = None;
+    for _ in 0..200 {
+        let answer = open().await.unwrap();
+        if answer.status() == StatusCode::OK {
+            third = Some(answer);
+            break;
+        }
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(third.is_some(), "no place came free after a stream closed");
+    let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
+    assert_eq!(health.body["event_streams"], json!({"open": 2, "max": 2}));
+    drop((second, third));
+}

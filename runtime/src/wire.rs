@@ -595,6 +595,22 @@ pub struct Health {
     /// reported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub store_syncs: Option<StoreSyncStats>,
+    /// The event streams open now, and how many the server allows at once (absent from
+    /// servers before it was reported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event_streams: Option<EventStreamStats>,
+}
+
+/// The server's open event streams (`GET /v1/sessions/{id}/events`) against its cap: each
+/// keeps its session's state in memory, beyond the state cache's bounds, so their number is
+/// bounded too, and a stream past the cap is refused (503) rather than opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EventStreamStats {
+    /// Streams open now.
+    pub open: u64,
+    /// Streams allowed at once (`--max-streams`).
+    pub max: u64,
 }
 
 /// What an embedded store made durable since it opened ([`Store::durable_commits`] and

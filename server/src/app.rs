@@ -10,10 +10,10 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{Request, StatusCode};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use cairn_runtime::wire::{ErrorBody, Health, StoreSyncStats};
+use cairn_runtime::wire::{ErrorBody, EventStreamStats, Health, StoreSyncStats};
 use cairn_runtime::Engine;
 use cairn_runtime::Store;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -34,6 +34,8 @@ pub struct AppState {
     pub closing: CancellationToken,
     /// Numbers the session ids the server generates.
     pub id_counter: Arc<AtomicU64>,
+    /// Event streams open now (bounded by [`ServerConfig::max_streams`]).
+    pub open_streams: Arc<AtomicUsize>,
     /// Worker reports being recorded, and those that handed out tasks, by lease: a try sent
     /// again is answered as the first was.
     pub reports: Reports,
@@ -49,6 +51,7 @@ impl AppState {
             closing: CancellationToken::new(),
             id_counter: Arc::new(AtomicU64::new(0)),
             reports: Reports::default(),
+            open_streams: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -180,6 +183,10 @@ pub async fn health(
             reason,
             state_cache: Some(state.engine.cache_stats()),
             store_syncs: store_syncs(store.as_ref()),
+            event_streams: Some(EventStreamStats {
+                open: state.open_streams.load(Ordering::Relaxed) as u64,
+                max: state.config.max_streams as u64,
+            }),
         }),
     )
 }

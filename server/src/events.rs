@@ -17,11 +17,13 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use cairn_runtime::client::{follow, Follower};
-use cairn_runtime::wire::{split_session_id, ErrorBody, StreamEvent};
+use cairn_runtime::wire::{split_session_id, ErrorBody, ErrorCode, StreamEvent};
 use futures_util::Stream;
 use serde::Deserialize;
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use utoipa::IntoParams;
@@ -59,7 +61,7 @@ pub struct EventsQuery {
         (status = 403, description = "Not a client token", body = ErrorBody),
         (status = 404, description = "No such session in this namespace", body = ErrorBody),
         (status = 500, description = "The server failed", body = ErrorBody),
-        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
+        (status = 503, description = "The store is unavailable for now (a database restarting or busy), or the server has as many event streams open as it allows (`--max-streams`); retry", body = ErrorBody),
     )
 )]
 pub async fn events(
@@ -85,6 +87,7 @@ pub async fn events(
             "Last-Event-ID or after_seq {after_seq} is past any event's seq (at most {MAX_SEQ})"
         )));
     }
+    let slot = StreamSlot::take(&state)?;
     // Subscribe before checking the session exists, so nothing appended in between is missed.
     let follower = follow(state.engine.clone(), stored.clone(), after_seq);
     state
@@ -93,6 +96,7 @@ pub async fn events(
         .await
         .map_err(|e| ApiError::from_runtime(e, &path.id))?;
     let feed = Feed {
+        _slot: slot,
         session_id: path.id,
         follower,
         backlog: VecDeque::new(),
@@ -109,6 +113,8 @@ pub async fn events(
 
 /// One stream's state: the follower and what it found but has not sent yet.
 struct Feed {
+    /// Its place among the server's open streams, given back when the stream ends.
+    _slot: StreamSlot,
     /// The session's id as the client names it.
     session_id: String,
     follower: Follower,
@@ -152,6 +158,39 @@ impl Feed {
                 }
             }
         }
+    }
+}
+
+/// One open stream, counted against [`ServerConfig::max_streams`](crate::ServerConfig) while
+/// it lives.
+struct StreamSlot {
+    open: Arc<AtomicUsize>,
+}
+
+impl StreamSlot {
+    /// A place for one more stream, or 503 when the server has as many open as it allows.
+    fn take(state: &AppState) -> Result<StreamSlot, ApiError> {
+        let max = state.config.max_streams;
+        let open = state.open_streams.clone();
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .map_err(|_| {
+            ApiError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "this server has {max} event streams open, as many as it allows \
+                     (--max-streams); retry once one closes"
+                ),
+            )
+        })?;
+        Ok(StreamSlot { open })
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

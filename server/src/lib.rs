@@ -29,6 +29,9 @@ pub use errors::ApiError;
 pub use openapi::openapi;
 pub use serve::{check_exposure, router, serve, Server};
 
+/// Event streams a server keeps open at once by default ([`ServerConfig::max_streams`]).
+pub const DEFAULT_MAX_STREAMS: usize = 4096;
+
 /// How a server behaves.
 #[derive(Debug)]
 pub struct ServerConfig {
@@ -48,6 +51,9 @@ pub struct ServerConfig {
     /// often the engine polls for their appends, besides the store's change hints (which
     /// may be lost).
     pub store_poll_ms: u64,
+    /// Event streams open at once, at most; one more is refused with 503. Each keeps its
+    /// session's state in memory beyond the state cache's bounds.
+    pub max_streams: usize,
 }
 
 impl Default for ServerConfig {
@@ -59,6 +65,7 @@ impl Default for ServerConfig {
             drain_ms: 10_000,
             timer_interval_ms: 200,
             store_poll_ms: 500,
+            max_streams: DEFAULT_MAX_STREAMS,
         }
     }
 }
