@@ -32,7 +32,7 @@ use cairn_ledger::{
     Delta, JsonText, Media, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, ToolUse,
     Transcript,
 };
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{broadcast, watch};
@@ -271,7 +271,7 @@ struct Inner {
     appended: broadcast::Sender<Arc<AppendedEvents>>,
     id_counter: AtomicU64,
     /// Overdue tasks the last round of timers could not record (see [`Engine::fire_timers`]).
-    timers_stuck: std::sync::atomic::AtomicUsize,
+    timers_stuck: Mutex<HashSet<TaskId>>,
     /// Sessions somebody waits on or follows, with how many do: [`Engine::follow_store`]
     /// reads their foreign appends.
     watched: Mutex<HashMap<String, (usize, SessionSlot)>>,
@@ -337,7 +337,7 @@ impl Engine {
                 deletions,
                 appended,
                 id_counter: AtomicU64::new(0),
-                timers_stuck: std::sync::atomic::AtomicUsize::new(0),
+                timers_stuck: Mutex::new(HashSet::new()),
                 watched: Mutex::new(HashMap::new()),
                 leased_here: Mutex::new(HashMap::new()),
                 heard_seqs: Mutex::new(HashMap::new()),
@@ -948,26 +948,32 @@ impl Engine {
         lock(&self.inner.leased_here).retain(|_, (_, expires_at_ms)| *expires_at_ms > now);
         // Tasks that failed to fire stay overdue and first in line; asking for that many more
         // keeps them (a session that cannot load, say) from starving the ones behind them.
-        let stuck = self.inner.timers_stuck.load(Ordering::Relaxed);
+        let stuck = lock(&self.inner.timers_stuck).len();
         let overdue = self
             .inner
             .store
             .overdue_tasks(now, TIMER_BATCH.saturating_add(stuck))
             .await?;
         let mut fired = 0;
-        let mut failed = 0;
+        let mut failed = HashSet::new();
         for task in overdue {
             match self.record_overdue(&task, now).await {
                 Ok(true) => fired += 1,
                 Ok(false) => {}
                 Err(e) if e.is_stale_report() => {}
                 Err(e) => {
-                    failed += 1;
-                    warn!(task = %task.id, error = %e, "cannot record an overdue task");
+                    // Tried again every round (a session whose history does not fold stays
+                    // so): said once as a warning, then only at debug level.
+                    if lock(&self.inner.timers_stuck).contains(&task.id) {
+                        debug!(task = %task.id, error = %e, "still cannot record an overdue task");
+                    } else {
+                        warn!(task = %task.id, error = %e, "cannot record an overdue task; it stays overdue and is tried again every round");
+                    }
+                    failed.insert(task.id);
                 }
             }
         }
-        self.inner.timers_stuck.store(failed, Ordering::Relaxed);
+        *lock(&self.inner.timers_stuck) = failed;
         Ok(fired)
     }
 

@@ -1,5 +1,6 @@
 //! Resume on a store where one running session's history does not fold: that session is
-//! reported and left as it is, and every other running session is resumed.
+//! reported and left as it is, and every other running session is resumed; and the timers,
+//! which try its overdue task every round, say so once.
 
 use crate::client::{Client, SessionOptions};
 use crate::engine::{ActivityReport, UnresumableSession};
@@ -150,6 +151,81 @@ async fn a_history_that_does_not_fold_is_reported_and_the_other_sessions_resume(
     assert_eq!(
         replayed.state.transcript.canonical_json(),
         second.state("good").await?.transcript.canonical_json()
+    );
+    Ok(())
+}
+
+/// What a test's log lines say, kept in memory.
+#[derive(Clone, Default)]
+struct LogLines(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogLines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogLines {
+    type Writer = LogLines;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+// One thread: the log subscriber is this thread's.
+#[tokio::test(flavor = "current_thread")]
+async fn an_overdue_task_of_a_session_that_does_not_fold_is_warned_of_once() -> Result<()> {
+    let logs = LogLines::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .finish();
+    let _logging = tracing::subscriber::set_default(subscriber);
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let clock = Arc::new(crate::ManualClock::new(1_000));
+    let engine = Engine::new(store.clone(), clock.clone());
+    let client = Client::new(engine.clone());
+    client.start_session(options("broken")).await?;
+    client.send("broken", "hello").await?;
+    let leased = engine.lease_tasks(&TaskFilter::any(), 1, 100).await?;
+    assert_eq!(leased.len(), 1);
+    append_raw(
+        &store,
+        "broken",
+        vec![Event::TurnCompleted {
+            turn: 1,
+            usage: Usage::default(),
+        }],
+        Vec::new(),
+    )
+    .await?;
+    // A new engine: the broken state is not cached. The lease lapses, and every round of
+    // timers finds the task overdue and cannot record it.
+    let engine = Engine::new(store.clone(), clock.clone());
+    clock.advance(1_000);
+    for _ in 0..3 {
+        assert_eq!(engine.fire_timers().await?, 0);
+    }
+    let said =
+        String::from_utf8_lossy(&logs.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+    assert_eq!(
+        said.matches("cannot record an overdue task").count(),
+        1,
+        "{said}"
+    );
+    assert!(said.contains("nondeterminism in session"), "{said}");
+    assert_eq!(
+        store.list_tasks().await?.len(),
+        1,
+        "the task stays, overdue, for a build that folds its history"
     );
     Ok(())
 }
