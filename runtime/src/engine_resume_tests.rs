@@ -46,6 +46,16 @@ async fn append_raw(
         .await
 }
 
+/// Records the end of turn 1 while its model call is outstanding, which no workflow does:
+/// the session's history no longer folds.
+async fn end_turn_under_its_model_call(store: &Arc<dyn Store>, session_id: &str) -> Result<()> {
+    let turn_end = Event::TurnCompleted {
+        turn: 1,
+        usage: Usage::default(),
+    };
+    append_raw(store, session_id, vec![turn_end], Vec::new()).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_history_that_does_not_fold_is_reported_and_the_other_sessions_resume() -> Result<()> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
@@ -68,16 +78,7 @@ async fn a_history_that_does_not_fold_is_reported_and_the_other_sessions_resume(
         .expect("good's model call is queued")
         .id;
     append_raw(&store, "good", Vec::new(), vec![good_task.clone()]).await?;
-    append_raw(
-        &store,
-        "broken",
-        vec![Event::TurnCompleted {
-            turn: 1,
-            usage: Usage::default(),
-        }],
-        Vec::new(),
-    )
-    .await?;
+    end_turn_under_its_model_call(&store, "broken").await?;
     let broken_history = store.read_history("broken", 1, None).await?;
     let folded = crate::replay("broken", &broken_history).unwrap_err();
     assert!(folded.is_history_fault(), "{folded}");
@@ -197,16 +198,7 @@ async fn an_overdue_task_of_a_session_that_does_not_fold_is_warned_of_once() -> 
     client.send("broken", "hello").await?;
     let leased = engine.lease_tasks(&TaskFilter::any(), 1, 100).await?;
     assert_eq!(leased.len(), 1);
-    append_raw(
-        &store,
-        "broken",
-        vec![Event::TurnCompleted {
-            turn: 1,
-            usage: Usage::default(),
-        }],
-        Vec::new(),
-    )
-    .await?;
+    end_turn_under_its_model_call(&store, "broken").await?;
     // A new engine: the broken state is not cached. The lease lapses, and every round of
     // timers finds the task overdue and cannot record it.
     let engine = Engine::new(store.clone(), clock.clone());
