@@ -465,3 +465,32 @@ async fn a_draining_server_waits_for_its_own_leases_only() {
         "{outcome:?}"
     );
 }
+
+/// A session deleted through one server ends the event streams that follow it on another
+/// (which finds it gone on its next read of the database), rather than leaving them open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_deleted_on_one_server_ends_its_streams_on_the_other() {
+    let database = cairn_postgres::testing::fresh_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let model = scripted(dir.path(), "turn.json", 0, TOOL_TURN);
+    let (_a, url_a) = server_on(&database, &[]);
+    let (_b, url_b) = server_on(&database, &[]);
+    let (a, b) = (client(&url_a), client(&url_b));
+    let id = a.start_session(options(&model, "doomed")).await.unwrap();
+    let mut followed = a.subscribe(&id, 0).await.expect("subscribe");
+    let first = followed.next().await.expect("the first event");
+    assert!(
+        matches!(&first, Ok(cairn_runtime::wire::StreamEvent::Event(e)) if e.seq == 1),
+        "{first:?}"
+    );
+    b.delete_session(&id)
+        .await
+        .expect("delete on the other server");
+    let end = tokio::time::timeout(Duration::from_secs(20), followed.next())
+        .await
+        .expect("the stream ends once its session is deleted elsewhere");
+    assert!(
+        matches!(&end, Some(Err(cairn_runtime::Error::SessionDeleted { session_id })) if session_id == "doomed"),
+        "{end:?}"
+    );
+}

@@ -744,8 +744,9 @@ impl Engine {
         self.inner.cancellations.subscribe()
     }
 
-    /// Session ids this engine deletes, as it deletes them (followers subscribe, to end).
-    /// Deletions by other processes of a shared store are not heard here.
+    /// Session ids this engine deletes, as it deletes them (followers subscribe, to end);
+    /// on a shared store, also watched sessions another process deleted, as
+    /// [`Engine::follow_store`] finds them gone.
     pub fn subscribe_deletions(&self) -> broadcast::Receiver<String> {
         self.inner.deletions.subscribe()
     }
@@ -1609,6 +1610,17 @@ impl Engine {
                 self.publish(session_id, last, outcome);
             }
             Ok(_) => {}
+            // It had events and has none now: another process deleted it. Its followers
+            // end as if this engine had deleted it (never-created sessions load fresh).
+            Err(Error::UnknownSession { .. }) if !fresh => {
+                info!(
+                    session_id,
+                    "a watched session was deleted by another process"
+                );
+                drop(guard);
+                self.forget(session_id);
+                let _ = self.inner.deletions.send(session_id.to_owned());
+            }
             Err(Error::UnknownSession { .. }) => {}
             Err(e) => debug!(session_id, error = %e, "cannot read a watched session"),
         }
