@@ -2806,6 +2806,16 @@ async fn a_session_whose_history_does_not_fold_leaves_the_server_starting_and_th
         "{}",
         broken.body
     );
+    assert!(
+        broken.body["error"]["message"].as_str().is_some_and(|m| {
+            m.starts_with(
+            "the history of session \"broken\" cannot be read by this server, and trying again \
+             will not change that: replayed with this server's code it diverges at event 4"
+        )
+        }),
+        "{}",
+        broken.body
+    );
     let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
     assert_eq!(health.status, StatusCode::OK, "{}", health.body);
 }

@@ -105,8 +105,46 @@ impl ApiError {
                      have landed: read the session first)",
                 )
             }
+            // The session's own history, not the server, is at fault, and trying again
+            // reads the same: say what is wrong with it (the client may read its history).
+            RuntimeError::CorruptRecord { seq, reason, .. } => {
+                Self::unreadable_history(session_id, format!("record {seq} is corrupt: {reason}"))
+            }
+            RuntimeError::UnknownSchemaVersion { seq, version, .. } => Self::unreadable_history(
+                session_id,
+                format!(
+                    "event {seq} has schema version {version}, newer than this server reads \
+                     (up to {})",
+                    cairn_runtime::event::SCHEMA_VERSION
+                ),
+            ),
+            RuntimeError::Nondeterminism {
+                seq,
+                expected,
+                found,
+                ..
+            } => Self::unreadable_history(
+                session_id,
+                format!(
+                    "replayed with this server's code it diverges at event {seq}: the workflow \
+                     expected {expected}, the history has {found}"
+                ),
+            ),
             other => Self::internal(&other),
         }
+    }
+
+    /// 500 for a session whose history this server cannot fold: not a passing failure, so
+    /// the message says what is wrong rather than inviting a retry.
+    fn unreadable_history(session_id: &str, what: String) -> Self {
+        tracing::error!(session_id, what = %what, "a session's history cannot be read");
+        Self::new(
+            ErrorCode::Internal,
+            format!(
+                "the history of session {session_id:?} cannot be read by this server, and trying \
+                 again will not change that: {what}"
+            ),
+        )
     }
 
     /// A failure of the store outside any session: 503 when it is retryable (the database
@@ -371,6 +409,42 @@ mod tests {
         );
         assert_eq!(unknown.code, ErrorCode::NotFound);
         assert!(!unknown.message.contains("acme"));
+    }
+
+    #[test]
+    fn a_history_that_does_not_fold_is_said_plainly_in_the_callers_ids() {
+        let diverged = ApiError::from_runtime(
+            RuntimeError::Nondeterminism {
+                session_id: "acme:s1".into(),
+                seq: 4,
+                expected: "no command".into(),
+                found: "TurnCompleted".into(),
+            },
+            "s1",
+        );
+        assert_eq!(diverged.code, ErrorCode::Internal);
+        assert_eq!(
+            diverged.message,
+            "the history of session \"s1\" cannot be read by this server, and trying again \
+             will not change that: replayed with this server's code it diverges at event 4: the \
+             workflow expected no command, the history has TurnCompleted"
+        );
+        let corrupt = ApiError::from_runtime(
+            RuntimeError::CorruptRecord {
+                session_id: "acme:s1".into(),
+                seq: 2,
+                reason: "checksum mismatch".into(),
+            },
+            "s1",
+        );
+        assert!(
+            corrupt
+                .message
+                .ends_with("record 2 is corrupt: checksum mismatch")
+                && !corrupt.message.contains("acme"),
+            "{}",
+            corrupt.message
+        );
     }
 
     #[test]
