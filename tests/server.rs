@@ -2816,8 +2816,28 @@ async fn a_session_whose_history_does_not_fold_leaves_the_server_starting_and_th
         "{}",
         broken.body
     );
+    assert_eq!(broken.body["error"]["code"], "history_unreadable");
     let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
     assert_eq!(health.status, StatusCode::OK, "{}", health.body);
+    // Through the server, the listing shows the broken session as unreadable, not an error.
+    let listed = crate::support::cairn_command()
+        .args(["sessions", "--server", &server.url("")])
+        .output()
+        .expect("cairn sessions");
+    let listing = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        listed.status.success(),
+        "{listing}\n{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    assert!(
+        listing.lines().any(|l| l.starts_with("broken ")
+            && l.contains("unreadable: session \"broken\": the history of session"))
+            && listing
+                .lines()
+                .any(|l| l.starts_with("good ") && l.contains("idle")),
+        "{listing}"
+    );
 }
 
 #[tokio::test]

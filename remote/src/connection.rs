@@ -338,6 +338,10 @@ impl Connection {
                     .map_or(message.as_str(), |(_, reason)| reason)
                     .to_owned(),
             },
+            (ErrorCode::HistoryUnreadable, session_id, _) => Error::HistoryUnreadable {
+                session_id: session_id.unwrap_or_default().to_owned(),
+                reason: message,
+            },
             (ErrorCode::StaleReport, _, Some(lease)) => Error::StaleReport {
                 session_id: lease.id.session_id.clone(),
                 seq: lease.id.scheduled_seq,

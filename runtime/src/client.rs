@@ -1058,10 +1058,17 @@ impl Follower {
                         }));
                     }
                     Ok(_) => {}
-                    // Missed some: whether this session was among them, its history says.
+                    // Missed some: whether this session was among them, its history says (a
+                    // passing failure to read it says nothing).
                     Err(broadcast::error::RecvError::Lagged(_)) => {
-                        if let Err(e) = self.engine.store().read_history(&self.session_id, 1, Some(1)).await {
-                            return Some(Err(e));
+                        match self.engine.store().read_history(&self.session_id, 1, Some(1)).await {
+                            Err(Error::UnknownSession { .. }) => {
+                                return Some(Err(Error::SessionDeleted {
+                                    session_id: self.session_id.clone(),
+                                }));
+                            }
+                            Err(e) if !e.is_retryable() => return Some(Err(e)),
+                            _ => {}
                         }
                     }
                     Err(broadcast::error::RecvError::Closed) => return None,

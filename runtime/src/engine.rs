@@ -274,7 +274,9 @@ struct Inner {
     timers_stuck: Mutex<HashSet<TaskId>>,
     /// Sessions somebody waits on or follows, with how many do: [`Engine::follow_store`]
     /// reads their foreign appends.
-    watched: Mutex<HashMap<String, (usize, SessionSlot)>>,
+    /// Also whether the session was seen to have events while watched: found gone after
+    /// that, another process deleted it (ids are never used again).
+    watched: Mutex<HashMap<String, (usize, SessionSlot, bool)>>,
     /// Leases this engine handed out and has not seen reported, with their attempt and
     /// expiry: on a shared store, a draining server waits for these, not for other servers'.
     /// Those that run out unreported are forgotten by the timers ([`Engine::fire_timers`]).
@@ -296,7 +298,7 @@ pub struct WatchGuard {
 impl Drop for WatchGuard {
     fn drop(&mut self) {
         let mut watched = lock(&self.engine.inner.watched);
-        if let Some((count, _)) = watched.get_mut(&self.session_id) {
+        if let Some((count, _, _)) = watched.get_mut(&self.session_id) {
             *count -= 1;
             if *count == 0 {
                 watched.remove(&self.session_id);
@@ -1367,6 +1369,11 @@ impl Engine {
                 match self.inner.store.append(request).await {
                     Ok(()) => report.requeued_tasks += count,
                     Err(Error::Conflict { .. }) => *guard = None,
+                    // Deleted by another process since its state was read: nothing runs.
+                    Err(Error::SessionDeleted { .. } | Error::UnknownSession { .. }) => {
+                        *guard = None;
+                        continue;
+                    }
                     Err(e) => {
                         *guard = None;
                         return Err(e);
@@ -1573,11 +1580,13 @@ impl Engine {
     /// what other writers append to it, so its waiters and followers hear of it.
     pub fn watch(&self, session_id: &str) -> WatchGuard {
         let slot = self.slot(session_id);
+        let seen = slot.known_to_have_events();
         let mut watched = lock(&self.inner.watched);
         let entry = watched
             .entry(session_id.to_owned())
-            .or_insert_with(|| (0, slot));
+            .or_insert_with(|| (0, slot, false));
         entry.0 += 1;
+        entry.2 |= seen;
         WatchGuard {
             engine: self.clone(),
             session_id: session_id.to_owned(),
@@ -1596,7 +1605,15 @@ impl Engine {
             }
         }
         let fresh = guard.is_none();
-        match self.loaded(session_id, &mut guard).await {
+        let loaded = self.loaded(session_id, &mut guard).await;
+        if let Ok(state) = &loaded {
+            if state.next_seq > 1 {
+                if let Some(entry) = lock(&self.inner.watched).get_mut(session_id) {
+                    entry.2 = true;
+                }
+            }
+        }
+        match loaded {
             Ok(state) if fresh => {
                 // Loaded anew, so what is new to its followers is unknown: the last event
                 // makes any follower behind it read the store, and the outcome is as folded.
@@ -1610,9 +1627,15 @@ impl Engine {
                 self.publish(session_id, last, outcome);
             }
             Ok(_) => {}
-            // It had events and has none now: another process deleted it. Its followers
-            // end as if this engine had deleted it (never-created sessions load fresh).
-            Err(Error::UnknownSession { .. }) if !fresh => {
+            // It had events while watched (here, or in the state cached when the watch began)
+            // and has none now: another process deleted it. Its followers end as if this
+            // engine had deleted it. A session not created yet is not taken for deleted.
+            Err(Error::UnknownSession { .. })
+                if !fresh
+                    || lock(&self.inner.watched)
+                        .get(session_id)
+                        .is_some_and(|entry| entry.2) =>
+            {
                 info!(
                     session_id,
                     "a watched session was deleted by another process"

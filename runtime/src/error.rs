@@ -134,6 +134,15 @@ pub enum Error {
         /// What the history records.
         found: String,
     },
+    /// A cairn server cannot read the session's history (`history_unreadable`: a corrupt
+    /// record, an event of a newer cairn, a replay that diverges from it); what it said.
+    #[error("session {session_id:?}: {reason}")]
+    HistoryUnreadable {
+        /// The session.
+        session_id: String,
+        /// The server's words.
+        reason: String,
+    },
     /// The ledger rejected a transcript or response.
     #[error(transparent)]
     Ledger(#[from] cairn_ledger::Error),
@@ -282,6 +291,7 @@ impl Error {
             Error::CorruptRecord { .. }
                 | Error::UnknownSchemaVersion { .. }
                 | Error::Nondeterminism { .. }
+                | Error::HistoryUnreadable { .. }
                 | Error::InvalidEvent { .. }
                 | Error::Ledger(_)
         )

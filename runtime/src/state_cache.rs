@@ -65,6 +65,15 @@ impl SessionSlot {
         Arc::strong_count(&self.0) > 1
     }
 
+    /// Whether the slot holds a state with events, as far as a look now can tell (a locked
+    /// state counts as not known). Through the bare lock, like [`Self::is_running_or_busy`].
+    pub(crate) fn known_to_have_events(&self) -> bool {
+        self.0
+            .state
+            .try_lock()
+            .is_ok_and(|state| state.as_ref().is_some_and(|s| s.next_seq > 1))
+    }
+
     /// Whether the slot's session is running, or its state is locked (in use). It looks
     /// through the bare lock, not a [`StateGuard`]: a look changes no bytes to note.
     fn is_running_or_busy(&self) -> bool {

@@ -700,6 +700,9 @@ pub enum ErrorCode {
     /// 422: a message under an `Idempotency-Key` that an earlier, different message of the
     /// session was sent under.
     IdempotencyKeyReused,
+    /// 500: the session's history cannot be read by this server (a corrupt record, an event
+    /// of a newer cairn, a replay that diverges); retrying will not help.
+    HistoryUnreadable,
 }
 
 impl ErrorCode {
@@ -718,7 +721,7 @@ impl ErrorCode {
             ErrorCode::TooLarge => 413,
             ErrorCode::UnsupportedMediaType => 415,
             ErrorCode::IdempotencyKeyReused => 422,
-            ErrorCode::Internal => 500,
+            ErrorCode::Internal | ErrorCode::HistoryUnreadable => 500,
             ErrorCode::Unavailable => 503,
         }
     }
@@ -740,6 +743,7 @@ impl ErrorCode {
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::SessionBusy => "session_busy",
             ErrorCode::IdempotencyKeyReused => "idempotency_key_reused",
+            ErrorCode::HistoryUnreadable => "history_unreadable",
         }
     }
 }

@@ -107,6 +107,9 @@ impl ApiError {
             }
             // The session's own history, not the server, is at fault, and trying again
             // reads the same: say what is wrong with it (the client may read its history).
+            RuntimeError::HistoryUnreadable { reason, .. } => {
+                Self::unreadable_history(session_id, reason)
+            }
             RuntimeError::CorruptRecord { seq, reason, .. } => {
                 Self::unreadable_history(session_id, format!("record {seq} is corrupt: {reason}"))
             }
@@ -134,12 +137,12 @@ impl ApiError {
         }
     }
 
-    /// 500 for a session whose history this server cannot fold: not a passing failure, so
-    /// the message says what is wrong rather than inviting a retry.
+    /// 500 `history_unreadable` for a session whose history this server cannot fold: not a
+    /// passing failure, so the message says what is wrong rather than inviting a retry.
     fn unreadable_history(session_id: &str, what: String) -> Self {
         tracing::error!(session_id, what = %what, "a session's history cannot be read");
         Self::new(
-            ErrorCode::Internal,
+            ErrorCode::HistoryUnreadable,
             format!(
                 "the history of session {session_id:?} cannot be read by this server, and trying \
                  again will not change that: {what}"
@@ -422,7 +425,13 @@ mod tests {
             },
             "s1",
         );
-        assert_eq!(diverged.code, ErrorCode::Internal);
+        assert_eq!(
+            (diverged.status(), diverged.code),
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ErrorCode::HistoryUnreadable
+            )
+        );
         assert_eq!(
             diverged.message,
             "the history of session \"s1\" cannot be read by this server, and trying again \

@@ -35,6 +35,9 @@ enum Fate {
 struct Entry {
     fate: watch::Receiver<Fate>,
     keep_until_ms: Option<u64>,
+    /// Which entry of its key this is: a key's expired entry may be replaced before a sweep,
+    /// and what refers to the old one must not touch the new.
+    generation: u64,
 }
 
 /// A report's key: its task and lease attempt.
@@ -54,8 +57,10 @@ pub struct Reports {
 struct Known {
     /// The reports being recorded, and those remembered for the tasks they handed out.
     entries: HashMap<Key, Entry>,
-    /// The report that handed out each remembered task.
-    handed_by: HashMap<Key, Key>,
+    /// The report (and its entry's generation) that handed out each remembered task.
+    handed_by: HashMap<Key, (Key, u64)>,
+    /// The generation the next entry gets.
+    next_generation: u64,
     /// When reports whose handed leases ran out are next looked for.
     next_sweep_ms: u64,
 }
@@ -81,6 +86,7 @@ pub struct Earlier(watch::Receiver<Fate>);
 pub struct First {
     reports: Reports,
     key: Key,
+    generation: u64,
     fate: Option<watch::Sender<Fate>>,
 }
 
@@ -97,8 +103,8 @@ impl Reports {
         let key = key_of(lease);
         let mut known = self.lock();
         // A report of a task handed with an earlier report: the worker had that answer.
-        if let Some(origin) = known.handed_by.remove(&key) {
-            known.entries.remove(&origin);
+        if let Some((origin, generation)) = known.handed_by.remove(&key) {
+            known.remove(&origin, generation);
         }
         if now_ms >= known.next_sweep_ms {
             known.sweep(now_ms);
@@ -110,16 +116,20 @@ impl Reports {
             }
         }
         let (sender, receiver) = watch::channel(Fate::Pending);
+        let generation = known.next_generation;
+        known.next_generation += 1;
         known.entries.insert(
             key.clone(),
             Entry {
                 fate: receiver,
                 keep_until_ms: None,
+                generation,
             },
         );
         Joined::First(First {
             reports: self.clone(),
             key,
+            generation,
             fate: Some(sender),
         })
     }
@@ -133,14 +143,28 @@ impl Reports {
 }
 
 impl Known {
+    /// Forgets the entry of `key` if it is still the one of `generation`.
+    fn remove(&mut self, key: &Key, generation: u64) {
+        if self
+            .entries
+            .get(key)
+            .is_some_and(|entry| entry.generation == generation)
+        {
+            self.entries.remove(key);
+        }
+    }
+
     /// Forgets the reports whose handed leases have all run out, and the tasks they handed.
     fn sweep(&mut self, now_ms: u64) {
         self.next_sweep_ms = now_ms.saturating_add(SWEEP_EVERY_MS);
         self.entries
             .retain(|_, entry| entry.keep_until_ms.is_none_or(|until| until > now_ms));
         let entries = &self.entries;
-        self.handed_by
-            .retain(|_, origin| entries.contains_key(origin));
+        self.handed_by.retain(|_, (origin, generation)| {
+            entries
+                .get(origin)
+                .is_some_and(|entry| entry.generation == *generation)
+        });
     }
 }
 
@@ -154,15 +178,17 @@ impl First {
         match leases.iter().map(|lease| lease.expires_at_ms).max() {
             Some(until) => {
                 if let Some(entry) = known.entries.get_mut(&self.key) {
-                    entry.keep_until_ms = Some(until);
+                    if entry.generation == self.generation {
+                        entry.keep_until_ms = Some(until);
+                    }
                 }
                 for lease in &leases {
-                    known.handed_by.insert(key_of(lease), self.key.clone());
+                    known
+                        .handed_by
+                        .insert(key_of(lease), (self.key.clone(), self.generation));
                 }
             }
-            None => {
-                known.entries.remove(&self.key);
-            }
+            None => known.remove(&self.key, self.generation),
         }
         fate.send_replace(Fate::Recorded(leases));
     }
@@ -171,7 +197,7 @@ impl First {
 impl Drop for First {
     fn drop(&mut self) {
         if let Some(fate) = self.fate.take() {
-            self.reports.lock().entries.remove(&self.key);
+            self.reports.lock().remove(&self.key, self.generation);
             fate.send_replace(Fate::Failed);
         }
     }
@@ -239,6 +265,31 @@ mod tests {
             Joined::First(_)
         ));
         assert!(matches!(reports.join(&reported, 60_000), Joined::First(_)));
+    }
+
+    #[tokio::test]
+    async fn a_task_handed_by_an_expired_entry_leaves_its_replacement_alone() {
+        let reports = Reports::default();
+        let reported = lease(2, 1, 1_000);
+        let Joined::First(first) = reports.join(&reported, 0) else {
+            panic!("the first try")
+        };
+        let handed = lease(5, 1, 500);
+        first.recorded(vec![handed.clone()]);
+        // Past the handed lease, before a sweep: a try of the report is a first again.
+        let Joined::First(again) = reports.join(&reported, 600) else {
+            panic!("an expired entry is not joined")
+        };
+        // The handed task's late report must not forget the new, pending entry.
+        let Joined::First(late) = reports.join(&handed, 650) else {
+            panic!("its own report")
+        };
+        drop(late);
+        assert!(
+            matches!(reports.join(&reported, 700), Joined::Again(_)),
+            "the pending try is still joined"
+        );
+        again.recorded(Vec::new());
     }
 
     #[tokio::test]

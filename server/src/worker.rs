@@ -282,10 +282,12 @@ pub async fn progress(
 /// Reports an attempt's result, fenced by its lease attempt; with `next`, leases this worker's
 /// next tasks with it (eager dispatch), answered once the report and the leases are durable.
 /// The report is carried to its end even if the worker hangs up. A try sent again for the
-/// same lease (its answer was lost) is answered as the first was: 204, or 200 with the same
-/// tasks while their leases last (fetched again). That holds on this server process only; a
-/// try that reaches another (or this one after a restart) finds the report recorded
-/// (`stale_report`), and the tasks leased with it are retried once their leases lapse.
+/// same lease (its answer was lost) while the first is recorded waits for it and is answered
+/// as the first was; a report that leased tasks is remembered after, and a try sent again
+/// gets the same tasks while their leases last (fetched again), until the worker reports one
+/// of them. A try that finds nothing remembered — a report that leased nothing, recorded
+/// before; another server's; this one's before a restart — finds the report recorded
+/// (`stale_report`), and tasks leased with it are retried once their leases lapse.
 #[utoipa::path(
     post,
     path = "/v1/worker/report",
