@@ -202,17 +202,13 @@ fn filled_store(
     rt.block_on(async {
         let store = open_store(kind, dir.path());
         for chunk in events.chunks(500) {
-            let request = AppendRequest {
-                session_id: "bench".to_owned(),
-                expected_next_seq: chunk[0].seq,
-                events: chunk.to_vec(),
-                status: SessionStatus::Idle,
-                enqueue: Vec::new(),
-                complete: None,
-                cancel: Vec::new(),
-                drop_if_unchanged: None,
-                now_ms: 1,
-            };
+            let request = AppendRequest::new(
+                "bench",
+                chunk[0].seq,
+                chunk.to_vec(),
+                SessionStatus::Idle,
+                1,
+            );
             store.append(request).await.unwrap();
         }
     });

@@ -83,17 +83,13 @@ async fn write_pristine(dir: &Path, engine: StorageEngine) {
             );
             opened
                 .store
-                .append(AppendRequest {
-                    session_id: sid.to_owned(),
-                    expected_next_seq: round,
-                    events: vec![event],
-                    status: SessionStatus::Idle,
-                    enqueue: Vec::new(),
-                    complete: None,
-                    cancel: Vec::new(),
-                    drop_if_unchanged: None,
-                    now_ms: 1,
-                })
+                .append(AppendRequest::new(
+                    sid,
+                    round,
+                    vec![event],
+                    SessionStatus::Idle,
+                    1,
+                ))
                 .await
                 .expect("append");
         }

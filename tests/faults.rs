@@ -547,16 +547,9 @@ fn full_disk_child() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let store = SledStore::open(Path::new(&data)).unwrap();
-        let append = |event: EventEnvelope| AppendRequest {
-            session_id: event.session_id.clone(),
-            expected_next_seq: event.seq,
-            status: SessionStatus::Running,
-            enqueue: Vec::new(),
-            complete: None,
-            cancel: Vec::new(),
-            drop_if_unchanged: None,
-            now_ms: event.recorded_at_ms,
-            events: vec![event],
+        let append = |event: EventEnvelope| {
+            let (session_id, seq, at) = (event.session_id.clone(), event.seq, event.recorded_at_ms);
+            AppendRequest::new(session_id, seq, vec![event], SessionStatus::Running, at)
         };
         let mut acknowledged = 0;
         let mut failure = None;

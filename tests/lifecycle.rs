@@ -1248,17 +1248,7 @@ async fn overdue_tasks_that_cannot_fire_do_not_starve_the_others() {
     let engine = Engine::new(store.clone(), clock.clone());
     let client = Client::new(engine.clone());
     // 300 tasks of a session that does not exist, overdue since long before the real one.
-    let mut orphans = AppendRequest {
-        session_id: "ghost".into(),
-        expected_next_seq: 1,
-        events: Vec::new(),
-        status: SessionStatus::Running,
-        enqueue: Vec::new(),
-        complete: None,
-        cancel: Vec::new(),
-        drop_if_unchanged: None,
-        now_ms: 0,
-    };
+    let mut orphans = AppendRequest::new("ghost", 1, Vec::new(), SessionStatus::Running, 0);
     for seq in 1..=300 {
         let mut task = NewTask::new(
             TaskId {

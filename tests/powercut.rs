@@ -392,17 +392,13 @@ fn a_store_opens_after_a_kill_while_sled_wrote_its_snapshot() {
     {
         let store = SledStore::open(dir.path()).unwrap();
         runtime
-            .block_on(store.append(AppendRequest {
-                session_id: "s".to_owned(),
-                expected_next_seq: 1,
-                events: vec![event.clone()],
-                status: SessionStatus::Idle,
-                enqueue: Vec::new(),
-                complete: None,
-                cancel: Vec::new(),
-                drop_if_unchanged: None,
-                now_ms: 0,
-            }))
+            .block_on(store.append(AppendRequest::new(
+                "s",
+                1,
+                vec![event.clone()],
+                SessionStatus::Idle,
+                0,
+            )))
             .unwrap();
     }
     // Reopening writes a snapshot (snap.<lsn>): the interrupted one is a prefix of the next.

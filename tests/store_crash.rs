@@ -418,15 +418,14 @@ async fn writer(store: &dyn Store, session: &str, w: usize, rng: &mut StdRng, se
             })
             .collect();
         let request = AppendRequest {
-            session_id: session.to_owned(),
-            expected_next_seq: next,
-            events: events.clone(),
-            status: SessionStatus::Running,
             enqueue,
-            complete: None,
-            cancel: Vec::new(),
-            drop_if_unchanged: None,
-            now_ms: now_ms(),
+            ..AppendRequest::new(
+                session,
+                next,
+                events.clone(),
+                SessionStatus::Running,
+                now_ms(),
+            )
         };
         match store.append(request).await {
             Ok(()) => {
@@ -471,15 +470,14 @@ async fn worker(store: &dyn Store, seed: u64) {
                     },
                 );
                 let request = AppendRequest {
-                    session_id: session.clone(),
-                    expected_next_seq: next,
-                    events: vec![event.clone()],
-                    status: SessionStatus::Running,
-                    enqueue: Vec::new(),
                     complete: Some((lease.id.clone(), lease.lease_attempt)),
-                    cancel: Vec::new(),
-                    drop_if_unchanged: None,
-                    now_ms: now_ms(),
+                    ..AppendRequest::new(
+                        session.clone(),
+                        next,
+                        vec![event.clone()],
+                        SessionStatus::Running,
+                        now_ms(),
+                    )
                 };
                 match store.append(request).await {
                     Ok(()) => {

@@ -152,19 +152,15 @@ pub async fn append_a_turn_end_no_workflow_records(data: &Path, session_id: &str
     };
     opened
         .store
-        .append(cairn_runtime::AppendRequest {
-            session_id: session_id.to_owned(),
-            expected_next_seq: next_seq,
-            events: vec![cairn_runtime::EventEnvelope::new(
+        .append(cairn_runtime::AppendRequest::new(
+            session_id,
+            next_seq,
+            vec![cairn_runtime::EventEnvelope::new(
                 session_id, next_seq, 1, event,
             )],
-            status: cairn_runtime::SessionStatus::Running,
-            enqueue: Vec::new(),
-            complete: None,
-            cancel: Vec::new(),
-            drop_if_unchanged: None,
-            now_ms: 1,
-        })
+            cairn_runtime::SessionStatus::Running,
+            1,
+        ))
         .await
         .expect("append");
 }

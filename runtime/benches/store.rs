@@ -30,17 +30,13 @@ fn event(session_id: &str, seq: u64) -> EventEnvelope {
 }
 
 fn append(session_id: &str, seq: u64) -> AppendRequest {
-    AppendRequest {
-        session_id: session_id.to_owned(),
-        expected_next_seq: seq,
-        events: vec![event(session_id, seq)],
-        status: SessionStatus::Running,
-        enqueue: Vec::new(),
-        complete: None,
-        cancel: Vec::new(),
-        drop_if_unchanged: None,
-        now_ms: 1_700_000_000_000 + seq,
-    }
+    AppendRequest::new(
+        session_id,
+        seq,
+        vec![event(session_id, seq)],
+        SessionStatus::Running,
+        1_700_000_000_000 + seq,
+    )
 }
 
 fn durable_appends(c: &mut Criterion) {

@@ -27,17 +27,13 @@ fn append(session_id: &str, seq: u64) -> AppendRequest {
             media: Vec::new(),
         },
     );
-    AppendRequest {
-        session_id: session_id.to_owned(),
-        expected_next_seq: seq,
-        events: vec![event],
-        status: SessionStatus::Running,
-        enqueue: Vec::new(),
-        complete: None,
-        cancel: Vec::new(),
-        drop_if_unchanged: None,
-        now_ms: 1_700_000_000_000 + seq,
-    }
+    AppendRequest::new(
+        session_id,
+        seq,
+        vec![event],
+        SessionStatus::Running,
+        1_700_000_000_000 + seq,
+    )
 }
 
 async fn fill(store: Arc<dyn Store>, sessions: usize, events: u64) {

@@ -33,15 +33,8 @@ async fn append_raw(
         .collect();
     store
         .append(AppendRequest {
-            session_id: session_id.to_owned(),
-            expected_next_seq: next_seq,
-            events,
-            status: SessionStatus::Running,
-            enqueue: Vec::new(),
-            complete: None,
             cancel,
-            drop_if_unchanged: None,
-            now_ms: 1,
+            ..AppendRequest::new(session_id, next_seq, events, SessionStatus::Running, 1)
         })
         .await
 }

@@ -225,16 +225,16 @@ pub async fn write_new_session(
         running: state.is_running(),
         tasks: enqueue.len(),
     };
+    let recorded_at_ms = events.last().map_or(now_ms, |e| e.recorded_at_ms);
     let request = AppendRequest {
-        session_id: session_id.clone(),
-        expected_next_seq: 1,
-        status: status_of(state),
-        now_ms: events.last().map_or(now_ms, |e| e.recorded_at_ms),
-        events,
         enqueue,
-        complete: None,
-        cancel: Vec::new(),
-        drop_if_unchanged: None,
+        ..AppendRequest::new(
+            session_id.clone(),
+            1,
+            events,
+            status_of(state),
+            recorded_at_ms,
+        )
     };
     match store.append(request).await {
         Ok(()) => Ok(report),

@@ -146,17 +146,13 @@ pub fn append_request(
     events: Vec<EventEnvelope>,
     now_ms: u64,
 ) -> AppendRequest {
-    AppendRequest {
-        session_id: session_id.to_owned(),
+    AppendRequest::new(
+        session_id,
         expected_next_seq,
         events,
-        status: SessionStatus::Running,
-        enqueue: Vec::new(),
-        complete: None,
-        cancel: Vec::new(),
-        drop_if_unchanged: None,
+        SessionStatus::Running,
         now_ms,
-    }
+    )
 }
 
 fn task_id(session_id: &str, scheduled_seq: u64) -> TaskId {

@@ -92,19 +92,18 @@ async fn copy_session(
         let last = next_seq + events.len() as u64 > info.events;
         let count = events.len() as u64;
         to.append(AppendRequest {
-            session_id: info.session_id.clone(),
-            expected_next_seq: next_seq,
-            events,
-            status: info.status,
             enqueue: if last {
                 std::mem::take(&mut enqueue)
             } else {
                 Vec::new()
             },
-            complete: None,
-            cancel: Vec::new(),
-            drop_if_unchanged: None,
-            now_ms: info.updated_at_ms,
+            ..AppendRequest::new(
+                info.session_id.clone(),
+                next_seq,
+                events,
+                info.status,
+                info.updated_at_ms,
+            )
         })
         .await?;
         next_seq += count;

@@ -335,6 +335,32 @@ pub struct AppendRequest {
     pub now_ms: u64,
 }
 
+impl AppendRequest {
+    /// An append of `events` (from `expected_next_seq`; none for a change of tasks only)
+    /// that leaves the session `status`, at `now_ms`, changing no task: set `enqueue`,
+    /// `complete`, `cancel` or `drop_if_unchanged` on it (or build it with
+    /// `AppendRequest { enqueue, ..AppendRequest::new(...) }`) for those.
+    pub fn new(
+        session_id: impl Into<String>,
+        expected_next_seq: u64,
+        events: Vec<EventEnvelope>,
+        status: SessionStatus,
+        now_ms: u64,
+    ) -> Self {
+        AppendRequest {
+            session_id: session_id.into(),
+            expected_next_seq,
+            events,
+            status,
+            enqueue: Vec::new(),
+            complete: None,
+            cancel: Vec::new(),
+            drop_if_unchanged: None,
+            now_ms,
+        }
+    }
+}
+
 /// A task as the caller read it, for a drop that must not race a worker
 /// ([`AppendRequest::drop_if_unchanged`]): its lease attempt, visibility time and holder flag.
 ///
