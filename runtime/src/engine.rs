@@ -630,13 +630,12 @@ impl Engine {
                     .delete_session(session_id, self.now_ms())
                     .await
             };
+            // Gone, now or earlier (through another process).
             if matches!(deleted, Ok(_) | Err(Error::UnknownSession { .. })) {
                 self.forget(session_id);
             }
             if let Ok(info) = &deleted {
                 info!(events = info.events, "session deleted");
-                // No follower may be left waiting for events that will never come.
-                let _ = self.inner.deletions.send(session_id.to_owned());
             }
             deleted
         }
@@ -644,12 +643,14 @@ impl Engine {
         .await
     }
 
-    /// Drops everything this engine keeps for a session that is gone.
+    /// Drops everything this engine keeps for a session that is gone, and ends its
+    /// followers: none may be left waiting for events that will never come.
     fn forget(&self, session_id: &str) {
         lock(&self.inner.sessions).remove(session_id);
         lock(&self.inner.outcomes).remove(session_id);
         lock(&self.inner.heard_seqs).remove(session_id);
         lock(&self.inner.watched).remove(session_id);
+        let _ = self.inner.deletions.send(session_id.to_owned());
     }
 
     /// Compacts a session's transcript now, between turns (`compaction_requested`), with its
@@ -1092,15 +1093,14 @@ impl Engine {
         loop {
             let state = self.loaded(session_id, &mut guard).await?;
             let request = AppendRequest {
-                session_id: session_id.clone(),
-                expected_next_seq: state.next_seq,
-                events: Vec::new(),
-                status: status_of(state),
-                enqueue: Vec::new(),
-                complete: None,
                 cancel: vec![lease.id.clone()],
-                drop_if_unchanged: None,
-                now_ms: self.now_ms(),
+                ..AppendRequest::new(
+                    session_id.clone(),
+                    state.next_seq,
+                    Vec::new(),
+                    status_of(state),
+                    self.now_ms(),
+                )
             };
             match self.inner.store.append(request).await {
                 Ok(()) | Err(Error::LeaseLost { .. }) => return Ok(()),
@@ -1356,15 +1356,14 @@ impl Engine {
                 let mut guard = slot.lock().await;
                 let count = missing.len();
                 let request = AppendRequest {
-                    session_id: session_id.clone(),
-                    expected_next_seq: next_seq,
-                    events: Vec::new(),
-                    status,
                     enqueue: missing,
-                    complete: None,
-                    cancel: Vec::new(),
-                    drop_if_unchanged: None,
-                    now_ms: self.now_ms(),
+                    ..AppendRequest::new(
+                        session_id.clone(),
+                        next_seq,
+                        Vec::new(),
+                        status,
+                        self.now_ms(),
+                    )
                 };
                 match self.inner.store.append(request).await {
                     Ok(()) => report.requeued_tasks += count,
@@ -1642,7 +1641,6 @@ impl Engine {
                 );
                 drop(guard);
                 self.forget(session_id);
-                let _ = self.inner.deletions.send(session_id.to_owned());
             }
             Err(Error::UnknownSession { .. }) => {}
             Err(e) => debug!(session_id, error = %e, "cannot read a watched session"),

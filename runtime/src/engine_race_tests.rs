@@ -27,14 +27,28 @@ struct Gated {
     /// While set, an append tells `entered` and then waits forever, never reaching the store.
     hold_appends: AtomicBool,
     entered: Notify,
-    /// Awaited once, inside the next `list_tasks`, after the tasks were read (it waits for
-    /// `listed` itself).
-    after_listing: Mutex<Option<tokio::task::JoinHandle<()>>>,
-    listed: Notify,
-    /// Awaited once, inside the next `overdue_tasks`, after the overdue tasks were read (it
-    /// waits for `overdue_read` itself).
-    after_overdue: Mutex<Option<tokio::task::JoinHandle<()>>>,
-    overdue_read: Notify,
+    /// Run inside the next `list_tasks`, after the tasks were read.
+    after_listing: Meanwhile,
+    /// Run inside the next `overdue_tasks`, after the overdue tasks were read.
+    after_overdue: Meanwhile,
+}
+
+/// Something to run once inside a store call, after the call read what it answers with and
+/// before it answers: another writer acting in between.
+#[derive(Default)]
+struct Meanwhile(Mutex<Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>>);
+
+impl Meanwhile {
+    fn set(&self, meanwhile: impl std::future::Future<Output = ()> + Send + 'static) {
+        *self.0.lock().expect("meanwhile") = Some(Box::pin(meanwhile));
+    }
+
+    async fn run_once(&self) {
+        let meanwhile = self.0.lock().expect("meanwhile").take();
+        if let Some(meanwhile) = meanwhile {
+            meanwhile.await;
+        }
+    }
 }
 
 #[async_trait]
@@ -80,20 +94,12 @@ impl Store for Gated {
     }
     async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
         let tasks = self.inner.overdue_tasks(now_ms, max).await?;
-        let meanwhile = self.after_overdue.lock().expect("after_overdue").take();
-        if let Some(meanwhile) = meanwhile {
-            self.overdue_read.notify_one();
-            meanwhile.await.expect("what happened meanwhile");
-        }
+        self.after_overdue.run_once().await;
         Ok(tasks)
     }
     async fn list_tasks(&self) -> Result<Vec<Task>> {
         let tasks = self.inner.list_tasks().await?;
-        let meanwhile = self.after_listing.lock().expect("after_listing").take();
-        if let Some(meanwhile) = meanwhile {
-            self.listed.notify_one();
-            meanwhile.await.expect("what happened meanwhile");
-        }
+        self.after_listing.run_once().await;
         Ok(tasks)
     }
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
@@ -193,10 +199,9 @@ async fn a_resume_racing_another_engine_does_not_queue_its_new_task_again() {
     // call's failure, which schedules its retry, and a worker of its leases the retry.
     let retry: Arc<Mutex<Vec<Lease>>> = Arc::default();
     let meanwhile = {
-        let (store, serving, retry) = (store.clone(), serving.clone(), retry.clone());
+        let (serving, retry) = (serving.clone(), retry.clone());
         let lease = first[0].lease.clone();
-        tokio::spawn(async move {
-            store.listed.notified().await;
+        async move {
             let failure = ActivityFailure::new(ErrorClass::Transient, "try again");
             serving
                 .report(&lease, ActivityReport::Failed(failure))
@@ -207,9 +212,9 @@ async fn a_resume_racing_another_engine_does_not_queue_its_new_task_again() {
                 .await
                 .unwrap();
             *retry.lock().unwrap() = leased.into_iter().map(|t| t.lease).collect();
-        })
+        }
     };
-    *store.after_listing.lock().unwrap() = Some(meanwhile);
+    store.after_listing.set(meanwhile);
     let report = resuming.resume(false).await.unwrap();
     let retry = retry.lock().unwrap().clone();
     assert_eq!(retry.len(), 1, "the retry was leased");
@@ -320,14 +325,11 @@ fn after_overdue_read<T: Send + 'static>(
     meanwhile: impl std::future::Future<Output = T> + Send + 'static,
 ) -> Arc<Mutex<Option<T>>> {
     let out: Arc<Mutex<Option<T>>> = Arc::default();
-    let task = {
-        let (store, out) = (store.clone(), out.clone());
-        tokio::spawn(async move {
-            store.overdue_read.notified().await;
-            *out.lock().unwrap() = Some(meanwhile.await);
-        })
-    };
-    *store.after_overdue.lock().unwrap() = Some(task);
+    let filled = out.clone();
+    store.after_overdue.set(async move {
+        let result = meanwhile.await;
+        *filled.lock().unwrap() = Some(result);
+    });
     out
 }
 
