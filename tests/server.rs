@@ -2772,7 +2772,7 @@ async fn a_session_whose_history_does_not_fold_leaves_the_server_starting_and_th
     let data: PathBuf = dir.path().join("store");
     let mut server = Server::start(&data, &[]);
     let http = reqwest::Client::new();
-    for id in ["broken", "good"] {
+    for id in ["broken", "refused", "good"] {
         let created = send(
             &http,
             Method::POST,
@@ -2785,6 +2785,7 @@ async fn a_session_whose_history_does_not_fold_leaves_the_server_starting_and_th
     }
     server.kill().await;
     crate::support::append_a_turn_end_no_workflow_records(&data, "broken").await;
+    let refused_seq = crate::support::append_a_message_the_workflow_refuses(&data, "refused").await;
 
     let server = Server::start(&data, &["--local-workers", "1"]);
     let outcome = wait_turn(&http, &server, None, "good", 1).await;
@@ -2817,6 +2818,35 @@ async fn a_session_whose_history_does_not_fold_leaves_the_server_starting_and_th
         broken.body
     );
     assert_eq!(broken.body["error"]["code"], "history_unreadable");
+    // A stored event the workflow refuses is the history's fault too: not the 409 a request
+    // the workflow refuses gets.
+    let refused = send(
+        &http,
+        Method::GET,
+        server.url("/v1/sessions/refused"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(
+        (refused.status, &refused.body["error"]["code"]),
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &json!("history_unreadable")
+        ),
+        "{}",
+        refused.body
+    );
+    assert!(
+        refused.body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.ends_with(&format!(
+                "trying again will not change that: stored event {refused_seq} does not fold: a \
+             turn is already running"
+            ))),
+        "{}",
+        refused.body
+    );
     let health = send(&http, Method::GET, server.url("/v1/health"), None, None).await;
     assert_eq!(health.status, StatusCode::OK, "{}", health.body);
     // Through the server, the listing shows the broken session as unreadable, not an error.

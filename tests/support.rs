@@ -135,8 +135,41 @@ pub async fn reopen_sled(data: &std::path::Path) -> cairn_runtime::store::sled::
 
 /// Breaks a session's history the way an older or newer cairn's might: opens the embedded
 /// store in `data` (its process gone) and appends the end of turn 1 while its model call is
-/// outstanding, which no workflow records; the history no longer folds.
+/// outstanding, which no workflow records; the history no longer folds (it diverges).
 pub async fn append_a_turn_end_no_workflow_records(data: &Path, session_id: &str) {
+    append_raw_event(
+        data,
+        session_id,
+        cairn_runtime::Event::TurnCompleted {
+            turn: 1,
+            usage: Default::default(),
+        },
+    )
+    .await;
+}
+
+/// As [`append_a_turn_end_no_workflow_records`], but appends a second message while turn 1
+/// runs, which the workflow refuses (a client sending it is refused); the history no longer
+/// folds. Returns the event's seq.
+pub async fn append_a_message_the_workflow_refuses(data: &Path, session_id: &str) -> u64 {
+    append_raw_event(
+        data,
+        session_id,
+        cairn_runtime::Event::UserMessage {
+            turn: 2,
+            text: "again".into(),
+            model: None,
+            media: Vec::new(),
+            tool_choice: None,
+            idempotency_key: None,
+        },
+    )
+    .await
+}
+
+/// Appends `event` after the session's last one in the embedded store in `data` (its process
+/// gone), as no engine would check it; returns its seq.
+async fn append_raw_event(data: &Path, session_id: &str, event: cairn_runtime::Event) -> u64 {
     use cairn_runtime::store::embedded::{open, OpenMode};
     let opened = open(data, OpenMode::Existing, None).await.expect("open");
     let next_seq = opened
@@ -146,10 +179,6 @@ pub async fn append_a_turn_end_no_workflow_records(data: &Path, session_id: &str
         .expect("history")
         .len() as u64
         + 1;
-    let event = cairn_runtime::Event::TurnCompleted {
-        turn: 1,
-        usage: Default::default(),
-    };
     opened
         .store
         .append(cairn_runtime::AppendRequest::new(
@@ -163,6 +192,7 @@ pub async fn append_a_turn_end_no_workflow_records(data: &Path, session_id: &str
         ))
         .await
         .expect("append");
+    next_seq
 }
 
 /// The `cairn` binary as a command, with its environment pinned: no server from

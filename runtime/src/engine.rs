@@ -1500,7 +1500,10 @@ impl Engine {
         match guard {
             None => {
                 let events = self.inner.store.read_history(session_id, 1, None).await?;
-                *guard = Some(SessionState::fold(session_id, &events)?);
+                *guard = Some(
+                    SessionState::fold(session_id, &events)
+                        .map_err(|e| does_not_fold(session_id, e))?,
+                );
             }
             Some(state) => {
                 let events = match self
@@ -1520,7 +1523,7 @@ impl Engine {
                 if !events.is_empty() {
                     if let Err(e) = self.apply_foreign(state, events) {
                         *guard = None;
-                        return Err(e);
+                        return Err(does_not_fold(session_id, e));
                     }
                 }
             }
@@ -2002,6 +2005,25 @@ fn activity_input(state: &SessionState, lease: &Lease) -> Option<ActivityInput> 
 /// Steps `state` with each input in turn, recorded at `now`, and puts their transitions
 /// together: every event, task to enqueue and task to cancel, and the last outcome. On an
 /// error the state may have taken the inputs before it.
+
+/// The error of a stored history that does not fold. The workflow's refusal of a stored event
+/// ([`Error::InvalidEvent`]) or of its transcript ([`Error::Ledger`]) is the history's fault,
+/// not the caller's: it reads as [`Error::HistoryUnreadable`], so that nobody takes it for a
+/// refusal of their own request (a server answers it 500 `history_unreadable`, not 409 or
+/// 400), and trying again reads the same.
+fn does_not_fold(session_id: &str, error: Error) -> Error {
+    match error {
+        Error::InvalidEvent { seq, reason, .. } => Error::HistoryUnreadable {
+            session_id: session_id.to_owned(),
+            reason: format!("stored event {seq} does not fold: {reason}"),
+        },
+        Error::Ledger(e) => Error::HistoryUnreadable {
+            session_id: session_id.to_owned(),
+            reason: format!("its stored transcript breaks the ledger's rules: {e}"),
+        },
+        other => other,
+    }
+}
 fn step_all(
     state: &mut SessionState,
     session_id: &str,

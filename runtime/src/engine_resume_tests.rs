@@ -149,6 +149,51 @@ async fn a_history_that_does_not_fold_is_reported_and_the_other_sessions_resume(
     Ok(())
 }
 
+/// A stored event the workflow refuses (here a second message while turn 1 runs, which a
+/// client is refused live) is the history's fault, not a request's: an engine that folds the
+/// history anew, and one that catches its cached state up with it, both answer
+/// `HistoryUnreadable` naming the event, not the `InvalidEvent` a refused request gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_event_the_workflow_refuses_reads_as_an_unreadable_history() -> Result<()> {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let cached = Engine::new(store.clone(), Arc::new(SystemClock));
+    let client = Client::new(cached.clone());
+    client.start_session(options("broken")).await?;
+    assert_eq!(client.send("broken", "hello").await?, 1);
+    let refused = client.send("broken", "again").await.unwrap_err();
+    assert!(
+        matches!(&refused, Error::InvalidEvent { reason, .. } if reason == "a turn is already running"),
+        "{refused}"
+    );
+    let seq = store.read_history("broken", 1, None).await?.len() as u64 + 1;
+    let second_message = Event::UserMessage {
+        turn: 2,
+        text: "again".into(),
+        model: None,
+        media: Vec::new(),
+        tool_choice: None,
+        idempotency_key: None,
+    };
+    append_raw(&store, "broken", vec![second_message], Vec::new()).await?;
+
+    let expected = format!("stored event {seq} does not fold: a turn is already running");
+    let fresh = Engine::new(store.clone(), Arc::new(SystemClock));
+    for (engine, how) in [(&fresh, "folded anew"), (&cached, "caught up")] {
+        match engine.state("broken").await {
+            Err(Error::HistoryUnreadable { session_id, reason }) => {
+                assert_eq!(
+                    (session_id.as_str(), &reason),
+                    ("broken", &expected),
+                    "{how}"
+                )
+            }
+            other => panic!("{how}: {:?}", other.map(|s| s.next_seq)),
+        }
+    }
+    assert!(cached.state("broken").await.unwrap_err().is_history_fault());
+    Ok(())
+}
+
 /// What a test's log lines say, kept in memory.
 #[derive(Clone, Default)]
 struct LogLines(Arc<std::sync::Mutex<Vec<u8>>>);

@@ -134,13 +134,14 @@ pub enum Error {
         /// What the history records.
         found: String,
     },
-    /// A cairn server cannot read the session's history (`history_unreadable`: a corrupt
-    /// record, an event of a newer cairn, a replay that diverges from it); what it said.
+    /// The session's stored history cannot be read: a cairn server said so
+    /// (`history_unreadable`: a corrupt record, an event of a newer cairn, a replay that
+    /// diverges from it), or the engine found a stored event the workflow refuses.
     #[error("session {session_id:?}: {reason}")]
     HistoryUnreadable {
         /// The session.
         session_id: String,
-        /// The server's words.
+        /// The server's or the engine's words.
         reason: String,
     },
     /// The ledger rejected a transcript or response.
