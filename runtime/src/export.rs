@@ -201,8 +201,10 @@ pub async fn import_session(store: &dyn Store, text: &str, now_ms: u64) -> Resul
 
 /// Writes a whole checked history (`state` is its fold) as a new session, in one atomic
 /// append: its events as they are, its status, and, when its turn is in progress, a task
-/// for every activity the turn waits for, due at once, so that it goes on. `InvalidEvent`
-/// when the session exists; nothing is written then.
+/// for every activity the turn waits for, due at once, so that it goes on (an approval's
+/// deadline keeps its time: due early, the timer would be leased like an activity and
+/// dropped, and the call would wait forever). `InvalidEvent` when the session exists;
+/// nothing is written then.
 pub async fn write_new_session(
     store: &dyn Store,
     events: Vec<EventEnvelope>,
@@ -215,7 +217,9 @@ pub async fn write_new_session(
         .into_iter()
         .filter_map(|seq| state.queued_task(seq))
         .map(|mut task| {
-            task.visible_at_ms = task.visible_at_ms.min(now_ms);
+            if state.approval_timer(task.id.scheduled_seq).is_none() {
+                task.visible_at_ms = task.visible_at_ms.min(now_ms);
+            }
             task
         })
         .collect();

@@ -262,6 +262,66 @@ fn the_deadline_is_a_timer_task_no_worker_leases_and_it_denies_once() {
     live.check_replay();
 }
 
+/// A copy of a session parked on an approval with a deadline (the import of its export, a
+/// fork) keeps the deadline timer's time: due at once like an activity, it would be leased
+/// and dropped by a worker, and the call would wait forever.
+#[tokio::test]
+async fn an_imported_or_forked_session_keeps_its_approval_deadline() {
+    use crate::store::{Store, TaskFilter};
+    let mut live = Live::new(with_policy(Some(policy(Some(5_000)))));
+    live.input(user(1, "list the files"));
+    let t = live.step(model_done(
+        1,
+        0,
+        1,
+        response(
+            vec![tool_use("sh1", "shell", r#"{"command":"ls"}"#)],
+            StopReason::ToolUse,
+        ),
+    ));
+    let requested_seq = t.events[1].seq;
+    let deadline = live.now + 5_000;
+    let store = crate::MemoryStore::new();
+    crate::export::write_new_session(&store, live.events.clone(), &live.state, live.now)
+        .await
+        .unwrap();
+    let fork = crate::fork::ForkRequest {
+        parent: SID.into(),
+        at_seq: live.events.last().unwrap().seq,
+        session_id: "fork".into(),
+        model: None,
+        system_prompt: None,
+    };
+    crate::fork::fork_session(&store, &fork, live.now)
+        .await
+        .unwrap();
+    let mut tasks = store.list_tasks().await.unwrap();
+    tasks.sort_by(|a, b| a.id.cmp(&b.id));
+    let times: Vec<_> = tasks
+        .iter()
+        .map(|t| {
+            (
+                t.id.session_id.as_str(),
+                t.id.scheduled_seq,
+                t.visible_at_ms,
+                t.start_by_ms,
+            )
+        })
+        .collect();
+    assert_eq!(
+        times,
+        [
+            ("fork", requested_seq, deadline, Some(deadline)),
+            (SID, requested_seq, deadline, Some(deadline)),
+        ]
+    );
+    let leased = store
+        .lease_tasks(deadline - 1, 60_000, 10, &TaskFilter::any())
+        .await
+        .unwrap();
+    assert!(leased.is_empty(), "{leased:?}");
+}
+
 fn task_at(seq: u64, visible_at_ms: u64, target: &str) -> NewTask {
     crate::workflow_tests::task(seq, TaskKind::Tool, visible_at_ms, target)
 }
