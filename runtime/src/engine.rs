@@ -2002,10 +2002,6 @@ fn activity_input(state: &SessionState, lease: &Lease) -> Option<ActivityInput> 
     }
 }
 
-/// Steps `state` with each input in turn, recorded at `now`, and puts their transitions
-/// together: every event, task to enqueue and task to cancel, and the last outcome. On an
-/// error the state may have taken the inputs before it.
-
 /// The error of a stored history that does not fold. The workflow's refusal of a stored event
 /// ([`Error::InvalidEvent`]) or of its transcript ([`Error::Ledger`]) is the history's fault,
 /// not the caller's: it reads as [`Error::HistoryUnreadable`], so that nobody takes it for a
@@ -2024,6 +2020,10 @@ fn does_not_fold(session_id: &str, error: Error) -> Error {
         other => other,
     }
 }
+
+/// Steps `state` with each input in turn, recorded at `now`, and puts their transitions
+/// together: every event, task to enqueue and task to cancel, and the last outcome. On an
+/// error the state may have taken the inputs before it.
 fn step_all(
     state: &mut SessionState,
     session_id: &str,
