@@ -628,6 +628,11 @@ enum Command {
         /// answered 503. Each keeps its session's state in memory, beyond the cache's bounds.
         #[arg(long, value_name = "N", default_value_t = cairn_server::DEFAULT_MAX_STREAMS)]
         max_streams: usize,
+        /// Request bodies larger than this are refused with 413 (a message with its media, a
+        /// worker's report with its activity's result).
+        #[arg(long, value_name = "BYTES", default_value_t = cairn_server::DEFAULT_BODY_LIMIT_BYTES,
+              value_parser = clap::value_parser!(u64).range(1024..))]
+        max_body_bytes: u64,
     },
     /// Continue every session whose turn was interrupted.
     Resume {
@@ -1320,9 +1325,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cache_sessions,
             cache_mib,
             max_streams,
+            max_body_bytes,
         } => {
             serve::run(serve::ServeArgs {
                 max_streams,
+                body_limit_bytes: usize::try_from(max_body_bytes).unwrap_or(usize::MAX),
                 cache_sessions: usize::try_from(cache_sessions).unwrap_or(usize::MAX),
                 cache_bytes: usize::try_from(cache_mib.saturating_mul(1 << 20))
                     .unwrap_or(usize::MAX),

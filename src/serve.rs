@@ -44,6 +44,8 @@ pub struct ServeArgs {
     pub cache_bytes: usize,
     /// Event streams open at once, at most.
     pub max_streams: usize,
+    /// Request bodies larger than this are refused with 413.
+    pub body_limit_bytes: usize,
 }
 
 /// Runs the server until a signal, then drains; exit 0 after a clean shutdown.
@@ -53,6 +55,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         tokens,
         max_poll_ms: args.max_poll_ms,
         max_streams: args.max_streams,
+        body_limit_bytes: args.body_limit_bytes,
         ..ServerConfig::default()
     };
     // Checked before the store is opened: a refused address changes nothing.

@@ -2106,6 +2106,84 @@ fn shell_script(dir: &Path, command: &str) -> Value {
     json!({"provider": "scripted", "model": path.display().to_string()})
 }
 
+/// A worker process whose result is larger than the server takes in a body (413) reports
+/// the attempt failed instead, once: the call's error result says why, the model goes on,
+/// and the call does not run again on every lapsed lease.
+#[tokio::test]
+async fn a_result_larger_than_the_server_takes_is_the_calls_error_and_runs_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    std::fs::write(work.join("big.txt"), "a".repeat(200 * 1024)).unwrap();
+    let path = dir.path().join("read-script.json");
+    let script = json!({"responses": [
+        {"parts": [{"type": "tool_use", "id": "toolu_big", "name": "read_file",
+                    "input": {"path": "big.txt"}}],
+         "stop_reason": "tool_use"},
+        {"parts": [{"type": "text", "text": "too big to read"}]}
+    ]});
+    std::fs::write(&path, script.to_string()).unwrap();
+    let model = json!({"provider": "scripted", "model": path.display().to_string()});
+    let server = Server::start(&dir.path().join("store"), &["--max-body-bytes", "65536"]);
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .args(["worker", "--server", &server.url(""), "--workdir"])
+        .arg(&work)
+        .env_remove("CAIRN_SERVER")
+        .env_remove("CAIRN_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start cairn worker");
+    let mut ready = BufReader::new(worker.stdout.take().expect("stdout")).lines();
+    assert_eq!(ready.next().expect("a line").expect("text"), "worker ready");
+    let http = reqwest::Client::new();
+    let read_file = serde_json::to_value(cairn_activities::Tool::spec(
+        &cairn_activities::ReadFile::new("."),
+    ))
+    .unwrap();
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(
+            json!({"session_id": "big", "model": model, "tools": [read_file],
+                    "message": {"text": "read big.txt"}}),
+        ),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let outcome = wait_turn(&http, &server, None, "big", 1).await;
+    let _ = worker.kill();
+    let _ = worker.wait();
+    assert_eq!(
+        (&outcome["status"], &outcome["answer"]),
+        (&json!("completed"), &json!("too big to read")),
+        "{outcome}"
+    );
+    let events = history(&http, &server, None, "big").await;
+    let kinds = kinds(&events);
+    assert_eq!(
+        kinds
+            .iter()
+            .filter(|k| **k == "tool_call_scheduled")
+            .count(),
+        1,
+        "{kinds:?}"
+    );
+    let failed: Vec<_> = events
+        .iter()
+        .filter(|e| e["kind"] == "tool_call_failed")
+        .collect();
+    assert_eq!(failed.len(), 1, "{kinds:?}");
+    let failure = failed[0].to_string();
+    assert!(
+        failure.contains("invalid_request")
+            && failure.contains("the server refused it as too large"),
+        "{failure}"
+    );
+}
+
 /// Polls the session's description until `ready` holds; returns it.
 async fn describe_until(
     http: &reqwest::Client,

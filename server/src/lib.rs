@@ -32,6 +32,9 @@ pub use serve::{check_exposure, router, serve, Server};
 /// Event streams a server keeps open at once by default ([`ServerConfig::max_streams`]).
 pub const DEFAULT_MAX_STREAMS: usize = 4096;
 
+/// Request bodies larger than this are refused with 413 by default (4 MiB).
+pub const DEFAULT_BODY_LIMIT_BYTES: u64 = 4 * 1024 * 1024;
+
 /// How a server behaves.
 #[derive(Debug)]
 pub struct ServerConfig {
@@ -60,7 +63,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             tokens: None,
-            body_limit_bytes: 4 * 1024 * 1024,
+            body_limit_bytes: DEFAULT_BODY_LIMIT_BYTES as usize,
             max_poll_ms: 300_000,
             drain_ms: 10_000,
             timer_interval_ms: 200,

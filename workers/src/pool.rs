@@ -676,13 +676,53 @@ impl Handed {
 
 /// Reports the attempt's result; with `next`, takes tasks with it (eager dispatch): one for
 /// this slot and, when the pool has slots free, a few more for them.
+///
+/// A result the server refuses as too large (413) would be refused again however often the
+/// activity ran, so the attempt is reported failed instead, saying so (`invalid_request`,
+/// which the default retry policies do not retry: the model reads it as the call's error
+/// result, or the turn fails on it). Dropped, it would run again on every lapsed lease, its
+/// side effects repeated, and fail at last as a lease that lapsed.
 async fn finish(
     engine: &dyn TaskSource,
     lease: &Lease,
     report: ActivityReport,
     next: Option<EagerDispatch<'_>>,
 ) -> Handed {
-    let reported = match next {
+    let refused = match send_report(engine, lease, report, next).await {
+        Ok(handed) => return handed,
+        Err(Error::Remote {
+            status: 413,
+            message,
+            ..
+        }) => message,
+        Err(e) => return dropped(lease, e),
+    };
+    warn!(
+        session_id = %lease.id.session_id,
+        task = %lease.id,
+        reason = %refused,
+        "the server refused the result as too large; reporting the attempt failed"
+    );
+    let failed = failure(
+        ErrorClass::InvalidRequest,
+        format!(
+            "the result was not recorded: the server refused it as too large ({refused}); \
+             running the call again would give the same"
+        ),
+    );
+    match send_report(engine, lease, failed, next).await {
+        Ok(handed) => handed,
+        Err(e) => dropped(lease, e),
+    }
+}
+
+async fn send_report(
+    engine: &dyn TaskSource,
+    lease: &Lease,
+    report: ActivityReport,
+    next: Option<EagerDispatch<'_>>,
+) -> Result<Handed, Error> {
+    match next {
         Some(eager) => {
             let extra = eager.extra_slots();
             let more = extra.as_ref().map_or(0, OwnedSemaphorePermit::num_permits);
@@ -703,16 +743,20 @@ async fn finish(
             .report(lease, report)
             .await
             .map(|()| Handed::default()),
-    };
-    match reported {
-        Ok(handed) => return handed,
+    }
+}
+
+/// Logs a report that failed: nothing is handed, and the task runs again once its lease
+/// lapses (unless the lease was already lost).
+fn dropped(lease: &Lease, error: Error) -> Handed {
+    match error {
         // Normal when a lease lapsed and another worker took over: the history already holds the
         // truth and nothing was changed, so nothing is retried; info, because it means an
         // attempt's work was thrown away.
-        Err(e @ (Error::StaleReport { .. } | Error::LeaseLost { .. })) => {
+        e @ (Error::StaleReport { .. } | Error::LeaseLost { .. }) => {
             info!(session_id = %lease.id.session_id, task = %lease.id, error = %e, "stale report dropped")
         }
-        Err(e) => warn!(error = %e, "reporting the result failed; the task will run again"),
+        e => warn!(error = %e, "reporting the result failed; the task will run again"),
     }
     Handed::default()
 }
