@@ -1040,6 +1040,23 @@ impl SessionState {
                 if self.started.is_some() {
                     return Err(self.invalid(seq, "session already started"));
                 }
+                // Rules this code does not have cannot be replayed by guessing: a session of
+                // a newer cairn is refused, not run under older rules.
+                let version = started.workflow_version;
+                if !(1..=WORKFLOW_VERSION).contains(&version) {
+                    let newer = if version > WORKFLOW_VERSION {
+                        ": the session was started by a newer cairn"
+                    } else {
+                        ""
+                    };
+                    return Err(self.invalid(
+                        seq,
+                        format!(
+                            "workflow version {version} is not one this cairn has (1 to \
+                             {WORKFLOW_VERSION}){newer}"
+                        ),
+                    ));
+                }
                 if let Some(policy) = &started.tool_policy {
                     policy
                         .check()

@@ -195,6 +195,37 @@ fn failed(class: ErrorClass) -> ActivityFailure {
     ActivityFailure::new(class, "boom")
 }
 
+/// A session started under workflow rules this code does not have (a newer cairn's) is
+/// refused, live and on replay, naming the version: never run under older rules.
+#[test]
+fn a_workflow_version_this_code_does_not_have_is_refused() {
+    for version in [0, crate::workflow::WORKFLOW_VERSION + 1, u32::MAX] {
+        let mut state = SessionState::new(SID);
+        let started = SessionStarted {
+            workflow_version: version,
+            ..started(8)
+        };
+        let event = EventEnvelope::new(SID, 1, 1_000, Event::SessionStarted(started));
+        let newer = if version == 0 {
+            ""
+        } else {
+            ": the session was started by a newer cairn"
+        };
+        let expected = format!(
+            "workflow version {version} is not one this cairn has (1 to {}){newer}",
+            crate::workflow::WORKFLOW_VERSION
+        );
+        match state.step(event.clone()) {
+            Err(Error::InvalidEvent { seq: 1, reason, .. }) => assert_eq!(reason, expected),
+            other => panic!("version {version}: {other:?}"),
+        }
+        match replay(SID, &[event]) {
+            Err(Error::InvalidEvent { seq: 1, reason, .. }) => assert_eq!(reason, expected),
+            other => panic!("version {version}: {:?}", other.map(|r| r.commands)),
+        }
+    }
+}
+
 #[test]
 fn a_turn_with_two_parallel_tools_finishing_out_of_order() {
     let mut live = Live::new(started(8));
