@@ -32,7 +32,7 @@
 //! it and refuses the append.
 
 use crate::failure::{retrying, sqlstate, Failure};
-use crate::rows::{attempt_from_db, from_db, kind_name, storable, to_db};
+use crate::rows::{attempt_from_db, from_db, kind_name, storable, time_to_db, to_db};
 use cairn_runtime::codec;
 use cairn_runtime::store::{
     check_session_id, AppendRequest, Lease, LeaseRequest, Task, TaskFence, TaskId,
@@ -98,6 +98,7 @@ struct Enqueued {
 /// of the session from `expected_next_seq`) and encodes its events.
 pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
     check_session_id(&request.session_id)?;
+    cairn_runtime::store::check_expected_seq(request)?;
     let mut seqs = Vec::with_capacity(request.events.len());
     let mut records = Vec::with_capacity(request.events.len());
     for (i, event) in request.events.iter().enumerate() {
@@ -128,15 +129,12 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
     let complete = request.complete.as_ref().and_then(|(id, attempt)| {
         storable_id(id).map(|(session_id, seq)| (session_id, seq, *attempt))
     });
-    let fenced = match &request.drop_if_unchanged {
-        Some(fence) => Some(Fenced {
-            id: storable_id(&fence.id),
-            lease_attempt: i64::from(fence.lease_attempt),
-            visible_at_ms: to_db("fenced visible_at_ms", fence.visible_at_ms)?,
-            held: fence.held,
-        }),
-        None => None,
-    };
+    let fenced = request.drop_if_unchanged.as_ref().map(|fence| Fenced {
+        id: storable_id(&fence.id),
+        lease_attempt: i64::from(fence.lease_attempt),
+        visible_at_ms: time_to_db(fence.visible_at_ms),
+        held: fence.held,
+    });
     // One row per id, the last enqueue winning as in the memory store: an INSERT ... ON
     // CONFLICT cannot change one row twice.
     let mut last: BTreeMap<&TaskId, usize> = BTreeMap::new();
@@ -184,16 +182,10 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
             .seqs
             .push(to_db("scheduled seq", task.id.scheduled_seq)?);
         enqueued.kinds.push(kind_name(task.kind));
-        enqueued
-            .visible_at_ms
-            .push(to_db("visible_at_ms", task.visible_at_ms)?);
+        enqueued.visible_at_ms.push(time_to_db(task.visible_at_ms));
         enqueued.queues.push(task.queue.clone());
         enqueued.targets.push(task.target.clone());
-        enqueued.start_by_ms.push(
-            task.start_by_ms
-                .map(|ms| to_db("start_by_ms", ms))
-                .transpose()?,
-        );
+        enqueued.start_by_ms.push(task.start_by_ms.map(time_to_db));
         enqueued.lease_attempts.push(0);
         enqueued.held.push(false);
         enqueued.sources.push(i);
@@ -204,7 +196,7 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
         seqs,
         records,
         status: request.status.as_str(),
-        now_ms: to_db("now_ms", request.now_ms)?,
+        now_ms: time_to_db(request.now_ms),
         complete,
         fenced,
         removed,
@@ -221,7 +213,7 @@ impl Prepared<'_> {
     pub(crate) fn lease_queued(&mut self, lease: &LeaseRequest) -> Result<Vec<Lease>> {
         let now_ms = self.request.now_ms;
         let expires_at_ms = now_ms.saturating_add(lease.lease_ms);
-        let expires = to_db("lease expiry", expires_at_ms)?;
+        let expires = time_to_db(expires_at_ms);
         let mut due: Vec<(u64, &TaskId, usize)> = Vec::new();
         for (at, &source) in self.enqueued.sources.iter().enumerate() {
             let task = &self.request.enqueue[source];

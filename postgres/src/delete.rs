@@ -4,7 +4,7 @@
 //! again.
 
 use crate::failure::{retrying, Failure};
-use crate::rows::{self, to_db, DELETED};
+use crate::rows::{self, time_to_db, DELETED};
 use cairn_runtime::store::{check_deletable, check_session_id, SessionInfo};
 use cairn_runtime::{Error, Result};
 use sqlx::postgres::PgPool;
@@ -18,7 +18,7 @@ pub(crate) async fn delete(pool: &PgPool, session_id: &str, now_ms: u64) -> Resu
     if check_session_id(session_id).is_err() {
         return Err(unknown());
     }
-    let now = to_db("now_ms", now_ms)?;
+    let now = time_to_db(now_ms);
     retrying("deleting a session", || async {
         let mut tx = pool.begin().await?;
         let row = sqlx::query(

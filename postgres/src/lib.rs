@@ -58,12 +58,13 @@
 //!
 //! # Hints
 //!
-//! After an append commits, the store hands a [`StoreChange`](cairn_runtime::store::StoreChange)
-//! to this process's subscribers directly, then sends `pg_notify('cairn_changes', 'v1 LAST_SEQ
-//! ENQUEUED SESSION_ID')` on the same connection; a `PgListener` that the store starts on the
-//! first [`subscribe_changes`](cairn_runtime::store::Store::subscribe_changes) (and aborts when
-//! dropped) hears the other processes' hints, and this process's own again (a duplicate, which
-//! hints allow). Nothing correct depends on them.
+//! After an append commits, the store hands its [`StoreChange`](cairn_runtime::store::StoreChange)
+//! to the store's sender task, which sends what gathered as `pg_notify('cairn_changes', 'v2
+//! ORIGIN LAST_SEQ ENQUEUED SESSION_ID')`, outside the append's path; a `PgListener` that the
+//! store starts on the first [`subscribe_changes`](cairn_runtime::store::Store::subscribe_changes)
+//! (and aborts when dropped) hears the hints of other store handles (other processes) and
+//! drops the echo of its own, which the engine that appended knows already. Nothing correct
+//! depends on them (see `changes`).
 
 mod append;
 mod changes;

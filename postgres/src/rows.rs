@@ -20,6 +20,13 @@ pub(crate) fn to_db(what: &str, value: u64) -> Result<i64> {
     })
 }
 
+/// A time in epoch ms as a BIGINT, saturating: `i64::MAX` ms is some 292 million years
+/// away, so a later time (a deadline of now plus a timeout meant as "never") means the same,
+/// and is stored as a time every other store takes is, not refused.
+pub(crate) fn time_to_db(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
 /// A `usize` count or limit as a BIGINT, saturating: asking for more than `i64::MAX` rows is
 /// asking for all of them.
 pub(crate) fn count_to_db(value: usize) -> i64 {
@@ -141,6 +148,8 @@ mod tests {
         assert!(matches!(to_db("seq", u64::MAX), Err(Error::Store { .. })));
         assert!(matches!(from_db("seq", -1), Err(Error::Store { .. })));
         assert_eq!(count_to_db(usize::MAX), i64::MAX);
+        assert_eq!(time_to_db(u64::MAX), i64::MAX);
+        assert_eq!(time_to_db(5), 5);
         assert!(attempt_from_db(i64::from(u32::MAX) + 1).is_err());
     }
 

@@ -32,7 +32,8 @@ pub struct PgOptions {
     /// [`Error::StoreUnavailable`]. Default 5 s.
     pub acquire_timeout: Duration,
     /// Whether appends send a NOTIFY hint and [`Store::subscribe_changes`] listens for the
-    /// hints of other processes. Off, subscribers hear only this process's appends. Default on.
+    /// hints of other processes. Off, subscribers hear nothing, and engines rely on polling the
+    /// store alone. Default on.
     pub notify: bool,
     /// The longest one statement may run (PostgreSQL's `statement_timeout`), so that an
     /// operation held up by a lock or an overloaded server fails ([`Error::StoreUnavailable`],

@@ -2,7 +2,7 @@
 //! statement (atomic on its own) with the memory store's semantics in its WHERE clause.
 
 use crate::failure::{retrying, Failure};
-use crate::rows::{self, count_to_db, storable, to_db, TASK_COLUMNS};
+use crate::rows::{self, count_to_db, storable, time_to_db, to_db, TASK_COLUMNS};
 use cairn_ledger::JsonText;
 use cairn_runtime::store::{check_session_id, Lease, Task, TaskFilter, TaskId};
 use cairn_runtime::{Error, Result};
@@ -55,9 +55,9 @@ pub(crate) async fn lease(
     if namespace.is_some_and(|namespace| !storable(namespace)) {
         return Ok(Vec::new());
     }
-    let now = to_db("now_ms", now_ms)?;
+    let now = time_to_db(now_ms);
     let expires_at_ms = now_ms.saturating_add(lease_ms);
-    let expires = to_db("lease expiry", expires_at_ms)?;
+    let expires = time_to_db(expires_at_ms);
     let max = count_to_db(max);
     let rows = retrying("leasing tasks", || async {
         Ok(sqlx::query(
@@ -136,9 +136,9 @@ pub(crate) async fn extend(
         return Err(gone());
     }
     let seq = to_db("scheduled seq", id.scheduled_seq)?;
-    let now = to_db("now_ms", now_ms)?;
+    let now = time_to_db(now_ms);
     let expires_at_ms = now_ms.saturating_add(lease_ms);
-    let expires = to_db("lease expiry", expires_at_ms)?;
+    let expires = time_to_db(expires_at_ms);
     let details = details.as_ref().map(JsonText::as_str);
     let extended = retrying("extending a lease", || async {
         let done = sqlx::query(
@@ -196,7 +196,7 @@ pub(crate) async fn overdue(pool: &PgPool, now_ms: u64, max: usize) -> Result<Ve
     if max == 0 {
         return Ok(Vec::new());
     }
-    let now = to_db("now_ms", now_ms)?;
+    let now = time_to_db(now_ms);
     let rows = retrying("listing overdue tasks", || async {
         Ok(sqlx::query(&format!(
             "SELECT {TASK_COLUMNS} FROM cairn_tasks \
@@ -231,7 +231,7 @@ pub(crate) async fn list(pool: &PgPool) -> Result<Vec<Task>> {
 /// Releases every leased task, current or lapsed (the memory store's `released_visibility`):
 /// no longer held, visible at the earlier of its expiry and now, its lease attempt kept.
 pub(crate) async fn release(pool: &PgPool, now_ms: u64) -> Result<usize> {
-    let now = to_db("now_ms", now_ms)?;
+    let now = time_to_db(now_ms);
     let released = retrying("releasing leases", || async {
         Ok(sqlx::query(
             "UPDATE cairn_tasks SET visible_at_ms = LEAST(visible_at_ms, $1), held = FALSE \

@@ -47,6 +47,8 @@ each_check!(
     a_fenced_drop_of_a_task_leased_since_is_refused,
     a_fenced_drop_of_a_task_renewed_since_is_refused,
     a_fenced_drop_of_a_task_released_or_gone_since_is_refused,
+    far_off_times_are_taken_and_mean_never,
+    an_append_expecting_seq_0_is_refused,
 );
 
 /// Runs `future` to its end from synchronous code inside the test's (multi-threaded) runtime:

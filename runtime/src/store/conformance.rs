@@ -23,6 +23,7 @@ mod concurrency;
 mod deletion;
 mod fenced_drop;
 mod in_process;
+mod limits;
 pub use concurrency::{
     a_lapsed_lease_changes_nothing, concurrent_leases_hand_each_task_once,
     racing_appends_on_two_handles, two_engines_on_one_store,
@@ -42,6 +43,7 @@ pub use in_process::{
     an_in_process_lease_is_durable_after_the_next_write,
     append_and_lease_takes_what_the_append_queued, in_process_leases_fence_like_durable_ones,
 };
+pub use limits::{an_append_expecting_seq_0_is_refused, far_off_times_are_taken_and_mean_never};
 
 /// Runs every check, each on a store from `fresh`. With `reopen` (a function that drops a store
 /// and opens the same storage again), also checks that everything survives a reopen.
@@ -83,6 +85,8 @@ pub async fn run_all<S: Store>(
     a_fenced_drop_of_a_task_leased_since_is_refused(&fresh()).await;
     a_fenced_drop_of_a_task_renewed_since_is_refused(&fresh()).await;
     a_fenced_drop_of_a_task_released_or_gone_since_is_refused(&fresh()).await;
+    far_off_times_are_taken_and_mean_never(&fresh()).await;
+    an_append_expecting_seq_0_is_refused(&fresh()).await;
     concurrent_appends(Arc::new(fresh())).await;
     let twice = |store: S| {
         let store: Arc<dyn Store> = Arc::new(store);
@@ -2172,6 +2176,8 @@ mod tests {
         delete_refuses_a_busy_session,
         in_process_leases_fence_like_durable_ones,
         append_and_lease_takes_what_the_append_queued,
+        far_off_times_are_taken_and_mean_never,
+        an_append_expecting_seq_0_is_refused,
     );
 
     macro_rules! each_concurrency_check {

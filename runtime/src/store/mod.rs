@@ -667,18 +667,37 @@ pub fn check_session_id(session_id: &str) -> Result<()> {
     }
 }
 
+/// Checks that the request expects a seq a session can have next: seqs start at 1, so 0
+/// is refused (`InvalidEvent`) by every store alike.
+pub fn check_expected_seq(request: &AppendRequest) -> Result<()> {
+    if request.expected_next_seq == 0 {
+        return Err(crate::error::Error::InvalidEvent {
+            session_id: request.session_id.clone(),
+            seq: 0,
+            reason: "an append must expect seq 1 or later next: seqs start at 1".into(),
+        });
+    }
+    Ok(())
+}
+
 /// Checks that the request's events carry consecutive seqs of its session.
 pub(crate) fn check_request(request: &AppendRequest) -> Result<()> {
     check_session_id(&request.session_id)?;
+    check_expected_seq(request)?;
     for (i, e) in request.events.iter().enumerate() {
-        if e.session_id != request.session_id || e.seq != request.expected_next_seq + i as u64 {
+        let want = u64::try_from(i)
+            .ok()
+            .and_then(|i| request.expected_next_seq.checked_add(i));
+        if e.session_id != request.session_id || Some(e.seq) != want {
             return Err(crate::error::Error::InvalidEvent {
                 session_id: request.session_id.clone(),
                 seq: e.seq,
-                reason: format!(
-                    "append batch position {i} must be seq {} of this session",
-                    request.expected_next_seq + i as u64
-                ),
+                reason: match want {
+                    Some(want) => {
+                        format!("append batch position {i} must be seq {want} of this session")
+                    }
+                    None => format!("append batch position {i} is past the largest seq"),
+                },
             });
         }
     }
