@@ -15,7 +15,7 @@
 use crate::error::{Error, Result};
 use crate::event::{Event, EventEnvelope};
 use crate::replay::{replay, step_through};
-use crate::store::{SessionInfo, SessionStatus, Store, TaskKind};
+use crate::store::{missing_seq, SessionInfo, SessionStatus, Store, TaskKind};
 use crate::workflow::SessionState;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -165,7 +165,7 @@ struct Checked {
     /// The scheduled events read: seq → whether it schedules a model (or a tool) call.
     scheduled: BTreeMap<u64, TaskKind>,
     /// Seqs that could not be read.
-    unreadable: BTreeSet<u64>,
+    unreadable: Unreadable,
     /// The activities the session waits for, when its whole history folded cleanly.
     outstanding: Option<BTreeSet<u64>>,
 }
@@ -207,12 +207,13 @@ pub async fn fsck(store: &dyn Store) -> Result<FsckReport> {
             ));
             continue;
         }
-        if c.unreadable.contains(&seq) {
+        if c.unreadable.contains(seq) {
             continue; // the corrupt record is reported already
         }
         match c.scheduled.get(&seq) {
             None => problem(format!(
-                "task {} does not point at a model_call_scheduled or tool_call_scheduled event",
+                "task {} does not point at a model_call_scheduled, summary_call_scheduled or \
+                 tool_call_scheduled event",
                 task.id
             )),
             Some(kind) if *kind != task.kind => problem(format!(
@@ -269,42 +270,77 @@ async fn check_session(
         })
     };
     let (events, unreadable) = read_all(store, sid, info.events, &mut problem).await?;
-    report.events += events.len() as u64 + unreadable.len() as u64;
+    report.events = report
+        .events
+        .saturating_add(events.len() as u64)
+        .saturating_add(unreadable.count());
 
-    // Seqs: 1..=n, each either decoded or noted as unreadable, n = the recorded count.
-    let mut expected = 1u64;
+    // Seqs: 1..=n, each either decoded or noted as unreadable, n = the recorded count. The
+    // count is the session record's, which no checksum covers: a gap is one problem, however
+    // long, so a damaged count costs no more than the records there are.
     let mut sequence_ok = true;
-    let mut decoded = events.iter().map(|e| e.seq).peekable();
-    while expected <= info.events {
-        if decoded.peek() == Some(&expected) {
-            decoded.next();
-        } else if !unreadable.contains(&expected) {
-            problem(
-                Some(expected),
-                ProblemKind::Sequence,
-                "seq missing from the history".to_owned(),
-            );
+    let mut known: Vec<(u64, u64)> = events
+        .iter()
+        .map(|e| (e.seq, e.seq))
+        .chain(unreadable.ranges.iter().copied())
+        .collect();
+    known.sort_unstable();
+    let mut missing = |first: u64, last: u64| {
+        let what = if first == last {
+            "seq missing from the history".to_owned()
+        } else {
+            format!("seqs {first}..={last} missing from the history")
+        };
+        problem(Some(first), ProblemKind::Sequence, what);
+    };
+    let mut expected = 1u64;
+    for &(first, last) in &known {
+        if first > info.events {
+            break;
+        }
+        if first > expected {
+            missing(expected, first - 1);
             sequence_ok = false;
         }
-        expected += 1;
+        expected = expected.max(last.saturating_add(1));
     }
-    let extra: Vec<u64> = decoded
-        .chain(unreadable.iter().copied().filter(|s| *s > info.events))
+    if expected <= info.events {
+        missing(expected, info.events);
+        sequence_ok = false;
+    }
+    let mut extra: Vec<u64> = known
+        .iter()
+        .map(|&(first, last)| first.max(info.events.saturating_add(1)).min(last))
+        .filter(|&seq| seq > info.events)
         .collect();
-    if !extra.is_empty() {
+    extra.dedup();
+    let strays = events.windows(2).any(|w| w[1].seq <= w[0].seq);
+    if !extra.is_empty() || strays {
+        let read = if extra.len() > 8 {
+            format!("{:?} and {} more", &extra[..8], extra.len() - 8)
+        } else {
+            format!("{extra:?}")
+        };
         problem(
             extra.first().copied(),
             ProblemKind::Sequence,
-            format!(
-                "the session records {} events but seqs {extra:?} were read",
-                info.events
-            ),
+            if strays {
+                format!(
+                    "the session records {} events but its seqs were read out of order",
+                    info.events
+                )
+            } else {
+                format!(
+                    "the session records {} events but seqs {read} were read",
+                    info.events
+                )
+            },
         );
         sequence_ok = false;
     }
 
     // Replay the readable prefix: the whole history when nothing is missing.
-    let complete = sequence_ok && unreadable.is_empty();
+    let complete = sequence_ok && unreadable.ranges.is_empty();
     let prefix_end = events
         .iter()
         .enumerate()
@@ -324,7 +360,7 @@ async fn check_session(
     let mut scheduled = BTreeMap::new();
     for e in &events {
         match e.event {
-            Event::ModelCallScheduled { .. } => {
+            Event::ModelCallScheduled { .. } | Event::SummaryCallScheduled { .. } => {
                 scheduled.insert(e.seq, TaskKind::Model);
             }
             Event::ToolCallScheduled { .. } => {
@@ -364,6 +400,50 @@ async fn check_session(
     })
 }
 
+/// Seqs of a session that could not be read, as inclusive ranges: a range may be as long as
+/// a damaged count says, and costs one entry.
+#[derive(Debug, Default)]
+struct Unreadable {
+    ranges: Vec<(u64, u64)>,
+}
+
+impl Unreadable {
+    fn insert(&mut self, seq: u64) {
+        self.ranges.push((seq, seq));
+    }
+
+    /// Seqs `first..=last`; nothing when `last < first`.
+    fn insert_range(&mut self, first: u64, last: u64) {
+        if first <= last {
+            self.ranges.push((first, last));
+        }
+    }
+
+    fn contains(&self, seq: u64) -> bool {
+        self.ranges
+            .iter()
+            .any(|&(first, last)| (first..=last).contains(&seq))
+    }
+
+    fn count(&self) -> u64 {
+        self.ranges.iter().fold(0u64, |n, &(first, last)| {
+            n.saturating_add(last - first).saturating_add(1)
+        })
+    }
+}
+
+/// Where a read of a session's records stopped short.
+enum Stop {
+    /// At a record that is stored but cannot be read.
+    Bad(ProblemKind, String),
+    /// At a record not stored at all; the next seq that is (none up to the recorded count).
+    Missing(Option<u64>),
+}
+
+/// Records read one by one, at most, when the store's answers disagree on where a bad
+/// record is; a longer stretch is reported unreadable as a whole.
+const MAX_ONE_BY_ONE: u64 = 10_000;
+
 /// Reads every record of a session, noting and skipping unreadable ones. Returns the decoded
 /// events in order and the seqs that could not be read.
 async fn read_all(
@@ -371,13 +451,14 @@ async fn read_all(
     sid: &str,
     recorded: u64,
     problem: &mut impl FnMut(Option<u64>, ProblemKind, String),
-) -> Result<(Vec<EventEnvelope>, BTreeSet<u64>)> {
+) -> Result<(Vec<EventEnvelope>, Unreadable)> {
     let mut events = Vec::new();
-    let mut unreadable = BTreeSet::new();
+    let mut unreadable = Unreadable::default();
     let mut next = 1u64;
-    // Each round either ends the reading or moves `next` forward past a bad record.
+    // Each round either ends the reading or moves `next` forward past a bad record, or past
+    // a gap of records not stored at all.
     loop {
-        let (seq, kind, what) = match store.read_history(sid, next, None).await {
+        let (seq, stop) = match store.read_history(sid, next, None).await {
             Ok(rest) => {
                 events.extend(rest);
                 break;
@@ -390,12 +471,14 @@ async fn read_all(
                 );
                 break;
             }
-            Err(Error::CorruptRecord { seq, reason, .. }) => {
-                (seq, ProblemKind::CorruptRecord, reason)
-            }
-            Err(e @ Error::UnknownSchemaVersion { seq, .. }) => {
-                (seq, ProblemKind::UnknownSchemaVersion, e.to_string())
-            }
+            Err(Error::CorruptRecord { seq, reason, .. }) => match missing_seq(&reason) {
+                Some(next_stored) => (seq, Stop::Missing(next_stored)),
+                None => (seq, Stop::Bad(ProblemKind::CorruptRecord, reason)),
+            },
+            Err(e @ Error::UnknownSchemaVersion { seq, .. }) => (
+                seq,
+                Stop::Bad(ProblemKind::UnknownSchemaVersion, e.to_string()),
+            ),
             Err(e) => {
                 // The storage engine itself failed (a missing blob, an IO error): nothing
                 // from here on can be told apart, so the rest of this session is unreadable,
@@ -405,49 +488,83 @@ async fn read_all(
                     ProblemKind::Unreadable,
                     format!("seqs {next}..={recorded} cannot be read: {e}"),
                 );
-                unreadable.extend(next..=recorded.max(next));
+                unreadable.insert_range(next, recorded.max(next));
                 break;
             }
         };
         let seq = seq.max(next);
         if seq > next {
-            // The records before the bad one.
-            let before = usize::try_from(seq - next).unwrap_or(usize::MAX);
-            match store.read_history(sid, next, Some(before)).await {
-                Ok(good) => events.extend(good),
-                Err(Error::CorruptRecord { .. } | Error::UnknownSchemaVersion { .. }) => {
-                    // Inconsistent answers; read them one by one.
-                    for s in next..seq {
-                        match store.read_history(sid, s, Some(1)).await {
-                            Ok(one) => events.extend(one),
-                            Err(
-                                e @ (Error::CorruptRecord { .. }
-                                | Error::UnknownSchemaVersion { .. }),
-                            ) => {
-                                problem(Some(s), ProblemKind::CorruptRecord, e.to_string());
-                                unreadable.insert(s);
-                            }
-                            Err(e) => {
-                                problem(Some(s), ProblemKind::Unreadable, e.to_string());
-                                unreadable.insert(s);
-                            }
-                        }
-                    }
-                }
-                Err(e) => {
-                    problem(Some(next), ProblemKind::Unreadable, e.to_string());
-                    unreadable.extend(next..seq);
+            read_before(store, sid, next, seq, &mut events, &mut unreadable, problem).await;
+        }
+        match stop {
+            Stop::Bad(kind, what) => {
+                problem(Some(seq), kind, what);
+                unreadable.insert(seq);
+                match seq.checked_add(1) {
+                    Some(after) if after <= recorded => next = after,
+                    _ => break,
                 }
             }
-        }
-        problem(Some(seq), kind, what);
-        unreadable.insert(seq);
-        match seq.checked_add(1) {
-            Some(after) if after <= recorded => next = after,
-            _ => break,
+            // Not stored at all: the sequence check reports the gap, as one problem however
+            // long, and reading goes on at the next stored seq, if any.
+            Stop::Missing(next_stored) => match next_stored {
+                Some(stored) if stored > seq && stored <= recorded => next = stored,
+                _ => break,
+            },
         }
     }
     Ok((events, unreadable))
+}
+
+/// Reads the records `next..seq`, before a bad one: at once, or one by one when the store's
+/// answers disagree (at most [`MAX_ONE_BY_ONE`] of them; a longer stretch is unreadable).
+async fn read_before(
+    store: &dyn Store,
+    sid: &str,
+    next: u64,
+    seq: u64,
+    events: &mut Vec<EventEnvelope>,
+    unreadable: &mut Unreadable,
+    problem: &mut impl FnMut(Option<u64>, ProblemKind, String),
+) {
+    let before = usize::try_from(seq - next).unwrap_or(usize::MAX);
+    match store.read_history(sid, next, Some(before)).await {
+        Ok(good) => events.extend(good),
+        Err(Error::CorruptRecord { .. } | Error::UnknownSchemaVersion { .. })
+            if seq - next > MAX_ONE_BY_ONE =>
+        {
+            problem(
+                Some(next),
+                ProblemKind::Unreadable,
+                format!(
+                    "seqs {next}..={} cannot be read: the store's answers disagree on which \
+                     record is bad",
+                    seq - 1
+                ),
+            );
+            unreadable.insert_range(next, seq - 1);
+        }
+        Err(Error::CorruptRecord { .. } | Error::UnknownSchemaVersion { .. }) => {
+            // Inconsistent answers; read them one by one.
+            for s in next..seq {
+                match store.read_history(sid, s, Some(1)).await {
+                    Ok(one) => events.extend(one),
+                    Err(e @ (Error::CorruptRecord { .. } | Error::UnknownSchemaVersion { .. })) => {
+                        problem(Some(s), ProblemKind::CorruptRecord, e.to_string());
+                        unreadable.insert(s);
+                    }
+                    Err(e) => {
+                        problem(Some(s), ProblemKind::Unreadable, e.to_string());
+                        unreadable.insert(s);
+                    }
+                }
+            }
+        }
+        Err(e) => {
+            problem(Some(next), ProblemKind::Unreadable, e.to_string());
+            unreadable.insert_range(next, seq - 1);
+        }
+    }
 }
 
 fn replay_problem(e: Error, problem: &mut impl FnMut(Option<u64>, ProblemKind, String)) {
@@ -691,5 +808,69 @@ mod tests {
                 .len(),
             3
         );
+    }
+
+    /// A session record whose event count was damaged to far more than is stored (no checksum
+    /// covers it), and a record missing in the middle: fsck reports each gap as one problem,
+    /// however long, and finishes at once instead of stepping through every seq it names.
+    #[tokio::test]
+    #[allow(clippy::disallowed_methods)] // waits for sled's thread to let go of its lock
+    async fn a_damaged_count_and_a_missing_record_are_one_problem_each() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let store = SledStore::open(root.path()).expect("open");
+        for sid in ["a", "b"] {
+            waiting_session(&store, sid).await;
+        }
+        let dir = store.path().to_path_buf();
+        drop(store);
+        let damaged = 1u64 << 40;
+        {
+            let db = sled::open(&dir).expect("raw sled");
+            let sessions = db.open_tree("sessions").expect("tree");
+            let record = sessions.get(b"a").expect("get").expect("a's record");
+            let mut info: SessionInfo = rmp_serde::from_slice(&record).expect("decode");
+            info.events = damaged;
+            let record = rmp_serde::to_vec(&info).expect("encode");
+            sessions.insert(b"a", record).expect("insert");
+            let events = db.open_tree("events").expect("tree");
+            let mut key = b"b".to_vec();
+            key.push(0);
+            key.extend_from_slice(&2u64.to_be_bytes());
+            assert!(events.remove(key).expect("remove").is_some());
+            db.flush().expect("flush");
+        }
+        let mut tries = 0;
+        let store = loop {
+            match SledStore::open_existing(&dir) {
+                Err(Error::StoreOpen { reason, .. })
+                    if reason.contains("lock is held") && tries < 500 =>
+                {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                other => break other.expect("reopen"),
+            }
+        };
+        let report = fsck(&store).await.expect("fsck");
+        let found: Vec<(&str, Option<u64>, ProblemKind, &str)> = report
+            .problems
+            .iter()
+            .map(|p| (p.session_id.as_str(), p.seq, p.kind, p.what.as_str()))
+            .collect();
+        let tail = format!("seqs 4..={damaged} missing from the history");
+        assert_eq!(
+            found,
+            [
+                ("a", Some(4), ProblemKind::Sequence, tail.as_str()),
+                (
+                    "b",
+                    Some(2),
+                    ProblemKind::Sequence,
+                    "seq missing from the history"
+                ),
+            ],
+            "{report}"
+        );
+        assert_eq!(report.events, 5, "the records there are: {report}");
     }
 }

@@ -556,6 +556,24 @@ fn a_summary_call_runs_first_and_its_text_is_kept_in_front_of_the_cut() {
     live.check_replay();
 }
 
+/// A session stopped while its summary call is queued is consistent: fsck finds the task
+/// pointing at its summary_call_scheduled and reports nothing.
+#[tokio::test]
+async fn fsck_finds_a_queued_summary_call_in_order() {
+    let mut live = Live::new(summarizing(Some(1)));
+    run_turn(&mut live, 1);
+    let t = live.step(user(2, "question 2"));
+    assert!(matches!(t.commands[..], [Command::ScheduleSummary { .. }]));
+    let store = crate::MemoryStore::new();
+    let written =
+        crate::export::write_new_session(&store, live.events.clone(), &live.state, live.now)
+            .await
+            .unwrap();
+    assert_eq!(written.tasks, 1);
+    let report = crate::fsck::fsck(&store).await.unwrap();
+    assert!(report.is_clean(), "{report}");
+}
+
 #[test]
 fn a_summary_that_keeps_failing_is_retried_then_left_out() {
     let mut live = Live::new(summarizing(Some(1)));

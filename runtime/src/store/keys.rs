@@ -181,7 +181,7 @@ where
             return Err(Error::CorruptRecord {
                 session_id: session_id.to_owned(),
                 seq: expected,
-                reason: format!("missing from the store (the next stored seq is {seq})"),
+                reason: missing_reason(Some(seq), events),
             });
         }
         out.push(codec::decode(session_id, seq, record.as_ref())?);
@@ -192,10 +192,35 @@ where
         return Err(Error::CorruptRecord {
             session_id: session_id.to_owned(),
             seq: expected,
-            reason: format!("missing from the store (the session records {events} events)"),
+            reason: missing_reason(None, events),
         });
     }
     Ok(out)
+}
+
+/// The words of [`read_events`]'s `CorruptRecord` for a seq that is not stored at all: with
+/// the next seq that is, or none up to the recorded count.
+fn missing_reason(next_stored: Option<u64>, events: u64) -> String {
+    match next_stored {
+        Some(seq) => format!("{MISSING} (the next stored seq is {seq})"),
+        None => format!("{MISSING} (the session records {events} events)"),
+    }
+}
+
+const MISSING: &str = "missing from the store";
+
+/// Whether a `CorruptRecord`'s reason says its seq is not stored at all (rather than stored
+/// and unreadable), and if so the next seq that is stored (`None`: none up to the session's
+/// recorded count). So a check can step over a gap, however long, at once.
+pub(crate) fn missing_seq(reason: &str) -> Option<Option<u64>> {
+    let rest = reason.strip_prefix(MISSING)?;
+    if rest.starts_with(" (the session records ") {
+        return Some(None);
+    }
+    let next = rest
+        .strip_prefix(" (the next stored seq is ")?
+        .strip_suffix(')')?;
+    next.parse().ok().map(Some)
 }
 
 #[cfg(test)]

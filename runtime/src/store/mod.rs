@@ -22,6 +22,7 @@ pub mod faulty;
 mod files;
 pub mod fjall;
 mod keys;
+pub(crate) use keys::missing_seq;
 pub mod marks;
 pub mod memory;
 pub mod sled;
