@@ -3,7 +3,7 @@
 //! Typical use: a fork with another model against its parent.
 
 use crate::error::Result;
-use crate::event::{Event, EventEnvelope};
+use crate::event::{Event, EventEnvelope, SessionStarted};
 use crate::replay::replay;
 use cairn_ledger::{Message, Part, Usage};
 use serde::Serialize;
@@ -69,8 +69,10 @@ pub struct SessionDiff {
     pub b: String,
     /// Where the histories part; `None` when they hold the same events.
     pub parting: Option<Parting>,
-    /// How the sessions' first events differ in configuration: `model`, `system_prompt`,
-    /// `tools`, `limits` (names only).
+    /// How the sessions' first events differ in configuration: the names of the
+    /// `session_started` fields that differ (`model`, `system_prompt`, `tools`, `limits`,
+    /// `tool_policy`, `call_options`, ...), in alphabetical order; a fork's origin does not
+    /// count.
     pub config: Vec<String>,
     /// Messages equal from the start before the first difference.
     pub common_messages: usize,
@@ -88,21 +90,10 @@ pub fn diff_sessions(
     b: &[EventEnvelope],
 ) -> Result<SessionDiff> {
     let (state_a, state_b) = (replay(a_id, a)?.state, replay(b_id, b)?.state);
-    let mut config = Vec::new();
-    if let (Some(sa), Some(sb)) = (&state_a.started, &state_b.started) {
-        if sa.model != sb.model {
-            config.push("model".to_owned());
-        }
-        if sa.system_prompt != sb.system_prompt {
-            config.push("system_prompt".to_owned());
-        }
-        if sa.tools != sb.tools {
-            config.push("tools".to_owned());
-        }
-        if sa.limits != sb.limits {
-            config.push("limits".to_owned());
-        }
-    }
+    let config = match (&state_a.started, &state_b.started) {
+        (Some(sa), Some(sb)) => config_differences(sa, sb),
+        _ => Vec::new(),
+    };
     let same = |x: &EventEnvelope, y: &EventEnvelope| match (&x.event, &y.event) {
         // The configuration is reported on its own; the start itself is common.
         (Event::SessionStarted(_), Event::SessionStarted(_)) => true,
@@ -163,6 +154,35 @@ pub fn diff_sessions(
     })
 }
 
+/// The names of the fields in which two sessions' first events differ: every field of the
+/// configuration, one added later too, except the fork origin (a fork has one, its parent
+/// not). A field left out of one record (its default) and set in the other differs.
+fn config_differences(a: &SessionStarted, b: &SessionStarted) -> Vec<String> {
+    let fields = |started: &SessionStarted| match serde_json::to_value(started) {
+        Ok(serde_json::Value::Object(mut fields)) => {
+            fields.remove("forked_from");
+            Some(fields)
+        }
+        _ => None,
+    };
+    let (Some(fa), Some(fb)) = (fields(a), fields(b)) else {
+        // Not representable as JSON fields (never for the records cairn writes): whole.
+        let mut a = a.clone();
+        a.forked_from.clone_from(&b.forked_from);
+        return if a == *b {
+            Vec::new()
+        } else {
+            vec!["session_started".to_owned()]
+        };
+    };
+    let names: std::collections::BTreeSet<&String> = fa.keys().chain(fb.keys()).collect();
+    names
+        .into_iter()
+        .filter(|name| fa.get(*name) != fb.get(*name))
+        .cloned()
+        .collect()
+}
+
 fn changed(index: usize, x: &Message, y: &Message) -> MessageDiff {
     let roles = (x.role != y.role).then(|| (role(x), role(y)));
     let parts = (0..x.parts.len().max(y.parts.len()))
@@ -188,4 +208,44 @@ fn part_json(part: Option<&Part>) -> serde_json::Value {
 
 fn to_json(value: &impl Serialize) -> serde_json::Value {
     serde_json::to_value(value).unwrap_or(serde_json::Value::Null)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::ForkOrigin;
+    use crate::workflow_tests::{started, SID};
+
+    fn history(started: SessionStarted) -> Vec<EventEnvelope> {
+        vec![EventEnvelope::new(
+            SID,
+            1,
+            1_000,
+            Event::SessionStarted(started),
+        )]
+    }
+
+    fn diff(a: SessionStarted, b: SessionStarted) -> SessionDiff {
+        diff_sessions(SID, &history(a), SID, &history(b)).unwrap()
+    }
+
+    /// Any field of the configuration that differs is named, not only the model, prompt,
+    /// tools and limits; a fork's origin is not a difference.
+    #[test]
+    fn every_configuration_field_that_differs_is_named() {
+        let a = started(8);
+        let mut b = started(8);
+        b.forked_from = Some(ForkOrigin {
+            session_id: "parent".into(),
+            seq: 1,
+        });
+        let same = diff(a.clone(), b.clone());
+        assert_eq!((same.parting, same.config), (None, Vec::<String>::new()));
+
+        b.model_retry.maximum_attempts += 1;
+        b.workdir = Some("/elsewhere".into());
+        let differs = diff(a, b);
+        assert_eq!(differs.config, ["model_retry", "workdir"]);
+        assert_eq!(differs.parting, None, "the start itself is common");
+    }
 }
