@@ -435,6 +435,66 @@ async fn a_report_that_fails_to_append_runs_again_after_the_lease_lapses() {
     assert!(report.is_clean(), "{report}");
 }
 
+/// On a database that is unavailable for a while (`StoreUnavailable`, as PostgreSQL while it
+/// restarts), an in-process worker sends a report that failed so again, while its lease
+/// holds, instead of dropping the result: the tool runs once, no attempt fails, and the turn
+/// completes without waiting for a lease to lapse.
+#[tokio::test]
+async fn a_report_the_database_refuses_for_now_is_sent_again_while_its_lease_holds() {
+    let files = demo_files(TWO_TOOLS);
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    store.fail_as_a_database();
+    store.fail_appends_matching(3, |request| {
+        matches!(
+            request.events.first().map(|e| &e.event),
+            Some(Event::ToolCallCompleted { .. })
+        )
+    });
+    let host = TestHost::start(
+        store.clone(),
+        clock.clone(),
+        &files.workdir,
+        fast_workers(10_000),
+    );
+    let client = host.client.clone();
+    client
+        .start_session(host.session_options(&files.script, "unavailable"))
+        .await
+        .unwrap();
+    client.send("unavailable", "go").await.unwrap();
+    // The clock stands still: no lease lapses, so only a report sent again ends the turn.
+    let outcome = tokio::time::timeout(Duration::from_secs(10), client.wait_turn("unavailable", 1))
+        .await
+        .expect("the refused reports are sent again")
+        .unwrap();
+    assert_eq!(answer(&outcome), "done");
+    assert_eq!(store.injected_failures(), 3);
+    let history = client.history("unavailable").await.unwrap();
+    let attempts: Vec<(String, u32)> = history
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ToolCallCompleted {
+                tool_use_id,
+                attempt,
+                ..
+            } => Some((tool_use_id.clone(), *attempt)),
+            _ => None,
+        })
+        .collect();
+    let mut attempts = attempts;
+    attempts.sort();
+    assert_eq!(attempts, [("t1".to_owned(), 1), ("t2".to_owned(), 1)]);
+    assert!(
+        !history
+            .iter()
+            .any(|e| matches!(e.event, Event::ToolCallFailed { .. })),
+        "{:?}",
+        kinds(&history)
+    );
+    host.shutdown().await;
+}
+
 /// Where the full-disk child fills a store; set only for it.
 const FULL_DISK_CHILD_ENV: &str = "CAIRN_FULL_DISK_CHILD_STORE";
 

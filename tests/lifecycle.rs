@@ -1422,3 +1422,74 @@ async fn a_slow_lease_renewal_does_not_pause_the_activity() {
         .any(|e| matches!(e.event, Event::ToolCallFailed { .. })));
     pool.shutdown().await;
 }
+
+/// On a database that is unavailable for a while (`StoreUnavailable`, as PostgreSQL while it
+/// restarts), a lease renewal that fails so is not a lost lease: while the lease holds, the
+/// activity goes on and the renewal is tried again, and the turn completes on its first
+/// attempt. (Before, the first such failure cancelled a healthy activity, whose result was
+/// then never reported and whose task ran again once the lease lapsed.)
+#[tokio::test]
+async fn a_renewal_the_database_refuses_for_now_does_not_lose_the_lease() {
+    let beats = Arc::new(Mutex::new(Vec::new()));
+    let tools = Arc::new(ToolRegistry::new().with(Steady {
+        beats: beats.clone(),
+    }));
+    let model = FnModel::new(vec![call_tool("s1", "steady"), answer("finished")]);
+    let store = Arc::new(cairn_runtime::store::faulty::FaultyStore::new(
+        MemoryStore::new(),
+    ));
+    store.fail_as_a_database();
+    let engine = Engine::new(store.clone(), Arc::new(SystemClock));
+    let pool = WorkerPool::start(
+        engine.clone(),
+        Activities {
+            models: Arc::new(Fixed(model)),
+            tools: tools.clone(),
+        },
+        WorkerConfig {
+            renew_interval_ms: Some(50),
+            lease_ms: 60_000,
+            ..workers()
+        },
+    );
+    let client = Client::new(engine);
+    let session = client
+        .start_session(options(&tools, "unavailable-renewal"))
+        .await
+        .unwrap();
+    let turn = client.send(&session, "go").await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while beats.lock().unwrap().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the tool never started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    store.fail_leases();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    store.heal();
+    assert!(
+        store.injected_failures() >= 2,
+        "renewals were refused: {}",
+        store.injected_failures()
+    );
+    let outcome = tokio::time::timeout(Duration::from_secs(10), client.wait_turn(&session, turn))
+        .await
+        .expect("the activity went on and reported")
+        .unwrap();
+    assert!(
+        matches!(outcome, TurnOutcome::Completed { .. }),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        beats.lock().unwrap().len(),
+        30,
+        "one attempt, run to its end"
+    );
+    let history = replays(&client, &session).await;
+    assert!(!history
+        .iter()
+        .any(|e| matches!(e.event, Event::ToolCallFailed { .. })));
+    pool.shutdown().await;
+}

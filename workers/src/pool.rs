@@ -105,6 +105,10 @@ const LEASE_ERROR_PAUSE: Duration = Duration::from_millis(100);
 /// How often an in-process pool's engine fires its timers.
 const TIMER_INTERVAL: Duration = Duration::from_millis(200);
 
+/// The first and the longest pause before a report, or a lease renewal, that failed for now
+/// is sent again ([`TaskSource::fails_for_now`]).
+const RESEND_PAUSE: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(1));
+
 impl WorkerPool {
     /// Starts leasing and running tasks of an engine in this process, and the engine's timer
     /// loop beside it (lapsed leases and start deadlines are recorded by the engine, and an
@@ -493,6 +497,17 @@ async fn run_task(
                                 details_sent = details;
                             }
                         }
+                        // The store is unavailable for now, and the lease still holds: the
+                        // activity goes on, and the renewal is tried again soon.
+                        Err(e) if e.is_retryable()
+                            && engine.fails_for_now()
+                            && engine.now_ms() < lease_expires_at_ms =>
+                        {
+                            debug!(error = %e, "renewing the lease failed for now; trying again");
+                            let soon = tokio::time::Instant::now() + RESEND_PAUSE.1.min(renew_every);
+                            next_renewal = next_renewal.min(soon);
+                            next_check = next_check.min(soon);
+                        }
                         Err(e) => {
                             // The task was cancelled, or another worker owns it now: ask
                             // the activity to stop, and report nothing.
@@ -567,7 +582,7 @@ async fn run_task(
             if let (ActivityReport::Failed(_), Some(pending), true) = (&report, &pending, recording) {
                 record_pending(engine, &lease, lease_expires_at_ms, pending, context.reported_usage()).await;
             }
-            return finish(engine, &lease, report, next).await;
+            return finish(engine, &lease, lease_expires_at_ms, report, next).await;
         }
         Handed::default()
     }
@@ -685,10 +700,16 @@ impl Handed {
 async fn finish(
     engine: &dyn TaskSource,
     lease: &Lease,
+    lease_expires_at_ms: u64,
     report: ActivityReport,
     next: Option<EagerDispatch<'_>>,
 ) -> Handed {
-    let refused = match send_report(engine, lease, report, next).await {
+    let sent = if engine.fails_for_now() {
+        resend_while_unavailable(engine, lease, lease_expires_at_ms, report, next).await
+    } else {
+        send_report(engine, lease, report, next).await
+    };
+    let refused = match sent {
         Ok(handed) => return handed,
         Err(Error::Remote {
             status: 413,
@@ -713,6 +734,33 @@ async fn finish(
     match send_report(engine, lease, failed, next).await {
         Ok(handed) => handed,
         Err(e) => dropped(lease, e),
+    }
+}
+
+/// Sends the report, and again after a pause as long as it fails for now (the store is
+/// unavailable: a database restarting) and the lease holds; a copy is kept for that. A try
+/// that failed so may have landed: the next is then stale, and dropped as such.
+async fn resend_while_unavailable(
+    engine: &dyn TaskSource,
+    lease: &Lease,
+    lease_expires_at_ms: u64,
+    report: ActivityReport,
+    next: Option<EagerDispatch<'_>>,
+) -> Result<Handed, Error> {
+    let mut pause = RESEND_PAUSE.0;
+    loop {
+        match send_report(engine, lease, report.clone(), next).await {
+            Err(e) if e.is_retryable() => {
+                let pause_ms = u64::try_from(pause.as_millis()).unwrap_or(u64::MAX);
+                if engine.now_ms().saturating_add(pause_ms) >= lease_expires_at_ms {
+                    return Err(e);
+                }
+                debug!(task = %lease.id, error = %e, "reporting failed for now; sending again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(RESEND_PAUSE.1);
+            }
+            other => return other,
+        }
     }
 }
 

@@ -83,6 +83,15 @@ pub trait TaskSource: Send + Sync + 'static {
 
     /// The source's clock (epoch ms), for schedule-to-start checks and lease expiries.
     fn now_ms(&self) -> u64;
+
+    /// Whether a report or a lease renewal may fail for a while and then go through (a
+    /// database restarting, its connections all taken: an error that
+    /// [`is_retryable`](cairn_runtime::Error::is_retryable)) without the source trying
+    /// again itself. The pool then keeps a copy of each report to send again, and takes a
+    /// failed renewal for a passing one, while the lease holds. Default: no.
+    fn fails_for_now(&self) -> bool {
+        false
+    }
 }
 
 /// The in-process source: the engine itself.
@@ -175,5 +184,11 @@ impl TaskSource for EngineSource {
 
     fn now_ms(&self) -> u64 {
         self.engine.now_ms()
+    }
+
+    /// A store other processes share is a database, which may be unavailable for a while;
+    /// an embedded store's failures are for good.
+    fn fails_for_now(&self) -> bool {
+        self.engine.store().shared()
     }
 }

@@ -12,6 +12,7 @@ use crate::event::EventEnvelope;
 use async_trait::async_trait;
 use cairn_ledger::JsonText;
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The reason of an injected append failure.
@@ -45,6 +46,8 @@ struct Faults {
 pub struct FaultyStore<S> {
     inner: S,
     faults: Mutex<Faults>,
+    /// Set by [`FaultyStore::fail_as_a_database`]; [`FaultyStore::heal`] keeps it.
+    as_a_database: AtomicBool,
 }
 
 impl<S: Store> FaultyStore<S> {
@@ -53,6 +56,7 @@ impl<S: Store> FaultyStore<S> {
         FaultyStore {
             inner,
             faults: Mutex::new(Faults::default()),
+            as_a_database: AtomicBool::new(false),
         }
     }
 
@@ -106,6 +110,24 @@ impl<S: Store> FaultyStore<S> {
         self.faults().leases = true;
     }
 
+    /// From now on the store acts as a database other processes share ([`Store::shared`]),
+    /// and its injected faults fail as such a database does while it restarts: with
+    /// `Error::StoreUnavailable`, which callers may retry, instead of `Error::Store`. Kept by
+    /// [`FaultyStore::heal`].
+    pub fn fail_as_a_database(&self) {
+        self.as_a_database.store(true, Ordering::Relaxed);
+    }
+
+    /// The error of an injected fault.
+    fn fault(&self, reason: &str) -> Error {
+        let reason = reason.to_owned();
+        if self.as_a_database.load(Ordering::Relaxed) {
+            Error::StoreUnavailable { reason }
+        } else {
+            Error::Store { reason }
+        }
+    }
+
     /// Clears every fault: from now on every operation reaches the inner store.
     pub fn heal(&self) {
         let mut faults = self.faults();
@@ -138,9 +160,7 @@ impl<S: Store> FaultyStore<S> {
         }
         if fail {
             faults.injected += 1;
-            return Err(Error::Store {
-                reason: DISK_FULL.to_owned(),
-            });
+            return Err(self.fault(DISK_FULL));
         }
         Ok(())
     }
@@ -150,9 +170,7 @@ impl<S: Store> FaultyStore<S> {
         let mut faults = self.faults();
         if faults.sessions.contains(session_id) || faults.appends_left == Some(0) {
             faults.injected += 1;
-            return Err(Error::Store {
-                reason: DISK_FULL.to_owned(),
-            });
+            return Err(self.fault(DISK_FULL));
         }
         Ok(())
     }
@@ -161,9 +179,7 @@ impl<S: Store> FaultyStore<S> {
         let mut faults = self.faults();
         if which(&faults) {
             faults.injected += 1;
-            return Err(Error::Store {
-                reason: reason.to_owned(),
-            });
+            return Err(self.fault(reason));
         }
         Ok(())
     }
@@ -179,6 +195,10 @@ impl<S: Store> FaultyStore<S> {
 
 #[async_trait]
 impl<S: Store> Store for FaultyStore<S> {
+    fn shared(&self) -> bool {
+        self.as_a_database.load(Ordering::Relaxed) || self.inner.shared()
+    }
+
     async fn append(&self, request: AppendRequest) -> Result<()> {
         self.append_fault(&request)?;
         self.inner.append(request).await
