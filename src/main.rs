@@ -1031,9 +1031,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let model = model.as_deref().map(parse_model).transpose()?;
             let request = cairn_runtime::fork::ForkRequest {
                 session_id: id.unwrap_or_else(|| {
-                    format!(
-                        "{session}-fork-{at}-{:x}",
-                        cairn_runtime::Clock::now_ms(&cairn_runtime::SystemClock)
+                    cairn_runtime::fork::default_fork_id(
+                        &session,
+                        at,
+                        cairn_runtime::Clock::now_ms(&cairn_runtime::SystemClock),
                     )
                 }),
                 parent: session,

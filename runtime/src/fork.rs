@@ -102,6 +102,19 @@ pub fn fork_events(
     Ok((events, state))
 }
 
+/// A fork's id when none is given: `PARENT-fork-SEQ-TIME` (the time in hex ms), the parent's
+/// id shortened as needed to keep within the 128 characters an id may have.
+pub fn default_fork_id(parent: &str, at_seq: u64, now_ms: u64) -> String {
+    let suffix = format!("-fork-{at_seq}-{now_ms:x}");
+    let keep = 128usize.saturating_sub(suffix.len());
+    // Ids are ASCII (`check_session_id`); a parent that is not keeps its whole characters.
+    let mut end = parent.len().min(keep);
+    while !parent.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{suffix}", &parent[..end])
+}
+
 /// Forks a stored session (see [`fork_events`]) into a new session of the same store, in
 /// one atomic append; a fork cut inside a turn gets the tasks that turn waits for, so it goes
 /// on. `InvalidEvent` when the fork's id is taken.
@@ -113,4 +126,21 @@ pub async fn fork_session(
     let parent_events = store.read_history(&request.parent, 1, None).await?;
     let (events, state) = fork_events(&parent_events, request)?;
     write_new_session(store, events, &state, now_ms).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_fork_id;
+    use crate::store::check_session_id;
+
+    /// The default id of a fork is a valid id whatever the parent's length.
+    #[test]
+    fn a_default_fork_id_is_a_valid_id_for_any_parent() {
+        assert_eq!(default_fork_id("s1", 7, 255), "s1-fork-7-ff");
+        let long = "p".repeat(128);
+        let id = default_fork_id(&long, u64::MAX, u64::MAX);
+        assert_eq!(id.len(), 128);
+        assert!(id.ends_with(&format!("-fork-{}-{:x}", u64::MAX, u64::MAX)));
+        check_session_id(&id).unwrap();
+    }
 }
