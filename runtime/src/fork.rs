@@ -86,7 +86,39 @@ pub fn fork_events(
         seq: request.at_seq,
     });
     let parent_state = crate::replay::state_at(&request.parent, parent_events, request.at_seq)?;
-    let state = SessionState::fold(&request.session_id, &events)?;
+    // A turn running at the cut with a model of its own (its message's) takes the new model
+    // too, as the session's default does.
+    if let (Some(model), Some(active)) = (&request.model, &parent_state.active) {
+        let turn_message = events.iter_mut().rev().find_map(|e| match &mut e.event {
+            Event::UserMessage {
+                turn, model: own, ..
+            } if *turn == active.turn => Some(own),
+            _ => None,
+        });
+        if let Some(own @ Some(_)) = turn_message {
+            *own = Some(model.clone());
+        }
+    }
+    let state = SessionState::fold(&request.session_id, &events).map_err(|e| {
+        let changed: Vec<&str> = [
+            request.model.as_ref().map(|_| "model"),
+            request.system_prompt.as_ref().map(|_| "system prompt"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if changed.is_empty() {
+            return e;
+        }
+        // A decision of the copied prefix depended on what changed (a compaction decided
+        // by the transcript's estimate, which the system prompt is part of, say).
+        refuse(format!(
+            "with another {}, the copied history no longer replays: {e}; fork before that \
+             event, or keep the {}",
+            changed.join(" and "),
+            changed.join(" and ")
+        ))
+    })?;
     if let (Some(before), Some(after)) = (&parent_state.active, &state.active) {
         // A tool loop runs inside one provider's conventions: its tool_use ids, and the
         // signed reasoning it must be handed back unmodified mid-loop. Another provider
@@ -130,8 +162,45 @@ pub async fn fork_session(
 
 #[cfg(test)]
 mod tests {
-    use super::default_fork_id;
+    use super::{default_fork_id, fork_events, ForkRequest};
+    use crate::event::Event;
     use crate::store::check_session_id;
+    use crate::workflow_tests::{started, Live, SID};
+    use cairn_ledger::ModelSpec;
+
+    /// A fork with another model, cut inside a turn that runs on a model of its own (its
+    /// message's), moves that turn to the new model too, as documented.
+    #[test]
+    fn another_model_reaches_a_running_turn_with_a_model_of_its_own() {
+        let mut live = Live::new(started(8));
+        live.input(Event::UserMessage {
+            idempotency_key: None,
+            tool_choice: None,
+            turn: 1,
+            text: "hi".into(),
+            model: Some(ModelSpec::new("scripted", "the-turn's")),
+            media: Vec::new(),
+        });
+        let forked = ModelSpec::new("scripted", "forked");
+        let request = ForkRequest {
+            parent: SID.into(),
+            at_seq: live.events.last().unwrap().seq,
+            session_id: "fork".into(),
+            model: Some(forked.clone()),
+            system_prompt: None,
+        };
+        let (events, state) = fork_events(&live.events, &request).unwrap();
+        assert_eq!(state.active.as_ref().map(|a| &a.model), Some(&forked));
+        assert!(events.iter().any(|e| matches!(
+            &e.event,
+            Event::UserMessage { model: Some(m), .. } if *m == forked
+        )));
+        assert_eq!(
+            live.state.active.as_ref().map(|a| a.model.model.as_str()),
+            Some("the-turn's"),
+            "the parent is unchanged"
+        );
+    }
 
     /// The default id of a fork is a valid id whatever the parent's length.
     #[test]

@@ -172,6 +172,32 @@ fn over_the_threshold_a_compaction_goes_before_the_model_call() {
     live.check_replay();
 }
 
+/// A fork with another system prompt whose copy holds a compaction decided on the old
+/// transcript's estimate is refused with a reason, not a bare nondeterminism.
+#[test]
+fn a_fork_whose_new_system_prompt_breaks_a_copied_compaction_is_refused() {
+    let all = CompactionPolicy::default().strategies;
+    let mut live = Live::new(with_policy(Some(policy(Some(1), all, 4))));
+    run_turn(&mut live, 1);
+    live.input(user(2, "question 2"));
+    let request = crate::fork::ForkRequest {
+        parent: SID.into(),
+        at_seq: live.events.last().unwrap().seq,
+        session_id: "fork".into(),
+        model: None,
+        system_prompt: Some("A much longer system prompt than before. ".repeat(20)),
+    };
+    match crate::fork::fork_events(&live.events, &request) {
+        Err(Error::InvalidEvent { reason, .. }) => assert!(
+            reason
+                .starts_with("with another system prompt, the copied history no longer replays: ")
+                && reason.ends_with("fork before that event, or keep the system prompt"),
+            "{reason}"
+        ),
+        other => panic!("{:?}", other.map(|(events, _)| events.len())),
+    }
+}
+
 #[test]
 fn under_the_threshold_nothing_is_compacted_and_it_stops_once_under() {
     // Measure the transcript at turn 3's start in a session without compaction.
