@@ -300,6 +300,23 @@ impl Store for PgStore {
         rows.iter().map(rows::session).collect()
     }
 
+    async fn sessions_named(&self, session_ids: &[String]) -> Result<Vec<SessionInfo>> {
+        if session_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = retrying("reading session records", || async {
+            Ok(sqlx::query(
+                "SELECT session_id, status, last_seq, updated_at_ms FROM cairn_sessions \
+                 WHERE session_id = ANY($1) AND status <> 'deleted'",
+            )
+            .bind(session_ids)
+            .fetch_all(&self.pool)
+            .await?)
+        })
+        .await?;
+        rows.iter().map(rows::session).collect()
+    }
+
     async fn lease_tasks(
         &self,
         now_ms: u64,

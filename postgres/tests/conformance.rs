@@ -49,6 +49,7 @@ each_check!(
     a_fenced_drop_of_a_task_released_or_gone_since_is_refused,
     far_off_times_are_taken_and_mean_never,
     an_append_expecting_seq_0_is_refused,
+    sessions_named_reads_the_records_it_holds,
 );
 
 /// Runs `future` to its end from synchronous code inside the test's (multi-threaded) runtime:

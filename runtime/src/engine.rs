@@ -1700,10 +1700,29 @@ impl Engine {
         }
     }
 
-    async fn refresh_watched(&self) {
+    /// Reads the appends of the watched sessions that moved: one read of their records
+    /// ([`Store::sessions_named`]) says which did, and only those (and those without a record:
+    /// deleted, or not created yet) have their histories read, so a poll of many idle
+    /// followed sessions costs the store one query, not one per session.
+    pub(crate) async fn refresh_watched(&self) {
         let sessions: Vec<String> = lock(&self.inner.watched).keys().cloned().collect();
+        if sessions.is_empty() {
+            return;
+        }
+        let heads: HashMap<String, u64> = match self.inner.store.sessions_named(&sessions).await {
+            Ok(infos) => infos
+                .into_iter()
+                .map(|info| (info.session_id, info.events))
+                .collect(),
+            Err(e) => {
+                debug!(error = %e, "cannot read the watched sessions' records; reading each");
+                HashMap::new()
+            }
+        };
         for session_id in sessions {
-            self.refresh(&session_id, None).await;
+            // A known last seq reads only when the cached state lacks it.
+            let last_seq = heads.get(&session_id).copied();
+            self.refresh(&session_id, last_seq).await;
         }
     }
 

@@ -303,3 +303,51 @@ async fn a_lease_that_lapses_unreported_is_forgotten() -> Result<()> {
     assert_eq!(engine.per_session_entries().leased_here, 0);
     Ok(())
 }
+
+/// On a shared store, a poll for other writers' appends reads the histories of the watched
+/// sessions that moved, and only those: one read of their records says which, so many idle
+/// followed sessions cost a poll one query, not a history read each.
+#[tokio::test]
+async fn a_poll_of_a_shared_store_reads_only_the_watched_sessions_that_moved() -> Result<()> {
+    let store = Arc::new(crate::store::faulty::FaultyStore::new(MemoryStore::new()));
+    store.fail_as_a_database();
+    let writer = Engine::new(store.clone(), Arc::new(SystemClock));
+    let watcher = Engine::new(store.clone(), Arc::new(SystemClock));
+    let client = Client::new(writer.clone());
+    let ids: Vec<String> = (0..10).map(|i| format!("w{i}")).collect();
+    for id in &ids {
+        client.start_session(options(id)).await?;
+    }
+    let _watching: Vec<_> = ids.iter().map(|id| watcher.watch(id)).collect();
+    for id in &ids {
+        watcher.state(id).await?;
+    }
+    let before = store.history_reads();
+    watcher.refresh_watched().await;
+    assert_eq!(
+        store.history_reads(),
+        before,
+        "no watched session moved: no history is read"
+    );
+
+    let mut appended = watcher.subscribe_events();
+    client.send("w3", "hello").await?;
+    let before = store.history_reads();
+    watcher.refresh_watched().await;
+    assert_eq!(
+        store.history_reads() - before,
+        1,
+        "the one session that moved is read"
+    );
+    let heard = appended
+        .try_recv()
+        .expect("the watcher published the foreign append");
+    assert_eq!(
+        (
+            heard.session_id.as_str(),
+            heard.events.first().map(|e| e.seq)
+        ),
+        ("w3", Some(2))
+    );
+    Ok(())
+}

@@ -31,6 +31,7 @@ pub use concurrency::{
 pub use deletion::{
     a_deletion_is_seen_through_another_handle, a_deletion_survives_a_reopen,
     delete_refuses_a_busy_session, delete_removes_a_finished_session,
+    sessions_named_reads_the_records_it_holds,
 };
 pub use fenced_drop::{
     a_fenced_drop_of_a_task_leased_since_is_refused,
@@ -78,6 +79,7 @@ pub async fn run_all<S: Store>(
     released_tasks_are_leased_again_and_not_overdue(&fresh()).await;
     delete_removes_a_finished_session(&fresh()).await;
     delete_refuses_a_busy_session(&fresh()).await;
+    sessions_named_reads_the_records_it_holds(&fresh()).await;
     durable_commits_count_what_was_made_durable(&fresh()).await;
     in_process_leases_fence_like_durable_ones(&fresh()).await;
     append_and_lease_takes_what_the_append_queued(&fresh()).await;
@@ -2178,6 +2180,7 @@ mod tests {
         append_and_lease_takes_what_the_append_queued,
         far_off_times_are_taken_and_mean_never,
         an_append_expecting_seq_0_is_refused,
+        sessions_named_reads_the_records_it_holds,
     );
 
     macro_rules! each_concurrency_check {

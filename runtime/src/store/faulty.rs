@@ -12,7 +12,7 @@ use crate::event::EventEnvelope;
 use async_trait::async_trait;
 use cairn_ledger::JsonText;
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The reason of an injected append failure.
@@ -48,6 +48,8 @@ pub struct FaultyStore<S> {
     faults: Mutex<Faults>,
     /// Set by [`FaultyStore::fail_as_a_database`]; [`FaultyStore::heal`] keeps it.
     as_a_database: AtomicBool,
+    /// `read_history` calls so far, failed or not.
+    history_reads: AtomicU64,
 }
 
 impl<S: Store> FaultyStore<S> {
@@ -57,6 +59,7 @@ impl<S: Store> FaultyStore<S> {
             inner,
             faults: Mutex::new(Faults::default()),
             as_a_database: AtomicBool::new(false),
+            history_reads: AtomicU64::new(0),
         }
     }
 
@@ -136,6 +139,11 @@ impl<S: Store> FaultyStore<S> {
             injected,
             ..Faults::default()
         };
+    }
+
+    /// How many times a history was read (`read_history`) so far, failed or not.
+    pub fn history_reads(&self) -> u64 {
+        self.history_reads.load(Ordering::Relaxed)
     }
 
     /// How many operations an injected fault failed so far.
@@ -219,8 +227,14 @@ impl<S: Store> Store for FaultyStore<S> {
         from_seq: u64,
         limit: Option<usize>,
     ) -> Result<Vec<EventEnvelope>> {
+        self.history_reads.fetch_add(1, Ordering::Relaxed);
         self.read_fault()?;
         self.inner.read_history(session_id, from_seq, limit).await
+    }
+
+    async fn sessions_named(&self, session_ids: &[String]) -> Result<Vec<SessionInfo>> {
+        self.read_fault()?;
+        self.inner.sessions_named(session_ids).await
     }
 
     async fn list_sessions(&self) -> Result<Vec<SessionInfo>> {

@@ -511,6 +511,19 @@ pub trait Store: Send + Sync + 'static {
     /// Every session with its status, ordered by id.
     async fn list_sessions(&self) -> Result<Vec<SessionInfo>>;
 
+    /// The records of those of `session_ids` the store holds (a deleted or unknown id has
+    /// none), in any order: how an engine polling a shared store for other writers' appends
+    /// ([`Engine::follow_store`](crate::Engine::follow_store)) learns which of its watched
+    /// sessions moved, in one read, before it reads the histories of those alone. The default
+    /// lists every session; a shared store should answer with a lookup of the ids.
+    async fn sessions_named(&self, session_ids: &[String]) -> Result<Vec<SessionInfo>> {
+        let wanted: std::collections::BTreeSet<&str> =
+            session_ids.iter().map(String::as_str).collect();
+        let mut all = self.list_sessions().await?;
+        all.retain(|info| wanted.contains(info.session_id.as_str()));
+        Ok(all)
+    }
+
     /// Leases up to `max` tasks visible at `now_ms` that `filter` accepts and that are not
     /// overdue ([`Task::overdue`]), oldest first, each until `now_ms + lease_ms`: increments
     /// its lease attempt, marks it held and clears its heartbeat details.

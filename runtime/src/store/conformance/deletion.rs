@@ -280,3 +280,35 @@ pub async fn a_deletion_survives_a_reopen<S: Store>(store: S, reopen: &mut dyn F
         "the tombstone must survive a reopen, got {append:?}"
     );
 }
+
+/// [`Store::sessions_named`] answers the records of the named sessions the store holds, as
+/// listed, and none for an unknown or a deleted id (nor for none asked).
+pub async fn sessions_named_reads_the_records_it_holds(store: &dyn Store) {
+    session_of(store, "named-a", 2, SessionStatus::Idle).await;
+    session_of(store, "named-b", 1, SessionStatus::Running).await;
+    session_of(store, "named-gone", 1, SessionStatus::Idle).await;
+    if let Err(e) = store.delete_session("named-gone", 500).await {
+        panic!("deleting the idle session named-gone must succeed, got {e:?}");
+    }
+    let ids = ["named-b", "named-gone", "named-unknown", "named-a"].map(str::to_owned);
+    let mut named = store
+        .sessions_named(&ids)
+        .await
+        .unwrap_or_else(|e| panic!("sessions_named must succeed, got {e:?}"));
+    named.sort_by(|x, y| x.session_id.cmp(&y.session_id));
+    let listed: Vec<SessionInfo> = sessions(store)
+        .await
+        .into_iter()
+        .filter(|info| info.session_id.starts_with("named-"))
+        .collect();
+    assert_eq!(
+        named, listed,
+        "the records of named-a and named-b, as listed"
+    );
+    assert_eq!(listed.len(), 2);
+    let none = store
+        .sessions_named(&[])
+        .await
+        .unwrap_or_else(|e| panic!("sessions_named of no id must succeed, got {e:?}"));
+    assert_eq!(none, vec![]);
+}
