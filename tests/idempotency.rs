@@ -107,6 +107,25 @@ async fn a_resent_request_under_its_key_starts_no_second_turn_and_gets_the_first
         message.contains("\"m-2\"") && message.contains("turn 2"),
         "{message}"
     );
+    // Through the remote client, the typed error the in-process client gives.
+    let remote = cairn_remote::connect(&server.url(""), None).unwrap();
+    let three = cairn_runtime::wire::SendMessage {
+        text: "three".into(),
+        model: None,
+        media: Vec::new(),
+        tool_choice: None,
+    };
+    match remote.send_idempotent(&id, "m-2", three).await {
+        Err(cairn_runtime::Error::IdempotencyKeyReused {
+            session_id,
+            key,
+            turn,
+        }) => assert_eq!(
+            (session_id.as_str(), key.as_str(), turn),
+            (id.as_str(), "m-2", 2)
+        ),
+        other => panic!("expected IdempotencyKeyReused, got {other:?}"),
+    }
     // Keys that are none, refused naming the header, with nothing recorded.
     for key in ["a b", &"k".repeat(256)] {
         let refused = post_keyed(&http, url.clone(), key, json!({"text": "three"})).await;

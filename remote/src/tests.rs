@@ -1400,10 +1400,16 @@ async fn a_request_whose_answer_is_lost_is_sent_again_under_its_key_and_starts_o
     );
     let mut other = mine();
     other.text = "And 4 + 4?".into();
+    // The same typed error as in process: the server's 422 `idempotency_key_reused`.
     match client.send_idempotent(&session, "mine", other).await {
-        Err(Error::Remote { status, code, .. }) => {
-            assert_eq!((status, code.as_str()), (422, "idempotency_key_reused"))
-        }
+        Err(Error::IdempotencyKeyReused {
+            session_id,
+            key,
+            turn,
+        }) => assert_eq!(
+            (session_id, key.as_str(), turn),
+            (session.clone(), "mine", 3)
+        ),
         other => panic!("expected the key refused as reused, got {other:?}"),
     }
     let last = server.seen().last().unwrap().idempotency_key.clone();

@@ -101,6 +101,34 @@ fn session_path(session_id: &str) -> String {
     format!("/v1/sessions/{}", encode(session_id))
 }
 
+/// A server's 422 `idempotency_key_reused` answer to a message sent under `key` as the
+/// typed error the in-process client gives ([`Error::IdempotencyKeyReused`]): the key is the
+/// one sent, the turn the first one the server's words name after the quoted key ("...
+/// which started turn N ..."). Any other error, or words that name no turn, is left as it is.
+fn key_reused(error: Error, key: &str, session_id: Option<&str>) -> Error {
+    let turn = match &error {
+        Error::Remote {
+            status: 422,
+            code,
+            message,
+            ..
+        } if code == "idempotency_key_reused" => message
+            .split_once(&format!("{key:?}"))
+            .and_then(|(_, after_key)| after_key.split_once("turn "))
+            .and_then(|(_, rest)| rest.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|digits| digits.parse::<u32>().ok()),
+        _ => None,
+    };
+    match (turn, session_id) {
+        (Some(turn), Some(session_id)) => Error::IdempotencyKeyReused {
+            session_id: session_id.to_owned(),
+            key: key.to_owned(),
+            turn,
+        },
+        _ => error,
+    }
+}
+
 fn session(session_id: &str) -> Subject<'_> {
     Subject {
         session_id: Some(session_id),
@@ -234,7 +262,7 @@ impl HttpTransport {
         subject: Subject<'_>,
         timeout: Duration,
     ) -> Result<T> {
-        request.idempotency_key = Some(key);
+        request.idempotency_key = Some(key.clone());
         let since = Instant::now();
         let mut backoff = RECONNECT_BACKOFF.0;
         loop {
@@ -248,6 +276,7 @@ impl HttpTransport {
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(RECONNECT_BACKOFF.1);
                 }
+                Err(e) => return Err(key_reused(e, &key, subject.session_id)),
                 answered => return answered,
             }
         }

@@ -146,8 +146,8 @@ pub trait Transport: Send + Sync + 'static {
     ) -> Result<u32>;
     /// Sends a message under an idempotency key; returns the turn's number. Sent again under
     /// the same key, the same message starts no second turn and gets the first one's number;
-    /// another message under a used key is refused ([`Error::IdempotencyKeyReused`], or a
-    /// 422 error from a server).
+    /// another message under a used key is refused ([`Error::IdempotencyKeyReused`], which
+    /// the remote client makes of a server's 422 `idempotency_key_reused`).
     async fn send_idempotent(
         &self,
         session_id: &str,
@@ -374,8 +374,8 @@ impl Client {
     /// turn; returns the turn number without waiting. A process that cannot tell whether a
     /// send landed (it crashed, or lost the answer) sends again under the same key: the
     /// same message starts no second turn and gets the first one's number, while another
-    /// message under a used key is refused ([`Error::IdempotencyKeyReused`]; from a server,
-    /// a 422 `idempotency_key_reused` error). Keys are 1-255 visible ASCII characters,
+    /// message under a used key is refused ([`Error::IdempotencyKeyReused`], through a server
+    /// too: its 422 `idempotency_key_reused`). Keys are 1-255 visible ASCII characters,
     /// remembered for the session's life. (The remote client already sends every message
     /// under a key of its own, and again while the server is unreachable.)
     pub async fn send_idempotent(
