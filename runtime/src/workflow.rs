@@ -741,6 +741,26 @@ impl SessionState {
         if input.event.is_command() {
             return Err(self.invalid(input.seq, "command event as input"));
         }
+        // Checked on new sessions only, so that a history recorded before still folds: a
+        // coefficient that is not a number cannot be written to an export (JSON has no NaN
+        // or infinity), so its session could not be exported and imported again.
+        if let Event::SessionStarted(started) = &input.event {
+            for (which, policy) in [
+                ("model_retry", &started.model_retry),
+                ("tool_retry", &started.tool_retry),
+            ] {
+                let coefficient = policy.backoff_coefficient;
+                if !coefficient.is_finite() {
+                    return Err(self.invalid(
+                        input.seq,
+                        format!(
+                            "{which}: backoff_coefficient must be a finite number, not \
+                             {coefficient}"
+                        ),
+                    ));
+                }
+            }
+        }
         let before: BTreeSet<u64> = self.outstanding_tasks().into_iter().collect();
         let reported = self.reported_task(&input.event);
         let was_running = self.is_running();

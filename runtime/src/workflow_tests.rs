@@ -226,6 +226,27 @@ fn a_workflow_version_this_code_does_not_have_is_refused() {
     }
 }
 
+/// A new session whose retry policy's backoff coefficient is not a finite number (which
+/// only the Rust API can give: JSON has none) is refused naming the field: its export could
+/// not be imported again. Nothing is recorded.
+#[test]
+fn a_retry_coefficient_that_is_not_a_number_is_refused_at_the_start() {
+    for (coefficient, words) in [(f64::NAN, "NaN"), (f64::INFINITY, "inf")] {
+        let mut state = SessionState::new(SID);
+        let mut bad = started(8);
+        bad.tool_retry.backoff_coefficient = coefficient;
+        let event = EventEnvelope::new(SID, 1, 1_000, Event::SessionStarted(bad));
+        match state.step(event) {
+            Err(Error::InvalidEvent { seq: 1, reason, .. }) => assert_eq!(
+                reason,
+                format!("tool_retry: backoff_coefficient must be a finite number, not {words}")
+            ),
+            other => panic!("{coefficient}: {:?}", other.map(|t| t.events.len())),
+        }
+        assert_eq!(state.next_seq, 1, "nothing was applied");
+    }
+}
+
 #[test]
 fn a_turn_with_two_parallel_tools_finishing_out_of_order() {
     let mut live = Live::new(started(8));
