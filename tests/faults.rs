@@ -288,15 +288,17 @@ const TWO_TOOLS: &str = r#"{"responses": [
     {"parts": [{"type": "text", "text": "done"}]}
 ]}"#;
 
-/// A worker's report fails to append: the task stays queued under its lease. Once the lease
-/// lapses the engine's timers record the attempt as failed (timeout, "lease lapsed"), the retry
-/// runs the tool again, and the turn completes with exactly one result per tool_use.
-#[tokio::test]
-async fn a_report_that_fails_to_append_runs_again_after_the_lease_lapses() {
+/// Session `id` on `store` (workers with 10 s leases, a clock standing at 1,000,000 ms)
+/// sent a message whose model calls two tools, the first `failures` tool reports failing
+/// to append; with the files the host's workers use (kept for the test's length).
+async fn two_tools_failing_their_reports(
+    store: &Arc<FaultyStore<MemoryStore>>,
+    failures: u64,
+    id: &str,
+) -> (TestHost, Arc<ManualClock>, crate::support::DemoFiles) {
     let files = demo_files(TWO_TOOLS);
     let clock = Arc::new(ManualClock::new(1_000_000));
-    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
-    store.fail_appends_matching(1, |request| {
+    store.fail_appends_matching(failures, |request| {
         matches!(
             request.events.first().map(|e| &e.event),
             Some(Event::ToolCallCompleted { .. })
@@ -308,12 +310,22 @@ async fn a_report_that_fails_to_append_runs_again_after_the_lease_lapses() {
         &files.workdir,
         fast_workers(10_000),
     );
-    let client = host.client.clone();
-    client
-        .start_session(host.session_options(&files.script, "report"))
+    host.client
+        .start_session(host.session_options(&files.script, id))
         .await
         .unwrap();
-    client.send("report", "go").await.unwrap();
+    host.client.send(id, "go").await.unwrap();
+    (host, clock, files)
+}
+
+/// A worker's report fails to append: the task stays queued under its lease. Once the lease
+/// lapses the engine's timers record the attempt as failed (timeout, "lease lapsed"), the retry
+/// runs the tool again, and the turn completes with exactly one result per tool_use.
+#[tokio::test]
+async fn a_report_that_fails_to_append_runs_again_after_the_lease_lapses() {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let (host, clock, _files) = two_tools_failing_their_reports(&store, 1, "report").await;
+    let client = host.client.clone();
     let completed = |history: &[EventEnvelope]| -> Vec<String> {
         history
             .iter()
@@ -441,28 +453,10 @@ async fn a_report_that_fails_to_append_runs_again_after_the_lease_lapses() {
 /// completes without waiting for a lease to lapse.
 #[tokio::test]
 async fn a_report_the_database_refuses_for_now_is_sent_again_while_its_lease_holds() {
-    let files = demo_files(TWO_TOOLS);
-    let clock = Arc::new(ManualClock::new(1_000_000));
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
     store.fail_as_a_database();
-    store.fail_appends_matching(3, |request| {
-        matches!(
-            request.events.first().map(|e| &e.event),
-            Some(Event::ToolCallCompleted { .. })
-        )
-    });
-    let host = TestHost::start(
-        store.clone(),
-        clock.clone(),
-        &files.workdir,
-        fast_workers(10_000),
-    );
+    let (host, _clock, _files) = two_tools_failing_their_reports(&store, 3, "unavailable").await;
     let client = host.client.clone();
-    client
-        .start_session(host.session_options(&files.script, "unavailable"))
-        .await
-        .unwrap();
-    client.send("unavailable", "go").await.unwrap();
     // The clock stands still: no lease lapses, so only a report sent again ends the turn.
     let outcome = tokio::time::timeout(Duration::from_secs(10), client.wait_turn("unavailable", 1))
         .await

@@ -648,6 +648,24 @@ mod tests {
         store.append(request).await.expect("append");
     }
 
+    /// Opens the sled store at `dir` again once sled's flusher thread, which lets go of the
+    /// file lock a moment after the last handle goes, has let go.
+    #[allow(clippy::disallowed_methods)] // waits for sled's thread
+    async fn reopen_sled(dir: &std::path::Path) -> SledStore {
+        let mut tries = 0;
+        loop {
+            match SledStore::open_existing(dir) {
+                Err(Error::StoreOpen { reason, .. })
+                    if reason.contains("lock is held") && tries < 500 =>
+                {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                other => return other.expect("reopen"),
+            }
+        }
+    }
+
     #[tokio::test]
     async fn a_consistent_store_is_clean() {
         let store = MemoryStore::new();
@@ -732,7 +750,6 @@ mod tests {
     /// A record damaged inside the store (sled checks only its own log): fsck names the
     /// session and seq, goes on reading after it, and other sessions stay clean.
     #[tokio::test]
-    #[allow(clippy::disallowed_methods)] // waits for sled's thread to let go of its lock
     async fn corrupt_records_are_reported_and_reading_goes_on() {
         let root = tempfile::tempdir().expect("tempdir");
         let store = SledStore::open(root.path()).expect("open");
@@ -759,19 +776,7 @@ mod tests {
             events.insert(key("c", 1), foreign).expect("insert");
             db.flush().expect("flush");
         }
-        // sled's flusher thread lets go of the file lock a moment after the last handle goes.
-        let mut tries = 0;
-        let store = loop {
-            match SledStore::open_existing(&dir) {
-                Err(Error::StoreOpen { reason, .. })
-                    if reason.contains("lock is held") && tries < 500 =>
-                {
-                    tries += 1;
-                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                }
-                other => break other.expect("reopen: same event count"),
-            }
-        };
+        let store = reopen_sled(&dir).await;
         match store.read_history("b", 1, None).await {
             Err(Error::CorruptRecord {
                 session_id, seq, ..
@@ -814,7 +819,6 @@ mod tests {
     /// covers it), and a record missing in the middle: fsck reports each gap as one problem,
     /// however long, and finishes at once instead of stepping through every seq it names.
     #[tokio::test]
-    #[allow(clippy::disallowed_methods)] // waits for sled's thread to let go of its lock
     async fn a_damaged_count_and_a_missing_record_are_one_problem_each() {
         let root = tempfile::tempdir().expect("tempdir");
         let store = SledStore::open(root.path()).expect("open");
@@ -839,18 +843,7 @@ mod tests {
             assert!(events.remove(key).expect("remove").is_some());
             db.flush().expect("flush");
         }
-        let mut tries = 0;
-        let store = loop {
-            match SledStore::open_existing(&dir) {
-                Err(Error::StoreOpen { reason, .. })
-                    if reason.contains("lock is held") && tries < 500 =>
-                {
-                    tries += 1;
-                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                }
-                other => break other.expect("reopen"),
-            }
-        };
+        let store = reopen_sled(&dir).await;
         let report = fsck(&store).await.expect("fsck");
         let found: Vec<(&str, Option<u64>, ProblemKind, &str)> = report
             .problems

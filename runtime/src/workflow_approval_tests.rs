@@ -189,9 +189,10 @@ fn a_denial_becomes_an_error_result_carrying_the_reason_and_the_turn_goes_on() {
     live.check_replay();
 }
 
-#[test]
-fn the_deadline_is_a_timer_task_no_worker_leases_and_it_denies_once() {
-    let mut live = Live::new(with_policy(Some(policy(Some(5_000)))));
+/// A session whose first turn's shell call waits for approval with a deadline `timeout_ms`
+/// after the model's answer; with the transition of that answer.
+fn parked_with_a_deadline(timeout_ms: u64) -> (Live, crate::workflow::Transition) {
+    let mut live = Live::new(with_policy(Some(policy(Some(timeout_ms)))));
     live.input(user(1, "list the files"));
     let t = live.step(model_done(
         1,
@@ -202,6 +203,12 @@ fn the_deadline_is_a_timer_task_no_worker_leases_and_it_denies_once() {
             StopReason::ToolUse,
         ),
     ));
+    (live, t)
+}
+
+#[test]
+fn the_deadline_is_a_timer_task_no_worker_leases_and_it_denies_once() {
+    let (mut live, t) = parked_with_a_deadline(5_000);
     let requested_seq = t.events[1].seq;
     let deadline = live.now + 5_000;
     assert_eq!(
@@ -268,17 +275,7 @@ fn the_deadline_is_a_timer_task_no_worker_leases_and_it_denies_once() {
 #[tokio::test]
 async fn an_imported_or_forked_session_keeps_its_approval_deadline() {
     use crate::store::{Store, TaskFilter};
-    let mut live = Live::new(with_policy(Some(policy(Some(5_000)))));
-    live.input(user(1, "list the files"));
-    let t = live.step(model_done(
-        1,
-        0,
-        1,
-        response(
-            vec![tool_use("sh1", "shell", r#"{"command":"ls"}"#)],
-            StopReason::ToolUse,
-        ),
-    ));
+    let (live, t) = parked_with_a_deadline(5_000);
     let requested_seq = t.events[1].seq;
     let deadline = live.now + 5_000;
     let store = crate::MemoryStore::new();
