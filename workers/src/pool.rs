@@ -472,10 +472,13 @@ async fn run_task(
             Some(ms) => Duration::from_millis((ms / 4).max(1)).min(renew_every),
             None => renew_every,
         };
-        let mut next_renewal = tokio::time::Instant::now() + renew_every;
+        // A lease handed late (a report's answer sent again after a while) may have less left
+        // than a renewal interval: the first renewal comes by half of what is left.
+        let left = Duration::from_millis(lease.expires_at_ms.saturating_sub(engine.now_ms()));
+        let mut next_renewal = tokio::time::Instant::now() + renew_every.min(left / 2);
         // Deadlines, not fresh sleeps per loop turn: the progress branch ends a turn every
         // interval, and must not keep pushing the checks (and lease renewals) back.
-        let mut next_check = tokio::time::Instant::now() + check_every;
+        let mut next_check = (tokio::time::Instant::now() + check_every).min(next_renewal);
         let mut cancelled_at = None;
         let mut lease_lost = false;
         // A renewal and a progress record in flight are polled beside the activity, never
@@ -1204,6 +1207,166 @@ mod tests {
         assert!(
             pause <= LEASE_ERROR_PAUSE,
             "the pool asked again {pause:?} after a failed lease request (long poll {long_poll:?})"
+        );
+    }
+
+    /// A source that hands one tool task whose lease has only 300 ms left (a report's answer
+    /// sent again late), then nothing; it records when the lease was renewed.
+    struct LateLease {
+        start: Instant,
+        handed: AtomicBool,
+        renewed_at: Mutex<Vec<Duration>>,
+        reported: Notify,
+    }
+
+    impl LateLease {
+        fn task(&self) -> LeasedTask {
+            let now_ms = self.now_ms();
+            LeasedTask {
+                lease: Lease {
+                    id: cairn_runtime::TaskId {
+                        session_id: "late".to_owned(),
+                        scheduled_seq: 5,
+                    },
+                    kind: cairn_runtime::TaskKind::Tool,
+                    lease_attempt: 1,
+                    expires_at_ms: now_ms + 300,
+                },
+                input: ActivityInput::Tool {
+                    origin: ActivityRef {
+                        session_id: "late".to_owned(),
+                        turn: 1,
+                        activity: "tool:t1".to_owned(),
+                        attempt: 1,
+                    },
+                    tool_use: cairn_ledger::ToolUse {
+                        id: "t1".to_owned(),
+                        name: "slow".to_owned(),
+                        arguments: "{}".to_owned(),
+                        signature: None,
+                    },
+                    idempotency_key: "late/t1".to_owned(),
+                    timeouts: cairn_runtime::ActivityTimeouts {
+                        due_at_ms: now_ms,
+                        schedule_to_start_ms: None,
+                        start_to_close_ms: 60_000,
+                        heartbeat_ms: None,
+                    },
+                    heartbeat_details: None,
+                    workdir: None,
+                    file_versions: Vec::new(),
+                },
+            }
+        }
+    }
+
+    #[async_trait]
+    impl TaskSource for LateLease {
+        async fn lease(
+            &self,
+            _filter: &TaskFilter,
+            _max: usize,
+            _lease_ms: u64,
+            wait: Duration,
+        ) -> cairn_runtime::Result<Vec<LeasedTask>> {
+            if !self.handed.swap(true, Ordering::SeqCst) {
+                return Ok(vec![self.task()]);
+            }
+            tokio::time::sleep(wait).await;
+            Ok(Vec::new())
+        }
+
+        async fn heartbeat(
+            &self,
+            lease: &Lease,
+            lease_ms: u64,
+            _details: Option<JsonText>,
+        ) -> cairn_runtime::Result<u64> {
+            self.renewed_at.lock().unwrap().push(self.start.elapsed());
+            let _ = lease;
+            Ok(self.now_ms() + lease_ms)
+        }
+
+        async fn record_progress(
+            &self,
+            _lease: &Lease,
+            _text_appended: String,
+            _thinking_appended: String,
+        ) -> cairn_runtime::Result<()> {
+            Ok(())
+        }
+
+        async fn report(
+            &self,
+            _lease: &Lease,
+            _report: ActivityReport,
+        ) -> cairn_runtime::Result<()> {
+            self.reported.notify_one();
+            Ok(())
+        }
+
+        fn publish_delta(&self, _delta: DeltaEvent) {}
+
+        fn cancellations(&self) -> Option<broadcast::Receiver<String>> {
+            None
+        }
+
+        fn now_ms(&self) -> u64 {
+            u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+        }
+    }
+
+    /// A tool that works for 2 s.
+    struct Slow;
+
+    #[async_trait]
+    impl cairn_activities::Tool for Slow {
+        fn spec(&self) -> cairn_ledger::ToolSpec {
+            cairn_ledger::ToolSpec {
+                name: "slow".into(),
+                description: "works for a while".into(),
+                input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
+            }
+        }
+        async fn call(
+            &self,
+            _call: &ToolCall,
+            _context: &ActivityContext,
+        ) -> cairn_activities::Result<cairn_activities::ToolOutput> {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            Ok(cairn_activities::ToolOutput::text("done"))
+        }
+    }
+
+    // The clock is paused: the renewal's time is measured in virtual time, exactly.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_handed_with_little_left_is_renewed_before_it_lapses() {
+        let source = Arc::new(LateLease {
+            start: Instant::now(),
+            handed: AtomicBool::new(false),
+            renewed_at: Mutex::new(Vec::new()),
+            reported: Notify::new(),
+        });
+        let pool = WorkerPool::start_with(
+            source.clone(),
+            Activities {
+                models: Arc::new(StandardModels::new()),
+                tools: Arc::new(ToolRegistry::new().with(Slow)),
+            },
+            WorkerConfig {
+                // Renewals every 10 s: far more than the 300 ms the lease has left.
+                lease_ms: 30_000,
+                ..WorkerConfig::default()
+            },
+        );
+        source.reported.notified().await;
+        pool.shutdown().await;
+        let renewed_at = source.renewed_at.lock().unwrap().clone();
+        assert!(
+            renewed_at
+                .first()
+                .is_some_and(|first| *first < Duration::from_millis(300)),
+            "the first renewal came at {renewed_at:?}, after the lease lapsed at 300 ms"
         );
     }
 }
