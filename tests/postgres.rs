@@ -118,6 +118,9 @@ async fn a_migrated_interrupted_session_resumes_on_postgres() {
         .unwrap();
     let turn = before.send(&id, "go").await.unwrap();
     let copied = before.history(&id).await.unwrap();
+    // A session deleted in the directory: its id stays unusable on the database.
+    let gone = before.start_session(options(&model, "gone")).await.unwrap();
+    before.delete_session(&gone).await.unwrap();
     embedded.kill();
 
     // Later calls answer at once: the session resumes with a fast model.
@@ -135,7 +138,10 @@ async fn a_migrated_interrupted_session_resumes_on_postgres() {
         String::from_utf8_lossy(&status.stderr)
     );
     let said = String::from_utf8_lossy(&status.stdout);
-    assert!(said.contains("copied 1 session(s)"), "{said}");
+    assert!(
+        said.contains("copied 1 session(s)") && said.contains("and 1 deleted session id(s)"),
+        "{said}"
+    );
     let again = crate::support::cairn_command()
         .args(["migrate", "--from"])
         .arg(&data)
@@ -151,6 +157,11 @@ async fn a_migrated_interrupted_session_resumes_on_postgres() {
 
     let (_pg, pg_url) = server_on(&database, &["--local-workers", "4"]);
     let after = client(&pg_url);
+    let reused = after.start_session(options(&model, "gone")).await;
+    assert!(
+        matches!(&reused, Err(cairn_runtime::Error::SessionDeleted { .. })),
+        "a deleted id is not used again after the move: {reused:?}"
+    );
     let outcome = tokio::time::timeout(Duration::from_secs(60), after.wait_turn(&id, turn))
         .await
         .expect("the migrated turn completes")

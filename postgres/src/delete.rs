@@ -62,3 +62,37 @@ pub(crate) async fn delete(pool: &PgPool, session_id: &str, now_ms: u64) -> Resu
     })
     .await
 }
+
+/// Records a tombstone for an id with no row here (a session deleted in the store a copy
+/// comes from): a row with the status `deleted` and no events, as a delete leaves. Already
+/// deleted here: nothing to do. A live session of the id: `InvalidEvent`, nothing written.
+pub(crate) async fn record_deleted(pool: &PgPool, session_id: &str, now_ms: u64) -> Result<bool> {
+    check_session_id(session_id)?;
+    let now = time_to_db(now_ms);
+    retrying("recording a deleted session", || async {
+        let mut tx = pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO cairn_sessions (session_id, status, last_seq, updated_at_ms) \
+             VALUES ($1, $2, 1, $3) ON CONFLICT (session_id) DO NOTHING",
+        )
+        .bind(session_id)
+        .bind(DELETED)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        let row = sqlx::query("SELECT status FROM cairn_sessions WHERE session_id = $1")
+            .bind(session_id)
+            .fetch_one(&mut *tx)
+            .await?;
+        if rows::get::<String>(&row, "status")? != DELETED {
+            return Err(Failure::Done(Error::InvalidEvent {
+                session_id: session_id.to_owned(),
+                seq: 0,
+                reason: "the store holds a session of this id; it was not deleted here".into(),
+            }));
+        }
+        tx.commit().await?;
+        Ok(true)
+    })
+    .await
+}

@@ -18,6 +18,7 @@ use cairn_runtime::store::{
 use cairn_runtime::{Error, Result};
 use sqlx::migrate::MigrateError;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::Row;
 use std::str::FromStr;
 use std::time::Duration;
 use tokio::sync::broadcast;
@@ -298,6 +299,30 @@ impl Store for PgStore {
         })
         .await?;
         rows.iter().map(rows::session).collect()
+    }
+
+    async fn deleted_sessions(&self) -> Result<Vec<String>> {
+        let rows = retrying("listing deleted sessions", || async {
+            Ok(sqlx::query(
+                "SELECT session_id FROM cairn_sessions WHERE status = 'deleted' \
+                 ORDER BY session_id COLLATE \"C\"",
+            )
+            .fetch_all(&self.pool)
+            .await?)
+        })
+        .await?;
+        rows.iter()
+            .map(|row| {
+                row.try_get::<String, _>("session_id")
+                    .map_err(|e| Error::Store {
+                        reason: format!("bad data: a deleted session's id: {e}"),
+                    })
+            })
+            .collect()
+    }
+
+    async fn record_deleted(&self, session_id: &str, now_ms: u64) -> Result<bool> {
+        crate::delete::record_deleted(&self.pool, session_id, now_ms).await
     }
 
     async fn sessions_named(&self, session_ids: &[String]) -> Result<Vec<SessionInfo>> {

@@ -50,6 +50,7 @@ each_check!(
     far_off_times_are_taken_and_mean_never,
     an_append_expecting_seq_0_is_refused,
     sessions_named_reads_the_records_it_holds,
+    deleted_sessions_are_listed_and_recorded,
 );
 
 /// Runs `future` to its end from synchronous code inside the test's (multi-threaded) runtime:

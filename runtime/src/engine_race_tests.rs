@@ -71,6 +71,12 @@ impl Store for Gated {
     async fn list_sessions(&self) -> Result<Vec<SessionInfo>> {
         self.inner.list_sessions().await
     }
+    async fn deleted_sessions(&self) -> Result<Vec<String>> {
+        self.inner.deleted_sessions().await
+    }
+    async fn record_deleted(&self, session_id: &str, now_ms: u64) -> Result<bool> {
+        self.inner.record_deleted(session_id, now_ms).await
+    }
     async fn lease_tasks(
         &self,
         now_ms: u64,

@@ -1,7 +1,7 @@
 //! A store on a database server (`cairn server --store postgres://...`, `CAIRN_STORE`,
 //! `DATABASE_URL`) and `cairn migrate`, which copies an embedded store into one.
 
-use super::out::showln;
+use super::out::{note, showln};
 use anyhow::{bail, Context};
 use cairn_runtime::store::embedded::{self, OpenMode};
 use cairn_runtime::store::Store;
@@ -130,12 +130,22 @@ pub async fn migrate(from: &Path, to: &str) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("copying into {}", redact(to)))?;
     showln!(
-        "copied {} session(s), {} event(s) and {} queued task(s) from {} to {}",
+        "copied {} session(s), {} event(s), {} queued task(s) and {} deleted session id(s) \
+         from {} to {}",
         report.sessions,
         report.events,
         report.tasks,
+        report.deleted,
         from.display(),
         redact(to)
     );
+    if !report.deleted_left_behind.is_empty() {
+        note!(
+            "warning: {} deleted session id(s) could not be recorded as deleted there, and may \
+             be used again: {}",
+            report.deleted_left_behind.len(),
+            report.deleted_left_behind.join(", ")
+        );
+    }
     Ok(())
 }

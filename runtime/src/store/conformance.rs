@@ -31,7 +31,7 @@ pub use concurrency::{
 pub use deletion::{
     a_deletion_is_seen_through_another_handle, a_deletion_survives_a_reopen,
     delete_refuses_a_busy_session, delete_removes_a_finished_session,
-    sessions_named_reads_the_records_it_holds,
+    deleted_sessions_are_listed_and_recorded, sessions_named_reads_the_records_it_holds,
 };
 pub use fenced_drop::{
     a_fenced_drop_of_a_task_leased_since_is_refused,
@@ -80,6 +80,7 @@ pub async fn run_all<S: Store>(
     delete_removes_a_finished_session(&fresh()).await;
     delete_refuses_a_busy_session(&fresh()).await;
     sessions_named_reads_the_records_it_holds(&fresh()).await;
+    deleted_sessions_are_listed_and_recorded(&fresh()).await;
     durable_commits_count_what_was_made_durable(&fresh()).await;
     in_process_leases_fence_like_durable_ones(&fresh()).await;
     append_and_lease_takes_what_the_append_queued(&fresh()).await;
@@ -2181,6 +2182,7 @@ mod tests {
         far_off_times_are_taken_and_mean_never,
         an_append_expecting_seq_0_is_refused,
         sessions_named_reads_the_records_it_holds,
+        deleted_sessions_are_listed_and_recorded,
     );
 
     macro_rules! each_concurrency_check {

@@ -1,6 +1,6 @@
 //! Copying every session of one store into another (`cairn migrate`): histories event for
-//! event with their seqs, statuses and queued tasks, through the `Store` API only, so any
-//! backend copies to any other.
+//! event with their seqs, statuses and queued tasks, and the ids of deleted sessions, through
+//! the `Store` API only, so any backend copies to any other.
 
 use super::{AppendRequest, NewTask, SessionInfo, Store};
 use crate::error::{Error, Result};
@@ -19,19 +19,29 @@ pub struct CopyReport {
     /// Queued tasks copied (leases are not: a task its worker held in the source is leasable
     /// at once in the destination, as a new lease with attempt 1).
     pub tasks: usize,
+    /// Ids of sessions deleted in the source, recorded as deleted in the destination too, so
+    /// that they are never used again there either.
+    pub deleted: usize,
+    /// Ids of sessions deleted in the source that the destination cannot record as deleted
+    /// without a history ([`Store::record_deleted`]): it may use them again.
+    pub deleted_left_behind: Vec<String>,
 }
 
 /// Copies every session of `from` into `to`, which must hold none of them: a session id
-/// already in `to` is refused before anything is written. Each session's events are appended
-/// with their own seqs, times and records; its tasks go in with its last batch, visible when
-/// they were (a held lease's task at `now_ms`, since the worker that held it is gone).
+/// already in `to`, or deleted there, is refused before anything is written. Each session's
+/// events are appended with their own seqs, times and records; its tasks go in with its last
+/// batch, visible when they were (a held lease's task at `now_ms`, since the worker that held
+/// it is gone). Then the ids of the sessions deleted in `from` are recorded as deleted in
+/// `to` ([`Store::record_deleted`]), where it can.
 pub async fn copy_sessions(from: &dyn Store, to: &dyn Store, now_ms: u64) -> Result<CopyReport> {
     let sessions = from.list_sessions().await?;
+    let deleted_here = to.deleted_sessions().await?;
     let existing: std::collections::BTreeSet<String> = to
         .list_sessions()
         .await?
         .into_iter()
         .map(|info| info.session_id)
+        .chain(deleted_here.iter().cloned())
         .collect();
     let clashes: Vec<&str> = sessions
         .iter()
@@ -43,7 +53,8 @@ pub async fn copy_sessions(from: &dyn Store, to: &dyn Store, now_ms: u64) -> Res
             session_id: clashes[0].to_owned(),
             seq: 1,
             reason: format!(
-                "the destination already holds {} of the sessions to copy ({}); nothing was copied",
+                "the destination already holds (or deleted) {} of the sessions to copy ({}); \
+                 nothing was copied",
                 clashes.len(),
                 clashes.join(", ")
             ),
@@ -74,6 +85,14 @@ pub async fn copy_sessions(from: &dyn Store, to: &dyn Store, now_ms: u64) -> Res
         report.tasks += enqueue.len();
         report.events += copy_session(from, to, info, enqueue).await?;
         report.sessions += 1;
+    }
+    let deleted_here: std::collections::BTreeSet<String> = deleted_here.into_iter().collect();
+    for session_id in from.deleted_sessions().await? {
+        if deleted_here.contains(&session_id) || to.record_deleted(&session_id, now_ms).await? {
+            report.deleted += 1;
+        } else {
+            report.deleted_left_behind.push(session_id);
+        }
     }
     Ok(report)
 }
@@ -155,7 +174,8 @@ mod tests {
             CopyReport {
                 sessions: 2,
                 events: 1_301,
-                tasks: 2
+                tasks: 2,
+                ..CopyReport::default()
             }
         );
         assert_eq!(
@@ -188,5 +208,60 @@ mod tests {
             "a second copy is refused naming the sessions, got {again:?}"
         );
         assert_eq!(to.read_history("long", 1, None).await.unwrap().len(), 1_300);
+    }
+
+    /// A session deleted in the source stays deleted in the destination (its id is never
+    /// used there either), and a destination that deleted a session of the source's id is
+    /// refused before anything is written; one that cannot record a deletion says which ids
+    /// it left behind.
+    #[tokio::test]
+    async fn deleted_ids_are_carried_over_and_a_deleted_destination_id_is_refused() {
+        let from = MemoryStore::new();
+        for id in ["kept", "gone"] {
+            let mut request = append_request(id, 1, vec![message(id, 1, "x")], 10);
+            request.status = SessionStatus::Idle;
+            from.append(request).await.unwrap();
+        }
+        from.delete_session("gone", 20).await.unwrap();
+
+        let to = MemoryStore::new();
+        let report = copy_sessions(&from, &to, 1_000).await.unwrap();
+        assert_eq!((report.sessions, report.deleted), (1, 1));
+        assert!(report.deleted_left_behind.is_empty());
+        assert_eq!(to.deleted_sessions().await.unwrap(), ["gone"]);
+        let reused = to
+            .append(append_request(
+                "gone",
+                1,
+                vec![message("gone", 1, "y")],
+                2_000,
+            ))
+            .await;
+        assert!(
+            matches!(&reused, Err(Error::SessionDeleted { session_id }) if session_id == "gone"),
+            "{reused:?}"
+        );
+
+        // A destination that deleted "kept" itself: refused, nothing written.
+        let other = MemoryStore::new();
+        let mut request = append_request("kept", 1, vec![message("kept", 1, "z")], 10);
+        request.status = SessionStatus::Idle;
+        other.append(request).await.unwrap();
+        other.delete_session("kept", 20).await.unwrap();
+        let refused = copy_sessions(&from, &other, 1_000).await;
+        assert!(
+            matches!(&refused, Err(Error::InvalidEvent { reason, .. }) if reason.contains("(or deleted) 1 of the sessions to copy (kept)")),
+            "{refused:?}"
+        );
+        assert_eq!(other.deleted_sessions().await.unwrap(), ["kept"]);
+
+        // A destination that cannot hold a tombstone without a history (sled's, fjall's).
+        let dir = tempfile::tempdir().unwrap();
+        let sled = crate::store::sled::SledStore::open(dir.path()).unwrap();
+        let report = copy_sessions(&from, &sled, 1_000).await.unwrap();
+        assert_eq!(
+            (report.sessions, report.deleted, report.deleted_left_behind),
+            (1, 0, vec!["gone".to_owned()])
+        );
     }
 }

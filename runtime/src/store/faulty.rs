@@ -242,6 +242,16 @@ impl<S: Store> Store for FaultyStore<S> {
         self.inner.list_sessions().await
     }
 
+    async fn deleted_sessions(&self) -> Result<Vec<String>> {
+        self.read_fault()?;
+        self.inner.deleted_sessions().await
+    }
+
+    async fn record_deleted(&self, session_id: &str, now_ms: u64) -> Result<bool> {
+        self.delete_fault(session_id)?;
+        self.inner.record_deleted(session_id, now_ms).await
+    }
+
     async fn lease_tasks(
         &self,
         now_ms: u64,

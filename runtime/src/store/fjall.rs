@@ -1521,6 +1521,20 @@ impl Store for FjallStore {
         Ok(out)
     }
 
+    async fn deleted_sessions(&self) -> Result<Vec<String>> {
+        let h = self.handles()?;
+        let mut out = Vec::new();
+        for item in h.db.snapshot().iter(&h.sessions) {
+            let (key, _) = item
+                .into_inner()
+                .map_err(|e| fjall_error(&self.path, "reading the sessions keyspace", &e))?;
+            if let Some(id) = key.strip_suffix(&[0]) {
+                out.push(String::from_utf8_lossy(id).into_owned());
+            }
+        }
+        Ok(out)
+    }
+
     async fn lease_tasks(
         &self,
         now_ms: u64,

@@ -181,6 +181,24 @@ impl Store for MemoryStore {
         Ok(self.lock()?.sessions.values().cloned().collect())
     }
 
+    async fn deleted_sessions(&self) -> Result<Vec<String>> {
+        Ok(self.lock()?.deleted.iter().cloned().collect())
+    }
+
+    async fn record_deleted(&self, session_id: &str, _now_ms: u64) -> Result<bool> {
+        super::check_session_id(session_id)?;
+        let mut inner = self.lock()?;
+        if inner.sessions.contains_key(session_id) {
+            return Err(Error::InvalidEvent {
+                session_id: session_id.to_owned(),
+                seq: 0,
+                reason: "the store holds a session of this id; it was not deleted here".into(),
+            });
+        }
+        inner.deleted.insert(session_id.to_owned());
+        Ok(true)
+    }
+
     async fn delete_session(&self, session_id: &str, _now_ms: u64) -> Result<SessionInfo> {
         let mut inner = self.lock()?;
         let info = inner

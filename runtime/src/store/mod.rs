@@ -511,6 +511,20 @@ pub trait Store: Send + Sync + 'static {
     /// Every session with its status, ordered by id.
     async fn list_sessions(&self) -> Result<Vec<SessionInfo>>;
 
+    /// The ids of the sessions deleted from the store ([`Store::delete_session`]), which are
+    /// never used again, ordered.
+    async fn deleted_sessions(&self) -> Result<Vec<String>>;
+
+    /// Records that a session of this id was deleted elsewhere (a copy of another store
+    /// carries its tombstones along), so that the id is never used here either: `Ok(true)`
+    /// once recorded (or when it was deleted here already); `InvalidEvent` when the store
+    /// holds a session of that id. `Ok(false)` from a store that cannot hold a tombstone
+    /// without the session's history, whatever the id (the default; nothing is written).
+    async fn record_deleted(&self, session_id: &str, now_ms: u64) -> Result<bool> {
+        let _ = (session_id, now_ms);
+        Ok(false)
+    }
+
     /// The records of those of `session_ids` the store holds (a deleted or unknown id has
     /// none), in any order: how an engine polling a shared store for other writers' appends
     /// ([`Engine::follow_store`](crate::Engine::follow_store)) learns which of its watched

@@ -1158,6 +1158,19 @@ impl Store for SledStore {
         Ok(out)
     }
 
+    async fn deleted_sessions(&self) -> Result<Vec<String>> {
+        let h = self.handles()?;
+        let mut out = Vec::new();
+        for key in h.sessions.iter().keys() {
+            let key =
+                key.map_err(|e| sled_error(&self.path, "reading the sessions tree", Words(&e)))?;
+            if let Some(id) = key.strip_suffix(&[0]) {
+                out.push(String::from_utf8_lossy(id).into_owned());
+            }
+        }
+        Ok(out)
+    }
+
     async fn lease_tasks(
         &self,
         now_ms: u64,

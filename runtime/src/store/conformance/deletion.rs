@@ -312,3 +312,71 @@ pub async fn sessions_named_reads_the_records_it_holds(store: &dyn Store) {
         .unwrap_or_else(|e| panic!("sessions_named of no id must succeed, got {e:?}"));
     assert_eq!(none, vec![]);
 }
+
+/// [`Store::deleted_sessions`] lists the deleted ids, ordered. [`Store::record_deleted`]
+/// records a deletion made elsewhere (the id is then listed, and takes no append), or, on a
+/// store that cannot hold a tombstone without a history, changes nothing; it never deletes
+/// a session the store holds.
+pub async fn deleted_sessions_are_listed_and_recorded(store: &dyn Store) {
+    for id in ["tomb-b", "tomb-a", "tomb-live"] {
+        session_of(store, id, 1, SessionStatus::Idle).await;
+    }
+    for id in ["tomb-b", "tomb-a"] {
+        if let Err(e) = store.delete_session(id, 20).await {
+            panic!("deleting {id} must succeed, got {e:?}");
+        }
+    }
+    assert_eq!(deleted_ids(store).await, ["tomb-a", "tomb-b"]);
+
+    match store.record_deleted("tomb-live", 30).await {
+        Err(Error::InvalidEvent { session_id, .. }) if session_id == "tomb-live" => {}
+        Ok(false) => {}
+        other => panic!("a live session's id must not be recorded as deleted, got {other:?}"),
+    }
+    assert_eq!(
+        history(store, "tomb-live").await.len(),
+        1,
+        "tomb-live is intact"
+    );
+
+    let recorded = store
+        .record_deleted("tomb-elsewhere", 30)
+        .await
+        .unwrap_or_else(|e| panic!("recording a deletion must succeed or decline, got {e:?}"));
+    if recorded {
+        assert_eq!(
+            deleted_ids(store).await,
+            ["tomb-a", "tomb-b", "tomb-elsewhere"]
+        );
+        let reused = store
+            .append(append_request(
+                "tomb-elsewhere",
+                1,
+                vec![message("tomb-elsewhere", 1, "x")],
+                40,
+            ))
+            .await;
+        assert!(
+            matches!(&reused, Err(Error::SessionDeleted { .. })),
+            "an id recorded as deleted takes no append, got {reused:?}"
+        );
+        assert!(matches!(store.record_deleted("tomb-a", 50).await, Ok(true)));
+    } else {
+        assert_eq!(
+            deleted_ids(store).await,
+            ["tomb-a", "tomb-b"],
+            "nothing recorded"
+        );
+    }
+}
+
+/// The deleted ids of the checks of [`deleted_sessions_are_listed_and_recorded`].
+async fn deleted_ids(store: &dyn Store) -> Vec<String> {
+    store
+        .deleted_sessions()
+        .await
+        .unwrap_or_else(|e| panic!("deleted_sessions must succeed, got {e:?}"))
+        .into_iter()
+        .filter(|id| id.starts_with("tomb-"))
+        .collect()
+}
