@@ -1471,7 +1471,7 @@ async fn a_renewal_the_database_refuses_for_now_does_not_lose_the_lease() {
     store.heal();
     assert!(
         store.injected_failures() >= 2,
-        "renewals were refused: {}",
+        "lease writes (the pool's leasing and its renewals) were refused: {}",
         store.injected_failures()
     );
     let outcome = tokio::time::timeout(Duration::from_secs(10), client.wait_turn(&session, turn))

@@ -56,6 +56,9 @@ pub struct Faults {
     pub refuse_next: bool,
     /// Refuse a report that carries deltas as a server from before the field does.
     pub refuse_deltas: bool,
+    /// Refuse a report that carries deltas as too large (413), as a server does whose body
+    /// limit the deltas put the report over.
+    pub too_large_with_deltas: bool,
     /// Refuse a new session's first message (`message` in `POST /v1/sessions`) as a server
     /// from before the field does.
     pub refuse_first_message: bool,
@@ -602,6 +605,9 @@ async fn report(State(server): State<Shared>, Json(body): Json<ReportRequest>) -
             "unknown field `deltas`, expected one of `lease`, `report`, `next` at line 1 column 9"
                 .to_owned(),
         );
+    }
+    if server.faults.too_large_with_deltas && !body.deltas.is_empty() {
+        return error_answer(ErrorCode::TooLarge, "the body is too large".to_owned());
     }
     server
         .reported_deltas

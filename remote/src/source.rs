@@ -227,7 +227,8 @@ impl HttpTaskSource {
     /// Posts a report. A server from before a field the report carries refuses it as unknown
     /// (400): without `next` the report goes again and leases nothing; without `deltas` they
     /// go by themselves first, then the report without them; and later reports leave the
-    /// field out from the start.
+    /// field out from the start. A report refused as too large (413) with deltas goes again
+    /// without them.
     ///
     /// Only the first try carries the deltas: a try that failed may still have reached the
     /// server, which passed them on to the session's followers before it recorded the report
@@ -246,6 +247,16 @@ impl HttpTaskSource {
                     }
                 })
                 .await;
+            // Too large with the deltas it carries: the result may fit by itself, and the
+            // deltas are presentation only, so the report goes again without them (as a try
+            // after the first does; 413 means the server took nothing of the body).
+            if let Err(Error::Remote { status: 413, .. }) = &result {
+                if !body.deltas.is_empty() {
+                    debug!("the report was too large with its deltas; sending it without them");
+                    body.deltas.clear();
+                    continue;
+                }
+            }
             let Err(Error::Remote {
                 status: 400,
                 message,

@@ -738,6 +738,47 @@ async fn deltas_are_batched_in_order_and_the_rest_go_with_the_report() {
     assert_eq!(server.reported_deltas.lock().unwrap()[1..], [0]);
 }
 
+/// A report the server refuses as too large (413) while it carries deltas goes again without
+/// them, and is recorded once: the deltas, presentation only, are dropped rather than the
+/// result.
+#[tokio::test]
+async fn a_report_too_large_with_its_deltas_goes_again_without_them() {
+    let server = FakeServer::new(
+        None,
+        Faults {
+            too_large_with_deltas: true,
+            ..Faults::default()
+        },
+    );
+    let served = serve_tcp(server.router()).await.unwrap();
+    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let lease = leased_model_task(&server, &source).await;
+    let origin = ActivityRef {
+        session_id: lease.id.session_id.clone(),
+        turn: 1,
+        activity: "model:3".to_owned(),
+        attempt: 1,
+    };
+    for text in ["first ", "answer"] {
+        source.publish_delta(DeltaEvent {
+            origin: origin.clone(),
+            delta: Delta::Text(text.to_owned()),
+        });
+    }
+    source.report(&lease, completion()).await.unwrap();
+    assert_eq!(
+        server.reports.load(Ordering::Relaxed),
+        2,
+        "refused with the deltas, then taken without them"
+    );
+    assert_eq!(*server.reported_deltas.lock().unwrap(), [0]);
+    assert_eq!(
+        failed_model_calls(&server, &lease.id.session_id).await,
+        1,
+        "the report was recorded once"
+    );
+}
+
 /// A server from before reports carried deltas refuses one that does (400): the deltas go by
 /// themselves, then the report alone, recorded once; later reports send their deltas ahead of
 /// them as before, without asking again.

@@ -472,7 +472,15 @@ async fn read_all(
                 break;
             }
             Err(Error::CorruptRecord { seq, reason, .. }) => match missing_seq(&reason) {
-                Some(next_stored) => (seq, Stop::Missing(next_stored)),
+                // A gap: reading goes on at the next stored seq.
+                Some(Some(stored)) if seq < stored && stored <= recorded => {
+                    (seq, Stop::Missing(Some(stored)))
+                }
+                // Nothing stored up to the recorded count.
+                Some(None) => (seq, Stop::Missing(None)),
+                // The next key does not read as a seq of this history (a damaged key): a bad
+                // record, after which reading goes on.
+                Some(Some(_)) => (seq, Stop::Bad(ProblemKind::CorruptRecord, reason)),
                 None => (seq, Stop::Bad(ProblemKind::CorruptRecord, reason)),
             },
             Err(e @ Error::UnknownSchemaVersion { seq, .. }) => (
@@ -507,10 +515,8 @@ async fn read_all(
             }
             // Not stored at all: the sequence check reports the gap, as one problem however
             // long, and reading goes on at the next stored seq, if any.
-            Stop::Missing(next_stored) => match next_stored {
-                Some(stored) if stored > seq && stored <= recorded => next = stored,
-                _ => break,
-            },
+            Stop::Missing(Some(stored)) => next = stored,
+            Stop::Missing(None) => break,
         }
     }
     Ok((events, unreadable))
@@ -822,7 +828,7 @@ mod tests {
     async fn a_damaged_count_and_a_missing_record_are_one_problem_each() {
         let root = tempfile::tempdir().expect("tempdir");
         let store = SledStore::open(root.path()).expect("open");
-        for sid in ["a", "b"] {
+        for sid in ["a", "b", "c"] {
             waiting_session(&store, sid).await;
         }
         let dir = store.path().to_path_buf();
@@ -841,6 +847,12 @@ mod tests {
             key.push(0);
             key.extend_from_slice(&2u64.to_be_bytes());
             assert!(events.remove(key).expect("remove").is_some());
+            // c: a damaged key between seqs 1 and 2, read as seq 511 (past the history).
+            let mut key = b"c".to_vec();
+            key.push(0);
+            key.extend_from_slice(&1u64.to_be_bytes());
+            key.push(0xff);
+            events.insert(key, b"junk".to_vec()).expect("insert");
             db.flush().expect("flush");
         }
         let store = reopen_sled(&dir).await;
@@ -861,9 +873,15 @@ mod tests {
                     ProblemKind::Sequence,
                     "seq missing from the history"
                 ),
+                (
+                    "c",
+                    Some(2),
+                    ProblemKind::CorruptRecord,
+                    "missing from the store (the next stored seq is 511)"
+                ),
             ],
             "{report}"
         );
-        assert_eq!(report.events, 5, "the records there are: {report}");
+        assert_eq!(report.events, 8, "the records there are: {report}");
     }
 }

@@ -745,6 +745,14 @@ impl SessionState {
         // coefficient that is not a number cannot be written to an export (JSON has no NaN
         // or infinity), so its session could not be exported and imported again.
         if let Event::SessionStarted(started) = &input.event {
+            if started.workflow_version == 0 {
+                return Err(self.invalid(
+                    input.seq,
+                    format!(
+                        "workflow version 0 is not one this cairn has (1 to {WORKFLOW_VERSION})"
+                    ),
+                ));
+            }
             for (which, policy) in [
                 ("model_retry", &started.model_retry),
                 ("tool_retry", &started.tool_retry),
@@ -1061,19 +1069,16 @@ impl SessionState {
                     return Err(self.invalid(seq, "session already started"));
                 }
                 // Rules this code does not have cannot be replayed by guessing: a session of
-                // a newer cairn is refused, not run under older rules.
+                // a newer cairn is refused, not run under older rules. (Version 0, which
+                // older code took for 1, still folds; new sessions of it are refused in
+                // `step`.)
                 let version = started.workflow_version;
-                if !(1..=WORKFLOW_VERSION).contains(&version) {
-                    let newer = if version > WORKFLOW_VERSION {
-                        ": the session was started by a newer cairn"
-                    } else {
-                        ""
-                    };
+                if version > WORKFLOW_VERSION {
                     return Err(self.invalid(
                         seq,
                         format!(
                             "workflow version {version} is not one this cairn has (1 to \
-                             {WORKFLOW_VERSION}){newer}"
+                             {WORKFLOW_VERSION}): the session was started by a newer cairn"
                         ),
                     ));
                 }
