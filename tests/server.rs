@@ -2106,15 +2106,15 @@ fn shell_script(dir: &Path, command: &str) -> Value {
     json!({"provider": "scripted", "model": path.display().to_string()})
 }
 
-/// A worker process whose result is larger than the server takes in a body (413) reports
-/// the attempt failed instead, once: the call's error result says why, the model goes on,
-/// and the call does not run again on every lapsed lease.
+/// A worker process whose result (1 MB, some 15 times the body limit: the server answers
+/// 413 before reading it all) reports the attempt failed instead, once: the call's error
+/// result says why, the model goes on, and the call does not run again on every lapsed lease.
 #[tokio::test]
 async fn a_result_larger_than_the_server_takes_is_the_calls_error_and_runs_once() {
     let dir = tempfile::tempdir().unwrap();
     let work = dir.path().join("work");
     std::fs::create_dir_all(&work).unwrap();
-    std::fs::write(work.join("big.txt"), "a".repeat(200 * 1024)).unwrap();
+    std::fs::write(work.join("big.txt"), "a".repeat(1_000_000)).unwrap();
     let path = dir.path().join("read-script.json");
     let script = json!({"responses": [
         {"parts": [{"type": "tool_use", "id": "toolu_big", "name": "read_file",
