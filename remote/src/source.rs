@@ -19,8 +19,8 @@ use cairn_runtime::wire::{
     ProgressRequest, ReportRequest, ReportResponse,
 };
 use cairn_runtime::{
-    ActivityReport, DeltaEvent, Error, Lease, LeaseRequest as StoreLeaseRequest, LeasedTask,
-    Result, TaskFilter, TaskId,
+    ActivityFailure, ActivityReport, DeltaEvent, Error, ErrorClass, Lease,
+    LeaseRequest as StoreLeaseRequest, LeasedTask, Result, TaskFilter, TaskId,
 };
 use cairn_workers::TaskSource;
 use serde::Serialize;
@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::time::Instant;
-use tracing::debug;
+use tracing::{debug, warn};
 
 /// Deltas are sent at most this long after they were published...
 const DELTA_BATCH_INTERVAL: Duration = Duration::from_millis(50);
@@ -228,7 +228,11 @@ impl HttpTaskSource {
     /// (400): without `next` the report goes again and leases nothing; without `deltas` they
     /// go by themselves first, then the report without them; and later reports leave the
     /// field out from the start. A report refused as too large (413) with deltas goes again
-    /// without them.
+    /// without them; one refused so without any would be refused again however often the
+    /// activity ran, so the attempt is reported failed instead, saying so (`invalid_request`,
+    /// which the default retry policies do not retry: the model reads it as the call's error
+    /// result, or the turn fails on it). Dropped, it would run again on every lapsed lease, its
+    /// side effects repeated, and fail at last as a lease that lapsed.
     ///
     /// Only the first try carries the deltas: a try that failed may still have reached the
     /// server, which passed them on to the session's followers before it recorded the report
@@ -250,10 +254,31 @@ impl HttpTaskSource {
             // Too large with the deltas it carries: the result may fit by itself, and the
             // deltas are presentation only, so the report goes again without them (as a try
             // after the first does; 413 means the server took nothing of the body).
-            if let Err(Error::Remote { status: 413, .. }) = &result {
+            if let Err(Error::Remote {
+                status: 413,
+                message,
+                ..
+            }) = &result
+            {
                 if !body.deltas.is_empty() {
                     debug!("the report was too large with its deltas; sending it without them");
                     body.deltas.clear();
+                    continue;
+                }
+                if !matches!(body.report, ActivityReport::Failed(_)) {
+                    warn!(
+                        session_id = %lease.id.session_id,
+                        task = %lease.id,
+                        reason = %message,
+                        "the server refused the result as too large; reporting the attempt failed"
+                    );
+                    body.report = ActivityReport::Failed(ActivityFailure::new(
+                        ErrorClass::InvalidRequest,
+                        format!(
+                            "the result was not recorded: the server refused it as too large \
+                             ({message}); running the call again would give the same"
+                        ),
+                    ));
                     continue;
                 }
             }

@@ -694,12 +694,6 @@ impl Handed {
 
 /// Reports the attempt's result; with `next`, takes tasks with it (eager dispatch): one for
 /// this slot and, when the pool has slots free, a few more for them.
-///
-/// A result the server refuses as too large (413) would be refused again however often the
-/// activity ran, so the attempt is reported failed instead, saying so (`invalid_request`,
-/// which the default retry policies do not retry: the model reads it as the call's error
-/// result, or the turn fails on it). Dropped, it would run again on every lapsed lease, its
-/// side effects repeated, and fail at last as a lease that lapsed.
 async fn finish(
     engine: &dyn TaskSource,
     lease: &Lease,
@@ -712,32 +706,7 @@ async fn finish(
     } else {
         send_report(engine, lease, report, next).await
     };
-    let refused = match sent {
-        Ok(handed) => return handed,
-        Err(Error::Remote {
-            status: 413,
-            message,
-            ..
-        }) => message,
-        Err(e) => return dropped(lease, e),
-    };
-    warn!(
-        session_id = %lease.id.session_id,
-        task = %lease.id,
-        reason = %refused,
-        "the server refused the result as too large; reporting the attempt failed"
-    );
-    let failed = failure(
-        ErrorClass::InvalidRequest,
-        format!(
-            "the result was not recorded: the server refused it as too large ({refused}); \
-             running the call again would give the same"
-        ),
-    );
-    match send_report(engine, lease, failed, next).await {
-        Ok(handed) => handed,
-        Err(e) => dropped(lease, e),
-    }
+    sent.unwrap_or_else(|e| dropped(lease, e))
 }
 
 /// Sends the report, and again after a pause as long as it fails for now (the store is
