@@ -59,6 +59,9 @@ pub struct Faults {
     /// Refuse a report that carries deltas as too large (413), as a server does whose body
     /// limit the deltas put the report over.
     pub too_large_with_deltas: bool,
+    /// Refuse a report of a result (not a failure) as too large (413), as a server does whose
+    /// body limit the result is over.
+    pub too_large_results: bool,
     /// Refuse a new session's first message (`message` in `POST /v1/sessions`) as a server
     /// from before the field does.
     pub refuse_first_message: bool,
@@ -606,7 +609,10 @@ async fn report(State(server): State<Shared>, Json(body): Json<ReportRequest>) -
                 .to_owned(),
         );
     }
-    if server.faults.too_large_with_deltas && !body.deltas.is_empty() {
+    let a_result = !matches!(body.report, cairn_runtime::ActivityReport::Failed(_));
+    if (server.faults.too_large_with_deltas && !body.deltas.is_empty())
+        || (server.faults.too_large_results && a_result)
+    {
         return error_answer(ErrorCode::TooLarge, "the body is too large".to_owned());
     }
     server

@@ -538,6 +538,15 @@ async fn an_unreachable_server_is_named_with_the_cause() {
 }
 
 /// A session with a model task queued, on `server`; returns its lease through `source`.
+/// A fake server with `faults`, served on TCP, and a task source over it (the served
+/// server lives while the returned `Served` does).
+async fn served_with(faults: Faults) -> (std::sync::Arc<FakeServer>, Served, HttpTaskSource) {
+    let server = FakeServer::new(None, faults);
+    let served = serve_tcp(server.router()).await.unwrap();
+    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    (server, served, source)
+}
+
 async fn leased_model_task(server: &FakeServer, source: &HttpTaskSource) -> Lease {
     let local = Client::new(server.engine.clone());
     let session = local
@@ -575,15 +584,11 @@ fn completion() -> ActivityReport {
 
 #[tokio::test]
 async fn a_report_is_tried_again_while_the_server_fails() {
-    let server = FakeServer::new(
-        None,
-        Faults {
-            fail_reports: 3.into(),
-            ..Faults::default()
-        },
-    );
-    let served = serve_tcp(server.router()).await.unwrap();
-    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let (server, _served, source) = served_with(Faults {
+        fail_reports: 3.into(),
+        ..Faults::default()
+    })
+    .await;
     let lease = leased_model_task(&server, &source).await;
     source.report(&lease, completion()).await.unwrap();
     assert_eq!(server.reports.load(Ordering::Relaxed), 4);
@@ -603,15 +608,11 @@ async fn a_report_is_tried_again_while_the_server_fails() {
 /// again without it, is recorded once, and later reports do not ask again.
 #[tokio::test]
 async fn a_server_that_refuses_next_gets_the_report_alone() {
-    let server = FakeServer::new(
-        None,
-        Faults {
-            refuse_next: true,
-            ..Faults::default()
-        },
-    );
-    let served = serve_tcp(server.router()).await.unwrap();
-    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let (server, _served, source) = served_with(Faults {
+        refuse_next: true,
+        ..Faults::default()
+    })
+    .await;
     let next = cairn_runtime::LeaseRequest {
         filter: TaskFilter::default(),
         max: 1,
@@ -743,15 +744,11 @@ async fn deltas_are_batched_in_order_and_the_rest_go_with_the_report() {
 /// result.
 #[tokio::test]
 async fn a_report_too_large_with_its_deltas_goes_again_without_them() {
-    let server = FakeServer::new(
-        None,
-        Faults {
-            too_large_with_deltas: true,
-            ..Faults::default()
-        },
-    );
-    let served = serve_tcp(server.router()).await.unwrap();
-    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let (server, _served, source) = served_with(Faults {
+        too_large_with_deltas: true,
+        ..Faults::default()
+    })
+    .await;
     let lease = leased_model_task(&server, &source).await;
     let origin = ActivityRef {
         session_id: lease.id.session_id.clone(),
@@ -779,20 +776,59 @@ async fn a_report_too_large_with_its_deltas_goes_again_without_them() {
     );
 }
 
+/// A result the server refuses as too large (413), without deltas, would be refused again
+/// however often the activity ran: the attempt is reported failed instead, once, as an
+/// `invalid_request` that says why.
+#[tokio::test]
+async fn a_result_too_large_is_reported_as_the_attempts_failure() {
+    let (server, _served, source) = served_with(Faults {
+        too_large_results: true,
+        ..Faults::default()
+    })
+    .await;
+    let lease = leased_model_task(&server, &source).await;
+    let answer = ActivityReport::ModelCompleted(cairn_ledger::ModelResponse {
+        provider: "scripted".into(),
+        model: "big".into(),
+        parts: vec![cairn_ledger::Part::text("a long answer")],
+        stop_reason_raw: "end_turn".into(),
+        stop_reason: cairn_ledger::StopReason::EndTurn,
+        usage: cairn_ledger::Usage::default(),
+    });
+    source.report(&lease, answer).await.unwrap();
+    assert_eq!(server.reports.load(Ordering::Relaxed), 2);
+    let history = Client::new(server.engine.clone())
+        .history(&lease.id.session_id)
+        .await
+        .unwrap();
+    let failures: Vec<&ActivityFailure> = history
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ModelCallFailed { failure, .. } => Some(failure),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failures.len(), 1, "recorded once");
+    assert_eq!(failures[0].class, ErrorClass::InvalidRequest);
+    assert!(
+        failures[0]
+            .message
+            .starts_with("the result was not recorded: the server refused it as too large"),
+        "{}",
+        failures[0].message
+    );
+}
+
 /// A server from before reports carried deltas refuses one that does (400): the deltas go by
 /// themselves, then the report alone, recorded once; later reports send their deltas ahead of
 /// them as before, without asking again.
 #[tokio::test]
 async fn a_server_that_refuses_deltas_in_a_report_gets_them_by_themselves_first() {
-    let server = FakeServer::new(
-        None,
-        Faults {
-            refuse_deltas: true,
-            ..Faults::default()
-        },
-    );
-    let served = serve_tcp(server.router()).await.unwrap();
-    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let (server, _served, source) = served_with(Faults {
+        refuse_deltas: true,
+        ..Faults::default()
+    })
+    .await;
     let mut deltas = server.engine.subscribe_deltas();
     let lease = leased_model_task(&server, &source).await;
     let origin = ActivityRef {
@@ -848,15 +884,11 @@ async fn a_server_that_refuses_deltas_in_a_report_gets_them_by_themselves_first(
 /// them.)
 #[tokio::test]
 async fn a_report_sent_again_after_a_lost_answer_passes_no_delta_on_twice() {
-    let server = FakeServer::new(
-        None,
-        Faults {
-            lose_report_answers: 1.into(),
-            ..Faults::default()
-        },
-    );
-    let served = serve_tcp(server.router()).await.unwrap();
-    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let (server, _served, source) = served_with(Faults {
+        lose_report_answers: 1.into(),
+        ..Faults::default()
+    })
+    .await;
     let mut deltas = server.engine.subscribe_deltas();
     let lease = leased_model_task(&server, &source).await;
     for text in ["first ", "answer"] {
@@ -969,15 +1001,11 @@ async fn a_lease_found_lost_by_a_heartbeat_is_forgotten() {
 /// waited the whole request timeout, 60 s, past the lease's 4 s.)
 #[tokio::test]
 async fn a_heartbeat_that_gets_no_answer_is_tried_again_before_its_lease_lapses() {
-    let server = FakeServer::new(
-        None,
-        Faults {
-            hang_heartbeats: 1.into(),
-            ..Faults::default()
-        },
-    );
-    let served = serve_tcp(server.router()).await.unwrap();
-    let source = HttpTaskSource::new(&served.url, None).unwrap();
+    let (server, _served, source) = served_with(Faults {
+        hang_heartbeats: 1.into(),
+        ..Faults::default()
+    })
+    .await;
     let local = Client::new(server.engine.clone());
     let session = local
         .start_session(SessionOptions::new(demo_model(), Vec::new()))
