@@ -672,6 +672,19 @@ mod tests {
         }
     }
 
+    /// A closed sled store (in the returned directory, kept while it lives) with sessions
+    /// a, b and c each waiting for its model call, and the store's path, for raw edits.
+    async fn closed_sled_store_of_three_sessions() -> (tempfile::TempDir, std::path::PathBuf) {
+        let root = tempfile::tempdir().expect("tempdir");
+        let store = SledStore::open(root.path()).expect("open");
+        for sid in ["a", "b", "c"] {
+            waiting_session(&store, sid).await;
+        }
+        let dir = store.path().to_path_buf();
+        drop(store);
+        (root, dir)
+    }
+
     #[tokio::test]
     async fn a_consistent_store_is_clean() {
         let store = MemoryStore::new();
@@ -757,13 +770,7 @@ mod tests {
     /// session and seq, goes on reading after it, and other sessions stay clean.
     #[tokio::test]
     async fn corrupt_records_are_reported_and_reading_goes_on() {
-        let root = tempfile::tempdir().expect("tempdir");
-        let store = SledStore::open(root.path()).expect("open");
-        for sid in ["a", "b", "c"] {
-            waiting_session(&store, sid).await;
-        }
-        let dir = store.path().to_path_buf();
-        drop(store);
+        let (_root, dir) = closed_sled_store_of_three_sessions().await;
         {
             let db = sled::open(&dir).expect("raw sled");
             let events = db.open_tree("events").expect("tree");
@@ -826,13 +833,7 @@ mod tests {
     /// however long, and finishes at once instead of stepping through every seq it names.
     #[tokio::test]
     async fn a_damaged_count_and_a_missing_record_are_one_problem_each() {
-        let root = tempfile::tempdir().expect("tempdir");
-        let store = SledStore::open(root.path()).expect("open");
-        for sid in ["a", "b", "c"] {
-            waiting_session(&store, sid).await;
-        }
-        let dir = store.path().to_path_buf();
-        drop(store);
+        let (_root, dir) = closed_sled_store_of_three_sessions().await;
         let damaged = 1u64 << 40;
         {
             let db = sled::open(&dir).expect("raw sled");
