@@ -11,8 +11,8 @@ use serde::Deserialize;
 /// The tool's name.
 const NAME: &str = "calculator";
 
-/// Parentheses and unary signs may nest this deep; deeper input is refused rather than allowed
-/// to exhaust the stack.
+/// Parentheses, unary signs and chained powers (`2^2^2`, which is `2^(2^2)`) may nest this
+/// deep; deeper input is refused rather than allowed to exhaust the stack.
 const MAX_DEPTH: usize = 200;
 
 /// Integral results up to this magnitude print without a fraction; past it f64 skips integers.
@@ -230,8 +230,11 @@ impl Parser {
             return Ok(base);
         }
         let op_index = self.index;
+        // `^` is right-associative, so a chain of them recurses as deep as it is long.
+        self.descend()?;
         self.index += 1;
         let exponent = self.unary()?;
+        self.depth -= 1;
         finite(base.powf(exponent), op_index, '^')
     }
 
@@ -404,8 +407,11 @@ mod tests {
         assert!(error(&deep).message.contains("nests deeper"));
         let signs = format!("{}1", "-".repeat(10_000));
         assert!(error(&signs).message.contains("nests deeper"));
+        let powers = format!("{}1", "1^".repeat(100_000));
+        assert!(error(&powers).message.contains("nests deeper"));
         let fine = format!("{}1{}", "(".repeat(MAX_DEPTH), ")".repeat(MAX_DEPTH));
         assert_eq!(value(&fine), 1.0);
+        assert_eq!(value(&format!("{}1", "1^".repeat(MAX_DEPTH))), 1.0);
     }
 
     #[test]

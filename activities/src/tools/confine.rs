@@ -3,7 +3,7 @@
 //! by `read_file`, `list_dir`, `write_file` and `edit_file`, so they all draw the same line.
 
 use crate::error::{Error, Result};
-use cairn_ledger::file_versions::{sha256_hex, FileVersion};
+use cairn_ledger::file_versions::FileVersion;
 use std::io::ErrorKind as IoKind;
 use std::path::{Component, Path, PathBuf};
 
@@ -197,44 +197,15 @@ pub(crate) fn io_message(requested: &str, error: &std::io::Error) -> Refusal {
     }
 }
 
-/// Replaces `path`'s content with `bytes` atomically: a temporary file beside it, synced, then
-/// renamed over it, so a crash leaves the old content or the new, never a torn file. An
-/// existing file's permissions are kept.
-pub(crate) async fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let temporary = dir.join(format!(".{name}.cairn-write"));
-    let permissions = tokio::fs::metadata(path)
-        .await
-        .ok()
-        .map(|m| m.permissions());
-    let result = async {
-        let mut file = tokio::fs::File::create(&temporary).await?;
-        tokio::io::AsyncWriteExt::write_all(&mut file, bytes).await?;
-        file.sync_all().await?;
-        if let Some(permissions) = permissions {
-            tokio::fs::set_permissions(&temporary, permissions).await?;
-        }
-        tokio::fs::rename(&temporary, path).await
-    }
-    .await;
-    if result.is_err() {
-        let _ = tokio::fs::remove_file(&temporary).await;
-    }
-    result
-}
-
-/// Whether the file at `target`, now `current`, is as the session last saw it (read, written
-/// or edited, per `versions`); the refusal says what to do when it is not.
+/// Whether the file at `target`, whose content now hashes to `current_sha256`, is as the
+/// session last saw it (read, written or edited, per `versions`); the refusal says what to do
+/// when it is not.
 pub(crate) async fn check_unchanged_since_seen(
     working_dir: &WorkDir,
     versions: &[FileVersion],
     target: &Path,
     requested: &str,
-    current: &[u8],
+    current_sha256: &str,
 ) -> Result<std::result::Result<(), Refusal>> {
     let Some(seen) = working_dir.last_seen(versions, target).await? else {
         return Ok(Err(format!(
@@ -242,7 +213,7 @@ pub(crate) async fn check_unchanged_since_seen(
              so that changes made since are not overwritten"
         )));
     };
-    if seen.sha256 == sha256_hex(current) {
+    if seen.sha256 == current_sha256 {
         Ok(Ok(()))
     } else {
         Ok(Err(format!(

@@ -5,7 +5,8 @@
 use crate::context::ActivityContext;
 use crate::error::Result;
 use crate::tool::{PolicySubject, SubjectKind, Tool, ToolCall, ToolOutput};
-use crate::tools::confine::{check_unchanged_since_seen, io_message, write_atomically, WorkDir};
+use crate::tools::confine::{check_unchanged_since_seen, io_message, WorkDir};
+use crate::tools::file_io::{read_limited, write_atomically, Limited};
 use async_trait::async_trait;
 use cairn_ledger::file_versions::{sha256_hex, EDIT_FILE};
 use cairn_ledger::{JsonText, ToolSpec};
@@ -119,32 +120,31 @@ impl Tool for EditFile {
             Ok(path) => path,
             Err(message) => return Ok(ToolOutput::error(message)),
         };
-        let current = match tokio::fs::read(&path).await {
-            Ok(current) => current,
-            Err(e) if e.kind() == std::io::ErrorKind::IsADirectory => {
+        let current = match read_limited(&path, requested, Self::MAX_BYTES as u64).await {
+            Ok(Limited::Whole(current)) => current,
+            Ok(Limited::TooLarge(at_least)) => {
                 return Ok(ToolOutput::error(format!(
-                    "{requested:?} is a directory, not a file"
+                    "{requested:?} is too large to edit: at least {at_least} bytes, and \
+                     edit_file edits at most {} bytes (1 MiB)",
+                    Self::MAX_BYTES
                 )))
             }
-            Err(e) => return Ok(ToolOutput::error(io_message(requested, &e))),
+            Err(message) => return Ok(ToolOutput::error(message)),
         };
-        if current.len() > Self::MAX_BYTES {
-            return Ok(ToolOutput::error(format!(
-                "{requested:?} is too large to edit: {} bytes, and edit_file edits at most {} \
-                 bytes (1 MiB)",
-                current.len(),
-                Self::MAX_BYTES
-            )));
-        }
         let Ok(text) = String::from_utf8(current) else {
             return Ok(ToolOutput::error(format!(
                 "{requested:?} is not UTF-8 text; edit_file edits text files only"
             )));
         };
         let versions = context.file_versions();
-        if let Err(refusal) =
-            check_unchanged_since_seen(&working_dir, versions, &path, requested, text.as_bytes())
-                .await?
+        if let Err(refusal) = check_unchanged_since_seen(
+            &working_dir,
+            versions,
+            &path,
+            requested,
+            &sha256_hex(text.as_bytes()),
+        )
+        .await?
         {
             if let Some(done) =
                 Self::already_applied(&working_dir, &input, &text, &path, versions).await?

@@ -4,6 +4,7 @@
 mod calculator;
 pub(crate) mod confine;
 mod edit_file;
+mod file_io;
 mod list_dir;
 mod read_file;
 mod shell;

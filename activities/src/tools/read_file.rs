@@ -4,14 +4,14 @@
 use crate::context::ActivityContext;
 use crate::error::Result;
 use crate::tool::{Tool, ToolCall, ToolOutput};
-use crate::tools::confine::{io_message, WorkDir};
+use crate::tools::confine::WorkDir;
+use crate::tools::file_io::{read_limited, Limited};
 use async_trait::async_trait;
 use base64::Engine;
 use cairn_ledger::file_versions::{sha256_hex, RANGE_TRAILER_START};
 use cairn_ledger::{JsonText, Media, ToolResultBlock, ToolSpec};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
-use tokio::io::AsyncReadExt;
 
 /// The tool's name.
 const NAME: &str = cairn_ledger::file_versions::READ_FILE;
@@ -125,34 +125,13 @@ impl Tool for ReadFile {
             Ok(path) => path,
             Err(message) => return Ok(ToolOutput::error(message)),
         };
-        let file = match tokio::fs::File::open(&path).await {
-            Ok(file) => file,
-            Err(e) => return Ok(ToolOutput::error(io_message(requested, &e))),
+        let bytes = match read_limited(&path, requested, READ_LIMIT_BYTES).await {
+            Ok(Limited::Whole(bytes)) => bytes,
+            Ok(Limited::TooLarge(at_least)) => {
+                return Ok(ToolOutput::error(too_large(requested, at_least)))
+            }
+            Err(message) => return Ok(ToolOutput::error(message)),
         };
-        let metadata = match file.metadata().await {
-            Ok(metadata) => metadata,
-            Err(e) => return Ok(ToolOutput::error(io_message(requested, &e))),
-        };
-        if metadata.is_dir() {
-            return Ok(ToolOutput::error(format!(
-                "{requested:?} is a directory, not a file"
-            )));
-        }
-        if metadata.len() > READ_LIMIT_BYTES {
-            return Ok(ToolOutput::error(too_large(requested, metadata.len())));
-        }
-        // Read one byte past the limit, so a file that grew since the metadata is still caught.
-        let mut bytes = Vec::new();
-        if let Err(e) = file
-            .take(READ_LIMIT_BYTES + 1)
-            .read_to_end(&mut bytes)
-            .await
-        {
-            return Ok(ToolOutput::error(io_message(requested, &e)));
-        }
-        if bytes.len() as u64 > READ_LIMIT_BYTES {
-            return Ok(ToolOutput::error(too_large(requested, bytes.len() as u64)));
-        }
         tracing::debug!(path = %path.display(), bytes = bytes.len(), "read_file");
         Ok(match (String::from_utf8(bytes), range) {
             (Ok(text), None) => ToolOutput::text(text),

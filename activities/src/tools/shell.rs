@@ -82,6 +82,24 @@ async fn read_capped(mut stream: impl AsyncRead + Unpin, cap: usize) -> (Vec<u8>
     }
 }
 
+/// Kills a command's process group when dropped, unless disarmed: the call's future may be
+/// dropped at any await (the pool's own activity timeout, a cancelled task), and then
+/// `kill_on_drop` alone would kill only `sh`, leaving what it started running.
+struct GroupKiller(Option<u32>);
+
+impl GroupKiller {
+    /// The command finished on its own: leave what it left behind alone, as before.
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for GroupKiller {
+    fn drop(&mut self) {
+        kill_group(self.0.take());
+    }
+}
+
 /// Kills the process group `pgid` leads.
 fn kill_group(pgid: Option<u32>) {
     if let Some(pid) = pgid.and_then(|p| i32::try_from(p).ok()) {
@@ -153,6 +171,7 @@ impl Tool for Shell {
                 source,
             })?;
         let pgid = child.id();
+        let mut group = GroupKiller(pgid);
         let (Some(stdout), Some(stderr)) = (child.stdout.take(), child.stderr.take()) else {
             kill_group(pgid);
             return Err(Error::ToolFailed {
@@ -169,7 +188,10 @@ impl Tool for Shell {
             (out, err, status)
         };
         let (out, err, status, timed_out) = tokio::select! {
-            finished = run => (finished.0, finished.1, Some(finished.2), false),
+            finished = run => {
+                group.disarm();
+                (finished.0, finished.1, Some(finished.2), false)
+            }
             _ = tokio::time::sleep(timeout) => {
                 kill_group(pgid);
                 ((Vec::new(), false), (Vec::new(), false), None, true)
@@ -298,6 +320,40 @@ mod tests {
         assert!(is_error);
         assert_eq!(out["timed_out"], true);
         assert_eq!(out["exit_code"], serde_json::Value::Null);
+    }
+
+    #[tokio::test]
+    #[allow(clippy::disallowed_methods)]
+    async fn a_call_dropped_by_an_outer_timeout_kills_the_whole_process_group() {
+        let dir = tempfile::tempdir().unwrap();
+        let shell = Shell::new(dir.path());
+        // The pool's own timeout drops the call's future before the tool's timeout fires.
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(500),
+            run(
+                &shell,
+                r#"{"command":"sleep 30 & echo $! > background; wait","timeout_ms":60000}"#,
+            ),
+        )
+        .await;
+        assert!(dropped.is_err(), "the call finished: {dropped:?}");
+        let background: i32 = std::fs::read_to_string(dir.path().join("background"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let alive = || {
+            std::fs::read_to_string(format!("/proc/{background}/stat"))
+                .is_ok_and(|stat| !stat.rsplit(')').next().unwrap_or("").contains(" Z "))
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while alive() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            !alive(),
+            "the command's background process {background} survived"
+        );
     }
 
     #[tokio::test]

@@ -5,7 +5,8 @@
 use crate::context::ActivityContext;
 use crate::error::Result;
 use crate::tool::{PolicySubject, SubjectKind, Tool, ToolCall, ToolOutput};
-use crate::tools::confine::{check_unchanged_since_seen, io_message, write_atomically, WorkDir};
+use crate::tools::confine::{check_unchanged_since_seen, io_message, WorkDir};
+use crate::tools::file_io::{compare_with, write_atomically};
 use async_trait::async_trait;
 use cairn_ledger::file_versions::{sha256_hex, WRITE_FILE};
 use cairn_ledger::{JsonText, ToolSpec};
@@ -94,22 +95,18 @@ impl Tool for WriteFile {
             Err(message) => return Ok(ToolOutput::error(message)),
         };
         if exists {
-            let current = match tokio::fs::read(&path).await {
+            // Read in pieces: the file may be far larger than anything the session read.
+            let current = match compare_with(&path, requested, input.content.as_bytes()).await {
                 Ok(current) => current,
-                Err(e) if e.kind() == std::io::ErrorKind::IsADirectory => {
-                    return Ok(ToolOutput::error(format!(
-                        "{requested:?} is a directory, not a file"
-                    )))
-                }
-                Err(e) => return Ok(ToolOutput::error(io_message(requested, &e))),
+                Err(message) => return Ok(ToolOutput::error(message)),
             };
-            if current != input.content.as_bytes() {
+            if !current.same {
                 if let Err(message) = check_unchanged_since_seen(
                     &working_dir,
                     context.file_versions(),
                     &path,
                     requested,
-                    &current,
+                    &current.sha256,
                 )
                 .await?
                 {
