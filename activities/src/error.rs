@@ -24,7 +24,8 @@ pub enum ErrorKind {
     InvalidRequest,
     /// The provider answered with something that breaks the canonical response rules.
     InvalidResponse,
-    /// Credentials are missing or rejected.
+    /// Credentials are missing or rejected, or the account may not make calls now (OpenAI's
+    /// `insufficient_quota`: the plan's quota is used up, which waiting does not fix).
     Auth,
     /// A tool failed while running (not because of its arguments).
     ToolFailed,

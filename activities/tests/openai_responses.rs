@@ -448,6 +448,54 @@ fn foreign_reasoning_of_completed_turns_is_dropped() {
     );
 }
 
+#[test]
+fn items_whose_reasoning_compaction_dropped_go_back_without_their_ids() {
+    let mut t = first_turn();
+    t.push_response(&expected_response());
+    t.push_tool_results(["call_A", "call_B"].map(|id| ToolResult {
+        tool_use_id: id.into(),
+        content: ToolResultContent::Text("sunny".into()),
+        is_error: false,
+    }));
+    t.push_response(&ModelResponse {
+        parts: vec![Part::Text {
+            text: "Sunny in both.".into(),
+            item_id: Some("msg_2".into()),
+            citations: None,
+        }],
+        stop_reason: StopReason::EndTurn,
+        ..expected_response()
+    });
+    t.push_user_text("Thanks. And Rome?");
+    // As sent: with its reasoning item, every item keeps its id.
+    let body = render(&request(t.clone())).unwrap();
+    let input = body["input"].as_array().unwrap();
+    let at = |kind: &str| input.iter().position(|item| item["type"] == kind).unwrap();
+    assert_eq!(input[at("reasoning") + 1]["id"], "msg_1");
+    assert_eq!(input[at("function_call")]["id"], "fc_1");
+    // The reasoning dropped: the ids that pointed to it go too, call ids stay.
+    let compacted = cairn_ledger::drop_reasoning(&t);
+    let body = render(&request(compacted)).unwrap();
+    let input = body["input"].as_array().unwrap();
+    assert!(
+        input.iter().all(|item| item["type"] != "reasoning"),
+        "{body}"
+    );
+    let call = input
+        .iter()
+        .position(|item| item["type"] == "function_call")
+        .unwrap();
+    assert_eq!(
+        input[call - 1],
+        json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking both."}]})
+    );
+    assert_eq!(
+        input[call],
+        json!({"type": "function_call", "call_id": "call_A", "name": "get_weather", "arguments": ARGS_1})
+    );
+    assert!(input.iter().all(|item| item.get("id").is_none()), "{body}");
+}
+
 fn created() -> String {
     frame(
         "response.created",
@@ -663,6 +711,43 @@ fn max_output_tokens_inside_a_function_call_is_never_executable() {
     assert_eq!(response.stop_reason, StopReason::MaxTokens);
     assert_eq!(response.stop_reason_raw, "max_output_tokens");
     assert_eq!(response.text(), "Partial");
+}
+
+#[test]
+fn max_output_tokens_while_reasoning_is_the_request_s_fault_and_not_retried() {
+    let reasoning_added = frame(
+        "response.output_item.added",
+        r#"{"type":"response.output_item.added","output_index":0,"item":{"id":"rs_68af","type":"reasoning","summary":[]}}"#,
+    );
+    let incomplete = frame(
+        "response.incomplete",
+        r#"{"type":"response.incomplete","response":{"status":"incomplete","incomplete_details":{"reason":"max_output_tokens"},"usage":{"input_tokens":10,"output_tokens":64}}}"#,
+    );
+    // The reasoning item finished, and nothing came after it.
+    let finished = format!(
+        "{}{}{}{}",
+        created(),
+        reasoning_added,
+        frame(
+            "response.output_item.done",
+            &format!(
+                r#"{{"type":"response.output_item.done","output_index":0,"item":{REASONING}}}"#
+            )
+        ),
+        incomplete
+    );
+    // The reasoning item was still open.
+    let open = format!("{}{}{}", created(), reasoning_added, incomplete);
+    for stream in [finished, open] {
+        let err = parse(&stream).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidRequest, "{err}");
+        assert!(!err.is_retryable_by_default());
+        assert!(
+            err.to_string()
+                .contains("reached its output token limit (max_output_tokens) while the model was still reasoning"),
+            "{err}"
+        );
+    }
 }
 
 #[test]

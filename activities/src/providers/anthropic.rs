@@ -21,9 +21,8 @@ use crate::providers::sse::{SseDecoder, SseEvent};
 use crate::providers::{current_turn_start, prepare_transcript};
 use async_trait::async_trait;
 use cairn_ledger::{
-    validate_response, Delta, JsonText, ModelResponse, ModelSpec, Part, ProviderJson, Role,
-    ServerToolKind, StopReason, ToolChoice, ToolResultContent, ToolSpec, ToolUse, Transcript,
-    Usage,
+    Delta, JsonText, ModelResponse, ModelSpec, Part, ProviderJson, Role, ServerToolKind,
+    StopReason, ToolChoice, ToolResultContent, ToolSpec, ToolUse, Transcript, Usage,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -943,11 +942,7 @@ impl StreamParser {
             stop_reason_raw,
             usage: self.usage,
         };
-        validate_response(&response).map_err(|source| Error::InvalidResponse {
-            provider: PROVIDER.to_owned(),
-            source,
-        })?;
-        Ok(response)
+        super::checked_response(PROVIDER, response)
     }
 
     fn expect_open_message(&self, at: usize, name: &str) -> Result<()> {

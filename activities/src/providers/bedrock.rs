@@ -29,8 +29,8 @@ use crate::providers::{current_turn_start, prepare_transcript};
 use async_trait::async_trait;
 use base64::Engine as _;
 use cairn_ledger::{
-    validate_response, validate_transcript, Delta, JsonText, ModelResponse, Part, ProviderJson,
-    Role, StopReason, ToolChoice, ToolResultBlock, ToolResultContent, Usage,
+    validate_transcript, Delta, JsonText, ModelResponse, Part, ProviderJson, Role, StopReason,
+    ToolChoice, ToolResultBlock, ToolResultContent, Usage,
 };
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -460,10 +460,22 @@ pub fn render_body(request: &ModelRequest) -> Result<(Vec<u8>, IdAliases)> {
             };
             content.push(block);
         }
-        messages.push(WireMessage {
-            role: message.role.as_str(),
-            content,
-        });
+        // Converse wants the roles to alternate. A turn that ended without an answer (cut
+        // after its tool results, cancelled, failed) leaves a user message that the next
+        // person's message follows: one user message on the wire, as Anthropic's API merges
+        // them itself.
+        match messages.last_mut() {
+            Some(WireMessage {
+                role,
+                content: last,
+            }) if *role == message.role.as_str() => {
+                last.extend(content);
+            }
+            _ => messages.push(WireMessage {
+                role: message.role.as_str(),
+                content,
+            }),
+        }
     }
 
     // The caching rule Anthropic's requests follow (see anthropic.rs): a cache point after the
@@ -1416,7 +1428,7 @@ impl StreamParser {
     }
 
     /// The canonical response, once the stream has ended. A stream without `messageStop` is a
-    /// transient failure, never a completion; the response must pass [`validate_response`].
+    /// transient failure, never a completion; the response must pass [`cairn_ledger::validate_response`].
     pub fn finish(self) -> Result<ModelResponse> {
         let Some(stop_reason_raw) = self.stop_reason else {
             let open = self
@@ -1526,11 +1538,7 @@ impl StreamParser {
             stop_reason,
             usage: self.usage.unwrap_or_default(),
         };
-        validate_response(&response).map_err(|source| Error::InvalidResponse {
-            provider: PROVIDER.into(),
-            source,
-        })?;
-        Ok(response)
+        super::checked_response(PROVIDER, response)
     }
 }
 
@@ -1722,6 +1730,22 @@ mod tests {
         // The same empty text without the error flag is sent.
         let t = tool_loop(&["a"], vec![ToolResultContent::Text(String::new())], false);
         assert!(render(&request(t)).is_ok());
+    }
+
+    #[test]
+    fn a_message_after_a_turn_that_ended_on_tool_results_joins_them_in_one_user_message() {
+        let mut t = tool_loop(&["a"], vec![ToolResultContent::Text("2".into())], false);
+        t.push_user_text("and now?");
+        let body = render(&request(t)).unwrap();
+        let messages = body["messages"].as_array().unwrap();
+        let roles: Vec<&str> = messages
+            .iter()
+            .map(|m| m["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(roles, ["user", "assistant", "user"]);
+        let content = messages[2]["content"].as_array().unwrap();
+        assert_eq!(content[0]["toolResult"]["toolUseId"], "a");
+        assert_eq!(content[1]["text"], "and now?");
     }
 
     #[test]

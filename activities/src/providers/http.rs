@@ -337,7 +337,8 @@ pub fn parse_retry_after(value: &str) -> Option<u64> {
 /// is larger than the model's context window. The answers matched, case-insensitively:
 /// OpenAI and compatible servers' code `context_length_exceeded` and message "This model's
 /// maximum context length is …" (vLLM: "… maximum context length …"), Anthropic's
-/// "prompt is too long: N tokens > M maximum" (also from Claude on Bedrock), Bedrock's
+/// "prompt is too long: N tokens > M maximum" and "input length and `max_tokens` exceed
+/// context limit: N + M > L" (both also from Claude on Bedrock), Bedrock's
 /// "Input is too long for requested model." and its stop reason
 /// `model_context_window_exceeded`, and llama.cpp's "exceeds the available context size".
 pub fn is_context_too_long(text: &str) -> bool {
@@ -346,6 +347,7 @@ pub fn is_context_too_long(text: &str) -> bool {
         "context_length_exceeded",
         "maximum context length",
         "prompt is too long",
+        "exceed context limit",
         "input is too long for requested model",
         "model_context_window_exceeded",
         "exceeds the available context size",
@@ -362,6 +364,8 @@ pub fn classify_status(status: u16, body: &str, retry_after_ms: Option<u64>) -> 
     let message = provider_message(body).unwrap_or_else(|| body.chars().take(500).collect());
     let overloaded = body.contains("overloaded");
     let kind = match status {
+        // OpenAI answers a used-up quota with 429 too: a billing matter no retry fixes.
+        429 if body.contains("insufficient_quota") => ErrorKind::Auth,
         429 => ErrorKind::RateLimited,
         529 => ErrorKind::Overloaded,
         503 if overloaded => ErrorKind::Overloaded,
@@ -448,6 +452,14 @@ mod tests {
     fn statuses_are_classified_for_retries() {
         let k = |s, b: &str| classify_status(s, b, None).kind();
         assert_eq!(k(429, ""), ErrorKind::RateLimited);
+        // A used-up quota is no reason to wait and retry.
+        assert_eq!(
+            k(
+                429,
+                r#"{"error":{"message":"You exceeded your current quota, please check your plan and billing details.","type":"insufficient_quota","param":null,"code":"insufficient_quota"}}"#
+            ),
+            ErrorKind::Auth
+        );
         assert_eq!(
             k(
                 529,
@@ -485,6 +497,14 @@ mod tests {
             (
                 400,
                 r#"{"error":{"code":400,"message":"the request exceeds the available context size, try increasing it","type":"exceed_context_size_error"}}"#,
+            ),
+            (
+                400,
+                r#"{"type":"error","error":{"type":"invalid_request_error","message":"input length and `max_tokens` exceed context limit: 178959 + 64000 > 200000, decrease input length or `max_tokens` and try again"}}"#,
+            ),
+            (
+                400,
+                r#"{"message":"The model returned the following errors: input length and `max_tokens` exceed context limit: 178959 + 64000 > 200000, decrease input length or `max_tokens` and try again"}"#,
             ),
         ] {
             let e = classify_status(status, body, None);

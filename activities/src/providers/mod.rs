@@ -26,7 +26,7 @@ pub mod sse;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::ModelRequest;
-use cairn_ledger::{Message, Part, Role, Transcript};
+use cairn_ledger::{validate_response, Message, ModelResponse, Part, Role, StopReason, Transcript};
 use std::borrow::Cow;
 
 /// A provider wire format a request can be rendered in.
@@ -181,6 +181,7 @@ pub fn prepare_transcript<'a>(
             .iter()
             .filter(|p| !p.is_provider_bound())
             .filter_map(|p| p.for_family(family))
+            .map(with_object_arguments)
             .collect();
         if !parts.is_empty() {
             out.messages.push(Message {
@@ -191,6 +192,53 @@ pub fn prepare_transcript<'a>(
         }
     }
     Ok(Cow::Owned(out))
+}
+
+/// A parsed response as it may be committed: checked by the ledger's rules
+/// ([`validate_response`]), and refused as the request's fault when its token limit cut it
+/// while the model was still reasoning, before any answer or tool call. Such a response breaks
+/// the ledger's rules (it ends on reasoning, or is empty once unfinished reasoning is dropped),
+/// but sending the same request again would most likely be cut the same way, so it is
+/// `InvalidRequest`, which no default policy retries, not a retryable `InvalidResponse`.
+pub(crate) fn checked_response(provider: &str, response: ModelResponse) -> Result<ModelResponse> {
+    let cut_in_reasoning = response.stop_reason == StopReason::MaxTokens
+        && response.parts.last().is_none_or(Part::is_reasoning);
+    if cut_in_reasoning {
+        return Err(Error::Provider {
+            kind: ErrorKind::InvalidRequest,
+            message: format!(
+                "{provider}: the response reached its output token limit ({}) while the model \
+                 was still reasoning, before any answer or tool call; raise the model's \
+                 max_tokens, or lower its thinking budget or reasoning effort",
+                response.stop_reason_raw
+            ),
+        });
+    }
+    validate_response(&response).map_err(|source| Error::InvalidResponse {
+        provider: provider.to_owned(),
+        source,
+    })?;
+    Ok(response)
+}
+
+/// A foreign tool call as every family takes it: with arguments that are a JSON object.
+/// Chat-completions models may write any text there (the call then failed with a tool error,
+/// and its provider takes the text back as it is), but Anthropic and Bedrock take a call's
+/// input as a JSON object only, so a switch to them would fail on every later call. The turn
+/// is finished, so only what the model reads of it matters: the text it sent, kept whole as a
+/// string under `unparsed_arguments`.
+fn with_object_arguments(part: Part) -> Part {
+    match part {
+        Part::ToolUse(mut tool_use)
+            if !serde_json::from_str::<&serde_json::value::RawValue>(&tool_use.arguments)
+                .is_ok_and(|raw| raw.get().starts_with('{')) =>
+        {
+            tool_use.arguments =
+                serde_json::json!({ "unparsed_arguments": tool_use.arguments }).to_string();
+            Part::ToolUse(tool_use)
+        }
+        other => other,
+    }
 }
 
 #[cfg(test)]
@@ -288,5 +336,98 @@ mod tests {
         // only reasoning and provider-bound parts go.
         assert!(!opaque.is_whole_for_family("anthropic"));
         assert!(opaque.is_whole_for_family("openai-responses"));
+    }
+
+    #[test]
+    fn a_finished_foreign_call_whose_arguments_are_not_an_object_goes_to_any_family() {
+        let mut t = Transcript::new();
+        t.push_user_text("time in Paris?");
+        let call = |id: &str, arguments: &str| {
+            Part::ToolUse(ToolUse {
+                id: id.into(),
+                name: "clock".into(),
+                arguments: arguments.into(),
+                signature: None,
+            })
+        };
+        t.push_response(&response(
+            "openai",
+            vec![
+                call("c1", r#"{"tz": CET"#),
+                call("c2", r#"{"tz":"CET"}"#),
+                call("c3", "[1]"),
+            ],
+        ));
+        t.push_tool_results(["c1", "c2", "c3"].map(|id| ToolResult {
+            tool_use_id: id.into(),
+            content: ToolResultContent::Text("arguments: not valid JSON".into()),
+            is_error: true,
+        }));
+        t.push_response(&response("openai", vec![Part::text("sorry")]));
+        t.push_user_text("again");
+        let prepared = prepare_transcript(&t, "anthropic").unwrap();
+        let arguments: Vec<&str> = prepared.messages[1]
+            .parts
+            .iter()
+            .map(|part| match part {
+                Part::ToolUse(tool_use) => tool_use.arguments.as_str(),
+                other => panic!("not a tool_use: {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            arguments,
+            [
+                r#"{"unparsed_arguments":"{\"tz\": CET"}"#,
+                r#"{"tz":"CET"}"#,
+                r#"{"unparsed_arguments":"[1]"}"#
+            ]
+        );
+        // Its own family takes the text back as it was.
+        assert!(matches!(
+            prepare_transcript(&t, "openai").unwrap(),
+            Cow::Borrowed(_)
+        ));
+        for (format, provider) in [
+            (RequestFormat::Anthropic, "anthropic"),
+            (RequestFormat::Bedrock, "bedrock"),
+        ] {
+            let request = crate::ModelRequest {
+                context: crate::CallContext::default(),
+                model: cairn_ledger::ModelSpec::new(provider, "m"),
+                transcript: std::sync::Arc::new(t.clone()),
+                tools: vec![cairn_ledger::ToolSpec {
+                    name: "clock".into(),
+                    description: "The time".into(),
+                    input_schema: cairn_ledger::JsonText::parse(r#"{"type":"object"}"#).unwrap(),
+                }],
+                options: Default::default(),
+            };
+            let body = render_request(format, &request).unwrap();
+            assert!(body.to_string().contains("unparsed_arguments"), "{body}");
+        }
+    }
+
+    #[test]
+    fn a_response_cut_while_reasoning_is_refused_as_the_request_s_fault() {
+        let cut = |parts: Vec<Part>, stop_reason| ModelResponse {
+            stop_reason,
+            stop_reason_raw: "max_tokens".into(),
+            ..response("anthropic", parts)
+        };
+        for parts in [vec![thinking()], Vec::new()] {
+            let err = checked_response("anthropic", cut(parts, StopReason::MaxTokens)).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidRequest, "{err}");
+            assert!(err.to_string().contains("anthropic: the response reached its output token limit (max_tokens) while the model was still reasoning"), "{err}");
+        }
+        // Not cut by the limit: the ledger's rule, a retryable invalid response.
+        let err =
+            checked_response("anthropic", cut(vec![thinking()], StopReason::EndTurn)).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidResponse, "{err}");
+        // Cut after an answer began: an ordinary MaxTokens response.
+        let answer = cut(vec![thinking(), Part::text("par")], StopReason::MaxTokens);
+        assert_eq!(
+            checked_response("anthropic", answer.clone()).unwrap(),
+            answer
+        );
     }
 }

@@ -878,11 +878,7 @@ impl StreamParser {
             stop_reason,
             usage: self.usage.unwrap_or_default(),
         };
-        cairn_ledger::validate_response(&response).map_err(|source| Error::InvalidResponse {
-            provider: PROVIDER.into(),
-            source,
-        })?;
-        Ok(response)
+        super::checked_response(PROVIDER, response)
     }
 }
 

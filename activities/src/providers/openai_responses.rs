@@ -22,9 +22,8 @@ use crate::providers::prepare_transcript;
 use crate::providers::sse::{SseDecoder, SseEvent};
 use async_trait::async_trait;
 use cairn_ledger::{
-    validate_response, validate_transcript, Delta, JsonText, Message, ModelResponse, Part,
-    ProviderJson, Role, ServerToolKind, StopReason, ToolChoice, ToolResultContent, ToolUse, Usage,
-    Violation,
+    validate_transcript, Delta, JsonText, Message, ModelResponse, Part, ProviderJson, Role,
+    ServerToolKind, StopReason, ToolChoice, ToolResultContent, ToolUse, Usage, Violation,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -328,6 +327,15 @@ fn render_assistant(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>
     // The `msg_…` id of the output item the pending text came from: a reasoning item is paired
     // with the item that follows it by that id, so it goes back with the text.
     let mut text_id: Option<String> = None;
+    // Item ids go back only beside the reasoning items they are paired with. A message whose
+    // reasoning was dropped (compaction's drop_reasoning) sends its items without ids, which
+    // the API takes as new items; with their ids it would look for the reasoning they followed
+    // ("Item 'fc_…' of type 'function_call' was provided without its required 'reasoning'
+    // item").
+    let paired = message
+        .parts
+        .iter()
+        .any(|part| matches!(part, Part::ReasoningItem { .. }));
     let flush = |text: &mut Vec<Value>,
                  text_id: &mut Option<String>,
                  input: &mut Vec<Box<RawValue>>,
@@ -378,9 +386,10 @@ fn render_assistant(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>
                          and reordering would change the conversation"
                     )));
                 }
-                if *item_id != text_id {
+                let item_id = item_id.as_ref().filter(|_| paired);
+                if item_id != text_id.as_ref() {
                     flush(&mut text, &mut text_id, input, pi)?;
-                    text_id = item_id.clone();
+                    text_id = item_id.cloned();
                 }
                 let mut content = json!({"type": "output_text", "text": t});
                 // Annotations this family produced go back with their text.
@@ -424,7 +433,7 @@ fn render_assistant(mi: usize, message: &Message, input: &mut Vec<Box<RawValue>>
             Part::ToolUse(call) => {
                 flush(&mut text, &mut text_id, input, pi)?;
                 first_call.get_or_insert(pi);
-                input.push(raw(&function_call_item(call), mi, pi)?);
+                input.push(raw(&function_call_item(call, paired), mi, pi)?);
             }
             other => return Err(not_sendable(mi, pi, other, Role::Assistant)),
         }
@@ -454,10 +463,12 @@ fn reasoning_item_id(mi: usize, pi: usize, item: &JsonText) -> Result<String> {
     Ok(head.id.unwrap_or_default())
 }
 
-fn function_call_item(call: &ToolUse) -> Value {
+/// A function call as an input item: with its `fc_…` id (kept as the call's signature) only
+/// when `paired`, beside the reasoning item it followed.
+fn function_call_item(call: &ToolUse, paired: bool) -> Value {
     let mut item = serde_json::Map::new();
     item.insert("type".into(), json!("function_call"));
-    if let Some(id) = &call.signature {
+    if let Some(id) = call.signature.as_ref().filter(|_| paired) {
         item.insert("id".into(), json!(id));
     }
     item.insert("call_id".into(), json!(call.id));
@@ -1128,11 +1139,7 @@ impl StreamParser {
             stop_reason,
             usage: self.usage.unwrap_or_default(),
         };
-        validate_response(&response).map_err(|source| Error::InvalidResponse {
-            provider: PROVIDER.into(),
-            source,
-        })?;
-        Ok(response)
+        super::checked_response(PROVIDER, response)
     }
 }
 
@@ -1146,7 +1153,9 @@ fn response_field<'v>(value: &'v Value, name: &str) -> Option<&'v str> {
 /// The failure class of an error code sent in a stream.
 fn classify_code(code: Option<&str>) -> ErrorKind {
     match code.unwrap_or_default() {
-        "rate_limit_exceeded" | "insufficient_quota" => ErrorKind::RateLimited,
+        "rate_limit_exceeded" => ErrorKind::RateLimited,
+        // A billing matter, sent as a 429 too: no retry succeeds until a person acts.
+        "insufficient_quota" => ErrorKind::Auth,
         "server_is_overloaded" | "overloaded" | "slow_down" => ErrorKind::Overloaded,
         "server_error" | "internal_error" | "" => ErrorKind::Transient,
         "vector_store_timeout" => ErrorKind::Timeout,
@@ -1290,6 +1299,7 @@ mod tests {
             ErrorKind::ContextTooLong
         );
         assert_eq!(classify_code(None), ErrorKind::Transient);
+        assert_eq!(classify_code(Some("insufficient_quota")), ErrorKind::Auth);
     }
 
     #[test]
