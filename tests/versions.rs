@@ -6,7 +6,7 @@
 //! `tests/golden/histories/v1-missing-argument.jsonl` was made by
 //! [`record_missing_argument_session`] with the code of version 1 (before version 2's rule
 //! existed) and is never regenerated: it is what a session in flight during the upgrade
-//! holds.
+//! holds. `tests/golden/histories/v2-demo.jsonl` is the demo session as version 2 recorded it.
 
 use crate::support::{cairn_command, demo_files};
 use cairn_ledger::{ModelResponse, ModelSpec, Part, StopReason, ToolUse, Usage};
@@ -187,6 +187,29 @@ async fn a_history_recorded_under_version_1_replays_and_resumes_under_its_rules(
         "the resumed v1 turn completed"
     );
     ok(&cairn(&["replay", "--data", data_arg, "missing-argument"]));
+}
+
+/// The demo session as version 2 recorded it (`tests/golden/histories/v2-demo.jsonl`, the
+/// demo's golden history when version 3 came, never regenerated): the current code folds it
+/// under version 2's rules to the very ledger bytes of the demo's golden transcript.
+#[test]
+fn the_demo_recorded_under_version_2_replays_to_its_ledger_bytes() {
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
+    let text = std::fs::read_to_string(golden.join("histories/v2-demo.jsonl")).unwrap();
+    let recorded: Vec<EventEnvelope> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let Event::SessionStarted(started) = &recorded[0].event else {
+        panic!("a history begins with session_started");
+    };
+    assert_eq!(started.workflow_version, 2);
+    let replayed = cairn_runtime::replay(&started_id(&recorded), &recorded).unwrap();
+    let transcript = std::fs::read_to_string(golden.join("sessions/demo.transcript.json")).unwrap();
+    assert_eq!(
+        String::from_utf8(replayed.state.transcript.canonical_json()).unwrap() + "\n",
+        transcript
+    );
 }
 
 /// A new session records the current version and follows its rule: the call without its

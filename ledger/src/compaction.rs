@@ -110,12 +110,48 @@ pub fn current_turn_start(transcript: &Transcript) -> Option<usize> {
     transcript.messages.iter().rposition(starts_turn)
 }
 
+/// Which rules [`compact`]'s strategies follow. A history is folded by the rules it was
+/// recorded by, so a rule, once used, stays; the workflow picks them by the session's version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CompactionRules {
+    /// The first rules.
+    #[default]
+    First,
+    /// [`CompactionStrategy::DropReasoning`] keeps the reasoning of the transcript's last
+    /// assistant message when it holds tool calls: a turn that ended on its tool results (cut
+    /// by its round limit, a budget, a failure, a cancellation) leaves that call set the last
+    /// one, and Anthropic, with thinking on, refuses a request whose final assistant message
+    /// before the last tool_use and tool_result blocks does not start with its thinking.
+    KeepLastCallsReasoning,
+}
+
 /// Drops the reasoning parts of completed turns' assistant messages. A message that would be
 /// left empty keeps its parts (a valid transcript never has one: an assistant message never
 /// ends on reasoning).
 pub fn drop_reasoning(transcript: &Transcript) -> Transcript {
-    map_completed(transcript, |message| {
-        if message.role != Role::Assistant || !message.parts.iter().any(Part::is_reasoning) {
+    drop_reasoning_by(transcript, CompactionRules::First)
+}
+
+/// [`drop_reasoning`] by `rules` (see [`CompactionRules`]).
+pub fn drop_reasoning_by(transcript: &Transcript, rules: CompactionRules) -> Transcript {
+    let kept_whole = match rules {
+        CompactionRules::First => None,
+        CompactionRules::KeepLastCallsReasoning => transcript
+            .messages
+            .iter()
+            .rposition(|m| m.role == Role::Assistant)
+            .filter(|&at| {
+                transcript.messages[at]
+                    .parts
+                    .iter()
+                    .any(|p| matches!(p, Part::ToolUse(_)))
+            }),
+    };
+    map_completed_at(transcript, |at, message| {
+        if message.role != Role::Assistant
+            || Some(at) == kept_whole
+            || !message.parts.iter().any(Part::is_reasoning)
+        {
             return message.clone();
         }
         let kept: Vec<Part> = message
@@ -237,6 +273,9 @@ pub struct CompactionPlan {
     pub keep_last_turns: u32,
     /// The summary of the dropped turns, if one was made.
     pub summary: Option<String>,
+    /// The rules the strategies follow: not recorded, but the session's (see
+    /// [`CompactionRules`]).
+    pub rules: CompactionRules,
 }
 
 /// The outcome of [`compact`]: the new transcript and where it was cut, if it was.
@@ -256,7 +295,7 @@ pub fn compact(transcript: &Transcript, plan: &CompactionPlan) -> Compacted {
     let mut cut = None;
     for strategy in &plan.strategies {
         current = match strategy {
-            CompactionStrategy::DropReasoning => drop_reasoning(&current),
+            CompactionStrategy::DropReasoning => drop_reasoning_by(&current, plan.rules),
             CompactionStrategy::DropFailedToolResults => drop_failed_tool_results(&current),
             CompactionStrategy::KeepLastTurns => {
                 // Strategies before it never add or remove messages, so the cut's index is
@@ -276,13 +315,18 @@ pub fn compact(transcript: &Transcript, plan: &CompactionPlan) -> Compacted {
 
 /// Applies `f` to every message of completed turns (before [`current_turn_start`]).
 fn map_completed(transcript: &Transcript, f: impl Fn(&Message) -> Message) -> Transcript {
+    map_completed_at(transcript, |_, message| f(message))
+}
+
+/// Applies `f` to every message of completed turns with its index.
+fn map_completed_at(transcript: &Transcript, f: impl Fn(usize, &Message) -> Message) -> Transcript {
     let end = current_turn_start(transcript).unwrap_or(0);
     Transcript {
         messages: transcript
             .messages
             .iter()
             .enumerate()
-            .map(|(i, m)| if i < end { f(m) } else { m.clone() })
+            .map(|(i, m)| if i < end { f(i, m) } else { m.clone() })
             .collect(),
     }
 }

@@ -148,6 +148,34 @@ fn a_summary_goes_in_front_of_the_first_kept_user_message() {
 }
 
 #[test]
+fn reasoning_before_the_last_call_set_stays_when_a_turn_ended_on_its_tool_results() {
+    // Turn 1 ended after its tool results (its round limit, say); turn 2 is a new message.
+    let mut t = Transcript::new();
+    t.messages.push(user(vec![Part::text("one")]));
+    t.messages
+        .push(assistant(vec![thinking("t0"), Part::text("first")]));
+    t.messages.push(user(vec![Part::text("two")]));
+    t.messages
+        .push(assistant(vec![thinking("t1"), tool_use("a")]));
+    t.messages.push(user(vec![result("a", false, "1")]));
+    t.messages.push(user(vec![Part::text("three")]));
+    let first = drop_reasoning_by(&t, CompactionRules::First);
+    assert_eq!(first.messages[3].parts, vec![tool_use("a")]);
+    assert_eq!(first, drop_reasoning(&t));
+    let kept = drop_reasoning_by(&t, CompactionRules::KeepLastCallsReasoning);
+    assert_eq!(kept.messages[1].parts, vec![Part::text("first")]);
+    assert_eq!(kept.messages[3], t.messages[3]);
+    validate_transcript(&kept).unwrap();
+    // Once an answer follows, that call set is no longer the last assistant message.
+    t.messages
+        .push(assistant(vec![thinking("t2"), Part::text("done")]));
+    t.messages.push(user(vec![Part::text("four")]));
+    let kept = drop_reasoning_by(&t, CompactionRules::KeepLastCallsReasoning);
+    assert_eq!(kept.messages[3].parts, vec![tool_use("a")]);
+    assert_eq!(kept.messages[6].parts, vec![Part::text("done")]);
+}
+
+#[test]
 fn compact_applies_strategies_in_order_and_reports_the_cut() {
     let t = three_turns();
     let plan = CompactionPlan {
@@ -158,6 +186,7 @@ fn compact_applies_strategies_in_order_and_reports_the_cut() {
         ],
         keep_last_turns: 2,
         summary: None,
+        rules: CompactionRules::First,
     };
     let out = compact(&t, &plan);
     assert_eq!(out.cut, Some(5));
@@ -254,8 +283,9 @@ fn plans() -> impl Strategy<Value = CompactionPlan> {
         prop::collection::vec(strategy, 0..4),
         0u32..4,
         prop::option::of("[a-z ]{1,12}"),
+        prop::bool::ANY,
     )
-        .prop_map(|(mut strategies, keep_last_turns, summary)| {
+        .prop_map(|(mut strategies, keep_last_turns, summary, first_rules)| {
             // A plan names each strategy once (the policy check refuses repeats).
             let mut seen = Vec::new();
             strategies.retain(|s| {
@@ -267,6 +297,11 @@ fn plans() -> impl Strategy<Value = CompactionPlan> {
                 strategies,
                 keep_last_turns,
                 summary,
+                rules: if first_rules {
+                    CompactionRules::First
+                } else {
+                    CompactionRules::KeepLastCallsReasoning
+                },
             }
         })
 }

@@ -16,9 +16,9 @@ mod validate;
 
 pub use compaction::{
     compact, current_turn_start, cut_for_last_turns, drop_failed_tool_results, drop_reasoning,
-    estimate_tokens, keep_last_turns, starts_turn, summary_request, turn_starts, turns_before_cut,
-    Compacted, CompactionPlan, CompactionStrategy, FAILED_RESULT_NOTE, MEDIA_TOKEN_ESTIMATE,
-    SUMMARY_HEADING, SUMMARY_PROMPT,
+    drop_reasoning_by, estimate_tokens, keep_last_turns, starts_turn, summary_request, turn_starts,
+    turns_before_cut, Compacted, CompactionPlan, CompactionRules, CompactionStrategy,
+    FAILED_RESULT_NOTE, MEDIA_TOKEN_ESTIMATE, SUMMARY_HEADING, SUMMARY_PROMPT,
 };
 pub use error::{Error, Result, Violation};
 pub use json::JsonText;
@@ -34,4 +34,6 @@ pub use transcript::{
     Message, Part, Provenance, ProviderJson, Role, ToolResult, ToolResultContent, ToolUse,
     Transcript,
 };
-pub use validate::{validate_response, validate_transcript, validate_transcript_from};
+pub use validate::{
+    validate_recorded_response, validate_response, validate_transcript, validate_transcript_from,
+};

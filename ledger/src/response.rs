@@ -41,13 +41,18 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// Field-wise sum.
+    /// Field-wise sum, saturating: the numbers come from providers and workers, and a sum
+    /// that wrapped would read as little usage and let a budget pass.
     pub fn add(&mut self, other: &Usage) {
-        self.input_tokens += other.input_tokens;
-        self.output_tokens += other.output_tokens;
-        self.cache_read_tokens += other.cache_read_tokens;
-        self.cache_write_tokens += other.cache_write_tokens;
-        self.reasoning_tokens += other.reasoning_tokens;
+        self.input_tokens = self.input_tokens.saturating_add(other.input_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(other.output_tokens);
+        self.cache_read_tokens = self
+            .cache_read_tokens
+            .saturating_add(other.cache_read_tokens);
+        self.cache_write_tokens = self
+            .cache_write_tokens
+            .saturating_add(other.cache_write_tokens);
+        self.reasoning_tokens = self.reasoning_tokens.saturating_add(other.reasoning_tokens);
     }
 }
 
@@ -86,5 +91,33 @@ impl ModelResponse {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_sums_saturate_instead_of_wrapping() {
+        let huge = Usage {
+            input_tokens: u64::MAX / 2 + 1,
+            output_tokens: 1,
+            cache_read_tokens: u64::MAX,
+            cache_write_tokens: 2,
+            reasoning_tokens: u64::MAX / 2 + 1,
+        };
+        let mut sum = huge;
+        sum.add(&huge);
+        assert_eq!(
+            sum,
+            Usage {
+                input_tokens: u64::MAX,
+                output_tokens: 2,
+                cache_read_tokens: u64::MAX,
+                cache_write_tokens: 4,
+                reasoning_tokens: u64::MAX,
+            }
+        );
     }
 }

@@ -239,9 +239,32 @@ fn check_results(mi: usize, message: &Message, expected: &[&str]) -> Result<()> 
     Ok(())
 }
 
-/// Checks a model response before it is committed: not empty, only assistant parts, every part
-/// well-formed, unique tool_use ids, not ending on reasoning, no tool_use cut by `max_tokens`.
+/// Checks a model response before it is committed: not empty, only assistant parts (no tool
+/// result, no media: a transcript holds those in user messages only, so an assistant message
+/// with one could never be sent to a provider again), every part well-formed, unique tool_use
+/// ids, not ending on reasoning, no tool_use cut by `max_tokens`.
 pub fn validate_response(response: &ModelResponse) -> Result<()> {
+    if let Some((pi, media)) = response
+        .parts
+        .iter()
+        .enumerate()
+        .find(|(_, part)| matches!(part, Part::Media(_)))
+    {
+        return Err(Error::InvalidResponse {
+            part: Some(pi),
+            violation: Violation::PartNotAllowedInRole {
+                part_kind: media.kind(),
+                role: "assistant",
+            },
+        });
+    }
+    validate_recorded_response(response)
+}
+
+/// The rules of [`validate_response`] that every recorded response was checked by, which
+/// folding a history applies: media in a response was let through before it was refused, and
+/// a history that holds one still folds (it can be read, exported and forked from before it).
+pub fn validate_recorded_response(response: &ModelResponse) -> Result<()> {
     let bad = |part, violation| Error::InvalidResponse { part, violation };
     if response.parts.is_empty() {
         return Err(bad(None, Violation::EmptyResponse));

@@ -2,8 +2,9 @@
 //! the exact place (message, part, tool-result block) and what is wrong.
 
 use cairn_ledger::{
-    estimate_tokens, validate_transcript, Error, Media, MediaKind, MediaSource, Message, Part,
-    Role, ToolResult, ToolResultBlock, ToolResultContent, ToolUse, Transcript, Violation,
+    estimate_tokens, validate_recorded_response, validate_response, validate_transcript, Error,
+    Media, MediaKind, MediaSource, Message, ModelResponse, Part, Role, StopReason, ToolResult,
+    ToolResultBlock, ToolResultContent, ToolUse, Transcript, Usage, Violation,
     MEDIA_TOKEN_ESTIMATE,
 };
 
@@ -85,6 +86,29 @@ fn media_ride_in_user_messages_and_tool_results_only() {
         ToolResultBlock::Media(png()),
     ])))
     .unwrap();
+}
+
+#[test]
+fn a_model_response_with_media_is_refused_but_one_recorded_still_folds() {
+    let response = ModelResponse {
+        provider: "p".into(),
+        model: "m".into(),
+        parts: vec![Part::text("here"), Part::Media(png())],
+        stop_reason_raw: "end_turn".into(),
+        stop_reason: StopReason::EndTurn,
+        usage: Usage::default(),
+    };
+    assert_eq!(
+        validate_response(&response),
+        Err(Error::InvalidResponse {
+            part: Some(1),
+            violation: Violation::PartNotAllowedInRole {
+                part_kind: "image",
+                role: "assistant"
+            }
+        })
+    );
+    validate_recorded_response(&response).unwrap();
 }
 
 #[test]

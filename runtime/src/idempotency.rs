@@ -57,9 +57,11 @@ pub fn message_fingerprint(
         media,
         tool_choice,
     };
-    // Plain data with string keys: encoding cannot fail; were it to, every message would
-    // share the empty encoding and a changed resend would pass as the same.
-    let bytes = rmp_serde::to_vec(&fingerprinted).unwrap_or_default();
+    // Named fields: positional ones would let two specs that each skip a different unset
+    // field (`max_tokens` set, or `thinking_budget_tokens` set, to the same number) encode
+    // alike. Plain data with string keys: encoding cannot fail; were it to, every message
+    // would share the empty encoding and a changed resend would pass as the same.
+    let bytes = rmp_serde::to_vec_named(&fingerprinted).unwrap_or_default();
     xxhash_rust::xxh3::xxh3_64(&bytes)
 }
 
@@ -109,6 +111,18 @@ mod tests {
             max_tokens: None,
             thinking_budget_tokens: None,
         };
+        let capped = ModelSpec {
+            max_tokens: Some(8),
+            ..model.clone()
+        };
+        let thinking = ModelSpec {
+            thinking_budget_tokens: Some(8),
+            ..model.clone()
+        };
+        assert_ne!(
+            message_fingerprint("hi", Some(&capped), &[], None),
+            message_fingerprint("hi", Some(&thinking), &[], None)
+        );
         let base = message_fingerprint("hi", None, &[], None);
         assert_eq!(base, message_fingerprint("hi", None, &[], None));
         assert_ne!(base, message_fingerprint("hi!", None, &[], None));

@@ -19,8 +19,9 @@ use crate::idempotency::{idempotency_key_problem, message_fingerprint, KeyedMess
 use crate::policy::PolicyDecision;
 use crate::store::{NewTask, TaskId, TaskKind};
 use cairn_ledger::{
-    validate_response, CallOptions, CompactionStrategy, JsonText, ModelResponse, ModelSpec, Part,
-    StopReason, ToolChoice, ToolResult, ToolResultContent, ToolUse, Transcript, Usage,
+    validate_recorded_response, validate_response, CallOptions, CompactionStrategy, JsonText,
+    ModelResponse, ModelSpec, Part, StopReason, ToolChoice, ToolResult, ToolResultContent, ToolUse,
+    Transcript, Usage,
 };
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
@@ -34,13 +35,19 @@ use std::sync::Arc;
 ///    answered at once with an error result naming the field, like an unknown tool, instead
 ///    of being scheduled for the tool to refuse (a worker round trip and two durable writes
 ///    saved, and the model told exactly what is missing). Version 1 sessions schedule it.
+/// 3. Compaction's `drop_reasoning` keeps the reasoning of the transcript's last assistant
+///    message when it holds tool calls (a turn that ended on its tool results), which
+///    Anthropic needs with thinking on ([`cairn_ledger::CompactionRules`]); and the usage of
+///    an attempt that failed as too long for the context, or of a failed summary call, counts
+///    in the budget totals (with its cost) as every other attempt's does. Version 1 and 2
+///    sessions keep the earlier rules.
 ///
 /// Budgets (`Limits::turn_budget`, `Limits::session_budget`) changed no version: a history
 /// can only hold them if it was recorded by code that enforces them, and without them every
 /// session decides as before.
-pub const WORKFLOW_VERSION: u32 = 2;
+pub const WORKFLOW_VERSION: u32 = 3;
 
-// Compaction's rules need no new version: see the module doc of `workflow_compaction.rs`.
+// Compaction's rules: see the module doc of `workflow_compaction.rs`.
 #[path = "workflow_compaction.rs"]
 mod compaction_rules;
 pub use compaction_rules::SummarySlot;
@@ -769,6 +776,12 @@ impl SessionState {
                 }
             }
         }
+        // The rules added since some histories were recorded, checked on new responses only
+        // (folding applies `validate_recorded_response`).
+        if let Event::ModelCallCompleted { response, .. } = &input.event {
+            validate_response(response)
+                .map_err(|e| self.invalid(input.seq, format!("response rejected: {e}")))?;
+        }
         let before: BTreeSet<u64> = self.outstanding_tasks().into_iter().collect();
         let reported = self.reported_task(&input.event);
         let was_running = self.is_running();
@@ -1195,7 +1208,7 @@ impl SessionState {
                 cost_micros,
             } => {
                 self.check_model_slot(seq, *turn, *round, *attempt)?;
-                validate_response(response)
+                validate_recorded_response(response)
                     .map_err(|e| self.invalid(seq, format!("response rejected: {e}")))?;
                 if let Some(dup) = response
                     .tool_uses()
@@ -1217,7 +1230,7 @@ impl SessionState {
             } => {
                 self.check_model_slot(seq, *turn, *round, *attempt)?;
                 if failure.class == ErrorClass::ContextTooLong {
-                    return Ok(self.on_context_too_long(now, *attempt, failure));
+                    return Ok(self.on_context_too_long(now, *attempt, failure, *cost_micros));
                 }
                 let policy = self.started_ref()?.model_retry.clone();
                 Ok(self.on_model_failure(now, &policy, *attempt, failure, *cost_micros))

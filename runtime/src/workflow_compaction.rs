@@ -2,10 +2,11 @@
 //! (before a model call over the policy's threshold, after a context-too-long answer, on
 //! request), what the recorded `transcript_compacted` carries, and how the fold applies it.
 //!
-//! No new workflow version: a session compacts only when its history records a compaction
-//! policy or a `compaction_requested`, which no history did before compaction existed, and the
-//! `context_too_long` failure class is new too — so every older history decides, replays and
-//! resumes exactly as before.
+//! Compaction itself needed no new workflow version: a session compacts only when its history
+//! records a compaction policy or a `compaction_requested`, which no history did before
+//! compaction existed, and the `context_too_long` failure class is new too — so every older
+//! history decides, replays and resumes exactly as before. Changes to its rules since are
+//! behind the session's version ([`SessionState::compaction_rules`]).
 //!
 //! With `summarize`, a compaction that cuts turns first runs a summary call (`Phase::Summarizing`,
 //! a model task over `cairn_ledger::summary_request`); its text goes in front of the first kept
@@ -22,7 +23,9 @@ use super::{ActiveTurn, Command, ModelSlot, Phase, SessionState};
 use crate::compaction::{CompactionPolicy, CompactionTrigger};
 use crate::error::Result;
 use crate::event::{ActivityFailure, ErrorClass, Event};
-use cairn_ledger::{compact, estimate_tokens, CompactionPlan, CompactionStrategy, Transcript};
+use cairn_ledger::{
+    compact, estimate_tokens, CompactionPlan, CompactionRules, CompactionStrategy, Transcript,
+};
 use std::sync::Arc;
 
 /// Decides the compaction `trigger` calls for under `policy`: strategies are tried in the
@@ -31,6 +34,7 @@ use std::sync::Arc;
 fn decide(
     transcript: &Transcript,
     policy: &CompactionPolicy,
+    rules: CompactionRules,
     trigger: CompactionTrigger,
     turn: u32,
 ) -> Option<Command> {
@@ -39,6 +43,7 @@ fn decide(
         strategies: Vec::new(),
         keep_last_turns: policy.keep_last_turns,
         summary: None,
+        rules,
     };
     let mut current = transcript.clone();
     let mut cut = None;
@@ -139,9 +144,14 @@ impl SessionState {
         }
         let turn = self.active.as_ref().map_or(self.turns_started, |a| a.turn);
         let summarize = policy.summarize;
-        if let Some(compaction) =
-            decide(&self.transcript, policy, CompactionTrigger::Threshold, turn)
-        {
+        let rules = self.compaction_rules();
+        if let Some(compaction) = decide(
+            &self.transcript,
+            policy,
+            rules,
+            CompactionTrigger::Threshold,
+            turn,
+        ) {
             if summarize && cuts(&compaction) {
                 if let Some(summary) = self.start_summary(compaction) {
                     commands[at] = summary;
@@ -224,6 +234,7 @@ impl SessionState {
 
     /// The summary is in (or will not come): the compaction with it, then the model call.
     pub(super) fn on_summary(&mut self, now: u64, summary: Option<&String>) -> Vec<Command> {
+        let rules = self.compaction_rules();
         let Some(active) = self.active.as_mut() else {
             return Vec::new();
         };
@@ -244,6 +255,7 @@ impl SessionState {
                 strategies: strategies.clone(),
                 keep_last_turns: keep_last_turns.unwrap_or(1),
                 summary: recorded.clone(),
+                rules,
             };
             *estimate_after = estimate_tokens(&compact(&self.transcript, &plan).transcript);
         }
@@ -268,13 +280,15 @@ impl SessionState {
         failure: &ActivityFailure,
     ) -> Vec<Command> {
         let policy = self.started.as_ref().map(|s| s.model_retry.clone());
+        if self.active.is_none() {
+            return Vec::new();
+        }
+        if let Some(usage) = &failure.usage {
+            self.count_failed_attempt(usage, None);
+        }
         let Some(active) = self.active.as_mut() else {
             return Vec::new();
         };
-        if let Some(usage) = &failure.usage {
-            active.usage.add(usage);
-            self.usage.add(usage);
-        }
         let turn = active.turn;
         let Phase::Summarizing(slot) = &mut active.phase else {
             return Vec::new();
@@ -308,25 +322,30 @@ impl SessionState {
         now: u64,
         attempt: u32,
         failure: &ActivityFailure,
+        cost_micros: Option<u64>,
     ) -> Vec<Command> {
         let summarize = self.compaction_policy().is_some_and(|p| p.summarize);
+        let rules = self.compaction_rules();
         let compaction = self.compaction_policy().map(|policy| {
             let turn = self.active.as_ref().map_or(self.turns_started, |a| a.turn);
             decide(
                 &self.transcript,
                 policy,
+                rules,
                 CompactionTrigger::ContextTooLong,
                 turn,
             )
         });
         let estimate = estimate_tokens(&self.transcript);
+        if self.active.is_none() {
+            return Vec::new();
+        }
+        if let Some(usage) = &failure.usage {
+            self.count_failed_attempt(usage, cost_micros);
+        }
         let Some(active) = self.active.as_mut() else {
             return Vec::new();
         };
-        if let Some(usage) = &failure.usage {
-            active.usage.add(usage);
-            self.usage.add(usage);
-        }
         let turn = active.turn;
         let reason = match compaction {
             Some(Some(compaction)) => {
@@ -391,11 +410,35 @@ impl SessionState {
         Ok(decide(
             &self.transcript,
             policy,
+            self.compaction_rules(),
             CompactionTrigger::Requested,
             self.turns_started,
         )
         .into_iter()
         .collect())
+    }
+
+    /// Counts the usage of an attempt that failed here (context too long, a summary call):
+    /// version 3 counts it in the budget totals as every other attempt's, with its cost;
+    /// before, it went to the usage sums alone, and budgets did not see it.
+    fn count_failed_attempt(&mut self, usage: &cairn_ledger::Usage, cost_micros: Option<u64>) {
+        if self.started.as_ref().map_or(1, |s| s.workflow_version) >= 3 {
+            self.count_attempt(usage, cost_micros);
+            return;
+        }
+        if let Some(active) = self.active.as_mut() {
+            active.usage.add(usage);
+        }
+        self.usage.add(usage);
+    }
+
+    /// The compaction rules of this session's workflow version: version 3 keeps the
+    /// reasoning of a call set a turn ended on (see [`CompactionRules`]).
+    pub(super) fn compaction_rules(&self) -> CompactionRules {
+        match self.started.as_ref().map_or(1, |s| s.workflow_version) {
+            ..=2 => CompactionRules::First,
+            _ => CompactionRules::KeepLastCallsReasoning,
+        }
     }
 
     /// Applies a recorded `transcript_compacted` (already checked against the decided
@@ -412,6 +455,7 @@ impl SessionState {
                 strategies: strategies.clone(),
                 keep_last_turns: keep_last_turns.unwrap_or(1),
                 summary: summary.clone(),
+                rules: self.compaction_rules(),
             };
             self.transcript = Arc::new(compact(&self.transcript, &plan).transcript);
         }

@@ -117,6 +117,7 @@ fn over_the_threshold_a_compaction_goes_before_the_model_call() {
             ],
             keep_last_turns: 4,
             summary: None,
+            rules: CompactionRules::KeepLastCallsReasoning,
         },
     );
     assert_eq!(
@@ -352,6 +353,105 @@ fn context_too_long_compacts_and_retries_then_fails_when_nothing_is_left() {
         "{c:?}"
     );
     live.check_replay();
+}
+
+/// Version 3's rules against version 2's, on a turn cut by its round limit after its tool
+/// results, then a context-too-long answer to the next message.
+#[test]
+fn version_3_keeps_the_reasoning_of_the_last_call_set_and_budgets_a_too_long_attempt() {
+    for version in [2, 3] {
+        let mut live = Live::new(SessionStarted {
+            workflow_version: version,
+            compaction: Some(policy(None, vec![CompactionStrategy::DropReasoning], 4)),
+            ..started(2)
+        });
+        live.input(user(1, "loop"));
+        live.input(model_done(
+            1,
+            0,
+            1,
+            response(
+                vec![
+                    thinking("p0"),
+                    tool_use("a", "calculator", r#"{"expression":"1"}"#),
+                ],
+                StopReason::ToolUse,
+            ),
+        ));
+        live.input(Event::ToolCallCompleted {
+            turn: 1,
+            tool_use_id: "a".into(),
+            attempt: 1,
+            content: ToolResultContent::Text("1".into()),
+            is_error: false,
+        });
+        let c = live.input(model_done(
+            1,
+            1,
+            1,
+            response(
+                vec![
+                    thinking("p1"),
+                    tool_use("b", "calculator", r#"{"expression":"2"}"#),
+                ],
+                StopReason::ToolUse,
+            ),
+        ));
+        assert!(matches!(c[..], [Command::FailTurn { .. }]), "{c:?}");
+        let totals_before = live.state.totals;
+        live.input(user(2, "next"));
+        let mut too_long = ActivityFailure::new(ErrorClass::ContextTooLong, "prompt is too long");
+        too_long.usage = Some(Usage {
+            input_tokens: 7,
+            ..Usage::default()
+        });
+        let c = live.input(Event::ModelCallFailed {
+            turn: 2,
+            round: 0,
+            attempt: 1,
+            failure: too_long,
+            cost_micros: Some(5),
+        });
+        assert!(
+            matches!(
+                c[..],
+                [
+                    Command::CompactTranscript { .. },
+                    Command::ScheduleModelCall { .. }
+                ]
+            ),
+            "{c:?}"
+        );
+        let calls: Vec<&Message> = live
+            .state
+            .transcript
+            .messages
+            .iter()
+            .filter(|m| m.role == Role::Assistant)
+            .collect();
+        assert_eq!(calls.len(), 2);
+        // The first call set lost its reasoning under both rules.
+        assert_eq!(calls[0].parts.len(), 1, "{:?}", calls[0]);
+        let kept = if version >= 3 { 2 } else { 1 };
+        assert_eq!(
+            calls[1].parts.len(),
+            kept,
+            "version {version}: {:?}",
+            calls[1]
+        );
+        let counted = live.state.totals.usage.input_tokens - totals_before.usage.input_tokens;
+        let cost = live.state.totals.cost_micros - totals_before.cost_micros;
+        if version >= 3 {
+            assert_eq!((counted, cost), (7, 5));
+        } else {
+            assert_eq!((counted, cost), (0, 0));
+            assert_eq!(
+                live.state.usage.input_tokens,
+                totals_before.usage.input_tokens + 7
+            );
+        }
+        live.check_replay();
+    }
 }
 
 #[test]

@@ -620,6 +620,52 @@ fn invalid_inputs_are_rejected_without_changing_state() {
 }
 
 #[test]
+fn a_response_with_media_is_refused_live_but_one_recorded_still_folds() {
+    let with_media = response(
+        vec![
+            text("here"),
+            Part::Media(Media::image_base64("image/png", "iVBORw0KGgo=")),
+        ],
+        StopReason::EndTurn,
+    );
+    let mut live = Live::new(started(8));
+    live.input(user(1, "draw"));
+    let before = live.state.clone();
+    let seq = live.state.next_seq;
+    let err = live
+        .try_input(model_done(1, 0, 1, with_media.clone()))
+        .unwrap_err();
+    assert!(err.to_string().contains("response rejected"), "{err}");
+    assert!(err.to_string().contains("image"), "{err}");
+    assert!(
+        matches!(err, Error::InvalidEvent { seq: at, .. } if at == seq),
+        "{err:?}"
+    );
+    assert_eq!(live.state, before);
+
+    // A history recorded before the rule: the event folds as it did.
+    let mut recorded = live.events.clone();
+    recorded.push(EventEnvelope::new(
+        SID,
+        seq,
+        live.now,
+        model_done(1, 0, 1, with_media.clone()),
+    ));
+    recorded.push(EventEnvelope::new(
+        SID,
+        seq + 1,
+        live.now,
+        Event::TurnCompleted {
+            turn: 1,
+            usage: with_media.usage,
+        },
+    ));
+    let replayed = replay(SID, &recorded).unwrap();
+    let last = replayed.state.transcript.messages.last().unwrap();
+    assert!(matches!(last.parts[1], Part::Media(_)), "{last:?}");
+}
+
+#[test]
 fn replaying_a_history_the_code_would_not_produce_names_the_event() {
     let mut live = Live::new(started(8));
     live.input(user(1, "go"));
