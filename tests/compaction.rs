@@ -278,6 +278,16 @@ fn a_summarising_session_keeps_a_summary_of_the_turns_it_drops() {
             && history.contains("summary+46"),
         "{history}"
     );
+    // The summary call's usage is recorded, so budgets count it.
+    let events = text(&cairn(&["history", "--data", data, "sum", "--json"]).stdout);
+    let summary: serde_json::Value = events
+        .lines()
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap())
+        .find(|event| event["kind"] == "summary_call_completed")
+        .unwrap();
+    let usage = &summary["event"]["summary_call_completed"]["usage"];
+    // (the scripted provider reports no tokens for a summary: zeros, but recorded)
+    assert!(usage["input_tokens"].is_u64(), "{summary}");
     let transcript = cairn(&["transcript", "--data", data, "sum"]);
     let ledger: serde_json::Value = serde_json::from_slice(&transcript.stdout).unwrap();
     let first = &ledger["messages"][0]["parts"];

@@ -269,11 +269,14 @@ fn sample_events() -> Vec<Event> {
             turn: 7,
             attempt: 2,
             summary: "The user asked for sums; 126 was the answer.".into(),
+            usage: None,
+            cost_micros: None,
         },
         Event::SummaryCallFailed {
             turn: 7,
             attempt: 1,
             failure: ActivityFailure::new(ErrorClass::Overloaded, "overloaded"),
+            cost_micros: None,
         },
     ]
 }

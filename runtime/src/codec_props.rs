@@ -178,13 +178,25 @@ fn event() -> impl Strategy<Value = Event> {
                 }
             ),
         Just(Event::CompactionRequested {}),
-        (small.clone(), small.clone(), text()).prop_map(|(turn, attempt, summary)| {
-            Event::SummaryCallCompleted {
-                turn,
-                attempt,
-                summary,
-            }
-        }),
+        (
+            small.clone(),
+            small.clone(),
+            text(),
+            proptest::option::of(any::<u64>()),
+            proptest::option::of(any::<u64>())
+        )
+            .prop_map(|(turn, attempt, summary, tokens, cost_micros)| {
+                Event::SummaryCallCompleted {
+                    turn,
+                    attempt,
+                    summary,
+                    usage: tokens.map(|output_tokens| Usage {
+                        output_tokens,
+                        ..Usage::default()
+                    }),
+                    cost_micros,
+                }
+            }),
         (
             small.clone(),
             small.clone(),

@@ -2121,9 +2121,18 @@ fn report_event(
             is_error,
         },
         (
-            ScheduledActivity::Summary { turn, attempt, .. },
+            ScheduledActivity::Summary {
+                turn,
+                attempt,
+                model,
+                ..
+            },
             ActivityReport::ModelCompleted(response),
         ) => {
+            let usage = response.usage;
+            let cost_micros = prices
+                .cost(&model.provider, &response.model, &usage)
+                .or_else(|| prices.cost(&model.provider, &model.model, &usage));
             let summary: String = response
                 .parts
                 .iter()
@@ -2134,19 +2143,24 @@ fn report_event(
                 .collect::<Vec<_>>()
                 .join("\n");
             if summary.trim().is_empty() {
+                let mut failure = ActivityFailure::new(
+                    crate::event::ErrorClass::InvalidResponse,
+                    "the summary call answered without text",
+                );
+                failure.usage = Some(usage);
                 Event::SummaryCallFailed {
                     turn,
                     attempt,
-                    failure: ActivityFailure::new(
-                        crate::event::ErrorClass::InvalidResponse,
-                        "the summary call answered without text",
-                    ),
+                    failure,
+                    cost_micros,
                 }
             } else {
                 Event::SummaryCallCompleted {
                     turn,
                     attempt,
                     summary,
+                    usage: Some(usage),
+                    cost_micros,
                 }
             }
         }
@@ -2184,9 +2198,17 @@ fn failed_event(
                 .and_then(|usage| prices.cost(&model.provider, &model.model, &usage)),
             failure,
         },
-        ScheduledActivity::Summary { turn, attempt, .. } => Event::SummaryCallFailed {
+        ScheduledActivity::Summary {
             turn,
             attempt,
+            model,
+            ..
+        } => Event::SummaryCallFailed {
+            turn,
+            attempt,
+            cost_micros: failure
+                .usage
+                .and_then(|usage| prices.cost(&model.provider, &model.model, &usage)),
             failure,
         },
         ScheduledActivity::Tool {

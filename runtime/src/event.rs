@@ -294,6 +294,13 @@ pub enum Event {
         attempt: u32,
         /// The summary.
         summary: String,
+        /// The call's token usage (absent in histories recorded before it was kept).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        usage: Option<Usage>,
+        /// That usage priced when it was recorded, in micro-dollars; absent when its model
+        /// has no price.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cost_micros: Option<u64>,
     },
     /// A summary call attempt failed; retried under the model retry policy, then the
     /// compaction goes on without a summary.
@@ -304,6 +311,9 @@ pub enum Event {
         attempt: u32,
         /// What went wrong.
         failure: ActivityFailure,
+        /// The failure's known usage priced when it was recorded, in micro-dollars.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cost_micros: Option<u64>,
     },
     /// A person or program asked to compact the transcript now (`cairn compact`), between
     /// turns. The workflow answers with `transcript_compacted`, or nothing when no strategy

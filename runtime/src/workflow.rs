@@ -38,7 +38,7 @@ use std::sync::Arc;
 /// 3. Compaction's `drop_reasoning` keeps the reasoning of the transcript's last assistant
 ///    message when it holds tool calls (a turn that ended on its tool results), which
 ///    Anthropic needs with thinking on ([`cairn_ledger::CompactionRules`]); and the usage of
-///    an attempt that failed as too long for the context, or of a failed summary call, counts
+///    an attempt that failed as too long for the context, or of a summary call, counts
 ///    in the budget totals (with its cost) as every other attempt's does. Version 1 and 2
 ///    sessions keep the earlier rules.
 ///
@@ -1403,17 +1403,23 @@ impl SessionState {
                 turn,
                 attempt,
                 summary,
+                usage,
+                cost_micros,
             } => {
                 self.check_summary_slot(seq, *turn, *attempt)?;
+                if let Some(usage) = usage {
+                    self.count_attempt_of_compaction(usage, *cost_micros);
+                }
                 Ok(self.on_summary(now, Some(summary)))
             }
             Event::SummaryCallFailed {
                 turn,
                 attempt,
                 failure,
+                cost_micros,
             } => {
                 self.check_summary_slot(seq, *turn, *attempt)?;
-                Ok(self.on_summary_failure(now, *attempt, failure))
+                Ok(self.on_summary_failure(now, *attempt, failure, *cost_micros))
             }
             Event::ModelCallScheduled { .. }
             | Event::ToolCallScheduled { .. }

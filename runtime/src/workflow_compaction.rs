@@ -278,13 +278,14 @@ impl SessionState {
         now: u64,
         attempt: u32,
         failure: &ActivityFailure,
+        cost_micros: Option<u64>,
     ) -> Vec<Command> {
         let policy = self.started.as_ref().map(|s| s.model_retry.clone());
         if self.active.is_none() {
             return Vec::new();
         }
         if let Some(usage) = &failure.usage {
-            self.count_failed_attempt(usage, None);
+            self.count_attempt_of_compaction(usage, cost_micros);
         }
         let Some(active) = self.active.as_mut() else {
             return Vec::new();
@@ -341,7 +342,7 @@ impl SessionState {
             return Vec::new();
         }
         if let Some(usage) = &failure.usage {
-            self.count_failed_attempt(usage, cost_micros);
+            self.count_attempt_of_compaction(usage, cost_micros);
         }
         let Some(active) = self.active.as_mut() else {
             return Vec::new();
@@ -418,10 +419,15 @@ impl SessionState {
         .collect())
     }
 
-    /// Counts the usage of an attempt that failed here (context too long, a summary call):
-    /// version 3 counts it in the budget totals as every other attempt's, with its cost;
-    /// before, it went to the usage sums alone, and budgets did not see it.
-    fn count_failed_attempt(&mut self, usage: &cairn_ledger::Usage, cost_micros: Option<u64>) {
+    /// Counts the usage of an attempt of compaction's own (a summary call, done or failed) or
+    /// that failed as too long for the context: version 3 counts it in the budget totals as
+    /// every other attempt's, with its cost; before, it went to the usage sums alone (a
+    /// completed summary's not even there), and budgets did not see it.
+    pub(super) fn count_attempt_of_compaction(
+        &mut self,
+        usage: &cairn_ledger::Usage,
+        cost_micros: Option<u64>,
+    ) {
         if self.started.as_ref().map_or(1, |s| s.workflow_version) >= 3 {
             self.count_attempt(usage, cost_micros);
             return;

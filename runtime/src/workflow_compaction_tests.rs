@@ -649,11 +649,24 @@ fn a_summary_call_runs_first_and_its_text_is_kept_in_front_of_the_cut() {
         live.state.transcript.messages.len(),
         before.messages.len() + 1
     );
+    let totals = live.state.totals;
     let c = live.input(Event::SummaryCallCompleted {
         turn: 2,
         attempt: 1,
         summary: "They asked question 1; the tool failed.".into(),
+        usage: Some(Usage {
+            input_tokens: 40,
+            output_tokens: 9,
+            ..Usage::default()
+        }),
+        cost_micros: Some(12),
     });
+    // The summary call counts in the budgets as any model call's attempt.
+    assert_eq!(
+        live.state.totals.usage.input_tokens,
+        totals.usage.input_tokens + 40
+    );
+    assert_eq!(live.state.totals.cost_micros, totals.cost_micros + 12);
     match &c[..] {
         [Command::CompactTranscript {
             cut: Some(5),
@@ -710,6 +723,7 @@ fn a_summary_that_keeps_failing_is_retried_then_left_out() {
         turn: 2,
         attempt: 1,
         failure: overloaded.clone(),
+        cost_micros: None,
     });
     // The model retry policy: 100 ms, then at most 2 attempts.
     assert_eq!(
@@ -724,6 +738,7 @@ fn a_summary_that_keeps_failing_is_retried_then_left_out() {
         turn: 2,
         attempt: 2,
         failure: overloaded,
+        cost_micros: None,
     });
     match &c[..] {
         [Command::CompactTranscript {
@@ -743,6 +758,8 @@ fn a_summary_that_keeps_failing_is_retried_then_left_out() {
             turn: 2,
             attempt: 1,
             summary: "late".into(),
+            usage: None,
+            cost_micros: None,
         })
         .unwrap_err();
     assert!(matches!(err, Error::StaleReport { .. }), "{err}");
@@ -777,6 +794,8 @@ fn context_too_long_with_summaries_summarises_then_retries_the_call() {
         turn: 2,
         attempt: 1,
         summary: "earlier: question 1".into(),
+        usage: None,
+        cost_micros: None,
     });
     match &c[..] {
         [Command::CompactTranscript {
@@ -818,6 +837,8 @@ fn a_cancelled_turn_drops_its_summary_call() {
             turn: 2,
             attempt: 1,
             summary: "late".into(),
+            usage: None,
+            cost_micros: None,
         })
         .unwrap_err();
     assert!(matches!(err, Error::StaleReport { .. }), "{err}");

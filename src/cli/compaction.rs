@@ -141,6 +141,7 @@ pub fn summarize(event: &Event) -> Option<String> {
             turn,
             attempt,
             summary,
+            ..
         } => Some(format!(
             "turn={turn} attempt={attempt} {} chars",
             summary.chars().count()
@@ -149,6 +150,7 @@ pub fn summarize(event: &Event) -> Option<String> {
             turn,
             attempt,
             failure,
+            ..
         } => Some(format!(
             "turn={turn} attempt={attempt} {}: {}",
             failure.class.as_str(),
