@@ -255,12 +255,15 @@ user's goals, the decisions made, the facts learned (names, values, tool results
 and what is still open. Be concise and write only the summary.";
 
 /// The transcript a summary call sends: the turns [`keep_last_turns`] would drop, their
-/// reasoning dropped (it may not be replayable to the summarising model), then a user message
-/// of [`SUMMARY_PROMPT`]. Valid whenever the transcript is.
+/// reasoning dropped (it may not be replayable to the summarising model) except that of a call
+/// set they end on ([`CompactionRules::KeepLastCallsReasoning`]: without it Anthropic, with
+/// thinking on, refuses the request), then a user message of [`SUMMARY_PROMPT`]. Valid
+/// whenever the transcript is. Built for each summary call and never recorded, so it follows
+/// the latest rules whatever the session's version.
 pub fn summary_request(transcript: &Transcript, keep: u32) -> Transcript {
     let mut older = turns_before_cut(transcript, keep);
     older.push_user_text(SUMMARY_PROMPT);
-    drop_reasoning(&older)
+    drop_reasoning_by(&older, CompactionRules::KeepLastCallsReasoning)
 }
 
 /// What one compaction does, as recorded: the strategies in the order applied, the number of

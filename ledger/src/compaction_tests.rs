@@ -166,6 +166,11 @@ fn reasoning_before_the_last_call_set_stays_when_a_turn_ended_on_its_tool_result
     assert_eq!(kept.messages[1].parts, vec![Part::text("first")]);
     assert_eq!(kept.messages[3], t.messages[3]);
     validate_transcript(&kept).unwrap();
+    // A summary of the turns before the last one keeps it too: they end on that call set.
+    let request = summary_request(&t, 1);
+    assert_eq!(request.messages[3], t.messages[3]);
+    assert_eq!(request.messages[1].parts, vec![Part::text("first")]);
+    validate_transcript(&request).unwrap();
     // Once an answer follows, that call set is no longer the last assistant message.
     t.messages
         .push(assistant(vec![thinking("t2"), Part::text("done")]));

@@ -2143,16 +2143,16 @@ fn report_event(
                 .collect::<Vec<_>>()
                 .join("\n");
             if summary.trim().is_empty() {
-                let mut failure = ActivityFailure::new(
-                    crate::event::ErrorClass::InvalidResponse,
-                    "the summary call answered without text",
-                );
-                failure.usage = Some(usage);
+                // Its usage is left out: a version 2 session would add it to its turn's usage,
+                // which the code before did not (an empty summary counted nothing).
                 Event::SummaryCallFailed {
                     turn,
                     attempt,
-                    failure,
-                    cost_micros,
+                    failure: ActivityFailure::new(
+                        crate::event::ErrorClass::InvalidResponse,
+                        "the summary call answered without text",
+                    ),
+                    cost_micros: None,
                 }
             } else {
                 Event::SummaryCallCompleted {

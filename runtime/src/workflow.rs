@@ -1407,8 +1407,11 @@ impl SessionState {
                 cost_micros,
             } => {
                 self.check_summary_slot(seq, *turn, *attempt)?;
-                if let Some(usage) = usage {
-                    self.count_attempt_of_compaction(usage, *cost_micros);
+                // Recorded since version 3 counts it; earlier versions leave it out, as they
+                // did before it was recorded.
+                let version = self.started.as_ref().map_or(1, |s| s.workflow_version);
+                if let (Some(usage), 3..) = (usage, version) {
+                    self.count_attempt(usage, *cost_micros);
                 }
                 Ok(self.on_summary(now, Some(summary)))
             }

@@ -419,11 +419,11 @@ impl SessionState {
         .collect())
     }
 
-    /// Counts the usage of an attempt of compaction's own (a summary call, done or failed) or
-    /// that failed as too long for the context: version 3 counts it in the budget totals as
-    /// every other attempt's, with its cost; before, it went to the usage sums alone (a
-    /// completed summary's not even there), and budgets did not see it.
-    pub(super) fn count_attempt_of_compaction(
+    /// Counts the usage of a failed summary call, or of an attempt that failed as too long for
+    /// the context: version 3 counts it in the budget totals as every other attempt's, with
+    /// its cost; before, it went to the usage sums alone, and budgets did not see it. (A
+    /// completed summary's usage, recorded since version 3, counts from version 3 on.)
+    fn count_attempt_of_compaction(
         &mut self,
         usage: &cairn_ledger::Usage,
         cost_micros: Option<u64>,

@@ -196,13 +196,14 @@ pub fn prepare_transcript<'a>(
 
 /// A parsed response as it may be committed: checked by the ledger's rules
 /// ([`validate_response`]), and refused as the request's fault when its token limit cut it
-/// while the model was still reasoning, before any answer or tool call. Such a response breaks
+/// while the model was still reasoning, before any answer or tool call (nothing but
+/// reasoning, or nothing at all once unfinished reasoning is dropped). Such a response breaks
 /// the ledger's rules (it ends on reasoning, or is empty once unfinished reasoning is dropped),
 /// but sending the same request again would most likely be cut the same way, so it is
 /// `InvalidRequest`, which no default policy retries, not a retryable `InvalidResponse`.
 pub(crate) fn checked_response(provider: &str, response: ModelResponse) -> Result<ModelResponse> {
     let cut_in_reasoning = response.stop_reason == StopReason::MaxTokens
-        && response.parts.last().is_none_or(Part::is_reasoning);
+        && response.parts.iter().all(Part::is_reasoning);
     if cut_in_reasoning {
         return Err(Error::Provider {
             kind: ErrorKind::InvalidRequest,
@@ -422,6 +423,13 @@ mod tests {
         // Not cut by the limit: the ledger's rule, a retryable invalid response.
         let err =
             checked_response("anthropic", cut(vec![thinking()], StopReason::EndTurn)).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidResponse, "{err}");
+        // Reasoning again after an answer began: the ledger's rule, not the limit's fault.
+        let again = cut(
+            vec![thinking(), Part::text("par"), thinking()],
+            StopReason::MaxTokens,
+        );
+        let err = checked_response("anthropic", again).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidResponse, "{err}");
         // Cut after an answer began: an ordinary MaxTokens response.
         let answer = cut(vec![thinking(), Part::text("par")], StopReason::MaxTokens);

@@ -5,20 +5,21 @@
 
 use crate::tools::confine::{io_message, Refusal};
 use sha2::{Digest, Sha256};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::io::AsyncReadExt;
 
 /// Opens `path` to read it if it is a regular file, and gives its length then. It is opened
-/// without blocking, so a FIFO is refused instead of waiting for a writer; on a regular file
-/// the flag changes nothing.
+/// without blocking (and never as a controlling terminal), so a FIFO is refused instead of
+/// waiting for a writer; once the file is known to be regular, the descriptor is made
+/// blocking again, as reads of it expect.
 pub(crate) async fn open_regular(
     path: &Path,
     requested: &str,
 ) -> std::result::Result<(tokio::fs::File, u64), Refusal> {
     let file = tokio::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NONBLOCK)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
         .await
         .map_err(|e| io_message(requested, &e))?;
@@ -34,6 +35,15 @@ pub(crate) async fn open_regular(
             "{requested:?} is not a regular file (a pipe, socket or device); the file tools \
              work on regular files only"
         ));
+    }
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+    // SAFETY: fcntl(2) on a descriptor this function owns and keeps open; no memory involved.
+    let cleared = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
+    };
+    if !cleared {
+        return Err(io_message(requested, &std::io::Error::last_os_error()));
     }
     Ok((file, metadata.len()))
 }
@@ -109,16 +119,15 @@ pub(crate) async fn compare_with(
     })
 }
 
-/// Names the temporary files of this process apart.
-static TEMPORARY_NAMES: AtomicU64 = AtomicU64::new(0);
-
 /// Replaces `path`'s content with `bytes` atomically: a temporary file beside it, synced, then
 /// renamed over it, so a crash leaves the old content or the new, never a torn file. An
 /// existing file's permissions are kept.
 ///
-/// The temporary file is created new (`O_EXCL`) under a name of this process's own: a file or
-/// symlink already at that name is never opened, so a symlink planted in the working
-/// directory cannot make the write land outside it.
+/// The temporary file is created new (`O_EXCL`) under a random name: a file or symlink
+/// already at that name is never opened, so nothing planted in the working directory can make
+/// the write land outside it. Its permissions are set through the open file (`fchmod`), before
+/// any content is written, and it is removed if the write stops before the rename (an error,
+/// or the call's future dropped by a timeout).
 pub(crate) async fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path
@@ -129,42 +138,69 @@ pub(crate) async fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Resu
         .await
         .ok()
         .map(|m| m.permissions());
-    let (mut file, temporary) = create_temporary(dir, &name).await?;
-    let result = async {
-        tokio::io::AsyncWriteExt::write_all(&mut file, bytes).await?;
-        file.sync_all().await?;
-        if let Some(permissions) = permissions {
-            tokio::fs::set_permissions(&temporary, permissions).await?;
-        }
-        tokio::fs::rename(&temporary, path).await
+    let (mut file, mut temporary) = create_temporary(dir, &name).await?;
+    if let Some(permissions) = permissions {
+        file.set_permissions(permissions).await?;
     }
-    .await;
-    if result.is_err() {
-        let _ = tokio::fs::remove_file(&temporary).await;
-    }
-    result
+    tokio::io::AsyncWriteExt::write_all(&mut file, bytes).await?;
+    file.sync_all().await?;
+    drop(file);
+    tokio::fs::rename(temporary.path(), path).await?;
+    temporary.renamed();
+    Ok(())
 }
 
-/// Creates a new temporary file in `dir` for replacing `name`, under a name no other file has.
-async fn create_temporary(
-    dir: &Path,
-    name: &str,
-) -> std::io::Result<(tokio::fs::File, std::path::PathBuf)> {
+/// A temporary file that is removed when dropped, unless it was renamed into place.
+struct Temporary(Option<PathBuf>);
+
+impl Temporary {
+    fn path(&self) -> &Path {
+        self.0.as_deref().unwrap_or(Path::new(""))
+    }
+
+    /// It is the target now: nothing to remove.
+    fn renamed(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Temporary {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.take() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Counts the names tried, so that each random name this process draws is new.
+static TEMPORARY_NAMES: AtomicU64 = AtomicU64::new(0);
+
+/// Creates a new temporary file in `dir` for replacing `name`, under a random name (std's
+/// randomly keyed hasher over a counter: unpredictable, so no one can plant the names ahead).
+/// The name keeps at most 100 bytes of `name`, so a long file name still fits.
+async fn create_temporary(dir: &Path, name: &str) -> std::io::Result<(tokio::fs::File, Temporary)> {
+    let mut cut = name.len().min(100);
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let stem = &name[..cut];
     let mut tries = 0;
     loop {
-        let unique = TEMPORARY_NAMES.fetch_add(1, Ordering::Relaxed);
-        let temporary = dir.join(format!(
-            ".{name}.{}-{unique}.cairn-write",
-            std::process::id()
-        ));
+        let random = {
+            use std::hash::{BuildHasher, Hasher};
+            let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+            hasher.write_u64(TEMPORARY_NAMES.fetch_add(1, Ordering::Relaxed));
+            hasher.finish()
+        };
+        let temporary = dir.join(format!(".{stem}.{random:016x}.cairn-write"));
         match tokio::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .open(&temporary)
             .await
         {
-            Ok(file) => return Ok((file, temporary)),
-            // Left by a process of the same id that crashed, or planted: take another name.
+            Ok(file) => return Ok((file, Temporary(Some(temporary)))),
+            // Taken (a leftover of a crash, or a clash): draw another name.
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 16 => tries += 1,
             Err(e) => return Err(e),
         }
@@ -175,37 +211,59 @@ async fn create_temporary(
 mod tests {
     use super::*;
 
+    fn names_in(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
     #[tokio::test]
     async fn a_symlink_planted_where_a_temporary_file_would_go_is_never_written_through() {
+        use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let outside = tempfile::tempdir().unwrap();
         let victim = outside.path().join("victim");
         std::fs::write(&victim, b"keep me").unwrap();
-        // Every name this process could pick next, and the fixed name of earlier versions.
-        let next = TEMPORARY_NAMES.load(Ordering::Relaxed);
-        let pid = std::process::id();
-        for unique in next..next + 64 {
-            let planted = dir
-                .path()
-                .join(format!(".notes.{pid}-{unique}.cairn-write"));
-            std::os::unix::fs::symlink(&victim, planted).unwrap();
-        }
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+        // The fixed name earlier versions wrote through.
         std::os::unix::fs::symlink(&victim, dir.path().join(".notes.cairn-write")).unwrap();
         let target = dir.path().join("notes");
-        let error = write_atomically(&target, b"new").await.unwrap_err();
-        assert_eq!(error.kind(), std::io::ErrorKind::AlreadyExists);
-        assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
-        assert!(!target.exists());
-
-        // With a free name, the write goes to the target, and the victim is still untouched.
-        let target = dir.path().join("other");
+        std::fs::write(&target, b"old").unwrap();
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o640)).unwrap();
         write_atomically(&target, b"new").await.unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"new");
-        assert!(!std::fs::symlink_metadata(&target)
-            .unwrap()
-            .file_type()
-            .is_symlink());
+        let written = std::fs::symlink_metadata(&target).unwrap();
+        assert!(written.file_type().is_file());
+        assert_eq!(written.permissions().mode() & 0o777, 0o640);
         assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
+        let victim_mode = std::fs::metadata(&victim).unwrap().permissions().mode();
+        assert_eq!(victim_mode & 0o777, 0o600);
+        // Nothing is left beside it.
+        assert_eq!(names_in(dir.path()), [".notes.cairn-write", "notes"]);
+    }
+
+    #[tokio::test]
+    async fn a_temporary_file_is_removed_when_the_write_stops_before_its_rename() {
+        let dir = tempfile::tempdir().unwrap();
+        // The rename fails: the target is a directory that holds something.
+        let target = dir.path().join("taken");
+        std::fs::create_dir(&target).unwrap();
+        std::fs::write(target.join("inside"), b"x").unwrap();
+        assert!(write_atomically(&target, b"new").await.is_err());
+        assert_eq!(names_in(dir.path()), ["taken"]);
+        // Dropped before the rename (as by a timeout): removed too.
+        let (_file, temporary) = create_temporary(dir.path(), "f").await.unwrap();
+        assert_eq!(names_in(dir.path()).len(), 2);
+        drop(temporary);
+        assert_eq!(names_in(dir.path()), ["taken"]);
+        // A long name is cut to fit.
+        let long = "é".repeat(120);
+        let (_file, temporary) = create_temporary(dir.path(), &long).await.unwrap();
+        let temporary_name = temporary.path().file_name().unwrap().len();
+        assert!(temporary_name < 160, "{temporary_name}");
     }
 
     #[tokio::test]

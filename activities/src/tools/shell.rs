@@ -88,7 +88,8 @@ async fn read_capped(mut stream: impl AsyncRead + Unpin, cap: usize) -> (Vec<u8>
 struct GroupKiller(Option<u32>);
 
 impl GroupKiller {
-    /// The command finished on its own: leave what it left behind alone, as before.
+    /// The command finished on its own (what it left behind is left alone, as before), or was
+    /// killed already.
     fn disarm(&mut self) {
         self.0 = None;
     }
@@ -194,10 +195,12 @@ impl Tool for Shell {
             }
             _ = tokio::time::sleep(timeout) => {
                 kill_group(pgid);
+                group.disarm();
                 ((Vec::new(), false), (Vec::new(), false), None, true)
             }
             _ = context.cancelled() => {
                 kill_group(pgid);
+                group.disarm();
                 return Err(Error::ToolFailed {
                     tool: NAME.to_owned(),
                     message: "cancelled; the command was killed".to_owned(),
