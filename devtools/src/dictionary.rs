@@ -5,7 +5,8 @@
 //! The samples are the format-2 bodies ([`codec::record_body`]: named-field msgpack, before
 //! compression) of:
 //! - the golden sessions of `tests/golden/` listed in [`DICTIONARY_1_SAMPLES`]: the demo
-//!   session, the old history and the golden records of every event kind (format 1);
+//!   session (as version 2 recorded it), the old history and the golden records of every
+//!   event kind (format 1);
 //! - with `--turns N`, for experiments only, the session `cairn bench --footprint` runs (`N`
 //!   turns on fjall).
 //!
@@ -14,10 +15,9 @@
 //!
 //! Dictionary 1 was trained on the golden files alone (`cairn train-dictionary --out FILE`,
 //! 8,976 bytes: the golden records hold no more that recurs), and that run reproduces it byte
-//! for byte on the golden files as they were then (commit a9c3bb6). The demo session's has
-//! changed since (workflow version 3 records a 3 where it recorded a 2; that history is kept
-//! as `histories/v2-demo.jsonl`), so on today's files the run gives a dictionary that differs
-//! by little, which is why a shipped one is pinned and never made again. Not on the footprint session: that is the workload the history goal is measured
+//! for byte (a test checks it). The demo session it was trained on is the one workflow
+//! version 2 recorded, kept as `histories/v2-demo.jsonl`: the demo's own golden history has
+//! moved on since, and training on that would make another dictionary. Not on the footprint session: that is the workload the history goal is measured
 //! on, and a dictionary that knows its words would flatter the figure (0.60× raw with them,
 //! 1.05× without). A shipped dictionary is never replaced; a new one gets a new codec id.
 
@@ -81,7 +81,9 @@ fn format1_envelope(path: &Path) -> anyhow::Result<EventEnvelope> {
 /// The golden files dictionary 1 was trained on, under `tests/golden/`, in order. Golden files
 /// added later are not samples: training on this list keeps making dictionary 1.
 pub const DICTIONARY_1_SAMPLES: &[&str] = &[
-    "sessions/demo.history.jsonl",
+    // The demo session as it was recorded then (workflow version 2); the demo's own golden
+    // history has moved on since.
+    "histories/v2-demo.jsonl",
     "histories/v1-missing-argument.jsonl",
     "events/budget-model_attempt_progress.bin",
     "events/budget-model_call_completed.bin",
