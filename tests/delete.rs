@@ -595,6 +595,20 @@ async fn delete_through_a_server_is_refused_while_running_and_not_found_after() 
     assert_eq!(value["deleted"], true);
     let out = cairn(&root, &["delete", "--server", &base, "q", "--yes"]);
     assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    // An id no session can have is the client's own typed error through a server too, and
+    // a usage error (exit 2) to the CLI.
+    let err = remote.describe("bad id!").await.unwrap_err();
+    assert!(
+        matches!(&err, cairn_runtime::Error::InvalidSessionId { session_id } if session_id == "bad id!"),
+        "{err:?}"
+    );
+    let out = cairn(&root, &["delete", "--server", &base, "bad id!", "--yes"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("invalid session id"),
+        "{}",
+        text(&out.stderr)
+    );
     let listing = cairn(&root, &["sessions", "--server", &base]);
     assert!(
         text(&listing.stdout).contains("no sessions"),

@@ -331,6 +331,16 @@ impl Connection {
             (ErrorCode::NotFound, Some(session_id), _) => Error::UnknownSession {
                 session_id: session_id.to_owned(),
             },
+            // The server refuses an id no session can have as a bad request; by the same
+            // rule the stores apply, it is the in-process client's typed error (a usage
+            // error to the CLI, not a failure of the server).
+            (ErrorCode::InvalidRequest, Some(session_id), _)
+                if cairn_runtime::store::check_session_id(session_id).is_err() =>
+            {
+                Error::InvalidSessionId {
+                    session_id: session_id.to_owned(),
+                }
+            }
             (ErrorCode::SessionBusy, session_id, _) => Error::SessionBusy {
                 session_id: session_id.unwrap_or_default().to_owned(),
                 reason: message
