@@ -46,9 +46,14 @@ pub fn wants_file_versions(tool: &str) -> bool {
 
 /// The lowercase hex SHA-256 of `bytes`.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    let digest = Sha256::digest(bytes);
-    let mut out = String::with_capacity(64);
-    for byte in digest {
+    digest_hex(&Sha256::digest(bytes))
+}
+
+/// A digest in lowercase hex, as [`FileVersion::sha256`] holds it (for a digest of content
+/// hashed in pieces).
+pub fn digest_hex(digest: &[u8]) -> String {
+    let mut out = String::with_capacity(digest.len() * 2);
+    for &byte in digest {
         out.push(char::from_digit(u32::from(byte >> 4), 16).unwrap_or('0'));
         out.push(char::from_digit(u32::from(byte & 0xf), 16).unwrap_or('0'));
     }

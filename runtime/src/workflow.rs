@@ -562,6 +562,12 @@ impl SessionState {
         }
     }
 
+    /// The workflow version the session started under, whose rules it keeps (1 until its
+    /// start is folded).
+    pub fn workflow_version(&self) -> u32 {
+        self.started.as_ref().map_or(1, |s| s.workflow_version)
+    }
+
     /// Whether a turn is in progress.
     pub fn is_running(&self) -> bool {
         self.active.is_some()
@@ -1409,7 +1415,7 @@ impl SessionState {
                 self.check_summary_slot(seq, *turn, *attempt)?;
                 // Recorded since version 3 counts it; earlier versions leave it out, as they
                 // did before it was recorded.
-                let version = self.started.as_ref().map_or(1, |s| s.workflow_version);
+                let version = self.workflow_version();
                 if let (Some(usage), 3..) = (usage, version) {
                     self.count_attempt(usage, *cost_micros);
                 }
@@ -1594,6 +1600,7 @@ impl SessionState {
     ) -> Vec<Command> {
         self.count_attempt(&response.usage, cost_micros);
         let over_budget = self.over_budget(Check::AfterResult);
+        let version = self.workflow_version();
         let Some(active) = self.active.as_mut() else {
             return Vec::new();
         };
@@ -1626,7 +1633,6 @@ impl SessionState {
             .as_ref()
             .map(|s| s.tools.iter().map(|t| t.name.as_str()).collect())
             .unwrap_or_default();
-        let version = self.started.as_ref().map_or(1, |s| s.workflow_version);
         let tools = self
             .started
             .as_ref()

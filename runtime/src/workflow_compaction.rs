@@ -428,7 +428,7 @@ impl SessionState {
         usage: &cairn_ledger::Usage,
         cost_micros: Option<u64>,
     ) {
-        if self.started.as_ref().map_or(1, |s| s.workflow_version) >= 3 {
+        if self.workflow_version() >= 3 {
             self.count_attempt(usage, cost_micros);
             return;
         }
@@ -441,7 +441,7 @@ impl SessionState {
     /// The compaction rules of this session's workflow version: version 3 keeps the
     /// reasoning of a call set a turn ended on (see [`CompactionRules`]).
     pub(super) fn compaction_rules(&self) -> CompactionRules {
-        match self.started.as_ref().map_or(1, |s| s.workflow_version) {
+        match self.workflow_version() {
             ..=2 => CompactionRules::First,
             _ => CompactionRules::KeepLastCallsReasoning,
         }

@@ -111,8 +111,7 @@ pub(crate) async fn compare_with(
         same = same && content.get(offset..end) == Some(bytes);
         offset = end;
     }
-    let digest = hasher.finalize();
-    let sha256 = digest.iter().map(|byte| format!("{byte:02x}")).collect();
+    let sha256 = cairn_ledger::file_versions::digest_hex(&hasher.finalize());
     Ok(Compared {
         same: same && offset == content.len(),
         sha256,
