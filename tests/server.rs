@@ -1141,6 +1141,129 @@ async fn a_report_with_next_hands_the_worker_the_task_it_queued_again_if_sent_ag
     );
 }
 
+/// A lease request whose answer is lost — here the worker hangs up during the long poll, and
+/// the task it was waiting for comes after — still leases, and the same request sent again
+/// under its `Idempotency-Key` is answered with that task, rather than the task waiting,
+/// leased to nobody, for its lease to lapse. Once the worker reports the task, the key is
+/// forgotten.
+#[tokio::test]
+async fn a_lease_request_sent_again_under_its_key_gets_what_the_lost_answer_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let http = reqwest::Client::new();
+    let lease_under = |key: &'static str, wait_ms: u64| {
+        let url = server.url("/v1/worker/lease");
+        let http = http.clone();
+        async move {
+            send_with_headers(
+                &http,
+                Method::POST,
+                url,
+                None,
+                &[("Idempotency-Key", key)],
+                Some(json!({"max": 4, "wait_ms": wait_ms, "lease_ms": 30000})),
+            )
+            .await
+        }
+    };
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": "lost", "model": {"provider": "scripted", "model": "unused.json"}})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+
+    // The worker gives up on its long poll while the queue is empty...
+    let hung_up = http
+        .post(server.url("/v1/worker/lease"))
+        .header("Idempotency-Key", "lease-1")
+        .json(&json!({"max": 4, "wait_ms": 20000, "lease_ms": 30000}))
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(hung_up.is_err(), "the try times out: {hung_up:?}");
+    // ...and the task it waited for comes after: the server's poll leases it all the same.
+    let sent = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/lost/messages"),
+        None,
+        Some(json!({"text": "hello"})),
+    )
+    .await;
+    assert_eq!(sent.status, StatusCode::ACCEPTED, "{}", sent.body);
+    // Sent again under its key, the request waits for the first and gets the task its lost
+    // answer held.
+    let again = lease_under("lease-1", 0).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
+    let tasks = again.body["tasks"].as_array().expect("tasks").clone();
+    assert_eq!(tasks.len(), 1, "{}", again.body);
+    let task = &tasks[0];
+    assert_eq!(task["lease"]["id"]["session_id"], "lost");
+    assert_eq!(task["lease"]["kind"], "model");
+    assert_eq!(task["lease"]["lease_attempt"], 1, "{task}");
+    assert!(
+        task["input"]["model"]["transcript"]
+            .to_string()
+            .contains("hello"),
+        "{task}"
+    );
+    let once_more = lease_under("lease-1", 0).await;
+    assert_eq!(once_more.body["tasks"], json!([task]), "{}", once_more.body);
+    // The task is that worker's: no other request leases it.
+    let unkeyed = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/lease"),
+        None,
+        Some(json!({"max": 4, "wait_ms": 0, "lease_ms": 30000})),
+    )
+    .await;
+    assert_eq!(unkeyed.body["tasks"], json!([]), "{}", unkeyed.body);
+    let other_key = lease_under("lease-2", 0).await;
+    assert_eq!(other_key.body["tasks"], json!([]), "{}", other_key.body);
+    // A key that is not one is refused, saying why.
+    let bad = send_with_headers(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/lease"),
+        None,
+        &[("Idempotency-Key", "")],
+        Some(json!({"max": 4, "wait_ms": 0, "lease_ms": 30000})),
+    )
+    .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{}", bad.body);
+    assert_eq!(bad.code(), "invalid_request");
+
+    // The worker reports the task: it had the answer, and the key is forgotten.
+    let reported = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": task["lease"], "report": answer("hi")})),
+    )
+    .await;
+    assert_eq!(reported.status, StatusCode::NO_CONTENT, "{}", reported.body);
+    let forgotten = lease_under("lease-1", 0).await;
+    assert_eq!(forgotten.body["tasks"], json!([]), "{}", forgotten.body);
+    let outcome = wait_turn(&http, &server, None, "lost", 1).await;
+    assert_eq!(outcome["status"], "completed", "{outcome}");
+    assert_eq!(
+        kinds(&history(&http, &server, None, "lost").await),
+        [
+            "session_started",
+            "user_message",
+            "model_call_scheduled",
+            "model_call_completed",
+            "turn_completed"
+        ]
+    );
+}
+
 #[tokio::test]
 async fn tokens_keep_roles_apart_and_namespaces_from_seeing_each_other() {
     let dir = tempfile::tempdir().unwrap();

@@ -71,6 +71,9 @@ pub struct Faults {
     /// Carry out this many requests that start a turn and then answer them 503, as if the
     /// answer were lost on the way (the client cannot tell whether its message landed).
     pub lose_answers: AtomicU32,
+    /// Answer this many lease requests 503 without leasing, as a connection cut before the
+    /// answer leaves the worker unsure whether the server leased anything.
+    pub lose_lease_answers: AtomicU32,
 }
 
 /// Counts one off a fault's countdown: whether it was not yet at zero (the fault applies).
@@ -540,6 +543,12 @@ fn source(server: &FakeServer) -> EngineSource {
 }
 
 async fn lease(State(server): State<Shared>, Json(body): Json<LeaseRequest>) -> Response {
+    if take_one(&server.faults.lose_lease_answers) {
+        return error_answer(
+            ErrorCode::Unavailable,
+            "the answer was lost on the way".into(),
+        );
+    }
     let filter = TaskFilter {
         queues: body.queues,
         tools: body.tools,

@@ -11,7 +11,7 @@
 //! than sending them ahead of it.
 
 use crate::connection::{Connection, Request, Subject, REQUEST_TIMEOUT};
-use crate::transport::retryable;
+use crate::transport::{new_idempotency_key, retryable};
 use async_trait::async_trait;
 use cairn_ledger::JsonText;
 use cairn_runtime::wire::{
@@ -67,6 +67,11 @@ pub struct HttpTaskSource {
     eager_refused: AtomicBool,
     /// The server refused a report with deltas (it predates the field): they go by themselves.
     deltas_refused: AtomicBool,
+    /// The `Idempotency-Key` of a lease request whose answer did not come back, and how many
+    /// tasks it asked for: the next request goes under it, so that the server answers with
+    /// what the lost answer held instead of those tasks waiting, leased to nobody, for their
+    /// leases to lapse.
+    unanswered_lease: Mutex<Option<(String, usize)>>,
 }
 
 /// Whether the server has answered a lease request yet.
@@ -106,6 +111,7 @@ impl HttpTaskSource {
             lease_failures: AtomicU32::new(0),
             eager_refused: AtomicBool::new(false),
             deltas_refused: AtomicBool::new(false),
+            unanswered_lease: Mutex::new(None),
         })
     }
 
@@ -149,6 +155,12 @@ impl HttpTaskSource {
 
     fn lock_expiries(&self) -> std::sync::MutexGuard<'_, HashMap<(TaskId, u32), u64>> {
         self.expiries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn lock_unanswered_lease(&self) -> std::sync::MutexGuard<'_, Option<(String, usize)>> {
+        self.unanswered_lease
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -345,14 +357,22 @@ impl TaskSource for HttpTaskSource {
             tools: filter.tools.clone(),
             providers: filter.providers.clone(),
         };
+        // The key of the last request if its answer was lost, unless this one asks for
+        // fewer tasks than it did (the pool takes no more than it asks for).
+        let key = self
+            .lock_unanswered_lease()
+            .take()
+            .filter(|(_, asked)| *asked <= max)
+            .map_or_else(new_idempotency_key, |(key, _)| key);
+        let mut request = Request::post("/v1/worker/lease", &body);
+        request.idempotency_key = Some(key.clone());
         let answer = self
             .connection
-            .call_json::<LeaseResponse>(
-                Request::post("/v1/worker/lease", &body),
-                Subject::default(),
-                REQUEST_TIMEOUT + wait,
-            )
+            .call_json::<LeaseResponse>(request, Subject::default(), REQUEST_TIMEOUT + wait)
             .await;
+        if matches!(&answer, Err(e) if retryable(e)) {
+            *self.lock_unanswered_lease() = Some((key, max));
+        }
         match answer {
             Ok(answer) => {
                 self.lease_failures.store(0, Ordering::Relaxed);

@@ -1368,6 +1368,50 @@ async fn a_follower_passes_on_waiting_deltas_before_a_later_event() {
     assert_eq!(first, expected);
 }
 
+/// A lease request whose answer is lost goes again under the same key, so that a server
+/// that leased under it answers with those tasks; one asking for fewer tasks than the lost
+/// one did goes under a key of its own (the answer could hold more than the pool takes), and
+/// so does each request after an answer.
+#[tokio::test]
+async fn a_lease_request_whose_answer_is_lost_is_sent_again_under_its_key() {
+    let (server, _served, source) = served_with(Faults {
+        lose_lease_answers: AtomicU32::new(1),
+        ..Faults::default()
+    })
+    .await;
+    let filter = TaskFilter::default();
+    let lease = |max: usize| source.lease(&filter, max, 1_000, Duration::ZERO);
+    let lost = lease(2).await;
+    assert!(
+        matches!(lost, Err(Error::Remote { status: 503, .. })),
+        "{lost:?}"
+    );
+    lease(2).await.expect("answered");
+    lease(2).await.expect("answered");
+    server.faults.lose_lease_answers.store(1, Ordering::Relaxed);
+    assert!(lease(2).await.is_err());
+    lease(1).await.expect("answered");
+    let keys: Vec<String> = server
+        .seen()
+        .iter()
+        .filter(|seen| seen.uri == "/v1/worker/lease")
+        .map(|seen| {
+            seen.idempotency_key
+                .clone()
+                .expect("every lease request has a key")
+        })
+        .collect();
+    assert_eq!(keys.len(), 5, "{keys:?}");
+    assert!(keys.iter().all(|key| key.len() == 32), "{keys:?}");
+    assert_eq!(keys[0], keys[1], "sent again under its key");
+    assert_ne!(keys[1], keys[2], "a new request after an answer");
+    assert_ne!(keys[2], keys[3]);
+    assert_ne!(
+        keys[3], keys[4],
+        "fewer tasks than the lost request asked for"
+    );
+}
+
 /// The keys and paths of the requests that started turns, from the `from`th request on.
 fn keyed_requests(server: &FakeServer, from: usize) -> Vec<(String, Option<String>)> {
     server.seen()[from..]

@@ -179,7 +179,7 @@ fn text_message(text: &str) -> SendMessage {
 
 /// A key no other request has: 128 random bits, in hex.
 #[allow(clippy::disallowed_methods)] // a client's keys are random by design; not pure code
-fn new_idempotency_key() -> String {
+pub(crate) fn new_idempotency_key() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
 

@@ -2,9 +2,9 @@
 //! every request goes through (a tracing span, the body limit, JSON error bodies, a panic
 //! guard), and the health route.
 
+use crate::answered_again::AnsweredAgain;
 use crate::auth::AnyCaller;
 use crate::errors::{json_errors, ApiError};
-use crate::reports::Reports;
 use crate::{compact, delete, events, inspect, openapi, sessions, ui, worker, ServerConfig};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{Request, StatusCode};
@@ -36,9 +36,9 @@ pub struct AppState {
     pub id_counter: Arc<AtomicU64>,
     /// Event streams open now (bounded by [`ServerConfig::max_streams`]).
     pub open_streams: Arc<AtomicUsize>,
-    /// Worker reports being recorded, and those that handed out tasks, by lease: a try sent
-    /// again is answered as the first was.
-    pub reports: Reports,
+    /// Worker reports being recorded, and those that handed out tasks, by lease; lease
+    /// requests under a key, by key: a try sent again is answered as the first was.
+    pub answered_again: AnsweredAgain,
 }
 
 impl AppState {
@@ -50,7 +50,7 @@ impl AppState {
             draining: CancellationToken::new(),
             closing: CancellationToken::new(),
             id_counter: Arc::new(AtomicU64::new(0)),
-            reports: Reports::default(),
+            answered_again: AnsweredAgain::default(),
             open_streams: Arc::new(AtomicUsize::new(0)),
         }
     }

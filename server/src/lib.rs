@@ -8,6 +8,7 @@
 // The server is the impure edge: long polls and the drain wait on real time.
 #![allow(clippy::disallowed_methods)]
 
+mod answered_again;
 mod app;
 mod auth;
 mod compact;
@@ -18,7 +19,6 @@ mod idempotency_key;
 mod inspect;
 mod lenient;
 mod openapi;
-mod reports;
 mod serve;
 mod sessions;
 mod ui;

@@ -3,12 +3,13 @@
 //! stored (`N:ID` in namespace `N`), so idempotency keys stay unique across namespaces; a
 //! worker token of namespace `N` leases only `N`'s tasks and may touch no other lease (404).
 
+use crate::answered_again::Joined;
 use crate::app::AppState;
 use crate::auth::{Caller, WorkerCaller};
 use crate::errors::{ApiError, JsonBody};
-use crate::reports::Joined;
+use crate::idempotency_key::idempotency_key;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use cairn_runtime::wire::{
@@ -87,10 +88,18 @@ fn bounded(max: u32, lease_ms: u64) -> (usize, u64) {
 }
 
 /// Leases due tasks this worker can run, waiting up to `wait_ms` for the first.
+///
+/// Under an `Idempotency-Key`, the lease is carried to its end even if the worker hangs up,
+/// and a try sent again under the same key (the answer to the first was lost) is answered
+/// with the tasks the first leased, fetched again, while their leases last: without that,
+/// they would wait, leased to nobody, for their leases to lapse. The key is remembered by
+/// this server process, until the worker reports one of those tasks or their leases run out;
+/// a first try that leased nothing is not remembered, and a try sent again leases afresh.
 #[utoipa::path(
     post,
     path = "/v1/worker/lease",
     tag = "worker",
+    params(LeaseIdempotencyKey),
     request_body = LeaseRequest,
     responses(
         (status = 200, description = "Leased tasks, possibly none after `wait_ms`", body = LeaseResponse),
@@ -106,8 +115,10 @@ fn bounded(max: u32, lease_ms: u64) -> (usize, u64) {
 pub async fn lease(
     State(state): State<AppState>,
     WorkerCaller(caller): WorkerCaller,
+    headers: HeaderMap,
     JsonBody(request): JsonBody<LeaseRequest>,
 ) -> Result<Json<LeaseResponse>, ApiError> {
+    let key = idempotency_key(&headers)?;
     if state.is_draining() {
         return Err(unavailable());
     }
@@ -117,7 +128,63 @@ pub async fn lease(
         return Ok(Json(LeaseResponse { tasks: Vec::new() }));
     }
     let deadline = AppState::deadline(state.poll_wait(Some(request.wait_ms), 0));
-    // A wait that outlives the start of the drain answers at once.
+    let Some(key) = key else {
+        let tasks = lease_waiting(&state, filter, max, lease_ms, deadline).await?;
+        return Ok(Json(LeaseResponse { tasks }));
+    };
+    let first = loop {
+        let joined =
+            state
+                .answered_again
+                .join_lease_request(&caller.namespace, &key, state.engine.now_ms());
+        match joined {
+            Joined::First(first) => break first,
+            Joined::Again(earlier) => match earlier.outcome().await {
+                Some(leases) => {
+                    let tasks = fetched_again(&state, leases).await;
+                    return Ok(Json(LeaseResponse { tasks }));
+                }
+                // The first try failed: this one leases.
+                None => continue,
+            },
+        }
+    };
+    // In a task of its own: a worker that hangs up (its try timed out, its connection
+    // broke) cuts nothing short, and its next try under the key is answered with what this
+    // one leased.
+    let leasing = tokio::spawn({
+        let state = state.clone();
+        async move {
+            let tasks = lease_waiting(&state, filter, max, lease_ms, deadline).await?;
+            first.recorded(tasks.iter().map(|t| t.lease.clone()).collect());
+            Ok::<_, ApiError>(tasks)
+        }
+    });
+    let tasks = leasing.await.map_err(|e| ApiError::internal(&e))??;
+    Ok(Json(LeaseResponse { tasks }))
+}
+
+/// The `Idempotency-Key` of a lease request, as the OpenAPI document describes it.
+#[derive(Debug, utoipa::IntoParams)]
+#[into_params(parameter_in = Header)]
+pub struct LeaseIdempotencyKey {
+    /// A key the worker chose for this lease request (128 random bits, say): sent again with
+    /// the request, after a lost answer, it is answered with the tasks the first try leased
+    /// while their leases last, rather than leasing more. 1-255 visible ASCII characters.
+    #[param(rename = "Idempotency-Key", pattern = r"^[!-~]{1,255}$")]
+    #[allow(dead_code)] // read from the headers; here for the document only
+    idempotency_key: Option<String>,
+}
+
+/// Leases up to `max` tasks of `filter`, waiting until `deadline` for the first; a wait that
+/// outlives the start of the drain answers at once, and a drain that left it nothing is 503.
+async fn lease_waiting(
+    state: &AppState,
+    filter: TaskFilter,
+    max: usize,
+    lease_ms: u64,
+    deadline: tokio::time::Instant,
+) -> Result<Vec<LeasedTask>, ApiError> {
     let tasks = state
         .engine
         .lease_tasks_waiting(
@@ -133,7 +200,7 @@ pub async fn lease(
     if tasks.is_empty() && state.is_draining() {
         return Err(unavailable());
     }
-    Ok(Json(LeaseResponse { tasks }))
+    Ok(tasks)
 }
 
 /// What a lease runs, again (for a worker that lost the lease answer, or restarted).
@@ -338,7 +405,10 @@ pub async fn report(
         }
     });
     let first = loop {
-        match state.reports.join(&lease, state.engine.now_ms()) {
+        match state
+            .answered_again
+            .join_report(&lease, state.engine.now_ms())
+        {
             Joined::First(first) => break first,
             Joined::Again(earlier) => match earlier.outcome().await {
                 Some(leases) => return answered_again(&state, leases, wants_tasks).await,
@@ -387,6 +457,13 @@ async fn answered_again(
     if !wants_tasks {
         return Ok(StatusCode::NO_CONTENT.into_response());
     }
+    let tasks = fetched_again(state, leases).await;
+    Ok(Json(ReportResponse { tasks }).into_response())
+}
+
+/// The tasks of `leases` handed out by a first try, fetched again for a try sent again:
+/// those whose leases still last and that the workflow still wants.
+async fn fetched_again(state: &AppState, leases: Vec<Lease>) -> Vec<LeasedTask> {
     let now = state.engine.now_ms();
     let mut tasks = Vec::with_capacity(leases.len());
     for lease in leases {
@@ -403,11 +480,11 @@ async fn answered_again(
             Ok(None) => {}
             // Its lease lapses and the timers record the attempt, as for any lost task.
             Err(e) => {
-                tracing::warn!(task = %lease.id, error = %e, "cannot fetch a task handed with a report again")
+                tracing::warn!(task = %lease.id, error = %e, "cannot fetch a handed task again")
             }
         }
     }
-    Ok(Json(ReportResponse { tasks }).into_response())
+    tasks
 }
 
 /// Passes model deltas on to the sessions' event streams (presentation only).
