@@ -1,14 +1,15 @@
-//! Worker requests carried to their end and answered again: reports, and lease requests sent
-//! under an `Idempotency-Key`.
+//! Worker requests answered again: reports, and lease requests sent under an
+//! `Idempotency-Key`.
 //!
 //! Each report runs in a task of its own, so a worker that hangs up (its try timed out) does
 //! not cut it short, and a try of the same lease's report sent again (its answer was lost)
 //! joins the first instead of being refused as stale. A report that leased the worker's next
 //! tasks with it (eager dispatch) is remembered until those leases run out, so a try sent
 //! again is answered with the same tasks: without that, they would wait, leased to nobody,
-//! for their leases to lapse, and each would cost an attempt. A lease request sent under a key
-//! is kept the same way: a try sent again under that key (the answer to the first was lost)
-//! is answered with the tasks the first leased.
+//! for their leases to lapse, and each would cost an attempt. A lease request under a key is
+//! remembered the same way once it leased, so a try sent again under that key (the answer
+//! was lost on the way) is answered with the tasks the first leased. (A lease request, unlike
+//! a report, ends when its worker hangs up: a worker that stops must not be leased tasks.)
 //!
 //! A remembered answer is forgotten as soon as the worker shows it had it (it reports one of
 //! the tasks handed with it), or else once their leases have run out; so the answers

@@ -89,12 +89,17 @@ fn bounded(max: u32, lease_ms: u64) -> (usize, u64) {
 
 /// Leases due tasks this worker can run, waiting up to `wait_ms` for the first.
 ///
-/// Under an `Idempotency-Key`, the lease is carried to its end even if the worker hangs up,
-/// and a try sent again under the same key (the answer to the first was lost) is answered
-/// with the tasks the first leased, fetched again, while their leases last: without that,
-/// they would wait, leased to nobody, for their leases to lapse. The key is remembered by
-/// this server process, until the worker reports one of those tasks or their leases run out;
-/// a first try that leased nothing is not remembered, and a try sent again leases afresh.
+/// Under an `Idempotency-Key`, a try sent again under the same key (the answer to the first
+/// was lost on the way) is answered with the tasks the first leased, fetched again, while
+/// their leases last: without that, they would wait, leased to nobody, for their leases to
+/// lapse, each costing an attempt. A try that comes while the first still waits waits for
+/// it. The key is remembered by this server process until the worker reports one of those
+/// tasks or their leases run out; a first try that leased nothing is not remembered, so one
+/// sent again leases afresh.
+///
+/// The wait is the request's own: a worker that hangs up (it is stopping, or gave up on the
+/// try) ends it, so no task is leased to a worker that is gone. A draining server answers
+/// with what it remembers and leases nothing new (503).
 #[utoipa::path(
     post,
     path = "/v1/worker/lease",
@@ -119,9 +124,6 @@ pub async fn lease(
     JsonBody(request): JsonBody<LeaseRequest>,
 ) -> Result<Json<LeaseResponse>, ApiError> {
     let key = idempotency_key(&headers)?;
-    if state.is_draining() {
-        return Err(unavailable());
-    }
     let filter = worker_filter(&caller, request.queues, request.tools, request.providers);
     let (max, lease_ms) = bounded(request.max, request.lease_ms);
     if max == 0 {
@@ -144,23 +146,15 @@ pub async fn lease(
                     let tasks = fetched_again(&state, leases).await;
                     return Ok(Json(LeaseResponse { tasks }));
                 }
-                // The first try failed: this one leases.
+                // The first try failed (or its worker hung up): this one leases.
                 None => continue,
             },
         }
     };
-    // In a task of its own: a worker that hangs up (its try timed out, its connection
-    // broke) cuts nothing short, and its next try under the key is answered with what this
-    // one leased.
-    let leasing = tokio::spawn({
-        let state = state.clone();
-        async move {
-            let tasks = lease_waiting(&state, filter, max, lease_ms, deadline).await?;
-            first.recorded(tasks.iter().map(|t| t.lease.clone()).collect());
-            Ok::<_, ApiError>(tasks)
-        }
-    });
-    let tasks = leasing.await.map_err(|e| ApiError::internal(&e))??;
+    // Dropped with this request's future if the worker hangs up first, `first` counts as
+    // failed; recorded, it answers the tries sent again.
+    let tasks = lease_waiting(&state, filter, max, lease_ms, deadline).await?;
+    first.recorded(tasks.iter().map(|t| t.lease.clone()).collect());
     Ok(Json(LeaseResponse { tasks }))
 }
 
@@ -168,16 +162,18 @@ pub async fn lease(
 #[derive(Debug, utoipa::IntoParams)]
 #[into_params(parameter_in = Header)]
 pub struct LeaseIdempotencyKey {
-    /// A key the worker chose for this lease request (128 random bits, say): sent again with
-    /// the request, after a lost answer, it is answered with the tasks the first try leased
-    /// while their leases last, rather than leasing more. 1-255 visible ASCII characters.
+    /// A key the worker chose for this lease request (128 random bits, say): the same
+    /// request sent again under it, after a lost answer, is answered with the tasks the
+    /// first try leased while their leases last, rather than leasing more (whatever the body
+    /// of the try sent again says). 1-255 visible ASCII characters.
     #[param(rename = "Idempotency-Key", pattern = r"^[!-~]{1,255}$")]
     #[allow(dead_code)] // read from the headers; here for the document only
     idempotency_key: Option<String>,
 }
 
-/// Leases up to `max` tasks of `filter`, waiting until `deadline` for the first; a wait that
-/// outlives the start of the drain answers at once, and a drain that left it nothing is 503.
+/// Leases up to `max` tasks of `filter`, waiting until `deadline` for the first: 503 on a
+/// draining server; a wait that outlives the start of the drain answers at once, and a drain
+/// that left it nothing is 503 too.
 async fn lease_waiting(
     state: &AppState,
     filter: TaskFilter,
@@ -185,6 +181,9 @@ async fn lease_waiting(
     lease_ms: u64,
     deadline: tokio::time::Instant,
 ) -> Result<Vec<LeasedTask>, ApiError> {
+    if state.is_draining() {
+        return Err(unavailable());
+    }
     let tasks = state
         .engine
         .lease_tasks_waiting(
