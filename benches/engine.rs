@@ -32,7 +32,8 @@ fn started() -> SessionStarted {
             name: "calculator".into(),
             description: "math".into(),
             input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
-        }],
+        }]
+        .into(),
         system_prompt: Some("bench".into()),
         limits: Limits {
             max_rounds: 8,
@@ -307,7 +308,7 @@ async fn two_transitions(engine: &Engine, turn_round: &mut u32) {
 /// append. `lease` is the task in hand, and becomes the next one.
 async fn two_eager_transitions(engine: &Engine, lease: &mut Lease, turn_round: &mut u32) {
     let next = LeaseRequest {
-        filter: cairn_runtime::TaskFilter::default(),
+        filter: Arc::new(cairn_runtime::TaskFilter::default()),
         max: 1,
         lease_ms: 60_000,
         holder: LeaseHolder::InProcess,

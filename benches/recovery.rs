@@ -33,7 +33,8 @@ fn started() -> SessionStarted {
             name: "calculator".into(),
             description: "math".into(),
             input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
-        }],
+        }]
+        .into(),
         system_prompt: Some("bench".into()),
         limits: Limits::default(),
         model_retry: RetryPolicy::model_default(),

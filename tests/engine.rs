@@ -742,7 +742,7 @@ async fn a_report_hands_the_next_task_to_the_worker_that_reported() {
     let options = SessionOptions::new(cairn_ledger::ModelSpec::new("scripted", "test"), tools);
     let (session, _) = client.start_session_and_send(options, "go").await.unwrap();
     let next = LeaseRequest {
-        filter: TaskFilter::any(),
+        filter: Arc::new(TaskFilter::any()),
         max: 1,
         lease_ms: 60_000,
         holder: LeaseHolder::InProcess,

@@ -133,7 +133,8 @@ fn sample_events() -> Vec<Event> {
                 description: "arithmetic".into(),
                 input_schema: JsonText::parse(r#"{"type":"object","required":["expression"]}"#)
                     .unwrap(),
-            }],
+            }]
+            .into(),
             system_prompt: Some("be brief".into()),
             limits: Limits {
                 max_rounds: 8,

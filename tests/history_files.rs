@@ -173,7 +173,7 @@ async fn an_imported_interrupted_session_resumes() {
         let started = SessionStarted {
             call_options: Default::default(),
             model,
-            tools: Vec::new(),
+            tools: Vec::new().into(),
             system_prompt: None,
             limits: Default::default(),
             model_retry: cairn_runtime::RetryPolicy::model_default(),

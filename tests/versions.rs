@@ -52,7 +52,7 @@ async fn record_missing_argument_session(script: &Path, workflow_version: u32) -
     let started = SessionStarted {
         call_options: Default::default(),
         model: ModelSpec::parse(&format!("scripted:{}", script.display())).expect("spec"),
-        tools: vec![calculator()],
+        tools: vec![calculator()].into(),
         system_prompt: None,
         limits: Default::default(),
         model_retry: RetryPolicy::model_default(),

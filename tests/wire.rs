@@ -58,7 +58,7 @@ fn worker_protocol_messages_round_trip_byte_exact() {
         round: 1,
         model: ModelSpec::parse("scripted:demo.json").expect("spec"),
         transcript,
-        tools: Vec::new(),
+        tools: Vec::new().into(),
         timeouts,
         heartbeat_details: Some(JsonText::parse(r#"{"n": 9007199254740993}"#).expect("json")),
     };

@@ -32,8 +32,8 @@ pub struct ModelRequest {
     /// session's state rather than copied: a long session's transcript is megabytes, and a
     /// copy per call was most of a long session's turn.
     pub transcript: Arc<Transcript>,
-    /// The tools the model may call.
-    pub tools: Vec<ToolSpec>,
+    /// The tools the model may call; shared with the session's state rather than copied.
+    pub tools: Arc<[ToolSpec]>,
     /// This call's options: tool choice, server tools, prompt caching.
     #[serde(default, skip_serializing_if = "CallOptions::is_default")]
     pub options: CallOptions,

@@ -986,7 +986,7 @@ mod tests {
             },
             model: ModelSpec::parse("scripted:example.json").unwrap(),
             transcript: transcript.into(),
-            tools: Vec::new(),
+            tools: Vec::new().into(),
         }
     }
 

@@ -122,7 +122,7 @@ fn request(transcript: Transcript, thinking: Option<u32>) -> ModelRequest {
             thinking_budget_tokens: thinking,
         },
         transcript: transcript.into(),
-        tools: vec![calc()],
+        tools: vec![calc()].into(),
     }
 }
 

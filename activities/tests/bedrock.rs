@@ -88,7 +88,7 @@ fn request(model: &str, transcript: Transcript, thinking: bool) -> ModelRequest 
             thinking_budget_tokens: thinking.then_some(2048),
         },
         transcript: transcript.into(),
-        tools: tools(),
+        tools: tools().into(),
     }
 }
 

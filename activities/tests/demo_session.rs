@@ -21,7 +21,7 @@ fn request(transcript: &Transcript, tools: &ToolRegistry, round: u32) -> ModelRe
         },
         model: ModelSpec::parse("scripted:demo.json").expect("valid model spec"),
         transcript: transcript.clone().into(),
-        tools: tools.specs(),
+        tools: tools.specs().into(),
     }
 }
 

@@ -58,7 +58,8 @@ fn request(transcript: Transcript) -> ModelRequest {
                 description: "Time in a zone".into(),
                 input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
             },
-        ],
+        ]
+        .into(),
     }
 }
 

@@ -113,7 +113,8 @@ fn request(transcript: Transcript) -> ModelRequest {
                 r#"{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}"#,
             )
             .unwrap(),
-        }],
+        }]
+        .into(),
     }
 }
 

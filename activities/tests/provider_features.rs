@@ -41,7 +41,7 @@ fn request(
         context: CallContext::default(),
         model: ModelSpec::new(provider, model),
         transcript: transcript.into(),
-        tools: vec![calc()],
+        tools: vec![calc()].into(),
         options,
     }
 }

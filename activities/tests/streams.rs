@@ -31,7 +31,7 @@ fn request(provider: &str) -> ModelRequest {
             thinking_budget_tokens: None,
         },
         transcript: transcript.into(),
-        tools: vec![],
+        tools: vec![].into(),
     }
 }
 

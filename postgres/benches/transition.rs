@@ -56,7 +56,8 @@ fn started() -> SessionStarted {
             name: "calculator".into(),
             description: "math".into(),
             input_schema: JsonText::parse(r#"{"type":"object"}"#).expect("schema"),
-        }],
+        }]
+        .into(),
         system_prompt: Some("bench".into()),
         limits: Limits {
             max_rounds: 8,

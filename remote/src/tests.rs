@@ -614,7 +614,7 @@ async fn a_server_that_refuses_next_gets_the_report_alone() {
     })
     .await;
     let next = cairn_runtime::LeaseRequest {
-        filter: TaskFilter::default(),
+        filter: Arc::new(TaskFilter::default()),
         max: 1,
         lease_ms: 60_000,
         holder: cairn_runtime::LeaseHolder::InProcess,

@@ -27,8 +27,8 @@ pub struct SessionOptions {
     pub session_id: Option<String>,
     /// The default model.
     pub model: ModelSpec,
-    /// Tools offered to the model.
-    pub tools: Vec<ToolSpec>,
+    /// Tools offered to the model (shared by the sessions started with these options).
+    pub tools: Arc<[ToolSpec]>,
     /// A system prompt.
     pub system_prompt: Option<String>,
     /// Turn limits.
@@ -52,11 +52,11 @@ pub struct SessionOptions {
 
 impl SessionOptions {
     /// Options with default limits, retry policies and queues.
-    pub fn new(model: ModelSpec, tools: Vec<ToolSpec>) -> Self {
+    pub fn new(model: ModelSpec, tools: impl Into<Arc<[ToolSpec]>>) -> Self {
         SessionOptions {
             session_id: None,
             model,
-            tools,
+            tools: tools.into(),
             system_prompt: None,
             limits: Limits::default(),
             model_retry: RetryPolicy::model_default(),

@@ -98,8 +98,8 @@ pub enum ActivityInput {
         model: ModelSpec,
         /// The transcript to send, shared with the session's state (not copied per call).
         transcript: Arc<Transcript>,
-        /// Tools offered.
-        tools: Vec<ToolSpec>,
+        /// Tools offered, shared with the session's state (not copied per call).
+        tools: Arc<[ToolSpec]>,
         /// Time limits.
         timeouts: ActivityTimeouts,
         /// Progress the previous attempt heartbeated last.

@@ -12,6 +12,7 @@ use cairn_ledger::{
     ToolResultContent, ToolSpec, Usage,
 };
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// The schema version this code writes. Decoders accept every version up to it.
 pub const SCHEMA_VERSION: u16 = 1;
@@ -369,8 +370,9 @@ impl Event {
 pub struct SessionStarted {
     /// The default model.
     pub model: ModelSpec,
-    /// The tools the model may call.
-    pub tools: Vec<ToolSpec>,
+    /// The tools the model may call; shared, not copied, by the session's state and every
+    /// model call's input (the same bytes as a list on the wire and in the history).
+    pub tools: Arc<[ToolSpec]>,
     /// A system prompt, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub system_prompt: Option<String>,

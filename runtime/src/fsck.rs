@@ -614,7 +614,7 @@ mod tests {
             tool_policy: None,
             compaction: None,
             model: ModelSpec::parse("scripted:x.json").expect("model spec"),
-            tools: Vec::new(),
+            tools: Vec::new().into(),
             system_prompt: None,
             limits: Limits::default(),
             model_retry: RetryPolicy::model_default(),

@@ -1636,7 +1636,7 @@ impl SessionState {
         let tools = self
             .started
             .as_ref()
-            .map(|s| s.tools.as_slice())
+            .map(|s| &s.tools[..])
             .unwrap_or_default();
         let over_limit = active.round + 1 >= max_rounds || over_budget.is_some();
         let mut commands = Vec::new();

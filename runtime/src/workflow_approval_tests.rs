@@ -12,11 +12,13 @@ use cairn_ledger::*;
 /// A session with `calculator`, `read_file` and `shell`, under `policy`.
 fn with_policy(policy: Option<ToolPolicy>) -> SessionStarted {
     let mut s = started(8);
-    s.tools.push(ToolSpec {
+    let mut tools = s.tools.to_vec();
+    tools.push(ToolSpec {
         name: "shell".into(),
         description: "runs a command".into(),
         input_schema: JsonText::parse(r#"{"type":"object","required":["command"]}"#).unwrap(),
     });
+    s.tools = tools.into();
     s.tool_policy = policy;
     s
 }

@@ -77,7 +77,7 @@ fn started() -> impl Strategy<Value = Event> {
                 compaction: None,
                 workdir: None,
                 model: ModelSpec::parse("scripted:props.json").expect("model"),
-                tools: vec![tool_spec("calculator"), tool_spec("read_file")],
+                tools: vec![tool_spec("calculator"), tool_spec("read_file")].into(),
                 system_prompt: Some("be brief".to_owned()),
                 // Budgets, sometimes: tokens per turn, cost and model calls per session.
                 limits: Limits {

@@ -88,7 +88,8 @@ pub(super) fn started(max_rounds: u32) -> SessionStarted {
                 description: "files".into(),
                 input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
             },
-        ],
+        ]
+        .into(),
         system_prompt: Some("be brief".into()),
         limits: Limits {
             max_rounds,

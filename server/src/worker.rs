@@ -21,6 +21,7 @@ use cairn_runtime::{
     ActivityInput, Lease, LeaseHolder, LeaseRequest as StoreLeaseRequest, LeasedTask, TaskFilter,
 };
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use tracing::Instrument;
 
 /// A lease asks for at most this many tasks...
@@ -397,7 +398,12 @@ pub async fn report(
     let next = next.map(|next| {
         let (max, lease_ms) = bounded(next.max, next.lease_ms);
         StoreLeaseRequest {
-            filter: worker_filter(&caller, next.queues, next.tools, next.providers),
+            filter: Arc::new(worker_filter(
+                &caller,
+                next.queues,
+                next.tools,
+                next.providers,
+            )),
             max: if state.is_draining() { 0 } else { max },
             lease_ms,
             holder: LeaseHolder::Remote,

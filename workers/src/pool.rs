@@ -303,7 +303,7 @@ async fn lease_loop(
         // The source decides where the holder is: a server leases for its workers as for
         // workers elsewhere, whatever this says.
         next: LeaseRequest {
-            filter: filter.clone(),
+            filter: Arc::new(filter.clone()),
             max: 1,
             lease_ms: config.lease_ms,
             holder: LeaseHolder::InProcess,
@@ -1079,7 +1079,7 @@ mod tests {
             model: cairn_ledger::ModelSpec::parse(&format!("scripted:{}", script.display()))
                 .unwrap(),
             transcript: Arc::new(transcript),
-            tools: Vec::new(),
+            tools: Vec::new().into(),
             timeouts: cairn_runtime::ActivityTimeouts {
                 due_at_ms: 0,
                 schedule_to_start_ms: None,

@@ -1441,7 +1441,7 @@ mod tests {
             context: CallContext::default(),
             model,
             transcript: transcript.into(),
-            tools: vec![tool()],
+            tools: vec![tool()].into(),
         }
     }
 
@@ -1527,7 +1527,7 @@ mod tests {
         assert!(err.to_string().contains("not an object"), "{err}");
         let t = loop_transcript(vec![tool_use("t1", "{}")]);
         let mut r = request(t, spec(None, None));
-        r.tools.clear();
+        r.tools = Vec::new().into();
         let err = render(&r).unwrap_err();
         assert!(err.to_string().contains("defines no tools"), "{err}");
     }

@@ -1684,7 +1684,8 @@ mod tests {
                 name: "calc".into(),
                 description: "adds".into(),
                 input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
-            }],
+            }]
+            .into(),
         }
     }
 
@@ -1804,7 +1805,7 @@ mod tests {
     fn tool_blocks_without_tools_and_thinking_toggles_are_refused() {
         let t = tool_loop(&["a"], vec![ToolResultContent::Text("r".into())], false);
         let mut r = request(t.clone());
-        r.tools.clear();
+        r.tools = Vec::new().into();
         let err = render(&r).unwrap_err();
         assert!(err.to_string().contains("toolConfig"), "{err}");
         // Thinking turned on inside a loop that began without it.

@@ -85,7 +85,8 @@ fn request(provider: &str, model: &str, transcript: Transcript) -> ModelRequest 
             name: "screenshot".into(),
             description: "takes a screenshot".into(),
             input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
-        }],
+        }]
+        .into(),
         // Cache breakpoints (on by default for Anthropic) are another test's subject.
         options: cairn_ledger::CallOptions {
             no_prompt_cache: true,

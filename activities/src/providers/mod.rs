@@ -400,7 +400,8 @@ mod tests {
                     name: "clock".into(),
                     description: "The time".into(),
                     input_schema: cairn_ledger::JsonText::parse(r#"{"type":"object"}"#).unwrap(),
-                }],
+                }]
+                .into(),
                 options: Default::default(),
             };
             let body = render_request(format, &request).unwrap();

@@ -262,7 +262,7 @@ pub fn render_with(request: &ModelRequest, options: &RenderOptions) -> Result<Va
     body.insert("messages".into(), Value::Array(messages));
     if !request.tools.is_empty() {
         let mut tools = Vec::with_capacity(request.tools.len());
-        for tool in &request.tools {
+        for tool in request.tools.iter() {
             let parameters = tool.input_schema.to_value().map_err(|e| {
                 invalid(format!(
                     "tool {:?}: the input schema is not JSON: {e}",

@@ -247,8 +247,10 @@ pub enum LeaseHolder {
 /// accepts, each for `lease_ms`, for `holder`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseRequest {
-    /// Which tasks the worker can run.
-    pub filter: TaskFilter,
+    /// Which tasks the worker can run; shared, as a pool sends the same one with every
+    /// report (a filter holds sets of names, and copying them was about 1% of a busy
+    /// process's CPU).
+    pub filter: std::sync::Arc<TaskFilter>,
     /// How many at most.
     pub max: usize,
     /// For how long, from the append's `now_ms`.

@@ -182,7 +182,8 @@ pub(super) fn started() -> SessionStarted {
             name: "calculator".into(),
             description: "math".into(),
             input_schema: schema,
-        }],
+        }]
+        .into(),
         system_prompt: None,
         limits: Limits {
             max_rounds: 8,

@@ -6,6 +6,7 @@
 use super::{append_request, lease_states, message, must_append, new_task, task_id};
 use crate::error::Error;
 use crate::store::{Lease, LeaseHolder, Store, TaskFilter, TaskKind};
+use std::sync::Arc;
 
 async fn lease_here(store: &dyn Store, now_ms: u64, lease_ms: u64, max: usize) -> Vec<Lease> {
     store
@@ -136,7 +137,7 @@ pub async fn append_and_lease_takes_what_the_append_queued(store: &dyn Store) {
     let s = "eager";
     let (t2, t3) = (task_id(s, 2), task_id(s, 3));
     let next = LeaseRequest {
-        filter: TaskFilter::any(),
+        filter: Arc::new(TaskFilter::any()),
         max: 1,
         lease_ms: 1_000,
         holder: LeaseHolder::InProcess,
@@ -219,7 +220,7 @@ pub async fn a_remote_eager_lease_is_durable_when_answered<S: Store>(
     request.status = SessionStatus::Running;
     request.enqueue = vec![new_task(&t2, TaskKind::Tool, 100)];
     let next = LeaseRequest {
-        filter: TaskFilter::any(),
+        filter: Arc::new(TaskFilter::any()),
         max: 1,
         lease_ms: 60_000,
         holder: LeaseHolder::Remote,

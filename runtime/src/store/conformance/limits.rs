@@ -6,6 +6,7 @@
 use super::{append_request, history, message, must_append, overdue, routed_task, task_id, tasks};
 use crate::error::Error;
 use crate::store::{LeaseHolder, LeaseRequest, SessionStatus, Store, TaskFilter, TaskKind};
+use std::sync::Arc;
 
 /// A time past every real one, but far from the end of a `u64`.
 const YEAR_30000_MS: u64 = 884_541_340_800_000;
@@ -53,7 +54,7 @@ pub async fn far_off_times_are_taken_and_mean_never(store: &dyn Store) {
         ..append_request(s, 2, vec![message(s, 2, "y")], 20)
     };
     let next = LeaseRequest {
-        filter: TaskFilter::any(),
+        filter: Arc::new(TaskFilter::any()),
         max: 1,
         lease_ms: u64::MAX,
         holder: LeaseHolder::Remote,
