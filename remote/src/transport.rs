@@ -144,7 +144,7 @@ fn create_session(options: SessionOptions, message: Option<SendMessage>) -> Crea
     CreateSession {
         session_id: Some(options.session_id.unwrap_or_else(new_session_id)),
         model: options.model,
-        tools: options.tools.to_vec(),
+        tools: options.tools,
         system_prompt: options.system_prompt,
         // Sent explicitly, so the session records what this client asked for, not the
         // server build's defaults.

@@ -74,7 +74,7 @@ pub struct CreateSession {
     /// Tools offered to the model.
     #[serde(default)]
     #[schema(value_type = Vec<schema::ToolSpec>)]
-    pub tools: Vec<ToolSpec>,
+    pub tools: std::sync::Arc<[ToolSpec]>,
     /// A system prompt.
     #[serde(default)]
     pub system_prompt: Option<String>,

@@ -167,7 +167,7 @@ pub async fn create_session(
     .map_err(|e| ApiError::invalid(e.to_string()))?;
     let started = SessionStarted {
         model: request.model,
-        tools: request.tools.into(),
+        tools: request.tools,
         system_prompt: request.system_prompt,
         limits: request.limits.unwrap_or_default(),
         model_retry: request
