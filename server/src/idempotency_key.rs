@@ -1,6 +1,6 @@
-//! The `Idempotency-Key` request header of the routes that start a turn: read and checked,
-//! and the session id a create without one is given, derived from its key so that a resend
-//! finds the session the first request started.
+//! The `Idempotency-Key` request header of the routes that start a turn and of a worker's
+//! lease request: read and checked, and the session id a create without one is given, derived
+//! from its key so that a resend finds the session the first request started.
 
 use crate::errors::ApiError;
 use axum::http::HeaderMap;
@@ -19,6 +19,19 @@ pub struct IdempotencyKeyHeader {
     /// first request was; with another message it is refused (422
     /// `idempotency_key_reused`). Remembered for the session's life. On `POST /v1/sessions`,
     /// a body without `session_id` gets an id derived from the key.
+    #[param(rename = "Idempotency-Key", pattern = r"^[!-~]{1,255}$")]
+    #[allow(dead_code)] // read from the headers; here for the document only
+    idempotency_key: Option<String>,
+}
+
+/// The `Idempotency-Key` of a lease request, as the OpenAPI document describes it.
+#[derive(Debug, IntoParams)]
+#[into_params(parameter_in = Header)]
+pub struct LeaseIdempotencyKey {
+    /// A key the worker chose for this lease request (128 random bits, say): the same
+    /// request sent again under it, after a lost answer, is answered with the tasks the
+    /// first try leased while their leases last, rather than leasing more (whatever the body
+    /// of the try sent again says). 1-255 visible ASCII characters.
     #[param(rename = "Idempotency-Key", pattern = r"^[!-~]{1,255}$")]
     #[allow(dead_code)] // read from the headers; here for the document only
     idempotency_key: Option<String>,

@@ -7,7 +7,7 @@ use crate::answered_again::Joined;
 use crate::app::AppState;
 use crate::auth::{Caller, WorkerCaller};
 use crate::errors::{ApiError, JsonBody};
-use crate::idempotency_key::idempotency_key;
+use crate::idempotency_key::{idempotency_key, LeaseIdempotencyKey};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -157,19 +157,6 @@ pub async fn lease(
     let tasks = lease_waiting(&state, filter, max, lease_ms, deadline).await?;
     first.recorded(tasks.iter().map(|t| t.lease.clone()).collect());
     Ok(Json(LeaseResponse { tasks }))
-}
-
-/// The `Idempotency-Key` of a lease request, as the OpenAPI document describes it.
-#[derive(Debug, utoipa::IntoParams)]
-#[into_params(parameter_in = Header)]
-pub struct LeaseIdempotencyKey {
-    /// A key the worker chose for this lease request (128 random bits, say): the same
-    /// request sent again under it, after a lost answer, is answered with the tasks the
-    /// first try leased while their leases last, rather than leasing more (whatever the body
-    /// of the try sent again says). 1-255 visible ASCII characters.
-    #[param(rename = "Idempotency-Key", pattern = r"^[!-~]{1,255}$")]
-    #[allow(dead_code)] // read from the headers; here for the document only
-    idempotency_key: Option<String>,
 }
 
 /// Leases up to `max` tasks of `filter`, waiting until `deadline` for the first: 503 on a
