@@ -16,6 +16,21 @@ pub const PREVIEW_BYTES: usize = 2048;
 /// Smaller results pass through unchanged. Pure and deterministic.
 pub fn project_tool_result(result: ToolResult) -> ToolResult {
     let result = sanitize_blocks(result);
+    // Most results are far under the limit, and replay projects every result of a history
+    // again: those that cannot reach it are kept without writing their JSON out (a text's
+    // JSON string is at most six bytes per byte, `\u00XX`, and its two quotes).
+    let surely_fits = match &result.content {
+        ToolResultContent::Json(json) => json.as_str().len() <= TRANSCRIPT_RESULT_LIMIT_BYTES,
+        ToolResultContent::Text(text) => text
+            .len()
+            .checked_mul(6)
+            .and_then(|bytes| bytes.checked_add(2))
+            .is_some_and(|bytes| bytes <= TRANSCRIPT_RESULT_LIMIT_BYTES),
+        ToolResultContent::Blocks(_) => false,
+    };
+    if surely_fits {
+        return result;
+    }
     // Media blocks are kept whole (a provider bounds their size itself); the limit applies to
     // the result's text, so a screenshot is not turned into an omission notice.
     let canonical = match &result.content {
@@ -160,5 +175,64 @@ mod tests {
             project_tool_result(over).content,
             ToolResultContent::Json(_)
         ));
+    }
+
+    /// Results kept without their JSON written out are those whose JSON fits: texts of
+    /// control characters (six bytes each as JSON) at the bound and just past it, texts too
+    /// long for the bound that still fit, and JSON at the limit and past it.
+    #[test]
+    fn only_results_whose_json_fits_are_kept() {
+        let text = |content: String| ToolResult {
+            tool_use_id: "t".into(),
+            content: ToolResultContent::Text(content),
+            is_error: false,
+        };
+        let fits =
+            |r: &ToolResult| r.content.canonical_json().len() <= TRANSCRIPT_RESULT_LIMIT_BYTES;
+        let controls = (TRANSCRIPT_RESULT_LIMIT_BYTES - 2) / 6;
+        for result in [
+            text("\u{1}".repeat(controls)),
+            text("\u{1}".repeat(controls + 1)),
+            text(format!(
+                "{}\n",
+                "a".repeat(TRANSCRIPT_RESULT_LIMIT_BYTES - 5)
+            )),
+            text(format!(
+                "{}\n",
+                "a".repeat(TRANSCRIPT_RESULT_LIMIT_BYTES - 4)
+            )),
+            text(format!(
+                "\"{}",
+                "a".repeat(TRANSCRIPT_RESULT_LIMIT_BYTES - 4)
+            )),
+            ToolResult {
+                content: ToolResultContent::Json(
+                    JsonText::parse(format!(
+                        "\"{}\"",
+                        "b".repeat(TRANSCRIPT_RESULT_LIMIT_BYTES - 2)
+                    ))
+                    .unwrap(),
+                ),
+                ..text(String::new())
+            },
+            ToolResult {
+                content: ToolResultContent::Json(
+                    JsonText::parse(format!(
+                        "\"{}\"",
+                        "b".repeat(TRANSCRIPT_RESULT_LIMIT_BYTES - 1)
+                    ))
+                    .unwrap(),
+                ),
+                ..text(String::new())
+            },
+        ] {
+            let projected = project_tool_result(result.clone());
+            assert_eq!(
+                projected == result,
+                fits(&result),
+                "{}",
+                result.content.canonical_json().len()
+            );
+        }
     }
 }

@@ -2001,6 +2001,36 @@ fn budget_failure(turn: u32, exceeded: BudgetExceeded) -> Command {
     }
 }
 
+/// The names a tool's `input_schema` requires: the strings of its `required` array, none when
+/// it has no such array (or is not an object); `None` when the schema is not JSON. Replay runs
+/// this for every tool call of a history, so the common schema (an object naming `required`
+/// once) is read without building the rest of it (a whole schema parsed into a `Value` was a
+/// quarter of a long history's fold); any other (`required` twice, where the parsed object
+/// keeps the last) is parsed whole, as before.
+pub(crate) fn required_fields(schema: &cairn_ledger::JsonText) -> Option<Vec<String>> {
+    /// An object's `required` member; every other member skipped unread.
+    #[derive(serde::Deserialize)]
+    struct RequiredMember {
+        #[serde(default)]
+        required: serde_json::Value,
+    }
+    let strings = |required: &serde_json::Value| -> Vec<String> {
+        required
+            .as_array()
+            .map(|r| {
+                r.iter()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    if let Ok(member) = serde_json::from_str::<RequiredMember>(schema.as_str()) {
+        return Some(strings(&member.required));
+    }
+    let schema = schema.to_value().ok()?;
+    Some(schema.get("required").map(strings).unwrap_or_default())
+}
+
 /// Version 2's check of a tool call's arguments against its tool's `input_schema`: the
 /// arguments must be an object holding every field the schema's `required` names. The
 /// error result's text when they do not.
@@ -2009,17 +2039,7 @@ fn missing_required(
     name: &str,
     arguments: &serde_json::Value,
 ) -> Option<String> {
-    let schema = tools
-        .iter()
-        .find(|t| t.name == name)?
-        .input_schema
-        .to_value()
-        .ok()?;
-    let required: Vec<&str> = schema
-        .get("required")
-        .and_then(|r| r.as_array())
-        .map(|r| r.iter().filter_map(|v| v.as_str()).collect())
-        .unwrap_or_default();
+    let required = required_fields(&tools.iter().find(|t| t.name == name)?.input_schema)?;
     let Some(object) = arguments.as_object() else {
         return Some(format!(
             "invalid tool arguments: {name} takes a JSON object (requires: {})",
@@ -2028,7 +2048,7 @@ fn missing_required(
     };
     let missing: Vec<String> = required
         .iter()
-        .filter(|field| !object.contains_key(**field))
+        .filter(|field| !object.contains_key(field.as_str()))
         .map(|field| format!("{field:?}"))
         .collect();
     (!missing.is_empty()).then(|| {

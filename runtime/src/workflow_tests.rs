@@ -1396,3 +1396,64 @@ fn step_refuses_command_events_and_a_stale_report_changes_nothing() {
     assert_eq!((live.state.clone(), live.events.len()), before);
     live.check_replay();
 }
+
+/// The names a schema requires, read from the whole parsed schema: what the replay of every
+/// recorded history must keep giving.
+fn required_the_whole_way(schema: &JsonText) -> Option<Vec<String>> {
+    let schema = schema.to_value().ok()?;
+    Some(
+        schema
+            .get("required")
+            .and_then(|r| r.as_array())
+            .map(|r| {
+                r.iter()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default(),
+    )
+}
+
+#[test]
+fn a_schemas_required_names_read_in_part_are_those_of_the_whole_schema() {
+    let schemas = [
+        r#"{"type":"object","properties":{"path":{"type":"string"}},"required":["path"]}"#,
+        r#"{"required":["a","b"],"properties":{"a":{"required":["inner"]}}}"#,
+        r#"{"type":"object","properties":{"q":{"type":"object","required":["deep"]}}}"#,
+        r#"{"type":"object"}"#,
+        r#"{}"#,
+        r#"{"required":null}"#,
+        r#"{"required":"path"}"#,
+        r#"{"required":["a",1,null,"b",{"c":1}]}"#,
+        r#"{"required":[]}"#,
+        r#"{"required":["first"],"required":["second","third"]}"#,
+        r#"{"required":["first"],"type":"object","required":null}"#,
+        r#"true"#,
+        r#"[]"#,
+        r#"["required"]"#,
+        r#""required""#,
+        r#"3"#,
+        r#"null"#,
+        r#"{"Required":["x"],"required ":["y"]}"#,
+        r#"{"re\u0071uired":["escaped key"]}"#,
+    ];
+    for schema in schemas {
+        let schema = JsonText::parse(schema).unwrap();
+        assert_eq!(
+            crate::workflow::required_fields(&schema),
+            required_the_whole_way(&schema),
+            "{}",
+            schema.as_str()
+        );
+    }
+    let path = JsonText::parse(schemas[0]).unwrap();
+    assert_eq!(
+        crate::workflow::required_fields(&path),
+        Some(vec!["path".to_owned()])
+    );
+    let twice = JsonText::parse(schemas[9]).unwrap();
+    assert_eq!(
+        crate::workflow::required_fields(&twice),
+        Some(vec!["second".to_owned(), "third".to_owned()])
+    );
+}
