@@ -10,6 +10,7 @@ use cairn_runtime::store::embedded::StorageEngine;
 use std::path::Path;
 use std::process::ExitCode;
 
+pub mod goals;
 mod parked;
 
 /// What `cairn bench` was asked for.

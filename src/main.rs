@@ -405,12 +405,19 @@ enum Command {
         engine: Vec<StorageEngine>,
         /// Instead of turns per second: the bytes of one long session (raw messages,
         /// transcript, history by event kind, disk) on each engine.
-        #[arg(long, conflicts_with = "parked")]
+        #[arg(long, conflicts_with_all = ["parked", "goals"])]
         footprint: bool,
-        /// Turns of the --footprint session.
-        #[arg(long, default_value_t = 1000, requires = "footprint")]
-        turns: usize,
-        /// Instead: park this many sessions (one turn each) per engine and report the RSS.
+        /// Instead: every goal of issue 13 measured on each engine in one run (turns/s at 128
+        /// sessions, one session's latency, one state transition, replay, parked sessions,
+        /// history and disk bytes), one row each with its target and whether it is met.
+        #[arg(long)]
+        goals: bool,
+        /// Turns of the --footprint session, or of the long session --goals measures
+        /// [default: 1000].
+        #[arg(long)]
+        turns: Option<usize>,
+        /// Instead: park this many sessions (one turn each) per engine and report the RSS
+        /// (with --goals: the sessions the memory goal parks [default: 100000]).
         #[arg(long, value_name = "N")]
         parked: Option<usize>,
     },
@@ -1143,6 +1150,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             worker_concurrency,
             engine,
             footprint,
+            goals,
             turns,
             parked,
         } => {
@@ -1151,10 +1159,26 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 engine
             };
+            if turns.is_some() && !footprint && !goals {
+                bail!("--turns goes with --footprint or --goals");
+            }
+            let turns = turns.unwrap_or(1000);
             if footprint {
                 return footprint::run(turns, &engines).await;
             }
             let exe = std::env::current_exe().context("cannot find the cairn executable")?;
+            if goals {
+                return bench::goals::run(
+                    bench::goals::GoalsArgs {
+                        seconds,
+                        turns,
+                        parked: parked.unwrap_or(cairn_devtools::goals::PARKED_SESSIONS),
+                        engines,
+                    },
+                    &exe,
+                )
+                .await;
+            }
             bench::run(
                 bench::BenchArgs {
                     sessions,

@@ -1133,6 +1133,69 @@ fn bench_footprint_reports_the_bytes_of_a_session_on_each_engine() {
     }
 }
 
+/// `cairn bench --goals` measures every goal of issue 13 on the engine asked for, one row
+/// each with a figure and whether it is met; a run that parks fewer sessions than the goal
+/// names never counts the memory goal met, and `--turns` without a mode that takes it is
+/// refused.
+#[test]
+fn bench_goals_reports_one_row_per_goal() {
+    let out = cairn(&[
+        "bench",
+        "--goals",
+        "--seconds",
+        "0.3",
+        "--turns",
+        "3",
+        "--parked",
+        "20",
+        "--engine",
+        "fjall",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| ") && l.contains(" | fjall | "))
+        .map(|l| l.split('|').map(str::trim).collect())
+        .collect();
+    let goals: Vec<&str> = rows.iter().map(|cells| cells[1]).collect();
+    assert_eq!(
+        goals,
+        [
+            "≥ 3,000 turns/s at 128 sessions, default settings",
+            "1 session: p50 turn ≤ 1.5 × commits × p50 fdatasync",
+            "1 state transition ≤ 1.5 × p50 fdatasync",
+            "history ≤ 1.3 × raw message bytes",
+            "store on disk ≤ 2 × logical bytes",
+            "replay ≥ 1,000,000 events/s folded in memory",
+            "replay ≥ 300,000 events/s cold from the store",
+            "100,000 parked sessions < 100 MB RSS",
+        ],
+        "{stdout}"
+    );
+    for cells in &rows {
+        assert!(matches!(cells[4], "yes" | "no"), "{stdout}");
+        // Each measured cell starts with its figure.
+        assert!(
+            cells[3].starts_with(|c: char| c.is_ascii_digit()),
+            "{stdout}"
+        );
+    }
+    // Three turns are 25 events; their history is the history --footprint measures.
+    assert!(rows[5][3].ends_with("(25 events)"), "{stdout}");
+    assert!(rows[3][3].contains("(3 turns: "), "{stdout}");
+    assert!(rows[7][3].ends_with("for 20"), "{stdout}");
+    assert_eq!(rows[7][4], "no", "{stdout}");
+
+    let refused = cairn(&["bench", "--turns", "3"]);
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused.stderr).contains("--turns goes with --footprint or --goals"),
+        "{}",
+        text(&refused.stderr)
+    );
+}
+
 #[tokio::test]
 async fn resume_says_which_session_cannot_be_resumed_and_resumes_the_others() {
     use cairn_runtime::store::embedded::{open, OpenMode};

@@ -70,6 +70,13 @@ impl ParkedResult {
     }
 }
 
+/// The settled RSS a [`ParkedResult::row`] shows, in MiB (as the row rounds it), for a
+/// process that reads another's report.
+pub fn settled_mib_in_row(row: &str) -> Option<f64> {
+    let cells: Vec<&str> = row.trim().trim_matches('|').split('|').collect();
+    cells.get(5)?.trim().strip_suffix(" MiB")?.parse().ok()
+}
+
 /// The `VmRSS` line of a `/proc/<pid>/status` text, in bytes.
 pub fn vm_rss(status: &str) -> Option<u64> {
     let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
@@ -168,6 +175,20 @@ pub async fn parked(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_settled_rss_is_read_back_from_a_row() {
+        let result = ParkedResult {
+            engine: StorageEngine::Fjall,
+            sessions: 100_000,
+            seconds: 41.25,
+            rss_before: 10 << 20,
+            rss_after_turns: 90 << 20,
+            rss_settled: (70 << 20) + (4 << 20) / 10,
+        };
+        assert_eq!(settled_mib_in_row(&result.row()), Some(70.4));
+        assert_eq!(settled_mib_in_row("| fjall | 1 | 1.0 s |"), None);
+    }
 
     #[test]
     fn vm_rss_reads_the_status_line_in_bytes() {

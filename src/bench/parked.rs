@@ -32,27 +32,37 @@ pub async fn run(
         outln!("{}", result.row())?;
         return Ok(ExitCode::SUCCESS);
     }
-    for engine in engines {
-        let mut child = std::process::Command::new(exe);
-        child
-            .args(["bench", "--parked", &sessions.to_string(), "--engine"])
-            .arg(engine.to_string())
-            .stdin(Stdio::null())
-            .stderr(Stdio::inherit());
-        let output = tokio::task::spawn_blocking(move || child.output())
-            .await
-            .context("the parked bench's child waiter panicked")?
-            .with_context(|| format!("starting the parked bench on {engine}"))?;
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let row = stdout.lines().rev().find(|line| line.starts_with("| "));
-        match (output.status.success(), row) {
-            (true, Some(row)) => outln!("{row}")?,
-            _ => bail!(
-                "the parked bench on {engine} failed ({}): {}",
-                output.status,
-                stdout.trim()
-            ),
-        }
+    for &engine in engines {
+        outln!("{}", row_in_child(exe, sessions, engine).await?)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Parks `sessions` sessions on `engine` in a child `cairn bench --parked N --engine E`, a
+/// process of its own, and gives back its row.
+pub async fn row_in_child(
+    exe: &Path,
+    sessions: usize,
+    engine: StorageEngine,
+) -> anyhow::Result<String> {
+    let mut child = std::process::Command::new(exe);
+    child
+        .args(["bench", "--parked", &sessions.to_string(), "--engine"])
+        .arg(engine.to_string())
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit());
+    let output = tokio::task::spawn_blocking(move || child.output())
+        .await
+        .context("the parked bench's child waiter panicked")?
+        .with_context(|| format!("starting the parked bench on {engine}"))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let row = stdout.lines().rev().find(|line| line.starts_with("| "));
+    match (output.status.success(), row) {
+        (true, Some(row)) => Ok(row.to_owned()),
+        _ => bail!(
+            "the parked bench on {engine} failed ({}): {}",
+            output.status,
+            stdout.trim()
+        ),
+    }
 }

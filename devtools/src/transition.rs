@@ -1,0 +1,204 @@
+//! One durable state transition, timed in this process for `cairn bench --goals`: an activity's
+//! completion recorded and the session's next task handed to the worker that reported it, as
+//! a worker slot of this process runs it (eager dispatch), on a new embedded store.
+//!
+//! The same loop as the criterion group `state_transition` (`benches/engine.rs`): a session
+//! whose model asks for one tool per round, each round two transitions (the model's answer →
+//! the tool's task, the tool's result → the next model task), the responses made here, with
+//! no model or tool run in between. Each pair of transitions is timed alone; the figure is
+//! the median of their halves, beside the median of an fdatasync probe on the same
+//! filesystem run just before.
+
+// A benchmark reads clocks.
+#![allow(clippy::disallowed_methods)]
+
+use anyhow::{bail, Context};
+use cairn_ledger::{
+    JsonText, ModelResponse, ModelSpec, Part, StopReason, ToolResultContent, ToolSpec, ToolUse,
+    Usage,
+};
+use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
+use cairn_runtime::store::{Lease, LeaseHolder, LeaseRequest, TaskFilter};
+use cairn_runtime::{ActivityReport, Engine, Limits, RetryPolicy, SessionStarted, SystemClock};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Rounds of one session: its `max_rounds` is one more, so the last round's model call is
+/// still answered with a tool call the workflow accepts.
+const ROUNDS_PER_SESSION: u32 = 6;
+
+/// What [`measure`] found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransitionResult {
+    /// The storage engine.
+    pub engine: StorageEngine,
+    /// Transitions timed.
+    pub transitions: usize,
+    /// The median transition, ms.
+    pub p50_ms: f64,
+    /// The mean transition, ms.
+    pub mean_ms: f64,
+    /// The median fdatasync of the probe run just before, ms.
+    pub fdatasync_p50_ms: f64,
+}
+
+impl TransitionResult {
+    /// The median transition over the median fdatasync (issue 13's goal: at most 1.5).
+    pub fn over_fdatasync(&self) -> f64 {
+        self.p50_ms / self.fdatasync_p50_ms
+    }
+}
+
+/// The session every round of the measurement runs in: one tool, `max_rounds` past the
+/// rounds it takes.
+fn started() -> anyhow::Result<SessionStarted> {
+    Ok(SessionStarted {
+        call_options: Default::default(),
+        queues: Default::default(),
+        forked_from: None,
+        workflow_version: cairn_runtime::WORKFLOW_VERSION,
+        tool_policy: None,
+        compaction: None,
+        model: ModelSpec::parse("scripted:transitions.json")
+            .context("the transitions model spec")?,
+        tools: vec![ToolSpec {
+            name: "calculator".into(),
+            description: "math".into(),
+            input_schema: JsonText::parse(r#"{"type":"object"}"#)?,
+        }]
+        .into(),
+        system_prompt: Some("transitions".into()),
+        limits: Limits {
+            max_rounds: ROUNDS_PER_SESSION + 2,
+            session_budget: Default::default(),
+            turn_budget: Default::default(),
+        },
+        model_retry: RetryPolicy::model_default(),
+        tool_retry: RetryPolicy::tool_default(),
+        workdir: None,
+    })
+}
+
+/// A model answer asking for one calculator call, as a thinking model writes it.
+fn tool_call(round: u32) -> ModelResponse {
+    ModelResponse {
+        provider: "scripted".into(),
+        model: "transitions".into(),
+        parts: vec![
+            Part::Thinking {
+                text: "thinking about which tools to call ".repeat(4),
+                signature: "c2lnbmF0dXJl".repeat(8),
+            },
+            Part::text("Let me check."),
+            Part::ToolUse(ToolUse {
+                id: format!("toolu_{round}"),
+                name: "calculator".into(),
+                arguments: r#"{"expression":"(17 + 25) * 3"}"#.into(),
+                signature: None,
+            }),
+        ],
+        stop_reason_raw: "tool_use".into(),
+        stop_reason: StopReason::ToolUse,
+        usage: Usage::default(),
+    }
+}
+
+/// The next task of the session, leased in a round of its own (the first task of a session,
+/// or the next one from a store that hands none with a report).
+async fn lease_one(engine: &Engine) -> anyhow::Result<Lease> {
+    let mut leased = engine
+        .store()
+        .lease_tasks_in_process(engine.now_ms(), 60_000, 1, &TaskFilter::default())
+        .await?;
+    if leased.is_empty() {
+        bail!("the session's next task was not due");
+    }
+    Ok(leased.remove(0))
+}
+
+/// Reports `report` for `lease` and takes the next task: the one handed with the report, else
+/// one leased in a round of its own.
+async fn report(
+    engine: &Engine,
+    lease: &Lease,
+    report: ActivityReport,
+    next: &LeaseRequest,
+) -> anyhow::Result<Lease> {
+    let handed = engine.report_and_lease(lease, report, next).await?;
+    match handed.into_iter().next() {
+        Some(task) => Ok(task.lease),
+        None => lease_one(engine).await,
+    }
+}
+
+/// Times transitions on a new `engine` store in `dir` for about `duration` (at least 60).
+pub async fn measure(
+    dir: &std::path::Path,
+    engine: StorageEngine,
+    duration: Duration,
+) -> anyhow::Result<TransitionResult> {
+    let fdatasync_p50_ms = {
+        let dir = dir.to_path_buf();
+        tokio::task::spawn_blocking(move || {
+            crate::bench::fdatasync_probe(&dir, Duration::from_millis(500))
+        })
+        .await
+        .context("the fdatasync probe panicked")??
+    };
+    let opened = embedded::open(&dir.join("store"), OpenMode::Create, Some(engine)).await?;
+    let runtime = Engine::new(opened.store.clone(), Arc::new(SystemClock));
+    let next = LeaseRequest {
+        filter: Arc::new(TaskFilter::default()),
+        max: 1,
+        lease_ms: 60_000,
+        holder: LeaseHolder::InProcess,
+    };
+    let tool_result = ToolResultContent::Json(JsonText::parse(r#"{"value":126}"#)?);
+    let mut pairs: Vec<Duration> = Vec::new();
+    let began = Instant::now();
+    let mut session = 0;
+    while pairs.len() < 30 || began.elapsed() < duration {
+        session += 1;
+        let session_id = runtime
+            .start_session(Some(format!("transitions-{session}")), started()?)
+            .await?;
+        runtime.send_message(&session_id, "go", None).await?;
+        // Untimed: the first task of a session is leased in a round of its own.
+        let mut lease = lease_one(&runtime).await?;
+        for round in 1..=ROUNDS_PER_SESSION {
+            let timed = Instant::now();
+            let tool = report(
+                &runtime,
+                &lease,
+                ActivityReport::ModelCompleted(tool_call(round)),
+                &next,
+            )
+            .await
+            .with_context(|| format!("session {session_id}, round {round}: the model's answer"))?;
+            lease = report(
+                &runtime,
+                &tool,
+                ActivityReport::ToolCompleted {
+                    content: tool_result.clone(),
+                    is_error: false,
+                },
+                &next,
+            )
+            .await
+            .with_context(|| format!("session {session_id}, round {round}: the tool's result"))?;
+            pairs.push(timed.elapsed());
+        }
+    }
+    drop(runtime);
+    drop(opened);
+    let transitions = pairs.len() * 2;
+    let total: Duration = pairs.iter().sum();
+    pairs.sort();
+    Ok(TransitionResult {
+        engine,
+        transitions,
+        p50_ms: pairs[pairs.len() / 2].as_secs_f64() * 1e3 / 2.0,
+        mean_ms: total.as_secs_f64() * 1e3 / transitions as f64,
+        fdatasync_p50_ms,
+    })
+}
