@@ -189,6 +189,13 @@ mod tests {
         };
         let fits =
             |r: &ToolResult| r.content.canonical_json().len() <= TRANSCRIPT_RESULT_LIMIT_BYTES;
+        // A JSON string of `len` bytes of 'b': `len` + 2 bytes.
+        let json = |len: usize| ToolResult {
+            content: ToolResultContent::Json(
+                JsonText::parse(format!("\"{}\"", "b".repeat(len))).unwrap(),
+            ),
+            ..text(String::new())
+        };
         let controls = (TRANSCRIPT_RESULT_LIMIT_BYTES - 2) / 6;
         for result in [
             text("\u{1}".repeat(controls)),
@@ -205,26 +212,8 @@ mod tests {
                 "\"{}",
                 "a".repeat(TRANSCRIPT_RESULT_LIMIT_BYTES - 4)
             )),
-            ToolResult {
-                content: ToolResultContent::Json(
-                    JsonText::parse(format!(
-                        "\"{}\"",
-                        "b".repeat(TRANSCRIPT_RESULT_LIMIT_BYTES - 2)
-                    ))
-                    .unwrap(),
-                ),
-                ..text(String::new())
-            },
-            ToolResult {
-                content: ToolResultContent::Json(
-                    JsonText::parse(format!(
-                        "\"{}\"",
-                        "b".repeat(TRANSCRIPT_RESULT_LIMIT_BYTES - 1)
-                    ))
-                    .unwrap(),
-                ),
-                ..text(String::new())
-            },
+            json(TRANSCRIPT_RESULT_LIMIT_BYTES - 2),
+            json(TRANSCRIPT_RESULT_LIMIT_BYTES - 1),
         ] {
             let projected = project_tool_result(result.clone());
             assert_eq!(
