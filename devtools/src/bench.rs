@@ -252,8 +252,8 @@ pub fn fdatasync_probe(dir: &Path, duration: Duration) -> anyhow::Result<f64> {
     Ok(times[times.len() / 2].as_secs_f64() * 1e3)
 }
 
-/// Runs the probe off the async threads.
-async fn probe_in(dir: &Path) -> anyhow::Result<f64> {
+/// Runs the probe (for [`PROBE_TIME`]) off the async threads.
+pub(crate) async fn probe_in(dir: &Path) -> anyhow::Result<f64> {
     let dir = dir.to_path_buf();
     tokio::task::spawn_blocking(move || fdatasync_probe(&dir, PROBE_TIME))
         .await

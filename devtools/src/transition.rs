@@ -137,14 +137,7 @@ pub async fn measure(
     engine: StorageEngine,
     duration: Duration,
 ) -> anyhow::Result<TransitionResult> {
-    let fdatasync_p50_ms = {
-        let dir = dir.to_path_buf();
-        tokio::task::spawn_blocking(move || {
-            crate::bench::fdatasync_probe(&dir, Duration::from_millis(500))
-        })
-        .await
-        .context("the fdatasync probe panicked")??
-    };
+    let fdatasync_p50_ms = crate::bench::probe_in(dir).await?;
     let opened = embedded::open(&dir.join("store"), OpenMode::Create, Some(engine)).await?;
     let runtime = Engine::new(opened.store.clone(), Arc::new(SystemClock));
     let next = LeaseRequest {
