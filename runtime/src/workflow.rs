@@ -507,6 +507,19 @@ pub struct SessionState {
     expected: VecDeque<Command>,
     /// The estimated bytes the state holds, kept up to date by `apply` (`workflow_bytes.rs`).
     bytes: usize,
+    /// While [`SessionState::fold`] runs, and only then: the required arguments of each tool
+    /// called so far.
+    required_memo: Option<Box<RequiredMemo>>,
+}
+
+/// The required argument names of the tools a fold has seen called, by the tool's index in
+/// the session's tools (fixed by its start), each read from the tool's schema once per fold
+/// rather than at every call: reading them scans the whole schema text, about a quarter of
+/// the fold of a long session whose model calls tools at every turn. Kept only while a fold
+/// runs, so a parked state carries none.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct RequiredMemo {
+    by_tool: BTreeMap<usize, Option<Vec<String>>>,
 }
 
 impl SessionState {
@@ -527,6 +540,7 @@ impl SessionState {
             message_keys: BTreeMap::new(),
             expected: VecDeque::new(),
             bytes: bytes::EMPTY_STATE_BYTES,
+            required_memo: None,
         }
     }
 
@@ -542,9 +556,11 @@ impl SessionState {
         events: impl IntoIterator<Item = &'a EventEnvelope>,
     ) -> Result<Self> {
         let mut state = SessionState::new(session_id);
+        state.required_memo = Some(Box::default());
         for envelope in events {
             state.apply(envelope)?;
         }
+        state.required_memo = None;
         state.finish_replay()?;
         Ok(state)
     }
@@ -1115,6 +1131,10 @@ impl SessionState {
                     Arc::make_mut(&mut self.transcript).push_system(prompt.clone());
                 }
                 self.started = Some(started.clone());
+                if let Some(memo) = &mut self.required_memo {
+                    // Tool indexes are those of the session's tools, set here.
+                    memo.by_tool.clear();
+                }
                 Ok(Vec::new())
             }
             Event::UserMessage {
@@ -1467,9 +1487,9 @@ impl SessionState {
     /// attempt, round or turn already left behind is stale (a late worker); one for something
     /// that never existed is invalid (misuse).
     fn check_model_slot(&self, seq: u64, turn: u32, round: u32, attempt: u32) -> Result<()> {
-        let what = format!("model call of turn {turn} round {round} attempt {attempt}");
+        let what = || format!("model call of turn {turn} round {round} attempt {attempt}");
         if self.turn_ended(turn) {
-            return Err(self.stale(seq, format!("{what}: turn {turn} has ended")));
+            return Err(self.stale(seq, format!("{}: turn {turn} has ended", what())));
         }
         let Some(a) = self.active.as_ref().filter(|a| a.turn == turn) else {
             return Err(self.invalid(
@@ -1478,7 +1498,7 @@ impl SessionState {
             ));
         };
         if round < a.round {
-            return Err(self.stale(seq, format!("{what}: the turn is at round {}", a.round)));
+            return Err(self.stale(seq, format!("{}: the turn is at round {}", what(), a.round)));
         }
         if round > a.round {
             return Err(self.invalid(
@@ -1490,14 +1510,17 @@ impl SessionState {
             Phase::Model(slot) if slot.attempt == attempt && slot.scheduled_seq.is_some() => Ok(()),
             Phase::Model(slot) if attempt < slot.attempt => Err(self.stale(
                 seq,
-                format!("{what}: attempt {} superseded it", slot.attempt),
+                format!("{}: attempt {} superseded it", what(), slot.attempt),
             )),
             Phase::Model(_) | Phase::Summarizing(_) => {
-                Err(self.invalid(seq, format!("no {what} is waiting")))
+                Err(self.invalid(seq, format!("no {} is waiting", what())))
             }
             Phase::Tools(_) | Phase::Ending => Err(self.stale(
                 seq,
-                format!("{what}: the model call of this round was already answered"),
+                format!(
+                    "{}: the model call of this round was already answered",
+                    what()
+                ),
             )),
         }
     }
@@ -1512,7 +1535,7 @@ impl SessionState {
         tool_use_id: &str,
         by_deadline: bool,
     ) -> Result<()> {
-        let what = format!("tool call {tool_use_id:?} of turn {turn}");
+        let what = || format!("tool call {tool_use_id:?} of turn {turn}");
         let slot = match &self.active {
             Some(ActiveTurn {
                 turn: running,
@@ -1530,18 +1553,24 @@ impl SessionState {
                 (true, Some(deadline)) if now >= *deadline => Ok(()),
                 (true, Some(deadline)) => Err(self.invalid(
                     seq,
-                    format!("{what}: its approval deadline at {deadline} ms has not passed"),
+                    format!(
+                        "{}: its approval deadline at {deadline} ms has not passed",
+                        what()
+                    ),
                 )),
                 (true, None) => {
-                    Err(self.invalid(seq, format!("{what}: its approval has no deadline")))
+                    Err(self.invalid(seq, format!("{}: its approval has no deadline", what())))
                 }
             },
             Some(ToolSlotState::Scheduled { .. } | ToolSlotState::Done(_)) => Err(self.invalid(
                 seq,
-                format!("{what} does not wait for approval: it was already decided"),
+                format!(
+                    "{} does not wait for approval: it was already decided",
+                    what()
+                ),
             )),
             _ if self.tool_use_ids.contains(tool_use_id) => {
-                Err(self.invalid(seq, format!("{what} does not wait for approval")))
+                Err(self.invalid(seq, format!("{} does not wait for approval", what())))
             }
             _ => Err(self.invalid(
                 seq,
@@ -1552,11 +1581,11 @@ impl SessionState {
 
     /// Like [`SessionState::check_model_slot`], for a tool call.
     fn check_tool_slot(&self, seq: u64, turn: u32, tool_use_id: &str, attempt: u32) -> Result<()> {
-        let what = format!("tool call {tool_use_id:?} of turn {turn} attempt {attempt}");
+        let what = || format!("tool call {tool_use_id:?} of turn {turn} attempt {attempt}");
         if self.turn_ended(turn) {
-            return Err(self.stale(seq, format!("{what}: turn {turn} has ended")));
+            return Err(self.stale(seq, format!("{}: turn {turn} has ended", what())));
         }
-        let not_waiting = || self.invalid(seq, format!("no {what} is waiting"));
+        let not_waiting = || self.invalid(seq, format!("no {} is waiting", what()));
         let Some(a) = self.active.as_ref().filter(|a| a.turn == turn) else {
             return Err(not_waiting());
         };
@@ -1573,20 +1602,20 @@ impl SessionState {
                 if *current == attempt && scheduled_seq.is_some() {
                     Ok(())
                 } else if attempt < *current {
-                    Err(self.stale(seq, format!("{what}: attempt {current} superseded it")))
+                    Err(self.stale(seq, format!("{}: attempt {current} superseded it", what())))
                 } else {
                     Err(not_waiting())
                 }
             }
             Some(ToolSlotState::Done(_)) => {
-                Err(self.stale(seq, format!("{what}: the call was already answered")))
+                Err(self.stale(seq, format!("{}: the call was already answered", what())))
             }
             Some(ToolSlotState::Unscheduled | ToolSlotState::AwaitingApproval { .. }) => {
                 Err(not_waiting())
             }
             // A call of an earlier round of this turn was answered before that round ended.
             None if self.tool_use_ids.contains(tool_use_id) => {
-                Err(self.stale(seq, format!("{what}: the call was already answered")))
+                Err(self.stale(seq, format!("{}: the call was already answered", what())))
             }
             None => Err(not_waiting()),
         }
@@ -1601,6 +1630,7 @@ impl SessionState {
         self.count_attempt(&response.usage, cost_micros);
         let over_budget = self.over_budget(Check::AfterResult);
         let version = self.workflow_version();
+        let mut memo = self.required_memo.as_deref_mut();
         let Some(active) = self.active.as_mut() else {
             return Vec::new();
         };
@@ -1657,7 +1687,7 @@ impl SessionState {
                         let missing = if version < 2 {
                             None
                         } else {
-                            missing_required(tools, &tool_use.name, &arguments)
+                            missing_required(tools, memo.as_deref_mut(), &tool_use.name, &arguments)
                         };
                         // Only sessions that recorded a policy have one: the others allow
                         // every call, as before policies existed.
@@ -2036,10 +2066,23 @@ pub(crate) fn required_fields(schema: &cairn_ledger::JsonText) -> Option<Vec<Str
 /// error result's text when they do not.
 fn missing_required(
     tools: &[cairn_ledger::ToolSpec],
+    memo: Option<&mut RequiredMemo>,
     name: &str,
     arguments: &serde_json::Value,
 ) -> Option<String> {
-    let required = required_fields(&tools.iter().find(|t| t.name == name)?.input_schema)?;
+    let index = tools.iter().position(|t| t.name == name)?;
+    let read;
+    let required: &[String] = match memo {
+        Some(memo) => memo
+            .by_tool
+            .entry(index)
+            .or_insert_with(|| required_fields(&tools[index].input_schema))
+            .as_deref()?,
+        None => {
+            read = required_fields(&tools[index].input_schema)?;
+            &read
+        }
+    };
     let Some(object) = arguments.as_object() else {
         return Some(format!(
             "invalid tool arguments: {name} takes a JSON object (requires: {})",

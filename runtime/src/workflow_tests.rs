@@ -64,6 +64,9 @@ impl Live {
             self.state.transcript.canonical_json()
         );
         assert_eq!(replayed.state, self.state);
+        // A fold reads each tool's required arguments once (a memo the step-by-step replay
+        // above does not keep): the same state either way.
+        assert_eq!(SessionState::fold(SID, &self.events).unwrap(), self.state);
         validate_transcript(&self.state.transcript).unwrap();
     }
 }
@@ -372,6 +375,81 @@ fn unknown_tools_and_invalid_arguments_become_error_results_at_once() {
         1,
         1,
         response(vec![text("sorry")], StopReason::EndTurn),
+    ));
+    live.check_replay();
+}
+
+#[test]
+fn required_arguments_are_checked_at_every_call_and_a_fold_gives_the_same_state() {
+    let mut s = started(8);
+    let mut tools = s.tools.to_vec();
+    tools[0].input_schema = JsonText::parse(
+        r#"{"type":"object","properties":{"expression":{"type":"string"}},"required":["expression"]}"#,
+    )
+    .unwrap();
+    tools[1].input_schema =
+        JsonText::parse(r#"{"required":["path"],"properties":{"path":{"required":["no"]}}}"#)
+            .unwrap();
+    s.tools = tools.into();
+    let mut live = Live::new(s);
+    live.input(user(1, "go"));
+    let error_of = |live: &Live, index: usize| -> Option<String> {
+        let parts = &live.state.transcript.messages.last().unwrap().parts;
+        match &parts[index] {
+            Part::ToolResult(r) if r.is_error => match &r.content {
+                ToolResultContent::Text(t) => Some(t.clone()),
+                _ => None,
+            },
+            _ => None,
+        }
+    };
+    // Round 0: the calculator misses its argument; read_file has it and is scheduled.
+    let c = live.input(model_done(
+        1,
+        0,
+        1,
+        response(
+            vec![
+                tool_use("a", "calculator", "{}"),
+                tool_use("b", "read_file", r#"{"path":"x"}"#),
+            ],
+            StopReason::ToolUse,
+        ),
+    ));
+    assert!(
+        matches!(&c[..], [Command::ScheduleToolCall { tool_use_id, .. }] if tool_use_id == "b")
+    );
+    live.input(tool_done(1, "b", 1, r#""contents""#));
+    assert!(error_of(&live, 0)
+        .unwrap()
+        .contains("missing required argument \"expression\" (calculator requires: expression)"));
+    assert_eq!(error_of(&live, 1), None);
+    // Round 1: the same tools, the other way round.
+    let c = live.input(model_done(
+        1,
+        1,
+        1,
+        response(
+            vec![
+                tool_use("c", "calculator", r#"{"expression":"1+1"}"#),
+                tool_use("d", "read_file", "{}"),
+            ],
+            StopReason::ToolUse,
+        ),
+    ));
+    assert!(
+        matches!(&c[..], [Command::ScheduleToolCall { tool_use_id, .. }] if tool_use_id == "c")
+    );
+    live.input(tool_done(1, "c", 1, "2"));
+    assert_eq!(error_of(&live, 0), None);
+    assert!(error_of(&live, 1)
+        .unwrap()
+        .contains("missing required argument \"path\" (read_file requires: path)"));
+    live.input(model_done(
+        1,
+        2,
+        1,
+        response(vec![text("done")], StopReason::EndTurn),
     ));
     live.check_replay();
 }
