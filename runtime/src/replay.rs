@@ -21,13 +21,14 @@ pub struct Replay {
 /// current code does not make, and with `InvalidEvent` (or `StaleReport`, for a report it no
 /// longer waits for) at an event it cannot accept.
 pub fn replay(session_id: &str, events: &[EventEnvelope]) -> Result<Replay> {
-    let mut state = SessionState::new(session_id);
+    let mut state = SessionState::folding(session_id);
     let mut commands = Vec::new();
     for envelope in events {
         for command in state.apply(envelope)? {
             commands.push((envelope.seq, command));
         }
     }
+    state.folded();
     state.finish_replay()?;
     Ok(Replay { state, commands })
 }
@@ -67,10 +68,11 @@ pub fn state_at(session_id: &str, events: &[EventEnvelope], seq: u64) -> Result<
             reason: format!("no event {seq}: the history holds seqs 1..={last}"),
         });
     }
-    let mut state = SessionState::new(session_id);
+    let mut state = SessionState::folding(session_id);
     for envelope in events.iter().take_while(|e| e.seq <= seq) {
         state.apply(envelope)?;
     }
+    state.folded();
     Ok(state)
 }
 

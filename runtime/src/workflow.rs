@@ -507,8 +507,8 @@ pub struct SessionState {
     expected: VecDeque<Command>,
     /// The estimated bytes the state holds, kept up to date by `apply` (`workflow_bytes.rs`).
     bytes: usize,
-    /// While [`SessionState::fold`] runs, and only then: the required arguments of each tool
-    /// called so far.
+    /// While a whole history is folded ([`SessionState::folding`]), and only then: the
+    /// required arguments of each tool called so far.
     required_memo: Option<Box<RequiredMemo>>,
 }
 
@@ -516,7 +516,7 @@ pub struct SessionState {
 /// the session's tools (fixed by its start), each read from the tool's schema once per fold
 /// rather than at every call: reading them scans the whole schema text, about a quarter of
 /// the fold of a long session whose model calls tools at every turn. Kept only while a fold
-/// runs, so a parked state carries none.
+/// runs (a fold, a replay, the state at an event), so a parked state carries none.
 #[derive(Debug, Clone, Default, PartialEq)]
 struct RequiredMemo {
     by_tool: BTreeMap<usize, Option<Vec<String>>>,
@@ -555,14 +555,27 @@ impl SessionState {
         session_id: &str,
         events: impl IntoIterator<Item = &'a EventEnvelope>,
     ) -> Result<Self> {
-        let mut state = SessionState::new(session_id);
-        state.required_memo = Some(Box::default());
+        let mut state = SessionState::folding(session_id);
         for envelope in events {
             state.apply(envelope)?;
         }
-        state.required_memo = None;
+        state.folded();
         state.finish_replay()?;
         Ok(state)
+    }
+
+    /// A new state for folding a whole history, event by event, with [`SessionState::apply`]:
+    /// it reads each called tool's required arguments once (see `RequiredMemo`) until
+    /// [`SessionState::folded`], which the folder must call before it keeps or hands the state.
+    pub(crate) fn folding(session_id: &str) -> Self {
+        let mut state = SessionState::new(session_id);
+        state.required_memo = Some(Box::default());
+        state
+    }
+
+    /// Ends a fold begun with [`SessionState::folding`]: drops what it kept for the fold alone.
+    pub(crate) fn folded(&mut self) {
+        self.required_memo = None;
     }
 
     /// After the last event of a history: every decided command must have been recorded.
