@@ -1169,22 +1169,38 @@ impl Writer {
     ) -> Result<(Vec<Lease>, Staged)> {
         let expires_at_ms = now_ms.saturating_add(lease_ms);
         let nothing_staged = Staged::default();
+        // The task of each key the scan keeps, decoded once, in the scan's order (`None` for a
+        // stray entry): the loop below leases them without reading them again.
+        let mut kept: Vec<Option<Task>> = Vec::new();
         let due = self.queue_keys(0, Some(now_ms), max, |qkey| {
             let tkey = &qkey[8..];
             // A stray entry (no task) is kept so that the loop below drops it.
-            Ok(match self.task_bytes(&nothing_staged, tkey)? {
+            let keep = match self.task_bytes(&nothing_staged, tkey)? {
                 Some(bytes) => {
                     let task = decode_task(&String::from_utf8_lossy(tkey), &bytes, SPACE)?;
-                    filter.accepts(&task) && task.overdue(now_ms).is_none()
+                    let keep = filter.accepts(&task) && task.overdue(now_ms).is_none();
+                    keep.then_some(Some(task))
                 }
-                None => true,
-            })
+                None => Some(None),
+            };
+            let is_kept = keep.is_some();
+            kept.extend(keep);
+            Ok(is_kept)
         })?;
         let mut staged = Staged::default();
         let mut leases = Vec::with_capacity(due.len());
-        for qkey in due {
+        for (qkey, task) in due.into_iter().zip(kept) {
             let tkey = qkey[8..].to_vec();
-            let Some(bytes) = self.task_bytes(&staged, &tkey)? else {
+            // A task has one queue entry; should one have two, the second lease takes the
+            // record as the first left it, as a read through `staged` would.
+            let task = match staged.tasks.get(&tkey) {
+                None => task,
+                Some(Some(bytes)) => {
+                    Some(decode_task(&String::from_utf8_lossy(&tkey), bytes, SPACE)?)
+                }
+                Some(None) => None,
+            };
+            let Some(mut task) = task else {
                 // Appends remove both together, so this cannot happen; should it, drop the
                 // stray entry rather than fail every lease from now on (memory skips it too).
                 tracing::warn!(
@@ -1195,7 +1211,6 @@ impl Writer {
                 staged.put(Ks::Queue, qkey, None);
                 continue;
             };
-            let mut task = decode_task(&String::from_utf8_lossy(&tkey), &bytes, SPACE)?;
             task.lease_attempt = task.lease_attempt.saturating_add(1);
             task.visible_at_ms = expires_at_ms;
             task.held = true;
