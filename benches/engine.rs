@@ -11,6 +11,7 @@ mod allocator;
 #[global_allocator]
 static ALLOCATOR: allocator::Allocator = allocator::Allocator {};
 
+use cairn_devtools::fixtures::{bench_session, response, tool_call_response};
 use cairn_ledger::*;
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::store::fjall::FjallStore;
@@ -18,68 +19,6 @@ use cairn_runtime::store::sled::SledStore;
 use cairn_runtime::*;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use std::sync::Arc;
-
-fn started() -> SessionStarted {
-    SessionStarted {
-        call_options: Default::default(),
-        queues: Default::default(),
-        forked_from: None,
-        workflow_version: cairn_runtime::WORKFLOW_VERSION,
-        tool_policy: None,
-        compaction: None,
-        model: ModelSpec::parse("scripted:bench.json").unwrap(),
-        tools: vec![ToolSpec {
-            name: "calculator".into(),
-            description: "math".into(),
-            input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
-        }]
-        .into(),
-        system_prompt: Some("bench".into()),
-        limits: Limits {
-            max_rounds: 8,
-            session_budget: Default::default(),
-            turn_budget: Default::default(),
-        },
-        model_retry: RetryPolicy::model_default(),
-        tool_retry: RetryPolicy::tool_default(),
-        workdir: None,
-    }
-}
-
-fn response(parts: Vec<Part>) -> ModelResponse {
-    let stop = if parts.iter().any(|p| matches!(p, Part::ToolUse(_))) {
-        StopReason::ToolUse
-    } else {
-        StopReason::EndTurn
-    };
-    ModelResponse {
-        provider: "scripted".into(),
-        model: "bench".into(),
-        parts,
-        stop_reason_raw: "x".into(),
-        stop_reason: stop,
-        usage: Usage::default(),
-    }
-}
-
-fn tool_call_response(turn: u32, n: usize) -> ModelResponse {
-    let mut parts = vec![
-        Part::Thinking {
-            text: "thinking about which tools to call ".repeat(4),
-            signature: "c2lnbmF0dXJl".repeat(8),
-        },
-        Part::text("Let me check."),
-    ];
-    for i in 0..n {
-        parts.push(Part::ToolUse(ToolUse {
-            id: format!("toolu_{turn}_{i}"),
-            name: "calculator".into(),
-            arguments: r#"{"expression":"(17 + 25) * 3"}"#.into(),
-            signature: None,
-        }));
-    }
-    response(parts)
-}
 
 /// A history of complete turns (model → two parallel tools → model), about `events` long.
 fn history(events: usize) -> Vec<EventEnvelope> {
@@ -90,7 +29,11 @@ fn history(events: usize) -> Vec<EventEnvelope> {
         let input = EventEnvelope::new(sid, state.next_seq, 1_000, event);
         out.extend(state.step(input).unwrap().events);
     };
-    push(&mut state, &mut out, Event::SessionStarted(started()));
+    push(
+        &mut state,
+        &mut out,
+        Event::SessionStarted(bench_session(8).unwrap()),
+    );
     let mut turn = 0;
     while out.len() < events {
         turn += 1;
@@ -410,7 +353,7 @@ fn transition(c: &mut Criterion) {
                     };
                     let engine = Engine::new(store.clone(), Arc::new(ManualClock::new(1_000)));
                     let sid = engine
-                        .start_session(Some(format!("t{session}")), started())
+                        .start_session(Some(format!("t{session}")), bench_session(8).unwrap())
                         .await
                         .unwrap();
                     engine.send_message(&sid, "go", None).await.unwrap();

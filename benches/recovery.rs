@@ -10,9 +10,9 @@
 // Benchmarks time themselves.
 #![allow(clippy::disallowed_methods)]
 
-use cairn_ledger::{JsonText, ModelSpec, ToolSpec};
+use cairn_devtools::fixtures::bench_session;
 use cairn_runtime::store::sled::SledStore;
-use cairn_runtime::{Engine, Limits, RetryPolicy, SessionStarted, Store, SystemClock};
+use cairn_runtime::{Engine, Limits, Store, SystemClock};
 use criterion::{criterion_group, criterion_main, Criterion};
 use std::path::Path;
 use std::sync::Arc;
@@ -20,36 +20,16 @@ use std::time::{Duration, Instant};
 
 const SESSIONS: usize = 1_000;
 
-fn started() -> SessionStarted {
-    SessionStarted {
-        call_options: Default::default(),
-        queues: Default::default(),
-        forked_from: None,
-        workflow_version: cairn_runtime::WORKFLOW_VERSION,
-        tool_policy: None,
-        compaction: None,
-        model: ModelSpec::parse("scripted:bench.json").unwrap(),
-        tools: vec![ToolSpec {
-            name: "calculator".into(),
-            description: "math".into(),
-            input_schema: JsonText::parse(r#"{"type":"object"}"#).unwrap(),
-        }]
-        .into(),
-        system_prompt: Some("bench".into()),
-        limits: Limits::default(),
-        model_retry: RetryPolicy::model_default(),
-        tool_retry: RetryPolicy::tool_default(),
-        workdir: None,
-    }
-}
-
 /// Writes the store: 1,000 sessions with a queued model call each, all leased.
 async fn prepare(dir: &Path) {
     let store = Arc::new(SledStore::open(dir).unwrap());
     let engine = Engine::new(store.clone(), Arc::new(SystemClock));
     for i in 0..SESSIONS {
         let id = engine
-            .start_session(Some(format!("s{i:04}")), started())
+            .start_session(
+                Some(format!("s{i:04}")),
+                bench_session(Limits::default().max_rounds).unwrap(),
+            )
             .await
             .unwrap();
         engine

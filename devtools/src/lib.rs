@@ -10,6 +10,7 @@ pub mod bench;
 pub mod chaos;
 pub mod cpu;
 pub mod dictionary;
+pub mod fixtures;
 pub mod footprint;
 pub mod goals;
 pub mod parked;

@@ -12,14 +12,12 @@
 // A benchmark reads clocks.
 #![allow(clippy::disallowed_methods)]
 
+use crate::fixtures;
 use anyhow::{bail, Context};
-use cairn_ledger::{
-    JsonText, ModelResponse, ModelSpec, Part, StopReason, ToolResultContent, ToolSpec, ToolUse,
-    Usage,
-};
+use cairn_ledger::{JsonText, ToolResultContent};
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::store::{Lease, LeaseHolder, LeaseRequest, TaskFilter};
-use cairn_runtime::{ActivityReport, Engine, Limits, RetryPolicy, SessionStarted, SystemClock};
+use cairn_runtime::{ActivityReport, Engine, SystemClock};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,60 +44,6 @@ impl TransitionResult {
     /// The median transition over the median fdatasync (issue 13's goal: at most 1.5).
     pub fn over_fdatasync(&self) -> f64 {
         self.p50_ms / self.fdatasync_p50_ms
-    }
-}
-
-/// The session every round of the measurement runs in: one tool, `max_rounds` past the
-/// rounds it takes.
-fn started() -> anyhow::Result<SessionStarted> {
-    Ok(SessionStarted {
-        call_options: Default::default(),
-        queues: Default::default(),
-        forked_from: None,
-        workflow_version: cairn_runtime::WORKFLOW_VERSION,
-        tool_policy: None,
-        compaction: None,
-        model: ModelSpec::parse("scripted:transitions.json")
-            .context("the transitions model spec")?,
-        tools: vec![ToolSpec {
-            name: "calculator".into(),
-            description: "math".into(),
-            input_schema: JsonText::parse(r#"{"type":"object"}"#)?,
-        }]
-        .into(),
-        system_prompt: Some("transitions".into()),
-        limits: Limits {
-            max_rounds: ROUNDS_PER_SESSION + 2,
-            session_budget: Default::default(),
-            turn_budget: Default::default(),
-        },
-        model_retry: RetryPolicy::model_default(),
-        tool_retry: RetryPolicy::tool_default(),
-        workdir: None,
-    })
-}
-
-/// A model answer asking for one calculator call, as a thinking model writes it.
-fn tool_call(round: u32) -> ModelResponse {
-    ModelResponse {
-        provider: "scripted".into(),
-        model: "transitions".into(),
-        parts: vec![
-            Part::Thinking {
-                text: "thinking about which tools to call ".repeat(4),
-                signature: "c2lnbmF0dXJl".repeat(8),
-            },
-            Part::text("Let me check."),
-            Part::ToolUse(ToolUse {
-                id: format!("toolu_{round}"),
-                name: "calculator".into(),
-                arguments: r#"{"expression":"(17 + 25) * 3"}"#.into(),
-                signature: None,
-            }),
-        ],
-        stop_reason_raw: "tool_use".into(),
-        stop_reason: StopReason::ToolUse,
-        usage: Usage::default(),
     }
 }
 
@@ -153,7 +97,10 @@ pub async fn measure(
     while pairs.len() < 30 || began.elapsed() < duration {
         session += 1;
         let session_id = runtime
-            .start_session(Some(format!("transitions-{session}")), started()?)
+            .start_session(
+                Some(format!("transitions-{session}")),
+                fixtures::bench_session(ROUNDS_PER_SESSION + 2)?,
+            )
             .await?;
         runtime.send_message(&session_id, "go", None).await?;
         // Untimed: the first task of a session is leased in a round of its own.
@@ -163,7 +110,7 @@ pub async fn measure(
             let tool = report(
                 &runtime,
                 &lease,
-                ActivityReport::ModelCompleted(tool_call(round)),
+                ActivityReport::ModelCompleted(fixtures::tool_call_response(round, 1)),
                 &next,
             )
             .await
