@@ -513,7 +513,7 @@ pub struct SessionState {
 }
 
 /// The required argument names of the tools a fold has seen called, by the tool's index in
-/// the session's tools (fixed by its start), each read from the tool's schema once per fold
+/// the session's tools (fixed by its start, which a session has once, before any call), each read from the tool's schema once per fold
 /// rather than at every call: reading them scans the whole schema text, about a quarter of
 /// the fold of a long session whose model calls tools at every turn. Kept only while a fold
 /// runs (a fold, a replay, the state at an event), so a parked state carries none.
@@ -1144,10 +1144,6 @@ impl SessionState {
                     Arc::make_mut(&mut self.transcript).push_system(prompt.clone());
                 }
                 self.started = Some(started.clone());
-                if let Some(memo) = &mut self.required_memo {
-                    // Tool indexes are those of the session's tools, set here.
-                    memo.by_tool.clear();
-                }
                 Ok(Vec::new())
             }
             Event::UserMessage {
