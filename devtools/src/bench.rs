@@ -41,7 +41,7 @@ use cairn_runtime::{Client, Engine, SessionOptions, SystemClock, TurnOutcome};
 use cairn_workers::{Activities, StandardModels, WorkerConfig, WorkerPool};
 use std::io::Write as _;
 use std::os::unix::fs::FileExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -121,8 +121,11 @@ pub struct BenchResult {
     pub p50_ms: f64,
     /// 99th percentile latency of a turn, ms.
     pub p99_ms: f64,
-    /// Median of one fdatasync on the store's filesystem, probed just before ([`fdatasync_probe`]).
+    /// Median of one fdatasync on the store's filesystem, probed just before and just after
+    /// the measurement ([`ProbedFdatasync`]).
     pub fdatasync_p50_ms: f64,
+    /// The probe's runs on either side, apart: how far the disk drifted meanwhile.
+    pub fdatasync: ProbedFdatasync,
     /// The store's durable commits in the measured time per completed turn; `None` when the
     /// store does not count them (through servers). At one session in flight these are the
     /// commits a turn waits for in series.
@@ -198,8 +201,10 @@ struct Served {
     store: Option<Arc<dyn Store>>,
     /// The processes whose CPU time is counted.
     serving: Vec<u32>,
-    /// The probe's p50 fdatasync beside the store, just before.
-    fdatasync_p50_ms: f64,
+    /// Where the probe runs: beside the store.
+    probe_dir: PathBuf,
+    /// The probe's fdatasync times beside the store, just before.
+    probed_before: Vec<Duration>,
 }
 
 /// The scripted turn: two parallel calculator calls, then an answer.
@@ -229,6 +234,11 @@ const PROBE_TIME: Duration = Duration::from_millis(500);
 /// afterwards. It is the flush a durable commit waits for, measured on the store's
 /// filesystem under the load of the moment.
 pub fn fdatasync_probe(dir: &Path, duration: Duration) -> anyhow::Result<f64> {
+    Ok(median_ms(&fdatasync_probe_times(dir, duration)?))
+}
+
+/// The times of [`fdatasync_probe`]'s fdatasyncs, sorted.
+pub fn fdatasync_probe_times(dir: &Path, duration: Duration) -> anyhow::Result<Vec<Duration>> {
     let path = dir.join("fdatasync-probe");
     let probe = || -> std::io::Result<Vec<Duration>> {
         let mut file = std::fs::File::create(&path)?;
@@ -249,13 +259,56 @@ pub fn fdatasync_probe(dir: &Path, duration: Duration) -> anyhow::Result<f64> {
     let _ = std::fs::remove_file(&path);
     let mut times = probed.with_context(|| format!("the fdatasync probe in {}", dir.display()))?;
     times.sort();
-    Ok(times[times.len() / 2].as_secs_f64() * 1e3)
+    Ok(times)
+}
+
+/// The median of sorted times, in ms (`NaN` when there are none).
+fn median_ms(sorted: &[Duration]) -> f64 {
+    sorted
+        .get(sorted.len() / 2)
+        .map_or(f64::NAN, |median| median.as_secs_f64() * 1e3)
+}
+
+/// The fdatasync probe run on both sides of a measurement, the reference its ratios are taken
+/// against. The disk's fdatasync drifts by tens of percent from one second to the next (seen on
+/// a KVM disk: p50s of 0.13 and 0.18 ms a few seconds apart), so a probe run only before a
+/// measurement of a few seconds can be far from what the measurement met; the median of both
+/// runs is nearer, and the two runs apart show the drift.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProbedFdatasync {
+    /// The median over both runs, ms.
+    pub p50_ms: f64,
+    /// The median of the run just before, ms.
+    pub before_p50_ms: f64,
+    /// The median of the run just after, ms.
+    pub after_p50_ms: f64,
+}
+
+impl ProbedFdatasync {
+    /// The figures of the runs `before` and `after` (each sorted).
+    pub fn of(before: &[Duration], after: &[Duration]) -> ProbedFdatasync {
+        let mut both: Vec<Duration> = before.iter().chain(after).copied().collect();
+        both.sort();
+        ProbedFdatasync {
+            p50_ms: median_ms(&both),
+            before_p50_ms: median_ms(before),
+            after_p50_ms: median_ms(after),
+        }
+    }
+
+    /// `0.150 ms (0.140 before, 0.160 after)`.
+    pub fn words(&self) -> String {
+        format!(
+            "{:.3} ms ({:.3} before, {:.3} after)",
+            self.p50_ms, self.before_p50_ms, self.after_p50_ms
+        )
+    }
 }
 
 /// Runs the probe (for [`PROBE_TIME`]) off the async threads.
-pub(crate) async fn probe_in(dir: &Path) -> anyhow::Result<f64> {
+pub(crate) async fn probe_in(dir: &Path) -> anyhow::Result<Vec<Duration>> {
     let dir = dir.to_path_buf();
-    tokio::task::spawn_blocking(move || fdatasync_probe(&dir, PROBE_TIME))
+    tokio::task::spawn_blocking(move || fdatasync_probe_times(&dir, PROBE_TIME))
         .await
         .context("the fdatasync probe panicked")?
 }
@@ -277,7 +330,8 @@ async fn closed_loop(
         worker_processes,
         store,
         serving,
-        fdatasync_p50_ms,
+        probe_dir,
+        probed_before,
     } = served;
     if clients.is_empty() {
         bail!("no client to run the bench turns on");
@@ -357,6 +411,8 @@ async fn closed_loop(
     };
     let (commits, sync_times, cpu_seconds) =
         counters.await.context("the commit counter panicked")?;
+    // While the store (or its servers) is still up, as before the measurement.
+    let fdatasync = ProbedFdatasync::of(&probed_before, &probe_in(&probe_dir).await?);
     Ok(BenchResult {
         setup,
         worker_processes,
@@ -366,7 +422,8 @@ async fn closed_loop(
         turns_per_sec: latencies.len() as f64 / measured.as_secs_f64(),
         p50_ms: pick(0.5),
         p99_ms: pick(0.99),
-        fdatasync_p50_ms,
+        fdatasync_p50_ms: fdatasync.p50_ms,
+        fdatasync,
         commits_per_turn: commits
             .filter(|_| !latencies.is_empty())
             .map(|n| n as f64 / latencies.len() as f64),
@@ -382,7 +439,7 @@ async fn closed_loop(
 pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Result<BenchResult> {
     let dir = tempfile::tempdir().context("a temporary directory")?;
     let model = write_script(dir.path(), config.model_latency_ms)?;
-    let fdatasync_p50_ms = probe_in(dir.path()).await?;
+    let probed_before = probe_in(dir.path()).await?;
     let setup = format!("embedded, {engine}");
     let opened = embedded::open(&dir.path().join("store"), OpenMode::Create, Some(engine)).await?;
     let engine = Engine::new(opened.store.clone(), Arc::new(SystemClock));
@@ -399,7 +456,8 @@ pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Re
         worker_processes: None,
         store: Some(opened.store.clone()),
         serving: vec![std::process::id()],
-        fdatasync_p50_ms,
+        probe_dir: dir.path().to_path_buf(),
+        probed_before,
     };
     let result = closed_loop(&[Client::new(engine)], model, config, served).await;
     pool.shutdown().await;
@@ -449,7 +507,7 @@ async fn run_deployment(
     }
     let dir = tempfile::tempdir().context("a temporary directory")?;
     let model = write_script(dir.path(), config.model_latency_ms)?;
-    let fdatasync_p50_ms = probe_in(dir.path()).await?;
+    let probed_before = probe_in(dir.path()).await?;
     let store_args: Vec<String> = match (&deployment.store, database_url) {
         (ServerStore::Embedded(engine), _) => {
             if deployment.servers != 1 {
@@ -513,7 +571,8 @@ async fn run_deployment(
         worker_processes: Some(deployment.workers),
         store: None,
         serving,
-        fdatasync_p50_ms,
+        probe_dir: dir.path().to_path_buf(),
+        probed_before,
     };
     let result = closed_loop(&clients, model, config, served).await;
     // Workers first, so that none of them sees its server go and retries against it.
@@ -537,6 +596,11 @@ mod tests {
             p50_ms: 3.0,
             p99_ms: 5.0,
             fdatasync_p50_ms: 0.25,
+            fdatasync: ProbedFdatasync {
+                p50_ms: 0.25,
+                before_p50_ms: 0.24,
+                after_p50_ms: 0.26,
+            },
             commits_per_turn,
             store_sync_p50_ms: Some(0.3),
             cpu_ms_per_turn: Some(0.75),
@@ -576,5 +640,20 @@ mod tests {
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
         let missing = fdatasync_probe(&dir.path().join("missing"), Duration::ZERO);
         assert!(format!("{:#}", missing.unwrap_err()).contains("fdatasync probe"));
+    }
+
+    #[test]
+    fn the_reference_fdatasync_is_the_median_of_the_runs_before_and_after() {
+        let us = |values: &[u64]| -> Vec<Duration> {
+            values.iter().map(|&v| Duration::from_micros(v)).collect()
+        };
+        // The disk slowed down during the measurement: the run after is slower throughout.
+        let probed = ProbedFdatasync::of(&us(&[100, 110, 120]), &us(&[150, 160, 170, 180]));
+        assert_eq!(probed.before_p50_ms, 0.11);
+        assert_eq!(probed.after_p50_ms, 0.17);
+        assert_eq!(probed.p50_ms, 0.15);
+        assert_eq!(probed.words(), "0.150 ms (0.110 before, 0.170 after)");
+        let none = ProbedFdatasync::of(&[], &[]);
+        assert!(none.p50_ms.is_nan());
     }
 }

@@ -7,11 +7,12 @@
 //! the tool's task, the tool's result → the next model task), the responses made here, with
 //! no model or tool run in between. Each pair of transitions is timed alone; the figure is
 //! the median of their halves, beside the median of an fdatasync probe on the same
-//! filesystem run just before.
+//! filesystem run just before and just after ([`ProbedFdatasync`]).
 
 // A benchmark reads clocks.
 #![allow(clippy::disallowed_methods)]
 
+use crate::bench::ProbedFdatasync;
 use crate::fixtures;
 use anyhow::{bail, Context};
 use cairn_ledger::{JsonText, ToolResultContent};
@@ -36,12 +37,15 @@ pub struct TransitionResult {
     pub p50_ms: f64,
     /// The mean transition, ms.
     pub mean_ms: f64,
-    /// The median fdatasync of the probe run just before, ms.
+    /// The median fdatasync of the probe runs just before and just after, ms.
     pub fdatasync_p50_ms: f64,
+    /// The probe's runs on either side, apart.
+    pub fdatasync: ProbedFdatasync,
 }
 
 impl TransitionResult {
-    /// The median transition over the median fdatasync (issue 13's goal: at most 1.5).
+    /// The median transition over the median fdatasync of the probe runs on both sides (issue
+    /// 13's goal: at most 1.5).
     pub fn over_fdatasync(&self) -> f64 {
         self.p50_ms / self.fdatasync_p50_ms
     }
@@ -81,7 +85,7 @@ pub async fn measure(
     engine: StorageEngine,
     duration: Duration,
 ) -> anyhow::Result<TransitionResult> {
-    let fdatasync_p50_ms = crate::bench::probe_in(dir).await?;
+    let probed_before = crate::bench::probe_in(dir).await?;
     let opened = embedded::open(&dir.join("store"), OpenMode::Create, Some(engine)).await?;
     let runtime = Engine::new(opened.store.clone(), Arc::new(SystemClock));
     let next = LeaseRequest {
@@ -129,6 +133,8 @@ pub async fn measure(
             pairs.push(timed.elapsed());
         }
     }
+    // With the store still open, as before.
+    let fdatasync = ProbedFdatasync::of(&probed_before, &crate::bench::probe_in(dir).await?);
     drop(runtime);
     drop(opened);
     let transitions = pairs.len() * 2;
@@ -139,6 +145,7 @@ pub async fn measure(
         transitions,
         p50_ms: pairs[pairs.len() / 2].as_secs_f64() * 1e3 / 2.0,
         mean_ms: total.as_secs_f64() * 1e3 / transitions as f64,
-        fdatasync_p50_ms,
+        fdatasync_p50_ms: fdatasync.p50_ms,
+        fdatasync,
     })
 }

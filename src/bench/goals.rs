@@ -37,7 +37,7 @@ pub async fn run(args: GoalsArgs, exe: &Path) -> anyhow::Result<ExitCode> {
         bail!("--goals needs at least one turn (--turns) and one parked session (--parked)");
     }
     outln!(
-        "issue 13's goals, each measured in this run on a new store of each engine: turns at 128 and 1 session in flight ({} s each, the default worker pool, zero model latency; 1 session's p50 over its durable commits per turn × the p50 fdatasync probed just before); one state transition (a completion recorded → the next task handed, eager, as a worker of this process runs it; the median over the p50 fdatasync probed just before); a {}-turn session's bytes and its history replayed (in memory; cold: read, decoded and folded from the store just opened, the median of five opens); {} sessions parked through one turn each, in a child process, RSS settled",
+        "issue 13's goals, each measured in this run on a new store of each engine: turns at 128 and 1 session in flight ({} s each, the default worker pool, zero model latency; 1 session's p50 over its durable commits per turn × the p50 fdatasync probed for 0.5 s just before and 0.5 s just after); one state transition (a completion recorded → the next task handed, eager, as a worker of this process runs it; the median over the p50 fdatasync probed the same way); a {}-turn session's bytes and its history replayed (in memory; cold: read, decoded and folded from the store just opened, the median of five opens); {} sessions parked through one turn each, in a child process, RSS settled",
         args.seconds,
         args.turns,
         thousands(args.parked as f64),
@@ -93,8 +93,9 @@ async fn measure(
         ),
         engine,
         measured: format!(
-            "{ratio:.2} (p50 turn {:.2} ms, {commits:.2} commits, fdatasync {:.3} ms)",
-            one.p50_ms, one.fdatasync_p50_ms
+            "{ratio:.2} (p50 turn {:.2} ms, {commits:.2} commits, fdatasync {})",
+            one.p50_ms,
+            one.fdatasync.words()
         ),
         met: ratio <= goals::ONE_SESSION_OVER_SYNCS,
     });
@@ -113,12 +114,12 @@ async fn measure(
         ),
         engine,
         measured: format!(
-            "{:.2} (p50 {:.3} ms, mean {:.3} ms over {}; fdatasync {:.3} ms)",
+            "{:.2} (p50 {:.3} ms, mean {:.3} ms over {}; fdatasync {})",
             step.over_fdatasync(),
             step.p50_ms,
             step.mean_ms,
             step.transitions,
-            step.fdatasync_p50_ms
+            step.fdatasync.words()
         ),
         met: step.over_fdatasync() <= goals::TRANSITION_OVER_FDATASYNC,
     });
