@@ -856,6 +856,7 @@ impl Writer {
             Write::Append(prepared, reply) => match self.append(&prepared) {
                 Ok(staged) => {
                     self.stage(staged);
+                    self.stage_records(prepared);
                     pending.push(Pending::Append(reply));
                 }
                 Err(e) => {
@@ -864,7 +865,9 @@ impl Writer {
             },
             Write::AppendThenLease(prepared, lease, reply) => match self.append(&prepared) {
                 Ok(staged) => {
+                    let now_ms = prepared.now_ms;
                     self.stage(staged);
+                    self.stage_records(prepared);
                     // Durable with the append, so fit for any holder.
                     let LeaseRequest {
                         filter,
@@ -873,7 +876,7 @@ impl Writer {
                         holder: _,
                     } = &lease;
                     // Through the overlay: the lease sees the tasks the append queued.
-                    let leases = match self.lease(prepared.now_ms, *lease_ms, *max, filter) {
+                    let leases = match self.lease(now_ms, *lease_ms, *max, filter) {
                         Ok((leases, staged)) => {
                             self.stage(staged);
                             leases
@@ -965,6 +968,20 @@ impl Writer {
         }
     }
 
+    /// Adds an accepted append's events and session record to the overlay (after its
+    /// [`append`](Self::append) staged its task changes), moving their bytes.
+    fn stage_records(&mut self, p: PreparedAppend) {
+        if p.count == 0 {
+            return;
+        }
+        let events = &mut self.overlay.keyspaces[Ks::Events as usize];
+        for (key, record) in p.records {
+            events.insert(key, Some(record));
+        }
+        self.overlay.keyspaces[Ks::Sessions as usize]
+            .insert(p.session_id.into_bytes(), Some(p.info));
+    }
+
     /// Adds an accepted write's changes to the overlay, in order.
     fn stage(&mut self, staged: Staged) {
         for (ks, key, value) in staged.writes {
@@ -1004,10 +1021,11 @@ impl Writer {
         }
     }
 
-    /// One append, checked and staged. Every check and read comes before its first change, and
-    /// the changes reach the overlay only when it returns `Ok`, so a rejected append (any
-    /// `Err`: a conflict, a lost lease, a record that does not decode, a failed read) writes
-    /// nothing.
+    /// One append, checked, and its task changes staged. Every check and read comes before its
+    /// first change, and the changes reach the overlay only when it returns `Ok`, so a rejected
+    /// append (any `Err`: a conflict, a lost lease, a record that does not decode, a failed
+    /// read) writes nothing. Its events and session record are staged after it by
+    /// [`stage_records`](Self::stage_records), moved rather than copied.
     fn append(&self, p: &PreparedAppend) -> Result<Staged> {
         let sid = p.session_id.as_str();
         let actual = match self.get(Ks::Sessions, sid.as_bytes())? {
@@ -1068,12 +1086,6 @@ impl Writer {
             }
         };
 
-        if p.count > 0 {
-            for (key, record) in &p.records {
-                staged.put(Ks::Events, key.clone(), Some(record.clone()));
-            }
-            staged.put(Ks::Sessions, sid.as_bytes().to_vec(), Some(p.info.clone()));
-        }
         for id in &p.removed {
             let key = task_key(id);
             if let Some(old_visible) = visible_at(&staged, id, &key)? {
