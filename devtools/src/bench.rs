@@ -121,10 +121,8 @@ pub struct BenchResult {
     pub p50_ms: f64,
     /// 99th percentile latency of a turn, ms.
     pub p99_ms: f64,
-    /// Median of one fdatasync on the store's filesystem, probed just before and just after
-    /// the measurement ([`ProbedFdatasync`]).
-    pub fdatasync_p50_ms: f64,
-    /// The probe's runs on either side, apart: how far the disk drifted meanwhile.
+    /// One fdatasync on the store's filesystem, probed just before and just after the
+    /// measurement: the median of both runs, and of each apart.
     pub fdatasync: ProbedFdatasync,
     /// The store's durable commits in the measured time per completed turn; `None` when the
     /// store does not count them (through servers). At one session in flight these are the
@@ -156,7 +154,7 @@ impl BenchResult {
     /// the commits were counted.
     pub fn over_flushes(&self) -> Option<f64> {
         let commits = self.commits_per_turn?;
-        let flushes_ms = commits * self.fdatasync_p50_ms;
+        let flushes_ms = commits * self.fdatasync.p50_ms;
         (self.sessions == 1 && self.model_latency_ms == 0 && self.turns > 0 && flushes_ms > 0.0)
             .then(|| self.p50_ms / flushes_ms)
     }
@@ -177,7 +175,7 @@ impl BenchResult {
             shown(latency(self.p50_ms), |ms| format!("{ms:.2} ms")),
             shown(latency(self.p99_ms), |ms| format!("{ms:.2} ms")),
             shown(self.cpu_ms_per_turn, |ms| format!("{ms:.2} ms")),
-            self.fdatasync_p50_ms,
+            self.fdatasync.p50_ms,
             shown(self.store_sync_p50_ms, |ms| format!("{ms:.3} ms")),
             shown(self.commits_per_turn, |n| format!("{n:.2}")),
             shown(self.over_flushes(), |ratio| format!("{ratio:.2}")),
@@ -422,7 +420,6 @@ async fn closed_loop(
         turns_per_sec: latencies.len() as f64 / measured.as_secs_f64(),
         p50_ms: pick(0.5),
         p99_ms: pick(0.99),
-        fdatasync_p50_ms: fdatasync.p50_ms,
         fdatasync,
         commits_per_turn: commits
             .filter(|_| !latencies.is_empty())
@@ -595,7 +592,6 @@ mod tests {
             turns_per_sec: 10.0,
             p50_ms: 3.0,
             p99_ms: 5.0,
-            fdatasync_p50_ms: 0.25,
             fdatasync: ProbedFdatasync {
                 p50_ms: 0.25,
                 before_p50_ms: 0.24,

@@ -37,9 +37,8 @@ pub struct TransitionResult {
     pub p50_ms: f64,
     /// The mean transition, ms.
     pub mean_ms: f64,
-    /// The median fdatasync of the probe runs just before and just after, ms.
-    pub fdatasync_p50_ms: f64,
-    /// The probe's runs on either side, apart.
+    /// The fdatasync probe run just before and just after: the median of both runs, and of
+    /// each apart.
     pub fdatasync: ProbedFdatasync,
 }
 
@@ -47,7 +46,7 @@ impl TransitionResult {
     /// The median transition over the median fdatasync of the probe runs on both sides (issue
     /// 13's goal: at most 1.5).
     pub fn over_fdatasync(&self) -> f64 {
-        self.p50_ms / self.fdatasync_p50_ms
+        self.p50_ms / self.fdatasync.p50_ms
     }
 }
 
@@ -145,7 +144,6 @@ pub async fn measure(
         transitions,
         p50_ms: pairs[pairs.len() / 2].as_secs_f64() * 1e3 / 2.0,
         mean_ms: total.as_secs_f64() * 1e3 / transitions as f64,
-        fdatasync_p50_ms: fdatasync.p50_ms,
         fdatasync,
     })
 }

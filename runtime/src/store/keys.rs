@@ -46,10 +46,15 @@ pub(super) const QUEUE: &str = "queue";
 /// `session ++ 0x00 ++ n (BE)`: the key of an event (n = seq) or a task (n = scheduled seq).
 pub(super) fn seq_key(session_id: &str, n: u64) -> Vec<u8> {
     let mut key = Vec::with_capacity(session_id.len() + 9);
+    push_seq_key(&mut key, session_id, n);
+    key
+}
+
+/// Writes [`seq_key`]`(session_id, n)` at the end of `key`.
+fn push_seq_key(key: &mut Vec<u8>, session_id: &str, n: u64) {
     key.extend_from_slice(session_id.as_bytes());
     key.push(0);
     key.extend_from_slice(&n.to_be_bytes());
-    key
 }
 
 /// The key of a deleted session's tombstone in the sessions tree or keyspace.
@@ -91,9 +96,7 @@ pub(super) fn queue_key(visible_at_ms: u64, id: &TaskId) -> Vec<u8> {
     // One allocation of the exact size: a turn makes several of these per task.
     let mut key = Vec::with_capacity(8 + id.session_id.len() + 9);
     key.extend_from_slice(&visible_at_ms.to_be_bytes());
-    key.extend_from_slice(id.session_id.as_bytes());
-    key.push(0);
-    key.extend_from_slice(&id.scheduled_seq.to_be_bytes());
+    push_seq_key(&mut key, &id.session_id, id.scheduled_seq);
     key
 }
 
