@@ -52,7 +52,10 @@
 //! records. Reading them from fjall's memtable instead (a skiplist search past every superseded
 //! version and tombstone since the last flush) was 16 reads per turn of one session, and
 //! keeping them cut the instructions of a turn by about 6% (callgrind); runs of the builds
-//! before and after in turn did not separate in turns/s from the machine's noise.
+//! before and after in turn did not separate in turns/s from the machine's noise. For the same
+//! reason it keeps the session records it committed last (a bounded map, emptied when full):
+//! an append reads its session's record, and a session in a turn appends again within
+//! milliseconds (a turn of one session: 22k instructions of memtable reads, 12k with them).
 //!
 //! On the writer thread the persist runs on a second thread, `cairn-fjall-sync`, which then
 //! answers the batch, while the writer thread already applies the writes that came meanwhile
@@ -259,6 +262,17 @@ type QueueIndex = Arc<RwLock<BTreeSet<Vec<u8>>>>;
 /// committed to it.
 type LiveTasks = HashMap<Vec<u8>, Vec<u8>>;
 
+/// The sessions keyspace's records the writer committed last, key → record (`None`: removed),
+/// at most [`RECENT_SESSION_RECORDS`] of them (see [`Writer::remember_session_record`]).
+type RecentSessionRecords = HashMap<Vec<u8>, Option<Vec<u8>>>;
+
+/// How many committed session records the writer keeps. Every append reads its session's
+/// record, and a session in a turn appends again within milliseconds, so the sessions in
+/// flight are what it needs: reading each from fjall's memtable was a skiplist search of
+/// about 3,500 instructions, four of a fresh session's five appends per turn (callgrind).
+/// At most about 200 KiB, so parked sessions cost no more.
+const RECENT_SESSION_RECORDS: usize = 1024;
+
 /// A durable store in a directory, backed by fjall; see the module docs.
 pub struct FjallStore {
     path: PathBuf,
@@ -379,6 +393,7 @@ impl FjallStore {
             overlay: Overlay::default(),
             queue_index: Arc::clone(&queue_index),
             live_tasks,
+            recent_sessions: RecentSessionRecords::default(),
             syncer: None,
         };
         let (writes, thread) = WriteQueue::start(
@@ -572,6 +587,8 @@ struct Writer {
     queue_index: QueueIndex,
     /// Changed here only, after each commit.
     live_tasks: LiveTasks,
+    /// Changed here only, after each commit.
+    recent_sessions: RecentSessionRecords,
     /// The thread that persists the writer thread's batches, started with the first.
     syncer: Option<Syncer>,
 }
@@ -804,8 +821,8 @@ impl Writer {
         // batch whole anyway; plain reads at the newest seqno then see no count too high).
         for ks in [Ks::Events, Ks::Tasks, Ks::Sessions] {
             let keyspace = self.handles.keyspace(ks);
-            if ks == Ks::Tasks {
-                // Kept for the live tasks once committed.
+            if ks != Ks::Events {
+                // Kept for the live tasks and the recent session records once committed.
                 for (key, value) in &overlay.keyspaces[ks as usize] {
                     match value {
                         Some(value) => batch.insert(keyspace, key.as_slice(), value.as_slice()),
@@ -830,6 +847,9 @@ impl Writer {
                 None => self.live_tasks.remove(&key),
             };
         }
+        for (key, value) in std::mem::take(&mut overlay.keyspaces[Ks::Sessions as usize]) {
+            self.remember_session_record(key, value);
+        }
         let mut index = write_index(&self.queue_index);
         for (key, value) in queue_changes {
             match value {
@@ -838,6 +858,18 @@ impl Writer {
             };
         }
         Ok(())
+    }
+
+    /// Keeps a committed change of the sessions keyspace for the next appends' reads. When
+    /// the map is full it starts again empty: cheaper than ordering its entries by age, and the
+    /// sessions still in flight are back in it at their next append.
+    fn remember_session_record(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
+        if self.recent_sessions.len() >= RECENT_SESSION_RECORDS
+            && !self.recent_sessions.contains_key(&key)
+        {
+            self.recent_sessions.clear();
+        }
+        self.recent_sessions.insert(key, value);
     }
 
     /// Makes every commit so far durable with one fdatasync of the journal: this batch's and
@@ -990,14 +1022,19 @@ impl Writer {
     }
 
     /// A record as the batch so far leaves it: the overlay, else the live tasks for a task,
-    /// else the keyspace. (This thread is the only writer, so reading the keyspace at its
-    /// newest seqno is consistent.)
+    /// else a session record committed lately, else the keyspace. (This thread is the only
+    /// writer, so reading the keyspace at its newest seqno is consistent.)
     fn get(&self, ks: Ks, key: &[u8]) -> Result<Option<Vec<u8>>> {
         if let Some(value) = self.overlay.map(ks).get(key) {
             return Ok(value.clone());
         }
         if ks == Ks::Tasks {
             return Ok(self.live_tasks.get(key).cloned());
+        }
+        if ks == Ks::Sessions {
+            if let Some(value) = self.recent_sessions.get(key) {
+                return Ok(value.clone());
+            }
         }
         self.handles
             .keyspace(ks)
@@ -2066,6 +2103,7 @@ mod tests {
             overlay: Overlay::default(),
             queue_index: Arc::clone(&store.queue_index),
             live_tasks,
+            recent_sessions: RecentSessionRecords::default(),
             syncer: None,
         }
     }
@@ -2298,6 +2336,65 @@ mod tests {
                 ("c", 1, SessionStatus::Running)
             ]
         );
+    }
+
+    /// The writer's recent session records follow every committed change of the sessions
+    /// keyspace and stay bounded: past the bound the writer reads the keyspace again, an
+    /// append checks its seq against the record as last committed (a conflict names it), and a
+    /// deleted session's appends are refused.
+    #[tokio::test]
+    async fn recent_session_records_follow_every_commit_and_stay_bounded() {
+        let root = temp();
+        let store = FjallStore::open(root.path()).expect("open");
+        let mut writer = writer_beside(&store);
+        let sessions = RECENT_SESSION_RECORDS + 10;
+        for i in 0..sessions {
+            let id = format!("s{i}");
+            let (write, answer) = append(append_request(&id, 1, vec![message(&id, 1, "a")], 1));
+            writer.process(vec![write]);
+            answer.await.expect("answered").expect("first append");
+            assert!(writer.recent_sessions.len() <= RECENT_SESSION_RECORDS);
+        }
+        assert_eq!(writer.recent_sessions.len(), 10, "started again once full");
+        assert!(!writer.recent_sessions.contains_key(b"s0".as_slice()));
+        // s0 is read from the keyspace, the last session from the records kept.
+        for id in ["s0", &format!("s{}", sessions - 1)] {
+            let (stale, stale_answer) =
+                append(append_request(id, 1, vec![message(id, 1, "again")], 2));
+            let mut idle = append_request(id, 2, vec![message(id, 2, "b")], 2);
+            idle.status = SessionStatus::Idle;
+            let (next, next_answer) = append(idle);
+            writer.process(vec![stale, next]);
+            match stale_answer.await.expect("answered") {
+                Err(Error::Conflict {
+                    expected, actual, ..
+                }) => assert_eq!((expected, actual), (1, 2), "{id}"),
+                other => panic!("{id}: a stale append must conflict, got {other:?}"),
+            }
+            next_answer.await.expect("answered").expect("second append");
+            assert!(writer.recent_sessions.contains_key(id.as_bytes()));
+        }
+        // A deletion is kept too: the record gone, the tombstone there.
+        let (reply, deleted) = oneshot::channel();
+        writer.process(vec![Write::Delete {
+            session_id: "s0".into(),
+            now_ms: 3,
+            reply,
+        }]);
+        assert_eq!(deleted.await.expect("answered").expect("deleted").events, 2);
+        assert_eq!(writer.recent_sessions.get(b"s0".as_slice()), Some(&None));
+        let (write, answer) = append(append_request("s0", 1, vec![message("s0", 1, "c")], 4));
+        writer.process(vec![write]);
+        assert!(
+            matches!(
+                answer.await.expect("answered"),
+                Err(Error::SessionDeleted { .. })
+            ),
+            "an append to a deleted session is refused"
+        );
+        drop(writer);
+        assert_eq!(seqs(&store, "s0").await, None);
+        assert_eq!(seqs(&store, "s1").await, Some(vec![1]));
     }
 
     /// In one batch a fenced drop reads the task as the writes before it leave it: an
