@@ -3,7 +3,7 @@
 //!
 //! Why not glibc's malloc: the engine allocates many small, short-lived values per event, and
 //! a profile of one session's turns put about a fifth of the CPU in glibc's `malloc` and
-//! `free`; with jemalloc, 128 sessions in flight ran about 1.3× the turns/s (README, issue 13).
+//! `free`; with jemalloc, 128 sessions in flight ran about 1.3× the turns/s (docs/benchmarks.md).
 //! Why not mimalloc, which was faster still: with sled, 100,000 parked sessions took 134 MiB
 //! under it against 79 MiB under glibc, over the 100 MB goal.
 //!
