@@ -389,9 +389,24 @@ impl Engine {
         holder: LeaseHolder,
     ) -> Result<Vec<LeasedTask>> {
         tokio::pin!(stop);
+        let waiters = &self.inner.waiters;
+        // A worker of this process may be handed the tasks an append queues, leased with it
+        // (`TaskWaiters::claim`), and takes first the ones handed to a lease of its filter
+        // that stopped waiting.
+        let in_process = holder == LeaseHolder::InProcess;
+        let shared_filter = Arc::new(filter.clone());
+        let register = || {
+            if in_process {
+                waiters.register_in_process(&shared_filter, max, lease_ms)
+            } else {
+                waiters.register(filter)
+            }
+        };
         // Registered before leasing, so an enqueue between an empty lease and the wait wakes it.
-        let mut waiter = self.inner.waiters.register(filter);
-        let mut leased = self.lease_tasks_for(holder, filter, max, lease_ms).await?;
+        let mut waiter = register();
+        let mut leased = self
+            .lease_here_or_in_store(holder, filter, max, lease_ms)
+            .await?;
         loop {
             if !leased.is_empty() || tokio::time::Instant::now() >= deadline {
                 // A wake this waiter got may be for a task queued after the lease looked: it
@@ -399,21 +414,48 @@ impl Engine {
                 waiter.leased(leased.iter().map(|task| &task.lease.id));
                 return Ok(leased);
             }
+            waiter.idle();
             tokio::select! {
                 _ = waiter.woken() => {}
                 _ = tokio::time::sleep_until(deadline) => {}
-                // Dropped, the waiter passes its wakes on.
+                // Dropped, the waiter passes its wakes (and any leases handed to it) on.
                 _ = &mut stop => return Ok(Vec::new()),
             }
+            let handed = waiter.take_handed();
+            if !handed.is_empty() {
+                let leased = self.with_activities(handed).await;
+                waiter.leased(leased.iter().map(|task| &task.lease.id));
+                return Ok(leased);
+            }
             let woken = waiter;
-            waiter = self.inner.waiters.register(filter);
-            leased = self.lease_tasks_for(holder, filter, max, lease_ms).await?;
+            waiter = register();
+            leased = self
+                .lease_here_or_in_store(holder, filter, max, lease_ms)
+                .await?;
             // The woken waiter's wakes came before this lease looked.
             woken.leased_after_wake(
                 leased.iter().map(|task| &task.lease.id),
                 leased.len() >= max,
             );
         }
+    }
+
+    /// [`Engine::lease_tasks_for`], but a worker of this process first takes the leases
+    /// handed to a lease of its filter that stopped waiting.
+    async fn lease_here_or_in_store(
+        &self,
+        holder: LeaseHolder,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+    ) -> Result<Vec<LeasedTask>> {
+        if holder == LeaseHolder::InProcess {
+            let orphans = self.inner.waiters.take_orphans(filter, max);
+            if !orphans.is_empty() {
+                return Ok(self.with_activities(orphans).await);
+            }
+        }
+        self.lease_tasks_for(holder, filter, max, lease_ms).await
     }
 
     /// Subscribes to the live deltas of every running model call.
@@ -1443,6 +1485,13 @@ impl Engine {
         }
     }
 
+    /// How many leases wait idle for tasks here ([`Engine::lease_tasks_waiting`]: their look
+    /// at the store found nothing).
+    #[cfg(test)]
+    pub(crate) fn idle_leases(&self) -> usize {
+        self.inner.waiters.idle()
+    }
+
     /// Whether the session's folded state is cached.
     #[cfg(test)]
     pub(crate) fn holds_state(&self, session_id: &str) -> bool {
@@ -1900,16 +1949,25 @@ impl Engine {
             tasks = request.enqueue.len(),
             "append"
         );
+        // No worker asked for the tasks this append queues (a client's message, a timer):
+        // a lease of a worker of this process waiting for one of them has them leased with
+        // the append and handed over, instead of asking the store again once woken.
+        let claim = match eager {
+            None => self.inner.waiters.claim(&request.enqueue),
+            Some(_) => None,
+        };
+        let lease_request = eager.or(claim.as_ref().map(|claim| claim.request()));
         // Out of the cache while the append is in doubt: should this call be dropped before
         // the store answers (its caller gone: a server's handler whose client hung up), the
         // next one loads the session from the store instead of trusting a state the store
         // may never hold. Put back once the append is durable.
         let stepped = guard.take();
-        let appended = match eager {
+        let appended = match lease_request {
             Some(lease) => self.inner.store.append_and_lease(request, lease).await,
             None => self.inner.store.append(request).await.map(|()| Vec::new()),
         };
-        let leases = match appended {
+        // Dropped on a failure, the claim wakes its lease as an enqueue would.
+        let mut leases = match appended {
             Ok(leases) => {
                 *guard = stepped;
                 leases
@@ -1931,6 +1989,13 @@ impl Engine {
         // A task leased with the append has its worker already: waking another for it
         // would only make an empty lease.
         enqueued.retain(|task| !leases.iter().any(|lease| lease.id == task.id));
+        if let Some(claim) = claim {
+            if leases.is_empty() {
+                // The claim wakes its lease for its task, as the wake below would.
+                enqueued.retain(|task| !claim.is_for(&task.id));
+            }
+            claim.hand(std::mem::take(&mut leases));
+        }
         self.inner.waiters.wake_for(&enqueued);
         self.publish(session_id, published.unwrap_or_default(), outcome);
         Ok((Some(first_seq), leases))

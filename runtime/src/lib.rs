@@ -30,6 +30,8 @@ mod client_tests;
 #[cfg(test)]
 mod codec_props;
 #[cfg(test)]
+mod engine_handoff_tests;
+#[cfg(test)]
 mod engine_idempotent_tests;
 #[cfg(test)]
 mod engine_memory_tests;

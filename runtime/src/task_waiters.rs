@@ -12,9 +12,22 @@
 //! ([`Waiter::leased_after_wake`]): the task was taken by another lease, and a wake passed on
 //! for it would go round the waiters for good. Wakes whose tasks are unknown (another process
 //! queued them: a change hint, a poll) go to every waiter.
+//!
+//! A waiting lease of a worker of this process may also be **handed** its tasks
+//! ([`TaskWaiters::claim`]): an append that queues a task no worker reported for (a client's
+//! message starting a turn, a timer) takes the longest-waiting such lease that accepts it out
+//! of the registry before it is written, leases for it in the same write
+//! ([`Store::append_and_lease`](crate::store::Store::append_and_lease)), and hands it the
+//! leases once they are durable, so that the lease does not ask the store again (eager
+//! dispatch, as a report's next task). A store that hands no task with an append, or a
+//! failed append, wakes it as any enqueue would. Leases handed to a lease that stopped waiting
+//! meanwhile (its deadline came, its caller went) are kept here, and the next lease of this
+//! process that accepts them takes them first ([`TaskWaiters::take_orphans`]): no task leased
+//! for a worker of this process waits for its lease to lapse.
 
-use crate::store::{NewTask, TaskFilter, TaskId, TaskKind};
+use crate::store::{Lease, LeaseHolder, LeaseRequest, NewTask, TaskFilter, TaskId, TaskKind};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::Notify;
 
@@ -44,10 +57,31 @@ impl Routed {
 
 /// One waiting lease.
 struct Waiting {
-    filter: TaskFilter,
+    filter: Arc<TaskFilter>,
     notify: Notify,
     /// The tasks it was woken for (empty for a wake of unknown tasks).
     woken_for: Mutex<Vec<Routed>>,
+    /// For a lease of a worker of this process: how many tasks, for how long; an append may
+    /// lease them for it ([`TaskWaiters::claim`]).
+    handing: Option<(usize, u64)>,
+    /// Leases an append took for it, until the lease takes them.
+    handed: Mutex<Handed>,
+    /// Whether it waits for a wake: its look at the store found nothing. Only such a lease is
+    /// claimed: one that is still looking may find tasks queued before, which a lease in an
+    /// append would hold back until that append is durable.
+    idle: AtomicBool,
+}
+
+/// What an append handed a waiting lease.
+#[derive(Default)]
+enum Handed {
+    /// Nothing yet.
+    #[default]
+    Nothing,
+    /// Leases for it to take.
+    Leases(Vec<Lease>),
+    /// The lease is gone: nothing more may be handed to it.
+    Gone,
 }
 
 #[derive(Default)]
@@ -55,6 +89,9 @@ struct Registry {
     next_id: u64,
     /// By registration, so the longest waiting comes first.
     waiting: BTreeMap<u64, Arc<Waiting>>,
+    /// Leases handed to a lease that was no longer waiting, with the filter they were leased
+    /// for, for the next lease with that filter.
+    orphans: Vec<(Arc<TaskFilter>, Lease)>,
 }
 
 /// The waiting leases of one engine.
@@ -72,10 +109,33 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 impl TaskWaiters {
     /// Registers a lease about to ask the store for tasks `filter` accepts.
     pub(crate) fn register(&self, filter: &TaskFilter) -> Waiter<'_> {
+        self.register_waiting(Arc::new(filter.clone()), None)
+    }
+
+    /// Registers the lease of a worker of this process about to ask for at most `max` tasks
+    /// `filter` accepts, for `lease_ms`: an append may lease them for it and hand them over
+    /// ([`TaskWaiters::claim`], [`Waiter::take_handed`]).
+    pub(crate) fn register_in_process(
+        &self,
+        filter: &Arc<TaskFilter>,
+        max: usize,
+        lease_ms: u64,
+    ) -> Waiter<'_> {
+        self.register_waiting(Arc::clone(filter), Some((max, lease_ms)))
+    }
+
+    fn register_waiting(
+        &self,
+        filter: Arc<TaskFilter>,
+        handing: Option<(usize, u64)>,
+    ) -> Waiter<'_> {
         let waiting = Arc::new(Waiting {
-            filter: filter.clone(),
+            filter,
             notify: Notify::new(),
             woken_for: Mutex::new(Vec::new()),
+            handing,
+            handed: Mutex::new(Handed::Nothing),
+            idle: AtomicBool::new(false),
         });
         let mut registry = lock(&self.registry);
         let id = registry.next_id;
@@ -114,11 +174,159 @@ impl TaskWaiters {
         }
     }
 
+    /// How many leases wait idle ([`Waiter::idle`]).
+    #[cfg(test)]
+    pub(crate) fn idle(&self) -> usize {
+        lock(&self.registry)
+            .waiting
+            .values()
+            .filter(|waiting| waiting.idle.load(Ordering::Acquire))
+            .count()
+    }
+
+    /// Takes out of the registry the waiting lease an enqueue of `tasks` would wake first,
+    /// if it is one of a worker of this process that waits idle ([`Waiter::idle`]), for the
+    /// append that queues them to lease for it. The claim then hands it the leases, or wakes
+    /// it as an enqueue would; dropped unsettled (the append's caller gone), it wakes it.
+    pub(crate) fn claim(&self, tasks: &[NewTask]) -> Option<Claim<'_>> {
+        let mut registry = lock(&self.registry);
+        for task in tasks {
+            let task = Routed::of(task);
+            let Some((&id, waiting)) = registry
+                .waiting
+                .iter()
+                .find(|(_, waiting)| task.accepted_by(&waiting.filter))
+            else {
+                continue;
+            };
+            let (max, lease_ms) = waiting.handing?;
+            if !waiting.idle.load(Ordering::Acquire) {
+                return None;
+            }
+            let waiting = registry.waiting.remove(&id)?;
+            let request = LeaseRequest {
+                filter: Arc::clone(&waiting.filter),
+                max,
+                lease_ms,
+                holder: LeaseHolder::InProcess,
+            };
+            return Some(Claim {
+                waiters: self,
+                waiting,
+                task,
+                request,
+                settled: false,
+            });
+        }
+        None
+    }
+
+    /// Takes up to `max` of the leases handed to a lease no longer waiting that was leasing
+    /// with `filter`, for a lease of a worker of this process with the same filter (a pool
+    /// asks with the same one every time).
+    pub(crate) fn take_orphans(&self, filter: &TaskFilter, max: usize) -> Vec<Lease> {
+        let mut registry = lock(&self.registry);
+        if registry.orphans.is_empty() {
+            return Vec::new();
+        }
+        let mut taken = Vec::new();
+        registry.orphans.retain(|(leased_for, lease)| {
+            let take = taken.len() < max && **leased_for == *filter;
+            if take {
+                taken.push(lease.clone());
+            }
+            !take
+        });
+        taken
+    }
+
+    /// Keeps `leases`, leased for `filter`, for the next lease with that filter, and wakes the
+    /// one waiting longest, if one is.
+    fn orphan(&self, filter: &Arc<TaskFilter>, leases: Vec<Lease>) {
+        let mut registry = lock(&self.registry);
+        registry
+            .orphans
+            .extend(leases.into_iter().map(|lease| (Arc::clone(filter), lease)));
+        let waiting = registry
+            .waiting
+            .iter()
+            .find(|(_, waiting)| waiting.handing.is_some() && *waiting.filter == **filter)
+            .map(|(id, _)| *id)
+            .and_then(|id| registry.waiting.remove(&id));
+        drop(registry);
+        if let Some(waiting) = waiting {
+            waiting.notify.notify_one();
+        }
+    }
+
     /// Wakes every waiting lease (tasks may have been queued, which ones is unknown).
     pub(crate) fn wake_all(&self) {
         let waiting = std::mem::take(&mut lock(&self.registry).waiting);
         for waiting in waiting.values() {
             waiting.notify.notify_one();
+        }
+    }
+}
+
+/// A waiting lease claimed by an append ([`TaskWaiters::claim`]).
+pub(crate) struct Claim<'a> {
+    waiters: &'a TaskWaiters,
+    waiting: Arc<Waiting>,
+    /// The task it was claimed for.
+    task: Routed,
+    request: LeaseRequest,
+    settled: bool,
+}
+
+impl Claim<'_> {
+    /// Whether it was claimed for task `id` (the one it is woken for when handed nothing).
+    pub(crate) fn is_for(&self, id: &TaskId) -> bool {
+        self.task.id == *id
+    }
+
+    /// What the append leases for the claimed lease.
+    pub(crate) fn request(&self) -> &LeaseRequest {
+        &self.request
+    }
+
+    /// Hands `leases`, taken by the append (durable), to the claimed lease and wakes it; with
+    /// none, wakes it as an enqueue of its task would. When the lease stopped waiting
+    /// meanwhile, the leases go to the next one that accepts them.
+    pub(crate) fn hand(mut self, leases: Vec<Lease>) {
+        self.settled = true;
+        if leases.is_empty() {
+            self.wake();
+            return;
+        }
+        let mut handed = lock(&self.waiting.handed);
+        match &mut *handed {
+            Handed::Gone => {
+                drop(handed);
+                self.waiters.orphan(&self.request.filter, leases);
+                return;
+            }
+            Handed::Leases(earlier) => earlier.extend(leases),
+            nothing @ Handed::Nothing => *nothing = Handed::Leases(leases),
+        }
+        drop(handed);
+        self.waiting.notify.notify_one();
+    }
+
+    /// Wakes the claimed lease as an enqueue of its task would (the append failed, or handed
+    /// nothing).
+    fn wake(&mut self) {
+        self.settled = true;
+        lock(&self.waiting.woken_for).push(self.task.clone());
+        self.waiting.notify.notify_one();
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            // An append failed or abandoned: its task, if queued after all, is found by the
+            // lease this wake makes.
+            self.wake();
         }
     }
 }
@@ -133,9 +341,29 @@ pub(crate) struct Waiter<'a> {
 }
 
 impl Waiter<'_> {
+    /// Says that its look at the store found nothing and it waits for a wake: from now on an
+    /// append may claim it ([`TaskWaiters::claim`]).
+    pub(crate) fn idle(&self) {
+        self.waiting.idle.store(true, Ordering::Release);
+    }
+
     /// Completes when an enqueue woke it (at once if one did since it registered).
     pub(crate) async fn woken(&self) {
         self.waiting.notify.notified().await;
+    }
+
+    /// The leases an append handed it since it registered ([`TaskWaiters::claim`]), taken:
+    /// its own from here, to run.
+    pub(crate) fn take_handed(&self) -> Vec<Lease> {
+        let mut handed = lock(&self.waiting.handed);
+        match &mut *handed {
+            Handed::Leases(leases) => {
+                let leases = std::mem::take(leases);
+                *handed = Handed::Nothing;
+                leases
+            }
+            Handed::Nothing | Handed::Gone => Vec::new(),
+        }
     }
 
     /// Says which tasks the lease that followed its registration took: the wakes it got for
@@ -180,6 +408,12 @@ impl Waiter<'_> {
 
 impl Drop for Waiter<'_> {
     fn drop(&mut self) {
+        let left = std::mem::replace(&mut *lock(&self.waiting.handed), Handed::Gone);
+        if let Handed::Leases(leases) = left {
+            // Handed in the moment between the hand and this lease's return (its caller
+            // stopped waiting): the next lease with its filter takes them.
+            self.waiters.orphan(&self.waiting.filter, leases);
+        }
         if self.settled {
             return;
         }
@@ -313,5 +547,131 @@ mod tests {
             !is_woken(&c).await,
             "a wake of unknown tasks is not passed on: everyone had it"
         );
+    }
+
+    fn lease_of(task: &NewTask) -> Lease {
+        Lease {
+            id: task.id.clone(),
+            kind: task.kind,
+            lease_attempt: 1,
+            expires_at_ms: 30_000,
+        }
+    }
+
+    fn ids(leases: &[Lease]) -> Vec<String> {
+        leases.iter().map(|lease| lease.id.to_string()).collect()
+    }
+
+    /// An enqueue claims the waiting lease it would wake first when that lease is a worker's
+    /// of this process, with its own lease request; the claimed lease leaves the registry
+    /// (nothing else wakes it) until the claim hands it the leases and wakes it.
+    #[tokio::test]
+    async fn an_enqueue_claims_the_longest_waiting_in_process_lease_and_hands_it_its_leases() {
+        let waiters = TaskWaiters::default();
+        let gpu = Arc::new(on_queue("gpu"));
+        let any = Arc::new(TaskFilter::any());
+        let other_queue = waiters.register_in_process(&gpu, 4, 1_000);
+        let first = waiters.register_in_process(&any, 3, 2_000);
+        let second = waiters.register_in_process(&any, 5, 3_000);
+        let queued = task(1, "default");
+        assert!(
+            waiters.claim(std::slice::from_ref(&queued)).is_none(),
+            "a lease still looking at the store is not claimed"
+        );
+        for waiter in [&other_queue, &first, &second] {
+            waiter.idle();
+        }
+        let claim = waiters
+            .claim(std::slice::from_ref(&queued))
+            .expect("a waiting lease of this process accepts it");
+        assert!(claim.is_for(&queued.id));
+        let request = claim.request();
+        assert_eq!(
+            (*request.filter == *any, request.max, request.lease_ms),
+            (true, 3, 2_000),
+            "the longest-waiting accepting lease's request"
+        );
+        assert_eq!(request.holder, LeaseHolder::InProcess);
+        waiters.wake_for(&[task(2, "default")]);
+        assert!(!is_woken(&first).await, "claimed, it left the registry");
+        assert!(
+            is_woken(&second).await,
+            "the next task wakes the next lease"
+        );
+        claim.hand(vec![lease_of(&queued)]);
+        assert!(is_woken(&first).await, "handed, it wakes");
+        assert_eq!(ids(&first.take_handed()), ["s/1"]);
+        assert!(first.take_handed().is_empty(), "taken once");
+        assert!(!is_woken(&other_queue).await);
+    }
+
+    /// A claim whose append handed nothing (a store that leases in a round of its own), or
+    /// that was dropped unsettled (a failed or abandoned append), wakes its lease for its
+    /// task as an enqueue would; and the lease a remote worker waits with is never claimed.
+    #[tokio::test]
+    async fn a_claim_that_hands_nothing_wakes_its_lease_and_remote_leases_are_not_claimed() {
+        let waiters = TaskWaiters::default();
+        let any = Arc::new(TaskFilter::any());
+        let remote = waiters.register(&TaskFilter::any());
+        assert!(
+            waiters.claim(&[task(1, "default")]).is_none(),
+            "the lease it would wake first is a remote worker's"
+        );
+        drop(remote);
+        let mut handed_nothing = waiters.register_in_process(&any, 1, 1_000);
+        handed_nothing.idle();
+        waiters
+            .claim(&[task(2, "default")])
+            .expect("claimed")
+            .hand(Vec::new());
+        assert!(is_woken(&handed_nothing).await);
+        assert!(handed_nothing.take_handed().is_empty());
+        let missed = handed_nothing.missed(|_| false);
+        assert_eq!(missed.len(), 1, "woken for its task, as by an enqueue");
+        assert_eq!(missed[0].id.to_string(), "s/2");
+        let abandoned = waiters.register_in_process(&any, 1, 1_000);
+        abandoned.idle();
+        drop(waiters.claim(&[task(3, "default")]).expect("claimed"));
+        assert!(
+            is_woken(&abandoned).await,
+            "a dropped claim wakes its lease"
+        );
+    }
+
+    /// Leases handed to a lease that stopped waiting (dropped before the hand, or after it
+    /// without taking them) are kept for the next lease of the same filter, which a waiting
+    /// one is woken for; a lease of another filter does not take them.
+    #[tokio::test]
+    async fn leases_handed_to_a_lease_gone_go_to_the_next_lease_of_its_filter() {
+        let waiters = TaskWaiters::default();
+        let any = Arc::new(TaskFilter::any());
+        let gone = waiters.register_in_process(&any, 2, 1_000);
+        gone.idle();
+        let claim = waiters.claim(&[task(1, "default")]).expect("claimed");
+        drop(gone);
+        let waiting = waiters.register_in_process(&any, 2, 1_000);
+        claim.hand(vec![lease_of(&task(1, "default"))]);
+        assert!(
+            is_woken(&waiting).await,
+            "a lease of the filter is woken for them"
+        );
+        assert!(waiters.take_orphans(&on_queue("gpu"), 10).is_empty());
+        assert_eq!(ids(&waiters.take_orphans(&TaskFilter::any(), 10)), ["s/1"]);
+        assert!(waiters.take_orphans(&TaskFilter::any(), 10).is_empty());
+
+        let dropped_after = waiters.register_in_process(&any, 2, 1_000);
+        dropped_after.idle();
+        let claim = waiters.claim(&[task(2, "default")]).expect("claimed");
+        claim.hand(vec![
+            lease_of(&task(2, "default")),
+            lease_of(&task(3, "default")),
+        ]);
+        drop(dropped_after);
+        assert_eq!(
+            ids(&waiters.take_orphans(&TaskFilter::any(), 1)),
+            ["s/2"],
+            "at most max"
+        );
+        assert_eq!(ids(&waiters.take_orphans(&TaskFilter::any(), 1)), ["s/3"]);
     }
 }
