@@ -145,7 +145,6 @@ impl TaskWaiters {
             waiters: self,
             id,
             waiting,
-            settled: false,
         }
     }
 
@@ -313,10 +312,18 @@ impl Claim<'_> {
     }
 
     /// Wakes the claimed lease as an enqueue of its task would (the append failed, or handed
-    /// nothing).
+    /// nothing); when that lease is gone, the wake goes to the others.
     fn wake(&mut self) {
         self.settled = true;
+        let handed = lock(&self.waiting.handed);
+        if matches!(*handed, Handed::Gone) {
+            drop(handed);
+            self.waiters.wake_routed(vec![self.task.clone()]);
+            return;
+        }
+        // Pushed while its lease cannot go, so that its drop passes the wake on.
         lock(&self.waiting.woken_for).push(self.task.clone());
+        drop(handed);
         self.waiting.notify.notify_one();
     }
 }
@@ -336,8 +343,6 @@ pub(crate) struct Waiter<'a> {
     waiters: &'a TaskWaiters,
     id: u64,
     waiting: Arc<Waiting>,
-    /// Whether it said what it leased ([`Waiter::leased`]).
-    settled: bool,
 }
 
 impl Waiter<'_> {
@@ -370,7 +375,6 @@ impl Waiter<'_> {
     /// tasks it did not take go on to other waiters (the wake may have come after the lease
     /// looked, so the task may be there still).
     pub(crate) fn leased<'t>(mut self, taken: impl IntoIterator<Item = &'t TaskId>) {
-        self.settled = true;
         let taken: Vec<&TaskId> = taken.into_iter().collect();
         let missed = self.missed(|id| taken.contains(&id));
         self.waiters.wake_routed(missed);
@@ -387,7 +391,6 @@ impl Waiter<'_> {
         taken: impl IntoIterator<Item = &'t TaskId>,
         full: bool,
     ) {
-        self.settled = true;
         let taken: Vec<&TaskId> = taken.into_iter().collect();
         let missed = self.missed(|id| taken.contains(&id));
         if full {
@@ -414,9 +417,9 @@ impl Drop for Waiter<'_> {
             // stopped waiting): the next lease with its filter takes them.
             self.waiters.orphan(&self.waiting.filter, leases);
         }
-        if self.settled {
-            return;
-        }
+        // Every wake it got and did not settle ([`Waiter::leased`] and
+        // [`Waiter::leased_after_wake`] take theirs) goes on: all of them when it never leased,
+        // else one that came after (a claim's, as its lease went).
         let missed = self.missed(|_| false);
         self.waiters.wake_routed(missed);
     }
@@ -636,6 +639,16 @@ mod tests {
             is_woken(&abandoned).await,
             "a dropped claim wakes its lease"
         );
+        drop(abandoned);
+
+        // The claimed lease went before the wake: the wake goes to another that accepts it.
+        let gone = waiters.register_in_process(&any, 1, 1_000);
+        gone.idle();
+        let claim = waiters.claim(&[task(4, "default")]).expect("claimed");
+        drop(gone);
+        let other = waiters.register(&TaskFilter::any());
+        claim.hand(Vec::new());
+        assert!(is_woken(&other).await, "the wake went on");
     }
 
     /// Leases handed to a lease that stopped waiting (dropped before the hand, or after it
