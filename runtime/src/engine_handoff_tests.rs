@@ -4,31 +4,22 @@
 
 use crate::client::{Client, SessionOptions};
 use crate::engine::{ActivityReport, LeasedTask};
+use crate::engine_test_support::{session_options, text_answer};
 use crate::error::{Error, Result};
 use crate::store::faulty::{FaultyStore, LEASE_ERROR};
 use crate::store::fjall::FjallStore;
 use crate::store::{LeaseHolder, Store, TaskFilter};
 use crate::workflow::TurnOutcome;
 use crate::{Engine, MemoryStore, SystemClock};
-use cairn_ledger::{ModelResponse, ModelSpec, Part, StopReason, Usage};
 use std::sync::Arc;
 use std::time::Duration;
 
 fn options(id: &str) -> SessionOptions {
-    let mut options = SessionOptions::new(ModelSpec::new("scripted", "handoff"), Vec::new());
-    options.session_id = Some(id.to_owned());
-    options
+    session_options("handoff", id)
 }
 
 fn answer(text: &str) -> ActivityReport {
-    ActivityReport::ModelCompleted(ModelResponse {
-        provider: "scripted".into(),
-        model: "handoff".into(),
-        parts: vec![Part::text(text)],
-        stop_reason_raw: "end_turn".into(),
-        stop_reason: StopReason::EndTurn,
-        usage: Usage::default(),
-    })
+    text_answer("handoff", text)
 }
 
 /// A lease of a worker of this process, waiting up to 30 s, in a task of its own; returns

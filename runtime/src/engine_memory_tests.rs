@@ -5,22 +5,15 @@
 
 use crate::client::{Client, SessionOptions};
 use crate::engine::{ActivityInput, ActivityReport, PerSessionEntries};
+use crate::engine_test_support::{session_options, text_answer};
 use crate::error::Result;
 use crate::store::{Store, TaskFilter};
 use crate::workflow::TurnOutcome;
 use crate::{Engine, MemoryStore, SystemClock};
-use cairn_ledger::{ModelResponse, ModelSpec, Part, StopReason, Usage};
 use std::sync::Arc;
 
 fn answer(text: &str) -> ActivityReport {
-    ActivityReport::ModelCompleted(ModelResponse {
-        provider: "scripted".into(),
-        model: "parked".into(),
-        parts: vec![Part::text(text)],
-        stop_reason_raw: "end_turn".into(),
-        stop_reason: StopReason::EndTurn,
-        usage: Usage::default(),
-    })
+    text_answer("parked", text)
 }
 
 /// An engine on a new store in memory.
@@ -29,9 +22,7 @@ fn memory_engine() -> Engine {
 }
 
 fn options(id: &str) -> SessionOptions {
-    let mut options = SessionOptions::new(ModelSpec::new("scripted", "parked"), Vec::new());
-    options.session_id = Some(id.to_owned());
-    options
+    session_options("parked", id)
 }
 
 /// Runs the session's only task (its model call) to a text answer.

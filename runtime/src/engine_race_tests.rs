@@ -6,6 +6,7 @@
 
 use crate::client::{Client, SessionOptions};
 use crate::engine::{ActivityReport, LeasedTask};
+use crate::engine_test_support::{session_options, text_answer};
 use crate::error::Result;
 use crate::event::Event;
 use crate::event::EventEnvelope;
@@ -14,7 +15,7 @@ use crate::store::{AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, T
 use crate::workflow::TurnOutcome;
 use crate::{Engine, ManualClock, MemoryStore, SystemClock};
 use async_trait::async_trait;
-use cairn_ledger::{JsonText, ModelResponse, ModelSpec, Part, StopReason, Usage};
+use cairn_ledger::JsonText;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
@@ -117,20 +118,11 @@ impl Store for Gated {
 }
 
 fn options(id: &str) -> SessionOptions {
-    let mut options = SessionOptions::new(ModelSpec::new("scripted", "race"), Vec::new());
-    options.session_id = Some(id.to_owned());
-    options
+    session_options("race", id)
 }
 
 fn answer(text: &str) -> ActivityReport {
-    ActivityReport::ModelCompleted(ModelResponse {
-        provider: "scripted".into(),
-        model: "race".into(),
-        parts: vec![Part::text(text)],
-        stop_reason_raw: "end_turn".into(),
-        stop_reason: StopReason::EndTurn,
-        usage: Usage::default(),
-    })
+    text_answer("race", text)
 }
 
 /// A send dropped while its append waits for the store leaves no trace in what the engine

@@ -40,6 +40,8 @@ mod engine_race_tests;
 #[cfg(test)]
 mod engine_resume_tests;
 #[cfg(test)]
+mod engine_test_support;
+#[cfg(test)]
 mod workflow_approval_tests;
 #[cfg(test)]
 mod workflow_budget_tests;
