@@ -15,11 +15,13 @@
 //!
 //! A waiting lease of a worker of this process may also be **handed** its tasks
 //! ([`TaskWaiters::claim`]): an append that queues a task no worker reported for (a client's
-//! message starting a turn, a timer) takes the longest-waiting such lease that accepts it out
-//! of the registry before it is written, leases for it in the same write
+//! message starting a turn, a timer) claims the longest-waiting such lease that accepts it,
+//! when that lease waits idle, before it is written, leases for it in the same write
 //! ([`Store::append_and_lease`](crate::store::Store::append_and_lease)), and hands it the
 //! leases once they are durable, so that the lease does not ask the store again (eager
-//! dispatch, as a report's next task). A store that hands no task with an append, or a
+//! dispatch, as a report's next task). A claimed lease stays registered: another enqueue
+//! meanwhile wakes it, and it leases from the store at once, as before, rather than wait for
+//! the claiming append's sync; the claim's leases then go to its next lease. A store that hands no task with an append, or a
 //! failed append, wakes it as any enqueue would. Leases handed to a lease that stopped waiting
 //! meanwhile (its deadline came, its caller went) are kept here, and the next lease of this
 //! process that accepts them takes them first ([`TaskWaiters::take_orphans`]): no task leased
@@ -78,6 +80,8 @@ enum Handed {
     /// Nothing yet.
     #[default]
     Nothing,
+    /// An append leases for it.
+    Claimed,
     /// Leases for it to take.
     Leases(Vec<Lease>),
     /// The lease is gone: nothing more may be handed to it.
@@ -183,18 +187,19 @@ impl TaskWaiters {
             .count()
     }
 
-    /// Takes out of the registry the waiting lease an enqueue of `tasks` would wake first,
-    /// if it is one of a worker of this process that waits idle ([`Waiter::idle`]), for the
-    /// append that queues them to lease for it. The claim then hands it the leases, or wakes
-    /// it as an enqueue would; dropped unsettled (the append's caller gone), it wakes it.
+    /// Claims the waiting lease an enqueue of `tasks` would wake first, if it is one of a
+    /// worker of this process that waits idle ([`Waiter::idle`]) and no other append claimed,
+    /// for the append that queues them to lease for it. The claim then hands it the leases
+    /// (taking it out of the registry), or wakes it as an enqueue would; dropped unsettled
+    /// (the append's caller gone), it wakes it.
     pub(crate) fn claim(&self, tasks: &[NewTask]) -> Option<Claim<'_>> {
-        let mut registry = lock(&self.registry);
+        let registry = lock(&self.registry);
         for task in tasks {
             let task = Routed::of(task);
-            let Some((&id, waiting)) = registry
+            let Some(waiting) = registry
                 .waiting
-                .iter()
-                .find(|(_, waiting)| task.accepted_by(&waiting.filter))
+                .values()
+                .find(|waiting| task.accepted_by(&waiting.filter))
             else {
                 continue;
             };
@@ -202,7 +207,16 @@ impl TaskWaiters {
             if !waiting.idle.load(Ordering::Acquire) {
                 return None;
             }
-            let waiting = registry.waiting.remove(&id)?;
+            let mut handed = lock(&waiting.handed);
+            if !matches!(*handed, Handed::Nothing) {
+                return None;
+            }
+            *handed = Handed::Claimed;
+            drop(handed);
+            // It stays registered: another enqueue meanwhile wakes it as before, and it leases
+            // from the store at once instead of waiting for this append's sync; what the
+            // claim hands it then goes to its next lease.
+            let waiting = Arc::clone(waiting);
             let request = LeaseRequest {
                 filter: Arc::clone(&waiting.filter),
                 max,
@@ -305,9 +319,14 @@ impl Claim<'_> {
                 return;
             }
             Handed::Leases(earlier) => earlier.extend(leases),
-            nothing @ Handed::Nothing => *nothing = Handed::Leases(leases),
+            open @ (Handed::Nothing | Handed::Claimed) => *open = Handed::Leases(leases),
         }
         drop(handed);
+        // Out of the registry: it returns these, and a wake for another task would be lost
+        // with it.
+        lock(&self.waiters.registry)
+            .waiting
+            .retain(|_, waiting| !Arc::ptr_eq(waiting, &self.waiting));
         self.waiting.notify.notify_one();
     }
 
@@ -315,16 +334,14 @@ impl Claim<'_> {
     /// nothing); when that lease is gone, the wake goes to the others.
     fn wake(&mut self) {
         self.settled = true;
-        let handed = lock(&self.waiting.handed);
-        if matches!(*handed, Handed::Gone) {
-            drop(handed);
-            self.waiters.wake_routed(vec![self.task.clone()]);
-            return;
+        {
+            let mut handed = lock(&self.waiting.handed);
+            if matches!(*handed, Handed::Claimed) {
+                *handed = Handed::Nothing;
+            }
         }
-        // Pushed while its lease cannot go, so that its drop passes the wake on.
-        lock(&self.waiting.woken_for).push(self.task.clone());
-        drop(handed);
-        self.waiting.notify.notify_one();
+        // It is still registered unless another wake took it: the wake goes to it or on.
+        self.waiters.wake_routed(vec![self.task.clone()]);
     }
 }
 
@@ -367,7 +384,7 @@ impl Waiter<'_> {
                 *handed = Handed::Nothing;
                 leases
             }
-            Handed::Nothing | Handed::Gone => Vec::new(),
+            Handed::Nothing | Handed::Claimed | Handed::Gone => Vec::new(),
         }
     }
 
@@ -566,8 +583,9 @@ mod tests {
     }
 
     /// An enqueue claims the waiting lease it would wake first when that lease is a worker's
-    /// of this process, with its own lease request; the claimed lease leaves the registry
-    /// (nothing else wakes it) until the claim hands it the leases and wakes it.
+    /// of this process waiting idle, with its own lease request; another claim passes it by,
+    /// another enqueue still wakes it, and the claim's hand wakes it and takes it out of the
+    /// registry.
     #[tokio::test]
     async fn an_enqueue_claims_the_longest_waiting_in_process_lease_and_hands_it_its_leases() {
         let waiters = TaskWaiters::default();
@@ -595,17 +613,31 @@ mod tests {
             "the longest-waiting accepting lease's request"
         );
         assert_eq!(request.holder, LeaseHolder::InProcess);
-        waiters.wake_for(&[task(2, "default")]);
-        assert!(!is_woken(&first).await, "claimed, it left the registry");
         assert!(
-            is_woken(&second).await,
-            "the next task wakes the next lease"
+            waiters.claim(&[task(2, "default")]).is_none(),
+            "claimed once: the next append wakes it after its own write"
         );
         claim.hand(vec![lease_of(&queued)]);
         assert!(is_woken(&first).await, "handed, it wakes");
         assert_eq!(ids(&first.take_handed()), ["s/1"]);
         assert!(first.take_handed().is_empty(), "taken once");
+        waiters.wake_for(&[task(2, "default")]);
+        assert!(
+            is_woken(&second).await,
+            "handed, it left the registry: the next task wakes the next lease"
+        );
         assert!(!is_woken(&other_queue).await);
+
+        // A claimed lease another enqueue wakes first leases as before; the claim's leases
+        // then go to the next lease of its filter.
+        let third = waiters.register_in_process(&any, 1, 1_000);
+        third.idle();
+        let claim = waiters.claim(&[task(5, "default")]).expect("claimed");
+        waiters.wake_for(&[task(6, "default")]);
+        assert!(is_woken(&third).await, "still registered, woken");
+        third.leased_after_wake([&task(6, "default").id], true);
+        claim.hand(vec![lease_of(&task(5, "default"))]);
+        assert_eq!(ids(&waiters.take_orphans(&TaskFilter::any(), 4)), ["s/5"]);
     }
 
     /// A claim whose append handed nothing (a store that leases in a round of its own), or
