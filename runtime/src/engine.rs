@@ -391,22 +391,16 @@ impl Engine {
         tokio::pin!(stop);
         let waiters = &self.inner.waiters;
         // A worker of this process may be handed the tasks an append queues, leased with it
-        // (`TaskWaiters::claim`), and takes first the ones handed to a lease of its filter
-        // that stopped waiting.
-        let in_process = holder == LeaseHolder::InProcess;
-        let shared_filter = Arc::new(filter.clone());
-        let register = || {
-            if in_process {
-                waiters.register_in_process(&shared_filter, max, lease_ms)
-            } else {
-                waiters.register(filter)
-            }
+        // (`TaskWaiters::claim`); what a lease that stopped waiting was handed goes to its next
+        // lease (`Engine::lease_tasks_for`).
+        let shared_filter = (holder == LeaseHolder::InProcess).then(|| Arc::new(filter.clone()));
+        let register = || match &shared_filter {
+            Some(shared) => waiters.register_in_process(shared, max, lease_ms),
+            None => waiters.register(filter),
         };
         // Registered before leasing, so an enqueue between an empty lease and the wait wakes it.
         let mut waiter = register();
-        let mut leased = self
-            .lease_here_or_in_store(holder, filter, max, lease_ms)
-            .await?;
+        let mut leased = self.lease_tasks_for(holder, filter, max, lease_ms).await?;
         loop {
             if !leased.is_empty() || tokio::time::Instant::now() >= deadline {
                 // A wake this waiter got may be for a task queued after the lease looked: it
@@ -429,33 +423,13 @@ impl Engine {
             }
             let woken = waiter;
             waiter = register();
-            leased = self
-                .lease_here_or_in_store(holder, filter, max, lease_ms)
-                .await?;
+            leased = self.lease_tasks_for(holder, filter, max, lease_ms).await?;
             // The woken waiter's wakes came before this lease looked.
             woken.leased_after_wake(
                 leased.iter().map(|task| &task.lease.id),
                 leased.len() >= max,
             );
         }
-    }
-
-    /// [`Engine::lease_tasks_for`], but a worker of this process first takes the leases
-    /// handed to a lease of its filter that stopped waiting.
-    async fn lease_here_or_in_store(
-        &self,
-        holder: LeaseHolder,
-        filter: &TaskFilter,
-        max: usize,
-        lease_ms: u64,
-    ) -> Result<Vec<LeasedTask>> {
-        if holder == LeaseHolder::InProcess {
-            let orphans = self.inner.waiters.take_orphans(filter, max);
-            if !orphans.is_empty() {
-                return Ok(self.with_activities(orphans).await);
-            }
-        }
-        self.lease_tasks_for(holder, filter, max, lease_ms).await
     }
 
     /// Subscribes to the live deltas of every running model call.
@@ -893,7 +867,8 @@ impl Engine {
 
     /// Leases like [`Engine::lease_tasks`] for a worker of `holder`'s kind: a lease for a
     /// worker of this process may be handed out before it is durable
-    /// ([`Store::lease_tasks_in_process`]).
+    /// ([`Store::lease_tasks_in_process`]), and takes first the leases an append handed to a
+    /// waiting lease of the same filter that stopped waiting ([`Engine::lease_tasks_waiting`]).
     pub async fn lease_tasks_for(
         &self,
         holder: LeaseHolder,
@@ -901,6 +876,12 @@ impl Engine {
         max: usize,
         lease_ms: u64,
     ) -> Result<Vec<LeasedTask>> {
+        if holder == LeaseHolder::InProcess {
+            let orphans = self.inner.waiters.take_orphans(filter, max);
+            if !orphans.is_empty() {
+                return Ok(self.with_activities(orphans).await);
+            }
+        }
         let store = &self.inner.store;
         let now_ms = self.now_ms();
         let leases = match holder {
