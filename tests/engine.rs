@@ -844,6 +844,24 @@ struct CountingSource {
     leases_with_tasks: std::sync::atomic::AtomicUsize,
     /// Per report: the `max` it asked for and the tasks it was handed.
     reports: std::sync::Mutex<Vec<(usize, usize)>>,
+    /// Tasks appends gave the pool's receiver while its lease waited.
+    received: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Counts what the pool's receiver takes.
+struct CountingReceiver {
+    inner: Arc<dyn TaskReceiver>,
+    received: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl TaskReceiver for CountingReceiver {
+    fn receive(&self, tasks: Vec<LeasedTask>) -> Vec<LeasedTask> {
+        let given = tasks.len();
+        let left = self.inner.receive(tasks);
+        self.received
+            .fetch_add(given - left.len(), std::sync::atomic::Ordering::SeqCst);
+        left
+    }
 }
 
 #[async_trait::async_trait]
@@ -857,6 +875,30 @@ impl cairn_workers::TaskSource for CountingSource {
     ) -> Result<Vec<LeasedTask>> {
         self.lease_asks.lock().unwrap().push(max);
         let leased = self.inner.lease(filter, max, lease_ms, wait).await?;
+        if !leased.is_empty() {
+            self.leases_with_tasks
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        Ok(leased)
+    }
+
+    async fn lease_or_receive(
+        &self,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+        wait: Duration,
+        receiver: Arc<dyn TaskReceiver>,
+    ) -> Result<Vec<LeasedTask>> {
+        self.lease_asks.lock().unwrap().push(max);
+        let receiver = Arc::new(CountingReceiver {
+            inner: receiver,
+            received: self.received.clone(),
+        });
+        let leased = self
+            .inner
+            .lease_or_receive(filter, max, lease_ms, wait, receiver)
+            .await?;
         if !leased.is_empty() {
             self.leases_with_tasks
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -921,18 +963,35 @@ const TWO_TOOLS_SCRIPT: &str = r#"{
   ]
 }"#;
 
-/// Runs one turn of [`TWO_TOOLS_SCRIPT`] on a pool of `concurrency` slots over a counting
-/// source; checks the turn's answer, its tool results and its replay, and gives back the
-/// lease requests that brought tasks, the largest `max` a lease asked for, and the reports'
-/// asks and hands.
-async fn two_tools_turn(concurrency: usize) -> (usize, usize, Vec<(usize, usize)>) {
+/// What [`two_tools_turn_on`] saw the pool ask of its source.
+struct PoolAsks {
+    /// Lease requests that brought tasks.
+    leases: usize,
+    /// The largest `max` a lease asked for.
+    largest_ask: usize,
+    /// Per report: the `max` it asked for and the tasks it was handed.
+    reports: Vec<(usize, usize)>,
+    /// Tasks appends gave the pool's receiver.
+    received: usize,
+}
+
+/// [`two_tools_turn_on`] on the memory store.
+async fn two_tools_turn(concurrency: usize) -> PoolAsks {
+    two_tools_turn_on(Arc::new(MemoryStore::new()), concurrency).await
+}
+
+/// Runs one turn of [`TWO_TOOLS_SCRIPT`] on `store`, with a pool of `concurrency` slots over
+/// a counting source, its message sent once the pool's lease waits idle; checks the turn's
+/// answer, its tool results and its replay, and gives back what the pool asked.
+async fn two_tools_turn_on(store: Arc<dyn Store>, concurrency: usize) -> PoolAsks {
     let files = demo_files(TWO_TOOLS_SCRIPT);
-    let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
+    let engine = Engine::new(store, Arc::new(SystemClock));
     let source = Arc::new(CountingSource {
         inner: cairn_workers::EngineSource::new(engine.clone()),
         lease_asks: Default::default(),
         leases_with_tasks: Default::default(),
         reports: Default::default(),
+        received: Default::default(),
     });
     let tools = Arc::new(cairn_activities::ToolRegistry::builtin(&files.workdir));
     let pool = cairn_workers::WorkerPool::start_with(
@@ -946,6 +1005,13 @@ async fn two_tools_turn(concurrency: usize) -> (usize, usize, Vec<(usize, usize)
             ..fast_workers()
         },
     );
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while engine.idle_leases() == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the pool's lease waits");
     let client = Client::new(engine);
     let model =
         cairn_ledger::ModelSpec::parse(&format!("scripted:{}", files.script.display())).unwrap();
@@ -991,52 +1057,90 @@ async fn two_tools_turn(concurrency: usize) -> (usize, usize, Vec<(usize, usize)
             .count(),
         2
     );
-    let leases = source
-        .leases_with_tasks
-        .load(std::sync::atomic::Ordering::SeqCst);
-    let reports = source.reports.lock().unwrap().clone();
     let largest_ask = source.lease_asks.lock().unwrap().iter().copied().max();
-    (leases, largest_ask.unwrap_or(0), reports)
+    let reports = source.reports.lock().unwrap().clone();
+    PoolAsks {
+        leases: source
+            .leases_with_tasks
+            .load(std::sync::atomic::Ordering::SeqCst),
+        largest_ask: largest_ask.unwrap_or(0),
+        reports,
+        received: source.received.load(std::sync::atomic::Ordering::SeqCst),
+    }
 }
 
-/// Eager dispatch of parallel tool calls: the report of a model call that asks for two
-/// tools hands both to the pool, one to the slot that reported and one to a free slot, so
-/// the turn's only lease request is its first model call's. The lease loop leaves three
-/// slots free for such tasks while it waits, so a task it leases always has a slot. With
-/// one slot, the report asks for one task and the lease loop for one.
+/// Eager dispatch of parallel tool calls: the client's message gives the first model call
+/// to a free slot of the waiting pool (its receiver), and that call's report, asking for
+/// two tools, hands both to the pool, one to the slot that reported and one to a free slot,
+/// so the turn has no lease request that returns a task. The lease loop leaves three slots
+/// free for such tasks while it waits, so a task it leases always has a slot. With one
+/// slot, none is free: the lease loop is handed the first model call, the report asks for
+/// one task, and the second tool call is handed on by the first one's report.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_calls_report_hands_both_its_parallel_tool_calls_to_free_slots() {
-    let (leases, largest_ask, reports) = two_tools_turn(8).await;
+    let asks = two_tools_turn(8).await;
     assert_eq!(
-        leases, 1,
-        "only the first model call is leased: {reports:?}"
+        asks.received, 1,
+        "the first model call, given to a free slot"
     );
     assert_eq!(
-        largest_ask, 5,
+        asks.leases, 0,
+        "no lease returns a task: {:?}",
+        asks.reports
+    );
+    assert_eq!(
+        asks.largest_ask, 5,
         "the lease loop leaves three of eight slots free"
     );
     assert_eq!(
-        reports[0],
-        (4, 2),
-        "the model call's report asks for its slot's next task and three more, and is handed both tool calls"
+        asks.reports[0],
+        (3, 2),
+        "the model call's report asks for its slot's next task and the two slots still free, and is handed both tool calls"
     );
     // One tool's report hands the next model call on (whichever reports last); the model
     // call's report at the end hands nothing.
-    assert_eq!(reports.len(), 4, "{reports:?}");
-    assert_eq!(reports.iter().map(|(_, handed)| handed).sum::<usize>(), 3);
+    assert_eq!(asks.reports.len(), 4, "{:?}", asks.reports);
+    assert_eq!(
+        asks.reports.iter().map(|(_, handed)| handed).sum::<usize>(),
+        3
+    );
 
-    let (leases, largest_ask, reports) = two_tools_turn(1).await;
-    assert_eq!(largest_ask, 1);
+    let asks = two_tools_turn(1).await;
+    assert_eq!(asks.largest_ask, 1);
+    assert_eq!(asks.received, 0, "no slot free to start it on");
     assert_eq!(
-        reports[0],
+        asks.leases, 1,
+        "the lease loop is handed the first model call"
+    );
+    assert_eq!(
+        asks.reports[0],
         (1, 1),
-        "with no slot free the report asks for one task: {reports:?}"
+        "with no slot free the report asks for one task: {:?}",
+        asks.reports
     );
     assert_eq!(
-        leases, 1,
-        "the second tool call is handed on by the first one's report"
+        asks.reports.iter().map(|(_, handed)| handed).sum::<usize>(),
+        3
     );
-    assert_eq!(reports.iter().map(|(_, handed)| handed).sum::<usize>(), 3);
+}
+
+/// The same on fjall, whose appends lease in the same write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_pool_starts_a_clients_first_task_given_with_the_append_on_fjall() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(cairn_runtime::store::fjall::FjallStore::open(dir.path()).unwrap());
+    let asks = two_tools_turn_on(store, 8).await;
+    assert_eq!(
+        asks.received, 1,
+        "the first model call, given to a free slot"
+    );
+    assert_eq!(
+        asks.leases, 0,
+        "no lease returns a task: {:?}",
+        asks.reports
+    );
+    assert_eq!(asks.reports[0], (3, 2), "both tool calls handed on");
+    assert_eq!(asks.reports.len(), 4, "{:?}", asks.reports);
 }
 
 /// The default pool is not what caps a process's concurrency: 150 sessions whose model call

@@ -26,7 +26,7 @@ use crate::store::{
     AppendRequest, Lease, LeaseHolder, LeaseRequest, Overdue, SessionInfo, SessionStatus, Store,
     StoreChange, Task, TaskFence, TaskFilter, TaskId,
 };
-use crate::task_waiters::TaskWaiters;
+use crate::task_waiters::{TaskReceiver, TaskWaiters};
 use crate::workflow::{ScheduledActivity, SessionState, Transition, TurnOutcome};
 use cairn_ledger::{
     Delta, JsonText, Media, ModelResponse, ModelSpec, ToolResultContent, ToolSpec, ToolUse,
@@ -155,6 +155,15 @@ pub struct LeasedTask {
     pub lease: Lease,
     /// What to run.
     pub input: ActivityInput,
+}
+
+/// Whose lease waits for tasks ([`Engine::lease_tasks_waiting`]).
+enum WaitingFor {
+    /// A worker elsewhere: a server's long poll.
+    Remote,
+    /// A worker of this process, with where an append gives the tasks it leases for it, if
+    /// not to the lease itself.
+    InProcess(Option<Arc<dyn TaskReceiver>>),
 }
 
 /// Events one append recorded, as the engine publishes them to subscribers.
@@ -377,8 +386,6 @@ impl Engine {
     /// none is due (a long poll). An enqueue wakes one waiting lease per task, one whose
     /// filter accepts it; tasks queued by other processes wake every waiting lease. When
     /// `stop` completes during the wait, answers at once with no task.
-    // A long poll waits on real time.
-    #[allow(clippy::disallowed_methods)]
     pub async fn lease_tasks_waiting(
         &self,
         filter: &TaskFilter,
@@ -388,14 +395,68 @@ impl Engine {
         stop: impl std::future::Future<Output = ()>,
         holder: LeaseHolder,
     ) -> Result<Vec<LeasedTask>> {
+        let waiting_for = match holder {
+            LeaseHolder::InProcess => WaitingFor::InProcess(None),
+            LeaseHolder::Remote => WaitingFor::Remote,
+        };
+        self.wait_for_tasks(filter, max, lease_ms, deadline, stop, waiting_for)
+            .await
+    }
+
+    /// Leases like [`Engine::lease_tasks_waiting`] for a worker of this process, except that
+    /// while it waits idle, the tasks an append of this engine queues (a client's message, a
+    /// timer) are leased with that append and given to `receiver` at once, instead of
+    /// waking this lease to return them: a worker pool's receiver starts each on a slot of
+    /// its own, so the task's first step follows the append's sync without a wake of the
+    /// pool's lease loop in between. This lease returns what it leases itself, and what
+    /// `receiver` had no room for.
+    pub async fn lease_tasks_waiting_receiving(
+        &self,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+        deadline: tokio::time::Instant,
+        receiver: Arc<dyn TaskReceiver>,
+    ) -> Result<Vec<LeasedTask>> {
+        let waiting_for = WaitingFor::InProcess(Some(receiver));
+        self.wait_for_tasks(
+            filter,
+            max,
+            lease_ms,
+            deadline,
+            std::future::pending(),
+            waiting_for,
+        )
+        .await
+    }
+
+    // A long poll waits on real time.
+    #[allow(clippy::disallowed_methods)]
+    async fn wait_for_tasks(
+        &self,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+        deadline: tokio::time::Instant,
+        stop: impl std::future::Future<Output = ()>,
+        waiting_for: WaitingFor,
+    ) -> Result<Vec<LeasedTask>> {
         tokio::pin!(stop);
         let waiters = &self.inner.waiters;
         // A worker of this process may be handed the tasks an append queues, leased with it
         // (`TaskWaiters::claim`); what a lease that stopped waiting was handed goes to its next
         // lease (`Engine::lease_tasks_for`).
-        let shared_filter = (holder == LeaseHolder::InProcess).then(|| Arc::new(filter.clone()));
-        let register = || match &shared_filter {
-            Some(shared) => waiters.register_in_process(shared, max, lease_ms),
+        let (holder, in_process) = match waiting_for {
+            WaitingFor::InProcess(receiver) => (
+                LeaseHolder::InProcess,
+                Some((Arc::new(filter.clone()), receiver)),
+            ),
+            WaitingFor::Remote => (LeaseHolder::Remote, None),
+        };
+        let register = || match &in_process {
+            Some((shared, receiver)) => {
+                waiters.register_in_process(shared, max, lease_ms, receiver.clone())
+            }
             None => waiters.register(filter),
         };
         // Registered before leasing, so an enqueue between an empty lease and the wait wakes it.
@@ -893,6 +954,45 @@ impl Engine {
             LeaseHolder::Remote => store.lease_tasks(now_ms, lease_ms, max, filter).await?,
         };
         Ok(self.with_activities(leases).await)
+    }
+
+    /// Gives `receiver` the leases an append just took for a claimed lease, each with what it
+    /// runs as `state` (the appending session's, current: the append is durable) schedules
+    /// it; returns the leases it did not take, and those of tasks `state` does not say how to
+    /// run (another session's, leased with the append), for the lease itself, which finds
+    /// out as it would have.
+    fn give_to_receiver(
+        &self,
+        receiver: &dyn TaskReceiver,
+        state: Option<&SessionState>,
+        leases: Vec<Lease>,
+    ) -> Vec<Lease> {
+        let mut left = Vec::new();
+        let mut tasks = Vec::with_capacity(leases.len());
+        for lease in leases {
+            let input = state
+                .filter(|state| state.session_id == lease.id.session_id)
+                .and_then(|state| activity_input(state, &lease));
+            match input {
+                Some(input) => tasks.push(LeasedTask { lease, input }),
+                None => left.push(lease),
+            }
+        }
+        if tasks.is_empty() {
+            return left;
+        }
+        {
+            let mut here = lock(&self.inner.leased_here);
+            for task in &tasks {
+                here.insert(
+                    task.lease.id.clone(),
+                    (task.lease.lease_attempt, task.lease.expires_at_ms),
+                );
+            }
+        }
+        // Given back, a lease goes to the lease itself, which records it here again.
+        left.extend(receiver.receive(tasks).into_iter().map(|task| task.lease));
+        left
     }
 
     /// The leases this engine handed out, each with what it runs; tasks the workflow no
@@ -1467,9 +1567,9 @@ impl Engine {
     }
 
     /// How many leases wait idle for tasks here ([`Engine::lease_tasks_waiting`]: their look
-    /// at the store found nothing).
-    #[cfg(test)]
-    pub(crate) fn idle_leases(&self) -> usize {
+    /// at the store found nothing). For tests that need a pool waiting before they append.
+    #[doc(hidden)]
+    pub fn idle_leases(&self) -> usize {
         self.inner.waiters.idle()
     }
 
@@ -1975,7 +2075,18 @@ impl Engine {
                 // The claim wakes its lease for its task, as the wake below would.
                 enqueued.retain(|task| !claim.is_for(&task.id));
             }
-            claim.hand(std::mem::take(&mut leases));
+            let leases = std::mem::take(&mut leases);
+            match claim.receiver() {
+                Some(receiver) if !leases.is_empty() => {
+                    let left = self.give_to_receiver(receiver.as_ref(), guard.as_ref(), leases);
+                    if left.is_empty() {
+                        claim.received();
+                    } else {
+                        claim.hand(left);
+                    }
+                }
+                _ => claim.hand(leases),
+            }
         }
         self.inner.waiters.wake_for(&enqueued);
         self.publish(session_id, published.unwrap_or_default(), outcome);

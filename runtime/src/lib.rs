@@ -75,4 +75,5 @@ pub use store::{
     AppendRequest, Lease, LeaseHolder, LeaseRequest, NewTask, SessionInfo, SessionStatus, Store,
     SyncTimes, Task, TaskFence, TaskFilter, TaskId, TaskKind, DEFAULT_QUEUE,
 };
+pub use task_waiters::TaskReceiver;
 pub use workflow::{Command, SessionState, Transition, TurnOutcome, WORKFLOW_VERSION};

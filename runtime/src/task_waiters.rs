@@ -22,16 +22,30 @@
 //! dispatch, as a report's next task). A claimed lease stays registered: another enqueue
 //! meanwhile wakes it, and it leases from the store at once, as before, rather than wait for
 //! the claiming append's sync; the claim's leases then go to its next lease. A store that hands no task with an append, or a
-//! failed append, wakes it as any enqueue would. Leases handed to a lease that stopped waiting
+//! failed append, wakes it as any enqueue would. A lease registered with a [`TaskReceiver`]
+//! (a worker pool's, which runs each task on a slot of its own) is not even woken: the
+//! append gives the tasks to the receiver at once, and the lease waits on, claimable again
+//! ([`Claim::received`]); the tasks the receiver has no room for are handed to the lease. Leases handed to a lease that stopped waiting
 //! meanwhile (its deadline came, its caller went) are kept here, and the next lease of this
 //! process that accepts them takes them first ([`TaskWaiters::take_orphans`]): no task leased
 //! for a worker of this process waits for its lease to lapse.
 
+use crate::engine::LeasedTask;
 use crate::store::{Lease, LeaseHolder, LeaseRequest, NewTask, TaskFilter, TaskId, TaskKind};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::Notify;
+
+/// Takes the tasks an append hands a waiting lease of a worker of this process, to run at
+/// once, so that the lease need not be woken to return them (and its caller to start them):
+/// a worker pool spawns a slot for each. See [`crate::Engine::lease_tasks_waiting_receiving`].
+pub trait TaskReceiver: Send + Sync {
+    /// Starts running `tasks`, each leased durably for this process's workers; gives back
+    /// those it has no room for (no free slot, the pool stopping), which the waiting lease
+    /// then returns.
+    fn receive(&self, tasks: Vec<LeasedTask>) -> Vec<LeasedTask>;
+}
 
 /// A queued task as far as routing is concerned.
 #[derive(Debug, Clone)]
@@ -66,6 +80,8 @@ struct Waiting {
     /// For a lease of a worker of this process: how many tasks, for how long; an append may
     /// lease them for it ([`TaskWaiters::claim`]).
     handing: Option<(usize, u64)>,
+    /// Where an append gives the tasks it leases for it, if not to the lease itself.
+    receiver: Option<Arc<dyn TaskReceiver>>,
     /// Leases an append took for it, until the lease takes them.
     handed: Mutex<Handed>,
     /// Whether it waits for a wake: its look at the store found nothing. Only such a lease is
@@ -113,31 +129,34 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 impl TaskWaiters {
     /// Registers a lease about to ask the store for tasks `filter` accepts.
     pub(crate) fn register(&self, filter: &TaskFilter) -> Waiter<'_> {
-        self.register_waiting(Arc::new(filter.clone()), None)
+        self.register_waiting(Arc::new(filter.clone()), None, None)
     }
 
     /// Registers the lease of a worker of this process about to ask for at most `max` tasks
     /// `filter` accepts, for `lease_ms`: an append may lease them for it and hand them over
-    /// ([`TaskWaiters::claim`], [`Waiter::take_handed`]).
+    /// ([`TaskWaiters::claim`], [`Waiter::take_handed`]), or give them to `receiver`.
     pub(crate) fn register_in_process(
         &self,
         filter: &Arc<TaskFilter>,
         max: usize,
         lease_ms: u64,
+        receiver: Option<Arc<dyn TaskReceiver>>,
     ) -> Waiter<'_> {
-        self.register_waiting(Arc::clone(filter), Some((max, lease_ms)))
+        self.register_waiting(Arc::clone(filter), Some((max, lease_ms)), receiver)
     }
 
     fn register_waiting(
         &self,
         filter: Arc<TaskFilter>,
         handing: Option<(usize, u64)>,
+        receiver: Option<Arc<dyn TaskReceiver>>,
     ) -> Waiter<'_> {
         let waiting = Arc::new(Waiting {
             filter,
             notify: Notify::new(),
             woken_for: Mutex::new(Vec::new()),
             handing,
+            receiver,
             handed: Mutex::new(Handed::Nothing),
             idle: AtomicBool::new(false),
         });
@@ -178,7 +197,6 @@ impl TaskWaiters {
     }
 
     /// How many leases wait idle ([`Waiter::idle`]).
-    #[cfg(test)]
     pub(crate) fn idle(&self) -> usize {
         lock(&self.registry)
             .waiting
@@ -300,6 +318,21 @@ impl Claim<'_> {
     /// What the append leases for the claimed lease.
     pub(crate) fn request(&self) -> &LeaseRequest {
         &self.request
+    }
+
+    /// Where the claimed lease's tasks go to run at once, if it has a receiver.
+    pub(crate) fn receiver(&self) -> Option<&Arc<dyn TaskReceiver>> {
+        self.waiting.receiver.as_ref()
+    }
+
+    /// Says that the claimed lease's receiver took every lease the append made: the lease,
+    /// never woken, waits on and may be claimed again.
+    pub(crate) fn received(mut self) {
+        self.settled = true;
+        let mut handed = lock(&self.waiting.handed);
+        if matches!(*handed, Handed::Claimed) {
+            *handed = Handed::Nothing;
+        }
     }
 
     /// Hands `leases`, taken by the append (durable), to the claimed lease and wakes it; with
@@ -591,9 +624,9 @@ mod tests {
         let waiters = TaskWaiters::default();
         let gpu = Arc::new(on_queue("gpu"));
         let any = Arc::new(TaskFilter::any());
-        let other_queue = waiters.register_in_process(&gpu, 4, 1_000);
-        let first = waiters.register_in_process(&any, 3, 2_000);
-        let second = waiters.register_in_process(&any, 5, 3_000);
+        let other_queue = waiters.register_in_process(&gpu, 4, 1_000, None);
+        let first = waiters.register_in_process(&any, 3, 2_000, None);
+        let second = waiters.register_in_process(&any, 5, 3_000, None);
         let queued = task(1, "default");
         assert!(
             waiters.claim(std::slice::from_ref(&queued)).is_none(),
@@ -630,7 +663,7 @@ mod tests {
 
         // A claimed lease another enqueue wakes first leases as before; the claim's leases
         // then go to the next lease of its filter.
-        let third = waiters.register_in_process(&any, 1, 1_000);
+        let third = waiters.register_in_process(&any, 1, 1_000, None);
         third.idle();
         let claim = waiters.claim(&[task(5, "default")]).expect("claimed");
         waiters.wake_for(&[task(6, "default")]);
@@ -653,7 +686,7 @@ mod tests {
             "the lease it would wake first is a remote worker's"
         );
         drop(remote);
-        let mut handed_nothing = waiters.register_in_process(&any, 1, 1_000);
+        let mut handed_nothing = waiters.register_in_process(&any, 1, 1_000, None);
         handed_nothing.idle();
         waiters
             .claim(&[task(2, "default")])
@@ -664,7 +697,7 @@ mod tests {
         let missed = handed_nothing.missed(|_| false);
         assert_eq!(missed.len(), 1, "woken for its task, as by an enqueue");
         assert_eq!(missed[0].id.to_string(), "s/2");
-        let abandoned = waiters.register_in_process(&any, 1, 1_000);
+        let abandoned = waiters.register_in_process(&any, 1, 1_000, None);
         abandoned.idle();
         drop(waiters.claim(&[task(3, "default")]).expect("claimed"));
         assert!(
@@ -674,7 +707,7 @@ mod tests {
         drop(abandoned);
 
         // The claimed lease went before the wake: the wake goes to another that accepts it.
-        let gone = waiters.register_in_process(&any, 1, 1_000);
+        let gone = waiters.register_in_process(&any, 1, 1_000, None);
         gone.idle();
         let claim = waiters.claim(&[task(4, "default")]).expect("claimed");
         drop(gone);
@@ -690,11 +723,11 @@ mod tests {
     async fn leases_handed_to_a_lease_gone_go_to_the_next_lease_of_its_filter() {
         let waiters = TaskWaiters::default();
         let any = Arc::new(TaskFilter::any());
-        let gone = waiters.register_in_process(&any, 2, 1_000);
+        let gone = waiters.register_in_process(&any, 2, 1_000, None);
         gone.idle();
         let claim = waiters.claim(&[task(1, "default")]).expect("claimed");
         drop(gone);
-        let waiting = waiters.register_in_process(&any, 2, 1_000);
+        let waiting = waiters.register_in_process(&any, 2, 1_000, None);
         claim.hand(vec![lease_of(&task(1, "default"))]);
         assert!(
             is_woken(&waiting).await,
@@ -704,7 +737,7 @@ mod tests {
         assert_eq!(ids(&waiters.take_orphans(&TaskFilter::any(), 10)), ["s/1"]);
         assert!(waiters.take_orphans(&TaskFilter::any(), 10).is_empty());
 
-        let dropped_after = waiters.register_in_process(&any, 2, 1_000);
+        let dropped_after = waiters.register_in_process(&any, 2, 1_000, None);
         dropped_after.idle();
         let claim = waiters.claim(&[task(2, "default")]).expect("claimed");
         claim.hand(vec![
@@ -718,5 +751,48 @@ mod tests {
             "at most max"
         );
         assert_eq!(ids(&waiters.take_orphans(&TaskFilter::any(), 1)), ["s/3"]);
+    }
+
+    struct NoRoom;
+
+    impl TaskReceiver for NoRoom {
+        fn receive(&self, tasks: Vec<LeasedTask>) -> Vec<LeasedTask> {
+            tasks
+        }
+    }
+
+    /// A lease registered with a receiver is claimed as any other, and says where its tasks
+    /// go; once the receiver took them, the lease is neither woken nor taken out of the
+    /// registry, and the next append may claim it again. A lease without one has none.
+    #[tokio::test]
+    async fn a_claim_whose_receiver_took_the_tasks_leaves_its_lease_waiting_and_claimable() {
+        let waiters = TaskWaiters::default();
+        let any = Arc::new(TaskFilter::any());
+        let receiving = waiters.register_in_process(&any, 2, 1_000, Some(Arc::new(NoRoom)));
+        receiving.idle();
+        let claim = waiters.claim(&[task(1, "default")]).expect("claimed");
+        assert!(
+            claim.receiver().is_some(),
+            "its receiver comes with the claim"
+        );
+        assert!(
+            waiters.claim(&[task(2, "default")]).is_none(),
+            "claimed, until the claim settles"
+        );
+        claim.received();
+        assert!(!is_woken(&receiving).await, "never woken");
+        assert!(receiving.take_handed().is_empty(), "nothing handed to it");
+        assert_eq!(waiters.idle(), 1, "still registered, idle");
+        let again = waiters
+            .claim(&[task(3, "default")])
+            .expect("claimable again");
+        again.hand(vec![lease_of(&task(3, "default"))]);
+        assert!(is_woken(&receiving).await, "what it is handed wakes it");
+        assert_eq!(ids(&receiving.take_handed()), ["s/3"]);
+
+        let plain = waiters.register_in_process(&any, 1, 1_000, None);
+        plain.idle();
+        let claim = waiters.claim(&[task(4, "default")]).expect("claimed");
+        assert!(claim.receiver().is_none());
     }
 }

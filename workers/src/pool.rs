@@ -12,6 +12,7 @@ use cairn_ledger::{
 use cairn_runtime::{
     ActivityFailure, ActivityInput, ActivityRef, ActivityReport, DeltaEvent, Engine, Error,
     ErrorClass, FailurePhase, Lease, LeaseHolder, LeaseRequest, LeasedTask, TaskFilter,
+    TaskReceiver,
 };
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
@@ -238,7 +239,35 @@ struct Slots {
     next: LeaseRequest,
     permits: Arc<Semaphore>,
     tracker: TaskTracker,
+    /// The pool's runtime: a slot a receiver starts is spawned there, whatever runtime the
+    /// append that hands its task runs on.
+    runtime: tokio::runtime::Handle,
     stop: watch::Receiver<bool>,
+}
+
+/// Starts the tasks an append of this process hands the pool's waiting lease on slots of
+/// their own at once ([`TaskSource::lease_or_receive`]): without it, the append would wake
+/// the lease loop, which would start them.
+struct SlotReceiver(Arc<Slots>);
+
+impl TaskReceiver for SlotReceiver {
+    fn receive(&self, tasks: Vec<LeasedTask>) -> Vec<LeasedTask> {
+        let slots = &self.0;
+        let mut left = Vec::new();
+        for task in tasks {
+            // Stopping, the pool starts nothing new: the lease, given the task back, returns
+            // it to a lease loop that is going (its leases then go to the next lease).
+            if *slots.stop.borrow() {
+                left.push(task);
+                continue;
+            }
+            match slots.permits.clone().try_acquire_owned() {
+                Ok(permit) => slots.spawn(task, permit),
+                Err(_) => left.push(task),
+            }
+        }
+        left
+    }
 }
 
 impl Slots {
@@ -247,29 +276,33 @@ impl Slots {
     /// slot's own next one get slots of their own.
     fn spawn(self: &Arc<Self>, task: LeasedTask, permit: OwnedSemaphorePermit) {
         let slots = self.clone();
-        self.tracker.spawn(async move {
-            let mut task = Some(task);
-            while let Some(this) = task.take() {
-                let eager = (!*slots.stop.borrow()).then_some(EagerDispatch {
-                    request: &slots.next,
-                    permits: &slots.permits,
-                });
-                let handed = run_task(
-                    slots.source.as_ref(),
-                    &slots.activities,
-                    &slots.registry,
-                    this,
-                    slots.timing,
-                    eager,
-                )
-                .await;
-                task = handed.next;
-                for (more, permit) in handed.more {
-                    slots.spawn(more, permit);
+        let runtime = self.runtime.clone();
+        self.tracker.spawn_on(
+            async move {
+                let mut task = Some(task);
+                while let Some(this) = task.take() {
+                    let eager = (!*slots.stop.borrow()).then_some(EagerDispatch {
+                        request: &slots.next,
+                        permits: &slots.permits,
+                    });
+                    let handed = run_task(
+                        slots.source.as_ref(),
+                        &slots.activities,
+                        &slots.registry,
+                        this,
+                        slots.timing,
+                        eager,
+                    )
+                    .await;
+                    task = handed.next;
+                    for (more, permit) in handed.more {
+                        slots.spawn(more, permit);
+                    }
                 }
-            }
-            drop(permit);
-        });
+                drop(permit);
+            },
+            &runtime,
+        );
     }
 }
 
@@ -310,8 +343,10 @@ async fn lease_loop(
         },
         permits: permits.clone(),
         tracker: TaskTracker::new(),
+        runtime: tokio::runtime::Handle::current(),
         stop: stop.clone(),
     });
+    let receiver: Arc<dyn TaskReceiver> = Arc::new(SlotReceiver(slots.clone()));
     loop {
         if *stop.borrow() {
             break;
@@ -337,7 +372,7 @@ async fn lease_loop(
             break;
         };
         let leased = tokio::select! {
-            leased = source.lease(&filter, reserved.num_permits(), config.lease_ms, poll) => leased,
+            leased = source.lease_or_receive(&filter, reserved.num_permits(), config.lease_ms, poll, receiver.clone()) => leased,
             _ = stop.changed() => continue,
         };
         let leased = match leased {

@@ -6,8 +6,9 @@ use async_trait::async_trait;
 use cairn_ledger::{JsonText, Usage};
 use cairn_runtime::{
     ActivityReport, DeltaEvent, Engine, Lease, LeaseHolder, LeaseRequest, LeasedTask, Result,
-    TaskFilter,
+    TaskFilter, TaskReceiver,
 };
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::broadcast;
 
@@ -23,6 +24,22 @@ pub trait TaskSource: Send + Sync + 'static {
         lease_ms: u64,
         wait: Duration,
     ) -> Result<Vec<LeasedTask>>;
+
+    /// Leases like [`TaskSource::lease`]; meanwhile, a source in this process may give the
+    /// tasks an append of its own queues to `receiver` at once, leased with the append,
+    /// rather than return them ([`Engine::lease_tasks_waiting_receiving`]). By default it
+    /// leases, and gives `receiver` nothing.
+    async fn lease_or_receive(
+        &self,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+        wait: Duration,
+        receiver: Arc<dyn TaskReceiver>,
+    ) -> Result<Vec<LeasedTask>> {
+        let _ = receiver;
+        self.lease(filter, max, lease_ms, wait).await
+    }
 
     /// Renews a lease, recording `details` durably when given; returns the new expiry.
     /// `LeaseLost` means stop: the task was cancelled or completed, or the lease lapsed.
@@ -126,6 +143,20 @@ impl TaskSource for EngineSource {
                 std::future::pending(),
                 LeaseHolder::InProcess,
             )
+            .await
+    }
+
+    async fn lease_or_receive(
+        &self,
+        filter: &TaskFilter,
+        max: usize,
+        lease_ms: u64,
+        wait: Duration,
+        receiver: Arc<dyn TaskReceiver>,
+    ) -> Result<Vec<LeasedTask>> {
+        let deadline = tokio::time::Instant::now() + wait;
+        self.engine
+            .lease_tasks_waiting_receiving(filter, max, lease_ms, deadline, receiver)
             .await
     }
 
