@@ -24,6 +24,24 @@ fn answer(text: &str) -> ActivityReport {
     text_answer("handoff", text)
 }
 
+/// A new session `id` on a fjall store whose own leases can be made to fail, with its
+/// engine and client; the directory lives as long as the first of them.
+async fn started_on_faulty_fjall(
+    id: &str,
+) -> Result<(
+    tempfile::TempDir,
+    Arc<FaultyStore<FjallStore>>,
+    Engine,
+    Client,
+)> {
+    let root = tempfile::tempdir().expect("temp dir");
+    let store = Arc::new(FaultyStore::new(FjallStore::open(root.path())?));
+    let engine = Engine::new(store.clone(), Arc::new(SystemClock));
+    let client = Client::new(engine.clone());
+    client.start_session(options(id)).await?;
+    Ok((root, store, engine, client))
+}
+
 /// A lease of a worker of this process, waiting up to 30 s, in a task of its own; returns
 /// once it waits idle (its look at the store found nothing).
 async fn waiting_lease(engine: &Engine) -> tokio::task::JoinHandle<Result<Vec<LeasedTask>>> {
@@ -77,11 +95,7 @@ async fn waiting_lease_receiving(
 /// the task (attempt 1), and its report ends the turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clients_message_hands_its_task_to_a_waiting_lease_with_the_append() -> Result<()> {
-    let root = tempfile::tempdir().expect("temp dir");
-    let store = Arc::new(FaultyStore::new(FjallStore::open(root.path())?));
-    let engine = Engine::new(store.clone(), Arc::new(SystemClock));
-    let client = Client::new(engine.clone());
-    client.start_session(options("h")).await?;
+    let (_root, store, engine, client) = started_on_faulty_fjall("h").await?;
     let lease = waiting_lease(&engine).await;
     // A lease asking the store would fail now; only the append's may lease.
     store.fail_leases();
@@ -189,11 +203,7 @@ async fn assert_replays(client: &Client, store: &dyn Store, id: &str) -> Result<
 /// task goes to the receiver too. Reports end both turns, and the history replays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clients_message_gives_its_task_to_the_waiting_leases_receiver() -> Result<()> {
-    let root = tempfile::tempdir().expect("temp dir");
-    let store = Arc::new(FaultyStore::new(FjallStore::open(root.path())?));
-    let engine = Engine::new(store.clone(), Arc::new(SystemClock));
-    let client = Client::new(engine.clone());
-    client.start_session(options("r")).await?;
+    let (_root, store, engine, client) = started_on_faulty_fjall("r").await?;
     let receiver = Keeping::with_room(2);
     let lease = waiting_lease_receiving(&engine, Some(receiver.clone())).await;
     store.fail_leases();
@@ -240,11 +250,7 @@ async fn a_clients_message_gives_its_task_to_the_waiting_leases_receiver() -> Re
 /// A receiver with no room gives the task back: the lease is handed it as without one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_the_receiver_has_no_room_for_is_handed_to_the_lease() -> Result<()> {
-    let root = tempfile::tempdir().expect("temp dir");
-    let store = Arc::new(FaultyStore::new(FjallStore::open(root.path())?));
-    let engine = Engine::new(store.clone(), Arc::new(SystemClock));
-    let client = Client::new(engine.clone());
-    client.start_session(options("n")).await?;
+    let (_root, store, engine, client) = started_on_faulty_fjall("n").await?;
     let receiver = Keeping::with_room(0);
     let lease = waiting_lease_receiving(&engine, Some(receiver.clone())).await;
     store.fail_leases();
