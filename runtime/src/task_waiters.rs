@@ -21,14 +21,15 @@
 //! leases once they are durable, so that the lease does not ask the store again (eager
 //! dispatch, as a report's next task). A claimed lease stays registered: another enqueue
 //! meanwhile wakes it, and it leases from the store at once, as before, rather than wait for
-//! the claiming append's sync; the claim's leases then go to its next lease. A store that hands no task with an append, or a
-//! failed append, wakes it as any enqueue would. A lease registered with a [`TaskReceiver`]
-//! (a worker pool's, which runs each task on a slot of its own) is not even woken: the
-//! append gives the tasks to the receiver at once, and the lease waits on, claimable again
-//! ([`Claim::received`]); the tasks the receiver has no room for are handed to the lease. Leases handed to a lease that stopped waiting
-//! meanwhile (its deadline came, its caller went) are kept here, and the next lease of this
-//! process that accepts them takes them first ([`TaskWaiters::take_orphans`]): no task leased
-//! for a worker of this process waits for its lease to lapse.
+//! the claiming append's sync; the claim's leases then go to its next lease. A store that hands
+//! no task with an append, or a failed append, wakes it as any enqueue would. A lease
+//! registered with a [`TaskReceiver`] (a worker pool's, which runs each task on a slot of its
+//! own) is not even woken: the append gives the tasks to the receiver at once, and the lease
+//! waits on, claimable again ([`Claim::received`]); the tasks the receiver has no room for are
+//! handed to the lease. Leases handed to a lease that stopped waiting meanwhile (its deadline
+//! came, its caller went) are kept here, and the next lease of this process that accepts them
+//! takes them first ([`TaskWaiters::take_orphans`]): no task leased for a worker of this
+//! process waits for its lease to lapse.
 
 use crate::engine::LeasedTask;
 use crate::store::{Lease, LeaseHolder, LeaseRequest, NewTask, TaskFilter, TaskId, TaskKind};
