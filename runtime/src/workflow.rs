@@ -2080,18 +2080,90 @@ fn missing_required(
     arguments: &serde_json::Value,
 ) -> Option<String> {
     let index = tools.iter().position(|t| t.name == name)?;
-    let read;
-    let required: &[String] = match memo {
-        Some(memo) => memo
-            .by_tool
-            .entry(index)
-            .or_insert_with(|| required_fields(&tools[index].input_schema))
-            .as_deref()?,
-        None => {
-            read = required_fields(&tools[index].input_schema)?;
-            &read
+    let schema = &tools[index].input_schema;
+    match memo {
+        Some(memo) => {
+            let required = memo
+                .by_tool
+                .entry(index)
+                .or_insert_with(|| required_fields(schema))
+                .as_deref()?;
+            missing_of(name, required, arguments)
         }
+        None if schema.as_str().len() > RECENT_REQUIRED_SCHEMA_BYTES => {
+            missing_of(name, &required_fields(schema)?, arguments)
+        }
+        None => RECENT_REQUIRED.with(|recent| {
+            let mut recent = recent.borrow_mut();
+            missing_of(name, recent.required(schema)?, arguments)
+        }),
+    }
+}
+
+/// The most schemas [`RecentRequired`] keeps.
+const RECENT_REQUIRED_SCHEMAS: usize = 8;
+/// The largest schema [`RecentRequired`] keeps, in bytes of text.
+const RECENT_REQUIRED_SCHEMA_BYTES: usize = 16 << 10;
+
+thread_local! {
+    /// The required fields of the tool schemas this thread read last, outside a fold.
+    static RECENT_REQUIRED: std::cell::RefCell<RecentRequired> = const {
+        std::cell::RefCell::new(RecentRequired { schemas: Vec::new(), next: 0 })
     };
+}
+
+/// The required fields of the last few tool schemas read, by their text. A live session's
+/// state keeps no [`RequiredMemo`] (a parked state stays small), so without it every tool
+/// call read its tool's schema again, and a fresh session per task always did; the same few
+/// schemas come back across sessions, and comparing a schema's text is far cheaper than
+/// reading it. What it gives is what [`required_fields`] gives: only the time changes.
+pub(crate) struct RecentRequired {
+    schemas: Vec<(String, Option<Vec<String>>)>,
+    /// The entry the next new schema replaces once full.
+    next: usize,
+}
+
+impl RecentRequired {
+    /// None kept yet.
+    #[cfg(test)]
+    pub(crate) fn new() -> Self {
+        RecentRequired {
+            schemas: Vec::new(),
+            next: 0,
+        }
+    }
+
+    /// How many schemas it keeps.
+    #[cfg(test)]
+    pub(crate) fn kept(&self) -> usize {
+        self.schemas.len()
+    }
+
+    /// [`required_fields`] of `schema`, kept for next time (the caller reads a schema larger
+    /// than [`RECENT_REQUIRED_SCHEMA_BYTES`] itself, so none is kept).
+    pub(crate) fn required(&mut self, schema: &cairn_ledger::JsonText) -> Option<&[String]> {
+        let text = schema.as_str();
+        let at = match self.schemas.iter().position(|(kept, _)| kept == text) {
+            Some(at) => at,
+            None if self.schemas.len() < RECENT_REQUIRED_SCHEMAS => {
+                self.schemas
+                    .push((text.to_owned(), required_fields(schema)));
+                self.schemas.len() - 1
+            }
+            None => {
+                let at = self.next;
+                self.next = (at + 1) % RECENT_REQUIRED_SCHEMAS;
+                self.schemas[at] = (text.to_owned(), required_fields(schema));
+                at
+            }
+        };
+        self.schemas[at].1.as_deref()
+    }
+}
+
+/// The error result's text when `arguments` lack a field of `required` (see
+/// [`missing_required`]).
+fn missing_of(name: &str, required: &[String], arguments: &serde_json::Value) -> Option<String> {
     let Some(object) = arguments.as_object() else {
         return Some(format!(
             "invalid tool arguments: {name} takes a JSON object (requires: {})",

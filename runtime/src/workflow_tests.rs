@@ -1493,6 +1493,39 @@ fn required_the_whole_way(schema: &JsonText) -> Option<Vec<String>> {
 }
 
 #[test]
+fn recent_schemas_give_what_reading_them_gives_and_keep_at_most_eight() {
+    let mut recent = crate::workflow::RecentRequired::new();
+    let schema = |i: usize| {
+        JsonText::parse(&format!(
+            r#"{{"type":"object","required":["field{i}","other{i}"]}}"#
+        ))
+        .unwrap()
+    };
+    let no_required = JsonText::parse(r#"{"type":"object"}"#).unwrap();
+    // Twenty schemas, each read three times in a row and again after the others evicted it.
+    for round in 0..2 {
+        for i in 0..20 {
+            for _ in 0..3 {
+                let expected = crate::workflow::required_fields(&schema(i));
+                assert_eq!(
+                    recent.required(&schema(i)).map(<[String]>::to_vec),
+                    expected,
+                    "schema {i}, round {round}"
+                );
+            }
+            assert!(recent.kept() <= 8, "{} schemas kept", recent.kept());
+        }
+    }
+    assert_eq!(recent.required(&no_required), Some(&[][..]));
+    assert_eq!(recent.kept(), 8);
+    // A schema kept earlier still answers with its own fields, not a neighbour's.
+    assert_eq!(
+        recent.required(&schema(19)),
+        Some(&["field19".to_owned(), "other19".to_owned()][..])
+    );
+}
+
+#[test]
 fn a_schemas_required_names_read_in_part_are_those_of_the_whole_schema() {
     let schemas = [
         r#"{"type":"object","properties":{"path":{"type":"string"}},"required":["path"]}"#,
