@@ -1496,7 +1496,7 @@ fn required_the_whole_way(schema: &JsonText) -> Option<Vec<String>> {
 fn recent_schemas_give_what_reading_them_gives_and_keep_at_most_eight() {
     let mut recent = crate::workflow::RecentRequired::new();
     let schema = |i: usize| {
-        JsonText::parse(&format!(
+        JsonText::parse(format!(
             r#"{{"type":"object","required":["field{i}","other{i}"]}}"#
         ))
         .unwrap()
