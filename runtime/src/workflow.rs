@@ -2100,8 +2100,10 @@ fn missing_required(
     }
 }
 
-/// The most schemas [`RecentRequired`] keeps.
-const RECENT_REQUIRED_SCHEMAS: usize = 8;
+/// The most schemas [`RecentRequired`] keeps: more than the tools a session's model calls
+/// in turn, so that a session offering many tools (an MCP server's) does not evict its own
+/// schemas call after call. A lookup compares lengths first, so a miss costs little.
+pub(crate) const RECENT_REQUIRED_SCHEMAS: usize = 32;
 /// The largest schema [`RecentRequired`] keeps, in bytes of text.
 const RECENT_REQUIRED_SCHEMA_BYTES: usize = 16 << 10;
 

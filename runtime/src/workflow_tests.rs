@@ -1493,7 +1493,8 @@ fn required_the_whole_way(schema: &JsonText) -> Option<Vec<String>> {
 }
 
 #[test]
-fn recent_schemas_give_what_reading_them_gives_and_keep_at_most_eight() {
+fn recent_schemas_give_what_reading_them_gives_and_keep_a_bounded_number() {
+    let most = crate::workflow::RECENT_REQUIRED_SCHEMAS;
     let mut recent = crate::workflow::RecentRequired::new();
     let schema = |i: usize| {
         JsonText::parse(format!(
@@ -1502,9 +1503,10 @@ fn recent_schemas_give_what_reading_them_gives_and_keep_at_most_eight() {
         .unwrap()
     };
     let no_required = JsonText::parse(r#"{"type":"object"}"#).unwrap();
-    // Twenty schemas, each read three times in a row and again after the others evicted it.
+    // More schemas than it keeps, each read three times in a row and again after the others
+    // evicted it.
     for round in 0..2 {
-        for i in 0..20 {
+        for i in 0..most + 12 {
             for _ in 0..3 {
                 let expected = crate::workflow::required_fields(&schema(i));
                 assert_eq!(
@@ -1513,15 +1515,15 @@ fn recent_schemas_give_what_reading_them_gives_and_keep_at_most_eight() {
                     "schema {i}, round {round}"
                 );
             }
-            assert!(recent.kept() <= 8, "{} schemas kept", recent.kept());
+            assert!(recent.kept() <= most, "{} schemas kept", recent.kept());
         }
     }
     assert_eq!(recent.required(&no_required), Some(&[][..]));
-    assert_eq!(recent.kept(), 8);
+    assert_eq!(recent.kept(), most);
     // A schema kept earlier still answers with its own fields, not a neighbour's.
     assert_eq!(
-        recent.required(&schema(19)),
-        Some(&["field19".to_owned(), "other19".to_owned()][..])
+        recent.required(&schema(most + 11)),
+        Some(&[format!("field{}", most + 11), format!("other{}", most + 11)][..])
     );
 }
 
