@@ -1002,6 +1002,11 @@ async fn two_tools_turn_on(store: Arc<dyn Store>, concurrency: usize) -> PoolAsk
         },
         WorkerConfig {
             concurrency,
+            // One long poll for the whole turn: with fast_workers' 5 ms one, the lease loop
+            // gives its reservation back and leases again every 5 ms, and a report landing
+            // in between finds three slots free instead of two (or an append, no lease
+            // waiting), so the asks below would depend on timing.
+            poll_interval_ms: 60_000,
             ..fast_workers()
         },
     );
