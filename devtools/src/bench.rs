@@ -431,14 +431,26 @@ async fn closed_loop(
     })
 }
 
-/// Embedded: a new store of `engine`, the engine and a worker pool with default settings in
-/// this process.
+/// Opens a new `engine` store at `path` as a restarted process finds it: created, closed and
+/// opened again. A server spends most of its life on a store it reopened, and a reopened
+/// store may sync dearer than a new one (fjall's recovered journal did, until cairn patched
+/// it: `vendor/README.md`), so the embedded measurements run on one.
+pub async fn open_restarted(
+    path: &Path,
+    engine: StorageEngine,
+) -> anyhow::Result<embedded::OpenedStore> {
+    drop(embedded::open(path, OpenMode::Create, Some(engine)).await?);
+    Ok(embedded::open(path, OpenMode::Existing, Some(engine)).await?)
+}
+
+/// Embedded: a new store of `engine`, reopened ([`open_restarted`]), the engine and a worker
+/// pool with default settings in this process.
 pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Result<BenchResult> {
     let dir = tempfile::tempdir().context("a temporary directory")?;
     let model = write_script(dir.path(), config.model_latency_ms)?;
     let probed_before = probe_in(dir.path()).await?;
     let setup = format!("embedded, {engine}");
-    let opened = embedded::open(&dir.path().join("store"), OpenMode::Create, Some(engine)).await?;
+    let opened = open_restarted(&dir.path().join("store"), engine).await?;
     let engine = Engine::new(opened.store.clone(), Arc::new(SystemClock));
     let pool = WorkerPool::start(
         engine.clone(),

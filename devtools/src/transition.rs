@@ -1,6 +1,7 @@
 //! One durable state transition, timed in this process for `cairn bench --goals`: an activity's
 //! completion recorded and the session's next task handed to the worker that reported it, as
-//! a worker slot of this process runs it (eager dispatch), on a new embedded store.
+//! a worker slot of this process runs it (eager dispatch), on a new embedded store, reopened
+//! as a restarted server's is ([`crate::bench::open_restarted`]).
 //!
 //! The same loop as the criterion group `state_transition` (`benches/engine.rs`): a session
 //! whose model asks for one tool per round, each round two transitions (the model's answer →
@@ -16,7 +17,7 @@ use crate::bench::ProbedFdatasync;
 use crate::fixtures;
 use anyhow::{bail, Context};
 use cairn_ledger::{JsonText, ToolResultContent};
-use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
+use cairn_runtime::store::embedded::StorageEngine;
 use cairn_runtime::store::{Lease, LeaseHolder, LeaseRequest, TaskFilter};
 use cairn_runtime::{ActivityReport, Engine, SystemClock};
 use std::sync::Arc;
@@ -78,14 +79,15 @@ async fn report(
     }
 }
 
-/// Times transitions on a new `engine` store in `dir` for about `duration` (at least 60).
+/// Times transitions on a new `engine` store in `dir`, reopened, for about `duration` (at
+/// least 60).
 pub async fn measure(
     dir: &std::path::Path,
     engine: StorageEngine,
     duration: Duration,
 ) -> anyhow::Result<TransitionResult> {
     let probed_before = crate::bench::probe_in(dir).await?;
-    let opened = embedded::open(&dir.join("store"), OpenMode::Create, Some(engine)).await?;
+    let opened = crate::bench::open_restarted(&dir.join("store"), engine).await?;
     let runtime = Engine::new(opened.store.clone(), Arc::new(SystemClock));
     let next = LeaseRequest {
         filter: Arc::new(TaskFilter::default()),
