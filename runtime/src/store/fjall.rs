@@ -2669,15 +2669,16 @@ mod tests {
     /// write after a reopen grew the file, and every fdatasync wrote the inode's size too
     /// (about half again as long on ext4). cairn's patched fjall (`vendor/README.md`) writes on
     /// inside the preallocated file instead, as into a new journal: the journal keeps its
-    /// preallocated length, each reopen's writes follow the last ones, and all read back.
+    /// preallocated length, each reopen's writes follow the last ones, and all read back; a
+    /// torn write there is cut off at the next open as in a new journal, and writing goes on.
     #[tokio::test]
     async fn a_reopened_journal_is_written_on_inside_its_preallocated_file() {
-        const PREALLOCATED: u64 = 64 * 1024 * 1024;
+        const PREALLOCATED: usize = 64 * 1024 * 1024;
         let root = temp();
         let dir = root.path().join("s");
         let mut store = FjallStore::open(&dir).expect("open");
-        let mut last_end = 0;
-        for s in ["a", "b", "c"] {
+        let mut previous_last = 0;
+        for s in ["a", "b", "c", "d"] {
             for seq in 1..=5 {
                 let text = format!("MARK-{s}-{seq}-");
                 store
@@ -2688,22 +2689,41 @@ mod tests {
             let journal = journal_of(&dir);
             let bytes = fs::read(&journal).expect("read");
             assert_eq!(
-                bytes.len() as u64,
+                bytes.len(),
                 PREALLOCATED,
                 "session {s}: the journal was written inside its preallocated length"
             );
             let first = find(&bytes, &marked_record(s, 1)).expect("the first record");
             let last = find(&bytes, &marked_record(s, 5)).expect("the last record");
             assert!(
-                last_end < first && first < last && last < 64 * 1024,
-                "session {s}'s records follow the ones before the reopen: {last_end} < {first} < {last}"
+                previous_last < first && first < last && last < 64 * 1024,
+                "session {s}'s records follow the ones before the reopen: \
+                 {previous_last} < {first} < {last}"
             );
-            last_end = last;
-            store = reopen(store);
+            previous_last = last;
+            drop(store);
+            if s == "d" {
+                // A torn last write: d's last batch loses its end, the preallocated zeros
+                // after it as they were.
+                let mut torn = bytes[..last + 4].to_vec();
+                torn.resize(PREALLOCATED, 0);
+                fs::write(&journal, &torn).expect("write");
+            }
+            store = FjallStore::open_existing(&dir).expect("reopen");
         }
-        let listed = store.list_sessions().await.expect("list");
-        assert_eq!(listed.iter().map(|i| i.events).sum::<u64>(), 15);
-        for s in ["a", "b", "c"] {
+        async fn events(store: &FjallStore) -> u64 {
+            let listed = store.list_sessions().await.expect("list");
+            listed.iter().map(|i| i.events).sum()
+        }
+        assert_eq!(events(&store).await, 19, "all but d's torn last event");
+        store
+            .append(append_request("d", 5, vec![message("d", 5, "again")], 1))
+            .await
+            .expect("append after the cut");
+        drop(store);
+        let store = FjallStore::open_existing(&dir).expect("reopen");
+        assert_eq!(events(&store).await, 20);
+        for s in ["a", "b", "c", "d"] {
             let history = store.read_history(s, 1, None).await.expect("read");
             assert_eq!(history.len(), 5, "session {s}");
         }
