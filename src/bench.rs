@@ -75,7 +75,7 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
             args.worker_concurrency
         ),
         (None, false) => format!(
-            "through a server on a new store each, {} activities at once per worker process",
+            "through a server on a new store each (created and closed first, so that the server opens it again, as after a restart), {} activities at once per worker process",
             args.worker_concurrency
         ),
     };

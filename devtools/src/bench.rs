@@ -525,6 +525,9 @@ async fn run_deployment(
                     deployment.servers
                 );
             }
+            // Created and closed here, so that the server opens it again, as a restarted
+            // server does (as the embedded rows do: [`open_restarted`]).
+            drop(embedded::open(&dir.path().join("store"), OpenMode::Create, Some(*engine)).await?);
             vec![
                 "--data".into(),
                 dir.path().join("store").display().to_string(),
