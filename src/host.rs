@@ -11,6 +11,11 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// How often, and how many times, [`Host::shutdown`] looks whether the tasks that held the
+/// store have let it go: at most two seconds in all.
+const STORE_RELEASE_POLL: std::time::Duration = std::time::Duration::from_millis(1);
+const STORE_RELEASE_POLLS: u32 = 2_000;
+
 /// Everything a CLI command needs: store, engine, client and (optionally) workers.
 pub struct Host {
     /// The store.
@@ -131,14 +136,38 @@ impl Host {
         }
     }
 
-    /// Drains the workers.
-    pub async fn shutdown(mut self) {
-        if let Some(pool) = self.workers.take() {
+    /// Drains the workers, then closes the store here, once the tasks that still held it
+    /// have ended, so that a caller may remove its directory next.
+    #[allow(clippy::disallowed_methods)] // waits on real time for other tasks, not workflow code
+    pub async fn shutdown(self) {
+        let Host {
+            store,
+            opened,
+            engine,
+            client,
+            workers,
+            socket,
+            ..
+        } = self;
+        if let Some(pool) = workers {
             pool.shutdown().await;
         }
-        if let Some(socket) = self.socket.take() {
+        if let Some(socket) = socket {
             socket.close().await;
         }
+        drop((store, engine, client));
+        // A task that held the engine (a follower whose reader has gone) ends at its next
+        // poll. Until it has, it holds the store, and the store would close in that task after
+        // this returns: after `cairn demo` removed the store's directory, say, whose engine
+        // then warned of files it could not delete. So wait for such tasks, a little. The
+        // store closes when `opened` drops its reference, the last, and only then its lock.
+        for _ in 0..STORE_RELEASE_POLLS {
+            if Arc::strong_count(&opened.store) == 1 {
+                break;
+            }
+            tokio::time::sleep(STORE_RELEASE_POLL).await;
+        }
+        drop(opened);
     }
 }
 
@@ -159,4 +188,42 @@ pub fn describe_losses(losses: &[Loss]) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// `shutdown` closes the store before it returns, also while a task still holds the
+    /// engine for a moment (as a follower whose reader has gone does until its next poll):
+    /// the last reference to the store is dropped, and so the store closed, by `shutdown`
+    /// itself, not by that task after a caller removed the store's directory.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[allow(clippy::disallowed_methods)] // the holder lets go after a real pause
+    async fn shutdown_closes_the_store_after_the_tasks_that_held_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = dir.path().join("store");
+        let host = Host::open(
+            &data,
+            OpenMode::Create,
+            Some(StorageEngine::Fjall),
+            dir.path().to_owned(),
+        )
+        .await
+        .expect("open");
+        let store = Arc::downgrade(&host.store);
+        let engine = host.engine.clone();
+        let holder = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            drop(engine);
+        });
+        host.shutdown().await;
+        assert_eq!(
+            store.strong_count(),
+            0,
+            "the store must be closed when shutdown returns"
+        );
+        holder.await.expect("the holder ends");
+    }
 }
