@@ -7,8 +7,6 @@ pub mod name;
 pub mod options;
 mod write_delay;
 
-#[cfg(test)]
-mod test;
 
 use crate::{
     file::{KEYSPACES_FOLDER, LSM_CURRENT_VERSION_MARKER},
