@@ -2576,6 +2576,18 @@ mod tests {
         crate::codec::encode(&message(s, seq, &format!("MARK-{s}-{seq}-"))).expect("encode")
     }
 
+    /// Appends events 1..=`events` of session `s`, one per append, each carrying the text
+    /// `MARK-<s>-<seq>-` ([`marked_record`] finds them in the journal).
+    async fn append_marked(store: &FjallStore, s: &str, events: u64) {
+        for seq in 1..=events {
+            let text = format!("MARK-{s}-{seq}-");
+            store
+                .append(append_request(s, seq, vec![message(s, seq, &text)], 1))
+                .await
+                .expect("append");
+        }
+    }
+
     /// Opens the store and counts its events.
     async fn reopen_count(dir: &Path) -> Result<u64> {
         let store = FjallStore::open_existing(dir)?;
@@ -2594,13 +2606,7 @@ mod tests {
             async move {
                 let store = FjallStore::open(&dir).expect("open");
                 for s in ["a", "b", "c"] {
-                    for seq in 1..=10 {
-                        let text = format!("MARK-{s}-{seq}-");
-                        store
-                            .append(append_request(s, seq, vec![message(s, seq, &text)], 1))
-                            .await
-                            .expect("append");
-                    }
+                    append_marked(&store, s, 10).await;
                 }
             }
         };
@@ -2679,13 +2685,7 @@ mod tests {
         let mut store = FjallStore::open(&dir).expect("open");
         let mut previous_last = 0;
         for s in ["a", "b", "c", "d"] {
-            for seq in 1..=5 {
-                let text = format!("MARK-{s}-{seq}-");
-                store
-                    .append(append_request(s, seq, vec![message(s, seq, &text)], 1))
-                    .await
-                    .expect("append");
-            }
+            append_marked(&store, s, 5).await;
             let journal = journal_of(&dir);
             let bytes = fs::read(&journal).expect("read");
             assert_eq!(
