@@ -12,6 +12,7 @@ use std::process::ExitCode;
 
 pub mod goals;
 mod parked;
+pub mod stages;
 
 /// What `cairn bench` was asked for.
 pub struct BenchArgs {
@@ -95,6 +96,7 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
             seconds: args.seconds,
             model_latency_ms: args.model_latency_ms,
             worker_concurrency: args.worker_concurrency,
+            stages: false,
         };
         if !args.no_embedded {
             for &engine in &args.engines {

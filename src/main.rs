@@ -405,7 +405,7 @@ enum Command {
         engine: Vec<StorageEngine>,
         /// Instead of turns per second: the bytes of one long session (raw messages,
         /// transcript, history by event kind, disk) on each engine.
-        #[arg(long, conflicts_with_all = ["parked", "goals"])]
+        #[arg(long, conflicts_with_all = ["parked", "goals", "stages"])]
         footprint: bool,
         /// Instead: every goal of issue 13 measured on each engine in one run (turns/s at 128
         /// sessions, one session's latency, one state transition, replay, parked sessions,
@@ -420,6 +420,11 @@ enum Command {
         /// (with --goals: the sessions the memory goal parks [default: 100000]).
         #[arg(long, value_name = "N")]
         parked: Option<usize>,
+        /// Instead: where one session's turn spends its time on each engine, step by step
+        /// between the marks on its path (the store's syncs, encoding, the writer, the
+        /// workflow, the activity, handing tasks), one table per engine.
+        #[arg(long, conflicts_with_all = ["parked", "goals"])]
+        stages: bool,
     },
     /// Chaos test: a child process runs many sessions and is killed with SIGKILL at random
     /// moments, a new one resumes each time; then every promise of the log is checked and the
@@ -1153,6 +1158,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             goals,
             turns,
             parked,
+            stages,
         } => {
             let engines = if engine.is_empty() {
                 StorageEngine::ALL.to_vec()
@@ -1165,6 +1171,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let turns = turns.unwrap_or(1000);
             if footprint {
                 return footprint::run(turns, &engines).await;
+            }
+            if stages {
+                return bench::stages::run(seconds, &engines).await;
             }
             let exe = std::env::current_exe().context("cannot find the cairn executable")?;
             if goals {

@@ -1066,6 +1066,99 @@ fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
     }
 }
 
+/// `cairn bench --stages` times one session's turns step by step on each engine: the store's
+/// syncs (five a turn, as its commits), the encoding and the writer before each, the
+/// activities (four a turn), each step's share, and the marks covering about a turn's time.
+#[test]
+fn bench_stages_time_a_turn_step_by_step_on_each_engine() {
+    let out = cairn(&["bench", "--stages", "--seconds", "0.5"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    for engine in ["fjall", "sled"] {
+        let table: Vec<&str> = stdout
+            .lines()
+            .skip_while(|l| !l.starts_with(&format!("embedded, {engine}: ")))
+            .take_while(|l| !l.is_empty())
+            .collect();
+        assert!(table.len() > 3, "no table for {engine}: {stdout}");
+        let number = |text: &str, unit: &str| -> f64 {
+            text.trim()
+                .strip_suffix(unit)
+                .and_then(|n| n.trim().parse().ok())
+                .unwrap_or_else(|| panic!("not a number of {unit:?}: {text:?} in {stdout}"))
+        };
+        // "embedded, fjall: N turns, p50 turn T ms, marks covering C ms per turn; ..."
+        let head = table[0];
+        let p50_turn = number(
+            head.split("p50 turn ")
+                .nth(1)
+                .unwrap()
+                .split(',')
+                .next()
+                .unwrap(),
+            "ms",
+        );
+        let covered = number(
+            head.split("marks covering ")
+                .nth(1)
+                .unwrap()
+                .split("per turn")
+                .next()
+                .unwrap(),
+            "ms",
+        );
+        assert!(p50_turn > 0.0, "{engine}: {stdout}");
+        // The marks cover a turn from its message to its outcome, less the client's own time.
+        assert!(
+            covered > 0.5 * p50_turn && covered < 2.0 * p50_turn,
+            "{engine}: {stdout}"
+        );
+        let row = |from: &str, to: &str| -> Vec<&str> {
+            table
+                .iter()
+                .find(|l| l.starts_with(&format!("| {from} → {to} |")))
+                .unwrap_or_else(|| panic!("{engine}: no step {from} → {to}: {stdout}"))
+                .split('|')
+                .map(str::trim)
+                .collect()
+        };
+        // Five syncs and four activities a turn; fewer pairs when a mark of another thread
+        // falls between (the two tools run at once now and then).
+        let sync = row("sync.start", "sync.end");
+        let per_turn: f64 = sync[2].parse().expect("a number");
+        assert!((3.5..=5.2).contains(&per_turn), "{engine}: {stdout}");
+        assert!(number(sync[3], "µs") > 1.0, "{engine}: {stdout}");
+        let activities: f64 = row("activity.start", "activity.end")[2]
+            .parse()
+            .expect("a number");
+        assert!((2.0..=4.2).contains(&activities), "{engine}: {stdout}");
+        let shares: f64 = table[3..]
+            .iter()
+            .map(|l| number(l.split('|').nth(5).unwrap(), "%"))
+            .sum();
+        assert!(
+            shares > 70.0 && shares <= 100.5,
+            "{engine}: {shares}% in {stdout}"
+        );
+    }
+    // fjall commits a lone write on its caller's thread: its writer's steps (the records
+    // encoded, then checked and staged) follow the workflow's in series.
+    let fjall: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("embedded, fjall: "))
+        .take_while(|l| !l.is_empty())
+        .collect();
+    let fjall = fjall.join("\n");
+    assert!(
+        fjall.contains("| append.start → write.submitted |"),
+        "{stdout}"
+    );
+    assert!(
+        fjall.contains("| write.submitted → write.applied |"),
+        "{stdout}"
+    );
+}
+
 /// `cairn bench --footprint` runs a short session on each engine and reports its bytes: the
 /// raw messages as 1.00×, a history larger than them, the store's live keys and values, every
 /// event kind a turn records, and what a miss of the state cache costs.

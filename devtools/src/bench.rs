@@ -35,6 +35,7 @@ use crate::scratch_database::ScratchDatabase;
 use anyhow::{bail, Context};
 use cairn_activities::ToolRegistry;
 use cairn_ledger::ModelSpec;
+use cairn_runtime::stages::{self, Recording, Step};
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::store::Store;
 use cairn_runtime::{Client, Engine, SessionOptions, SystemClock, TurnOutcome};
@@ -59,6 +60,9 @@ pub struct BenchConfig {
     /// Activities each worker process runs at once (`cairn worker --concurrency`), so that
     /// more worker processes mean more capacity, as when they run on more machines.
     pub worker_concurrency: usize,
+    /// Record the marks on the turns' path ([`cairn_runtime::stages`]) in the measured
+    /// window, embedded only; [`BenchResult::stages`] then holds their steps.
+    pub stages: bool,
 }
 
 /// Where the servers keep their sessions. (No `Debug`: a URL may hold a password.)
@@ -136,6 +140,9 @@ pub struct BenchResult {
     /// bench's clients), the servers and workers through servers. `None` when no turn
     /// completed or `/proc` could not be read.
     pub cpu_ms_per_turn: Option<f64>,
+    /// The steps between the marks on the turns' path in the measured window, when
+    /// [`BenchConfig::stages`] asked for them (embedded); else empty.
+    pub stages: Vec<Step>,
 }
 
 impl BenchResult {
@@ -340,15 +347,18 @@ async fn closed_loop(
     let started = Instant::now();
     let measure_from = started + warmup;
     let measure_until = measure_from + measured;
+    let record_stages = config.stages && store.is_some();
     // The store's commit counter and sync times, and the serving processes' CPU time, read at
-    // both ends of the measured window.
+    // both ends of the measured window; the marks of the turns' path recorded in it.
     let counters = tokio::spawn(async move {
         tokio::time::sleep_until(measure_from.into()).await;
+        let recording = record_stages.then(Recording::start);
         let first_cpu = total_cpu_seconds(&serving);
         let first = store
             .as_ref()
             .map(|store| (store.durable_commits(), store.sync_times()));
         tokio::time::sleep_until(measure_until.into()).await;
+        let steps = recording.map_or_else(Vec::new, |recording| stages::steps(&recording.finish()));
         let cpu = match (first_cpu, total_cpu_seconds(&serving)) {
             (Ok(first), Ok(last)) => Some(last - first),
             (Err(e), _) | (_, Err(e)) => {
@@ -357,7 +367,7 @@ async fn closed_loop(
             }
         };
         let Some((store, (first, first_times))) = store.zip(first) else {
-            return (None, None, cpu);
+            return (None, None, cpu, steps);
         };
         let commits = store
             .durable_commits()
@@ -367,7 +377,7 @@ async fn closed_loop(
             .sync_times()
             .zip(first_times)
             .and_then(|(last, first)| last.since(&first));
-        (commits, times, cpu)
+        (commits, times, cpu, steps)
     });
     let mut runners = Vec::new();
     for client_no in 0..config.sessions {
@@ -407,7 +417,7 @@ async fn closed_loop(
             .map(|d| d.as_secs_f64() * 1e3)
             .unwrap_or(f64::NAN)
     };
-    let (commits, sync_times, cpu_seconds) =
+    let (commits, sync_times, cpu_seconds, stages) =
         counters.await.context("the commit counter panicked")?;
     // While the store (or its servers) is still up, as before the measurement.
     let fdatasync = ProbedFdatasync::of(&probed_before, &probe_in(&probe_dir).await?);
@@ -428,6 +438,7 @@ async fn closed_loop(
         cpu_ms_per_turn: cpu_seconds
             .filter(|_| !latencies.is_empty())
             .map(|seconds| seconds * 1e3 / latencies.len() as f64),
+        stages,
     })
 }
 
@@ -615,6 +626,7 @@ mod tests {
             commits_per_turn,
             store_sync_p50_ms: Some(0.3),
             cpu_ms_per_turn: Some(0.75),
+            stages: Vec::new(),
         }
     }
 

@@ -17,4 +17,5 @@ pub mod parked;
 pub mod powercut;
 pub mod process;
 pub mod scratch_database;
+pub mod stages;
 pub mod transition;

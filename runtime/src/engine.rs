@@ -562,6 +562,7 @@ impl Engine {
             None => self.new_session_id(),
         };
         crate::store::check_session_id(&session_id)?;
+        crate::stages::mark("turn.sent");
         self.submit_inputs(
             &session_id,
             |_| {
@@ -626,6 +627,7 @@ impl Engine {
         media: Vec<Media>,
         tool_choice: Option<cairn_ledger::ToolChoice>,
     ) -> Result<u32> {
+        crate::stages::mark("turn.sent");
         let mut turn = 0;
         self.submit(
             session_id,
@@ -858,6 +860,7 @@ impl Engine {
                 }
             },
         };
+        crate::stages::mark("turn.outcome");
         if ended.turn() == turn {
             return Ok(ended);
         }
@@ -1255,8 +1258,11 @@ impl Engine {
         report: ActivityReport,
         next: &LeaseRequest,
     ) -> Result<Vec<LeasedTask>> {
+        crate::stages::mark("report.start");
         let leases = self.report_with(lease, report, Some(next)).await?;
-        Ok(self.with_activities(leases).await)
+        let handed = self.with_activities(leases).await;
+        crate::stages::mark("report.handed");
+        Ok(handed)
     }
 
     async fn report_with(
@@ -2043,10 +2049,12 @@ impl Engine {
         // next one loads the session from the store instead of trusting a state the store
         // may never hold. Put back once the append is durable.
         let stepped = guard.take();
+        crate::stages::mark("append.start");
         let appended = match lease_request {
             Some(lease) => self.inner.store.append_and_lease(request, lease).await,
             None => self.inner.store.append(request).await.map(|()| Vec::new()),
         };
+        crate::stages::mark("append.durable");
         // Dropped on a failure, the claim wakes its lease as an enqueue would.
         let mut leases = match appended {
             Ok(leases) => {
@@ -2090,6 +2098,7 @@ impl Engine {
         }
         self.inner.waiters.wake_for(&enqueued);
         self.publish(session_id, published.unwrap_or_default(), outcome);
+        crate::stages::mark("append.published");
         Ok((Some(first_seq), leases))
     }
 }

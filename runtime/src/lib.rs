@@ -19,6 +19,7 @@ pub mod policy;
 pub mod pricing;
 pub mod progress;
 pub mod replay;
+pub mod stages;
 mod state_cache;
 pub mod store;
 mod task_waiters;

@@ -66,6 +66,7 @@ async fn measure(
         seconds: args.seconds,
         model_latency_ms: 0,
         worker_concurrency: 16,
+        stages: false,
     };
 
     let many = bench::embedded(&config(128), engine).await?;

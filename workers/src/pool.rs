@@ -450,6 +450,7 @@ async fn run_task(
     async {
         // Schedule-to-start is the server's to enforce: the store never leases a task past
         // its deadline, and the engine's timers record it. A worker's clock may be off.
+        cairn_runtime::stages::mark("activity.start");
         let token = CancellationToken::new();
         let id = {
             let mut running = lock(registry);
@@ -620,7 +621,10 @@ async fn run_task(
             if let (ActivityReport::Failed(_), Some(pending), true) = (&report, &pending, recording) {
                 record_pending(engine, &lease, lease_expires_at_ms, pending, context.reported_usage()).await;
             }
-            return finish(engine, &lease, lease_expires_at_ms, report, next).await;
+            cairn_runtime::stages::mark("activity.end");
+            let handed = finish(engine, &lease, lease_expires_at_ms, report, next).await;
+            cairn_runtime::stages::mark("activity.reported");
+            return handed;
         }
         Handed::default()
     }

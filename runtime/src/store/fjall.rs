@@ -657,6 +657,7 @@ impl Drop for Syncer {
 fn persist(db: &Database, shared: &Shared) -> std::result::Result<(), String> {
     #[allow(clippy::disallowed_methods)] // timing IO for benchmarks; not recorded in history
     let began = Instant::now();
+    crate::stages::mark("sync.start");
     #[cfg(test)]
     if let Some(reason) = shared.faults.before_sync() {
         shared.synced(began.elapsed());
@@ -697,6 +698,7 @@ impl ProcessBatch for Writer {
         for write in batch {
             self.apply(write, &mut pending, &mut committed);
         }
+        crate::stages::mark("write.applied");
         self.settle_in_place(pending, committed);
     }
 
@@ -773,6 +775,7 @@ impl Writer {
         let Some(pending) = self.commit_answering_leases(pending, committed) else {
             return;
         };
+        crate::stages::mark("write.committed");
         let outcome = self.persist();
         self.shared.settle(&outcome, pending, ENGINE, &self.path);
     }

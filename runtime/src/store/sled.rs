@@ -423,6 +423,7 @@ impl ProcessBatch for Writer {
         // Everything in `pending` committed before this flush starts.
         #[allow(clippy::disallowed_methods)] // timing IO for benchmarks; not recorded in history
         let began = Instant::now();
+        crate::stages::mark("sync.start");
         let synced = catch_unwind(AssertUnwindSafe(|| {
             #[cfg(test)]
             if let Some(reason) = self.shared.faults.before_sync() {

@@ -170,6 +170,7 @@ impl Shared {
 
     /// Counts a batch made durable, or tried to, in `took`.
     pub(super) fn synced(&self, took: Duration) {
+        crate::stages::mark("sync.end");
         self.syncs.fetch_add(1, Ordering::Relaxed);
         // A plain value: consistent even if a holder panicked.
         self.sync_times
@@ -621,6 +622,7 @@ impl WriteQueue {
     /// Runs a write and waits for its answer: on this thread when the writer is idle and
     /// nothing is queued for it (see the module docs), else on the writer thread.
     async fn submit<T>(&self, write: Write, answer: oneshot::Receiver<Result<T>>) -> Result<T> {
+        crate::stages::mark("write.submitted");
         self.check_writable()?;
         let stopped = || Error::Store {
             reason: format!(
