@@ -1108,9 +1108,10 @@ fn bench_stages_time_a_turn_step_by_step_on_each_engine() {
             "ms",
         );
         assert!(p50_turn > 0.0, "{engine}: {stdout}");
-        // The marks cover a turn from its message to its outcome, less the client's own time.
+        // The marks cover the turns back to back (their mean, against the p50: a loaded
+        // machine's slow turns raise the mean).
         assert!(
-            covered > 0.5 * p50_turn && covered < 2.0 * p50_turn,
+            covered > 0.5 * p50_turn && covered < 4.0 * p50_turn,
             "{engine}: {stdout}"
         );
         let row = |from: &str, to: &str| -> Vec<&str> {
