@@ -1074,12 +1074,16 @@ fn bench_stages_time_a_turn_step_by_step_on_each_engine() {
     let out = cairn(&["bench", "--stages", "--seconds", "0.5"]);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
-    for engine in ["fjall", "sled"] {
-        let table: Vec<&str> = stdout
+    // An engine's table: its head line and rows, up to the blank line after them.
+    let table_of = |engine: &str| -> Vec<&str> {
+        stdout
             .lines()
             .skip_while(|l| !l.starts_with(&format!("embedded, {engine}: ")))
             .take_while(|l| !l.is_empty())
-            .collect();
+            .collect()
+    };
+    for engine in ["fjall", "sled"] {
+        let table = table_of(engine);
         assert!(table.len() > 3, "no table for {engine}: {stdout}");
         let number = |text: &str, unit: &str| -> f64 {
             text.trim()
@@ -1144,12 +1148,7 @@ fn bench_stages_time_a_turn_step_by_step_on_each_engine() {
     }
     // fjall commits a lone write on its caller's thread: its writer's steps (the records
     // encoded, then checked and staged) follow the workflow's in series.
-    let fjall: Vec<&str> = stdout
-        .lines()
-        .skip_while(|l| !l.starts_with("embedded, fjall: "))
-        .take_while(|l| !l.is_empty())
-        .collect();
-    let fjall = fjall.join("\n");
+    let fjall = table_of("fjall").join("\n");
     assert!(
         fjall.contains("| append.start → write.submitted |"),
         "{stdout}"
