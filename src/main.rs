@@ -423,7 +423,7 @@ enum Command {
         /// Instead: where one session's turn spends its time on each engine, step by step
         /// between the marks on its path (the store's syncs, encoding, the writer, the
         /// workflow, the activity, handing tasks), one table per engine.
-        #[arg(long, conflicts_with_all = ["parked", "goals"])]
+        #[arg(long, conflicts_with_all = ["parked", "goals", "workers", "store", "no_embedded"])]
         stages: bool,
     },
     /// Chaos test: a child process runs many sessions and is killed with SIGKILL at random

@@ -1068,7 +1068,8 @@ fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
 
 /// `cairn bench --stages` times one session's turns step by step on each engine: the store's
 /// syncs (five a turn, as its commits), the encoding and the writer before each, the
-/// activities (four a turn), each step's share, and the marks covering about a turn's time.
+/// activities (four a turn), each step's share and the marks covering about a turn's time;
+/// it refuses to measure through servers.
 #[test]
 fn bench_stages_time_a_turn_step_by_step_on_each_engine() {
     let out = cairn(&["bench", "--stages", "--seconds", "0.5"]);
@@ -1156,6 +1157,14 @@ fn bench_stages_time_a_turn_step_by_step_on_each_engine() {
     assert!(
         fjall.contains("| write.submitted → write.applied |"),
         "{stdout}"
+    );
+    // --stages measures one session embedded: nothing through servers.
+    let refused = cairn(&["bench", "--stages", "--workers", "1"]);
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused.stderr).contains("--stages") && text(&refused.stderr).contains("--workers"),
+        "{}",
+        text(&refused.stderr)
     );
 }
 

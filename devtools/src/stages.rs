@@ -5,7 +5,8 @@
 //! One session in flight, so that the marks follow one turn at a time and each step is the
 //! time from one point of the turn to the next: the sync steps (`sync.start → sync.end`) are
 //! the store's fdatasyncs, the others the work in series between them. A table row per step,
-//! the most frequent first, with how often a turn takes it, its p50, its µs per turn, its
+//! the most time per turn first (the order of [`stages::steps`](cairn_runtime::stages::steps)),
+//! with how often a turn takes it, its p50, its µs per turn, its
 //! share of the time the marks cover, and how often it crossed threads (a wake of another
 //! thread, or the trip to the store's writer thread).
 
@@ -24,8 +25,8 @@ pub async fn measure(seconds: f64, engine: StorageEngine) -> anyhow::Result<Benc
     bench::embedded(&config, engine).await
 }
 
-/// The steps of `result` as a Markdown table, the most time per turn first, after a line that
-/// names the row's turn figures. Steps taken less than once in 20 turns are left out (the rare
+/// The steps of `result` as a Markdown table, in their order (the most time per turn first),
+/// after a line that names the row's turn figures. Steps taken less than once in 20 turns are left out (the rare
 /// ones: a batch that went to the writer thread, a timer), their share still counted in the
 /// total.
 pub fn table(result: &BenchResult) -> String {
@@ -45,9 +46,7 @@ pub fn table(result: &BenchResult) -> String {
     out.push_str(
         "| step (from → to) | per turn | p50 | µs per turn | share | thread changes |\n|---|---|---|---|---|---|\n",
     );
-    let mut steps: Vec<_> = result.stages.iter().collect();
-    steps.sort_by(|a, b| b.total_us.total_cmp(&a.total_us));
-    for step in steps {
+    for step in &result.stages {
         let per_turn = step.count as f64 / turns;
         if per_turn < 0.05 {
             continue;
@@ -105,8 +104,8 @@ mod tests {
             cpu_ms_per_turn: None,
             stages: vec![
                 step("sync.start", "sync.end", 500, 70_000.0),
-                step("sync.end", "append.durable", 500, 1_000.0),
                 step("write.submitted", "sync.end", 2, 29_000.0),
+                step("sync.end", "append.durable", 500, 1_000.0),
             ],
         };
         let table = table(&result);
@@ -125,7 +124,7 @@ mod tests {
         // Twice in 100 turns: left out of the rows, counted in the total.
         assert!(!table.contains("write.submitted"), "{table}");
         assert_eq!(table.lines().count(), 5);
-        // The most time per turn first.
+        // In the steps' order, the most time per turn first.
         assert!(table
             .lines()
             .nth(3)

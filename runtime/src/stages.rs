@@ -131,7 +131,7 @@ pub struct Step {
     pub thread_changes: usize,
 }
 
-/// The steps between consecutive marks, the most taken first (then the longest in all).
+/// The steps between consecutive marks, the most time in all first.
 pub fn steps(marks: &[Mark]) -> Vec<Step> {
     let mut by_pair: BTreeMap<(&'static str, &'static str), (Vec<f64>, usize)> = BTreeMap::new();
     for pair in marks.windows(2) {
@@ -156,11 +156,7 @@ pub fn steps(marks: &[Mark]) -> Vec<Step> {
             }
         })
         .collect();
-    steps.sort_by(|a, b| {
-        b.count
-            .cmp(&a.count)
-            .then(b.total_us.total_cmp(&a.total_us))
-    });
+    steps.sort_by(|a, b| b.total_us.total_cmp(&a.total_us));
     steps
 }
 
