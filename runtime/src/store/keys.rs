@@ -164,7 +164,7 @@ pub(super) fn read_events<K, V, I>(
 ) -> Result<Vec<EventEnvelope>>
 where
     K: AsRef<[u8]>,
-    V: AsRef<[u8]> + Sync,
+    V: AsRef<[u8]> + Send,
     I: Iterator<Item = Result<(K, V)>>,
 {
     let start = from_seq.max(1);
@@ -172,38 +172,116 @@ where
     if limit == 0 || start > events {
         return Ok(Vec::new());
     }
-    // Room for the whole range up front (no regrowing copies of a long history), but no more
-    // than READ_RESERVE: the count comes from a stored record, which may be damaged.
     let count = usize::try_from(events - start + 1).unwrap_or(usize::MAX);
-    let mut records = Vec::with_capacity(count.min(limit).min(READ_RESERVE));
     let range = seq_key(session_id, start)..=seq_key(session_id, events);
+    let threads = decode_threads();
+    if count.min(limit) < PARALLEL_DECODE_RECORDS || threads < 2 {
+        // Room for the whole range up front (no regrowing copies of a long history), but no
+        // more than READ_RESERVE: the count comes from a stored record, which may be damaged.
+        let mut records = Vec::with_capacity(count.min(limit).min(READ_RESERVE));
+        let gap = scan_records(start, events, limit, scan(range), |record| {
+            records.push(record)
+        })?;
+        let out = decode_chunk(session_id, start, &records)?;
+        return with_gap(session_id, events, start, out, gap);
+    }
+    let batches = Batches::default();
+    let (scanned, panicked) = std::thread::scope(|scope| {
+        let workers: Vec<_> = (1..threads)
+            .filter_map(|_| {
+                let batches = &batches;
+                std::thread::Builder::new()
+                    .name("cairn-decode".into())
+                    .spawn_scoped(scope, move || batches.decode(session_id, start))
+                    .ok()
+            })
+            .collect();
+        let mut offset = 0;
+        let mut batch = Vec::with_capacity(DECODE_BATCH);
+        let scanned = scan_records(start, events, limit, scan(range), |record| {
+            batch.push(record);
+            if batch.len() == DECODE_BATCH {
+                let full = std::mem::replace(&mut batch, Vec::with_capacity(DECODE_BATCH));
+                batches.push(offset, full);
+                offset += DECODE_BATCH;
+            }
+        });
+        if !batch.is_empty() {
+            batches.push(offset, batch);
+        }
+        // After a read error nothing is decoded: the error is the answer.
+        batches.close(scanned.is_err());
+        // A thread that could not start leaves its batches to this one, which decodes the
+        // rest too once its scan is done.
+        batches.decode(session_id, start);
+        let mut panicked = false;
+        for worker in workers {
+            panicked |= worker.join().is_err();
+        }
+        (scanned, panicked)
+    });
+    let gap = scanned?;
+    if panicked {
+        return Err(Error::Store {
+            reason: format!(
+                "decoding session {session_id:?} from seq {start}: a decoding thread panicked"
+            ),
+        });
+    }
+    // A record that does not decode comes before the gap, so its error is the one to give,
+    // as when each record was decoded as it was read.
+    let out = batches.into_events()?;
+    with_gap(session_id, events, start, out, gap)
+}
+
+/// Reads `scan`'s records in seq order from `start`, giving each to `keep`, up to `limit` or
+/// the first seq missing. `Ok(Some(next))` names a gap: the next seq stored after it, or
+/// `None` when the range ended before `events`.
+fn scan_records<K, V>(
+    start: u64,
+    events: u64,
+    limit: usize,
+    scan: impl Iterator<Item = Result<(K, V)>>,
+    mut keep: impl FnMut(V),
+) -> Result<Option<Option<u64>>>
+where
+    K: AsRef<[u8]>,
+{
     let mut expected = start;
-    // The records first, in seq order, up to the first one missing; then they are decoded.
-    let mut gap = None;
-    for item in scan(range) {
-        if records.len() >= limit {
-            break;
+    let mut kept = 0usize;
+    for item in scan {
+        if kept >= limit {
+            return Ok(None);
         }
         let (key, record) = item?;
         let seq = key_seq(key.as_ref()).unwrap_or(0);
         if seq != expected {
-            gap = Some(Some(seq));
-            break;
+            return Ok(Some(Some(seq)));
         }
-        records.push(record);
+        keep(record);
+        kept += 1;
         expected += 1;
     }
     // Events are written with their session record, so the range must hold all of them.
-    if gap.is_none() && records.len() < limit && expected <= events {
-        gap = Some(None);
+    if kept < limit && expected <= events {
+        return Ok(Some(None));
     }
-    // A record that does not decode comes before the gap, so its error is the one to give,
-    // as when each record was decoded as it was read.
-    let out = decode_records(session_id, start, &records)?;
+    Ok(None)
+}
+
+/// `out`, the events decoded from `start` up to a gap, or the gap's `CorruptRecord` when
+/// there is one.
+fn with_gap(
+    session_id: &str,
+    events: u64,
+    start: u64,
+    out: Vec<EventEnvelope>,
+    gap: Option<Option<u64>>,
+) -> Result<Vec<EventEnvelope>> {
     match gap {
         Some(next_stored) => Err(Error::CorruptRecord {
             session_id: session_id.to_owned(),
-            seq: expected,
+            seq: start + out.len() as u64,
             reason: missing_reason(next_stored, events),
         }),
         None => Ok(out),
@@ -213,68 +291,126 @@ where
 /// Records at least this many are decoded on more than one thread.
 const PARALLEL_DECODE_RECORDS: usize = 4096;
 
+/// Records handed to a decoding thread at a time.
+const DECODE_BATCH: usize = 256;
+
+/// The threads a long history is decoded on: the cores, counted once per process (counting
+/// reads the cgroup's files).
+fn decode_threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from))
+}
+
 /// Decodes `records`, the events of `session_id` from `first_seq` on, in order; the first
-/// record that does not decode gives the error. A long history (a replay, or the state cache's
-/// miss on a long session) is decoded on every core, a chunk per thread: decoding (checksum,
-/// zstd, msgpack) is most of a cold read, and a 1,000-turn session's 8,001 records took about
-/// 15 ms on one core of a 2-core machine.
-fn decode_records<V: AsRef<[u8]> + Sync>(
+/// record that does not decode gives the error.
+fn decode_chunk<V: AsRef<[u8]>>(
     session_id: &str,
     first_seq: u64,
     records: &[V],
 ) -> Result<Vec<EventEnvelope>> {
-    let decode_chunk = |offset: usize, chunk: &[V]| -> Result<Vec<EventEnvelope>> {
-        (first_seq + offset as u64..)
-            .zip(chunk)
-            .map(|(seq, record)| codec::decode(session_id, seq, record.as_ref()))
-            .collect()
-    };
-    let threads = std::thread::available_parallelism().map_or(1, usize::from);
-    if records.len() < PARALLEL_DECODE_RECORDS || threads < 2 {
-        return decode_chunk(0, records);
-    }
-    let per_thread = records.len().div_ceil(threads);
-    let decoded: Vec<Result<Vec<EventEnvelope>>> = std::thread::scope(|scope| {
-        let mut chunks = records.chunks(per_thread).enumerate();
-        // The calling thread decodes the first chunk itself.
-        let first = chunks.next();
-        let others: Vec<_> = chunks
-            .map(|(i, chunk)| {
-                let decode_chunk = &decode_chunk;
-                std::thread::Builder::new()
-                    .name("cairn-decode".into())
-                    .spawn_scoped(scope, move || decode_chunk(i * per_thread, chunk))
-            })
-            .collect();
-        let mut decoded = Vec::with_capacity(threads);
-        if let Some((_, chunk)) = first {
-            decoded.push(decode_chunk(0, chunk));
+    (first_seq..)
+        .zip(records)
+        .map(|(seq, record)| codec::decode(session_id, seq, record.as_ref()))
+        .collect()
+}
+
+/// A long history's records in batches, decoded by every thread that takes one while the
+/// reading thread is still scanning the rest, then by the reading thread too. Decoding
+/// (checksum, zstd, msgpack) is most of a cold read: a 1,000-turn session's 8,001 records
+/// took about 15 ms on one core of a 2-core machine, and scanning them about half of that,
+/// so decoding only once the scan was done left the scan's time in series.
+struct Batches<V> {
+    state: std::sync::Mutex<BatchState<V>>,
+    ready: std::sync::Condvar,
+}
+
+struct BatchState<V> {
+    /// Batches not taken yet, by their offset in the read.
+    waiting: std::collections::VecDeque<(usize, Vec<V>)>,
+    /// Whether the scan is over: no batch will come.
+    closed: bool,
+    /// Each batch's events, or its first record's error, by offset.
+    decoded: Vec<(usize, Result<Vec<EventEnvelope>>)>,
+}
+
+impl<V> Default for Batches<V> {
+    fn default() -> Self {
+        Batches {
+            state: std::sync::Mutex::new(BatchState {
+                waiting: std::collections::VecDeque::new(),
+                closed: false,
+                decoded: Vec::new(),
+            }),
+            ready: std::sync::Condvar::new(),
         }
-        for (i, spawned) in others.into_iter().enumerate() {
-            // A thread that could not start leaves its chunk to this one.
-            let offset = (i + 1) * per_thread;
-            decoded.push(match spawned {
-                Ok(handle) => handle.join().unwrap_or_else(|_| {
-                    Err(Error::Store {
-                        reason: format!(
-                            "decoding session {session_id:?} from seq {}: the thread panicked",
-                            first_seq + offset as u64
-                        ),
-                    })
-                }),
-                Err(_) => decode_chunk(
-                    offset,
-                    &records[offset..(offset + per_thread).min(records.len())],
-                ),
-            });
-        }
-        decoded
-    });
-    let mut out = Vec::with_capacity(records.len());
-    for chunk in decoded {
-        out.extend(chunk?);
     }
-    Ok(out)
+}
+
+impl<V: AsRef<[u8]>> Batches<V> {
+    fn state(&self) -> std::sync::MutexGuard<'_, BatchState<V>> {
+        // Decoding returns errors rather than panicking; a poisoned lock still holds whole
+        // batches and results.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn push(&self, offset: usize, batch: Vec<V>) {
+        self.state().waiting.push_back((offset, batch));
+        self.ready.notify_one();
+    }
+
+    /// Ends the scan; with `discard`, the batches not taken are dropped undecoded.
+    fn close(&self, discard: bool) {
+        let mut state = self.state();
+        state.closed = true;
+        if discard {
+            state.waiting.clear();
+        }
+        drop(state);
+        self.ready.notify_all();
+    }
+
+    /// Takes batches and decodes them until the scan is over and none is left.
+    fn decode(&self, session_id: &str, first_seq: u64) {
+        let mut state = self.state();
+        loop {
+            if let Some((offset, batch)) = state.waiting.pop_front() {
+                drop(state);
+                let events = decode_chunk(session_id, first_seq + offset as u64, &batch);
+                drop(batch);
+                state = self.state();
+                state.decoded.push((offset, events));
+            } else if state.closed {
+                return;
+            } else {
+                state = self
+                    .ready
+                    .wait(state)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+        }
+    }
+
+    /// Every batch's events in order; the first record that did not decode gives the error.
+    fn into_events(self) -> Result<Vec<EventEnvelope>> {
+        let state = self
+            .state
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut decoded = state.decoded;
+        decoded.sort_unstable_by_key(|(offset, _)| *offset);
+        let mut out = Vec::with_capacity(
+            decoded
+                .iter()
+                .map(|(_, events)| events.as_ref().map_or(0, Vec::len))
+                .sum(),
+        );
+        for (_, events) in decoded {
+            out.extend(events?);
+        }
+        Ok(out)
+    }
 }
 
 /// The words of [`read_events`]'s `CorruptRecord` for a seq that is not stored at all: with
@@ -410,6 +546,29 @@ mod tests {
             reason.contains(&format!("(the session records {} events)", count + 3)),
             "{reason}"
         );
+    }
+
+    /// A read error in the middle of a long history's scan is the answer, whatever the
+    /// decoding threads were doing with the batches before it.
+    #[test]
+    fn a_read_error_in_a_long_scan_is_the_answer() {
+        let count = PARALLEL_DECODE_RECORDS as u64 + 1_000;
+        let (_, stored) = stored_history(count);
+        let result = read_events("s", count, 1, None, |_| {
+            stored.iter().enumerate().map(|(i, (k, v))| {
+                if i == 3_000 {
+                    Err(Error::Store {
+                        reason: "the disk said no".into(),
+                    })
+                } else {
+                    Ok((k.clone(), v.clone()))
+                }
+            })
+        });
+        match result {
+            Err(Error::Store { reason }) => assert_eq!(reason, "the disk said no"),
+            other => panic!("expected the read error, got {other:?}"),
+        }
     }
 
     /// A task record as stores wrote it before routing, deadlines, the holder flag and durable
