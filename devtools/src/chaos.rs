@@ -26,14 +26,13 @@
 //! milliseconds after the child was started, while sled opens and recovers the store and the
 //! engine resumes; and power cuts ([`ChaosConfig::power_cuts`]): the child runs under the
 //! [`crate::powercut`] shim, which at a seeded operation of the store directory drops every
-//! write and name change not yet fsynced and exits (a third of the cuts fall within the
-//! child's start, the rest on its work: how many operations a start makes is learnt from the
-//! cuts, see `CutAim`). The acknowledgements reach the parent on a
-//! pipe, out of the cut's reach, as a client on another machine would hold them. With
-//! [`ChaosConfig::check_each_fault`] a copy of the store is checked after every fault (it
-//! opens, holds every acknowledged state, fsck is clean); the first failed check stops the run
-//! with the store left as the fault left it. The store engine is a parameter
-//! ([`StoreEngine`]).
+//! write and name change not yet fsynced and exits (every third cut falls within the child's
+//! start, the rest on its work: how many operations a start makes is learnt from the cuts,
+//! see `CutAim`). The acknowledgements reach the parent on a pipe, out of the cut's reach, as
+//! a client on another machine would hold them. With [`ChaosConfig::check_each_fault`] a copy
+//! of the store is checked after every fault (it opens, holds every acknowledged state, fsck
+//! is clean); the first failed check stops the run with the store left as the fault left it.
+//! The store engine is a parameter ([`StoreEngine`]).
 //!
 //! A child talks to the parent on stdout, one line each, each ended by a newline (a line cut by
 //! the kill is ignored):
