@@ -187,6 +187,10 @@ where
     }
     let batches = Batches::default();
     let (scanned, panicked) = std::thread::scope(|scope| {
+        // Should the scan panic (inside the engine's iterator), the unwinding closes the
+        // batches, so that the decoding threads end and the scope can return the panic
+        // instead of waiting for them forever.
+        let _close_on_unwind = CloseOnDrop(&batches);
         let workers: Vec<_> = (1..threads)
             .filter_map(|_| {
                 let batches = &batches;
@@ -413,6 +417,16 @@ impl<V: AsRef<[u8]>> Batches<V> {
     }
 }
 
+/// Closes [`Batches`] when dropped, undecoded batches dropped: ends the decoding threads
+/// when the scan unwinds (after a normal close it changes nothing).
+struct CloseOnDrop<'a, V: AsRef<[u8]>>(&'a Batches<V>);
+
+impl<V: AsRef<[u8]>> Drop for CloseOnDrop<'_, V> {
+    fn drop(&mut self) {
+        self.0.close(true);
+    }
+}
+
 /// The words of [`read_events`]'s `CorruptRecord` for a seq that is not stored at all: with
 /// the next seq that is, or none up to the recorded count.
 fn missing_reason(next_stored: Option<u64>, events: u64) -> String {
@@ -569,6 +583,30 @@ mod tests {
             Err(Error::Store { reason }) => assert_eq!(reason, "the disk said no"),
             other => panic!("expected the read error, got {other:?}"),
         }
+    }
+
+    /// A panic inside the engine's iterator in the middle of a long scan reaches the caller,
+    /// instead of leaving the read waiting for decoding threads that wait for more batches.
+    #[test]
+    fn a_panic_in_a_long_scan_reaches_the_caller() {
+        let count = PARALLEL_DECODE_RECORDS as u64 + 1_000;
+        let (_, stored) = stored_history(count);
+        let (answer, answered) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                read_events("s", count, 1, None, |_| {
+                    stored.iter().enumerate().map(|(i, (k, v))| {
+                        assert!(i != 3_000, "the engine's iterator broke");
+                        Ok((k.clone(), v.clone()))
+                    })
+                })
+            }));
+            let _ = answer.send(read.is_err());
+        });
+        let panicked = answered
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("the read hung after its scan panicked");
+        assert!(panicked, "the scan's panic did not reach the caller");
     }
 
     /// A task record as stores wrote it before routing, deadlines, the holder flag and durable
