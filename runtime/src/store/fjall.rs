@@ -103,7 +103,9 @@
 //!   change when the file does grow (past 64 MiB). After recovery has cut a reopened store's
 //!   journal at its last whole batch, the patched fjall this store builds on
 //!   (`vendor/README.md`) preallocates the file again and writes on inside it, instead of
-//!   appending, so that an fdatasync there writes data only, as in a new journal.
+//!   appending, so that an fdatasync there writes data only, as in a new journal. It also
+//!   writes zeros up to 64 KiB ahead of the journal's end, so that a sync seldom allocates
+//!   a block of the hole (which would make it write the inode's block map too).
 //! * Everything else fjall writes in the background it syncs itself: a memtable flush or a
 //!   compaction writes a table file, `sync_all`s it and fsyncs `tables/`; the tree's version
 //!   file is written, `sync_all`ed, its directory fsynced, and the `current` pointer replaced
@@ -2729,6 +2731,55 @@ mod tests {
         for s in ["a", "b", "c", "d"] {
             let history = store.read_history(s, 1, None).await.expect("read");
             assert_eq!(history.len(), 5, "session {s}");
+        }
+    }
+
+    /// Where the first hole of `file` starts (its length when it has none).
+    #[cfg(target_os = "linux")]
+    fn first_hole(file: &Path) -> u64 {
+        use std::os::fd::AsRawFd;
+        let file = File::open(file).expect("open");
+        // SAFETY: lseek on a descriptor this File owns; no memory is passed.
+        let hole = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_HOLE) };
+        assert!(hole >= 0, "SEEK_HOLE: {}", std::io::Error::last_os_error());
+        hole as u64
+    }
+
+    /// The journal's file holds written blocks (zeros) at least 32 KiB past its last record,
+    /// on a new store and on one opened again (vendor/README.md, the second patch), so a
+    /// sync does not also write the block map of blocks its own write allocated. fjall as
+    /// released leaves a hole from the block after the last record on.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn the_journal_is_written_with_zeros_ahead_of_its_last_record() {
+        let root = temp();
+        let dir = root.path().join("s");
+        let mut store = FjallStore::open(&dir).expect("open");
+        for s in ["a", "b", "c"] {
+            append_marked(&store, s, 20).await;
+            let journal = journal_of(&dir);
+            let bytes = fs::read(&journal).expect("read");
+            let last = find(&bytes, &marked_record(s, 20)).expect("the last record");
+            let end = bytes.iter().rposition(|b| *b != 0).expect("records") + 1;
+            assert!(
+                end > last,
+                "session {s}: the journal ends after its last record"
+            );
+            let hole = first_hole(&journal);
+            assert!(
+                hole >= end as u64 + 32 * 1024,
+                "session {s}: the journal's records end at {end}, its first hole starts at {hole}"
+            );
+            assert!(
+                hole <= end as u64 + 64 * 1024 + 4096,
+                "session {s}: zeros go at most 64 KiB ahead: records end at {end}, hole at {hole}"
+            );
+            drop(store);
+            store = FjallStore::open_existing(&dir).expect("reopen");
+        }
+        for s in ["a", "b", "c"] {
+            let history = store.read_history(s, 1, None).await.expect("read");
+            assert_eq!(history.len(), 20, "session {s}");
         }
     }
 

@@ -20,11 +20,30 @@ pub const PRE_ALLOCATED_BYTES: u64 = 64 * 1_024 * 1_024;
 
 pub const JOURNAL_BUFFER_BYTES: usize = 8 * 1_024;
 
+/// How far ahead of the journal's end its file is written with zeros (cairn's patch).
+///
+/// The preallocated file is a hole, so every write reaching a new block allocates it, and the
+/// next `fdatasync` then writes the inode's block map too: a third device round trip after
+/// the data and before the flush, on about one sync in nine of a small-record workload.
+/// Zeros written ahead allocate the blocks once per chunk instead, with the sync that
+/// follows. Recovery reads them as it reads the hole: the journal ends at the first zeros.
+/// 64 KiB keeps what a small store allocates ahead small.
+pub const ZEROED_AHEAD_BYTES: u64 = 64 * 1_024;
+
+/// Zeros to write ahead from.
+static ZEROS: [u8; ZEROED_AHEAD_BYTES as usize] = [0; ZEROED_AHEAD_BYTES as usize];
+
 pub struct Writer {
     pub(crate) path: PathBuf,
     file: BufWriter<File>,
     buf: Vec<u8>,
     is_buffer_dirty: bool,
+
+    /// The end of what is written, buffered or not (cairn's patch).
+    end: u64,
+    /// Up to where the file holds written blocks, data or zeros; `None` when the file is
+    /// appended to, where no zeros may be written ahead (cairn's patch).
+    zeroed_to: Option<u64>,
 
     compression: CompressionType,
     compression_threshold: usize,
@@ -144,6 +163,8 @@ impl Writer {
             file: BufWriter::new(file),
             buf: Vec::new(),
             is_buffer_dirty: false,
+            end: 0,
+            zeroed_to: Some(0),
             compression: CompressionType::None,
             compression_threshold: 0,
         })
@@ -177,6 +198,8 @@ impl Writer {
                 file: BufWriter::with_capacity(JOURNAL_BUFFER_BYTES, file),
                 buf: Vec::new(),
                 is_buffer_dirty: false,
+                end: 0,
+                zeroed_to: Some(0),
                 compression: CompressionType::None,
                 compression_threshold: 0,
             });
@@ -189,11 +212,14 @@ impl Writer {
                 log::error!("Failed to open journal file at {}: {e:?}", path.display());
             })?;
 
+        let end = file.metadata()?.len();
         Ok(Self {
             path: path.into(),
             file: BufWriter::with_capacity(JOURNAL_BUFFER_BYTES, file),
             buf: Vec::new(),
             is_buffer_dirty: false,
+            end,
+            zeroed_to: None,
             compression: CompressionType::None,
             compression_threshold: 0,
         })
@@ -230,6 +256,8 @@ impl Writer {
         file.seek(std::io::SeekFrom::Start(valid_end))?;
 
         self.file = BufWriter::with_capacity(JOURNAL_BUFFER_BYTES, file);
+        self.end = valid_end;
+        self.zeroed_to = Some(valid_end);
         Ok(())
     }
 
@@ -250,6 +278,10 @@ impl Writer {
             self.is_buffer_dirty = false;
         }
 
+        if mode != PersistMode::Buffer {
+            self.zero_ahead();
+        }
+
         match mode {
             PersistMode::SyncAll => self.file.get_mut().sync_all().inspect_err(|e| {
                 log::error!(
@@ -267,6 +299,47 @@ impl Writer {
         }
     }
 
+    /// Writes zeros ahead of the journal's end once it comes within half of
+    /// [`ZEROED_AHEAD_BYTES`] of the zeros written before, up to that distance past it and
+    /// never past the preallocated length, so that the coming sync allocates the blocks
+    /// the next writes land in (cairn's patch). Called with the buffer flushed, so that
+    /// everything from `end` on is zeros already. A failed write of zeros stops them: the
+    /// journal is then written into the hole, as fjall as released does.
+    fn zero_ahead(&mut self) {
+        let Some(zeroed_to) = self.zeroed_to else {
+            return;
+        };
+        if zeroed_to >= self.end + ZEROED_AHEAD_BYTES / 2 {
+            return;
+        }
+        let from = zeroed_to.max(self.end);
+        let to = (self.end + ZEROED_AHEAD_BYTES)
+            .next_multiple_of(4_096)
+            .min(PRE_ALLOCATED_BYTES);
+        if from >= to {
+            return;
+        }
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::FileExt;
+
+            let len = usize::try_from(to - from).unwrap_or(ZEROS.len());
+            if let Err(e) = self
+                .file
+                .get_ref()
+                .write_all_at(ZEROS.get(..len).unwrap_or(&ZEROS), from)
+            {
+                log::warn!(
+                    "Failed to write zeros ahead in journal at {}, writing into the hole: {e:?}",
+                    self.path.display(),
+                );
+                self.zeroed_to = None;
+                return;
+            }
+        }
+        self.zeroed_to = Some(to);
+    }
+
     /// Writes a batch start marker to the journal
     fn write_start(&mut self, item_count: u32, seqno: SeqNo) -> Result<usize, crate::Error> {
         debug_assert!(self.buf.is_empty());
@@ -274,6 +347,7 @@ impl Writer {
         Entry::Start { item_count, seqno }.encode_into(&mut self.buf)?;
 
         self.file.write_all(&self.buf)?;
+        self.end += self.buf.len() as u64;
 
         Ok(self.buf.len())
     }
@@ -285,6 +359,7 @@ impl Writer {
         Entry::End(checksum).encode_into(&mut self.buf)?;
 
         self.file.write_all(&self.buf)?;
+        self.end += self.buf.len() as u64;
 
         Ok(self.buf.len())
     }
@@ -320,6 +395,7 @@ impl Writer {
         )?;
 
         self.file.write_all(&self.buf)?;
+        self.end += self.buf.len() as u64;
 
         hasher.update(&self.buf);
         byte_count += self.buf.len();
@@ -347,6 +423,7 @@ impl Writer {
 
         Entry::Clear { keyspace_id }.encode_into(&mut self.buf)?;
         self.file.write_all(&self.buf)?;
+        self.end += self.buf.len() as u64;
         hasher.update(&self.buf);
         byte_count += self.buf.len();
 
@@ -399,6 +476,7 @@ impl Writer {
             )?;
 
             self.file.write_all(&self.buf)?;
+            self.end += self.buf.len() as u64;
 
             hasher.update(&self.buf);
             byte_count += self.buf.len();
