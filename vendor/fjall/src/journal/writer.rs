@@ -39,8 +39,6 @@ pub struct Writer {
     buf: Vec<u8>,
     is_buffer_dirty: bool,
 
-    /// The end of what is written, buffered or not (cairn's patch).
-    end: u64,
     /// Up to where the file holds written blocks, data or zeros; `None` when the file is
     /// appended to, where no zeros may be written ahead (cairn's patch).
     zeroed_to: Option<u64>,
@@ -163,7 +161,6 @@ impl Writer {
             file: BufWriter::new(file),
             buf: Vec::new(),
             is_buffer_dirty: false,
-            end: 0,
             zeroed_to: Some(0),
             compression: CompressionType::None,
             compression_threshold: 0,
@@ -198,7 +195,6 @@ impl Writer {
                 file: BufWriter::with_capacity(JOURNAL_BUFFER_BYTES, file),
                 buf: Vec::new(),
                 is_buffer_dirty: false,
-                end: 0,
                 zeroed_to: Some(0),
                 compression: CompressionType::None,
                 compression_threshold: 0,
@@ -212,13 +208,11 @@ impl Writer {
                 log::error!("Failed to open journal file at {}: {e:?}", path.display());
             })?;
 
-        let end = file.metadata()?.len();
         Ok(Self {
             path: path.into(),
             file: BufWriter::with_capacity(JOURNAL_BUFFER_BYTES, file),
             buf: Vec::new(),
             is_buffer_dirty: false,
-            end,
             zeroed_to: None,
             compression: CompressionType::None,
             compression_threshold: 0,
@@ -256,7 +250,6 @@ impl Writer {
         file.seek(std::io::SeekFrom::Start(valid_end))?;
 
         self.file = BufWriter::with_capacity(JOURNAL_BUFFER_BYTES, file);
-        self.end = valid_end;
         self.zeroed_to = Some(valid_end);
         Ok(())
     }
@@ -303,17 +296,30 @@ impl Writer {
     /// [`ZEROED_AHEAD_BYTES`] of the zeros written before, up to that distance past it and
     /// never past the preallocated length, so that the coming sync allocates the blocks
     /// the next writes land in (cairn's patch). Called with the buffer flushed, so that
-    /// everything from `end` on is zeros already. A failed write of zeros stops them: the
-    /// journal is then written into the hole, as fjall as released does.
+    /// everything from the file's position on is zeros already; the position is asked of
+    /// the file, never counted, so that a write that failed part way cannot leave zeros to
+    /// be written over what follows it. A failure stops the zeros: the journal is then
+    /// written into the hole, as fjall as released does.
     fn zero_ahead(&mut self) {
         let Some(zeroed_to) = self.zeroed_to else {
             return;
         };
-        if zeroed_to >= self.end + ZEROED_AHEAD_BYTES / 2 {
+        let end = match self.file.stream_position() {
+            Ok(end) => end,
+            Err(e) => {
+                log::warn!(
+                    "Failed to read the journal's position at {}, writing into the hole: {e:?}",
+                    self.path.display(),
+                );
+                self.zeroed_to = None;
+                return;
+            }
+        };
+        if zeroed_to >= end + ZEROED_AHEAD_BYTES / 2 {
             return;
         }
-        let from = zeroed_to.max(self.end);
-        let to = (self.end + ZEROED_AHEAD_BYTES)
+        let from = zeroed_to.max(end);
+        let to = (end + ZEROED_AHEAD_BYTES)
             .next_multiple_of(4_096)
             .min(PRE_ALLOCATED_BYTES);
         if from >= to {
@@ -347,7 +353,6 @@ impl Writer {
         Entry::Start { item_count, seqno }.encode_into(&mut self.buf)?;
 
         self.file.write_all(&self.buf)?;
-        self.end += self.buf.len() as u64;
 
         Ok(self.buf.len())
     }
@@ -359,7 +364,6 @@ impl Writer {
         Entry::End(checksum).encode_into(&mut self.buf)?;
 
         self.file.write_all(&self.buf)?;
-        self.end += self.buf.len() as u64;
 
         Ok(self.buf.len())
     }
@@ -395,7 +399,6 @@ impl Writer {
         )?;
 
         self.file.write_all(&self.buf)?;
-        self.end += self.buf.len() as u64;
 
         hasher.update(&self.buf);
         byte_count += self.buf.len();
@@ -423,7 +426,6 @@ impl Writer {
 
         Entry::Clear { keyspace_id }.encode_into(&mut self.buf)?;
         self.file.write_all(&self.buf)?;
-        self.end += self.buf.len() as u64;
         hasher.update(&self.buf);
         byte_count += self.buf.len();
 
@@ -476,8 +478,7 @@ impl Writer {
             )?;
 
             self.file.write_all(&self.buf)?;
-            self.end += self.buf.len() as u64;
-
+    
             hasher.update(&self.buf);
             byte_count += self.buf.len();
 
