@@ -318,23 +318,19 @@ impl Writer {
         if zeroed_to >= end + ZEROED_AHEAD_BYTES / 2 {
             return;
         }
-        let from = zeroed_to.max(end);
+        let mut from = zeroed_to.max(end);
         let to = (end + ZEROED_AHEAD_BYTES)
             .next_multiple_of(4_096)
             .min(PRE_ALLOCATED_BYTES);
-        if from >= to {
-            return;
-        }
+        // Up to a block more than `ZEROS` holds when `end` is not on a block's start.
         #[cfg(unix)]
-        {
+        while from < to {
             use std::os::unix::fs::FileExt;
 
-            let len = usize::try_from(to - from).unwrap_or(ZEROS.len());
-            if let Err(e) = self
-                .file
-                .get_ref()
-                .write_all_at(ZEROS.get(..len).unwrap_or(&ZEROS), from)
-            {
+            let len = usize::try_from(to - from)
+                .unwrap_or(ZEROS.len())
+                .min(ZEROS.len());
+            if let Err(e) = self.file.get_ref().write_all_at(&ZEROS[..len], from) {
                 log::warn!(
                     "Failed to write zeros ahead in journal at {}, writing into the hole: {e:?}",
                     self.path.display(),
@@ -342,8 +338,9 @@ impl Writer {
                 self.zeroed_to = None;
                 return;
             }
+            from += len as u64;
         }
-        self.zeroed_to = Some(to);
+        self.zeroed_to = Some(to.max(zeroed_to));
     }
 
     /// Writes a batch start marker to the journal
@@ -478,7 +475,7 @@ impl Writer {
             )?;
 
             self.file.write_all(&self.buf)?;
-    
+
             hasher.update(&self.buf);
             byte_count += self.buf.len();
 
