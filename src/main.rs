@@ -422,7 +422,8 @@ enum Command {
         parked: Option<usize>,
         /// Instead: where one session's turn spends its time on each engine, step by step
         /// between the marks on its path (the store's syncs, encoding, the writer, the
-        /// workflow, the activity, handing tasks), one table per engine.
+        /// workflow, the activity, handing tasks), one table per engine, then the steps the
+        /// slowest 1% of its turns spend more time on than the average turn.
         #[arg(long, conflicts_with_all = ["parked", "goals", "workers", "store", "no_embedded"])]
         stages: bool,
     },

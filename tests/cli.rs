@@ -1147,6 +1147,51 @@ fn bench_stages_time_a_turn_step_by_step_on_each_engine() {
             "{engine}: {shares}% in {stdout}"
         );
     }
+    // After each engine's table, its slowest 1% of turns beside all: how many, the least of
+    // them, their mean against all turns', and the steps they spend more time on.
+    let slow_heads: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("the slowest 1% of turns: "))
+        .collect();
+    assert_eq!(slow_heads.len(), 2, "{stdout}");
+    for head in slow_heads {
+        let words: Vec<&str> = head.split_whitespace().collect();
+        let slow: usize = words[5].parse().expect("a count");
+        let whole: usize = words[7].parse().expect("a count");
+        assert!(slow >= 1 && slow <= whole, "{head}");
+        let ms_after = |label: &str| -> f64 {
+            head.split(label)
+                .nth(1)
+                .and_then(|rest| rest.split(" ms").next())
+                .and_then(|n| n.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no {label:?} in {head}"))
+        };
+        let (least, slow_mean, all_mean) = (
+            ms_after("at least "),
+            ms_after("(mean "),
+            ms_after("against "),
+        );
+        assert!(slow_mean >= least && slow_mean >= all_mean, "{head}");
+        let rows: Vec<&str> = stdout
+            .lines()
+            .skip_while(|l| *l != head)
+            .skip(3)
+            .take_while(|l| l.starts_with("| "))
+            .collect();
+        assert!(!rows.is_empty(), "no steps after {head}: {stdout}");
+        for row in rows {
+            let cells: Vec<f64> = row
+                .split('|')
+                .skip(2)
+                .filter_map(|c| c.trim().parse().ok())
+                .collect();
+            assert_eq!(cells.len(), 3, "{row}");
+            assert!(
+                cells[2] >= 1.0 && (cells[0] - cells[1] - cells[2]).abs() < 0.2,
+                "{row}"
+            );
+        }
+    }
     // fjall commits a lone write on its caller's thread: its writer's steps (the records
     // encoded, then checked and staged) follow the workflow's in series.
     let fjall = table_of("fjall").join("\n");

@@ -35,7 +35,7 @@ use crate::scratch_database::ScratchDatabase;
 use anyhow::{bail, Context};
 use cairn_activities::ToolRegistry;
 use cairn_ledger::ModelSpec;
-use cairn_runtime::stages::{self, Recording, Step};
+use cairn_runtime::stages::{self, Recording, SlowTurns, Step};
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::store::Store;
 use cairn_runtime::{Client, Engine, SessionOptions, SystemClock, TurnOutcome};
@@ -106,6 +106,10 @@ impl Deployment {
     }
 }
 
+/// The quantile of the turns' durations whose turns `--stages` takes apart beside all: the
+/// p99 of the table's rows.
+pub const SLOW_TURNS_QUANTILE: f64 = 0.99;
+
 /// What one measurement found.
 #[derive(Debug, Clone)]
 pub struct BenchResult {
@@ -143,6 +147,9 @@ pub struct BenchResult {
     /// The steps between the marks on the turns' path in the measured window, when
     /// [`BenchConfig::stages`] asked for them (embedded); else empty.
     pub stages: Vec<Step>,
+    /// The slowest 1% of the turns recorded with [`stages`](Self::stages) (at or above the
+    /// p99), step by step beside all of them; `None` without stages or whole turns.
+    pub slow_turns: Option<SlowTurns>,
 }
 
 impl BenchResult {
@@ -358,7 +365,16 @@ async fn closed_loop(
             .as_ref()
             .map(|store| (store.durable_commits(), store.sync_times()));
         tokio::time::sleep_until(measure_until.into()).await;
-        let steps = recording.map_or_else(Vec::new, |recording| stages::steps(&recording.finish()));
+        let steps = recording.map_or_else(
+            || (Vec::new(), None),
+            |recording| {
+                let marks = recording.finish();
+                (
+                    stages::steps(&marks),
+                    stages::slowest_turns(&marks, SLOW_TURNS_QUANTILE),
+                )
+            },
+        );
         let cpu = match (first_cpu, total_cpu_seconds(&serving)) {
             (Ok(first), Ok(last)) => Some(last - first),
             (Err(e), _) | (_, Err(e)) => {
@@ -417,7 +433,7 @@ async fn closed_loop(
             .map(|d| d.as_secs_f64() * 1e3)
             .unwrap_or(f64::NAN)
     };
-    let (commits, sync_times, cpu_seconds, stages) =
+    let (commits, sync_times, cpu_seconds, (stages, slow_turns)) =
         counters.await.context("the commit counter panicked")?;
     // While the store (or its servers) is still up, as before the measurement.
     let fdatasync = ProbedFdatasync::of(&probed_before, &probe_in(&probe_dir).await?);
@@ -439,6 +455,7 @@ async fn closed_loop(
             .filter(|_| !latencies.is_empty())
             .map(|seconds| seconds * 1e3 / latencies.len() as f64),
         stages,
+        slow_turns,
     })
 }
 
@@ -627,6 +644,7 @@ mod tests {
             store_sync_p50_ms: Some(0.3),
             cpu_ms_per_turn: Some(0.75),
             stages: Vec::new(),
+            slow_turns: None,
         }
     }
 

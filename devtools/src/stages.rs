@@ -8,9 +8,12 @@
 //! the most time per turn first (the order of [`stages::steps`](cairn_runtime::stages::steps)),
 //! with how often a turn takes it, its p50, its µs per turn, its
 //! share of the time the marks cover, and how often it crossed threads (a wake of another
-//! thread, or the trip to the store's writer thread).
+//! thread, or the trip to the store's writer thread). A second table takes the p99 apart:
+//! the steps the slowest 1% of the turns spend more time on than the average turn
+//! ([`stages::slowest_turns`](cairn_runtime::stages::slowest_turns)).
 
 use crate::bench::{self, BenchConfig, BenchResult};
+use cairn_runtime::stages::SlowTurns;
 use cairn_runtime::store::embedded::StorageEngine;
 
 /// Measures one session's turns on a new `engine` store for `seconds`, recording the marks.
@@ -63,6 +66,45 @@ pub fn table(result: &BenchResult) -> String {
             step.thread_changes as f64 / turns,
         ));
     }
+    if let Some(slowest) = &result.slow_turns {
+        out.push_str(&slow_table(slowest));
+    }
+    out
+}
+
+/// The most rows the slowest turns' table shows.
+const SLOW_ROWS: usize = 10;
+
+/// The slowest turns' steps beside every turn's, as a Markdown table after a line that names
+/// them: the steps a slow turn spends at least 1 µs more on than the average turn, the most
+/// extra first, at most [`SLOW_ROWS`].
+fn slow_table(slowest: &SlowTurns) -> String {
+    let mut out = format!(
+        "\nthe slowest 1% of turns: {} of {} whole turns in the marks, at least {:.3} ms (mean {:.3} ms, against {:.3} ms for all); the steps a slow turn spends more time on, the most extra first\n",
+        slowest.slow,
+        slowest.turns,
+        slowest.threshold_us / 1e3,
+        slowest.slow_mean_us / 1e3,
+        slowest.all_mean_us / 1e3,
+    );
+    out.push_str(
+        "| step (from → to) | µs per slow turn | µs per turn, all | extra µs |\n|---|---|---|---|\n",
+    );
+    for step in slowest
+        .steps
+        .iter()
+        .filter(|step| step.extra_us() >= 1.0)
+        .take(SLOW_ROWS)
+    {
+        out.push_str(&format!(
+            "| {} → {} | {:.1} | {:.1} | {:.1} |\n",
+            step.from,
+            step.to,
+            step.slow_us_per_turn,
+            step.all_us_per_turn,
+            step.extra_us(),
+        ));
+    }
     out
 }
 
@@ -70,7 +112,7 @@ pub fn table(result: &BenchResult) -> String {
 mod tests {
     use super::*;
     use crate::bench::ProbedFdatasync;
-    use cairn_runtime::stages::Step;
+    use cairn_runtime::stages::{SlowStep, Step};
 
     fn step(from: &'static str, to: &'static str, count: usize, total_us: f64) -> Step {
         Step {
@@ -107,6 +149,7 @@ mod tests {
                 step("write.submitted", "sync.end", 2, 29_000.0),
                 step("sync.end", "append.durable", 500, 1_000.0),
             ],
+            slow_turns: None,
         };
         let table = table(&result);
         assert!(
@@ -130,5 +173,41 @@ mod tests {
             .nth(3)
             .unwrap()
             .starts_with("| sync.start → sync.end |"));
+    }
+
+    #[test]
+    fn the_slowest_turns_table_shows_the_steps_they_spend_more_on() {
+        let slow_step = |from, to, slow_us_per_turn, all_us_per_turn| SlowStep {
+            from,
+            to,
+            slow_us_per_turn,
+            all_us_per_turn,
+        };
+        let slowest = SlowTurns {
+            turns: 1000,
+            slow: 10,
+            threshold_us: 1_500.0,
+            slow_mean_us: 1_800.0,
+            all_mean_us: 400.0,
+            steps: vec![
+                slow_step("sync.start", "sync.end", 1_200.0, 200.0),
+                slow_step("append.start", "write.submitted", 40.0, 30.0),
+                slow_step("sync.end", "append.durable", 4.5, 4.0),
+                slow_step("activity.start", "activity.end", 10.0, 16.0),
+            ],
+        };
+        let table = slow_table(&slowest);
+        assert!(
+            table.starts_with("\nthe slowest 1% of turns: 10 of 1000 whole turns in the marks, at least 1.500 ms (mean 1.800 ms, against 0.400 ms for all);"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| sync.start → sync.end | 1200.0 | 200.0 | 1000.0 |\n| append.start → write.submitted | 40.0 | 30.0 | 10.0 |\n"),
+            "{table}"
+        );
+        // Under 1 µs more, or less: left out.
+        assert!(!table.contains("append.durable"), "{table}");
+        assert!(!table.contains("activity.end"), "{table}");
+        assert_eq!(table.lines().count(), 6);
     }
 }

@@ -9,7 +9,9 @@
 //! [`Recording::start`] turns them on for the whole process. [`steps`] then pairs each mark
 //! with the next one, in the order they were taken: at one session in flight that order is
 //! the turn's own, step by step. With several sessions in flight their marks interleave and
-//! the pairs mean little, so the bench records one session only.
+//! the pairs mean little, so the bench records one session only. [`slowest_turns`] cuts the
+//! marks into turns and sets the steps of the slowest ones beside those of all: what a p99
+//! turn spends its extra time on, where [`steps`] shows the median one.
 //!
 //! # The marks, in a turn's order at one session
 //!
@@ -160,6 +162,115 @@ pub fn steps(marks: &[Mark]) -> Vec<Step> {
     steps
 }
 
+/// The mark a turn starts at, at one session in flight.
+pub const TURN_START: &str = "turn.sent";
+/// The mark a turn ends at: its waiter has its outcome.
+pub const TURN_END: &str = "turn.outcome";
+
+/// A step's time per turn over the slowest turns, beside its time per turn over all of them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlowStep {
+    /// The mark it starts at.
+    pub from: &'static str,
+    /// The mark it ends at (the next one taken).
+    pub to: &'static str,
+    /// Its µs per turn over the slowest turns.
+    pub slow_us_per_turn: f64,
+    /// Its µs per turn over every turn.
+    pub all_us_per_turn: f64,
+}
+
+impl SlowStep {
+    /// What a slow turn spends on it beyond what a turn spends on average, µs.
+    pub fn extra_us(&self) -> f64 {
+        self.slow_us_per_turn - self.all_us_per_turn
+    }
+}
+
+/// Where the slowest turns of a recording went, beside all of its turns: a p99 turn's time
+/// taken apart, as [`steps`] takes apart the median one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlowTurns {
+    /// The turns the recording holds whole, from [`TURN_START`] to [`TURN_END`].
+    pub turns: usize,
+    /// How many of them are at or above `threshold_us`.
+    pub slow: usize,
+    /// The quantile of the turns' durations that the slow ones reach, µs.
+    pub threshold_us: f64,
+    /// The slow turns' mean duration, µs.
+    pub slow_mean_us: f64,
+    /// Every turn's mean duration, µs.
+    pub all_mean_us: f64,
+    /// The steps the turns took, the most extra time per slow turn first.
+    pub steps: Vec<SlowStep>,
+}
+
+/// The turns of `marks` (each from a [`TURN_START`] to the next [`TURN_END`]; a turn cut
+/// off by the recording's ends is left out) whose duration reaches the `quantile` of all
+/// of theirs (0.99: the slowest 1%), and their steps beside every turn's. `None` when the
+/// marks hold no whole turn. Meant for one session in flight, as [`steps`] is: with more,
+/// other turns' marks fall inside a turn's.
+pub fn slowest_turns(marks: &[Mark], quantile: f64) -> Option<SlowTurns> {
+    let mut turns: Vec<&[Mark]> = Vec::new();
+    let mut start = None;
+    for (i, mark) in marks.iter().enumerate() {
+        if mark.stage == TURN_START {
+            start = Some(i);
+        } else if mark.stage == TURN_END {
+            if let Some(first) = start.take() {
+                turns.push(&marks[first..=i]);
+            }
+        }
+    }
+    let duration_us = |turn: &[Mark]| match (turn.first(), turn.last()) {
+        (Some(first), Some(last)) => {
+            last.at.saturating_duration_since(first.at).as_secs_f64() * 1e6
+        }
+        _ => 0.0,
+    };
+    let mut durations: Vec<f64> = turns.iter().map(|turn| duration_us(turn)).collect();
+    durations.sort_by(f64::total_cmp);
+    let last = durations.len().checked_sub(1)?;
+    let threshold_us = durations[((durations.len() as f64 * quantile) as usize).min(last)];
+    let mut by_pair: BTreeMap<(&'static str, &'static str), (f64, f64)> = BTreeMap::new();
+    let (mut slow, mut slow_total_us) = (0usize, 0.0);
+    for turn in &turns {
+        let is_slow = duration_us(turn) >= threshold_us;
+        if is_slow {
+            slow += 1;
+            slow_total_us += duration_us(turn);
+        }
+        for pair in turn.windows(2) {
+            let [from, to] = pair else { continue };
+            let us = to.at.saturating_duration_since(from.at).as_secs_f64() * 1e6;
+            let (slow_us, all_us) = by_pair.entry((from.stage, to.stage)).or_default();
+            *all_us += us;
+            if is_slow {
+                *slow_us += us;
+            }
+        }
+    }
+    let all = turns.len() as f64;
+    let mut steps: Vec<SlowStep> = by_pair
+        .into_iter()
+        .map(|((from, to), (slow_us, all_us))| SlowStep {
+            from,
+            to,
+            slow_us_per_turn: slow_us / slow.max(1) as f64,
+            all_us_per_turn: all_us / all,
+        })
+        .collect();
+    steps.sort_by(|a, b| b.extra_us().total_cmp(&a.extra_us()));
+    Some(SlowTurns {
+        turns: turns.len(),
+        slow,
+        threshold_us,
+        slow_mean_us: slow_total_us / slow.max(1) as f64,
+        all_mean_us: durations.iter().sum::<f64>() / all,
+        steps,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,6 +307,44 @@ mod tests {
         assert!((steps[1].total_us - 35.0).abs() < 1e-6, "{:?}", steps[1]);
         assert_eq!(steps[1].thread_changes, 1);
         assert!(super::steps(&marks[..1]).is_empty());
+    }
+
+    #[test]
+    #[allow(clippy::disallowed_methods)] // a base instant for made-up marks
+    fn the_slowest_turns_show_which_step_made_them_slow() {
+        let t = Instant::now();
+        // Four turns of 100 µs (sync 60, the rest 40) and one of 400 µs whose sync took
+        // 300 and whose work took 100; a turn cut off by the recording's end is left out.
+        let mut marks = Vec::new();
+        let mut now = 0;
+        for sync_us in [60, 60, 300, 60, 60] {
+            let work_us = if sync_us == 300 { 100 } else { 40 };
+            marks.push(at(t, now, TURN_START, 1));
+            marks.push(at(t, now + work_us, "sync.start", 1));
+            marks.push(at(t, now + work_us + sync_us, TURN_END, 1));
+            now += work_us + sync_us + 10;
+        }
+        marks.push(at(t, now, TURN_START, 1));
+        marks.push(at(t, now + 5, "sync.start", 1));
+        let slowest = slowest_turns(&marks, 0.99).expect("whole turns");
+        assert_eq!((slowest.turns, slowest.slow), (5, 1));
+        assert!((slowest.threshold_us - 400.0).abs() < 1e-6, "{slowest:?}");
+        assert!((slowest.slow_mean_us - 400.0).abs() < 1e-6, "{slowest:?}");
+        assert!((slowest.all_mean_us - 160.0).abs() < 1e-6, "{slowest:?}");
+        // The sync: 300 µs in the slow turn, (4 × 60 + 300) / 5 = 108 in all; the work 100
+        // against (4 × 40 + 100) / 5 = 52. The most extra first.
+        assert_eq!(slowest.steps.len(), 2);
+        let sync = &slowest.steps[0];
+        assert_eq!((sync.from, sync.to), ("sync.start", TURN_END));
+        assert!((sync.slow_us_per_turn - 300.0).abs() < 1e-6, "{sync:?}");
+        assert!((sync.all_us_per_turn - 108.0).abs() < 1e-6, "{sync:?}");
+        assert!((sync.extra_us() - 192.0).abs() < 1e-6, "{sync:?}");
+        let work = &slowest.steps[1];
+        assert_eq!((work.from, work.to), (TURN_START, "sync.start"));
+        assert!((work.extra_us() - 48.0).abs() < 1e-6, "{work:?}");
+        // Every turn reaches the median's 100 µs, so at 0.5 all five count as slow.
+        assert_eq!(slowest_turns(&marks, 0.5).expect("whole turns").slow, 5);
+        assert_eq!(slowest_turns(&marks[..2], 0.99), None);
     }
 
     #[test]
