@@ -80,7 +80,8 @@ const SLOW_ROWS: usize = 10;
 /// extra first, at most [`SLOW_ROWS`].
 fn slow_table(slowest: &SlowTurns) -> String {
     let mut out = format!(
-        "\nthe slowest 1% of turns: {} of {} whole turns in the marks, at least {:.3} ms (mean {:.3} ms, against {:.3} ms for all); the steps a slow turn spends more time on, the most extra first\n",
+        "\nthe slowest {:.0}% of turns: {} of {} whole turns in the marks, at least {:.3} ms (mean {:.3} ms, against {:.3} ms for all); the steps a slow turn spends more time on, the most extra first\n",
+        (1.0 - bench::SLOW_TURNS_QUANTILE) * 100.0,
         slowest.slow,
         slowest.turns,
         slowest.threshold_us / 1e3,
