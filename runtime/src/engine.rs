@@ -562,7 +562,7 @@ impl Engine {
             None => self.new_session_id(),
         };
         crate::store::check_session_id(&session_id)?;
-        crate::stages::mark("turn.sent");
+        crate::stages::mark(crate::stages::TURN_START);
         self.submit_inputs(
             &session_id,
             |_| {
@@ -627,7 +627,7 @@ impl Engine {
         media: Vec<Media>,
         tool_choice: Option<cairn_ledger::ToolChoice>,
     ) -> Result<u32> {
-        crate::stages::mark("turn.sent");
+        crate::stages::mark(crate::stages::TURN_START);
         let mut turn = 0;
         self.submit(
             session_id,
@@ -860,7 +860,7 @@ impl Engine {
                 }
             },
         };
-        crate::stages::mark("turn.outcome");
+        crate::stages::mark(crate::stages::TURN_END);
         if ended.turn() == turn {
             return Ok(ended);
         }
