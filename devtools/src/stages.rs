@@ -81,7 +81,7 @@ const SLOW_ROWS: usize = 10;
 fn slow_table(slowest: &SlowTurns) -> String {
     let mut out = format!(
         "\nthe slowest {:.0}% of turns: {} of {} whole turns in the marks, at least {:.3} ms (mean {:.3} ms, against {:.3} ms for all); the steps a slow turn spends more time on, the most extra first\n",
-        (1.0 - bench::SLOW_TURNS_QUANTILE) * 100.0,
+        (1.0 - slowest.quantile) * 100.0,
         slowest.slow,
         slowest.turns,
         slowest.threshold_us / 1e3,
@@ -185,6 +185,7 @@ mod tests {
             all_us_per_turn,
         };
         let slowest = SlowTurns {
+            quantile: 0.99,
             turns: 1000,
             slow: 10,
             threshold_us: 1_500.0,

@@ -191,11 +191,13 @@ impl SlowStep {
 /// taken apart, as [`steps`] takes apart the median one.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SlowTurns {
+    /// The quantile of the turns' durations the slow ones reach (0.99: the slowest 1%).
+    pub quantile: f64,
     /// The turns the recording holds whole, from [`TURN_START`] to [`TURN_END`].
     pub turns: usize,
     /// How many of them are at or above `threshold_us`.
     pub slow: usize,
-    /// The quantile of the turns' durations that the slow ones reach, µs.
+    /// That quantile of the turns' durations, µs.
     pub threshold_us: f64,
     /// The slow turns' mean duration, µs.
     pub slow_mean_us: f64,
@@ -235,10 +237,11 @@ pub fn slowest_turns(marks: &[Mark], quantile: f64) -> Option<SlowTurns> {
     let mut by_pair: BTreeMap<(&'static str, &'static str), (f64, f64)> = BTreeMap::new();
     let (mut slow, mut slow_total_us) = (0usize, 0.0);
     for turn in &turns {
-        let is_slow = duration_us(turn) >= threshold_us;
+        let turn_us = duration_us(turn);
+        let is_slow = turn_us >= threshold_us;
         if is_slow {
             slow += 1;
-            slow_total_us += duration_us(turn);
+            slow_total_us += turn_us;
         }
         for pair in turn.windows(2) {
             let [from, to] = pair else { continue };
@@ -262,6 +265,7 @@ pub fn slowest_turns(marks: &[Mark], quantile: f64) -> Option<SlowTurns> {
         .collect();
     steps.sort_by(|a, b| b.extra_us().total_cmp(&a.extra_us()));
     Some(SlowTurns {
+        quantile,
         turns: turns.len(),
         slow,
         threshold_us,
@@ -328,6 +332,7 @@ mod tests {
         marks.push(at(t, now + 5, "sync.start", 1));
         let slowest = slowest_turns(&marks, 0.99).expect("whole turns");
         assert_eq!((slowest.turns, slowest.slow), (5, 1));
+        assert!((slowest.quantile - 0.99).abs() < 1e-12, "{slowest:?}");
         assert!((slowest.threshold_us - 400.0).abs() < 1e-6, "{slowest:?}");
         assert!((slowest.slow_mean_us - 400.0).abs() < 1e-6, "{slowest:?}");
         assert!((slowest.all_mean_us - 160.0).abs() < 1e-6, "{slowest:?}");
