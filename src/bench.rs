@@ -6,6 +6,7 @@ use crate::cli::database::redact;
 use crate::cli::out::outln;
 use anyhow::{bail, Context};
 use cairn_devtools::bench::{self, BenchConfig, BenchResult, Deployment, ServerStore};
+use cairn_devtools::machine::Machine;
 use cairn_runtime::store::embedded::StorageEngine;
 use std::path::Path;
 use std::process::ExitCode;
@@ -89,6 +90,7 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
         runtime_workers,
         if runtime_workers == 1 { "" } else { "s" }
     )?;
+    outln!("{}", Machine::of_bench_stores())?;
     outln!("{}", BenchResult::header())?;
     for &sessions in &args.sessions {
         let config = BenchConfig {

@@ -1006,6 +1006,25 @@ fn errors_say_their_whole_cause_once_in_words() {
     assert!(err.contains("DEBUG") && !err.contains('\x1b'), "{err}");
 }
 
+/// The line `cairn bench` prints above its figures, naming the machine they were measured on:
+/// its CPUs and, on Linux, the kernel and the file system the stores were made on.
+fn assert_machine_line(stdout: &str) {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("machine: "))
+        .unwrap_or_else(|| panic!("no machine line: {stdout}"));
+    assert!(line.contains(" CPU"), "{line}");
+    let stores = format!(
+        "stores in {}",
+        std::env::temp_dir().canonicalize().unwrap().display()
+    );
+    assert!(line.contains(&stores), "{line}");
+    if cfg!(target_os = "linux") {
+        assert!(line.contains(", Linux "), "{line}");
+        assert!(!line.contains("file system unknown"), "{line}");
+    }
+}
+
 /// `cairn bench` runs durable turns on each embedded engine and reports, per row, the probe's
 /// p50 fdatasync beside the store's own p50 sync, the commits a turn waited for in series
 /// (five at one session: the start, the model's result, each tool's, the second model's), and
@@ -1015,6 +1034,7 @@ fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
     let out = cairn(&["bench", "--sessions", "1", "--seconds", "0.5"]);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert_machine_line(&stdout);
     let header: Vec<&str> = stdout
         .lines()
         .find(|l| l.starts_with("| setup |"))
@@ -1075,6 +1095,7 @@ fn bench_stages_time_a_turn_step_by_step_on_each_engine() {
     let out = cairn(&["bench", "--stages", "--seconds", "0.5"]);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert_machine_line(&stdout);
     // An engine's table: its head line and rows, up to the blank line after them.
     let table_of = |engine: &str| -> Vec<&str> {
         stdout
@@ -1300,6 +1321,7 @@ fn bench_goals_reports_one_row_per_goal() {
     ]);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert_machine_line(&stdout);
     let rows: Vec<Vec<&str>> = stdout
         .lines()
         .filter(|l| l.starts_with("| ") && l.contains(" | fjall | "))

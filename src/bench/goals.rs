@@ -12,6 +12,7 @@ use crate::cli::out::outln;
 use anyhow::{bail, Context};
 use cairn_devtools::bench::{self, BenchConfig};
 use cairn_devtools::goals::{self, thousands, GoalRow};
+use cairn_devtools::machine::Machine;
 use cairn_devtools::{footprint, parked, transition};
 use cairn_runtime::store::embedded::StorageEngine;
 use std::path::Path;
@@ -42,6 +43,7 @@ pub async fn run(args: GoalsArgs, exe: &Path) -> anyhow::Result<ExitCode> {
         args.turns,
         thousands(args.parked as f64),
     )?;
+    outln!("{}", Machine::of_bench_stores())?;
     outln!("{}", GoalRow::header())?;
     for &engine in &args.engines {
         for row in measure(&args, engine, exe)

@@ -3,6 +3,7 @@
 
 use crate::cli::out::outln;
 use anyhow::Context;
+use cairn_devtools::machine::Machine;
 use cairn_devtools::stages;
 use cairn_runtime::store::embedded::StorageEngine;
 use std::process::ExitCode;
@@ -13,6 +14,7 @@ pub async fn run(seconds: f64, engines: &[StorageEngine]) -> anyhow::Result<Exit
         "where one session's turn goes: a fresh session per turn (model → 2 parallel tools → model, zero model latency), one in flight, {seconds} s after {} s of warm-up, on a new store of each engine, closed and opened again; each row a step between two marks on the turn's path (sync.start → sync.end is the store's write and fdatasync), how many times a turn takes it, its p50, its time per turn, its share of the time the marks cover, and its thread changes per turn",
         seconds / 10.0
     )?;
+    outln!("{}", Machine::of_bench_stores())?;
     for &engine in engines {
         let result = stages::measure(seconds, engine)
             .await
