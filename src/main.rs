@@ -370,6 +370,10 @@ enum Command {
     },
     /// Benchmark durable turns: embedded, and through `cairn server` processes with worker
     /// processes, over an embedded store or a PostgreSQL database.
+    ///
+    /// Above the figures, a line names the machine they were measured on: its CPUs, the
+    /// kernel, the file system the stores are made on (mount options, the disk's I/O
+    /// scheduler) and the CPU idle driver, with a KVM guest's halt polling.
     Bench {
         /// Sessions in flight (a closed loop of clients, a fresh session per turn); repeat
         /// or separate with commas for several measurements.
