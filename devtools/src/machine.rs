@@ -23,7 +23,7 @@ pub struct Machine {
     pub cpu: Option<Cpu>,
     /// The kernel's release (`/proc/sys/kernel/osrelease`).
     pub kernel: Option<String>,
-    /// The directory the stores are made in, and the file system it is on.
+    /// The directory the stores are made in, symbolic links resolved.
     pub store_dir: PathBuf,
     /// The file system holding `store_dir`, from `/proc/mounts`.
     pub mount: Option<Mount>,
