@@ -148,10 +148,16 @@ impl fmt::Display for Machine {
             write!(f, "; CPU idle driver {driver}")?;
             match self.guest_halt_poll_ns {
                 Some(0) => f.write_str(", guest halt polling off (guest_halt_poll_ns 0)")?,
-                Some(ns) => write!(
+                // Whole microseconds as such; anything finer (under 1 µs, or not a whole
+                // number of them) in nanoseconds, so that polling on never reads as 0 µs.
+                Some(ns) if ns % 1_000 == 0 => write!(
                     f,
                     ", guest halt polling up to {} µs (guest_halt_poll_ns {ns})",
                     ns / 1_000
+                )?,
+                Some(ns) => write!(
+                    f,
+                    ", guest halt polling up to {ns} ns (guest_halt_poll_ns {ns})"
                 )?,
                 None => {}
             }
@@ -373,6 +379,13 @@ mod tests {
         assert!(polling
             .to_string()
             .ends_with("guest halt polling up to 200 µs (guest_halt_poll_ns 200000)"));
+        let brief = Machine {
+            guest_halt_poll_ns: Some(500),
+            ..machine.clone()
+        };
+        assert!(brief
+            .to_string()
+            .ends_with("guest halt polling up to 500 ns (guest_halt_poll_ns 500)"));
         let unknown = Machine {
             store_dir: PathBuf::from("/data"),
             ..Machine::default()
