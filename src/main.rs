@@ -373,7 +373,8 @@ enum Command {
     ///
     /// Above the figures, a line names the machine they were measured on: its CPUs, the
     /// kernel, the file system the stores are made on (mount options, the disk's I/O
-    /// scheduler) and the CPU idle driver, with a KVM guest's halt polling.
+    /// scheduler, hardware queues and the CPUs their completion interrupts go to) and the
+    /// CPU idle driver, with a KVM guest's halt polling.
     Bench {
         /// Sessions in flight (a closed loop of clients, a fresh session per turn); repeat
         /// or separate with commas for several measurements.
