@@ -1141,6 +1141,167 @@ async fn a_report_with_next_hands_the_worker_the_task_it_queued_again_if_sent_ag
     );
 }
 
+/// Reports sent together (`POST /v1/worker/reports`) are each recorded as if sent alone and
+/// answered in order with what `POST /v1/worker/report` would have answered each: 200 with
+/// the tasks leased with it, 204 without `next`, an error for one that is refused, which
+/// leaves the others recorded. A batch of none, or of more than the server takes, is refused
+/// whole.
+#[tokio::test]
+async fn reports_sent_together_are_each_recorded_and_answered_as_if_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let http = reqwest::Client::new();
+    let model = json!({"provider": "scripted", "model": "unused.json"});
+    let calculator =
+        serde_json::to_value(cairn_activities::Tool::spec(&cairn_activities::Calculator)).unwrap();
+    let created = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(
+            json!({"session_id": "batched", "model": model, "tools": [calculator],
+                    "message": {"text": "1+2 and 3*4?"}}),
+        ),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let model_task = lease_one(&http, &server, None, 30_000).await;
+    let usage = json!({"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
+                       "cache_write_tokens": 0, "reasoning_tokens": 0});
+    let calls = json!({"model_completed": {
+        "provider": "scripted", "model": "by-hand",
+        "parts": [{"tool_use": {"id": "toolu_1", "name": "calculator",
+                                "arguments": "{\"expression\":\"1+2\"}"}},
+                  {"tool_use": {"id": "toolu_2", "name": "calculator",
+                                "arguments": "{\"expression\":\"3*4\"}"}}],
+        "stop_reason_raw": "tool_use", "stop_reason": "tool_use", "usage": usage
+    }});
+    let reported = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": model_task["lease"], "report": calls,
+                    "next": {"max": 2, "lease_ms": 30000}})),
+    )
+    .await;
+    assert_eq!(reported.status, StatusCode::OK, "{}", reported.body);
+    let tool_tasks = reported.body["tasks"].as_array().expect("tasks").clone();
+    assert_eq!(tool_tasks.len(), 2, "{}", reported.body);
+
+    let result =
+        |text: &str| json!({"tool_completed": {"content": {"text": text}, "is_error": false}});
+    let unknown = json!({"id": {"session_id": "nobody", "scheduled_seq": 3}, "kind": "tool",
+                         "lease_attempt": 1, "expires_at_ms": 4_000_000_000_000u64});
+    let batch = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/reports"),
+        None,
+        Some(json!({"reports": [
+            {"lease": tool_tasks[0]["lease"], "report": result("3"),
+             "next": {"max": 1, "lease_ms": 30000}},
+            {"lease": unknown, "report": result("lost")},
+            {"lease": tool_tasks[1]["lease"], "report": result("12")},
+        ]})),
+    )
+    .await;
+    assert_eq!(batch.status, StatusCode::OK, "{}", batch.body);
+    let answers = batch.body["answers"].as_array().expect("answers");
+    assert_eq!(answers.len(), 3, "{}", batch.body);
+    assert_eq!(answers[0]["status"], 200, "{}", batch.body);
+    assert_eq!(answers[1]["status"], 404, "{}", batch.body);
+    assert_eq!(
+        answers[1]["body"]["error"]["code"], "not_found",
+        "{}",
+        batch.body
+    );
+    assert_eq!(answers[2]["status"], 204, "{}", batch.body);
+    assert!(answers[2].get("body").is_none(), "{}", batch.body);
+    // The two results were recorded at once: the one recorded second queued the model's
+    // next call, which the first report leased if it was that one.
+    let handed = answers[0]["body"]["tasks"]
+        .as_array()
+        .expect("tasks")
+        .clone();
+    let next_call = match handed.as_slice() {
+        [task] => task.clone(),
+        [] => lease_one(&http, &server, None, 30_000).await,
+        more => panic!("{more:?}"),
+    };
+    assert_eq!(next_call["lease"]["kind"], "model", "{next_call}");
+    let transcript = next_call["input"]["model"]["transcript"].to_string();
+    assert!(
+        transcript.contains("toolu_1") && transcript.contains("toolu_2"),
+        "{transcript}"
+    );
+    let reported = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(json!({"lease": next_call["lease"], "report": answer("3 and 12")})),
+    )
+    .await;
+    assert_eq!(reported.status, StatusCode::NO_CONTENT, "{}", reported.body);
+    let outcome = wait_turn(&http, &server, None, "batched", 1).await;
+    assert_eq!(outcome["answer"], "3 and 12", "{outcome}");
+    assert_eq!(
+        kinds(&history(&http, &server, None, "batched").await),
+        [
+            "session_started",
+            "user_message",
+            "model_call_scheduled",
+            "model_call_completed",
+            "tool_call_scheduled",
+            "tool_call_scheduled",
+            "tool_call_completed",
+            "tool_call_completed",
+            "model_call_scheduled",
+            "model_call_completed",
+            "turn_completed"
+        ]
+    );
+
+    // Refused whole: a batch of none, and one of more than the server takes.
+    let one = json!({"lease": unknown, "report": result("x")});
+    for count in [0, cairn_runtime::wire::MAX_REPORTS_PER_BATCH + 1] {
+        let refused = send(
+            &http,
+            Method::POST,
+            server.url("/v1/worker/reports"),
+            None,
+            Some(json!({"reports": vec![one.clone(); count]})),
+        )
+        .await;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+        assert_eq!(
+            refused.body["error"]["code"], "invalid_request",
+            "{}",
+            refused.body
+        );
+    }
+    // So is a batch with a report whose media break their rules, naming it, before the
+    // other reports are recorded.
+    let media = json!({"tool_completed": {"is_error": false, "content": {"blocks": [
+        {"media": {"kind": "image", "source": {"url": {"url": "ftp://example.com/a.png"}}}}
+    ]}}});
+    let refused = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/reports"),
+        None,
+        Some(json!({"reports": [one, {"lease": unknown, "report": media}]})),
+    )
+    .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+    let message = refused.body["error"]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(message.starts_with("reports[1]: media"), "{message}");
+}
+
 /// A lease request sent again under its `Idempotency-Key` (as after an answer lost on the
 /// way) is answered with the tasks the first leased, under the same leases, rather than
 /// those tasks waiting, leased to nobody, for their leases to lapse; once the worker reports

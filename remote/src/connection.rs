@@ -246,6 +246,11 @@ impl Connection {
         timeout: Duration,
     ) -> Result<Vec<u8>> {
         let (status, body) = self.exchange(request, timeout).await?;
+        self.answer(status, body, subject)
+    }
+
+    /// An answer's body, or the error its status and body stand for.
+    pub fn answer(&self, status: u16, body: Vec<u8>, subject: Subject<'_>) -> Result<Vec<u8>> {
         if (200..300).contains(&status) {
             Ok(body)
         } else {

@@ -8,6 +8,7 @@
 #![allow(clippy::disallowed_methods)]
 
 mod connection;
+mod report_batch;
 mod source;
 mod sse;
 mod transport;

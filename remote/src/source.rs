@@ -8,9 +8,11 @@
 //! is final. Deltas are presentation only: they are batched off the activity's path and may
 //! be dropped. Those of its session not sent yet when an activity reports go with its
 //! report, which the server passes on first: one request fewer in series per model call
-//! than sending them ahead of it.
+//! than sending them ahead of it. Reports that finish together go in one request
+//! ([`crate::report_batch`]).
 
 use crate::connection::{Connection, Request, Subject, REQUEST_TIMEOUT};
+use crate::report_batch::{BatchOutcome, Entry, ReportBatcher};
 use crate::transport::{new_idempotency_key, retryable};
 use async_trait::async_trait;
 use cairn_ledger::JsonText;
@@ -57,6 +59,8 @@ const LEASE_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duratio
 /// `unix:PATH`).
 pub struct HttpTaskSource {
     connection: Arc<Connection>,
+    /// Sends the first tries of reports that finish together in one request.
+    batcher: Arc<ReportBatcher>,
     /// The delta batcher's queue, started by the first delta.
     deltas: OnceLock<mpsc::Sender<Batched>>,
     /// The latest expiry known of each lease this source handed out: a retry stops there.
@@ -103,8 +107,10 @@ impl HttpTaskSource {
     /// given. Nothing is sent until the pool first leases.
     pub fn new(url: &str, token: Option<String>) -> Result<Self> {
         let (contact, _) = watch::channel(Contact::Waiting);
+        let connection = Arc::new(Connection::new(url, token)?);
         Ok(HttpTaskSource {
-            connection: Arc::new(Connection::new(url, token)?),
+            batcher: ReportBatcher::new(Arc::clone(&connection)),
+            connection,
             deltas: OnceLock::new(),
             expiries: Mutex::default(),
             contact,
@@ -185,19 +191,26 @@ impl HttpTaskSource {
     }
 
     /// Sends `request` until it succeeds, fails for good, or `lease` has lapsed (no later
-    /// try could be accepted then). Each try is bounded by [`Self::try_timeout`].
-    async fn with_retries(&self, lease: &Lease, request: impl Fn() -> Request) -> Result<Vec<u8>> {
-        let subject = Subject {
-            session_id: Some(&lease.id.session_id),
-            lease: Some(lease),
-        };
+    /// try could be accepted then). Each try is bounded by [`Self::try_timeout`]. With
+    /// `first`, the outcome of a first try made already, the tries go on from there.
+    async fn with_retries(
+        &self,
+        lease: &Lease,
+        mut first: Option<Result<Vec<u8>>>,
+        request: impl Fn() -> Request,
+    ) -> Result<Vec<u8>> {
+        let subject = subject_of(lease);
         let mut backoff = RETRY_BACKOFF.0;
         loop {
-            match self
-                .connection
-                .call(request(), subject, self.try_timeout(lease))
-                .await
-            {
+            let tried = match first.take() {
+                Some(tried) => tried,
+                None => {
+                    self.connection
+                        .call(request(), subject, self.try_timeout(lease))
+                        .await
+                }
+            };
+            match tried {
                 Ok(body) => return Ok(body),
                 Err(e) if retryable(&e) => {
                     let pause_ms = u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX);
@@ -252,10 +265,13 @@ impl HttpTaskSource {
     /// without them ([`ResentReport`]); should the first have got nowhere, they are missed,
     /// as deltas may be.
     async fn post_report(&self, lease: &Lease, mut body: ReportRequest) -> Result<Vec<u8>> {
+        // `None` when it did not reach the server: the next try goes as a first.
+        let mut first_try = self.first_report_try(lease, &body).await;
         loop {
-            let tried = AtomicBool::new(false);
+            let first_try = first_try.take();
+            let tried = AtomicBool::new(first_try.is_some());
             let result = self
-                .with_retries(lease, || {
+                .with_retries(lease, first_try, || {
                     if tried.swap(true, Ordering::Relaxed) && !body.deltas.is_empty() {
                         Request::post("/v1/worker/report", &ResentReport::of(&body))
                     } else {
@@ -313,6 +329,42 @@ impl HttpTaskSource {
             } else {
                 return result;
             }
+        }
+    }
+
+    /// The first try of a report: by itself when fewer than two report requests are on
+    /// their way, else in a batch with the reports that finish meanwhile
+    /// ([`crate::report_batch`]). `None`: it did not reach the server (the next try is a first
+    /// try again, deltas and all).
+    async fn first_report_try(
+        &self,
+        lease: &Lease,
+        body: &ReportRequest,
+    ) -> Option<Result<Vec<u8>>> {
+        let timeout = self.try_timeout(lease);
+        match self.batcher.enter(body, timeout) {
+            Entry::Alone(in_flight) => {
+                let answer = self
+                    .connection
+                    .call(
+                        Request::post("/v1/worker/report", body),
+                        subject_of(lease),
+                        timeout,
+                    )
+                    .await;
+                drop(in_flight);
+                Some(answer)
+            }
+            Entry::Queued(outcome) => match outcome.await {
+                Ok(BatchOutcome::Answered(status, answer)) => {
+                    Some(self.connection.answer(status, answer, subject_of(lease)))
+                }
+                Ok(BatchOutcome::Lost(reason)) => {
+                    Some(Err(self.connection.unreachable_because(&reason)))
+                }
+                // Never sent (also when the batch could not be: the process is ending).
+                Ok(BatchOutcome::NotSent) | Err(_) => None,
+            },
         }
     }
 
@@ -435,7 +487,7 @@ impl TaskSource for HttpTaskSource {
             details,
         };
         let answer = match self
-            .with_retries(lease, || Request::post("/v1/worker/heartbeat", &body))
+            .with_retries(lease, None, || Request::post("/v1/worker/heartbeat", &body))
             .await
         {
             Ok(answer) => answer,
@@ -687,5 +739,13 @@ async fn send_deltas(connection: Arc<Connection>, mut queue: mpsc::Receiver<Batc
         if !open {
             return;
         }
+    }
+}
+
+/// What a request about `lease` is about, so that its error answers map back.
+fn subject_of(lease: &Lease) -> Subject<'_> {
+    Subject {
+        session_id: Some(&lease.id.session_id),
+        lease: Some(lease),
     }
 }

@@ -30,6 +30,7 @@
 //! | POST | `/v1/worker/heartbeat` | [`HeartbeatRequest`] → [`HeartbeatResponse`] |
 //! | POST | `/v1/worker/progress` | [`ProgressRequest`] → 204 |
 //! | POST | `/v1/worker/report` | [`ReportRequest`] → 204 |
+//! | POST | `/v1/worker/reports` | [`ReportBatch`] → [`ReportBatchAnswer`] (what the route above would have answered each) |
 //! | POST | `/v1/worker/deltas` | [`DeltaBatch`] → 204 |
 //!
 //! Either role: `GET /v1/health` → [`Health`]; `GET /v1/openapi.json`, the OpenAPI document.
@@ -566,6 +567,38 @@ pub struct ReportResponse {
     /// Leased tasks with what they run.
     #[schema(value_type = Vec<schema::LeasedTask>)]
     pub tasks: Vec<LeasedTask>,
+}
+
+/// The most reports one [`ReportBatch`] holds.
+pub const MAX_REPORTS_PER_BATCH: usize = 64;
+
+/// `POST /v1/worker/reports`: several reports in one request, each recorded as `POST
+/// /v1/worker/report` would record it (1 to [`MAX_REPORTS_PER_BATCH`] of them).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReportBatch {
+    /// The reports, in any order: each stands alone.
+    #[schema(min_items = 1, max_items = 64)]
+    pub reports: Vec<ReportRequest>,
+}
+
+/// The answer to a [`ReportBatch`]: one answer per report, in the batch's order.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct ReportBatchAnswer {
+    /// What `POST /v1/worker/report` would have answered each report.
+    pub answers: Vec<ReportAnswer>,
+}
+
+/// What `POST /v1/worker/report` would have answered one report of a batch.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct ReportAnswer {
+    /// Its HTTP status: 200 (a [`ReportResponse`]), 204 (no body) or an error's (an
+    /// [`ErrorBody`]).
+    pub status: u16,
+    /// Its body: a [`ReportResponse`] or an [`ErrorBody`]; absent with 204.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub body: Option<Box<serde_json::value::RawValue>>,
 }
 
 /// `POST /v1/worker/deltas`: model deltas for the sessions' live streams.

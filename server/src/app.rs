@@ -107,6 +107,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/worker/heartbeat", post(worker::heartbeat))
         .route("/v1/worker/progress", post(worker::progress))
         .route("/v1/worker/report", post(worker::report))
+        .route("/v1/worker/reports", post(worker::reports))
         .route("/v1/worker/deltas", post(worker::deltas))
         .route("/v1/health", get(health))
         .route("/v1/openapi.json", get(openapi::document))

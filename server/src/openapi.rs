@@ -39,6 +39,7 @@ use utoipa::{Modify, OpenApi};
         worker::heartbeat,
         worker::progress,
         worker::report,
+        worker::reports,
         worker::deltas,
         app::health,
         document,
@@ -95,10 +96,11 @@ fn require_text_or_media(doc: &mut serde_json::Value) {
 }
 
 /// Enums serde writes externally tagged: `{"VARIANT": ...}`.
-const EXTERNALLY_TAGGED: [&str; 7] = [
+const EXTERNALLY_TAGGED: [&str; 8] = [
     "ActivityReport",
     "Part",
     "ToolResultContent",
+    "ToolResultBlock",
     "Delta",
     "ImageSource",
     "DocumentSource",
@@ -194,7 +196,7 @@ mod tests {
         }
         assert_eq!(doc["security"][0]["bearer"], serde_json::json!([]));
         let paths = doc["paths"].as_object().unwrap();
-        assert_eq!(paths.len(), 20, "{:?}", paths.keys().collect::<Vec<_>>());
+        assert_eq!(paths.len(), 21, "{:?}", paths.keys().collect::<Vec<_>>());
         assert!(paths["/v1/sessions/{id}/compact"]["post"].is_object());
         let compaction = &doc["components"]["schemas"]["CompactionPolicy"]["properties"];
         assert_eq!(
@@ -229,5 +231,20 @@ mod tests {
         assert_eq!(lease["lease_ms"]["format"], "uint64");
         let report = &doc["components"]["schemas"]["ActivityReport"]["oneOf"][0];
         assert_eq!(report["additionalProperties"], false);
+    }
+
+    #[test]
+    fn a_batch_of_reports_says_how_many_it_holds_and_its_blocks_have_one_key() {
+        let doc = super::openapi();
+        let schemas = &doc["components"]["schemas"];
+        let reports = &schemas["ReportBatch"]["properties"]["reports"];
+        assert_eq!(reports["minItems"], 1);
+        assert_eq!(
+            reports["maxItems"],
+            cairn_runtime::wire::MAX_REPORTS_PER_BATCH
+        );
+        for variant in schemas["ToolResultBlock"]["oneOf"].as_array().unwrap() {
+            assert_eq!(variant["additionalProperties"], false, "{variant}");
+        }
     }
 }

@@ -1,5 +1,5 @@
 //! The worker routes: lease tasks (a long poll), fetch a lease's input again, heartbeat,
-//! record streamed progress, report a result, pass on model deltas. Leases name sessions as
+//! record streamed progress, report a result (or several at once), pass on model deltas. Leases name sessions as
 //! stored (`N:ID` in namespace `N`), so idempotency keys stay unique across namespaces; a
 //! worker token of namespace `N` leases only `N`'s tasks and may touch no other lease (404).
 
@@ -12,13 +12,15 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use cairn_ledger::{Media, Part, ToolResultBlock, ToolResultContent};
 use cairn_runtime::wire::{
     schema, split_session_id, DeltaBatch, ErrorBody, ErrorCode, HeartbeatRequest,
-    HeartbeatResponse, LeaseRequest, LeaseResponse, ProgressRequest, ReportRequest, ReportResponse,
-    DEFAULT_NAMESPACE,
+    HeartbeatResponse, LeaseRequest, LeaseResponse, ProgressRequest, ReportAnswer, ReportBatch,
+    ReportBatchAnswer, ReportRequest, ReportResponse, DEFAULT_NAMESPACE, MAX_REPORTS_PER_BATCH,
 };
 use cairn_runtime::{
-    ActivityInput, Lease, LeaseHolder, LeaseRequest as StoreLeaseRequest, LeasedTask, TaskFilter,
+    ActivityInput, ActivityReport, Lease, LeaseHolder, LeaseRequest as StoreLeaseRequest,
+    LeasedTask, TaskFilter,
 };
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -366,9 +368,123 @@ pub async fn report(
     WorkerCaller(caller): WorkerCaller,
     JsonBody(request): JsonBody<ReportRequest>,
 ) -> Result<Response, ApiError> {
-    check_lease(&caller, &request.lease)?;
+    Ok(match record_report(&state, &caller, request).await? {
+        Some(answer) => Json(answer).into_response(),
+        None => StatusCode::NO_CONTENT.into_response(),
+    })
+}
+
+/// Records several reports in one request, each as `POST /v1/worker/report` would, at once
+/// (so they share the store's commits), and answers each with what that route would have
+/// answered it: its status and its body. A worker whose activities finish together sends one
+/// request instead of one each. The items stand alone: one refused (stale, of another
+/// namespace) leaves the others recorded.
+#[utoipa::path(
+    post,
+    path = "/v1/worker/reports",
+    tag = "worker",
+    request_body = ReportBatch,
+    responses(
+        (status = 200, description = "Each report recorded or refused, answered in order", body = ReportBatchAnswer),
+        (status = 400, description = "Malformed request: no reports, more than the server takes at once, or a report whose media break their rules", body = ErrorBody),
+        (status = 401, description = "No token, or an unknown one", body = ErrorBody),
+        (status = 403, description = "Not a worker token", body = ErrorBody),
+        (status = 413, description = "The body is too large", body = ErrorBody),
+        (status = 415, description = "The body is not JSON", body = ErrorBody),
+        (status = 500, description = "The server failed", body = ErrorBody),
+    )
+)]
+pub async fn reports(
+    State(state): State<AppState>,
+    WorkerCaller(caller): WorkerCaller,
+    JsonBody(batch): JsonBody<ReportBatch>,
+) -> Result<Json<ReportBatchAnswer>, ApiError> {
+    if batch.reports.is_empty() || batch.reports.len() > MAX_REPORTS_PER_BATCH {
+        return Err(ApiError::invalid(format!(
+            "a batch holds from 1 to {MAX_REPORTS_PER_BATCH} reports, not {}",
+            batch.reports.len()
+        )));
+    }
+    // Refused whole, as a malformed request, before anything is recorded: media a report
+    // could only fail on later, item by item, break the document's patterns.
+    for (i, request) in batch.reports.iter().enumerate() {
+        media_problem(&request.report).map_or(Ok(()), |problem| {
+            Err(ApiError::invalid(format!("reports[{i}]: {problem}")))
+        })?;
+    }
+    let recorded = batch
+        .reports
+        .into_iter()
+        .map(|request| record_report(&state, &caller, request));
+    let answers = futures_util::future::join_all(recorded)
+        .await
+        .into_iter()
+        .map(|answer| {
+            let (status, body) = match answer {
+                Ok(Some(leased)) => (StatusCode::OK, serde_json::value::to_raw_value(&leased)),
+                Ok(None) => {
+                    return Ok(ReportAnswer {
+                        status: 204,
+                        body: None,
+                    })
+                }
+                Err(e) => (e.status(), serde_json::value::to_raw_value(&e.body())),
+            };
+            Ok(ReportAnswer {
+                status: status.as_u16(),
+                body: Some(body.map_err(|e| ApiError::internal(&e))?),
+            })
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    Ok(Json(ReportBatchAnswer { answers }))
+}
+
+/// What is wrong with the first media of `report` that breaks its rules (the document's
+/// patterns: media type, canonical base64, an http(s) URL), if any.
+fn media_problem(report: &ActivityReport) -> Option<String> {
+    let media: Vec<&Media> = match report {
+        ActivityReport::ToolCompleted { content, .. } => media_of(content),
+        ActivityReport::ModelCompleted(response) => response
+            .parts
+            .iter()
+            .flat_map(|part| match part {
+                Part::Media(media) => vec![media],
+                Part::ToolResult(result) => media_of(&result.content),
+                _ => Vec::new(),
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    media
+        .into_iter()
+        .find_map(|media| media.check().err())
+        .map(|violation| format!("media: {violation}"))
+}
+
+/// The media blocks of a tool result.
+fn media_of(content: &ToolResultContent) -> Vec<&Media> {
+    match content {
+        ToolResultContent::Blocks(blocks) => blocks
+            .iter()
+            .filter_map(|block| match block {
+                ToolResultBlock::Media(media) => Some(media),
+                ToolResultBlock::Text { .. } => None,
+            })
+            .collect(),
+        ToolResultContent::Json(_) | ToolResultContent::Text(_) => Vec::new(),
+    }
+}
+
+/// Records one report ([`report`]): the tasks leased with it for a request with `next`,
+/// `None` for one without.
+async fn record_report(
+    state: &AppState,
+    caller: &Caller,
+    request: ReportRequest,
+) -> Result<Option<ReportResponse>, ApiError> {
+    check_lease(caller, &request.lease)?;
     for delta in &request.deltas {
-        check_session(&caller, &delta.origin.session_id)?;
+        check_session(caller, &delta.origin.session_id)?;
     }
     let ReportRequest {
         lease,
@@ -386,7 +502,7 @@ pub async fn report(
         let (max, lease_ms) = bounded(next.max, next.lease_ms);
         StoreLeaseRequest {
             filter: Arc::new(worker_filter(
-                &caller,
+                caller,
                 next.queues,
                 next.tools,
                 next.providers,
@@ -403,7 +519,7 @@ pub async fn report(
         {
             Joined::First(first) => break first,
             Joined::Again(earlier) => match earlier.outcome().await {
-                Some(leases) => return answered_again(&state, leases, wants_tasks).await,
+                Some(leases) => return Ok(answered_again(state, leases, wants_tasks).await),
                 // The first try failed: this one records the report.
                 None => continue,
             },
@@ -432,11 +548,7 @@ pub async fn report(
         .await
         .map_err(|e| ApiError::internal(&e))?
         .map_err(|e| ApiError::from_runtime(e, &lease.id.session_id))?;
-    Ok(if wants_tasks {
-        Json(ReportResponse { tasks }).into_response()
-    } else {
-        StatusCode::NO_CONTENT.into_response()
-    })
+    Ok(wants_tasks.then_some(ReportResponse { tasks }))
 }
 
 /// The answer to a try of a report the first try recorded: the same tasks, fetched again,
@@ -445,12 +557,13 @@ async fn answered_again(
     state: &AppState,
     leases: Vec<Lease>,
     wants_tasks: bool,
-) -> Result<Response, ApiError> {
+) -> Option<ReportResponse> {
     if !wants_tasks {
-        return Ok(StatusCode::NO_CONTENT.into_response());
+        return None;
     }
-    let tasks = fetched_again(state, leases).await;
-    Ok(Json(ReportResponse { tasks }).into_response())
+    Some(ReportResponse {
+        tasks: fetched_again(state, leases).await,
+    })
 }
 
 /// The tasks of `leases` handed out by a first try, fetched again for a try sent again:
