@@ -440,7 +440,10 @@ pub async fn reports(
 }
 
 /// What is wrong with the first media of `report` that breaks its rules (the document's
-/// patterns: media type, canonical base64, an http(s) URL), if any.
+/// patterns: media type, canonical base64, an http(s) URL), if any. Only the media: the
+/// ledger's other rules for a tool result (`check_result_blocks`: no empty list of blocks,
+/// say) are not the document's, so a batch breaking them is well-formed, and the report's own
+/// answer says what is wrong with it.
 fn media_problem(report: &ActivityReport) -> Option<String> {
     let media: Vec<&Media> = match report {
         ActivityReport::ToolCompleted { content, .. } => media_of(content),
