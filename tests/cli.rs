@@ -1134,11 +1134,23 @@ fn bench_stages_time_a_turn_step_by_step_on_each_engine() {
             "ms",
         );
         assert!(p50_turn > 0.0, "{engine}: {stdout}");
-        // The marks cover the turns back to back (their mean, against the p50: a loaded
-        // machine's slow turns raise the mean).
+        // The marks cover the turns back to back: about the mean turn, which the line on the
+        // slowest turns gives ("against M ms for all"). Not the p50: on a loaded machine one
+        // turn stalled in a sync for a quarter of a second raised a half-second run's mean to
+        // four and a half times its p50.
+        let all_mean = number(
+            stdout
+                .lines()
+                .skip_while(|l| !l.starts_with(&format!("embedded, {engine}: ")))
+                .find(|l| l.starts_with("the slowest 1% of turns: "))
+                .and_then(|l| l.split("against ").nth(1))
+                .and_then(|rest| rest.split(" for all").next())
+                .unwrap_or_else(|| panic!("{engine}: no mean of all turns in {stdout}")),
+            "ms",
+        );
         assert!(
-            covered > 0.5 * p50_turn && covered < 4.0 * p50_turn,
-            "{engine}: {stdout}"
+            covered > 0.5 * all_mean && covered < 2.0 * all_mean,
+            "{engine}: {covered} ms covered against a mean turn of {all_mean} ms in {stdout}"
         );
         let row = |from: &str, to: &str| -> Vec<&str> {
             table
