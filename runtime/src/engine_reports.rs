@@ -1,0 +1,243 @@
+//! Workers' reports: a leased task's result or failure, and a model attempt's streamed
+//! progress, recorded as events of its session's history.
+
+use super::{failed_event, lock, ActivityReport, Engine, LeasedTask};
+use crate::error::{Error, Result};
+use crate::event::{ActivityFailure, Event};
+use crate::pricing::PriceTable;
+use crate::store::{Lease, LeaseRequest};
+use crate::workflow::ScheduledActivity;
+
+impl Engine {
+    /// Records a worker's report for a leased task. A stale report is
+    /// [`Error::StaleReport`] (the workflow already moved on) or [`Error::LeaseLost`] (the lease
+    /// lapsed): the worker drops it, the history is unchanged.
+    pub async fn report(&self, lease: &Lease, report: ActivityReport) -> Result<()> {
+        self.report_with(lease, report, None).await.map(drop)
+    }
+
+    /// Reports like [`Engine::report`], and leases with the report's append up to
+    /// `next.max` due tasks `next.filter` accepts for the same worker of this process (eager
+    /// dispatch: the next task of a session goes to the worker that finished the last one,
+    /// without a lease round of its own). The tasks come with what they run, like
+    /// [`Engine::lease_tasks`]; they are handed out once the report is durable.
+    pub async fn report_and_lease(
+        &self,
+        lease: &Lease,
+        report: ActivityReport,
+        next: &LeaseRequest,
+    ) -> Result<Vec<LeasedTask>> {
+        crate::stages::mark("report.start");
+        let leases = self.report_with(lease, report, Some(next)).await?;
+        let handed = self.with_activities(leases).await;
+        crate::stages::mark("report.handed");
+        Ok(handed)
+    }
+
+    async fn report_with(
+        &self,
+        lease: &Lease,
+        report: ActivityReport,
+        next: Option<&LeaseRequest>,
+    ) -> Result<Vec<Lease>> {
+        let session_id = &lease.id.session_id;
+        {
+            let mut here = lock(&self.inner.leased_here);
+            if here
+                .get(&lease.id)
+                .is_some_and(|(attempt, _)| *attempt == lease.lease_attempt)
+            {
+                here.remove(&lease.id);
+            }
+        }
+        let prices = self.prices();
+        let (submitted, leases) = self
+            .submit_inputs(
+                session_id,
+                |state| match state.scheduled_activity(lease.id.scheduled_seq) {
+                    Some(activity) => report_event(&prices, lease, activity, report.clone())
+                        .map(|event| Some(vec![event])),
+                    None => Ok(None),
+                },
+                Some((lease.id.clone(), lease.lease_attempt)),
+                None,
+                false,
+                next,
+            )
+            .await?;
+        if submitted.is_none() {
+            // Nothing will run it again, so the queue drops it; the report itself changes nothing.
+            self.discard_task(lease).await?;
+            return Err(Error::StaleReport {
+                session_id: session_id.clone(),
+                seq: lease.id.scheduled_seq,
+                reason: format!("the workflow no longer waits for task {}", lease.id),
+            });
+        }
+        Ok(leases)
+    }
+
+    /// Records what a leased model attempt streamed since its previous record, as a
+    /// `model_attempt_progress` event (presentation only). It goes through the same append
+    /// path as everything else, so it shares the store's group-commit flushes. Stale progress —
+    /// the workflow no longer waits for this attempt, or a newer lease of it already recorded
+    /// output — is rejected with [`Error::StaleReport`] (see [`Error::is_stale_report`]) and changes
+    /// nothing; the attempt itself goes on.
+    pub async fn record_progress(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+    ) -> Result<()> {
+        self.record_progress_with_usage(lease, text_appended, thinking_appended, None)
+            .await
+    }
+
+    /// [`Engine::record_progress`] with the usage the run's stream reported so far, priced
+    /// now and recorded with it: if the run is lost, it is what is known of its usage.
+    pub async fn record_progress_with_usage(
+        &self,
+        lease: &Lease,
+        text_appended: String,
+        thinking_appended: String,
+        usage: Option<cairn_ledger::Usage>,
+    ) -> Result<()> {
+        let session_id = &lease.id.session_id;
+        let prices = self.prices();
+        // The workflow checks the attempt again when it steps, so a completion that lands
+        // in between makes this progress stale rather than misplaced.
+        self.submit(
+            session_id,
+            |state| match state.scheduled_activity(lease.id.scheduled_seq) {
+                Some(ScheduledActivity::Model {
+                    turn,
+                    round,
+                    attempt,
+                    model,
+                    ..
+                }) => Ok(Some(Event::ModelAttemptProgress {
+                    turn,
+                    round,
+                    attempt,
+                    lease_attempt: lease.lease_attempt,
+                    text_appended: text_appended.clone(),
+                    thinking_appended: thinking_appended.clone(),
+                    usage,
+                    cost_micros: usage.and_then(|u| prices.cost(&model.provider, &model.model, &u)),
+                })),
+                _ => Err(Error::StaleReport {
+                    session_id: session_id.clone(),
+                    seq: lease.id.scheduled_seq,
+                    reason: format!(
+                        "progress of task {} for a model call the workflow no longer waits for",
+                        lease.id
+                    ),
+                }),
+            },
+            None,
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// The event that records `report` for `activity`, the activity `lease` ran, a model
+/// attempt's usage priced by `prices`.
+fn report_event(
+    prices: &PriceTable,
+    lease: &Lease,
+    activity: ScheduledActivity,
+    report: ActivityReport,
+) -> Result<Event> {
+    Ok(match (activity, report) {
+        (
+            ScheduledActivity::Model {
+                turn,
+                round,
+                attempt,
+                model,
+                ..
+            },
+            ActivityReport::ModelCompleted(response),
+        ) => {
+            // The model the provider says answered (a dated id), else the one asked for.
+            let cost_micros = prices
+                .cost(&model.provider, &response.model, &response.usage)
+                .or_else(|| prices.cost(&model.provider, &model.model, &response.usage));
+            Event::ModelCallCompleted {
+                turn,
+                round,
+                attempt,
+                response,
+                cost_micros,
+            }
+        }
+        (
+            ScheduledActivity::Tool {
+                turn,
+                attempt,
+                tool_use,
+                ..
+            },
+            ActivityReport::ToolCompleted { content, is_error },
+        ) => Event::ToolCallCompleted {
+            turn,
+            tool_use_id: tool_use.id,
+            attempt,
+            content,
+            is_error,
+        },
+        (
+            ScheduledActivity::Summary {
+                turn,
+                attempt,
+                model,
+                ..
+            },
+            ActivityReport::ModelCompleted(response),
+        ) => {
+            let usage = response.usage;
+            let cost_micros = prices
+                .cost(&model.provider, &response.model, &usage)
+                .or_else(|| prices.cost(&model.provider, &model.model, &usage));
+            let summary: String = response
+                .parts
+                .iter()
+                .filter_map(|p| match p {
+                    cairn_ledger::Part::Text { text, .. } => Some(text.as_str()),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+                .join("\n");
+            if summary.trim().is_empty() {
+                // Its usage is left out: a version 2 session would add it to its turn's usage,
+                // which the code before did not (an empty summary counted nothing).
+                Event::SummaryCallFailed {
+                    turn,
+                    attempt,
+                    failure: ActivityFailure::new(
+                        crate::event::ErrorClass::InvalidResponse,
+                        "the summary call answered without text",
+                    ),
+                    cost_micros: None,
+                }
+            } else {
+                Event::SummaryCallCompleted {
+                    turn,
+                    attempt,
+                    summary,
+                    usage: Some(usage),
+                    cost_micros,
+                }
+            }
+        }
+        (activity, ActivityReport::Failed(failure)) => failed_event(prices, activity, failure),
+        (activity, report) => {
+            return Err(Error::InvalidEvent {
+                session_id: lease.id.session_id.clone(),
+                seq: lease.id.scheduled_seq,
+                reason: format!("report {report:?} does not fit activity {activity:?}"),
+            })
+        }
+    })
+}
