@@ -5,9 +5,11 @@
 //! printing that survives a closed pipe (`out`).
 
 pub mod approvals;
+pub mod args;
 pub mod attach;
 pub mod budget;
 pub mod call_options;
+pub mod chaos;
 pub mod chat;
 pub mod cleanup;
 pub mod compaction;
@@ -15,6 +17,7 @@ pub mod completions;
 pub mod database;
 pub mod delete;
 pub mod deltas;
+pub mod demo_command;
 pub mod describe;
 pub mod exit_codes;
 pub mod history_files;
@@ -25,6 +28,7 @@ pub mod remote;
 pub mod reports;
 pub mod resume;
 pub mod sessions;
+pub mod summary;
 pub mod turn;
 pub mod workdir;
 pub mod worker;
