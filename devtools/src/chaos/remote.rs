@@ -3,8 +3,9 @@
 //! kills falling on either. The protocol, the kill moments and the checks are in the module
 //! doc of [`super`], "Remote workers".
 
+use super::child::wall_ms;
 use super::{
-    absorb, extend_turns, mean, parse_child_line, read_child_lines, tail, verify, wall_ms, Acks,
+    absorb, extend_turns, mean, parse_child_line, read_child_lines, tail, verify, Acks,
     ChaosConfig, ChaosReport, ChildOutput, ChildRun, End, Explanations, ServeOptions, SplitMix64,
     FINAL_RUN_TIMEOUT, STARTUP_KILL_ONE_IN, STDERR_TAIL_LINES,
 };
