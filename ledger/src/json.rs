@@ -1,7 +1,7 @@
 //! `JsonText`: JSON kept as the exact text it arrived as, so numbers and key order survive.
 
 use serde::de::{self, Deserializer, Visitor};
-use serde::ser::Serializer;
+use serde::ser::{SerializeStruct, Serializer};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use std::fmt;
@@ -61,13 +61,22 @@ impl fmt::Display for JsonText {
     }
 }
 
+/// The name through which serde_json takes a raw value from a serializer: a struct of this
+/// name with one field of this name holding the text, which is exactly how its own
+/// [`RawValue`] serializes itself. Checked against `RawValue` in the tests.
+const RAW_VALUE_TOKEN: &str = "$serde_json::private::RawValue";
+
 impl Serialize for JsonText {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         if serializer.is_human_readable() {
-            match serde_json::from_str::<&RawValue>(&self.0) {
-                Ok(raw) => raw.serialize(serializer),
-                Err(_) => serializer.serialize_str(&self.0),
-            }
+            // Written as serde_json's raw value, as `RawValue` itself writes one, without
+            // parsing the text again: every way to make a `JsonText` checked it already, and a
+            // server's answer to a lease carries every tool schema and JSON part of the
+            // transcript through here again for each model call (about 2% of the server's
+            // instructions a turn, callgrind found, before this).
+            let mut raw = serializer.serialize_struct(RAW_VALUE_TOKEN, 1)?;
+            raw.serialize_field(RAW_VALUE_TOKEN, &self.0)?;
+            raw.end()
         } else {
             serializer.serialize_str(&self.0)
         }
@@ -112,6 +121,37 @@ mod tests {
         let bytes = rmp_serde::to_vec_named(&json).unwrap();
         let via_msgpack: JsonText = rmp_serde::from_slice(&bytes).unwrap();
         assert_eq!(via_msgpack.as_str(), text);
+    }
+
+    /// Written without a second parse, a `JsonText` comes out of every serializer exactly
+    /// as serde_json's own `RawValue` of the same text does: verbatim in JSON (compact and
+    /// pretty), and as the same `Value`.
+    #[test]
+    fn it_serializes_as_serde_jsons_raw_value_does() {
+        let texts = [
+            r#"{"z":9007199254740993,"a":[1.0000000000000000001,{"y":1,"b":"\u00e9\n"}]}"#,
+            r#""a string with \"quotes\"""#,
+            "[]",
+            "-0.5e-7",
+            "null",
+        ];
+        for text in texts {
+            let json = JsonText::parse(text).unwrap();
+            let raw = serde_json::from_str::<&RawValue>(text).unwrap();
+            assert_eq!(serde_json::to_string(&json).unwrap(), text);
+            assert_eq!(
+                serde_json::to_string(&json).unwrap(),
+                serde_json::to_string(raw).unwrap()
+            );
+            assert_eq!(
+                serde_json::to_string_pretty(&vec![&json]).unwrap(),
+                serde_json::to_string_pretty(&vec![raw]).unwrap()
+            );
+            assert_eq!(
+                serde_json::to_value(&json).unwrap(),
+                serde_json::to_value(raw).unwrap()
+            );
+        }
     }
 
     #[test]
