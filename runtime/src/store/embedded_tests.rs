@@ -514,3 +514,73 @@ fn no_store_here_points_at_a_store_in_its_store_subdirectory() {
         "{err}"
     );
 }
+
+/// A file of data regions and holes: 64 KiB of data, a hole to 1 MiB, 3 MiB of data (more than
+/// the fallback's buffer), and a hole to 8 MiB.
+#[cfg(target_os = "linux")]
+fn sparse_file(path: &Path) -> Vec<u8> {
+    use std::os::unix::fs::FileExt as _;
+    let mut want = vec![0u8; 8 << 20];
+    for (i, b) in want[..64 << 10].iter_mut().enumerate() {
+        *b = (i % 251) as u8 + 1;
+    }
+    for (i, b) in want[1 << 20..4 << 20].iter_mut().enumerate() {
+        *b = (i % 241) as u8 + 1;
+    }
+    let file = File::create(path).expect("create");
+    file.set_len(8 << 20).expect("set_len");
+    file.write_all_at(&want[..64 << 10], 0).expect("write");
+    file.write_all_at(&want[1 << 20..4 << 20], 1 << 20)
+        .expect("write");
+    file.sync_all().expect("sync");
+    want
+}
+
+/// Bytes the filesystem allocated to a file.
+#[cfg(target_os = "linux")]
+fn allocated(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt as _;
+    fs::metadata(path).expect("metadata").blocks() * 512
+}
+
+/// A store's copy (a read-only open's, a writable open's backup) has every byte of the file
+/// and leaves its holes as holes, in the kernel's copy and in the fallback through a buffer.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_copied_file_has_its_bytes_and_keeps_its_holes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let from = dir.path().join("journal");
+    let want = sparse_file(&from);
+    assert!(
+        allocated(&from) < 5 << 20,
+        "the filesystem here does not keep holes: {} bytes allocated",
+        allocated(&from)
+    );
+
+    let copied = dir.path().join("copied");
+    super::copy_sparse(&from, &copied).expect("copy");
+    assert!(
+        fs::read(&copied).expect("read") == want,
+        "the copy's bytes differ"
+    );
+    assert!(
+        allocated(&copied) < 5 << 20,
+        "the copy filled its holes: {} bytes allocated",
+        allocated(&copied)
+    );
+
+    let buffered = dir.path().join("buffered");
+    let (src, dst) = (
+        File::open(&from).expect("open"),
+        File::create(&buffered).expect("create"),
+    );
+    dst.set_len(8 << 20).expect("set_len");
+    super::copy_region_buffered(&src, &dst, 0, 64 << 10).expect("copy");
+    super::copy_region_buffered(&src, &dst, 1 << 20, 4 << 20).expect("copy");
+    drop(dst);
+    assert!(
+        fs::read(&buffered).expect("read") == want,
+        "the buffered copy's bytes differ"
+    );
+    assert!(allocated(&buffered) < 5 << 20);
+}
