@@ -702,6 +702,7 @@ impl Database {
                 let mut reader = db.supervisor.journal.get_reader()?;
 
                 let mut persisted_seqnos: HashMap<_, _> = HashMap::default();
+                let mut names = db.meta_keyspace.replay_names();
 
                 for batch in reader.by_ref() {
                     let batch = batch?;
@@ -710,8 +711,7 @@ impl Database {
                         highest_encountered_keyspace_id =
                             highest_encountered_keyspace_id.max(item.keyspace_id);
 
-                        let Some(keyspace_name) = db.meta_keyspace.resolve_id(item.keyspace_id)?
-                        else {
+                        let Some(keyspace_name) = names.resolve(item.keyspace_id)? else {
                             continue;
                         };
 
@@ -748,7 +748,7 @@ impl Database {
                     }
 
                     for keyspace_id in &batch.cleared_keyspaces {
-                        let Some(keyspace_name) = db.meta_keyspace.resolve_id(*keyspace_id)? else {
+                        let Some(keyspace_name) = names.resolve(*keyspace_id)? else {
                             continue;
                         };
 

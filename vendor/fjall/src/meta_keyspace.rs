@@ -214,11 +214,44 @@ impl MetaKeyspace {
         }))
     }
 
+    /// A resolver of keyspace names for one journal replay, which asks the meta keyspace
+    /// once per id (cairn's patch 3).
+    pub(crate) fn replay_names(&self) -> ReplayNames<'_> {
+        ReplayNames {
+            meta: self,
+            names: crate::HashMap::default(),
+        }
+    }
+
     pub(crate) fn keyspace_exists(&self, name: &str) -> bool {
         self.keyspaces
             .read()
             .expect("lock is poisoned")
             .contains_key(name)
+    }
+}
+
+/// Keyspace names by id for one journal replay, each resolved once (cairn's patch 3).
+///
+/// [`MetaKeyspace::resolve_id`] is a point read of the meta keyspace's tree, and recovery
+/// asked it for every item of every journal it replayed: most of the instructions of an open
+/// (callgrind: 6,200 a call, against some 1,800 for the item's own memtable insert). The meta
+/// keyspace is written only through its own ingestions (keyspace creation and removal), never
+/// through the journal, so its answers cannot change while a journal is replayed.
+pub(crate) struct ReplayNames<'a> {
+    meta: &'a MetaKeyspace,
+    names: crate::HashMap<InternalKeyspaceId, Option<StrView>>,
+}
+
+impl ReplayNames<'_> {
+    /// What [`MetaKeyspace::resolve_id`] answers for `id`, asked once.
+    pub(crate) fn resolve(&mut self, id: InternalKeyspaceId) -> crate::Result<Option<StrView>> {
+        if let Some(name) = self.names.get(&id) {
+            return Ok(name.clone());
+        }
+        let name = self.meta.resolve_id(id)?;
+        self.names.insert(id, name.clone());
+        Ok(name)
     }
 }
 
