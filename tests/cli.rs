@@ -1086,6 +1086,58 @@ fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
     }
 }
 
+/// `cairn bench --parallel-tools N` runs turns whose model asks for N tool calls at once: the
+/// header names them, and at one session each tool's result is a commit of its own (N + 3
+/// a turn: the start, the model's result, each tool's, the second model's).
+#[test]
+fn bench_parallel_tools_set_the_tool_calls_of_a_turn() {
+    let out = cairn(&[
+        "bench",
+        "--sessions",
+        "1",
+        "--seconds",
+        "0.5",
+        "--engine",
+        "fjall",
+        "--parallel-tools",
+        "4",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(
+        stdout.contains("model → 4 parallel tools → model"),
+        "{stdout}"
+    );
+    let header: Vec<&str> = stdout
+        .lines()
+        .find(|l| l.starts_with("| setup |"))
+        .unwrap_or_else(|| panic!("no table header: {stdout}"))
+        .split('|')
+        .map(str::trim)
+        .collect();
+    let commits = header
+        .iter()
+        .position(|c| *c == "durable commits per turn")
+        .unwrap_or_else(|| panic!("no commits column: {stdout}"));
+    let row: Vec<&str> = stdout
+        .lines()
+        .find(|l| l.starts_with("| embedded, fjall | 1 |"))
+        .unwrap_or_else(|| panic!("no fjall row: {stdout}"))
+        .split('|')
+        .map(str::trim)
+        .collect();
+    let per_turn: f64 = row[commits].parse().expect("a number");
+    assert!((per_turn - 7.0).abs() < 0.2, "{stdout}");
+
+    let refused = cairn(&["bench", "--parallel-tools", "0"]);
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused.stderr).contains("0 is not in 1..=64"),
+        "{}",
+        text(&refused.stderr)
+    );
+}
+
 /// `cairn bench --stages` times one session's turns step by step on each engine: the store's
 /// syncs (five a turn, as its commits), the encoding and the writer before each, the
 /// activities (four a turn), each step's share and the marks covering about a turn's time;

@@ -2,7 +2,8 @@
 //! servers with worker processes, measured on whole processes in a closed loop.
 //!
 //! The workload is the one the README's figures use: a fresh session per turn, then a model
-//! call, two parallel tool calls (`calculator`) and a model call, every step durable. The
+//! call, two parallel tool calls (`calculator`; `parallel_tools` sets how many) and a model
+//! call, every step durable. The
 //! model is scripted, answering after `model_latency_ms`. `sessions` clients each run turns
 //! back to back for `seconds`; the figures are completed turns per second and the p50 and p99
 //! of one turn's latency (send → outcome).
@@ -60,6 +61,9 @@ pub struct BenchConfig {
     /// Activities each worker process runs at once (`cairn worker --concurrency`), so that
     /// more worker processes mean more capacity, as when they run on more machines.
     pub worker_concurrency: usize,
+    /// Tool calls the model asks for at once, between its two calls ([`DEFAULT_PARALLEL_TOOLS`]
+    /// in the README's workload).
+    pub parallel_tools: usize,
     /// Record the marks on the turns' path ([`cairn_runtime::stages`]) in the measured
     /// window, embedded only; [`BenchResult::stages`] then holds their steps.
     pub stages: bool,
@@ -219,22 +223,46 @@ struct Served {
     probed_before: Vec<Duration>,
 }
 
-/// The scripted turn: two parallel calculator calls, then an answer.
-fn script(latency_ms: u64) -> String {
+/// Tool calls at once in the README's workload: two.
+pub const DEFAULT_PARALLEL_TOOLS: usize = 2;
+/// The most tool calls at once `cairn bench --parallel-tools` takes.
+pub const MAX_PARALLEL_TOOLS: usize = 64;
+
+/// The scripted turn: `tools` parallel calculator calls, then an answer. With two, the turn
+/// is the one every figure so far was measured on, byte for byte.
+fn script(latency_ms: u64, tools: usize) -> String {
+    let calls = (1..=tools)
+        .map(|i| {
+            let expression = match i {
+                1 => "1+2".to_owned(),
+                2 => "3*4".to_owned(),
+                i => format!("{i}*{i}"),
+            };
+            format!(
+                r#"    {{"type": "tool_use", "id": "t{i}", "name": "calculator", "input": {{"expression": "{expression}"}}}}"#
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(",\n");
     format!(
         r#"{{"responses": [
   {{"delay_ms": {latency_ms}, "parts": [
-    {{"type": "tool_use", "id": "t1", "name": "calculator", "input": {{"expression": "1+2"}}}},
-    {{"type": "tool_use", "id": "t2", "name": "calculator", "input": {{"expression": "3*4"}}}}]}},
+{calls}]}},
   {{"delay_ms": {latency_ms}, "parts": [{{"type": "text", "text": "3 and 12"}}]}}
 ]}}"#
     )
 }
 
-/// Writes the script into `dir` and returns the model spec that reads it.
-pub(crate) fn write_script(dir: &Path, latency_ms: u64) -> anyhow::Result<ModelSpec> {
+/// Writes the script of a turn with `tools` parallel tool calls into `dir` and returns the
+/// model spec that reads it.
+pub(crate) fn write_script(dir: &Path, latency_ms: u64, tools: usize) -> anyhow::Result<ModelSpec> {
+    if !(1..=MAX_PARALLEL_TOOLS).contains(&tools) {
+        anyhow::bail!(
+            "{tools} parallel tool calls: the bench's turn asks for 1 to {MAX_PARALLEL_TOOLS}"
+        );
+    }
     let path = dir.join("bench-turn.json");
-    std::fs::write(&path, script(latency_ms)).context("writing the bench script")?;
+    std::fs::write(&path, script(latency_ms, tools)).context("writing the bench script")?;
     ModelSpec::parse(&format!("scripted:{}", path.display())).context("the bench model spec")
 }
 
@@ -475,7 +503,7 @@ pub async fn open_restarted(
 /// pool with default settings in this process.
 pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Result<BenchResult> {
     let dir = tempfile::tempdir().context("a temporary directory")?;
-    let model = write_script(dir.path(), config.model_latency_ms)?;
+    let model = write_script(dir.path(), config.model_latency_ms, config.parallel_tools)?;
     let probed_before = probe_in(dir.path()).await?;
     let setup = format!("embedded, {engine}");
     let opened = open_restarted(&dir.path().join("store"), engine).await?;
@@ -543,7 +571,7 @@ async fn run_deployment(
         bail!("no server to measure through");
     }
     let dir = tempfile::tempdir().context("a temporary directory")?;
-    let model = write_script(dir.path(), config.model_latency_ms)?;
+    let model = write_script(dir.path(), config.model_latency_ms, config.parallel_tools)?;
     let probed_before = probe_in(dir.path()).await?;
     let store_args: Vec<String> = match (&deployment.store, database_url) {
         (ServerStore::Embedded(engine), _) => {
@@ -696,5 +724,43 @@ mod tests {
         assert_eq!(probed.words(), "0.150 ms (0.110 before, 0.170 after)");
         let none = ProbedFdatasync::of(&[], &[]);
         assert!(none.p50_ms.is_nan());
+    }
+
+    /// The turn's script asks for `tools` calls at once with distinct ids, then answers; with
+    /// the default two, it is the turn every figure so far was measured on.
+    #[test]
+    fn the_script_asks_for_as_many_parallel_calls_as_given() {
+        for tools in [1, 2, 5, MAX_PARALLEL_TOOLS] {
+            let script: serde_json::Value =
+                serde_json::from_str(&script(7, tools)).expect("the script is JSON");
+            let responses = script["responses"].as_array().expect("responses");
+            assert_eq!(responses.len(), 2);
+            assert_eq!(responses[0]["delay_ms"], 7);
+            let parts = responses[0]["parts"].as_array().expect("parts");
+            assert_eq!(parts.len(), tools);
+            let ids: std::collections::BTreeSet<&str> = parts
+                .iter()
+                .map(|p| {
+                    assert_eq!(p["type"], "tool_use");
+                    assert_eq!(p["name"], "calculator");
+                    p["id"].as_str().expect("an id")
+                })
+                .collect();
+            assert_eq!(ids.len(), tools, "ids repeat: {ids:?}");
+            assert_eq!(responses[1]["parts"][0]["text"], "3 and 12");
+        }
+        let two: serde_json::Value = serde_json::from_str(&script(0, 2)).expect("JSON");
+        assert_eq!(
+            two["responses"][0]["parts"],
+            serde_json::json!([
+                {"type": "tool_use", "id": "t1", "name": "calculator", "input": {"expression": "1+2"}},
+                {"type": "tool_use", "id": "t2", "name": "calculator", "input": {"expression": "3*4"}}
+            ])
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        for tools in [0, MAX_PARALLEL_TOOLS + 1] {
+            let refused = write_script(dir.path(), 0, tools).expect_err("out of range");
+            assert!(refused.to_string().contains("1 to 64"), "{refused}");
+        }
     }
 }

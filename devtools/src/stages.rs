@@ -23,6 +23,7 @@ pub async fn measure(seconds: f64, engine: StorageEngine) -> anyhow::Result<Benc
         seconds,
         model_latency_ms: 0,
         worker_concurrency: 16,
+        parallel_tools: bench::DEFAULT_PARALLEL_TOOLS,
         stages: true,
     };
     bench::embedded(&config, engine).await

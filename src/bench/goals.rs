@@ -68,6 +68,7 @@ async fn measure(
         seconds: args.seconds,
         model_latency_ms: 0,
         worker_concurrency: 16,
+        parallel_tools: cairn_devtools::bench::DEFAULT_PARALLEL_TOOLS,
         stages: false,
     };
 

@@ -381,6 +381,17 @@ pub(crate) enum Command {
         /// Activities each worker process runs at once.
         #[arg(long, default_value_t = 16)]
         worker_concurrency: usize,
+        /// Tool calls the model asks for at once in each turn, 1 to 64 (the README's workload:
+        /// 2). At one session each tool's result is a durable commit of its own: a turn
+        /// commits this many times plus three.
+        #[arg(
+            long,
+            value_name = "N",
+            default_value_t = cairn_devtools::bench::DEFAULT_PARALLEL_TOOLS,
+            value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64),
+            conflicts_with_all = ["footprint", "goals", "parked", "stages"]
+        )]
+        parallel_tools: usize,
         /// Storage engines of the embedded stores, each measured: fjall, sled (default: both).
         #[arg(long, value_delimiter = ',', value_parser = parse_engine)]
         engine: Vec<StorageEngine>,
