@@ -1003,6 +1003,9 @@ fn copy_region(src: &File, dst: &File, start: u64, end: u64) -> std::io::Result<
             n if n > 0 => {}
             _ => {
                 let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue; // a signal; nothing was copied
+                }
                 return match e.raw_os_error() {
                     Some(
                         libc::EXDEV | libc::ENOSYS | libc::EINVAL | libc::EOPNOTSUPP | libc::EPERM,
