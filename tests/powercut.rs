@@ -41,6 +41,90 @@ fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
 const SHIM_CHILD_DIR_ENV: &str = "CAIRN_SHIM_CHILD_DIR";
 /// Set (to `durable` or `lost`) to make [`shim_child`] run [`rmdir_child`] instead.
 const SHIM_CHILD_RMDIR_ENV: &str = "CAIRN_SHIM_CHILD_RMDIR";
+/// Set (to `synced` or `unsynced`) to make [`shim_child`] run [`copy_child`] instead.
+const SHIM_CHILD_COPY_ENV: &str = "CAIRN_SHIM_CHILD_COPY";
+
+/// A synced file `s` ("SOURCE") is copied into a new, empty file `c`, whose name and size are
+/// synced, with `copy_file_range` (as a store copies its files); with `synced`, `c` is then
+/// fsynced. The last operation writes `z`, where the tests cut.
+fn copy_child(target: &Path, synced: bool) {
+    use std::os::fd::AsRawFd;
+    let sync = |p: &Path| std::fs::File::open(p).unwrap().sync_all().unwrap();
+    std::fs::write(target.join("s"), b"SOURCE").unwrap();
+    sync(&target.join("s"));
+    let c = std::fs::File::create(target.join("c")).unwrap();
+    c.sync_all().unwrap();
+    sync(target);
+    let s = std::fs::File::open(target.join("s")).unwrap();
+    let (mut off_in, mut off_out) = (0i64, 0i64);
+    // SAFETY: both descriptors belong to live Files; the offsets are locals.
+    let copied = unsafe {
+        libc::copy_file_range(
+            s.as_raw_fd(),
+            &mut off_in,
+            c.as_raw_fd(),
+            &mut off_out,
+            6,
+            0,
+        )
+    };
+    assert_eq!(copied, 6, "{}", std::io::Error::last_os_error());
+    if synced {
+        c.sync_all().unwrap();
+    }
+    std::fs::write(target.join("z"), b"last").unwrap();
+}
+
+/// Runs [`copy_child`] under the shim, cutting before its last operation (the highest cut
+/// point that still cuts, found by bisection); returns what `c` holds then, and the cut's line.
+fn copy_cut(synced: bool) -> (Option<String>, String) {
+    let run = |after_ops: u64| {
+        let dir = tempfile::tempdir().unwrap();
+        let cut = Cut {
+            after_ops,
+            files: FileFate::Revert,
+            names: NameFate::Vanish,
+            seed: 1,
+        };
+        let fate = if synced { "synced" } else { "unsynced" };
+        let (code, stderr) = cut_child_with(dir.path(), cut, &[(SHIM_CHILD_COPY_ENV, fate)]);
+        assert!(code == Some(CUT_EXIT_STATUS) || code == Some(0), "{stderr}");
+        (
+            code == Some(CUT_EXIT_STATUS),
+            std::fs::read_to_string(dir.path().join("target/c")).ok(),
+            stderr,
+        )
+    };
+    let (mut cuts, mut runs_through) = (1u64, 256u64);
+    assert!(
+        run(cuts).0 && !run(runs_through).0,
+        "the cut points bracket the child"
+    );
+    while runs_through - cuts > 1 {
+        let mid = (cuts + runs_through) / 2;
+        if run(mid).0 {
+            cuts = mid;
+        } else {
+            runs_through = mid;
+        }
+    }
+    let (_, c, stderr) = run(cuts);
+    (c, stderr)
+}
+
+/// Bytes `copy_file_range` wrote are unsynced writes like any other: lost at a cut unless the
+/// file was fsynced since (a store's backup and read-only copies are made with it).
+#[test]
+fn the_shim_loses_what_a_copy_wrote_unless_it_was_synced() {
+    let (c, stderr) = copy_cut(false);
+    assert_eq!(c.as_deref(), Some(""), "{stderr}");
+    assert!(
+        stderr.contains("reverted 1 unsynced write(s), 6 byte(s)"),
+        "{stderr}"
+    );
+    let (c, stderr) = copy_cut(true);
+    assert_eq!(c.as_deref(), Some("SOURCE"), "{stderr}");
+}
 
 /// A directory holding a synced file `x` ("OLD") is emptied and removed. With `durable`, the
 /// removal is fsynced and a new `d` with a synced `x` ("NEW") takes its place (spacer
@@ -165,6 +249,10 @@ fn shim_child() {
     std::fs::File::open(dir).unwrap().sync_all().unwrap();
     if let Some(durable) = std::env::var_os(SHIM_CHILD_RMDIR_ENV) {
         rmdir_child(&target, durable == "durable");
+        return;
+    }
+    if let Some(synced) = std::env::var_os(SHIM_CHILD_COPY_ENV) {
+        copy_child(&target, synced == "synced");
         return;
     }
     let mut f = std::fs::File::create(target.join("f")).unwrap();

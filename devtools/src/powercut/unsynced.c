@@ -7,8 +7,8 @@
  * and driven by `cairn::powercut` (see its module docs); only Linux with glibc is supported.
  *
  * For every file under CAIRN_POWERCUT_DIR it keeps an undo log per inode: before each write,
- * pwrite, writev, pwritev or ftruncate (and an open with O_TRUNC) it saves the bytes the call
- * will overwrite or cut off, and the size the file had at its last sync. fsync, fdatasync,
+ * pwrite, writev, pwritev, copy_file_range (into the file) or ftruncate (and an open with
+ * O_TRUNC) it saves the bytes the call will overwrite or cut off, and the size the file had at its last sync. fsync, fdatasync,
  * syncfs and sync clear the logs they make durable; sync_file_range clears nothing (it starts
  * writeback but neither persists the size nor flushes the device cache). Name changes under
  * the directory (creating opens, mkdir, rename, unlink, rmdir) are logged per parent
@@ -460,6 +460,7 @@ typedef int (*fd_t)(int);
 typedef void (*void_t)(void);
 typedef int (*sfr_t)(int, off_t, off_t, unsigned int);
 typedef int (*openat_t)(int, const char *, int, ...);
+typedef ssize_t (*cfr_t)(int, off64_t *, int, off64_t *, size_t, unsigned int);
 
 static size_t iov_total(const struct iovec *iov, int n) {
     size_t t = 0;
@@ -533,6 +534,20 @@ PWRITEV(pwritev64)
     }
 PWRITEV2(pwritev2)
 PWRITEV2(pwritev64v2)
+
+/* A copy into a file under the directory writes up to `n` bytes at the destination's offset:
+ * what it may overwrite is saved first, as for pwrite. (The store copies its files with it.) */
+ssize_t copy_file_range(int fd_in, off64_t *off_in, int fd_out, off64_t *off_out, size_t n,
+                        unsigned int flags) {
+    REAL(copy_file_range, cfr_t);
+    if (!active() || !fd_under_target(fd_out))
+        return real_copy_file_range(fd_in, off_in, fd_out, off_out, n, flags);
+    begin("copy_file_range");
+    save_range(fd_out, off_out ? (off_t)*off_out : write_offset(fd_out), n);
+    ssize_t r = real_copy_file_range(fd_in, off_in, fd_out, off_out, n, flags);
+    end();
+    return r;
+}
 
 #define FTRUNCATE(name)                                                              \
     int name(int fd, off_t len) {                                                    \
