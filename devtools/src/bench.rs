@@ -3,10 +3,9 @@
 //!
 //! The workload is the one the README's figures use: a fresh session per turn, then a model
 //! call, two parallel tool calls (`calculator`; `parallel_tools` sets how many) and a model
-//! call, every step durable. The
-//! model is scripted, answering after `model_latency_ms`. `sessions` clients each run turns
-//! back to back for `seconds`; the figures are completed turns per second and the p50 and p99
-//! of one turn's latency (send → outcome).
+//! call, every step durable. The model is scripted, answering after `model_latency_ms`.
+//! `sessions` clients each run turns back to back for `seconds`; the figures are completed
+//! turns per second and the p50 and p99 of one turn's latency (send → outcome).
 //!
 //! Through servers, the parent starts `servers` `cairn server` processes on loopback ports,
 //! over a new embedded store (one server) or a scratch database on a PostgreSQL server (any
