@@ -75,26 +75,9 @@ fn copy_child(target: &Path, synced: bool) {
     std::fs::write(target.join("z"), b"last").unwrap();
 }
 
-/// Runs [`copy_child`] under the shim, cutting before its last operation (the highest cut
-/// point that still cuts, found by bisection); returns what `c` holds then, and the cut's line.
-fn copy_cut(synced: bool) -> (Option<String>, String) {
-    let run = |after_ops: u64| {
-        let dir = tempfile::tempdir().unwrap();
-        let cut = Cut {
-            after_ops,
-            files: FileFate::Revert,
-            names: NameFate::Vanish,
-            seed: 1,
-        };
-        let fate = if synced { "synced" } else { "unsynced" };
-        let (code, stderr) = cut_child_with(dir.path(), cut, &[(SHIM_CHILD_COPY_ENV, fate)]);
-        assert!(code == Some(CUT_EXIT_STATUS) || code == Some(0), "{stderr}");
-        (
-            code == Some(CUT_EXIT_STATUS),
-            std::fs::read_to_string(dir.path().join("target/c")).ok(),
-            stderr,
-        )
-    };
+/// The result of `run` at the highest cut point that still cuts the child (`run` answers
+/// whether it cut, and what the test reads afterwards), found by bisection between 1 and 256.
+fn at_last_cut<T>(run: impl Fn(u64) -> (bool, T)) -> T {
     let (mut cuts, mut runs_through) = (1u64, 256u64);
     assert!(
         run(cuts).0 && !run(runs_through).0,
@@ -108,8 +91,34 @@ fn copy_cut(synced: bool) -> (Option<String>, String) {
             runs_through = mid;
         }
     }
-    let (_, c, stderr) = run(cuts);
-    (c, stderr)
+    run(cuts).1
+}
+
+/// Runs [`shim_child`] with `env` under the shim, cutting before operation `after_ops` (every
+/// unsynced write reverted, unsynced names vanishing); returns whether it cut, its stderr and
+/// the directory (the child's files are under `target/`).
+fn cut_at(after_ops: u64, env: &[(&str, &str)]) -> (bool, String, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let cut = Cut {
+        after_ops,
+        files: FileFate::Revert,
+        names: NameFate::Vanish,
+        seed: 1,
+    };
+    let (code, stderr) = cut_child_with(dir.path(), cut, env);
+    assert!(code == Some(CUT_EXIT_STATUS) || code == Some(0), "{stderr}");
+    (code == Some(CUT_EXIT_STATUS), stderr, dir)
+}
+
+/// Runs [`copy_child`] under the shim, cutting before its last operation ([`at_last_cut`]);
+/// returns what `c` holds then, and the child's stderr.
+fn copy_cut(synced: bool) -> (Option<String>, String) {
+    let fate = if synced { "synced" } else { "unsynced" };
+    at_last_cut(|after_ops| {
+        let (cut, stderr, dir) = cut_at(after_ops, &[(SHIM_CHILD_COPY_ENV, fate)]);
+        let c = std::fs::read_to_string(dir.path().join("target/c")).ok();
+        (cut, (c, stderr))
+    })
 }
 
 /// Bytes `copy_file_range` wrote are unsynced writes like any other: lost at a cut unless the
@@ -157,40 +166,17 @@ fn rmdir_child(target: &Path, durable: bool) {
     std::fs::write(target.join("z"), b"last").unwrap();
 }
 
-/// Runs [`rmdir_child`] under the shim, cutting before its last operation (the highest cut
-/// point that still cuts, found by bisection); returns what `d/x` holds then.
+/// Runs [`rmdir_child`] under the shim, cutting before its last operation ([`at_last_cut`]);
+/// returns what `d/x` holds then.
 fn rmdir_cut(durable: bool) -> Option<String> {
-    // Whether cutting before operation `after_ops` cuts, and what `d/x` holds afterwards.
-    let run = |after_ops: u64| {
-        let dir = tempfile::tempdir().unwrap();
-        let cut = Cut {
-            after_ops,
-            files: FileFate::Revert,
-            names: NameFate::Vanish,
-            seed: 1,
-        };
-        let fate = if durable { "durable" } else { "lost" };
-        let (code, stderr) = cut_child_with(dir.path(), cut, &[(SHIM_CHILD_RMDIR_ENV, fate)]);
-        assert!(code == Some(CUT_EXIT_STATUS) || code == Some(0), "{stderr}");
+    let fate = if durable { "durable" } else { "lost" };
+    at_last_cut(|after_ops| {
+        let (cut, _, dir) = cut_at(after_ops, &[(SHIM_CHILD_RMDIR_ENV, fate)]);
         (
-            code == Some(CUT_EXIT_STATUS),
+            cut,
             std::fs::read_to_string(dir.path().join("target/d/x")).ok(),
         )
-    };
-    let (mut cuts, mut runs_through) = (1u64, 256u64);
-    assert!(
-        run(cuts).0 && !run(runs_through).0,
-        "the cut points bracket the child"
-    );
-    while runs_through - cuts > 1 {
-        let mid = (cuts + runs_through) / 2;
-        if run(mid).0 {
-            cuts = mid;
-        } else {
-            runs_through = mid;
-        }
-    }
-    run(cuts).1
+    })
 }
 
 /// A removed directory's pending name changes go with its removal: a durable rmdir makes them
