@@ -328,6 +328,40 @@ pub struct ModelSlot {
     pub progress_usage: Option<(Usage, Option<u64>)>,
 }
 
+impl ModelSlot {
+    /// A round's first attempt, due at `now_ms` and not yet scheduled.
+    pub fn first_attempt(now_ms: u64) -> Self {
+        ModelSlot {
+            attempt: 1,
+            scheduled_seq: None,
+            not_before_ms: now_ms,
+            first_scheduled_ms: now_ms,
+            heartbeat_details: None,
+            progress_lease_attempt: 0,
+            progress_usage: None,
+        }
+    }
+
+    /// The attempt after `attempt` failed: due at `not_before_ms`, its deadline still counted
+    /// from `first_scheduled_ms`, with the progress the failed attempt heartbeated last.
+    pub fn retry(
+        attempt: u32,
+        not_before_ms: u64,
+        first_scheduled_ms: u64,
+        heartbeat_details: Option<JsonText>,
+    ) -> Self {
+        ModelSlot {
+            attempt: attempt + 1,
+            scheduled_seq: None,
+            not_before_ms,
+            first_scheduled_ms,
+            heartbeat_details,
+            progress_lease_attempt: 0,
+            progress_usage: None,
+        }
+    }
+}
+
 /// Where one tool call stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ToolSlotState {

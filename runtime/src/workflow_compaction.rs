@@ -354,15 +354,12 @@ impl SessionState {
                     Phase::Model(slot) => slot.first_scheduled_ms,
                     _ => now,
                 };
-                active.phase = Phase::Model(ModelSlot {
-                    attempt: attempt + 1,
-                    scheduled_seq: None,
-                    not_before_ms: now,
+                active.phase = Phase::Model(ModelSlot::retry(
+                    attempt,
+                    now,
                     first_scheduled_ms,
-                    heartbeat_details: failure.heartbeat_details.clone(),
-                    progress_lease_attempt: 0,
-                    progress_usage: None,
-                });
+                    failure.heartbeat_details.clone(),
+                ));
                 if summarize && cuts(&compaction) {
                     return self.start_summary(compaction).into_iter().collect();
                 }

@@ -130,15 +130,7 @@ impl SessionState {
                     round: 0,
                     model,
                     tool_choice: tool_choice.clone(),
-                    phase: Phase::Model(ModelSlot {
-                        attempt: 1,
-                        scheduled_seq: None,
-                        not_before_ms: now,
-                        first_scheduled_ms: now,
-                        heartbeat_details: None,
-                        progress_lease_attempt: 0,
-                        progress_usage: None,
-                    }),
+                    phase: Phase::Model(ModelSlot::first_attempt(now)),
                     usage: Usage::default(),
                     totals: UsageTotals::default(),
                     stop_reason: None,
@@ -735,15 +727,12 @@ impl SessionState {
                     .collect()
             }
             Ok(next_start) => {
-                active.phase = Phase::Model(ModelSlot {
-                    attempt: attempt + 1,
-                    scheduled_seq: None,
-                    not_before_ms: next_start,
+                active.phase = Phase::Model(ModelSlot::retry(
+                    attempt,
+                    next_start,
                     first_scheduled_ms,
-                    heartbeat_details: failure.heartbeat_details.clone(),
-                    progress_lease_attempt: 0,
-                    progress_usage: None,
-                });
+                    failure.heartbeat_details.clone(),
+                ));
                 vec![Command::ScheduleModelCall {
                     turn,
                     round: active.round,
@@ -878,15 +867,7 @@ impl SessionState {
             return vec![budget_failure(turn, exceeded)];
         }
         active.round += 1;
-        active.phase = Phase::Model(ModelSlot {
-            attempt: 1,
-            scheduled_seq: None,
-            not_before_ms: now,
-            first_scheduled_ms: now,
-            heartbeat_details: None,
-            progress_lease_attempt: 0,
-            progress_usage: None,
-        });
+        active.phase = Phase::Model(ModelSlot::first_attempt(now));
         vec![Command::ScheduleModelCall {
             turn,
             round: active.round,
