@@ -388,7 +388,8 @@ pub(crate) enum Command {
             long,
             value_name = "N",
             default_value_t = cairn_devtools::bench::DEFAULT_PARALLEL_TOOLS,
-            value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64),
+            value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
+                .range(1..=cairn_devtools::bench::MAX_PARALLEL_TOOLS as u64),
             conflicts_with_all = ["footprint", "goals", "parked", "stages"]
         )]
         parallel_tools: usize,
