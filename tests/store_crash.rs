@@ -470,7 +470,7 @@ async fn worker(store: &dyn Store, seed: u64) {
                     },
                 );
                 let request = AppendRequest {
-                    complete: Some((lease.id.clone(), lease.lease_attempt)),
+                    complete: vec![(lease.id.clone(), lease.lease_attempt)],
                     ..AppendRequest::new(
                         session.clone(),
                         next,

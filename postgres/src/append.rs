@@ -1,4 +1,4 @@
-//! The append: one statement that checks the session's next seq, the completed task's lease
+//! The append: one statement that checks the session's next seq, the completed tasks' leases
 //! and that the fenced task is unchanged, then writes the events, the session row and the
 //! queue changes, or nothing.
 //!
@@ -8,12 +8,12 @@
 //!
 //! ```text
 //! WITH s  AS (SELECT last_seq ... FROM cairn_sessions ... FOR UPDATE)          -- next seq, row locked
-//!      l  AS (SELECT lease_attempt, visible_at_ms FROM cairn_tasks ... FOR UPDATE)  -- with `complete`
+//!      l  AS (SELECT ..., lease_attempt, visible_at_ms FROM cairn_tasks ... FOR UPDATE) -- `complete`
 //!      f  AS (SELECT lease_attempt, visible_at_ms, held ... FOR UPDATE)    -- with a fenced drop
 //!      ok AS (the seq, the lease and the fence checks)
 //!      UPDATE / INSERT cairn_sessions, INSERT cairn_events (UNNEST), DELETE and upsert
 //!      cairn_tasks (UNNEST)                                 -- each only WHERE the checks passed
-//! SELECT ok, last_seq, lease_attempt, lease expiry, the fenced task    -- why, when they failed
+//! SELECT ok, last_seq, the completed tasks' leases, the fenced task  -- why, when they failed
 //! ```
 //!
 //! It runs as its own transaction: when a check fails, nothing is written and the answer says
@@ -25,7 +25,7 @@
 //! row twice, which PostgreSQL leaves unpredictable: a task both removed and enqueued is only
 //! enqueued (the upsert replaces it anyway).
 //!
-//! The fenced task's row is locked like the completed one's: a lease (`FOR UPDATE SKIP
+//! The fenced task's row is locked like the completed ones': a lease (`FOR UPDATE SKIP
 //! LOCKED`) skips it while the append runs and finds it gone after, a heartbeat's UPDATE
 //! waits and then finds it gone; and a lease or heartbeat that committed first is what the
 //! lock reads (READ COMMITTED reads the newest version of a row it locks), so the fence sees
@@ -50,9 +50,10 @@ pub(crate) struct Prepared<'r> {
     records: Vec<Vec<u8>>,
     status: &'static str,
     now_ms: i64,
-    /// The completed task, and its lease attempt; `None` also when the task cannot exist
-    /// (an id PostgreSQL cannot store), which the lease check answers as gone.
-    complete: Option<(String, i64, u32)>,
+    /// The completed tasks with their lease attempts, as parallel arrays for UNNEST. A task
+    /// whose id PostgreSQL cannot store is left out: it cannot exist, so the lease check,
+    /// which counts the current leases against `request.complete`, answers it as gone.
+    completed: Completed,
     /// The task to drop only if unchanged, as column values: its session and scheduled seq
     /// (`None` when the id cannot be stored: the task is gone, the fence check fails), lease
     /// attempt, visibility time and holder flag.
@@ -67,6 +68,14 @@ struct Fenced {
     lease_attempt: i64,
     visible_at_ms: i64,
     held: bool,
+}
+
+/// Completed tasks and the lease attempts that ran them, as parallel arrays for UNNEST.
+#[derive(Default)]
+struct Completed {
+    session_ids: Vec<String>,
+    seqs: Vec<i64>,
+    attempts: Vec<i64>,
 }
 
 /// Task ids to delete, as two parallel arrays for UNNEST.
@@ -126,9 +135,14 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
         let seq = i64::try_from(id.scheduled_seq).ok()?;
         storable(&id.session_id).then(|| (id.session_id.clone(), seq))
     };
-    let complete = request.complete.as_ref().and_then(|(id, attempt)| {
-        storable_id(id).map(|(session_id, seq)| (session_id, seq, *attempt))
-    });
+    let mut completed = Completed::default();
+    for (id, attempt) in &request.complete {
+        if let Some((session_id, seq)) = storable_id(id) {
+            completed.session_ids.push(session_id);
+            completed.seqs.push(seq);
+            completed.attempts.push(i64::from(*attempt));
+        }
+    }
     let fenced = request.drop_if_unchanged.as_ref().map(|fence| Fenced {
         id: storable_id(&fence.id),
         lease_attempt: i64::from(fence.lease_attempt),
@@ -197,7 +211,7 @@ pub(crate) fn prepare(request: &AppendRequest) -> Result<Prepared<'_>> {
         records,
         status: request.status.as_str(),
         now_ms: time_to_db(request.now_ms),
-        complete,
+        completed,
         fenced,
         removed,
         enqueued,
@@ -250,8 +264,8 @@ impl Prepared<'_> {
 
 /// The append statement. Parameters: `$1` session id, `$2` the last seq the append expects
 /// (its first seq − 1), `$3` status, `$4` the new last seq (NULL without events), `$5` now,
-/// `$6`/`$7` the events' seqs and records, `$8` whether it completes a task, `$9`/`$10`/`$11`
-/// that task's session, scheduled seq and lease attempt (NULL when the id cannot be stored),
+/// `$6`/`$7` the events' seqs and records, `$8` how many tasks it completes, `$9`/`$10`/`$11`
+/// their sessions, scheduled seqs and lease attempts (those whose ids can be stored),
 /// `$12`/`$13` the tasks to remove, `$14`..`$22` the tasks to enqueue (`$21` and `$22` their
 /// lease attempts and holder flags: 0 and false, but for tasks leased as they are queued),
 /// `$23` whether it drops a task only if unchanged, `$24`/`$25` that task's session and
@@ -267,15 +281,19 @@ const APPEND: &str = "\
 WITH s AS MATERIALIZED ( \
     SELECT last_seq, status FROM cairn_sessions WHERE session_id = $1 FOR UPDATE \
 ), l AS MATERIALIZED ( \
-    SELECT lease_attempt, visible_at_ms FROM cairn_tasks \
-    WHERE $8 AND session_id = $9 AND scheduled_seq = $10 FOR UPDATE \
+    SELECT session_id, scheduled_seq, lease_attempt, visible_at_ms FROM cairn_tasks \
+    WHERE (session_id, scheduled_seq) IN (SELECT * FROM UNNEST($9::TEXT[], $10::BIGINT[])) \
+    FOR UPDATE \
 ), f AS MATERIALIZED ( \
     SELECT lease_attempt, visible_at_ms, held FROM cairn_tasks \
     WHERE $23 AND session_id = $24 AND scheduled_seq = $25 FOR UPDATE \
 ), ok AS MATERIALIZED ( \
     SELECT COALESCE((SELECT last_seq FROM s), 0) = $2 \
        AND COALESCE((SELECT status FROM s), '') <> 'deleted' \
-       AND (NOT $8 OR EXISTS (SELECT 1 FROM l WHERE lease_attempt = $11 AND visible_at_ms > $5)) \
+       AND (SELECT count(*) FROM l JOIN UNNEST($9::TEXT[], $10::BIGINT[], $11::BIGINT[]) \
+                AS c (session_id, scheduled_seq, lease_attempt) \
+                ON l.session_id = c.session_id AND l.scheduled_seq = c.scheduled_seq \
+            WHERE l.lease_attempt = c.lease_attempt AND l.visible_at_ms > $5) = $8 \
        AND (NOT $23 OR EXISTS ( \
             SELECT 1 FROM f WHERE lease_attempt = $26 AND visible_at_ms = $27 AND held = $28)) \
        AS passed \
@@ -317,7 +335,10 @@ WITH s AS MATERIALIZED ( \
 ) \
 SELECT (SELECT passed FROM ok) AS passed, (SELECT last_seq FROM s) AS last_seq, \
     (SELECT status FROM s) AS status, \
-    (SELECT lease_attempt FROM l) AS lease_attempt, (SELECT visible_at_ms FROM l) AS expiry, \
+    (SELECT array_agg(session_id) FROM l) AS leased_sessions, \
+    (SELECT array_agg(scheduled_seq) FROM l) AS leased_seqs, \
+    (SELECT array_agg(lease_attempt) FROM l) AS lease_attempts, \
+    (SELECT array_agg(visible_at_ms) FROM l) AS lease_expiries, \
     (SELECT lease_attempt FROM f) AS fenced_attempt, \
     (SELECT visible_at_ms FROM f) AS fenced_visible_at_ms, (SELECT held FROM f) AS fenced_held";
 
@@ -361,14 +382,7 @@ async fn statement(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Fail
         "expected next seq",
         p.request.expected_next_seq.saturating_sub(1),
     )?;
-    let (complete_session, complete_seq, complete_attempt) = match &p.complete {
-        Some((session_id, seq, attempt)) => (
-            Some(session_id.as_str()),
-            Some(*seq),
-            Some(i64::from(*attempt)),
-        ),
-        None => (None, None, None),
-    };
+    let completions = i64::try_from(p.request.complete.len()).unwrap_or(i64::MAX);
     let (fenced_session, fenced_seq) = match p.fenced.as_ref().and_then(|f| f.id.as_ref()) {
         Some((session_id, seq)) => (Some(session_id.as_str()), Some(*seq)),
         None => (None, None),
@@ -382,10 +396,10 @@ async fn statement(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Fail
         .bind(p.now_ms)
         .bind(&p.seqs)
         .bind(&p.records)
-        .bind(p.request.complete.is_some())
-        .bind(complete_session)
-        .bind(complete_seq)
-        .bind(complete_attempt)
+        .bind(completions)
+        .bind(&p.completed.session_ids)
+        .bind(&p.completed.seqs)
+        .bind(&p.completed.attempts)
         .bind(&p.removed.session_ids)
         .bind(&p.removed.seqs)
         .bind(&e.session_ids)
@@ -434,20 +448,8 @@ async fn statement(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Fail
         }
         .into());
     }
-    let lease: Option<(i64, i64)> = match (
-        row.try_get::<Option<i64>, _>("lease_attempt")?,
-        row.try_get::<Option<i64>, _>("expiry")?,
-    ) {
-        (Some(attempt), Some(expiry)) => Some((attempt, expiry)),
-        _ => None,
-    };
-    let lease_current = matches!(
-        (&p.complete, lease),
-        (Some((_, _, attempt)), Some((current, expiry)))
-            if current == i64::from(*attempt) && expiry > p.now_ms
-    );
-    if p.request.complete.is_some() && !lease_current {
-        return Err(lease_lost(p, lease));
+    if let Some(lost) = lease_lost(p, &row)? {
+        return Err(lost);
     }
     Err(fence_refused(p, &row))
 }
@@ -490,28 +492,60 @@ fn fenced_task(row: &PgRow, fence: &TaskFence) -> Result<Option<TaskFence>, Fail
     }))
 }
 
-/// Why the completed task's lease is not current (the memory store's `lease_current`), from
-/// the task row the append found: `None` when the task is gone.
-fn lease_lost(p: &Prepared<'_>, lease: Option<(i64, i64)>) -> Failure {
-    let task = match &p.request.complete {
-        Some((id, _)) => id.to_string(),
-        None => String::new(),
-    };
-    let lost = |reason: String| Failure::Done(Error::LeaseLost { task, reason });
-    let (Some((_, _, attempt)), Some((current, expires_at_ms))) = (&p.complete, lease) else {
-        return lost("the task is gone (completed or cancelled)".to_owned());
-    };
-    let current = match attempt_from_db(current) {
-        Ok(current) => current,
-        Err(e) => return e.into(),
-    };
-    if current != *attempt {
-        return lost(format!(
-            "lease attempt {attempt} is stale; the current one is {current}"
-        ));
+/// The leases of the completed tasks as the append found their rows: session, scheduled
+/// seq, lease attempt and expiry of each task that is there.
+fn found_leases(row: &PgRow) -> Result<Vec<(String, i64, i64, i64)>, Failure> {
+    let sessions: Option<Vec<String>> = row.try_get("leased_sessions")?;
+    let seqs: Option<Vec<i64>> = row.try_get("leased_seqs")?;
+    let attempts: Option<Vec<i64>> = row.try_get("lease_attempts")?;
+    let expiries: Option<Vec<i64>> = row.try_get("lease_expiries")?;
+    let mut found = Vec::new();
+    for (((session_id, seq), attempt), expiry) in sessions
+        .unwrap_or_default()
+        .into_iter()
+        .zip(seqs.unwrap_or_default())
+        .zip(attempts.unwrap_or_default())
+        .zip(expiries.unwrap_or_default())
+    {
+        found.push((session_id, seq, attempt, expiry));
     }
-    lost(format!(
-        "the lease expired at {expires_at_ms} (now {})",
-        p.now_ms
-    ))
+    Ok(found)
+}
+
+/// Why the first completed task whose lease is not current is not (the memory store's
+/// `lease_current`), from the task rows the append found; `None` when every lease is current.
+fn lease_lost(p: &Prepared<'_>, row: &PgRow) -> Result<Option<Failure>, Failure> {
+    if p.request.complete.is_empty() {
+        return Ok(None);
+    }
+    let found = found_leases(row)?;
+    for (id, attempt) in &p.request.complete {
+        let lost = |reason: String| {
+            Failure::Done(Error::LeaseLost {
+                task: id.to_string(),
+                reason,
+            })
+        };
+        let lease = found.iter().find(|(session_id, seq, _, _)| {
+            *session_id == id.session_id && i64::try_from(id.scheduled_seq).ok() == Some(*seq)
+        });
+        let Some((_, _, current, expires_at_ms)) = lease else {
+            return Ok(Some(lost(
+                "the task is gone (completed or cancelled)".to_owned(),
+            )));
+        };
+        let current = attempt_from_db(*current)?;
+        if current != *attempt {
+            return Ok(Some(lost(format!(
+                "lease attempt {attempt} is stale; the current one is {current}"
+            ))));
+        }
+        if *expires_at_ms <= p.now_ms {
+            return Ok(Some(lost(format!(
+                "the lease expired at {expires_at_ms} (now {})",
+                p.now_ms
+            ))));
+        }
+    }
+    Ok(None)
 }

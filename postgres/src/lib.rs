@@ -37,7 +37,7 @@
 //! # Statements
 //!
 //! - Append: one transaction (`append` module): lock the session row (`FOR UPDATE`), check the
-//!   next seq (`Conflict`) and the completed task's lease on its locked row (`LeaseLost`,
+//!   next seq (`Conflict`) and the completed tasks' leases on their locked rows (`LeaseLost`,
 //!   nothing written), insert or update the session row, insert the events with one
 //!   `INSERT ... SELECT FROM UNNEST`, delete completed and cancelled tasks, upsert enqueued
 //!   ones (a re-enqueue resets the task to never leased), commit. Two first appends of a new

@@ -36,6 +36,7 @@ each_check!(
     complete_with_current_lease,
     complete_with_stale_attempt_writes_nothing,
     complete_after_expiry_is_lost,
+    complete_several_tasks_in_one_append,
     cancel_removes_tasks,
     extend_lease,
     release_leases_keeps_attempts,

@@ -409,7 +409,7 @@ impl Engine {
         self.submit_with(
             &session_id,
             |_| Ok(Some(Event::SessionStarted(started.clone()))),
-            None,
+            Vec::new(),
             None,
             true,
         )
@@ -463,7 +463,7 @@ impl Engine {
                     },
                 ]))
             },
-            None,
+            Vec::new(),
             None,
             true,
             None,
@@ -527,7 +527,7 @@ impl Engine {
                     tool_choice: tool_choice.clone(),
                 }))
             },
-            None,
+            Vec::new(),
         )
         .await?;
         Ok(turn)
@@ -543,7 +543,7 @@ impl Engine {
                     reason: reason.to_owned(),
                 }))
             },
-            None,
+            Vec::new(),
         )
         .await?;
         let _ = self.inner.cancellations.send(session_id.to_owned());
@@ -569,7 +569,7 @@ impl Engine {
                     reason: "no turn is running".to_owned(),
                 }),
             },
-            None,
+            Vec::new(),
         )
         .await?;
         let _ = self.inner.cancellations.send(session_id.to_owned());
@@ -624,7 +624,7 @@ impl Engine {
             .submit(
                 session_id,
                 |_| Ok(Some(Event::CompactionRequested {})),
-                None,
+                Vec::new(),
             )
             .await?;
         // The compaction, when there is one, is in the same append, right after the request.
@@ -700,7 +700,7 @@ impl Engine {
                     .map_or(state.turns_started, |a| a.turn);
                 Ok(Some(event(turn)))
             },
-            None,
+            Vec::new(),
         )
         .await
         .map(|_| debug!(session_id, tool_use_id, "approval decided"))
@@ -811,7 +811,7 @@ impl Engine {
         &self,
         session_id: &str,
         decide: impl FnMut(&SessionState) -> Result<Option<Event>> + Send,
-        complete: Option<(TaskId, u32)>,
+        complete: Vec<(TaskId, u32)>,
     ) -> Result<Option<u64>> {
         self.submit_with(session_id, decide, complete, None, false)
             .await
@@ -830,7 +830,7 @@ impl Engine {
         &self,
         session_id: &str,
         mut decide: impl FnMut(&SessionState) -> Result<Option<Event>> + Send,
-        complete: Option<(TaskId, u32)>,
+        complete: Vec<(TaskId, u32)>,
         drop_if_unchanged: Option<TaskFence>,
         starting: bool,
     ) -> Result<Option<u64>> {
@@ -855,7 +855,7 @@ impl Engine {
         &self,
         session_id: &str,
         mut decide: impl FnMut(&SessionState) -> Result<Option<Vec<Event>>> + Send,
-        complete: Option<(TaskId, u32)>,
+        complete: Vec<(TaskId, u32)>,
         drop_if_unchanged: Option<TaskFence>,
         starting: bool,
         eager: Option<&LeaseRequest>,
@@ -901,7 +901,7 @@ impl Engine {
         session_id: &str,
         guard: &mut Option<SessionState>,
         decide: &mut (impl FnMut(&SessionState) -> Result<Option<Vec<Event>>> + Send),
-        (complete, drop_if_unchanged): (&Option<(TaskId, u32)>, &Option<TaskFence>),
+        (complete, drop_if_unchanged): (&[(TaskId, u32)], &Option<TaskFence>),
         is_start: bool,
         eager: Option<&LeaseRequest>,
     ) -> Result<(Option<u64>, Vec<Lease>)> {
@@ -967,7 +967,7 @@ impl Engine {
             events,
             status: status_of(state),
             enqueue,
-            complete: complete.clone(),
+            complete: complete.to_vec(),
             cancel,
             drop_if_unchanged: drop_if_unchanged.clone(),
             now_ms: now,

@@ -40,7 +40,7 @@ impl Engine {
                 turn = state.turns_started + 1;
                 Ok(Some(user_message(turn, message, key)))
             },
-            None,
+            Vec::new(),
         )
         .await?;
         Ok(turn)
@@ -71,7 +71,7 @@ impl Engine {
             .submit_inputs(
                 session_id,
                 |_| Ok(Some(inputs.clone())),
-                None,
+                Vec::new(),
                 None,
                 true,
                 None,

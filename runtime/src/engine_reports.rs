@@ -59,7 +59,7 @@ impl Engine {
                         .map(|event| Some(vec![event])),
                     None => Ok(None),
                 },
-                Some((lease.id.clone(), lease.lease_attempt)),
+                vec![(lease.id.clone(), lease.lease_attempt)],
                 None,
                 false,
                 next,
@@ -134,7 +134,7 @@ impl Engine {
                     ),
                 }),
             },
-            None,
+            Vec::new(),
         )
         .await?;
         Ok(())

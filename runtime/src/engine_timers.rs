@@ -117,7 +117,7 @@ impl Engine {
                     Some(activity) => Ok(Some(failed_event(&prices, activity, failure.clone()))),
                     None => Ok(None),
                 },
-                None,
+                Vec::new(),
                 Some(TaskFence::of(task)),
                 false,
             )
@@ -153,7 +153,7 @@ impl Engine {
                         }
                     }))
                 },
-                None,
+                Vec::new(),
             )
             .await?;
         Ok(submitted.map(|_| true))

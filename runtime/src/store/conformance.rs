@@ -70,6 +70,7 @@ pub async fn run_all<S: Store>(
     complete_with_current_lease(&fresh()).await;
     complete_with_stale_attempt_writes_nothing(&fresh()).await;
     complete_after_expiry_is_lost(&fresh()).await;
+    complete_several_tasks_in_one_append(&fresh()).await;
     cancel_removes_tasks(&fresh()).await;
     extend_lease(&fresh()).await;
     release_leases_keeps_attempts(&fresh()).await;
@@ -787,7 +788,7 @@ pub async fn reenqueue_replaces_task(store: &dyn Store) {
     // A retry: the append that completes the leased task enqueues the same id again, and
     // another cancels and enqueues it in one go. Each leaves one new, never leased task.
     let mut request = append_request(s, 3, vec![message(s, 3, "retry")], 1_005);
-    request.complete = Some((t.clone(), 1));
+    request.complete = vec![(t.clone(), 1)];
     request.enqueue = vec![new_task(&t, TaskKind::Tool, 2_000)];
     must_append(
         store,
@@ -871,7 +872,7 @@ pub async fn complete_with_current_lease(store: &dyn Store) {
     );
 
     let mut request = append_request(s, 2, vec![message(s, 2, "result")], 50);
-    request.complete = Some((t1.clone(), 1));
+    request.complete = vec![(t1.clone(), 1)];
     request.enqueue = vec![new_task(&t2, TaskKind::Tool, 0)];
     must_append(store, request, "completing with the current lease").await;
     assert_eq!(
@@ -890,7 +891,7 @@ pub async fn complete_with_current_lease(store: &dyn Store) {
 
     let mut request = append_request(s, 3, vec![], 70);
     request.status = SessionStatus::Idle;
-    request.complete = Some((t2, 1));
+    request.complete = vec![(t2, 1)];
     must_append(store, request, "completing with no events").await;
     assert_eq!(tasks(store).await, vec![], "completed tasks are removed");
     assert_eq!(
@@ -930,7 +931,7 @@ pub async fn complete_with_stale_attempt_writes_nothing(store: &dyn Store) {
 
     let mut request = append_request(s, 2, vec![message(s, 2, "late result")], 250);
     request.status = SessionStatus::Idle;
-    request.complete = Some((t.clone(), 1));
+    request.complete = vec![(t.clone(), 1)];
     request.enqueue = vec![new_task(&other, TaskKind::Model, 0)];
     request.cancel = vec![t.clone()];
     match store.append(request).await {
@@ -961,19 +962,19 @@ pub async fn complete_with_stale_attempt_writes_nothing(store: &dyn Store) {
     );
 
     let mut request = append_request(s, 2, vec![message(s, 2, "x")], 250);
-    request.complete = Some((task_id(s, 42), 1));
+    request.complete = vec![(task_id(s, 42), 1)];
     assert!(
         matches!(store.append(request).await, Err(Error::LeaseLost { .. })),
         "completing a task that does not exist is LeaseLost"
     );
 
     let mut request = append_request(s, 2, vec![message(s, 2, "result")], 250);
-    request.complete = Some((t.clone(), 2));
+    request.complete = vec![(t.clone(), 2)];
     must_append(store, request, "completing with the current attempt 2").await;
     assert_eq!(tasks(store).await, vec![]);
 
     let mut request = append_request(s, 3, vec![message(s, 3, "again")], 260);
-    request.complete = Some((t, 2));
+    request.complete = vec![(t, 2)];
     assert!(
         matches!(store.append(request).await, Err(Error::LeaseLost { .. })),
         "completing a completed task again is LeaseLost"
@@ -994,7 +995,7 @@ pub async fn complete_after_expiry_is_lost(store: &dyn Store) {
     );
     for now in [110, 5_000] {
         let mut request = append_request(s, 2, vec![message(s, 2, "late")], now);
-        request.complete = Some((t.clone(), 1));
+        request.complete = vec![(t.clone(), 1)];
         match store.append(request).await {
             Err(Error::LeaseLost { .. }) => {}
             other => panic!("completing at {now}, at or after the lease's expiry 110, must be LeaseLost, got {other:?}"),
@@ -1006,9 +1007,81 @@ pub async fn complete_after_expiry_is_lost(store: &dyn Store) {
         "expired completions write nothing"
     );
     let mut request = append_request(s, 2, vec![message(s, 2, "in time")], 109);
-    request.complete = Some((t, 1));
+    request.complete = vec![(t, 1)];
     must_append(store, request, "completing just before expiry").await;
     assert_eq!(tasks(store).await, vec![]);
+}
+
+/// An append may complete several tasks (an engine recording several workers' reports of one
+/// session at once): each lease is checked, and when any is not current the append is refused
+/// whole, writing nothing and completing none of them.
+pub async fn complete_several_tasks_in_one_append(store: &dyn Store) {
+    let s = "several";
+    let (t1, t2, t3) = (task_id(s, 1), task_id(s, 2), task_id(s, 3));
+    let mut request = append_request(s, 1, vec![message(s, 1, "fan out")], 0);
+    request.enqueue = vec![
+        new_task(&t1, TaskKind::Tool, 0),
+        new_task(&t2, TaskKind::Tool, 0),
+        new_task(&t3, TaskKind::Tool, 0),
+    ];
+    must_append(store, request, "enqueue three tools").await;
+    assert_eq!(
+        lease_ids(&lease(store, 10, 100, 10).await),
+        vec![
+            (t1.clone(), 1, 110),
+            (t2.clone(), 1, 110),
+            (t3.clone(), 1, 110)
+        ]
+    );
+    let held = tasks(store).await;
+
+    // One stale attempt among current ones refuses them all.
+    let mut request = append_request(s, 2, vec![message(s, 2, "three")], 20);
+    request.complete = vec![(t1.clone(), 1), (t2.clone(), 1), (t3.clone(), 2)];
+    match store.append(request).await {
+        Err(Error::LeaseLost { task, .. }) => assert_eq!(task, t3.to_string()),
+        other => panic!("a stale attempt among three completions must be LeaseLost, got {other:?}"),
+    }
+    assert_eq!(
+        history(store, s).await.len(),
+        1,
+        "a refused append writes nothing"
+    );
+    assert_eq!(
+        tasks(store).await,
+        held,
+        "a refused append completes nothing"
+    );
+
+    // Current ones are completed together.
+    let mut request = append_request(s, 2, vec![message(s, 2, "two")], 20);
+    request.complete = vec![(t2.clone(), 1), (t1.clone(), 1)];
+    must_append(store, request, "completing two current leases at once").await;
+    assert_eq!(
+        tasks(store)
+            .await
+            .into_iter()
+            .map(|t| t.id)
+            .collect::<Vec<_>>(),
+        vec![t3.clone()],
+        "both completed tasks are gone, the third is left"
+    );
+
+    // A task completed already refuses an append that completes it with another.
+    let mut request = append_request(s, 3, vec![message(s, 3, "again")], 30);
+    request.complete = vec![(t3.clone(), 1), (t1.clone(), 1)];
+    match store.append(request).await {
+        Err(Error::LeaseLost { task, .. }) => assert_eq!(task, t1.to_string()),
+        other => {
+            panic!("completing a completed task with another must be LeaseLost, got {other:?}")
+        }
+    }
+    assert_eq!(history(store, s).await.len(), 2);
+    let mut request = append_request(s, 3, vec![message(s, 3, "last")], 30);
+    request.complete = vec![(t3, 1)];
+    must_append(store, request, "completing the third").await;
+    assert_eq!(tasks(store).await, vec![]);
+    assert_eq!(history(store, s).await.len(), 3);
 }
 
 /// `cancel` drops tasks, leased or not, without a lease check; unknown ids are ignored.
@@ -1050,7 +1123,7 @@ pub async fn cancel_removes_tasks(store: &dyn Store) {
         "cancelled tasks never lease again"
     );
     let mut request = append_request(s, 3, vec![], 20);
-    request.complete = Some((t1, 1));
+    request.complete = vec![(t1, 1)];
     assert!(
         matches!(store.append(request).await, Err(Error::LeaseLost { .. })),
         "completing a cancelled task is LeaseLost"
@@ -1133,7 +1206,7 @@ pub async fn extend_lease(store: &dyn Store) {
         "extending a lease that was re-leased is LeaseLost"
     );
     let mut request = append_request(s, 2, vec![message(s, 2, "done")], 200);
-    request.complete = Some((t.clone(), 2));
+    request.complete = vec![(t.clone(), 2)];
     must_append(store, request, "complete").await;
     assert!(
         matches!(
@@ -1469,7 +1542,7 @@ pub async fn overdue_tasks_are_listed_and_never_leased(store: &dyn Store) {
         "listing overdue tasks (and refusing to lease them) changes nothing"
     );
     let mut late = append_request(s, 5, vec![message(s, 5, "late")], 2_600);
-    late.complete = Some((c.clone(), 1));
+    late.complete = vec![(c.clone(), 1)];
     match store.append(late).await {
         Err(Error::LeaseLost { .. }) => {}
         other => panic!("completing with a lapsed lease must be LeaseLost, got {other:?}"),
@@ -1891,13 +1964,13 @@ pub async fn release_leases_keeps_attempts(store: &dyn Store) {
         "released tasks lease again at once (a first: visible since 150), attempts bumped"
     );
     let mut stale = append_request(s, 5, vec![message(s, 5, "stale")], 400);
-    stale.complete = Some((a.clone(), 1));
+    stale.complete = vec![(a.clone(), 1)];
     match store.append(stale).await {
         Err(Error::LeaseLost { .. }) => {}
         other => panic!("a completion from a released lease must be LeaseLost, got {other:?}"),
     }
     let mut current = append_request(s, 5, vec![message(s, 5, "current")], 400);
-    current.complete = Some((a.clone(), 2));
+    current.complete = vec![(a.clone(), 2)];
     must_append(store, current, "completing a with its new lease").await;
     assert_eq!(
         overdue_ids(&overdue(store, 2_000, 10).await, 2_000),
@@ -2028,7 +2101,7 @@ pub async fn reopen_keeps_everything<S: Store>(store: S, reopen: &mut dyn FnMut(
         "released, t1 leases again with attempt 2: attempts survive the reopen"
     );
     let mut request = append_request(a, 3, vec![message(a, 3, "three")], 250);
-    request.complete = Some((t1, 2));
+    request.complete = vec![(t1, 2)];
     request.cancel = vec![t3];
     must_append(&store, request, "continuing a after the reopen at seq 3").await;
     let expected_a = history(&store, a).await;
@@ -2168,6 +2241,7 @@ mod tests {
         complete_with_current_lease,
         complete_with_stale_attempt_writes_nothing,
         complete_after_expiry_is_lost,
+        complete_several_tasks_in_one_append,
         cancel_removes_tasks,
         extend_lease,
         release_leases_keeps_attempts,

@@ -1088,8 +1088,8 @@ impl Writer {
             });
         }
         // Each task the append touches is read once, as the batch so far leaves it (a lease
-        // earlier in the batch, in process or not, included): the completed one (first in
-        // `removed`, its lease checked), the cancelled ones, the fenced one (checked
+        // earlier in the batch, in process or not, included): the completed ones (first in
+        // `removed`, their leases checked), the cancelled ones, the fenced one (checked
         // unchanged) and those it enqueues, which must all decode or the append is rejected
         // whole. Only their visibility times are needed afterwards.
         let mut before: Vec<(Vec<u8>, Option<u64>)> =
@@ -1105,7 +1105,7 @@ impl Writer {
                 continue;
             }
             let task = self.task(&no_changes, id)?;
-            if let Some((completed, attempt)) = &p.complete {
+            for (completed, attempt) in &p.complete {
                 if completed == id {
                     lease_current(task.as_ref(), id, *attempt, p.now_ms)?;
                 }

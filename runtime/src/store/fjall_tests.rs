@@ -223,7 +223,7 @@ async fn a_store_with_named_records_and_a_queue_keyspace_opens_and_leases() {
         (task.id, 1)
     );
     let mut request = append_request("old", 3, vec![message("old", 3, "x")], 600);
-    request.complete = Some((leases[0].id.clone(), 1));
+    request.complete = vec![(leases[0].id.clone(), 1)];
     store.append(request).await.expect("complete the old task");
     assert_eq!(store.list_tasks().await.expect("tasks"), vec![]);
     assert!(read_index(&store.queue_index).is_empty());
@@ -558,10 +558,10 @@ async fn a_batch_rejects_some_writes_and_commits_the_others_in_order() {
     let mut first = append_request("a", 1, vec![message("a", 1, "a1")], 10);
     first.enqueue = vec![tool_task("a", 1)];
     let mut lost = append_request("b", 1, vec![message("b", 1, "lost")], 10);
-    lost.complete = Some((t.clone(), 1)); // not leased yet: attempt 0
+    lost.complete = vec![(t.clone(), 1)]; // not leased yet: attempt 0
     lost.enqueue = vec![tool_task("b", 1)];
     let mut complete = append_request("a", 2, vec![message("a", 2, "a2")], 20);
-    complete.complete = Some((t.clone(), 1)); // leased by the lease before it
+    complete.complete = vec![(t.clone(), 1)]; // leased by the lease before it
     complete.status = SessionStatus::Idle;
     let mut writes = Vec::new();
     let mut answers = Vec::new();

@@ -102,7 +102,7 @@ impl Store for MemoryStore {
                 actual,
             });
         }
-        if let Some((id, attempt)) = &request.complete {
+        for (id, attempt) in &request.complete {
             lease_current(inner.tasks.get(id), id, *attempt, request.now_ms)?;
         }
         if let Some(fence) = &request.drop_if_unchanged {

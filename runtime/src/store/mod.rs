@@ -323,8 +323,11 @@ pub struct AppendRequest {
     pub status: SessionStatus,
     /// Tasks to enqueue.
     pub enqueue: Vec<NewTask>,
-    /// A task this append completes, with the lease attempt that ran it (fencing).
-    pub complete: Option<(TaskId, u32)>,
+    /// Tasks this append completes, each with the lease attempt that ran it (fencing): when
+    /// any of those leases is not current, the whole append is refused with `LeaseLost` and
+    /// nothing is written. More than one when an engine records several workers' reports of
+    /// one session in one append.
+    pub complete: Vec<(TaskId, u32)>,
     /// Tasks to drop without a lease check (the workflow no longer wants them).
     pub cancel: Vec<TaskId>,
     /// A task to drop only if it is still exactly as the caller read it (see [`TaskFence`]):
@@ -356,7 +359,7 @@ impl AppendRequest {
             events,
             status,
             enqueue: Vec::new(),
-            complete: None,
+            complete: Vec::new(),
             cancel: Vec::new(),
             drop_if_unchanged: None,
             now_ms,

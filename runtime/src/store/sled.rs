@@ -1021,7 +1021,7 @@ fn append_one(
             None => Ok(None),
         })
     };
-    if let Some((id, attempt)) = &p.complete {
+    for (id, attempt) in &p.complete {
         let task = match stored_task(id)? {
             Ok(task) => task,
             Err(e) => return Ok(Err(e)),

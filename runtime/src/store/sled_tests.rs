@@ -168,7 +168,7 @@ async fn a_group_of_appends_rejects_some_and_commits_the_others() {
     let mut first = append_request("a", 1, vec![message("a", 1, "a1")], 10);
     first.enqueue = vec![crate::store::NewTask::new(t.clone(), TaskKind::Tool, 0)];
     let mut lost = append_request("b", 1, vec![message("b", 1, "lost")], 10);
-    lost.complete = Some((t.clone(), 1)); // not leased: attempt 0
+    lost.complete = vec![(t.clone(), 1)]; // not leased: attempt 0
     lost.enqueue = vec![crate::store::NewTask::new(
         TaskId {
             session_id: "b".to_owned(),

@@ -501,7 +501,7 @@ pub(super) struct PreparedAppend {
     pub(super) count: u64,
     /// The session record to write.
     pub(super) info: Vec<u8>,
-    pub(super) complete: Option<(TaskId, u32)>,
+    pub(super) complete: Vec<(TaskId, u32)>,
     /// The task to drop only if it is unchanged ([`AppendRequest::drop_if_unchanged`]).
     pub(super) drop_if_unchanged: Option<TaskFence>,
     pub(super) now_ms: u64,

@@ -109,7 +109,7 @@ pub async fn a_lapsed_lease_changes_nothing(a: Arc<dyn Store>, b: Arc<dyn Store>
     let before = snapshot(&*a).await;
     for store in [&a, &b] {
         let mut late = append_request(s, 3, vec![message(s, 3, "late result")], 200);
-        late.complete = Some((t.clone(), 1));
+        late.complete = vec![(t.clone(), 1)];
         late.cancel = vec![other.clone()];
         late.enqueue = vec![new_task(&task_id(s, 3), TaskKind::Model, 0)];
         match store.append(late).await {

@@ -165,7 +165,7 @@ pub async fn delete_refuses_a_busy_session(store: &dyn Store) {
     // Its task answered, the session is finished.
     let mut done = append_request("busy-task", 2, vec![message("busy-task", 2, "y")], 3_000);
     done.status = SessionStatus::Idle;
-    done.complete = Some((leases[0].id.clone(), leases[0].lease_attempt));
+    done.complete = vec![(leases[0].id.clone(), leases[0].lease_attempt)];
     if let Err(e) = store.append(done).await {
         panic!("completing the task must succeed, got {e:?}");
     }

@@ -179,7 +179,7 @@ pub async fn a_fenced_drop_of_a_task_leased_since_is_refused(store: &dyn Store) 
     for (n, id) in ids.iter().enumerate() {
         let seq = 3 + n as u64;
         let mut report = append_request(s, seq, vec![message(s, seq, "done")], 150);
-        report.complete = Some((id.clone(), 1));
+        report.complete = vec![(id.clone(), 1)];
         must_append(
             store,
             report,
@@ -220,7 +220,7 @@ pub async fn a_fenced_drop_of_a_task_renewed_since_is_refused(store: &dyn Store)
         "the renewed lease stands"
     );
     let mut report = append_request(s, 2, vec![message(s, 2, "done")], 150);
-    report.complete = Some((t.clone(), 1));
+    report.complete = vec![(t.clone(), 1)];
     report.status = SessionStatus::Idle;
     must_append(store, report, "the completion of the renewed lease").await;
     assert_eq!(tasks(store).await, vec![]);

@@ -56,19 +56,19 @@ pub async fn in_process_leases_fence_like_durable_ones(store: &dyn Store) {
         "an in-process lease leaves the same record as a durable one"
     );
     let mut stale = append_request(s, 2, vec![message(s, 2, "stale")], 1_100);
-    stale.complete = Some((t1.clone(), 0));
+    stale.complete = vec![(t1.clone(), 0)];
     assert!(
         matches!(store.append(stale).await, Err(Error::LeaseLost { .. })),
         "a completion with an attempt older than the in-process lease is LeaseLost"
     );
     let mut late = append_request(s, 2, vec![message(s, 2, "late")], 1_500);
-    late.complete = Some((t1.clone(), 1));
+    late.complete = vec![(t1.clone(), 1)];
     assert!(
         matches!(store.append(late).await, Err(Error::LeaseLost { .. })),
         "a completion at the in-process lease's expiry is LeaseLost"
     );
     let mut current = append_request(s, 2, vec![message(s, 2, "done")], 1_499);
-    current.complete = Some((t1.clone(), 1));
+    current.complete = vec![(t1.clone(), 1)];
     must_append(
         store,
         current,
