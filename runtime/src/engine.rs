@@ -290,6 +290,8 @@ struct Inner {
     /// a cached state whose next seq is not past it missed another writer's append, and is
     /// caught up before it decides.
     heard_seqs: Mutex<HashMap<String, u64>>,
+    /// Reports waiting for their session's append in flight, to be recorded together.
+    reports: crate::report_queue::ReportQueues,
     /// Prices model attempts' usage as their results are recorded ([`Engine::set_prices`]).
     prices: std::sync::RwLock<Arc<PriceTable>>,
 }
@@ -348,9 +350,16 @@ impl Engine {
                 watched: Mutex::new(HashMap::new()),
                 leased_here: Mutex::new(HashMap::new()),
                 heard_seqs: Mutex::new(HashMap::new()),
+                reports: Default::default(),
                 prices: std::sync::RwLock::new(Arc::new(PriceTable::built_in())),
             }),
         }
+    }
+
+    /// How many reports wait for `session_id`'s append in flight.
+    #[cfg(test)]
+    pub(crate) fn reports_waiting(&self, session_id: &str) -> usize {
+        self.inner.reports.waiting(session_id)
     }
 
     /// Sets the price table that turns each model attempt's usage into the cost recorded
@@ -864,36 +873,58 @@ impl Engine {
         async move {
             let slot = self.slot(session_id);
             let mut guard = slot.lock().await;
-            let mut conflicts = 0;
-            loop {
-                match self
-                    .try_submit(
-                        session_id,
-                        &mut guard,
-                        &mut decide,
-                        (&complete, &drop_if_unchanged),
-                        starting,
-                        eager,
-                    )
-                    .await
-                {
-                    // The session changed under us: the state was dropped, so the next try
-                    // reloads it with the other writer's events and decides again.
-                    Err(Error::Conflict { .. })
-                        if conflicts < CONFLICT_RETRIES && guard.is_none() =>
-                    {
-                        conflicts += 1;
-                        debug!(
-                            conflicts,
-                            "append lost a race with another writer; retrying"
-                        );
-                    }
-                    result => return result,
-                }
-            }
+            self.submit_locked(
+                session_id,
+                &mut guard,
+                &mut decide,
+                &complete,
+                &drop_if_unchanged,
+                starting,
+                eager,
+            )
+            .await
         }
         .instrument(span)
         .await
+    }
+
+    /// [`Engine::submit_inputs`] for a caller that holds the session's slot (`guard`).
+    #[allow(clippy::too_many_arguments)] // submit_inputs' own, and the guard
+    pub(super) async fn submit_locked(
+        &self,
+        session_id: &str,
+        guard: &mut Option<SessionState>,
+        decide: &mut (impl FnMut(&SessionState) -> Result<Option<Vec<Event>>> + Send),
+        complete: &[(TaskId, u32)],
+        drop_if_unchanged: &Option<TaskFence>,
+        starting: bool,
+        eager: Option<&LeaseRequest>,
+    ) -> Result<(Option<u64>, Vec<Lease>)> {
+        let mut conflicts = 0;
+        loop {
+            match self
+                .try_submit(
+                    session_id,
+                    guard,
+                    decide,
+                    (complete, drop_if_unchanged),
+                    starting,
+                    eager,
+                )
+                .await
+            {
+                // The session changed under us: the state was dropped, so the next try
+                // reloads it with the other writer's events and decides again.
+                Err(Error::Conflict { .. }) if conflicts < CONFLICT_RETRIES && guard.is_none() => {
+                    conflicts += 1;
+                    debug!(
+                        conflicts,
+                        "append lost a race with another writer; retrying"
+                    );
+                }
+                result => return result,
+            }
+        }
     }
 
     async fn try_submit(

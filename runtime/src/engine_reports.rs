@@ -5,8 +5,10 @@ use super::{failed_event, lock, ActivityReport, Engine, LeasedTask};
 use crate::error::{Error, Result};
 use crate::event::{ActivityFailure, Event};
 use crate::pricing::PriceTable;
-use crate::store::{Lease, LeaseRequest};
-use crate::workflow::ScheduledActivity;
+use crate::report_queue::QueuedReport;
+use crate::store::{Lease, LeaseRequest, TaskId};
+use crate::workflow::{ScheduledActivity, SessionState};
+use tracing::{debug, info_span, Instrument};
 
 impl Engine {
     /// Records a worker's report for a leased task. A stale report is
@@ -34,6 +36,9 @@ impl Engine {
         Ok(handed)
     }
 
+    /// Records `report` with every other report of its session that is waiting when this
+    /// one gets the session: reports that come while an append of the session is in flight
+    /// share the next append (see `report_queue`). Each caller gets its own report's answer.
     async fn report_with(
         &self,
         lease: &Lease,
@@ -50,31 +55,138 @@ impl Engine {
                 here.remove(&lease.id);
             }
         }
-        let prices = self.prices();
-        let (submitted, leases) = self
-            .submit_inputs(
-                session_id,
-                |state| match state.scheduled_activity(lease.id.scheduled_seq) {
-                    Some(activity) => report_event(&prices, lease, activity, report.clone())
-                        .map(|event| Some(vec![event])),
-                    None => Ok(None),
-                },
-                vec![(lease.id.clone(), lease.lease_attempt)],
-                None,
-                false,
-                next,
-            )
-            .await?;
-        if submitted.is_none() {
-            // Nothing will run it again, so the queue drops it; the report itself changes nothing.
-            self.discard_task(lease).await?;
-            return Err(Error::StaleReport {
-                session_id: session_id.clone(),
-                seq: lease.id.scheduled_seq,
-                reason: format!("the workflow no longer waits for task {}", lease.id),
-            });
+        let span = info_span!("session", session_id = %session_id);
+        async move {
+            let (ticket, answer) = self.inner.reports.push(lease, report, next.cloned());
+            let slot = self.slot(session_id);
+            let stale = {
+                let mut guard = slot.lock().await;
+                let waiting = self.inner.reports.take(session_id);
+                self.record_reports(session_id, &mut guard, waiting).await
+            };
+            drop(ticket);
+            for queued in stale {
+                // Nothing will run it again, so the queue drops it; the report itself
+                // changes nothing.
+                let answer = match self.discard_task(&queued.lease).await {
+                    Ok(()) => Err(stale_report(&queued.lease)),
+                    Err(e) => Err(e),
+                };
+                let _ = queued.reply.send(answer);
+            }
+            answer.await.unwrap_or_else(|_| {
+                Err(Error::Store {
+                    reason: format!(
+                        "the report of task {} is in doubt: the call recording it with other \
+                         reports of its session was dropped before the store answered",
+                        lease.id
+                    ),
+                })
+            })
         }
-        Ok(leases)
+        .instrument(span)
+        .await
+    }
+
+    /// Records the reports `waiting` for the session whose state `guard` holds: in one
+    /// append when there are several, each in its own when that one is refused (a stale
+    /// report among them, a lost lease) or fails. Answers each report but the stale ones,
+    /// which it returns: their tasks are dropped from the queue once the session is let go.
+    async fn record_reports(
+        &self,
+        session_id: &str,
+        guard: &mut Option<SessionState>,
+        waiting: Vec<QueuedReport>,
+    ) -> Vec<QueuedReport> {
+        let prices = self.prices();
+        if waiting.len() > 1 && of_distinct_tasks(&waiting) {
+            let complete: Vec<(TaskId, u32)> = waiting
+                .iter()
+                .map(|q| (q.lease.id.clone(), q.lease.lease_attempt))
+                .collect();
+            // The first that asked for more tasks gets those the append leases.
+            let eager_at = waiting.iter().position(|q| q.next.is_some());
+            let eager = eager_at.and_then(|at| waiting[at].next.as_ref());
+            let mut decide = |state: &SessionState| {
+                let mut events = Vec::with_capacity(waiting.len());
+                for queued in &waiting {
+                    let Some(activity) = state.scheduled_activity(queued.lease.id.scheduled_seq)
+                    else {
+                        return Err(stale_report(&queued.lease));
+                    };
+                    events.push(report_event(
+                        &prices,
+                        &queued.lease,
+                        activity,
+                        queued.report.clone(),
+                    )?);
+                }
+                Ok(Some(events))
+            };
+            let together = self
+                .submit_locked(
+                    session_id,
+                    guard,
+                    &mut decide,
+                    &complete,
+                    &None,
+                    false,
+                    eager,
+                )
+                .await;
+            match together {
+                Ok((Some(_), leases)) => {
+                    let mut leases = Some(leases);
+                    for (at, queued) in waiting.into_iter().enumerate() {
+                        let handed = match Some(at) == eager_at {
+                            true => leases.take().unwrap_or_default(),
+                            false => Vec::new(),
+                        };
+                        let _ = queued.reply.send(Ok(handed));
+                    }
+                    return Vec::new();
+                }
+                Ok((None, _)) => {}
+                Err(e) => debug!(
+                    reports = waiting.len(),
+                    error = %e,
+                    "the reports could not be recorded together; recording each alone"
+                ),
+            }
+        }
+        let mut stale = Vec::new();
+        for queued in waiting {
+            let mut decide = |state: &SessionState| match state
+                .scheduled_activity(queued.lease.id.scheduled_seq)
+            {
+                Some(activity) => {
+                    report_event(&prices, &queued.lease, activity, queued.report.clone())
+                        .map(|event| Some(vec![event]))
+                }
+                None => Ok(None),
+            };
+            let alone = self
+                .submit_locked(
+                    session_id,
+                    guard,
+                    &mut decide,
+                    &[(queued.lease.id.clone(), queued.lease.lease_attempt)],
+                    &None,
+                    false,
+                    queued.next.as_ref(),
+                )
+                .await;
+            match alone {
+                Ok((Some(_), leases)) => {
+                    let _ = queued.reply.send(Ok(leases));
+                }
+                Ok((None, _)) => stale.push(queued),
+                Err(e) => {
+                    let _ = queued.reply.send(Err(e));
+                }
+            }
+        }
+        stale
     }
 
     /// Records what a leased model attempt streamed since its previous record, as a
@@ -138,6 +250,23 @@ impl Engine {
         )
         .await?;
         Ok(())
+    }
+}
+
+/// Whether no two of `reports` report the same task (two lease attempts of one task: one of
+/// them is stale, and only recording each alone tells which).
+fn of_distinct_tasks(reports: &[QueuedReport]) -> bool {
+    let mut ids: Vec<&TaskId> = reports.iter().map(|q| &q.lease.id).collect();
+    ids.sort();
+    ids.windows(2).all(|pair| pair[0] != pair[1])
+}
+
+/// The answer to a report the workflow no longer waits for.
+fn stale_report(lease: &Lease) -> Error {
+    Error::StaleReport {
+        session_id: lease.id.session_id.clone(),
+        seq: lease.id.scheduled_seq,
+        reason: format!("the workflow no longer waits for task {}", lease.id),
     }
 }
 

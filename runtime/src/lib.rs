@@ -19,6 +19,7 @@ pub mod policy;
 pub mod pricing;
 pub mod progress;
 pub mod replay;
+mod report_queue;
 pub mod stages;
 mod state_cache;
 pub mod store;
@@ -38,6 +39,8 @@ mod engine_idempotent_tests;
 mod engine_memory_tests;
 #[cfg(test)]
 mod engine_race_tests;
+#[cfg(test)]
+mod engine_report_batch_tests;
 #[cfg(test)]
 mod engine_resume_tests;
 #[cfg(test)]
