@@ -290,8 +290,6 @@ struct Inner {
     /// a cached state whose next seq is not past it missed another writer's append, and is
     /// caught up before it decides.
     heard_seqs: Mutex<HashMap<String, u64>>,
-    /// Reports waiting for their session's append in flight, to be recorded together.
-    reports: crate::report_queue::ReportQueues,
     /// Prices model attempts' usage as their results are recorded ([`Engine::set_prices`]).
     prices: std::sync::RwLock<Arc<PriceTable>>,
 }
@@ -350,7 +348,6 @@ impl Engine {
                 watched: Mutex::new(HashMap::new()),
                 leased_here: Mutex::new(HashMap::new()),
                 heard_seqs: Mutex::new(HashMap::new()),
-                reports: Default::default(),
                 prices: std::sync::RwLock::new(Arc::new(PriceTable::built_in())),
             }),
         }
@@ -359,7 +356,7 @@ impl Engine {
     /// How many reports wait for `session_id`'s append in flight.
     #[cfg(test)]
     pub(crate) fn reports_waiting(&self, session_id: &str) -> usize {
-        self.inner.reports.waiting(session_id)
+        self.slot(session_id).reports().len()
     }
 
     /// Sets the price table that turns each model attempt's usage into the cost recorded

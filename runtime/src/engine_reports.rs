@@ -57,23 +57,30 @@ impl Engine {
         }
         let span = info_span!("session", session_id = %session_id);
         async move {
-            let (ticket, answer) = self.inner.reports.push(lease, report, next.cloned());
             let slot = self.slot(session_id);
+            // No append of the session in flight: record at once, with any report still
+            // waiting (rarely one).
+            if let Some(mut guard) = slot.try_lock() {
+                let mut waiting = slot.reports().take();
+                waiting.push(QueuedReport::own(lease, report, next.cloned()));
+                let (own, stale) = self.record_reports(session_id, &mut guard, waiting).await;
+                drop(guard);
+                let own_stale = self.refuse_stale(stale).await;
+                return own.or(own_stale).unwrap_or_else(|| {
+                    Err(Error::Store {
+                        reason: format!("the report of task {} was never answered", lease.id),
+                    })
+                });
+            }
+            // Else wait in the session's queue, to share the next append.
+            let (ticket, answer) = slot.reports().push(lease, report, next.cloned());
             let stale = {
                 let mut guard = slot.lock().await;
-                let waiting = self.inner.reports.take(session_id);
-                self.record_reports(session_id, &mut guard, waiting).await
+                let waiting = slot.reports().take();
+                self.record_reports(session_id, &mut guard, waiting).await.1
             };
             drop(ticket);
-            for queued in stale {
-                // Nothing will run it again, so the queue drops it; the report itself
-                // changes nothing.
-                let answer = match self.discard_task(&queued.lease).await {
-                    Ok(()) => Err(stale_report(&queued.lease)),
-                    Err(e) => Err(e),
-                };
-                let _ = queued.reply.send(answer);
-            }
+            self.refuse_stale(stale).await;
             answer.await.unwrap_or_else(|_| {
                 Err(Error::Store {
                     reason: format!(
@@ -88,16 +95,33 @@ impl Engine {
         .await
     }
 
+    /// Answers the reports the workflow no longer waits for, once their tasks are dropped from
+    /// the queue (nothing will run them again; the reports themselves change nothing). Returns
+    /// the answer of the one without a queue's channel: the caller's own.
+    async fn refuse_stale(&self, stale: Vec<QueuedReport>) -> Option<Result<Vec<Lease>>> {
+        let mut own = None;
+        for queued in stale {
+            let answer = match self.discard_task(&queued.lease).await {
+                Ok(()) => Err(stale_report(&queued.lease)),
+                Err(e) => Err(e),
+            };
+            answer_report(&mut own, queued, answer);
+        }
+        own
+    }
+
     /// Records the reports `waiting` for the session whose state `guard` holds: in one
     /// append when there are several, each in its own when that one is refused (a stale
     /// report among them, a lost lease) or fails. Answers each report but the stale ones,
     /// which it returns: their tasks are dropped from the queue once the session is let go.
+    /// The answer of the report without a channel (the caller's own) is returned.
     async fn record_reports(
         &self,
         session_id: &str,
         guard: &mut Option<SessionState>,
         waiting: Vec<QueuedReport>,
-    ) -> Vec<QueuedReport> {
+    ) -> (Option<Result<Vec<Lease>>>, Vec<QueuedReport>) {
+        let mut own = None;
         let prices = self.prices();
         if waiting.len() > 1 && of_distinct_tasks(&waiting) {
             let complete: Vec<(TaskId, u32)> = waiting
@@ -142,9 +166,9 @@ impl Engine {
                             true => leases.take().unwrap_or_default(),
                             false => Vec::new(),
                         };
-                        let _ = queued.reply.send(Ok(handed));
+                        answer_report(&mut own, queued, Ok(handed));
                     }
-                    return Vec::new();
+                    return (own, Vec::new());
                 }
                 Ok((None, _)) => {}
                 Err(e) => debug!(
@@ -177,16 +201,12 @@ impl Engine {
                 )
                 .await;
             match alone {
-                Ok((Some(_), leases)) => {
-                    let _ = queued.reply.send(Ok(leases));
-                }
+                Ok((Some(_), leases)) => answer_report(&mut own, queued, Ok(leases)),
                 Ok((None, _)) => stale.push(queued),
-                Err(e) => {
-                    let _ = queued.reply.send(Err(e));
-                }
+                Err(e) => answer_report(&mut own, queued, Err(e)),
             }
         }
-        stale
+        (own, stale)
     }
 
     /// Records what a leased model attempt streamed since its previous record, as a
@@ -250,6 +270,19 @@ impl Engine {
         )
         .await?;
         Ok(())
+    }
+}
+
+/// Gives `queued` its answer: through its channel, or into `own` for the caller's own report.
+fn answer_report(
+    own: &mut Option<Result<Vec<Lease>>>,
+    queued: QueuedReport,
+    answer: Result<Vec<Lease>>,
+) {
+    match queued.reply {
+        // A caller that left cannot be answered; its report was recorded all the same.
+        Some(reply) => drop(reply.send(answer)),
+        None => *own = Some(answer),
     }
 }
 

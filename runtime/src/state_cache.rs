@@ -17,6 +17,7 @@
 //! in a running total when it is released, and a new slot finding the total over the budget
 //! purges parked states, least recently used first, down to three quarters of it.
 
+use crate::report_queue::ReportQueue;
 use crate::workflow::SessionState;
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
@@ -39,6 +40,8 @@ struct SlotInner {
     bytes: AtomicUsize,
     /// The cache's total, which this slot's bytes are part of.
     total: Arc<AtomicUsize>,
+    /// Workers' reports waiting for the state's lock, to be recorded together.
+    reports: ReportQueue,
 }
 
 impl SessionSlot {
@@ -50,8 +53,12 @@ impl SessionSlot {
         }
     }
 
+    /// The reports waiting for this session.
+    pub(crate) fn reports(&self) -> &ReportQueue {
+        &self.0.reports
+    }
+
     /// Locks the state if nobody holds it.
-    #[cfg(test)]
     pub(crate) fn try_lock(&self) -> Option<StateGuard<'_>> {
         let state = self.0.state.try_lock().ok()?;
         Some(StateGuard {
@@ -208,6 +215,7 @@ impl StateCache {
             state: tokio::sync::Mutex::new(None),
             bytes: AtomicUsize::new(0),
             total: self.bytes.clone(),
+            reports: ReportQueue::default(),
         }));
         self.slots.insert(
             session_id.to_owned(),
