@@ -62,6 +62,19 @@ impl Engine {
             // waiting (rarely one).
             if let Some(mut guard) = slot.try_lock() {
                 let mut waiting = slot.reports().take();
+                if waiting.is_empty() {
+                    // Alone, as most reports are: nothing to queue or to answer through a
+                    // channel.
+                    let recorded = self
+                        .record_one(session_id, &mut guard, lease, &report, next)
+                        .await;
+                    drop(guard);
+                    if let Some(leases) = recorded? {
+                        return Ok(leases);
+                    }
+                    self.discard_task(lease).await?;
+                    return Err(stale_report(lease));
+                }
                 waiting.push(QueuedReport::own(lease, report, next.cloned()));
                 let (own, stale) = self.record_reports(session_id, &mut guard, waiting).await;
                 drop(guard);
@@ -180,33 +193,54 @@ impl Engine {
         }
         let mut stale = Vec::new();
         for queued in waiting {
-            let mut decide = |state: &SessionState| match state
-                .scheduled_activity(queued.lease.id.scheduled_seq)
-            {
-                Some(activity) => {
-                    report_event(&prices, &queued.lease, activity, queued.report.clone())
-                        .map(|event| Some(vec![event]))
-                }
-                None => Ok(None),
-            };
-            let alone = self
-                .submit_locked(
+            let recorded = self
+                .record_one(
                     session_id,
                     guard,
-                    &mut decide,
-                    &[(queued.lease.id.clone(), queued.lease.lease_attempt)],
-                    &None,
-                    false,
+                    &queued.lease,
+                    &queued.report,
                     queued.next.as_ref(),
                 )
                 .await;
-            match alone {
-                Ok((Some(_), leases)) => answer_report(&mut own, queued, Ok(leases)),
-                Ok((None, _)) => stale.push(queued),
+            match recorded {
+                Ok(Some(leases)) => answer_report(&mut own, queued, Ok(leases)),
+                Ok(None) => stale.push(queued),
                 Err(e) => answer_report(&mut own, queued, Err(e)),
             }
         }
         (own, stale)
+    }
+
+    /// Records one report in an append of its own, the session's state in `guard`, with the
+    /// tasks it leases (eager dispatch); `None` when the workflow no longer waits for its
+    /// task (nothing was written).
+    async fn record_one(
+        &self,
+        session_id: &str,
+        guard: &mut Option<SessionState>,
+        lease: &Lease,
+        report: &ActivityReport,
+        next: Option<&LeaseRequest>,
+    ) -> Result<Option<Vec<Lease>>> {
+        let prices = self.prices();
+        let mut decide =
+            |state: &SessionState| match state.scheduled_activity(lease.id.scheduled_seq) {
+                Some(activity) => report_event(&prices, lease, activity, report.clone())
+                    .map(|event| Some(vec![event])),
+                None => Ok(None),
+            };
+        let (submitted, leases) = self
+            .submit_locked(
+                session_id,
+                guard,
+                &mut decide,
+                &[(lease.id.clone(), lease.lease_attempt)],
+                &None,
+                false,
+                next,
+            )
+            .await?;
+        Ok(submitted.map(|_| leases))
     }
 
     /// Records what a leased model attempt streamed since its previous record, as a
