@@ -1025,6 +1025,26 @@ fn assert_machine_line(stdout: &str) {
     }
 }
 
+/// The cells of the first line of `cairn bench`'s table that starts with `start` (the header
+/// starts with `| setup |`), trimmed.
+fn bench_table_line<'a>(stdout: &'a str, start: &str) -> Vec<&'a str> {
+    stdout
+        .lines()
+        .find(|l| l.starts_with(start))
+        .unwrap_or_else(|| panic!("no line starting {start:?}: {stdout}"))
+        .split('|')
+        .map(str::trim)
+        .collect()
+}
+
+/// Where the column `name` is in `header`, a line of [`bench_table_line`].
+fn bench_column(header: &[&str], name: &str, stdout: &str) -> usize {
+    header
+        .iter()
+        .position(|c| *c == name)
+        .unwrap_or_else(|| panic!("no column {name}: {stdout}"))
+}
+
 /// `cairn bench` runs durable turns on each embedded engine and reports, per row, the probe's
 /// p50 fdatasync beside the store's own p50 sync, the commits a turn waited for in series
 /// (five at one session: the start, the model's result, each tool's, the second model's), and
@@ -1035,19 +1055,8 @@ fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
     assert_machine_line(&stdout);
-    let header: Vec<&str> = stdout
-        .lines()
-        .find(|l| l.starts_with("| setup |"))
-        .unwrap_or_else(|| panic!("no table header: {stdout}"))
-        .split('|')
-        .map(str::trim)
-        .collect();
-    let column = |name: &str| {
-        header
-            .iter()
-            .position(|c| *c == name)
-            .unwrap_or_else(|| panic!("no column {name}: {stdout}"))
-    };
+    let header = bench_table_line(&stdout, "| setup |");
+    let column = |name: &str| bench_column(&header, name, &stdout);
     let (probe, store, commits, cpu) = (
         column("p50 fdatasync"),
         column("p50 store sync"),
@@ -1060,13 +1069,7 @@ fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
             .unwrap_or_else(|| panic!("not a time: {cell:?} in {stdout}"))
     };
     for engine in ["fjall", "sled"] {
-        let row: Vec<&str> = stdout
-            .lines()
-            .find(|l| l.starts_with(&format!("| embedded, {engine} | 1 |")))
-            .unwrap_or_else(|| panic!("no row for {engine}: {stdout}"))
-            .split('|')
-            .map(str::trim)
-            .collect();
+        let row = bench_table_line(&stdout, &format!("| embedded, {engine} | 1 |"));
         assert_eq!(row.len(), header.len(), "{stdout}");
         assert!(ms(row[probe]) > 0.0, "{stdout}");
         let store_sync = ms(row[store]);
@@ -1111,25 +1114,11 @@ fn bench_parallel_tools_set_the_tool_calls_of_a_turn() {
             stdout.contains(&format!("model → {tools} parallel tool")),
             "{stdout}"
         );
-        let header: Vec<&str> = stdout
-            .lines()
-            .find(|l| l.starts_with("| setup |"))
-            .unwrap_or_else(|| panic!("no table header: {stdout}"))
-            .split('|')
-            .map(str::trim)
-            .collect();
-        let commits = header
-            .iter()
-            .position(|c| *c == "durable commits per turn")
-            .unwrap_or_else(|| panic!("no commits column: {stdout}"));
-        let row: Vec<&str> = stdout
-            .lines()
-            .find(|l| l.starts_with("| embedded, fjall | 1 |"))
-            .unwrap_or_else(|| panic!("no fjall row: {stdout}"))
-            .split('|')
-            .map(str::trim)
-            .collect();
-        (row[commits].parse().expect("a number"), stdout)
+        let header = bench_table_line(&stdout, "| setup |");
+        let commits = bench_column(&header, "durable commits per turn", &stdout);
+        let row = bench_table_line(&stdout, "| embedded, fjall | 1 |");
+        let per_turn = row[commits].parse().expect("a number");
+        (per_turn, stdout)
     };
     let (one, stdout) = commits_per_turn("1");
     assert!((one - 4.0).abs() < 0.2, "{stdout}");

@@ -6,116 +6,15 @@
 
 use crate::client::{Client, SessionOptions};
 use crate::engine::{ActivityReport, LeasedTask};
+use crate::engine_test_store::GatedStore;
 use crate::engine_test_support::{session_options, text_answer};
-use crate::error::Result;
 use crate::event::Event;
-use crate::event::EventEnvelope;
 use crate::event::{ActivityFailure, ErrorClass};
-use crate::store::{AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
+use crate::store::{Lease, Store, TaskFilter};
 use crate::workflow::TurnOutcome;
 use crate::{Engine, ManualClock, MemoryStore, SystemClock};
-use async_trait::async_trait;
-use cairn_ledger::JsonText;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use tokio::sync::Notify;
-
-/// A store in memory whose appends can be held before they reach it, and whose task listing
-/// can let something happen right after it read the tasks.
-#[derive(Default)]
-struct Gated {
-    inner: MemoryStore,
-    /// While set, an append tells `entered` and then waits forever, never reaching the store.
-    hold_appends: AtomicBool,
-    entered: Notify,
-    /// Run inside the next `list_tasks`, after the tasks were read.
-    after_listing: Meanwhile,
-    /// Run inside the next `overdue_tasks`, after the overdue tasks were read.
-    after_overdue: Meanwhile,
-}
-
-/// Something to run once inside a store call, after the call read what it answers with and
-/// before it answers: another writer acting in between.
-#[derive(Default)]
-struct Meanwhile(Mutex<Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>>);
-
-impl Meanwhile {
-    fn set(&self, meanwhile: impl std::future::Future<Output = ()> + Send + 'static) {
-        *self.0.lock().expect("meanwhile") = Some(Box::pin(meanwhile));
-    }
-
-    async fn run_once(&self) {
-        let meanwhile = self.0.lock().expect("meanwhile").take();
-        if let Some(meanwhile) = meanwhile {
-            meanwhile.await;
-        }
-    }
-}
-
-#[async_trait]
-impl Store for Gated {
-    async fn append(&self, request: AppendRequest) -> Result<()> {
-        if self.hold_appends.load(Ordering::SeqCst) {
-            self.entered.notify_one();
-            std::future::pending::<()>().await;
-        }
-        self.inner.append(request).await
-    }
-    async fn read_history(
-        &self,
-        session_id: &str,
-        from_seq: u64,
-        limit: Option<usize>,
-    ) -> Result<Vec<EventEnvelope>> {
-        self.inner.read_history(session_id, from_seq, limit).await
-    }
-    async fn list_sessions(&self) -> Result<Vec<SessionInfo>> {
-        self.inner.list_sessions().await
-    }
-    async fn deleted_sessions(&self) -> Result<Vec<String>> {
-        self.inner.deleted_sessions().await
-    }
-    async fn record_deleted(&self, session_id: &str, now_ms: u64) -> Result<bool> {
-        self.inner.record_deleted(session_id, now_ms).await
-    }
-    async fn lease_tasks(
-        &self,
-        now_ms: u64,
-        lease_ms: u64,
-        max: usize,
-        filter: &TaskFilter,
-    ) -> Result<Vec<Lease>> {
-        self.inner.lease_tasks(now_ms, lease_ms, max, filter).await
-    }
-    async fn extend_lease(
-        &self,
-        id: &TaskId,
-        lease_attempt: u32,
-        now_ms: u64,
-        lease_ms: u64,
-        details: Option<JsonText>,
-    ) -> Result<u64> {
-        self.inner
-            .extend_lease(id, lease_attempt, now_ms, lease_ms, details)
-            .await
-    }
-    async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
-        let tasks = self.inner.overdue_tasks(now_ms, max).await?;
-        self.after_overdue.run_once().await;
-        Ok(tasks)
-    }
-    async fn list_tasks(&self) -> Result<Vec<Task>> {
-        let tasks = self.inner.list_tasks().await?;
-        self.after_listing.run_once().await;
-        Ok(tasks)
-    }
-    async fn release_leases(&self, now_ms: u64) -> Result<usize> {
-        self.inner.release_leases(now_ms).await
-    }
-    async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
-        self.inner.delete_session(session_id, now_ms).await
-    }
-}
 
 fn options(id: &str) -> SessionOptions {
     session_options("race", id)
@@ -131,7 +30,7 @@ fn answer(text: &str) -> ActivityReport {
 /// store never held.)
 #[tokio::test]
 async fn a_send_dropped_before_its_append_is_answered_leaves_the_cache_as_the_store_is() {
-    let store = Arc::new(Gated::default());
+    let store = Arc::new(GatedStore::default());
     let engine = Engine::new(store.clone(), Arc::new(SystemClock));
     let client = Client::new(engine.clone());
     client.start_session(options("s")).await.unwrap();
@@ -179,7 +78,7 @@ async fn a_send_dropped_before_its_append_is_answered_leaves_the_cache_as_the_st
 /// missing from it and was queued again, its lease reset for a second worker to take.)
 #[tokio::test]
 async fn a_resume_racing_another_engine_does_not_queue_its_new_task_again() {
-    let store = Arc::new(Gated::default());
+    let store = Arc::new(GatedStore::default());
     let serving = Engine::new(store.clone(), Arc::new(SystemClock));
     let resuming = Engine::new(store.clone(), Arc::new(SystemClock));
     let client = Client::new(serving.clone());
@@ -300,12 +199,12 @@ async fn a_listing_survives_a_session_deleted_under_it_and_one_that_does_not_fol
 /// When the engine clock starts in the timer races below.
 const START_MS: u64 = 1_000;
 
-/// A session "s" on a [`Gated`] store, its engine on a manual clock at [`START_MS`], with its
+/// A session "s" on a [`GatedStore`] store, its engine on a manual clock at [`START_MS`], with its
 /// first turn's model call queued; `schedule_to_start_ms` is the model calls' start deadline.
 async fn turn_with_a_model_call(
     schedule_to_start_ms: Option<u64>,
-) -> (Arc<Gated>, Arc<ManualClock>, Engine, Client) {
-    let store = Arc::new(Gated::default());
+) -> (Arc<GatedStore>, Arc<ManualClock>, Engine, Client) {
+    let store = Arc::new(GatedStore::default());
     let clock = Arc::new(ManualClock::new(START_MS));
     let engine = Engine::new(store.clone(), clock.clone());
     let client = Client::new(engine.clone());
@@ -319,7 +218,7 @@ async fn turn_with_a_model_call(
 /// Runs `meanwhile` right after the next `overdue_tasks` of `store` read the tasks, before
 /// the timers act on what they read; gives back what it returned.
 fn after_overdue_read<T: Send + 'static>(
-    store: &Arc<Gated>,
+    store: &Arc<GatedStore>,
     meanwhile: impl std::future::Future<Output = T> + Send + 'static,
 ) -> Arc<Mutex<Option<T>>> {
     let out: Arc<Mutex<Option<T>>> = Arc::default();
@@ -352,7 +251,12 @@ fn the_lease(leased: &Mutex<Option<Vec<LeasedTask>>>) -> Lease {
 /// The report of `lease` is accepted and ends the turn with its answer; no attempt was
 /// recorded as failed, nothing is left queued or overdue, and a replay of the history gives
 /// the live transcript.
-async fn the_report_ends_the_turn(store: &Gated, engine: &Engine, client: &Client, lease: &Lease) {
+async fn the_report_ends_the_turn(
+    store: &GatedStore,
+    engine: &Engine,
+    client: &Client,
+    lease: &Lease,
+) {
     engine
         .report(lease, answer("in time"))
         .await

@@ -4,107 +4,26 @@
 
 use crate::client::{Client, SessionOptions};
 use crate::engine::{ActivityReport, LeasedTask};
+use crate::engine_test_store::GatedStore;
 use crate::engine_test_support::text_answer;
 use crate::error::{Error, Result};
-use crate::event::{Event, EventEnvelope};
-use crate::store::{AppendRequest, Lease, SessionInfo, Store, Task, TaskFilter, TaskId};
+use crate::event::Event;
+use crate::store::{Lease, Store, TaskFilter};
 use crate::workflow::TurnOutcome;
-use crate::{Engine, MemoryStore, SystemClock};
-use async_trait::async_trait;
+use crate::{Engine, SystemClock};
 use cairn_ledger::{
     JsonText, ModelResponse, ModelSpec, Part, StopReason, ToolResultContent, ToolSpec, ToolUse,
     Usage,
 };
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use tokio::sync::Notify;
-
-/// A store in memory that logs the tasks each append completes and whether the store took
-/// it, and that can hold the next append until released (it then reaches the store).
-#[derive(Default)]
-struct Logged {
-    inner: MemoryStore,
-    /// While set, the next append tells `entered`, clears it and waits for `release`.
-    hold_next: AtomicBool,
-    entered: Notify,
-    release: Notify,
-    /// The completed tasks of each append that completed any, and whether it was written.
-    completions: Mutex<Vec<(Vec<TaskId>, bool)>>,
-}
-
-#[async_trait]
-impl Store for Logged {
-    async fn append(&self, request: AppendRequest) -> Result<()> {
-        if self.hold_next.swap(false, Ordering::SeqCst) {
-            self.entered.notify_one();
-            self.release.notified().await;
-        }
-        let completed: Vec<TaskId> = request.complete.iter().map(|(id, _)| id.clone()).collect();
-        let result = self.inner.append(request).await;
-        if !completed.is_empty() {
-            let mut log = self.completions.lock().expect("log");
-            log.push((completed, result.is_ok()));
-        }
-        result
-    }
-    async fn read_history(
-        &self,
-        session_id: &str,
-        from_seq: u64,
-        limit: Option<usize>,
-    ) -> Result<Vec<EventEnvelope>> {
-        self.inner.read_history(session_id, from_seq, limit).await
-    }
-    async fn list_sessions(&self) -> Result<Vec<SessionInfo>> {
-        self.inner.list_sessions().await
-    }
-    async fn deleted_sessions(&self) -> Result<Vec<String>> {
-        self.inner.deleted_sessions().await
-    }
-    async fn record_deleted(&self, session_id: &str, now_ms: u64) -> Result<bool> {
-        self.inner.record_deleted(session_id, now_ms).await
-    }
-    async fn lease_tasks(
-        &self,
-        now_ms: u64,
-        lease_ms: u64,
-        max: usize,
-        filter: &TaskFilter,
-    ) -> Result<Vec<Lease>> {
-        self.inner.lease_tasks(now_ms, lease_ms, max, filter).await
-    }
-    async fn extend_lease(
-        &self,
-        id: &TaskId,
-        lease_attempt: u32,
-        now_ms: u64,
-        lease_ms: u64,
-        details: Option<JsonText>,
-    ) -> Result<u64> {
-        self.inner
-            .extend_lease(id, lease_attempt, now_ms, lease_ms, details)
-            .await
-    }
-    async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
-        self.inner.overdue_tasks(now_ms, max).await
-    }
-    async fn list_tasks(&self) -> Result<Vec<Task>> {
-        self.inner.list_tasks().await
-    }
-    async fn release_leases(&self, now_ms: u64) -> Result<usize> {
-        self.inner.release_leases(now_ms).await
-    }
-    async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
-        self.inner.delete_session(session_id, now_ms).await
-    }
-}
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 const MODEL: &str = "batch";
 
 /// A session "s" whose first turn's model call asked for `tools` parallel calculator calls,
 /// each leased: the tool tasks, in the order of the calls.
-async fn fanned_out(tools: usize) -> (Arc<Logged>, Engine, Client, Vec<LeasedTask>) {
-    let store = Arc::new(Logged::default());
+async fn fanned_out(tools: usize) -> (Arc<GatedStore>, Engine, Client, Vec<LeasedTask>) {
+    let store = Arc::new(GatedStore::default());
     let engine = Engine::new(store.clone(), Arc::new(SystemClock));
     let client = Client::new(engine.clone());
     let schema = JsonText::parse(r#"{"type":"object"}"#).expect("schema");
@@ -187,7 +106,7 @@ async fn until_waiting(engine: &Engine, count: usize) {
 
 /// Holds the next append of `store` and spawns `first`'s report, which makes it.
 async fn first_held(
-    store: &Logged,
+    store: &GatedStore,
     engine: &Engine,
     first: &Lease,
 ) -> tokio::task::JoinHandle<Result<()>> {
@@ -198,7 +117,7 @@ async fn first_held(
 }
 
 /// The tool results the history of "s" records, in order.
-async fn recorded_results(store: &Logged) -> Vec<String> {
+async fn recorded_results(store: &GatedStore) -> Vec<String> {
     let history = store
         .inner
         .read_history("s", 1, None)
@@ -214,7 +133,7 @@ async fn recorded_results(store: &Logged) -> Vec<String> {
 }
 
 /// The rest of the turn, and a full replay of the history matching what the engine answers.
-async fn finish_and_replay(store: &Logged, engine: &Engine, client: &Client) {
+async fn finish_and_replay(store: &GatedStore, engine: &Engine, client: &Client) {
     let model = engine
         .lease_tasks(&TaskFilter::any(), 1, 60_000)
         .await
@@ -224,8 +143,14 @@ async fn finish_and_replay(store: &Logged, engine: &Engine, client: &Client) {
         1,
         "every result is in: the model is asked again"
     );
+    answer_and_replay(store, engine, client, &model[0].lease).await;
+}
+
+/// Answers the turn's second model call, leased as `model`, and replays the history in full:
+/// what it folds to is what the engine answers.
+async fn answer_and_replay(store: &GatedStore, engine: &Engine, client: &Client, model: &Lease) {
     engine
-        .report(&model[0].lease, text_answer(MODEL, "4"))
+        .report(model, text_answer(MODEL, "4"))
         .await
         .expect("answer");
     assert!(matches!(
@@ -410,26 +335,5 @@ async fn the_task_a_shared_append_queues_goes_to_the_first_report_that_asked() {
             .is_empty(),
         "the model call is leased once"
     );
-    engine
-        .report(&handed[0].lease, text_answer(MODEL, "4"))
-        .await
-        .expect("answer");
-    assert!(matches!(
-        engine.wait_turn("s", 1).await.expect("outcome"),
-        TurnOutcome::Completed { .. }
-    ));
-    let history = store
-        .inner
-        .read_history("s", 1, None)
-        .await
-        .expect("history");
-    let replayed = crate::replay("s", &history).expect("the history replays");
-    assert_eq!(
-        replayed.state.transcript.canonical_json(),
-        client
-            .transcript("s")
-            .await
-            .expect("transcript")
-            .canonical_json()
-    );
+    answer_and_replay(&store, &engine, &client, &handed[0].lease).await;
 }

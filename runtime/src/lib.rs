@@ -44,6 +44,8 @@ mod engine_report_batch_tests;
 #[cfg(test)]
 mod engine_resume_tests;
 #[cfg(test)]
+mod engine_test_store;
+#[cfg(test)]
 mod engine_test_support;
 #[cfg(test)]
 mod workflow_approval_tests;
