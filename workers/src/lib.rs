@@ -11,7 +11,9 @@ mod progress;
 mod source;
 
 pub use models::{ModelResolver, StandardModels, STANDARD_PROVIDERS};
-pub use pool::{filter_of, Activities, WorkerConfig, WorkerPool, DEFAULT_CONCURRENCY};
+pub use pool::{
+    filter_of, Activities, WorkerConfig, WorkerPool, DEFAULT_CONCURRENCY, MAX_EXTRA_HANDED,
+};
 pub use source::{EngineSource, TaskSource};
 
 /// The workers' one error type.
