@@ -384,7 +384,10 @@ fn close_after_a_failure(handles: Handles, path: &Path) {
         Ok(_) => done.recv_timeout(CLOSE_AFTER_A_FAILURE_WAIT).is_ok(),
         Err(_) => false,
     };
-    if !finished {
+    if finished {
+        // As after any close: sled's threads may hold its lock a moment longer.
+        wait_for_sled_to_unlock(&path.join("db"));
+    } else {
         tracing::warn!(
             store = %path.display(),
             "sled did not finish closing the store after a failed write; it keeps the store \
