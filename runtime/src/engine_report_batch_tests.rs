@@ -8,7 +8,7 @@ use crate::engine_test_store::GatedStore;
 use crate::engine_test_support::text_answer;
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::store::{Lease, Store, TaskFilter};
+use crate::store::{Lease, Store, TaskFilter, TaskId};
 use crate::workflow::TurnOutcome;
 use crate::{Engine, SystemClock};
 use cairn_ledger::{
@@ -78,6 +78,11 @@ fn tool_result(text: &str) -> ActivityReport {
         content: ToolResultContent::Text(text.into()),
         is_error: false,
     }
+}
+
+/// The task ids of the tool tasks at `of`.
+fn task_ids(tools: &[LeasedTask], of: &[usize]) -> Vec<TaskId> {
+    of.iter().map(|&i| tools[i].lease.id.clone()).collect()
 }
 
 /// Reports `report` for `lease` on a task of its own.
@@ -189,11 +194,7 @@ async fn reports_that_come_while_an_append_is_in_flight_share_the_next_append() 
             .expect("joined")
             .expect("every report is recorded");
     }
-    let ids = |of: &[usize]| {
-        of.iter()
-            .map(|&i| tools[i].lease.id.clone())
-            .collect::<Vec<_>>()
-    };
+    let ids = |of: &[usize]| task_ids(&tools, of);
     assert_eq!(
         *store.completions.lock().expect("log"),
         vec![(ids(&[0]), true), (ids(&[1, 2]), true)],
@@ -228,11 +229,7 @@ async fn a_refused_report_among_waiting_ones_is_refused_alone() {
         Err(Error::LeaseLost { task, .. }) => assert_eq!(task, tools[2].lease.id.to_string()),
         other => panic!("a report of a lease attempt not current must be LeaseLost, got {other:?}"),
     }
-    let ids = |of: &[usize]| {
-        of.iter()
-            .map(|&i| tools[i].lease.id.clone())
-            .collect::<Vec<_>>()
-    };
+    let ids = |of: &[usize]| task_ids(&tools, of);
     assert_eq!(
         *store.completions.lock().expect("log"),
         vec![

@@ -58,39 +58,33 @@ impl Engine {
         let span = info_span!("session", session_id = %session_id);
         async move {
             let slot = self.slot(session_id);
-            // No append of the session in flight: record at once, with any report still
-            // waiting (rarely one).
-            if let Some(mut guard) = slot.try_lock() {
-                let mut waiting = slot.reports().take();
-                if waiting.is_empty() {
-                    // Alone, as most reports are: nothing to queue or to answer through a
+            let mut free = slot.try_lock();
+            if let Some(guard) = free.as_mut() {
+                if slot.reports().is_empty() {
+                    // No append of the session in flight and no report waiting, as for most
+                    // reports: recorded alone, with nothing to queue or answer through a
                     // channel.
                     let recorded = self
-                        .record_one(session_id, &mut guard, lease, &report, next)
+                        .record_one(session_id, guard, lease, &report, next)
                         .await;
-                    drop(guard);
+                    drop(free);
                     if let Some(leases) = recorded? {
                         return Ok(leases);
                     }
                     self.discard_task(lease).await?;
                     return Err(stale_report(lease));
                 }
-                waiting.push(QueuedReport::own(lease, report, next.cloned()));
-                let (own, stale) = self.record_reports(session_id, &mut guard, waiting).await;
-                drop(guard);
-                let own_stale = self.refuse_stale(stale).await;
-                return own.or(own_stale).unwrap_or_else(|| {
-                    Err(Error::Store {
-                        reason: format!("the report of task {} was never answered", lease.id),
-                    })
-                });
             }
-            // Else wait in the session's queue, to share the next append.
+            // Queued, to share the next append with the reports that wait (or, on a free
+            // session, with those that waited and are not woken yet).
             let (ticket, answer) = slot.reports().push(lease, report, next.cloned());
             let stale = {
-                let mut guard = slot.lock().await;
+                let mut guard = match free {
+                    Some(guard) => guard,
+                    None => slot.lock().await,
+                };
                 let waiting = slot.reports().take();
-                self.record_reports(session_id, &mut guard, waiting).await.1
+                self.record_reports(session_id, &mut guard, waiting).await
             };
             drop(ticket);
             self.refuse_stale(stale).await;
@@ -109,32 +103,27 @@ impl Engine {
     }
 
     /// Answers the reports the workflow no longer waits for, once their tasks are dropped from
-    /// the queue (nothing will run them again; the reports themselves change nothing). Returns
-    /// the answer of the one without a queue's channel: the caller's own.
-    async fn refuse_stale(&self, stale: Vec<QueuedReport>) -> Option<Result<Vec<Lease>>> {
-        let mut own = None;
+    /// the queue (nothing will run them again; the reports themselves change nothing).
+    async fn refuse_stale(&self, stale: Vec<QueuedReport>) {
         for queued in stale {
             let answer = match self.discard_task(&queued.lease).await {
                 Ok(()) => Err(stale_report(&queued.lease)),
                 Err(e) => Err(e),
             };
-            answer_report(&mut own, queued, answer);
+            answer_report(queued, answer);
         }
-        own
     }
 
     /// Records the reports `waiting` for the session whose state `guard` holds: in one
     /// append when there are several, each in its own when that one is refused (a stale
     /// report among them, a lost lease) or fails. Answers each report but the stale ones,
     /// which it returns: their tasks are dropped from the queue once the session is let go.
-    /// The answer of the report without a channel (the caller's own) is returned.
     async fn record_reports(
         &self,
         session_id: &str,
         guard: &mut Option<SessionState>,
         waiting: Vec<QueuedReport>,
-    ) -> (Option<Result<Vec<Lease>>>, Vec<QueuedReport>) {
-        let mut own = None;
+    ) -> Vec<QueuedReport> {
         let prices = self.prices();
         if waiting.len() > 1 && of_distinct_tasks(&waiting) {
             let complete: Vec<(TaskId, u32)> = waiting
@@ -179,9 +168,9 @@ impl Engine {
                             true => leases.take().unwrap_or_default(),
                             false => Vec::new(),
                         };
-                        answer_report(&mut own, queued, Ok(handed));
+                        answer_report(queued, Ok(handed));
                     }
-                    return (own, Vec::new());
+                    return Vec::new();
                 }
                 Ok((None, _)) => {}
                 Err(e) => debug!(
@@ -203,12 +192,12 @@ impl Engine {
                 )
                 .await;
             match recorded {
-                Ok(Some(leases)) => answer_report(&mut own, queued, Ok(leases)),
+                Ok(Some(leases)) => answer_report(queued, Ok(leases)),
                 Ok(None) => stale.push(queued),
-                Err(e) => answer_report(&mut own, queued, Err(e)),
+                Err(e) => answer_report(queued, Err(e)),
             }
         }
-        (own, stale)
+        stale
     }
 
     /// Records one report in an append of its own, the session's state in `guard`, with the
@@ -307,17 +296,10 @@ impl Engine {
     }
 }
 
-/// Gives `queued` its answer: through its channel, or into `own` for the caller's own report.
-fn answer_report(
-    own: &mut Option<Result<Vec<Lease>>>,
-    queued: QueuedReport,
-    answer: Result<Vec<Lease>>,
-) {
-    match queued.reply {
-        // A caller that left cannot be answered; its report was recorded all the same.
-        Some(reply) => drop(reply.send(answer)),
-        None => *own = Some(answer),
-    }
+/// Gives `queued` its answer through its channel. A caller that left cannot be answered; its
+/// report was recorded all the same.
+fn answer_report(queued: QueuedReport, answer: Result<Vec<Lease>>) {
+    let _ = queued.reply.send(answer);
 }
 
 /// Whether no two of `reports` report the same task (two lease attempts of one task: one of

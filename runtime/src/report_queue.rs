@@ -20,22 +20,8 @@ pub(crate) struct QueuedReport {
     pub(crate) lease: Lease,
     pub(crate) report: ActivityReport,
     pub(crate) next: Option<LeaseRequest>,
-    /// The channel its caller waits on; `None` for the report of the caller that records it,
-    /// which is answered directly.
-    pub(crate) reply: Option<oneshot::Sender<Result<Vec<Lease>>>>,
-}
-
-impl QueuedReport {
-    /// The report of the caller that records it, which never waited in a queue.
-    pub(crate) fn own(lease: &Lease, report: ActivityReport, next: Option<LeaseRequest>) -> Self {
-        QueuedReport {
-            ticket: u64::MAX,
-            lease: lease.clone(),
-            report,
-            next,
-            reply: None,
-        }
-    }
+    /// The channel its caller waits on.
+    pub(crate) reply: oneshot::Sender<Result<Vec<Lease>>>,
 }
 
 /// One session's waiting reports, in the order they came.
@@ -73,7 +59,7 @@ impl ReportQueue {
             lease: lease.clone(),
             report,
             next,
-            reply: Some(reply),
+            reply,
         });
         (
             QueuedTicket {
@@ -87,6 +73,11 @@ impl ReportQueue {
     /// Takes every waiting report, oldest first.
     pub(crate) fn take(&self) -> Vec<QueuedReport> {
         std::mem::take(&mut self.lock().reports)
+    }
+
+    /// Whether no report waits.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.lock().reports.is_empty()
     }
 
     /// How many reports wait.
