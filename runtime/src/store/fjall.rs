@@ -97,7 +97,10 @@
 //!   checksum and a magic trailer) appended to the active journal file `<n>.jnl` through an
 //!   8 KiB buffer. The database is opened with `manual_journal_persist`, so a commit does not
 //!   even flush that buffer: `Database::persist(SyncData)` writes the buffer out and calls
-//!   `fdatasync` on the journal. That is the one sync per batch.
+//!   `fdatasync` on the journal. That is the one sync per batch. (A lone write committed on
+//!   its caller's thread, persisted right after, writes its record out at the commit and
+//!   starts the disk's write of it there, before fjall's memtable inserts: patch 4 in
+//!   `vendor/README.md`. The fdatasync still follows before any answer.)
 //! * fdatasync is enough for the journal: fjall creates each journal preallocated to 64 MiB
 //!   (`set_len` then `sync_all`, then an fsync of the directory), and fdatasync persists a size
 //!   change when the file does grow (past 64 MiB). After recovery has cut a reopened store's
@@ -759,7 +762,10 @@ impl ProcessBatch for Writer {
             self.shared.settle(&reason, pending, ENGINE, &self.path);
             return;
         }
-        let Some(pending) = self.commit_answering_leases(pending, committed) else {
+        // Not `persist_follows`: the sync thread persists it, while this thread applies the
+        // next batch; a journal write started here would take the submission off the sync
+        // thread and onto this one.
+        let Some(pending) = self.commit_answering_leases(pending, committed, false) else {
             return;
         };
         let Some(syncer) = &mut self.syncer else {
@@ -780,7 +786,7 @@ impl Writer {
     /// The rest of [`process`](ProcessBatch::process) for a batch applied: commits it as one
     /// write batch, answers its in-process leases, persists it once, answers the rest.
     fn settle_in_place(&mut self, pending: Vec<Pending>, committed: Vec<Committed>) {
-        let Some(pending) = self.commit_answering_leases(pending, committed) else {
+        let Some(pending) = self.commit_answering_leases(pending, committed, true) else {
             return;
         };
         crate::stages::mark("write.committed");
@@ -791,20 +797,25 @@ impl Writer {
     /// Commits the overlay and answers the in-process leases of the batch, then gives back
     /// the answers that wait for a persist, if any; when the commit fails (or fjall panics in
     /// it), answers the whole batch with the failure instead and gives back nothing.
+    /// `persist_follows`: this thread persists the batch right after, so the commit starts
+    /// the journal's write before the memtable inserts (see [`Writer::commit`]).
     fn commit_answering_leases(
         &mut self,
         pending: Vec<Pending>,
         committed: Vec<Committed>,
+        persist_follows: bool,
     ) -> Option<Vec<Pending>> {
         if pending.is_empty() && committed.is_empty() {
             return None;
         }
-        let outcome = catch_unwind(AssertUnwindSafe(|| self.commit())).unwrap_or_else(|panic| {
-            Err(format!(
-                "fjall panicked while committing: {}",
-                panic_message(&*panic)
-            ))
-        });
+        let start_journal_write = persist_follows && !pending.is_empty();
+        let outcome = catch_unwind(AssertUnwindSafe(|| self.commit(start_journal_write)))
+            .unwrap_or_else(|panic| {
+                Err(format!(
+                    "fjall panicked while committing: {}",
+                    panic_message(&*panic)
+                ))
+            });
         self.overlay = Overlay::default();
         if outcome.is_err() {
             // Not committed: refused like the rest of the batch.
@@ -822,7 +833,14 @@ impl Writer {
     }
 
     /// Commits the overlay as one fjall write batch (to the journal's buffer, not synced).
-    fn commit(&mut self) -> std::result::Result<(), String> {
+    ///
+    /// With `start_journal_write`, for a batch this thread persists right after, the commit
+    /// also writes the batch's journal record out and starts the device's write of it
+    /// before fjall applies the batch to its memtables (patch 4, `vendor/README.md`): the
+    /// inserts, a few microseconds an append, then run while the device writes, and the
+    /// persist's fdatasync waits for a write already under way. Durability is unchanged:
+    /// nothing is answered before that fdatasync.
+    fn commit(&mut self, start_journal_write: bool) -> std::result::Result<(), String> {
         if self.overlay.is_empty() {
             // Only writes that change nothing (empty appends to new sessions).
             return Ok(());
@@ -830,7 +848,11 @@ impl Writer {
         let mut overlay = std::mem::take(&mut self.overlay);
         // The queue's changes go to the index only: the task records are its durable truth.
         let queue_changes = std::mem::take(&mut overlay.keyspaces[Ks::Queue as usize]);
-        let mut batch = self.handles.db.batch();
+        let mut batch = self
+            .handles
+            .db
+            .batch()
+            .start_journal_write(start_journal_write);
         // Events first, the session records that count them last (snapshot reads see the
         // batch whole anyway; plain reads at the newest seqno then see no count too high).
         for ks in [Ks::Events, Ks::Tasks, Ks::Sessions] {

@@ -1079,6 +1079,51 @@ async fn the_journal_is_written_with_zeros_ahead_of_its_last_record() {
     }
 }
 
+/// A lone append, committed and persisted on its caller's thread, writes its journal record
+/// out at its commit and starts the device's write of it there (patch 4 in
+/// `vendor/README.md`): when its persist begins, the record is in the journal file already,
+/// not in fjall's buffer. (That the device's write has begun is not observable here; the
+/// `sync_file_range` that starts it is a hint.)
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_append_is_in_the_journal_file_when_its_sync_begins() {
+    let root = temp();
+    let dir = root.path().join("s");
+    let store = Arc::new(FjallStore::open(&dir).expect("open"));
+    let sync_waits = store.writer_shared().faults.hold_next();
+    let appending = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            store
+                .append(append_request(
+                    "a",
+                    1,
+                    vec![message("a", 1, "MARK-a-1-")],
+                    1,
+                ))
+                .await
+        })
+    };
+    tokio::task::spawn_blocking(move || {
+        sync_waits.recv_timeout(std::time::Duration::from_secs(30))
+    })
+    .await
+    .expect("join")
+    .expect("the append's sync begins, and waits");
+    let in_the_file = find(
+        &fs::read(journal_of(&dir)).expect("read"),
+        &marked_record("a", 1),
+    );
+    store.writer_shared().faults.release();
+    appending.await.expect("join").expect("append");
+    assert!(
+        in_the_file.is_some(),
+        "the append's record must be in the journal file when its sync begins"
+    );
+    let history = store.read_history("a", 1, None).await.expect("read");
+    assert_eq!(history.len(), 1);
+}
+
 /// A creation killed before fjall wrote `version` leaves `0.jnl`, on which fjall's next
 /// create fails for good; the store clears exactly that and opens. A store with data whose
 /// `version` went missing is not touched.
