@@ -11,7 +11,7 @@ use std::process::ExitCode;
 /// Measures one session's turns for `seconds` on each engine in turn and prints each table.
 pub async fn run(seconds: f64, engines: &[StorageEngine]) -> anyhow::Result<ExitCode> {
     outln!(
-        "where one session's turn goes: a fresh session per turn (model → 2 parallel tools → model, zero model latency), one in flight, {seconds} s after {} s of warm-up, on a new store of each engine, closed and opened again; each row a step between two marks on the turn's path (sync.start → sync.end is the store's write and fdatasync), how many times a turn takes it, its p50, its time per turn, its share of the time the marks cover, and its thread changes per turn",
+        "where one session's turn goes: a fresh session per turn (model → 2 parallel tools → model, zero model latency), one in flight, {seconds} s after {} s of warm-up, on a new store of each engine, closed and opened again; each row a step between two marks on the turn's path (sync.start → sync.end is the store's write and fdatasync; on fjall a lone append's write is started in write.applied → write.committed, its commit), how many times a turn takes it, its p50, its time per turn, its share of the time the marks cover, and its thread changes per turn",
         seconds / 10.0
     )?;
     outln!("{}", Machine::of_bench_stores())?;
