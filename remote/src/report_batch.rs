@@ -174,7 +174,7 @@ impl ReportBatcher {
         };
         let request = Request::post("/v1/worker/reports", &body);
         let outcomes = match self.connection.exchange(request, timeout).await {
-            Ok((200, body)) => match serde_json::from_slice::<ReportBatchAnswer>(&body) {
+            Ok((200, body)) => match crate::connection::from_json::<ReportBatchAnswer>(&body) {
                 Ok(answer) if answer.answers.len() == batch.len() => answer
                     .answers
                     .into_iter()
