@@ -420,8 +420,7 @@ mod tests {
         assert!(from_slice::<LeaseRequest>(br#"{"max": 1, "lease_ms": 1} x"#).is_err());
         let not_utf8 =
             from_slice::<LeaseRequest>(b"{\"max\": 1, \"lease_ms\": 1, \"queues\": [\"a\xff\"]}")
-                .err()
-                .expect("a string that is not UTF-8 is refused");
+                .expect_err("a string that is not UTF-8 is refused");
         assert!(
             not_utf8.contains("at queues[0]: invalid unicode code point at line 1 column 40"),
             "says where: {not_utf8}"
