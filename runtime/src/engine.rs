@@ -1008,8 +1008,9 @@ impl Engine {
             "append"
         );
         // No worker asked for the tasks this append queues (a client's message, a timer):
-        // a lease of a worker of this process waiting for one of them has them leased with
-        // the append and handed over, instead of asking the store again once woken.
+        // a lease waiting for one of them (a worker of this process's, or a remote worker's
+        // long poll) has them leased with the append and handed over, instead of asking the
+        // store again once woken (a write and a sync of its own for a remote lease).
         let claim = match eager {
             None => self.inner.waiters.claim(&request.enqueue),
             Some(_) => None,

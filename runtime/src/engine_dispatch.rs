@@ -84,22 +84,15 @@ impl Engine {
     ) -> Result<Vec<LeasedTask>> {
         tokio::pin!(stop);
         let waiters = &self.inner.waiters;
-        // A worker of this process may be handed the tasks an append queues, leased with it
-        // (`TaskWaiters::claim`); what a lease that stopped waiting was handed goes to its next
-        // lease (`Engine::lease_tasks_for`).
-        let (holder, in_process) = match waiting_for {
-            WaitingFor::InProcess(receiver) => (
-                LeaseHolder::InProcess,
-                Some((Arc::new(filter.clone()), receiver)),
-            ),
+        // An append may lease the tasks it queues for this lease and hand them over
+        // (`TaskWaiters::claim`), durably for a remote worker; what a lease that stopped
+        // waiting was handed goes to the next lease like it (`Engine::lease_tasks_for`).
+        let (holder, receiver) = match waiting_for {
+            WaitingFor::InProcess(receiver) => (LeaseHolder::InProcess, receiver),
             WaitingFor::Remote => (LeaseHolder::Remote, None),
         };
-        let register = || match &in_process {
-            Some((shared, receiver)) => {
-                waiters.register_in_process(shared, max, lease_ms, receiver.clone())
-            }
-            None => waiters.register(filter),
-        };
+        let shared = Arc::new(filter.clone());
+        let register = || waiters.register(&shared, max, lease_ms, holder, receiver.clone());
         // Registered before leasing, so an enqueue between an empty lease and the wait wakes it.
         let mut waiter = register();
         let mut leased = self.lease_tasks_for(holder, filter, max, lease_ms).await?;
@@ -114,8 +107,15 @@ impl Engine {
             tokio::select! {
                 _ = waiter.woken() => {}
                 _ = tokio::time::sleep_until(deadline) => {}
-                // Dropped, the waiter passes its wakes (and any leases handed to it) on.
-                _ = &mut stop => return Ok(Vec::new()),
+                _ = &mut stop => {
+                    // Leases an append handed it are its caller's, durable for a remote one:
+                    // returned rather than left to lapse. Dropped, the waiter passes its
+                    // wakes on.
+                    let handed = waiter.take_handed();
+                    let leased = self.with_activities(handed).await;
+                    waiter.leased(leased.iter().map(|task| &task.lease.id));
+                    return Ok(leased);
+                }
             }
             let handed = waiter.take_handed();
             if !handed.is_empty() {
@@ -174,8 +174,9 @@ impl Engine {
 
     /// Leases like [`Engine::lease_tasks`] for a worker of `holder`'s kind: a lease for a
     /// worker of this process may be handed out before it is durable
-    /// ([`Store::lease_tasks_in_process`]), and takes first the leases an append handed to a
-    /// waiting lease of the same filter that stopped waiting ([`Engine::lease_tasks_waiting`]).
+    /// ([`Store::lease_tasks_in_process`]). Either takes first the current leases an append
+    /// handed to a waiting lease of the same filter and holder that stopped waiting
+    /// ([`Engine::lease_tasks_waiting`]).
     pub async fn lease_tasks_for(
         &self,
         holder: LeaseHolder,
@@ -183,14 +184,12 @@ impl Engine {
         max: usize,
         lease_ms: u64,
     ) -> Result<Vec<LeasedTask>> {
-        if holder == LeaseHolder::InProcess {
-            let orphans = self.inner.waiters.take_orphans(filter, max);
-            if !orphans.is_empty() {
-                return Ok(self.with_activities(orphans).await);
-            }
+        let now_ms = self.now_ms();
+        let orphans = self.inner.waiters.take_orphans(filter, holder, max, now_ms);
+        if !orphans.is_empty() {
+            return Ok(self.with_activities(orphans).await);
         }
         let store = &self.inner.store;
-        let now_ms = self.now_ms();
         let leases = match holder {
             LeaseHolder::InProcess => {
                 store

@@ -49,9 +49,19 @@ async fn waiting_lease(engine: &Engine) -> tokio::task::JoinHandle<Result<Vec<Le
 }
 
 /// [`waiting_lease`], giving what appends hand it to `receiver` when there is one.
-#[allow(clippy::disallowed_methods)] // a long poll's deadline is real time
 async fn waiting_lease_receiving(
     engine: &Engine,
+    receiver: Option<Arc<dyn TaskReceiver>>,
+) -> tokio::task::JoinHandle<Result<Vec<LeasedTask>>> {
+    waiting_lease_for(engine, LeaseHolder::InProcess, receiver).await
+}
+
+/// A lease for `holder`, as [`waiting_lease_receiving`] (a receiver is for a worker of this
+/// process only).
+#[allow(clippy::disallowed_methods)] // a long poll's deadline is real time
+async fn waiting_lease_for(
+    engine: &Engine,
+    holder: LeaseHolder,
     receiver: Option<Arc<dyn TaskReceiver>>,
 ) -> tokio::task::JoinHandle<Result<Vec<LeasedTask>>> {
     let lease = {
@@ -73,7 +83,7 @@ async fn waiting_lease_receiving(
                             60_000,
                             deadline,
                             std::future::pending(),
-                            LeaseHolder::InProcess,
+                            holder,
                         )
                         .await
                 }
@@ -123,6 +133,63 @@ async fn a_clients_message_hands_its_task_to_a_waiting_lease_with_the_append() -
     // Reported, the task is gone.
     assert_eq!(store.list_tasks().await?, vec![]);
     Ok(())
+}
+
+/// A remote worker's waiting lease (a server's long poll) is handed the model call a client's
+/// message queues, leased durably in the message's own write: one commit where there were
+/// two (the append's, then the woken lease's), and the lease survives the store's reopen, as
+/// a remote worker's must. The worker's report ends the turn on the reopened store, and the
+/// history replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_message_hands_its_task_to_a_remote_workers_lease_in_its_own_commit() -> Result<()>
+{
+    let root = tempfile::tempdir().expect("temp dir");
+    let store = Arc::new(FjallStore::open(root.path())?);
+    let engine = Engine::new(store.clone(), Arc::new(SystemClock));
+    let client = Client::new(engine.clone());
+    client.start_session(options("d")).await?;
+    let lease = waiting_lease_for(&engine, LeaseHolder::Remote, None).await;
+    let commits = || store.sync_times().expect("fjall counts its syncs").count();
+    let before = commits();
+    assert_eq!(client.send("d", "hello").await?, 1);
+    let leased = lease.await.expect("the lease panicked")?;
+    assert_eq!(
+        commits() - before,
+        1,
+        "the message and its lease: one commit"
+    );
+    assert_eq!(leased.len(), 1, "the model call, handed");
+    assert_eq!(leased[0].lease.id.to_string(), "d/3");
+    assert_eq!(leased[0].lease.lease_attempt, 1);
+    assert!(
+        matches!(&leased[0].input, ActivityInput::Model { origin, .. } if origin.turn == 1),
+        "{:?}",
+        leased[0].input
+    );
+    assert_eq!(
+        engine.idle_leases(),
+        0,
+        "the handed lease left the registry"
+    );
+    drop((client, engine, store));
+
+    // A remote worker outlives this process: its lease is on disk.
+    let store = Arc::new(FjallStore::open(root.path())?);
+    let tasks = store.list_tasks().await?;
+    assert_eq!(tasks.len(), 1, "{tasks:?}");
+    assert_eq!(tasks[0].id.to_string(), "d/3");
+    assert!(tasks[0].held, "leased durably: {tasks:?}");
+    assert_eq!(tasks[0].lease_attempt, 1);
+    assert_eq!(tasks[0].visible_at_ms, leased[0].lease.expires_at_ms);
+    let engine = Engine::new(store.clone(), Arc::new(SystemClock));
+    let client = Client::new(engine.clone());
+    engine.report(&leased[0].lease, answer("hi")).await?;
+    assert!(matches!(
+        engine.wait_turn("d", 1).await?,
+        TurnOutcome::Completed { turn: 1, answer, .. } if answer == "hi"
+    ));
+    assert_eq!(store.list_tasks().await?, vec![]);
+    assert_replays(&client, store.as_ref(), "d").await
 }
 
 /// A store that hands no task with an append (sled) wakes the claimed lease instead, which

@@ -13,13 +13,17 @@
 //! for it would go round the waiters for good. Wakes whose tasks are unknown (another process
 //! queued them: a change hint, a poll) go to every waiter.
 //!
-//! A waiting lease of a worker of this process may also be **handed** its tasks
-//! ([`TaskWaiters::claim`]): an append that queues a task no worker reported for (a client's
-//! message starting a turn, a timer) claims the longest-waiting such lease that accepts it,
-//! when that lease waits idle, before it is written, leases for it in the same write
+//! A waiting lease may also be **handed** its tasks ([`TaskWaiters::claim`]): an append that
+//! queues a task no worker reported for (a client's message starting a turn, a timer) claims
+//! the longest-waiting lease that accepts it, when that lease waits idle, before it is
+//! written, leases for it in the same write
 //! ([`Store::append_and_lease`](crate::store::Store::append_and_lease)), and hands it the
 //! leases once they are durable, so that the lease does not ask the store again (eager
-//! dispatch, as a report's next task). A claimed lease stays registered: another enqueue
+//! dispatch, as a report's next task). That holds for a lease of a worker of this process and
+//! for a server's long poll of a worker elsewhere alike: a remote lease is written durably in
+//! the append's own write, so the turn's first task costs no commit of its own (Temporal's
+//! matching calls this a sync match: a task that finds a poller waiting is handed to it
+//! rather than stored for a later poll). A claimed lease stays registered: another enqueue
 //! meanwhile wakes it, and it leases from the store at once, as before, rather than wait for
 //! the claiming append's sync; the claim's leases then go to its next lease. A store that hands
 //! no task with an append, or a failed append, wakes it as any enqueue would. A lease
@@ -27,9 +31,12 @@
 //! own) is not even woken: the append gives the tasks to the receiver at once, and the lease
 //! waits on, claimable again ([`Claim::received`]); the tasks the receiver has no room for are
 //! handed to the lease. Leases handed to a lease that stopped waiting meanwhile (its deadline
-//! came, its caller went) are kept here, and the next lease of this process that accepts them
-//! takes them first ([`TaskWaiters::take_orphans`]): no task leased for a worker of this
-//! process waits for its lease to lapse.
+//! came, its caller went: a worker that hung up) are kept here, and the next lease of this
+//! process with the same filter for the same kind of holder takes them first
+//! ([`TaskWaiters::take_orphans`]), while they are current: no task leased for a worker of
+//! this process waits for its lease to lapse, and one leased for a remote worker that went
+//! away goes to that worker's next poll, or else lapses as any lease of a vanished worker
+//! does.
 
 use crate::engine::LeasedTask;
 use crate::store::{Lease, LeaseHolder, LeaseRequest, NewTask, TaskFilter, TaskId, TaskKind};
@@ -78,9 +85,8 @@ struct Waiting {
     notify: Notify,
     /// The tasks it was woken for (empty for a wake of unknown tasks).
     woken_for: Mutex<Vec<Routed>>,
-    /// For a lease of a worker of this process: how many tasks, for how long; an append may
-    /// lease them for it ([`TaskWaiters::claim`]).
-    handing: Option<(usize, u64)>,
+    /// What an append may lease for it ([`TaskWaiters::claim`]).
+    handing: Handing,
     /// Where an append gives the tasks it leases for it, if not to the lease itself.
     receiver: Option<Arc<dyn TaskReceiver>>,
     /// Leases an append took for it, until the lease takes them.
@@ -89,6 +95,23 @@ struct Waiting {
     /// claimed: one that is still looking may find tasks queued before, which a lease in an
     /// append would hold back until that append is durable.
     idle: AtomicBool,
+}
+
+/// What an append leases for a claimed lease: how many tasks, for how long, for whom.
+#[derive(Debug, Clone, Copy)]
+struct Handing {
+    max: usize,
+    lease_ms: u64,
+    holder: LeaseHolder,
+}
+
+/// A lease handed to a lease that stopped waiting, kept for the next one like it.
+struct Orphan {
+    /// The filter it was leased for.
+    filter: Arc<TaskFilter>,
+    /// Whom it was leased for: a remote lease is durable, an in-process one may not be.
+    holder: LeaseHolder,
+    lease: Lease,
 }
 
 /// What an append handed a waiting lease.
@@ -110,9 +133,9 @@ struct Registry {
     next_id: u64,
     /// By registration, so the longest waiting comes first.
     waiting: BTreeMap<u64, Arc<Waiting>>,
-    /// Leases handed to a lease that was no longer waiting, with the filter they were leased
-    /// for, for the next lease with that filter.
-    orphans: Vec<(Arc<TaskFilter>, Lease)>,
+    /// Leases handed to a lease that was no longer waiting, for the next lease with the same
+    /// filter and holder.
+    orphans: Vec<Orphan>,
 }
 
 /// The waiting leases of one engine.
@@ -128,32 +151,25 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl TaskWaiters {
-    /// Registers a lease about to ask the store for tasks `filter` accepts.
-    pub(crate) fn register(&self, filter: &TaskFilter) -> Waiter<'_> {
-        self.register_waiting(Arc::new(filter.clone()), None, None)
-    }
-
-    /// Registers the lease of a worker of this process about to ask for at most `max` tasks
-    /// `filter` accepts, for `lease_ms`: an append may lease them for it and hand them over
-    /// ([`TaskWaiters::claim`], [`Waiter::take_handed`]), or give them to `receiver`.
-    pub(crate) fn register_in_process(
+    /// Registers a lease for `holder` about to ask the store for at most `max` tasks `filter`
+    /// accepts, for `lease_ms`: an enqueue wakes it, or an append leases them for it and hands
+    /// them over ([`TaskWaiters::claim`], [`Waiter::take_handed`]), or, for a worker of this
+    /// process, gives them to `receiver`.
+    pub(crate) fn register(
         &self,
         filter: &Arc<TaskFilter>,
         max: usize,
         lease_ms: u64,
+        holder: LeaseHolder,
         receiver: Option<Arc<dyn TaskReceiver>>,
     ) -> Waiter<'_> {
-        self.register_waiting(Arc::clone(filter), Some((max, lease_ms)), receiver)
-    }
-
-    fn register_waiting(
-        &self,
-        filter: Arc<TaskFilter>,
-        handing: Option<(usize, u64)>,
-        receiver: Option<Arc<dyn TaskReceiver>>,
-    ) -> Waiter<'_> {
+        let handing = Handing {
+            max,
+            lease_ms,
+            holder,
+        };
         let waiting = Arc::new(Waiting {
-            filter,
+            filter: Arc::clone(filter),
             notify: Notify::new(),
             woken_for: Mutex::new(Vec::new()),
             handing,
@@ -206,8 +222,8 @@ impl TaskWaiters {
             .count()
     }
 
-    /// Claims the waiting lease an enqueue of `tasks` would wake first, if it is one of a
-    /// worker of this process that waits idle ([`Waiter::idle`]) and no other append claimed,
+    /// Claims the waiting lease an enqueue of `tasks` would wake first, if it waits idle
+    /// ([`Waiter::idle`]) and no other append claimed it,
     /// for the append that queues them to lease for it. The claim then hands it the leases
     /// (taking it out of the registry), or wakes it as an enqueue would; dropped unsettled
     /// (the append's caller gone), it wakes it.
@@ -222,7 +238,7 @@ impl TaskWaiters {
             else {
                 continue;
             };
-            let (max, lease_ms) = waiting.handing?;
+            let handing = waiting.handing;
             if !waiting.idle.load(Ordering::Acquire) {
                 return None;
             }
@@ -238,9 +254,9 @@ impl TaskWaiters {
             let waiting = Arc::clone(waiting);
             let request = LeaseRequest {
                 filter: Arc::clone(&waiting.filter),
-                max,
-                lease_ms,
-                holder: LeaseHolder::InProcess,
+                max: handing.max,
+                lease_ms: handing.lease_ms,
+                holder: handing.holder,
             };
             return Some(Claim {
                 waiters: self,
@@ -254,35 +270,49 @@ impl TaskWaiters {
     }
 
     /// Takes up to `max` of the leases handed to a lease no longer waiting that was leasing
-    /// with `filter`, for a lease of a worker of this process with the same filter (a pool
-    /// asks with the same one every time).
-    pub(crate) fn take_orphans(&self, filter: &TaskFilter, max: usize) -> Vec<Lease> {
+    /// with `filter` for `holder`, for a lease with the same filter and holder (a pool, and a
+    /// remote worker, ask with the same one every time). Leases that lapsed by `now_ms` are
+    /// dropped, whoever they were for: their tasks are due again in the store, for any lease.
+    pub(crate) fn take_orphans(
+        &self,
+        filter: &TaskFilter,
+        holder: LeaseHolder,
+        max: usize,
+        now_ms: u64,
+    ) -> Vec<Lease> {
         let mut registry = lock(&self.registry);
         if registry.orphans.is_empty() {
             return Vec::new();
         }
         let mut taken = Vec::new();
-        registry.orphans.retain(|(leased_for, lease)| {
-            let take = taken.len() < max && **leased_for == *filter;
+        registry.orphans.retain(|orphan| {
+            if orphan.lease.expires_at_ms <= now_ms {
+                return false;
+            }
+            let take = taken.len() < max && orphan.holder == holder && *orphan.filter == *filter;
             if take {
-                taken.push(lease.clone());
+                taken.push(orphan.lease.clone());
             }
             !take
         });
         taken
     }
 
-    /// Keeps `leases`, leased for `filter`, for the next lease with that filter, and wakes the
-    /// one waiting longest, if one is.
-    fn orphan(&self, filter: &Arc<TaskFilter>, leases: Vec<Lease>) {
+    /// Keeps `leases`, leased for `filter` and `holder`, for the next lease with that filter
+    /// and holder, and wakes the one waiting longest, if one is.
+    fn orphan(&self, filter: &Arc<TaskFilter>, holder: LeaseHolder, leases: Vec<Lease>) {
         let mut registry = lock(&self.registry);
         registry
             .orphans
-            .extend(leases.into_iter().map(|lease| (Arc::clone(filter), lease)));
+            .extend(leases.into_iter().map(|lease| Orphan {
+                filter: Arc::clone(filter),
+                holder,
+                lease,
+            }));
         let waiting = registry
             .waiting
             .iter()
-            .find(|(_, waiting)| waiting.handing.is_some() && *waiting.filter == **filter)
+            .find(|(_, waiting)| waiting.handing.holder == holder && *waiting.filter == **filter)
             .map(|(id, _)| *id)
             .and_then(|id| registry.waiting.remove(&id));
         drop(registry);
@@ -349,7 +379,8 @@ impl Claim<'_> {
         match &mut *handed {
             Handed::Gone => {
                 drop(handed);
-                self.waiters.orphan(&self.request.filter, leases);
+                self.waiters
+                    .orphan(&self.request.filter, self.request.holder, leases);
                 return;
             }
             Handed::Leases(earlier) => earlier.extend(leases),
@@ -465,8 +496,9 @@ impl Drop for Waiter<'_> {
         let left = std::mem::replace(&mut *lock(&self.waiting.handed), Handed::Gone);
         if let Handed::Leases(leases) = left {
             // Handed in the moment between the hand and this lease's return (its caller
-            // stopped waiting): the next lease with its filter takes them.
-            self.waiters.orphan(&self.waiting.filter, leases);
+            // stopped waiting): the next lease with its filter and holder takes them.
+            self.waiters
+                .orphan(&self.waiting.filter, self.waiting.handing.holder, leases);
         }
         // Every wake it got and did not settle ([`Waiter::leased`] and
         // [`Waiter::leased_after_wake`] take theirs) goes on: all of them when it never leased,
@@ -502,6 +534,17 @@ mod tests {
         }
     }
 
+    /// A remote worker's lease of one task for a second, as a server's long poll registers.
+    fn remote_lease<'w>(waiters: &'w TaskWaiters, filter: &TaskFilter) -> Waiter<'w> {
+        waiters.register(
+            &Arc::new(filter.clone()),
+            1,
+            1_000,
+            LeaseHolder::Remote,
+            None,
+        )
+    }
+
     async fn is_woken(waiter: &Waiter<'_>) -> bool {
         tokio::time::timeout(Duration::from_millis(20), waiter.woken())
             .await
@@ -511,9 +554,9 @@ mod tests {
     #[tokio::test]
     async fn one_task_wakes_one_accepting_waiter_the_longest_waiting() {
         let waiters = TaskWaiters::default();
-        let other_queue = waiters.register(&on_queue("gpu"));
-        let first = waiters.register(&TaskFilter::any());
-        let second = waiters.register(&TaskFilter::any());
+        let other_queue = remote_lease(&waiters, &on_queue("gpu"));
+        let first = remote_lease(&waiters, &TaskFilter::any());
+        let second = remote_lease(&waiters, &TaskFilter::any());
         waiters.wake_for(&[task(1, "default")]);
         assert!(
             is_woken(&first).await,
@@ -532,7 +575,7 @@ mod tests {
     #[tokio::test]
     async fn a_wake_before_the_wait_is_kept() {
         let waiters = TaskWaiters::default();
-        let waiter = waiters.register(&TaskFilter::any());
+        let waiter = remote_lease(&waiters, &TaskFilter::any());
         waiters.wake_for(&[task(1, "default")]);
         assert!(is_woken(&waiter).await);
     }
@@ -540,10 +583,10 @@ mod tests {
     #[tokio::test]
     async fn wakes_for_tasks_not_taken_pass_on() {
         let waiters = TaskWaiters::default();
-        let dropped = waiters.register(&TaskFilter::any());
-        let busy = waiters.register(&TaskFilter::any());
-        let next = waiters.register(&TaskFilter::any());
-        let last = waiters.register(&TaskFilter::any());
+        let dropped = remote_lease(&waiters, &TaskFilter::any());
+        let busy = remote_lease(&waiters, &TaskFilter::any());
+        let next = remote_lease(&waiters, &TaskFilter::any());
+        let last = remote_lease(&waiters, &TaskFilter::any());
         waiters.wake_for(&[task(1, "default"), task(2, "default")]);
         assert!(is_woken(&dropped).await && is_woken(&busy).await);
         drop(dropped);
@@ -556,7 +599,7 @@ mod tests {
             is_woken(&last).await,
             "a waiter that took other tasks passes its wake on"
         );
-        let waiter = waiters.register(&TaskFilter::any());
+        let waiter = remote_lease(&waiters, &TaskFilter::any());
         next.leased([&task(1, "default").id]);
         assert!(
             !is_woken(&waiter).await,
@@ -569,8 +612,8 @@ mod tests {
     #[tokio::test]
     async fn a_wake_whose_task_is_gone_ends_with_a_lease_that_had_room() {
         let waiters = TaskWaiters::default();
-        let woken = waiters.register(&TaskFilter::any());
-        let other = waiters.register(&TaskFilter::any());
+        let woken = remote_lease(&waiters, &TaskFilter::any());
+        let other = remote_lease(&waiters, &TaskFilter::any());
         waiters.wake_for(&[task(1, "default")]);
         assert!(is_woken(&woken).await);
         woken.leased_after_wake([], false);
@@ -578,7 +621,7 @@ mod tests {
             !is_woken(&other).await,
             "a task a lease with room did not find was taken: its wake is not passed on"
         );
-        let woken = waiters.register(&TaskFilter::any());
+        let woken = remote_lease(&waiters, &TaskFilter::any());
         waiters.wake_for(&[task(2, "default")]);
         assert!(is_woken(&other).await, "the longest waiting wakes first");
         other.leased_after_wake([&task(7, "default").id], true);
@@ -591,11 +634,11 @@ mod tests {
     #[tokio::test]
     async fn unknown_tasks_wake_everyone() {
         let waiters = TaskWaiters::default();
-        let a = waiters.register(&on_queue("a"));
-        let b = waiters.register(&on_queue("b"));
+        let a = remote_lease(&waiters, &on_queue("a"));
+        let b = remote_lease(&waiters, &on_queue("b"));
         waiters.wake_all();
         assert!(is_woken(&a).await && is_woken(&b).await);
-        let c = waiters.register(&on_queue("a"));
+        let c = remote_lease(&waiters, &on_queue("a"));
         drop(a);
         assert!(
             !is_woken(&c).await,
@@ -625,9 +668,9 @@ mod tests {
         let waiters = TaskWaiters::default();
         let gpu = Arc::new(on_queue("gpu"));
         let any = Arc::new(TaskFilter::any());
-        let other_queue = waiters.register_in_process(&gpu, 4, 1_000, None);
-        let first = waiters.register_in_process(&any, 3, 2_000, None);
-        let second = waiters.register_in_process(&any, 5, 3_000, None);
+        let other_queue = waiters.register(&gpu, 4, 1_000, LeaseHolder::InProcess, None);
+        let first = waiters.register(&any, 3, 2_000, LeaseHolder::InProcess, None);
+        let second = waiters.register(&any, 5, 3_000, LeaseHolder::InProcess, None);
         let queued = task(1, "default");
         assert!(
             waiters.claim(std::slice::from_ref(&queued)).is_none(),
@@ -664,30 +707,56 @@ mod tests {
 
         // A claimed lease another enqueue wakes first leases as before; the claim's leases
         // then go to the next lease of its filter.
-        let third = waiters.register_in_process(&any, 1, 1_000, None);
+        let third = waiters.register(&any, 1, 1_000, LeaseHolder::InProcess, None);
         third.idle();
         let claim = waiters.claim(&[task(5, "default")]).expect("claimed");
         waiters.wake_for(&[task(6, "default")]);
         assert!(is_woken(&third).await, "still registered, woken");
         third.leased_after_wake([&task(6, "default").id], true);
         claim.hand(vec![lease_of(&task(5, "default"))]);
-        assert_eq!(ids(&waiters.take_orphans(&TaskFilter::any(), 4)), ["s/5"]);
+        assert_eq!(
+            ids(&waiters.take_orphans(&TaskFilter::any(), LeaseHolder::InProcess, 4, 0)),
+            ["s/5"]
+        );
+    }
+
+    /// The lease a remote worker waits with (a server's long poll) is claimed as one of this
+    /// process's is, and the append leases for it as a remote worker's: durably.
+    #[tokio::test]
+    async fn a_remote_workers_waiting_lease_is_claimed_for_a_durable_lease() {
+        let waiters = TaskWaiters::default();
+        let remote = waiters.register(
+            &Arc::new(TaskFilter::any()),
+            7,
+            30_000,
+            LeaseHolder::Remote,
+            None,
+        );
+        assert!(
+            waiters.claim(&[task(1, "default")]).is_none(),
+            "still looking at the store"
+        );
+        remote.idle();
+        let claim = waiters.claim(&[task(1, "default")]).expect("claimed");
+        let request = claim.request();
+        assert_eq!(
+            (request.max, request.lease_ms, request.holder),
+            (7, 30_000, LeaseHolder::Remote)
+        );
+        assert!(claim.receiver().is_none());
+        claim.hand(vec![lease_of(&task(1, "default"))]);
+        assert!(is_woken(&remote).await);
+        assert_eq!(ids(&remote.take_handed()), ["s/1"]);
     }
 
     /// A claim whose append handed nothing (a store that leases in a round of its own), or
     /// that was dropped unsettled (a failed or abandoned append), wakes its lease for its
-    /// task as an enqueue would; and the lease a remote worker waits with is never claimed.
+    /// task as an enqueue would.
     #[tokio::test]
-    async fn a_claim_that_hands_nothing_wakes_its_lease_and_remote_leases_are_not_claimed() {
+    async fn a_claim_that_hands_nothing_wakes_its_lease() {
         let waiters = TaskWaiters::default();
         let any = Arc::new(TaskFilter::any());
-        let remote = waiters.register(&TaskFilter::any());
-        assert!(
-            waiters.claim(&[task(1, "default")]).is_none(),
-            "the lease it would wake first is a remote worker's"
-        );
-        drop(remote);
-        let mut handed_nothing = waiters.register_in_process(&any, 1, 1_000, None);
+        let mut handed_nothing = waiters.register(&any, 1, 1_000, LeaseHolder::InProcess, None);
         handed_nothing.idle();
         waiters
             .claim(&[task(2, "default")])
@@ -698,7 +767,7 @@ mod tests {
         let missed = handed_nothing.missed(|_| false);
         assert_eq!(missed.len(), 1, "woken for its task, as by an enqueue");
         assert_eq!(missed[0].id.to_string(), "s/2");
-        let abandoned = waiters.register_in_process(&any, 1, 1_000, None);
+        let abandoned = waiters.register(&any, 1, 1_000, LeaseHolder::InProcess, None);
         abandoned.idle();
         drop(waiters.claim(&[task(3, "default")]).expect("claimed"));
         assert!(
@@ -708,11 +777,11 @@ mod tests {
         drop(abandoned);
 
         // The claimed lease went before the wake: the wake goes to another that accepts it.
-        let gone = waiters.register_in_process(&any, 1, 1_000, None);
+        let gone = waiters.register(&any, 1, 1_000, LeaseHolder::InProcess, None);
         gone.idle();
         let claim = waiters.claim(&[task(4, "default")]).expect("claimed");
         drop(gone);
-        let other = waiters.register(&TaskFilter::any());
+        let other = remote_lease(&waiters, &TaskFilter::any());
         claim.hand(Vec::new());
         assert!(is_woken(&other).await, "the wake went on");
     }
@@ -724,21 +793,28 @@ mod tests {
     async fn leases_handed_to_a_lease_gone_go_to_the_next_lease_of_its_filter() {
         let waiters = TaskWaiters::default();
         let any = Arc::new(TaskFilter::any());
-        let gone = waiters.register_in_process(&any, 2, 1_000, None);
+        let gone = waiters.register(&any, 2, 1_000, LeaseHolder::InProcess, None);
         gone.idle();
         let claim = waiters.claim(&[task(1, "default")]).expect("claimed");
         drop(gone);
-        let waiting = waiters.register_in_process(&any, 2, 1_000, None);
+        let waiting = waiters.register(&any, 2, 1_000, LeaseHolder::InProcess, None);
         claim.hand(vec![lease_of(&task(1, "default"))]);
         assert!(
             is_woken(&waiting).await,
             "a lease of the filter is woken for them"
         );
-        assert!(waiters.take_orphans(&on_queue("gpu"), 10).is_empty());
-        assert_eq!(ids(&waiters.take_orphans(&TaskFilter::any(), 10)), ["s/1"]);
-        assert!(waiters.take_orphans(&TaskFilter::any(), 10).is_empty());
+        assert!(waiters
+            .take_orphans(&on_queue("gpu"), LeaseHolder::InProcess, 10, 0)
+            .is_empty());
+        assert_eq!(
+            ids(&waiters.take_orphans(&TaskFilter::any(), LeaseHolder::InProcess, 10, 0)),
+            ["s/1"]
+        );
+        assert!(waiters
+            .take_orphans(&TaskFilter::any(), LeaseHolder::InProcess, 10, 0)
+            .is_empty());
 
-        let dropped_after = waiters.register_in_process(&any, 2, 1_000, None);
+        let dropped_after = waiters.register(&any, 2, 1_000, LeaseHolder::InProcess, None);
         dropped_after.idle();
         let claim = waiters.claim(&[task(2, "default")]).expect("claimed");
         claim.hand(vec![
@@ -747,11 +823,59 @@ mod tests {
         ]);
         drop(dropped_after);
         assert_eq!(
-            ids(&waiters.take_orphans(&TaskFilter::any(), 1)),
+            ids(&waiters.take_orphans(&TaskFilter::any(), LeaseHolder::InProcess, 1, 0)),
             ["s/2"],
             "at most max"
         );
-        assert_eq!(ids(&waiters.take_orphans(&TaskFilter::any(), 1)), ["s/3"]);
+        assert_eq!(
+            ids(&waiters.take_orphans(&TaskFilter::any(), LeaseHolder::InProcess, 1, 0)),
+            ["s/3"]
+        );
+    }
+
+    /// A lease handed to a remote worker's lease that went (its worker hung up) goes to the
+    /// next remote lease of its filter, never to one of this process's, and only while it is
+    /// current: one that lapsed is dropped, its task due again in the store.
+    #[tokio::test]
+    async fn a_remote_lease_gone_goes_to_the_next_remote_lease_of_its_filter_while_current() {
+        let waiters = TaskWaiters::default();
+        let any = Arc::new(TaskFilter::any());
+        for seq in [1, 2] {
+            let gone = waiters.register(&any, 1, 1_000, LeaseHolder::Remote, None);
+            gone.idle();
+            let claim = waiters.claim(&[task(seq, "default")]).expect("claimed");
+            drop(gone);
+            claim.hand(vec![lease_of(&task(seq, "default"))]);
+        }
+        let in_process = waiters.register(&any, 1, 1_000, LeaseHolder::InProcess, None);
+        let orphaned = waiters.register(&any, 1, 1_000, LeaseHolder::Remote, None);
+        waiters.orphan(
+            &any,
+            LeaseHolder::Remote,
+            vec![lease_of(&task(3, "default"))],
+        );
+        assert!(
+            is_woken(&orphaned).await,
+            "the remote lease of the filter is woken for it"
+        );
+        assert!(!is_woken(&in_process).await, "not one of this process's");
+        assert!(waiters
+            .take_orphans(&TaskFilter::any(), LeaseHolder::InProcess, 10, 0)
+            .is_empty());
+        assert_eq!(
+            ids(&waiters.take_orphans(&TaskFilter::any(), LeaseHolder::Remote, 1, 29_999)),
+            ["s/1"],
+            "current until it expires at 30,000"
+        );
+        assert!(
+            waiters
+                .take_orphans(&TaskFilter::any(), LeaseHolder::Remote, 10, 30_000)
+                .is_empty(),
+            "lapsed, the others are dropped"
+        );
+        assert!(waiters
+            .take_orphans(&TaskFilter::any(), LeaseHolder::Remote, 10, 0)
+            .is_empty());
     }
 
     struct NoRoom;
@@ -769,7 +893,13 @@ mod tests {
     async fn a_claim_whose_receiver_took_the_tasks_leaves_its_lease_waiting_and_claimable() {
         let waiters = TaskWaiters::default();
         let any = Arc::new(TaskFilter::any());
-        let receiving = waiters.register_in_process(&any, 2, 1_000, Some(Arc::new(NoRoom)));
+        let receiving = waiters.register(
+            &any,
+            2,
+            1_000,
+            LeaseHolder::InProcess,
+            Some(Arc::new(NoRoom)),
+        );
         receiving.idle();
         let claim = waiters.claim(&[task(1, "default")]).expect("claimed");
         assert!(
@@ -791,7 +921,7 @@ mod tests {
         assert!(is_woken(&receiving).await, "what it is handed wakes it");
         assert_eq!(ids(&receiving.take_handed()), ["s/3"]);
 
-        let plain = waiters.register_in_process(&any, 1, 1_000, None);
+        let plain = waiters.register(&any, 1, 1_000, LeaseHolder::InProcess, None);
         plain.idle();
         let claim = waiters.claim(&[task(4, "default")]).expect("claimed");
         assert!(claim.receiver().is_none());
