@@ -1037,6 +1037,18 @@ fn bench_table_line<'a>(stdout: &'a str, start: &str) -> Vec<&'a str> {
         .collect()
 }
 
+/// How far a row's commits per turn may move because the `seconds` window cuts a turn (of up
+/// to `most` commits) at each end: two turns' commits spread over the turns it counted.
+fn cut_turns_slack(row: &[&str], header: &[&str], seconds: f64, most: f64, stdout: &str) -> f64 {
+    let throughput = row[bench_column(header, "throughput", stdout)];
+    let per_second: f64 = throughput
+        .strip_suffix(" turns/s")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("not a throughput: {throughput:?} in {stdout}"));
+    let turns = (per_second * seconds).max(1.0);
+    2.0 * most / turns
+}
+
 /// Where the column `name` is in `header`, a line of [`bench_table_line`].
 fn bench_column(header: &[&str], name: &str, stdout: &str) -> usize {
     header
@@ -1047,8 +1059,9 @@ fn bench_column(header: &[&str], name: &str, stdout: &str) -> usize {
 
 /// `cairn bench` runs durable turns on each embedded engine and reports, per row, the probe's
 /// p50 fdatasync beside the store's own p50 sync, the commits a turn waited for in series
-/// (five at one session: the start, the model's result, each tool's, the second model's), and
-/// the CPU time a turn cost.
+/// (four or five at one session: the start, the model's result, the two tools' results, in
+/// one append when they come within a report's hold for its running sibling, the second
+/// model's), and the CPU time a turn cost.
 #[test]
 fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
     let out = cairn(&["bench", "--sessions", "1", "--seconds", "0.5"]);
@@ -1079,7 +1092,11 @@ fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
         );
         // Counted over the measured window, which cuts the turns at its ends.
         let per_turn: f64 = row[commits].parse().expect("a number");
-        assert!((per_turn - 5.0).abs() < 0.2, "{engine}: {stdout}");
+        let cut = cut_turns_slack(&row, &header, 0.5, 5.0, &stdout);
+        assert!(
+            (3.8 - cut..=5.2 + cut).contains(&per_turn),
+            "{engine}: {stdout}"
+        );
         // Some CPU, and not seconds of it: a turn is a few milliseconds of work.
         let cpu_per_turn = ms(row[cpu]);
         assert!(
@@ -1092,11 +1109,14 @@ fn bench_rows_set_the_stores_own_syncs_beside_the_probe() {
 /// `cairn bench --parallel-tools N` runs turns whose model asks for N tool calls at once: the
 /// header names them, and at one session the commits of a turn follow from them. One tool
 /// makes four (the start, the model's result, the tool's, the second model's); with four,
-/// the results that finish while the first one's append is in flight share the next one, so
-/// a turn takes five commits when they all gather and seven when none do.
+/// the results share appends (one when they come within a report's hold for its running
+/// siblings, the rest of them in the next when some come after the first's append began), so
+/// a turn takes four commits when they all gather and seven when none do. The count is over
+/// the measured window, which cuts a turn at each end: with few turns (a loaded machine) the
+/// bounds widen by what two cut turns can move it.
 #[test]
 fn bench_parallel_tools_set_the_tool_calls_of_a_turn() {
-    let commits_per_turn = |tools: &str| -> (f64, String) {
+    let commits_per_turn = |tools: &str| -> (f64, f64, String) {
         let out = cairn(&[
             "bench",
             "--sessions",
@@ -1117,13 +1137,14 @@ fn bench_parallel_tools_set_the_tool_calls_of_a_turn() {
         let header = bench_table_line(&stdout, "| setup |");
         let commits = bench_column(&header, "durable commits per turn", &stdout);
         let row = bench_table_line(&stdout, "| embedded, fjall | 1 |");
-        let per_turn = row[commits].parse().expect("a number");
-        (per_turn, stdout)
+        let per_turn: f64 = row[commits].parse().expect("a number");
+        let cut = cut_turns_slack(&row, &header, 0.5, 7.0, &stdout);
+        (per_turn, cut, stdout)
     };
-    let (one, stdout) = commits_per_turn("1");
-    assert!((one - 4.0).abs() < 0.2, "{stdout}");
-    let (four, stdout) = commits_per_turn("4");
-    assert!((4.8..=7.2).contains(&four), "{stdout}");
+    let (one, cut, stdout) = commits_per_turn("1");
+    assert!((one - 4.0).abs() < 0.2 + cut, "{stdout}");
+    let (four, cut, stdout) = commits_per_turn("4");
+    assert!((3.8 - cut..=7.2 + cut).contains(&four), "{stdout}");
 
     let refused = cairn(&["bench", "--parallel-tools", "0"]);
     assert!(!refused.status.success());

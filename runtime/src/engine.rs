@@ -359,6 +359,13 @@ impl Engine {
         self.slot(session_id).reports().len()
     }
 
+    /// Forgets that a worker of this engine holds `lease`, as if another server of a shared
+    /// database had handed it out.
+    #[cfg(test)]
+    pub(crate) fn forget_lease_held_here(&self, lease: &crate::store::Lease) {
+        lock(&self.inner.leased_here).remove(&lease.id);
+    }
+
     /// Sets the price table that turns each model attempt's usage into the cost recorded
     /// with its result (the built-in table until set).
     pub fn set_prices(&self, prices: PriceTable) {

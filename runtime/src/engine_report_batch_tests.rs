@@ -1,6 +1,7 @@
 //! Reports of one session recorded together: those that come while an append of the session
-//! is in flight share the next append, and one the store refuses does not take the others
-//! down with it.
+//! is in flight share the next append, a report holds its session a moment for the reports
+//! of the parallel calls still running beside it, and one the store refuses does not take the
+//! others down with it.
 
 use crate::client::{Client, SessionOptions};
 use crate::engine::{ActivityReport, LeasedTask};
@@ -205,6 +206,96 @@ async fn reports_that_come_while_an_append_is_in_flight_share_the_next_append() 
         vec!["call-0", "call-1", "call-2"]
     );
     assert_eq!(engine.reports_waiting("s"), 0);
+    finish_and_replay(&store, &engine, &client).await;
+}
+
+/// Parallel tool calls that finish together cost one append: the first report holds its
+/// session for the others, still running, and records them all at once; each caller is
+/// answered, and the history replays.
+#[tokio::test]
+async fn parallel_calls_that_finish_together_share_one_append() {
+    let (store, engine, client, tools) = fanned_out(3).await;
+    let reports: Vec<_> = tools
+        .iter()
+        .map(|tool| spawn_report(&engine, &tool.lease, tool_result("done")))
+        .collect();
+    for report in reports {
+        report
+            .await
+            .expect("joined")
+            .expect("every report is recorded");
+    }
+    assert_eq!(
+        *store.completions.lock().expect("log"),
+        vec![(task_ids(&tools, &[0, 1, 2]), true)],
+        "the three results in one append"
+    );
+    assert_eq!(
+        recorded_results(&store).await,
+        vec!["call-0", "call-1", "call-2"]
+    );
+    finish_and_replay(&store, &engine, &client).await;
+}
+
+/// A report holds its session for a sibling still running only so long
+/// ([`crate::engine_reports::SIBLING_HOLD`]): the first result is recorded alone while the
+/// other call runs on, and the second in an append of its own when it comes.
+#[tokio::test]
+async fn a_report_holds_its_session_only_a_moment_for_a_sibling_still_running() {
+    let (store, engine, client, tools) = fanned_out(2).await;
+    tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        engine.report(&tools[0].lease, tool_result("first")),
+    )
+    .await
+    .expect("the hold ends without the sibling's report")
+    .expect("recorded");
+    assert_eq!(
+        *store.completions.lock().expect("log"),
+        vec![(task_ids(&tools, &[0]), true)],
+        "recorded alone, the other call still running"
+    );
+    engine
+        .report(&tools[1].lease, tool_result("second"))
+        .await
+        .expect("recorded");
+    assert_eq!(
+        *store.completions.lock().expect("log"),
+        vec![
+            (task_ids(&tools, &[0]), true),
+            (task_ids(&tools, &[1]), true)
+        ]
+    );
+    finish_and_replay(&store, &engine, &client).await;
+}
+
+/// A report waits for no sibling that no worker of this engine holds (one still queued, or
+/// leased through another server of a shared database): the first report is recorded alone
+/// at once.
+#[tokio::test(start_paused = true)]
+#[allow(clippy::disallowed_methods)] // the paused clock says whether the report waited
+async fn a_report_holds_its_session_for_no_sibling_that_is_not_running() {
+    let (store, engine, client, tools) = fanned_out(2).await;
+    // The second call runs elsewhere, as far as this engine knows.
+    engine.forget_lease_held_here(&tools[1].lease);
+    let started = tokio::time::Instant::now();
+    engine
+        .report(&tools[0].lease, tool_result("first"))
+        .await
+        .expect("recorded");
+    assert_eq!(
+        started.elapsed(),
+        std::time::Duration::ZERO,
+        "no hold: the paused clock never moved"
+    );
+    assert_eq!(
+        *store.completions.lock().expect("log"),
+        vec![(task_ids(&tools, &[0]), true)]
+    );
+    engine
+        .report(&tools[1].lease, tool_result("second"))
+        .await
+        .expect("recorded");
     finish_and_replay(&store, &engine, &client).await;
 }
 

@@ -5,10 +5,34 @@ use super::{failed_event, lock, ActivityReport, Engine, LeasedTask};
 use crate::error::{Error, Result};
 use crate::event::{ActivityFailure, Event};
 use crate::pricing::PriceTable;
-use crate::report_queue::QueuedReport;
+use crate::report_queue::{QueuedReport, ReportQueue};
 use crate::store::{Lease, LeaseRequest, TaskId};
 use crate::workflow::{ScheduledActivity, SessionState};
+use std::time::Duration;
 use tracing::{debug, info_span, Instrument};
+
+/// How long a report holds its session for the reports of the parallel calls still running
+/// beside it, so that all of them share one append and one sync. The step cannot go on before
+/// the last of them is recorded, so the hold costs the turn nothing while they come within it
+/// (tools that finish together: one commit instead of two in series), and at most about one
+/// commit when the last comes just after it; it keeps the reporting worker waiting that long
+/// for its answer. tokio's timers tick in milliseconds, so this is the shortest hold there is.
+pub(crate) const SIBLING_HOLD: Duration = Duration::from_millis(1);
+
+/// Waits, up to [`SIBLING_HOLD`], until `queue` holds a report of each of `siblings`.
+// A hold waits on real time, as a long poll does.
+#[allow(clippy::disallowed_methods)]
+async fn wait_for_siblings(queue: &ReportQueue, siblings: &[TaskId]) {
+    let deadline = tokio::time::Instant::now() + SIBLING_HOLD;
+    while !siblings.iter().all(|id| queue.holds(id)) {
+        if tokio::time::timeout_at(deadline, queue.pushed())
+            .await
+            .is_err()
+        {
+            return;
+        }
+    }
+}
 
 impl Engine {
     /// Records a worker's report for a leased task. A stale report is
@@ -59,30 +83,38 @@ impl Engine {
         async move {
             let slot = self.slot(session_id);
             let mut free = slot.try_lock();
+            let mut siblings = Vec::new();
             if let Some(guard) = free.as_mut() {
                 if slot.reports().is_empty() {
-                    // No append of the session in flight and no report waiting, as for most
-                    // reports: recorded alone, with nothing to queue or answer through a
-                    // channel.
-                    let recorded = self
-                        .record_one(session_id, guard, lease, &report, next)
-                        .await;
-                    drop(free);
-                    if let Some(leases) = recorded? {
-                        return Ok(leases);
+                    siblings = self.running_siblings(guard.as_ref(), lease);
+                    if siblings.is_empty() {
+                        // No append of the session in flight, no report waiting and no
+                        // parallel call running, as for most reports: recorded alone, with
+                        // nothing to queue or answer through a channel.
+                        let recorded = self
+                            .record_one(session_id, guard, lease, &report, next)
+                            .await;
+                        drop(free);
+                        if let Some(leases) = recorded? {
+                            return Ok(leases);
+                        }
+                        self.discard_task(lease).await?;
+                        return Err(stale_report(lease));
                     }
-                    self.discard_task(lease).await?;
-                    return Err(stale_report(lease));
                 }
             }
             // Queued, to share the next append with the reports that wait (or, on a free
-            // session, with those that waited and are not woken yet).
+            // session, with those that waited and are not woken yet, or that its running
+            // siblings are about to send).
             let (ticket, answer) = slot.reports().push(lease, report, next.cloned());
             let stale = {
                 let mut guard = match free {
                     Some(guard) => guard,
                     None => slot.lock().await,
                 };
+                if !siblings.is_empty() {
+                    wait_for_siblings(slot.reports(), &siblings).await;
+                }
                 let waiting = slot.reports().take();
                 self.record_reports(session_id, &mut guard, waiting).await
             };
@@ -100,6 +132,29 @@ impl Engine {
         }
         .instrument(span)
         .await
+    }
+
+    /// The tasks of the calls the session's active step runs beside `lease`'s (a model's
+    /// parallel tool calls) that a worker of this engine holds now, their reports still to
+    /// come; none when the session's state is not at hand.
+    fn running_siblings(&self, state: Option<&SessionState>, lease: &Lease) -> Vec<TaskId> {
+        let Some(state) = state else {
+            return Vec::new();
+        };
+        let outstanding = state.outstanding_tasks();
+        if outstanding.len() < 2 {
+            return Vec::new();
+        }
+        let here = lock(&self.inner.leased_here);
+        outstanding
+            .into_iter()
+            .filter(|seq| *seq != lease.id.scheduled_seq)
+            .map(|scheduled_seq| TaskId {
+                session_id: lease.id.session_id.clone(),
+                scheduled_seq,
+            })
+            .filter(|id| here.contains_key(id))
+            .collect()
     }
 
     /// Answers the reports the workflow no longer waits for, once their tasks are dropped from

@@ -5,13 +5,16 @@
 //! the reports of N parallel tool calls that finish together would cost N durable commits in
 //! series. Queued here instead, every report that came while the first was being committed
 //! goes into the next append: two commits, whatever N. Each session's slot holds its queue
-//! (see `state_cache`), so a report finds it without a lookup of its own.
+//! (see `state_cache`), so a report finds it without a lookup of its own. A report whose
+//! parallel siblings are still running may also hold its session a moment for theirs
+//! ([`ReportQueue::pushed`]), so that all of them make one commit (see `engine_reports`).
 
 use crate::engine::ActivityReport;
 use crate::error::Result;
+use crate::store::TaskId;
 use crate::store::{Lease, LeaseRequest};
 use std::sync::Mutex;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 
 /// A report waiting to be recorded, with where its answer goes: the tasks leased with its
 /// append (eager dispatch), or why it was not recorded.
@@ -26,7 +29,11 @@ pub(crate) struct QueuedReport {
 
 /// One session's waiting reports, in the order they came.
 #[derive(Default)]
-pub(crate) struct ReportQueue(Mutex<Waiting>);
+pub(crate) struct ReportQueue {
+    waiting: Mutex<Waiting>,
+    /// Told of every report pushed, for a report that holds the session for its siblings'.
+    pushed: Notify,
+}
 
 #[derive(Default)]
 struct Waiting {
@@ -61,6 +68,8 @@ impl ReportQueue {
             next,
             reply,
         });
+        drop(waiting);
+        self.pushed.notify_one();
         (
             QueuedTicket {
                 queue: self,
@@ -73,6 +82,20 @@ impl ReportQueue {
     /// Takes every waiting report, oldest first.
     pub(crate) fn take(&self) -> Vec<QueuedReport> {
         std::mem::take(&mut self.lock().reports)
+    }
+
+    /// Whether the report of task `id` waits.
+    pub(crate) fn holds(&self, id: &TaskId) -> bool {
+        self.lock()
+            .reports
+            .iter()
+            .any(|queued| queued.lease.id == *id)
+    }
+
+    /// Completes once a report was pushed since the last call completed (at once if one was
+    /// pushed meanwhile): a wake to look again, not a promise of any report.
+    pub(crate) async fn pushed(&self) {
+        self.pushed.notified().await;
     }
 
     /// Whether no report waits.
@@ -88,7 +111,7 @@ impl ReportQueue {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
         // A panic elsewhere while this was held left whole entries: the queue is still sound.
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 

@@ -382,8 +382,8 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 16)]
         worker_concurrency: usize,
         /// Tool calls the model asks for at once in each turn, 1 to 64 (the README's workload:
-        /// 2). At one session each tool's result is a durable commit of its own: a turn
-        /// commits this many times plus three.
+        /// 2). At one session a turn commits four times when the calls' results share one
+        /// append (they finish together), more when some come after that append began.
         #[arg(
             long,
             value_name = "N",
