@@ -159,13 +159,7 @@ async fn a_clients_message_hands_its_task_to_a_remote_workers_lease_in_its_own_c
         "the message and its lease: one commit"
     );
     assert_eq!(leased.len(), 1, "the model call, handed");
-    assert_eq!(leased[0].lease.id.to_string(), "d/3");
-    assert_eq!(leased[0].lease.lease_attempt, 1);
-    assert!(
-        matches!(&leased[0].input, ActivityInput::Model { origin, .. } if origin.turn == 1),
-        "{:?}",
-        leased[0].input
-    );
+    assert_first_model_call(&leased[0], "d/3");
     assert_eq!(
         engine.idle_leases(),
         0,
@@ -251,6 +245,17 @@ impl TaskReceiver for Keeping {
     }
 }
 
+/// Checks that `task` is turn 1's model call, task `id`, on its first lease.
+fn assert_first_model_call(task: &LeasedTask, id: &str) {
+    assert_eq!(task.lease.id.to_string(), id);
+    assert_eq!(task.lease.lease_attempt, 1);
+    assert!(
+        matches!(&task.input, ActivityInput::Model { origin, .. } if origin.turn == 1),
+        "{:?}",
+        task.input
+    );
+}
+
 /// Checks that session `id`'s history, replayed with the current code, folds to the
 /// engine's ledger, byte for byte.
 async fn assert_replays(client: &Client, store: &dyn Store, id: &str) -> Result<()> {
@@ -277,13 +282,7 @@ async fn a_clients_message_gives_its_task_to_the_waiting_leases_receiver() -> Re
     assert_eq!(client.send("r", "hello").await?, 1);
     let kept = receiver.kept();
     assert_eq!(kept.len(), 1, "the model call, given to the receiver");
-    assert_eq!(kept[0].lease.id.to_string(), "r/3");
-    assert_eq!(kept[0].lease.lease_attempt, 1);
-    assert!(
-        matches!(&kept[0].input, ActivityInput::Model { origin, .. } if origin.turn == 1),
-        "{:?}",
-        kept[0].input
-    );
+    assert_first_model_call(&kept[0], "r/3");
     assert_eq!(
         engine.leases_held_here(),
         vec![(kept[0].lease.id.clone(), 1)],
