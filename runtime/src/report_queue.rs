@@ -11,8 +11,7 @@
 
 use crate::engine::ActivityReport;
 use crate::error::Result;
-use crate::store::TaskId;
-use crate::store::{Lease, LeaseRequest};
+use crate::store::{Lease, LeaseRequest, TaskId};
 use std::sync::Mutex;
 use tokio::sync::{oneshot, Notify};
 
