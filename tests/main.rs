@@ -32,6 +32,7 @@ mod server;
 mod service;
 mod store_crash;
 mod support;
+mod tool_sets;
 mod ui;
 mod versions;
 mod wire;

@@ -59,6 +59,8 @@ fn worker_protocol_messages_round_trip_byte_exact() {
         model: ModelSpec::parse("scripted:demo.json").expect("spec"),
         transcript,
         tools: Vec::new().into(),
+        tools_digest: None,
+        tools_omitted: false,
         timeouts,
         heartbeat_details: Some(JsonText::parse(r#"{"n": 9007199254740993}"#).expect("json")),
     };

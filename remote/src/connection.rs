@@ -3,7 +3,7 @@
 //! error answers, streams — is shared, so the two cannot behave differently.
 
 use bytes::Bytes;
-use cairn_runtime::wire::{ErrorBody, ErrorCode};
+use cairn_runtime::wire::{ErrorBody, ErrorCode, TOOL_SETS_HEADER};
 use cairn_runtime::{Error, Result};
 use futures_util::stream::{self, BoxStream, StreamExt};
 use http_body_util::{BodyExt, Full};
@@ -12,6 +12,7 @@ use reqwest::Method;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 use tracing::debug;
 
@@ -51,6 +52,8 @@ pub(crate) struct Request {
     pub event_stream: bool,
     /// `Idempotency-Key` of a request that starts a turn, the same on each resend.
     pub idempotency_key: Option<String>,
+    /// `Cairn-Tool-Sets` of a worker's request: the tool sets it keeps.
+    pub tool_sets: Option<Arc<str>>,
 }
 
 impl Request {
@@ -63,6 +66,7 @@ impl Request {
             last_event_id: None,
             event_stream: false,
             idempotency_key: None,
+            tool_sets: None,
         }
     }
 
@@ -84,6 +88,7 @@ impl Request {
             last_event_id: None,
             event_stream: false,
             idempotency_key: None,
+            tool_sets: None,
         }
     }
 }
@@ -233,6 +238,9 @@ impl Connection {
         }
         if let Some(key) = &request.idempotency_key {
             headers.push(("idempotency-key", key.clone()));
+        }
+        if let Some(tool_sets) = &request.tool_sets {
+            headers.push((TOOL_SETS_HEADER, tool_sets.to_string()));
         }
         headers
     }

@@ -11,6 +11,7 @@ mod connection;
 mod report_batch;
 mod source;
 mod sse;
+mod tool_sets;
 mod transport;
 
 #[cfg(any(test, feature = "test-server"))]

@@ -13,6 +13,7 @@
 //! again.
 
 use crate::connection::{Connection, Request};
+use crate::tool_sets::ToolSetCache;
 use cairn_runtime::wire::{ReportBatchAnswer, ReportRequest, MAX_REPORTS_PER_BATCH};
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -55,6 +56,8 @@ pub(crate) enum Entry {
 /// Gathers the reports that wait and sends them together.
 pub(crate) struct ReportBatcher {
     connection: Arc<Connection>,
+    /// The tool sets the worker keeps, which every report request lists.
+    tool_sets: Arc<ToolSetCache>,
     state: Mutex<State>,
     /// The server has no batch route (it predates it): every report goes by itself.
     refused: AtomicBool,
@@ -89,9 +92,10 @@ struct BatchBody<'a> {
 }
 
 impl ReportBatcher {
-    pub(crate) fn new(connection: Arc<Connection>) -> Arc<Self> {
+    pub(crate) fn new(connection: Arc<Connection>, tool_sets: Arc<ToolSetCache>) -> Arc<Self> {
         Arc::new(ReportBatcher {
             connection,
+            tool_sets,
             state: Mutex::default(),
             refused: AtomicBool::new(false),
         })
@@ -172,7 +176,8 @@ impl ReportBatcher {
         let body = BatchBody {
             reports: batch.iter().map(|queued| queued.report.as_ref()).collect(),
         };
-        let request = Request::post("/v1/worker/reports", &body);
+        let mut request = Request::post("/v1/worker/reports", &body);
+        request.tool_sets = Some(self.tool_sets.header());
         let outcomes = match self.connection.exchange(request, timeout).await {
             Ok((200, body)) => match crate::connection::from_json::<ReportBatchAnswer>(&body) {
                 Ok(answer) if answer.answers.len() == batch.len() => answer

@@ -13,6 +13,7 @@
 
 use crate::connection::{Connection, Request, Subject, REQUEST_TIMEOUT};
 use crate::report_batch::{BatchOutcome, Entry, ReportBatcher};
+use crate::tool_sets::ToolSetCache;
 use crate::transport::{new_idempotency_key, retryable};
 use async_trait::async_trait;
 use cairn_ledger::JsonText;
@@ -21,7 +22,7 @@ use cairn_runtime::wire::{
     ProgressRequest, ReportRequest, ReportResponse,
 };
 use cairn_runtime::{
-    ActivityFailure, ActivityReport, DeltaEvent, Error, ErrorClass, Lease,
+    ActivityFailure, ActivityInput, ActivityReport, DeltaEvent, Error, ErrorClass, Lease,
     LeaseRequest as StoreLeaseRequest, LeasedTask, Result, TaskFilter, TaskId,
 };
 use cairn_workers::TaskSource;
@@ -61,6 +62,8 @@ pub struct HttpTaskSource {
     connection: Arc<Connection>,
     /// Sends the first tries of reports that finish together in one request.
     batcher: Arc<ReportBatcher>,
+    /// The tool sets its model tasks brought, which the server then leaves out of them.
+    tool_sets: Arc<ToolSetCache>,
     /// The delta batcher's queue, started by the first delta.
     deltas: OnceLock<mpsc::Sender<Batched>>,
     /// The latest expiry known of each lease this source handed out: a retry stops there.
@@ -108,8 +111,10 @@ impl HttpTaskSource {
     pub fn new(url: &str, token: Option<String>) -> Result<Self> {
         let (contact, _) = watch::channel(Contact::Waiting);
         let connection = Arc::new(Connection::new(url, token)?);
+        let tool_sets = Arc::new(ToolSetCache::default());
         Ok(HttpTaskSource {
-            batcher: ReportBatcher::new(Arc::clone(&connection)),
+            batcher: ReportBatcher::new(Arc::clone(&connection), Arc::clone(&tool_sets)),
+            tool_sets,
             connection,
             deltas: OnceLock::new(),
             expiries: Mutex::default(),
@@ -151,6 +156,50 @@ impl HttpTaskSource {
             }),
             Contact::Reached | Contact::Waiting => Ok(()),
         }
+    }
+
+    /// A POST of `body` to the worker route `path`, listing the tool sets this worker keeps
+    /// ([`cairn_runtime::wire::TOOL_SETS_HEADER`]).
+    fn worker_request(&self, path: &str, body: &impl Serialize) -> Request {
+        let mut request = Request::post(path, body);
+        request.tool_sets = Some(self.tool_sets.header());
+        request
+    }
+
+    /// `tasks` with the tools the server left out of their model tasks filled in, from the
+    /// sets this worker keeps or, for a set it let go meanwhile, by fetching the task's input
+    /// whole again. A task whose input cannot be fetched is left out: its lease lapses and the
+    /// attempt is retried under its policy, as for any task lost on the way.
+    async fn with_tools(&self, mut tasks: Vec<LeasedTask>) -> Vec<LeasedTask> {
+        let missing = self.tool_sets.fill(&mut tasks);
+        if missing.is_empty() {
+            return tasks;
+        }
+        let mut lost = Vec::new();
+        for i in missing {
+            let lease = &tasks[i].lease;
+            let fetched = self
+                .connection
+                .call_json::<ActivityInput>(
+                    Request::post("/v1/worker/input", lease),
+                    subject_of(lease),
+                    self.try_timeout(lease),
+                )
+                .await;
+            match fetched {
+                Ok(input) => tasks[i].input = input,
+                Err(e) => {
+                    warn!(task = %lease.id, error = %e, "a task's tools are not kept here and its input could not be fetched again; it is retried once its lease lapses");
+                    lost.push(i);
+                }
+            }
+        }
+        let mut i = 0;
+        tasks.retain(|_| {
+            i += 1;
+            !lost.contains(&(i - 1))
+        });
+        tasks
     }
 
     /// How many leases this source keeps an expiry of.
@@ -273,9 +322,9 @@ impl HttpTaskSource {
             let result = self
                 .with_retries(lease, first_try, || {
                     if tried.swap(true, Ordering::Relaxed) && !body.deltas.is_empty() {
-                        Request::post("/v1/worker/report", &ResentReport::of(&body))
+                        self.worker_request("/v1/worker/report", &ResentReport::of(&body))
                     } else {
-                        Request::post("/v1/worker/report", &body)
+                        self.worker_request("/v1/worker/report", &body)
                     }
                 })
                 .await;
@@ -347,7 +396,7 @@ impl HttpTaskSource {
                 let answer = self
                     .connection
                     .call(
-                        Request::post("/v1/worker/report", body),
+                        self.worker_request("/v1/worker/report", body),
                         subject_of(lease),
                         timeout,
                     )
@@ -416,7 +465,7 @@ impl TaskSource for HttpTaskSource {
             .take()
             .filter(|(_, asked)| *asked <= max)
             .map_or_else(new_idempotency_key, |(key, _)| key);
-        let mut request = Request::post("/v1/worker/lease", &body);
+        let mut request = self.worker_request("/v1/worker/lease", &body);
         request.idempotency_key = Some(key.clone());
         let answer = self
             .connection
@@ -433,12 +482,13 @@ impl TaskSource for HttpTaskSource {
                     *c = Contact::Reached;
                     first
                 });
+                let tasks = self.with_tools(answer.tasks).await;
                 let mut expiries = self.lock_expiries();
-                for task in &answer.tasks {
+                for task in &tasks {
                     let lease = &task.lease;
                     expiries.insert((lease.id.clone(), lease.lease_attempt), lease.expires_at_ms);
                 }
-                Ok(answer.tasks)
+                Ok(tasks)
             }
             Err(e) => {
                 if !retryable(&e) {
@@ -604,7 +654,7 @@ impl TaskSource for HttpTaskSource {
             .connection
             .decode::<ReportResponse>("POST /v1/worker/report", &answer)
         {
-            Ok(answer) => answer.tasks,
+            Ok(answer) => self.with_tools(answer.tasks).await,
             Err(e) => {
                 tracing::warn!(error = %e, "the tasks leased with a report are lost until their leases lapse");
                 return Ok(Vec::new());

@@ -106,8 +106,18 @@ pub enum ActivityInput {
         model: ModelSpec,
         /// The transcript to send, shared with the session's state (not copied per call).
         transcript: Arc<Transcript>,
-        /// Tools offered, shared with the session's state (not copied per call).
+        /// Tools offered, shared with the session's state (not copied per call). Empty on
+        /// the wire when `tools_omitted` says the worker keeps them.
         tools: Arc<[ToolSpec]>,
+        /// The tools' digest ([`crate::wire::tool_set_digest`]), which a worker that keeps
+        /// tool sets keeps them under: set only by a server answering such a worker
+        /// ([`crate::wire::TOOL_SETS_HEADER`]), for a non-empty set.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tools_digest: Option<String>,
+        /// `tools` were left out (sent empty): they are the set `tools_digest` names, which
+        /// the worker said it keeps.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        tools_omitted: bool,
         /// Time limits.
         timeouts: ActivityTimeouts,
         /// Progress the previous attempt heartbeated last.

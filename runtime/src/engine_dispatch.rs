@@ -340,6 +340,8 @@ fn activity_input(state: &SessionState, lease: &Lease) -> Option<ActivityInput> 
             model,
             transcript: state.transcript.clone(),
             tools: started.tools.clone(),
+            tools_digest: None,
+            tools_omitted: false,
             timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
             heartbeat_details,
             options,
@@ -366,6 +368,8 @@ fn activity_input(state: &SessionState, lease: &Lease) -> Option<ActivityInput> 
             )),
             // Older turns may hold tool blocks, which providers accept only with tools.
             tools: started.tools.clone(),
+            tools_digest: None,
+            tools_omitted: false,
             timeouts: ActivityTimeouts::of(&started.model_retry, not_before_ms),
             heartbeat_details: None,
             // A summary is plain text: no forced tool call, no server tools.

@@ -33,6 +33,9 @@
 //! | POST | `/v1/worker/reports` | [`ReportBatch`] → [`ReportBatchAnswer`] (what the route above would have answered each) |
 //! | POST | `/v1/worker/deltas` | [`DeltaBatch`] → 204 |
 //!
+//! A worker that keeps tool sets says so with [`TOOL_SETS_HEADER`] on the lease and report
+//! routes, and its model tasks then carry their session's tools once.
+//!
 //! Either role: `GET /v1/health` → [`Health`]; `GET /v1/openapi.json`, the OpenAPI document.
 //!
 //! Every error is [`ErrorBody`] with the fitting status; [`ErrorCode`] names the cases a
@@ -567,6 +570,54 @@ pub struct ReportResponse {
     /// Leased tasks with what they run.
     #[schema(value_type = Vec<schema::LeasedTask>)]
     pub tasks: Vec<LeasedTask>,
+}
+
+/// The request header by which a worker says it keeps tool sets, and which it keeps: the
+/// digests of the sets it holds, comma-separated (empty when it holds none yet). On `POST
+/// /v1/worker/lease`, `/report` and `/reports`, a server answers such a worker's model tasks
+/// with their tools' digest ([`ActivityInput::Model`](crate::engine::ActivityInput::Model)'s
+/// `tools_digest`) and leaves out the tools of a set it listed (`tools_omitted`): a session's
+/// tool specs, often most of a model task's bytes, cross once per worker rather than with
+/// every call, as a sticky worker keeps what it was sent. A server from before the header
+/// ignores it and sends the tools; a worker that does not send it gets them every time.
+pub const TOOL_SETS_HEADER: &str = "cairn-tool-sets";
+
+/// The most digests [`TOOL_SETS_HEADER`] lists.
+pub const MAX_TOOL_SETS_LISTED: usize = 64;
+
+/// The length of a tool set's digest: 32 lowercase hex digits.
+pub const TOOL_SET_DIGEST_LEN: usize = 32;
+
+/// The digests a [`TOOL_SETS_HEADER`] value lists, or what is wrong with it: at most
+/// [`MAX_TOOL_SETS_LISTED`] digests of [`TOOL_SET_DIGEST_LEN`] lowercase hex digits, separated
+/// by commas (spaces around them allowed); an empty value lists none.
+pub fn parse_tool_sets(value: &str) -> std::result::Result<Vec<&str>, String> {
+    let value = value.trim();
+    if value.is_empty() {
+        return Ok(Vec::new());
+    }
+    let digests: Vec<&str> = value.split(',').map(str::trim).collect();
+    if digests.len() > MAX_TOOL_SETS_LISTED {
+        return Err(format!(
+            "lists {} digests, more than the {MAX_TOOL_SETS_LISTED} allowed",
+            digests.len()
+        ));
+    }
+    match digests.iter().position(|d| !is_tool_set_digest(d)) {
+        Some(i) => Err(format!(
+            "item {i} ({:?}) is not a digest: {TOOL_SET_DIGEST_LEN} lowercase hex digits",
+            digests[i].chars().take(40).collect::<String>()
+        )),
+        None => Ok(digests),
+    }
+}
+
+/// Whether `digest` is of a tool set's digest's form.
+pub fn is_tool_set_digest(digest: &str) -> bool {
+    digest.len() == TOOL_SET_DIGEST_LEN
+        && digest
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// The most reports one [`ReportBatch`] holds.

@@ -5,6 +5,7 @@
 use crate::answered_again::AnsweredAgain;
 use crate::auth::AnyCaller;
 use crate::errors::{json_errors, ApiError};
+use crate::tool_sets::ToolSetDigests;
 use crate::{compact, delete, events, inspect, openapi, sessions, ui, worker, ServerConfig};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{Request, StatusCode};
@@ -39,6 +40,8 @@ pub struct AppState {
     /// Worker reports being recorded, and those that handed out tasks, by lease; lease
     /// requests under a key, by key: a try sent again is answered as the first was.
     pub answered_again: AnsweredAgain,
+    /// The digests of the tool sets of model tasks handed to workers that keep them.
+    pub tool_set_digests: ToolSetDigests,
 }
 
 impl AppState {
@@ -51,6 +54,7 @@ impl AppState {
             closing: CancellationToken::new(),
             id_counter: Arc::new(AtomicU64::new(0)),
             answered_again: AnsweredAgain::default(),
+            tool_set_digests: ToolSetDigests::default(),
             open_streams: Arc::new(AtomicUsize::new(0)),
         }
     }

@@ -21,6 +21,7 @@ mod lenient;
 mod openapi;
 mod serve;
 mod sessions;
+mod tool_sets;
 mod ui;
 mod worker;
 

@@ -8,6 +8,7 @@ use crate::app::AppState;
 use crate::auth::{Caller, WorkerCaller};
 use crate::errors::{ApiError, JsonBody};
 use crate::idempotency_key::{idempotency_key, LeaseIdempotencyKey};
+use crate::tool_sets::{KnownToolSets, ToolSetsHeader};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -107,7 +108,7 @@ fn bounded(max: u32, lease_ms: u64) -> (usize, u64) {
     post,
     path = "/v1/worker/lease",
     tag = "worker",
-    params(LeaseIdempotencyKey),
+    params(LeaseIdempotencyKey, ToolSetsHeader),
     request_body = LeaseRequest,
     responses(
         (status = 200, description = "Leased tasks, possibly none after `wait_ms`", body = LeaseResponse),
@@ -127,6 +128,11 @@ pub async fn lease(
     JsonBody(request): JsonBody<LeaseRequest>,
 ) -> Result<Json<LeaseResponse>, ApiError> {
     let key = idempotency_key(&headers)?;
+    let known = KnownToolSets::of(&headers)?;
+    let answer = |mut tasks: Vec<LeasedTask>| {
+        state.tool_set_digests.shorten(&mut tasks, &known);
+        Json(LeaseResponse { tasks })
+    };
     let filter = worker_filter(&caller, request.queues, request.tools, request.providers);
     let (max, lease_ms) = bounded(request.max, request.lease_ms);
     if max == 0 {
@@ -135,7 +141,7 @@ pub async fn lease(
     let deadline = AppState::deadline(state.poll_wait(Some(request.wait_ms), 0));
     let Some(key) = key else {
         let tasks = lease_waiting(&state, filter, max, lease_ms, deadline).await?;
-        return Ok(Json(LeaseResponse { tasks }));
+        return Ok(answer(tasks));
     };
     let first = loop {
         let joined =
@@ -147,7 +153,7 @@ pub async fn lease(
             Joined::Again(earlier) => match earlier.outcome().await {
                 Some(leases) => {
                     let tasks = fetched_again(&state, leases).await;
-                    return Ok(Json(LeaseResponse { tasks }));
+                    return Ok(answer(tasks));
                 }
                 // The first try failed (or its worker hung up): this one leases.
                 None => continue,
@@ -158,7 +164,7 @@ pub async fn lease(
     // failed; recorded, it answers the tries sent again.
     let tasks = lease_waiting(&state, filter, max, lease_ms, deadline).await?;
     first.recorded(tasks.iter().map(|t| t.lease.clone()).collect());
-    Ok(Json(LeaseResponse { tasks }))
+    Ok(answer(tasks))
 }
 
 /// Leases up to `max` tasks of `filter`, waiting until `deadline` for the first: 503 on a
@@ -348,6 +354,7 @@ pub async fn progress(
     post,
     path = "/v1/worker/report",
     tag = "worker",
+    params(ToolSetsHeader),
     request_body = ReportRequest,
     responses(
         (status = 200, description = "Recorded, with the tasks leased with it (a request with `next`)", body = ReportResponse),
@@ -366,10 +373,15 @@ pub async fn progress(
 pub async fn report(
     State(state): State<AppState>,
     WorkerCaller(caller): WorkerCaller,
+    headers: HeaderMap,
     JsonBody(request): JsonBody<ReportRequest>,
 ) -> Result<Response, ApiError> {
+    let known = KnownToolSets::of(&headers)?;
     Ok(match record_report(&state, &caller, request).await? {
-        Some(answer) => Json(answer).into_response(),
+        Some(mut answer) => {
+            state.tool_set_digests.shorten(&mut answer.tasks, &known);
+            Json(answer).into_response()
+        }
         None => StatusCode::NO_CONTENT.into_response(),
     })
 }
@@ -383,6 +395,7 @@ pub async fn report(
     post,
     path = "/v1/worker/reports",
     tag = "worker",
+    params(ToolSetsHeader),
     request_body = ReportBatch,
     responses(
         (status = 200, description = "Each report recorded or refused, answered in order", body = ReportBatchAnswer),
@@ -397,8 +410,10 @@ pub async fn report(
 pub async fn reports(
     State(state): State<AppState>,
     WorkerCaller(caller): WorkerCaller,
+    headers: HeaderMap,
     JsonBody(batch): JsonBody<ReportBatch>,
 ) -> Result<Json<ReportBatchAnswer>, ApiError> {
+    let known = KnownToolSets::of(&headers)?;
     if batch.reports.is_empty() || batch.reports.len() > MAX_REPORTS_PER_BATCH {
         return Err(ApiError::invalid(format!(
             "a batch holds from 1 to {MAX_REPORTS_PER_BATCH} reports, not {}",
@@ -421,7 +436,10 @@ pub async fn reports(
         .into_iter()
         .map(|answer| {
             let (status, body) = match answer {
-                Ok(Some(leased)) => (StatusCode::OK, serde_json::value::to_raw_value(&leased)),
+                Ok(Some(mut leased)) => {
+                    state.tool_set_digests.shorten(&mut leased.tasks, &known);
+                    (StatusCode::OK, serde_json::value::to_raw_value(&leased))
+                }
                 Ok(None) => {
                     return Ok(ReportAnswer {
                         status: 204,

@@ -1124,6 +1124,8 @@ mod tests {
                 .unwrap(),
             transcript: Arc::new(transcript),
             tools: Vec::new().into(),
+            tools_digest: None,
+            tools_omitted: false,
             timeouts: cairn_runtime::ActivityTimeouts {
                 due_at_ms: 0,
                 schedule_to_start_ms: None,

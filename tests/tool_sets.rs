@@ -1,0 +1,394 @@
+//! Tool sets sent once per worker, against `cairn server` as a real process on loopback: the
+//! protocol by hand (a worker that lists the sets it keeps gets each set once, by digest, on
+//! the lease and both report routes; one that does not gets the tools every time; a bad
+//! header is refused), and a remote worker pool whose model sees every call's tools whole
+//! while the server leaves them out.
+
+use crate::server::{history, kinds, send, send_with_headers, wait_turn, Server};
+use async_trait::async_trait;
+use cairn_activities::{
+    ActivityContext, Calculator, DeltaSink, Error as ActivityError, ModelProvider, ModelRequest,
+    Tool, ToolRegistry,
+};
+use cairn_ledger::{
+    JsonText, ModelResponse, ModelSpec, Part, StopReason, ToolSpec, ToolUse, Usage,
+};
+use cairn_remote::HttpTaskSource;
+use cairn_runtime::{SessionOptions, TurnOutcome};
+use cairn_workers::{Activities, ModelResolver, WorkerConfig, WorkerPool};
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+use std::sync::{Arc, Mutex};
+
+const HEADER: &str = "cairn-tool-sets";
+
+/// A tool spec with a long description, as a coding agent's are.
+fn long_spec(name: &str) -> ToolSpec {
+    ToolSpec {
+        name: name.to_owned(),
+        description: format!("{name}: ").repeat(200),
+        input_schema: JsonText::parse(
+            r#"{"type":"object","properties":{"path":{"type":"string"}}}"#,
+        )
+        .unwrap(),
+    }
+}
+
+fn tool_use_report() -> Value {
+    json!({"model_completed": {
+        "provider": "scripted", "model": "by-hand",
+        "parts": [{"tool_use": {"id": "toolu_1", "name": "calculator",
+                                "arguments": "{\"expression\":\"1+2\"}"}}],
+        "stop_reason_raw": "tool_use", "stop_reason": "tool_use",
+        "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
+                  "cache_write_tokens": 0, "reasoning_tokens": 0}
+    }})
+}
+
+async fn start_turn(http: &reqwest::Client, server: &Server, id: &str, tools: &Value) {
+    let model = json!({"provider": "scripted", "model": "unused.json"});
+    let created = send(
+        http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": id, "model": model, "tools": tools,
+                    "message": {"text": "1+2?"}})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+}
+
+/// `POST path` with `body`, listing `tool_sets` (none: no header).
+async fn worker_post(
+    http: &reqwest::Client,
+    server: &Server,
+    path: &str,
+    tool_sets: Option<&str>,
+    body: Value,
+) -> crate::server::Answer {
+    let headers: Vec<(&str, &str)> = tool_sets.map(|v| (HEADER, v)).into_iter().collect();
+    send_with_headers(
+        http,
+        Method::POST,
+        server.url(path),
+        None,
+        &headers,
+        Some(body),
+    )
+    .await
+}
+
+fn model_input(task: &Value) -> &Value {
+    let input = &task["input"]["model"];
+    assert!(input.is_object(), "a model task: {task}");
+    input
+}
+
+#[tokio::test]
+async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let http = reqwest::Client::new();
+    let calculator = serde_json::to_value(Calculator.spec()).unwrap();
+    let tools = json!([calculator, serde_json::to_value(long_spec("read")).unwrap()]);
+    start_turn(&http, &server, "kept", &tools).await;
+    let lease = json!({"max": 1, "wait_ms": 30000, "lease_ms": 30000});
+    let next = json!({"max": 1, "lease_ms": 30000});
+
+    // A worker that keeps sets and holds none yet: the tools whole, with their digest.
+    let leased = worker_post(&http, &server, "/v1/worker/lease", Some(""), lease.clone()).await;
+    assert_eq!(leased.status, StatusCode::OK, "{}", leased.body);
+    let first = &leased.body["tasks"][0];
+    let input = model_input(first);
+    assert_eq!(input["tools"], tools, "{first}");
+    assert!(input.get("tools_omitted").is_none(), "{first}");
+    let digest = input["tools_digest"].as_str().expect("a digest").to_owned();
+    assert!(cairn_runtime::wire::is_tool_set_digest(&digest), "{digest}");
+
+    // Its report, listing the set, leases the tool task: no tool set there.
+    let reported = worker_post(
+        &http,
+        &server,
+        "/v1/worker/report",
+        Some(&digest),
+        json!({"lease": first["lease"], "report": tool_use_report(), "next": next}),
+    )
+    .await;
+    assert_eq!(reported.status, StatusCode::OK, "{}", reported.body);
+    let tool_task = reported.body["tasks"][0].clone();
+    assert_eq!(tool_task["lease"]["kind"], "tool", "{tool_task}");
+    assert!(tool_task["input"]["tool"].get("tools_digest").is_none());
+
+    // The tool's result in a batch, listing the set among others: the next model task
+    // leaves the tools out and names them.
+    let other = "0".repeat(32);
+    let result = json!({"tool_completed": {"content": {"text": "3"}, "is_error": false}});
+    let batch = worker_post(
+        &http,
+        &server,
+        "/v1/worker/reports",
+        Some(&format!("{other}, {digest}")),
+        json!({"reports": [{"lease": tool_task["lease"], "report": result, "next": next}]}),
+    )
+    .await;
+    assert_eq!(batch.status, StatusCode::OK, "{}", batch.body);
+    assert_eq!(batch.body["answers"][0]["status"], 200, "{}", batch.body);
+    let second = batch.body["answers"][0]["body"]["tasks"][0].clone();
+    let input = model_input(&second);
+    assert_eq!(input["tools"], json!([]), "{second}");
+    assert_eq!(input["tools_omitted"], true, "{second}");
+    assert_eq!(input["tools_digest"], digest.as_str(), "{second}");
+    assert!(
+        input["transcript"].to_string().contains("toolu_1"),
+        "the transcript still goes whole: {second}"
+    );
+    // What the lease runs, fetched again (a worker that let the set go): whole.
+    let again = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/input"),
+        None,
+        Some(second["lease"].clone()),
+    )
+    .await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
+    assert_eq!(again.body["model"]["tools"], tools, "{}", again.body);
+    assert!(again.body["model"].get("tools_digest").is_none());
+    let done = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/report"),
+        None,
+        Some(
+            json!({"lease": second["lease"], "report": {"model_completed": {
+            "provider": "scripted", "model": "by-hand",
+            "parts": [{"text": {"text": "3"}}],
+            "stop_reason_raw": "end_turn", "stop_reason": "end_turn",
+            "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
+                      "cache_write_tokens": 0, "reasoning_tokens": 0}}}}),
+        ),
+    )
+    .await;
+    assert_eq!(done.status, StatusCode::NO_CONTENT, "{}", done.body);
+    let outcome = wait_turn(&http, &server, None, "kept", 1).await;
+    assert_eq!(outcome["answer"], "3", "{outcome}");
+    assert_eq!(
+        kinds(&history(&http, &server, None, "kept").await).len(),
+        9,
+        "the turn ran as without the header"
+    );
+
+    // Another session with the same tools: the same digest, so a worker holding it is
+    // not sent them; a worker that does not send the header gets them whole, as before.
+    start_turn(&http, &server, "same-tools", &tools).await;
+    let leased = worker_post(
+        &http,
+        &server,
+        "/v1/worker/lease",
+        Some(&digest),
+        lease.clone(),
+    )
+    .await;
+    let task = &leased.body["tasks"][0];
+    assert_eq!(model_input(task)["tools"], json!([]), "{task}");
+    assert_eq!(model_input(task)["tools_digest"], digest.as_str(), "{task}");
+    let relapsed = worker_post(
+        &http,
+        &server,
+        "/v1/worker/report",
+        None,
+        json!({"lease": task["lease"], "report": tool_use_report(), "next": next}),
+    )
+    .await;
+    assert_eq!(relapsed.status, StatusCode::OK, "{}", relapsed.body);
+    let tool_task = relapsed.body["tasks"][0].clone();
+    let result = json!({"tool_completed": {"content": {"text": "3"}, "is_error": false}});
+    let plain = worker_post(
+        &http,
+        &server,
+        "/v1/worker/report",
+        None,
+        json!({"lease": tool_task["lease"], "report": result, "next": next}),
+    )
+    .await;
+    let task = &plain.body["tasks"][0];
+    assert_eq!(model_input(task)["tools"], tools, "{task}");
+    assert!(model_input(task).get("tools_digest").is_none(), "{task}");
+    assert!(model_input(task).get("tools_omitted").is_none(), "{task}");
+
+    // A session with other tools: another digest.
+    start_turn(&http, &server, "other-tools", &json!([calculator])).await;
+    let leased = worker_post(
+        &http,
+        &server,
+        "/v1/worker/lease",
+        Some(&digest),
+        lease.clone(),
+    )
+    .await;
+    let task = &leased.body["tasks"][0];
+    assert_eq!(model_input(task)["tools"], json!([calculator]), "{task}");
+    let other_digest = model_input(task)["tools_digest"].as_str().expect("digest");
+    assert_ne!(other_digest, digest);
+
+    // A header that lists no digests is refused, naming it, and leases nothing.
+    for bad in [
+        "not-a-digest",
+        &format!("{digest},"),
+        &digest.to_uppercase(),
+    ] {
+        let refused =
+            worker_post(&http, &server, "/v1/worker/lease", Some(bad), lease.clone()).await;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+        assert_eq!(refused.code(), "invalid_request", "{}", refused.body);
+        let message = refused.body["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with("Cairn-Tool-Sets: "), "{message}");
+    }
+    let idle = worker_post(
+        &http,
+        &server,
+        "/v1/worker/lease",
+        Some(""),
+        json!({"max": 8, "wait_ms": 0, "lease_ms": 30000}),
+    )
+    .await;
+    assert_eq!(idle.body["tasks"], json!([]), "{}", idle.body);
+}
+
+/// A model that records the tools of every call: first it calls the calculator, then it
+/// answers.
+#[derive(Default)]
+struct ToolsSeen {
+    calls: Mutex<Vec<Vec<ToolSpec>>>,
+}
+
+#[async_trait]
+impl ModelProvider for ToolsSeen {
+    fn provider(&self) -> &str {
+        "seen"
+    }
+
+    async fn call(
+        &self,
+        request: &ModelRequest,
+        _deltas: &dyn DeltaSink,
+        _context: &ActivityContext,
+    ) -> Result<ModelResponse, ActivityError> {
+        self.calls.lock().unwrap().push(request.tools.to_vec());
+        let answered = request.transcript.messages.len() > 2;
+        let parts = if answered {
+            vec![Part::text("3")]
+        } else {
+            vec![Part::ToolUse(ToolUse {
+                id: "toolu_1".into(),
+                name: "calculator".into(),
+                arguments: r#"{"expression":"1+2"}"#.into(),
+                signature: None,
+            })]
+        };
+        Ok(ModelResponse {
+            provider: "seen".into(),
+            model: "test".into(),
+            parts,
+            stop_reason_raw: "x".into(),
+            stop_reason: if answered {
+                StopReason::EndTurn
+            } else {
+                StopReason::ToolUse
+            },
+            usage: Usage::default(),
+        })
+    }
+}
+
+struct Resolver(Arc<ToolsSeen>);
+
+impl ModelResolver for Resolver {
+    fn resolve(&self, _spec: &ModelSpec) -> Result<Arc<dyn ModelProvider>, ActivityError> {
+        Ok(self.0.clone())
+    }
+}
+
+/// A TCP proxy on loopback in front of `target` (`host:port`), keeping every byte the
+/// target sent back: what the worker behind it was sent. Its address as a URL.
+async fn recording_proxy(target: String) -> (String, Arc<Mutex<Vec<u8>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let received = Arc::new(Mutex::new(Vec::new()));
+    let kept = received.clone();
+    tokio::spawn(async move {
+        while let Ok((inbound, _)) = listener.accept().await {
+            let outbound = tokio::net::TcpStream::connect(&target).await.unwrap();
+            let (mut in_read, mut in_write) = inbound.into_split();
+            let (mut out_read, mut out_write) = outbound.into_split();
+            tokio::spawn(async move { tokio::io::copy(&mut in_read, &mut out_write).await });
+            let kept = kept.clone();
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut buffer = vec![0; 64 * 1024];
+                while let Ok(n) = out_read.read(&mut buffer).await {
+                    if n == 0 || in_write.write_all(&buffer[..n]).await.is_err() {
+                        break;
+                    }
+                    kept.lock().unwrap().extend_from_slice(&buffer[..n]);
+                }
+            });
+        }
+    });
+    (url, received)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_workers_model_sees_every_calls_tools_whole_while_each_set_crosses_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let base = server.url("");
+    let (proxied, received) = recording_proxy(base.trim_start_matches("http://").to_owned()).await;
+    let seen = Arc::new(ToolsSeen::default());
+    let source = Arc::new(HttpTaskSource::new(&proxied, None).unwrap());
+    let pool = WorkerPool::start_with(
+        source,
+        Activities {
+            models: Arc::new(Resolver(seen.clone())),
+            tools: Arc::new(ToolRegistry::builtin(dir.path())),
+        },
+        WorkerConfig::default(),
+    );
+    let client = cairn_remote::connect(&base, None).unwrap();
+    let tools: Arc<[ToolSpec]> = vec![Calculator.spec(), long_spec("read")].into();
+    let model = ModelSpec::parse("scripted:unused.json").unwrap();
+    for session in 0..3 {
+        // The third session's tools differ: a set of its own.
+        let tools = if session == 2 {
+            vec![Calculator.spec()].into()
+        } else {
+            tools.clone()
+        };
+        let id = client
+            .start_session(SessionOptions::new(model.clone(), tools))
+            .await
+            .unwrap();
+        let outcome = client.run_turn(&id, "1+2?").await.unwrap();
+        assert!(
+            matches!(&outcome, TurnOutcome::Completed { answer, .. } if answer == "3"),
+            "{outcome:?}"
+        );
+    }
+    pool.shutdown().await;
+    let calls = seen.calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 6, "two model calls a turn");
+    for (i, call) in calls.iter().enumerate() {
+        let expected: Vec<ToolSpec> = if i >= 4 {
+            vec![Calculator.spec()]
+        } else {
+            tools.to_vec()
+        };
+        assert_eq!(call, &expected, "call {i}");
+    }
+    // The long tool's description crossed once: with the first model task; the three other
+    // calls with that set were sent its digest.
+    let received = String::from_utf8_lossy(&received.lock().unwrap()).into_owned();
+    let marker = long_spec("read").description;
+    assert_eq!(received.matches(&marker).count(), 1, "{received}");
+}
