@@ -39,6 +39,8 @@ pub struct BenchArgs {
     pub worker_concurrency: usize,
     /// Tool calls the model asks for at once in each turn.
     pub parallel_tools: usize,
+    /// Bytes of JSON of further tool specs offered, never called.
+    pub tool_spec_bytes: usize,
     /// Instead of the throughput rows: park this many sessions per engine and report the RSS.
     pub parked: Option<usize>,
 }
@@ -85,9 +87,16 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
     };
     let runtime_workers = tokio::runtime::Handle::current().metrics().num_workers();
     outln!(
-        "durable turns (fresh session, model → {} parallel tool{} → model), closed loop, {} s each after {} s of warm-up, model latency {} ms; embedded on a new {engines} store, closed and opened again as a restarted server finds it, with the default worker pool, in this process on {} tokio worker thread{} (TOKIO_WORKER_THREADS sets them; with one, every write goes through the store's writer thread); {through}. CPU per turn: user and system CPU time of the serving processes (this one embedded; the servers and workers through servers) in the row's measured time, per completed turn; p50 fdatasync: 8 KiB overwrites on the store's filesystem for 0.5 s just before and 0.5 s just after each row, the median of both; p50 store sync: the store's own syncs (flush and fdatasync of its journal; fjall writes a lone append's journal record out, and starts the disk's write of it, at its commit, before the sync is timed) in the row; durable commits: the store's, per completed turn (in series at 1 session); the last column: turns/s over N × those of 1 worker process with the same servers",
+        "durable turns (fresh session, model → {} parallel tool{} → model{}), closed loop, {} s each after {} s of warm-up, model latency {} ms; embedded on a new {engines} store, closed and opened again as a restarted server finds it, with the default worker pool, in this process on {} tokio worker thread{} (TOKIO_WORKER_THREADS sets them; with one, every write goes through the store's writer thread); {through}. CPU per turn: user and system CPU time of the serving processes (this one embedded; the servers and workers through servers) in the row's measured time, per completed turn; p50 fdatasync: 8 KiB overwrites on the store's filesystem for 0.5 s just before and 0.5 s just after each row, the median of both; p50 store sync: the store's own syncs (flush and fdatasync of its journal; fjall writes a lone append's journal record out, and starts the disk's write of it, at its commit, before the sync is timed) in the row; durable commits: the store's, per completed turn (in series at 1 session); the last column: turns/s over N × those of 1 worker process with the same servers",
         args.parallel_tools,
         if args.parallel_tools == 1 { "" } else { "s" },
+        if args.tool_spec_bytes == 0 {
+            String::new()
+        } else {
+            let specs = bench::bench_tools(args.tool_spec_bytes);
+            let bytes = serde_json::to_vec(&specs).map_or(0, |json| json.len());
+            format!(", {} tools offered in {bytes} bytes of specs", specs.len())
+        },
         args.seconds,
         args.seconds / 10.0,
         args.model_latency_ms,
@@ -103,6 +112,7 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
             model_latency_ms: args.model_latency_ms,
             worker_concurrency: args.worker_concurrency,
             parallel_tools: args.parallel_tools,
+            tool_spec_bytes: args.tool_spec_bytes,
             stages: false,
         };
         if !args.no_embedded {

@@ -1155,6 +1155,42 @@ fn bench_parallel_tools_set_the_tool_calls_of_a_turn() {
     );
 }
 
+/// `cairn bench --tool-spec-bytes` offers the bench sessions' model more tools, whose specs
+/// the header counts; the turns still complete (the tools are never called).
+#[test]
+fn bench_tool_spec_bytes_offer_more_tools_and_say_so() {
+    let out = cairn(&[
+        "bench",
+        "--sessions",
+        "1",
+        "--seconds",
+        "0.3",
+        "--engine",
+        "fjall",
+        "--tool-spec-bytes",
+        "20000",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let offered = stdout
+        .split(" tools offered in ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|bytes| bytes.parse::<usize>().ok())
+        .unwrap_or_else(|| panic!("no count of the specs' bytes: {stdout}"));
+    assert!((20_000..24_000).contains(&offered), "{stdout}");
+    let row = bench_table_line(&stdout, "| embedded, fjall | 1 |");
+    assert!(row.iter().any(|cell| cell.ends_with("turns/s")), "{stdout}");
+
+    let refused = cairn(&["bench", "--goals", "--tool-spec-bytes", "1000"]);
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused.stderr).contains("cannot be used with"),
+        "{}",
+        text(&refused.stderr)
+    );
+}
+
 /// `cairn bench --stages` times one session's turns step by step on each engine: the store's
 /// syncs (five a turn, as its commits), the encoding and the writer before each, the
 /// activities (four a turn), each step's share and the marks covering about a turn's time;

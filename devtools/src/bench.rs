@@ -34,7 +34,7 @@ use crate::process::{start_and_wait, Process};
 use crate::scratch_database::ScratchDatabase;
 use anyhow::{bail, Context};
 use cairn_activities::ToolRegistry;
-use cairn_ledger::ModelSpec;
+use cairn_ledger::{ModelSpec, ToolSpec};
 use cairn_runtime::stages::{self, Recording, SlowTurns, Step};
 use cairn_runtime::store::embedded::{self, OpenMode, StorageEngine};
 use cairn_runtime::store::Store;
@@ -63,6 +63,10 @@ pub struct BenchConfig {
     /// Tool calls the model asks for at once, between its two calls ([`DEFAULT_PARALLEL_TOOLS`]
     /// in the README's workload).
     pub parallel_tools: usize,
+    /// About this many bytes of JSON of further tool specs offered to the model (never
+    /// called), beside the built-in ones: a coding agent's tool list is tens of kilobytes,
+    /// which a model task through a server carries ([`bench_tools`]).
+    pub tool_spec_bytes: usize,
     /// Record the marks on the turns' path ([`cairn_runtime::stages`]) in the measured
     /// window, embedded only; [`BenchResult::stages`] then holds their steps.
     pub stages: bool,
@@ -227,6 +231,31 @@ pub const DEFAULT_PARALLEL_TOOLS: usize = 2;
 /// The most tool calls at once `cairn bench --parallel-tools` takes.
 pub const MAX_PARALLEL_TOOLS: usize = 64;
 
+/// The tools a bench session offers: the built-in ones, and specs of tools never called
+/// whose JSON adds up to at least `extra_bytes` (none for 0), each with a description of
+/// about a kilobyte, as a coding agent's tools have.
+pub fn bench_tools(extra_bytes: usize) -> Arc<[ToolSpec]> {
+    let mut tools = ToolRegistry::builtin(".").specs();
+    let mut added = 0;
+    while added < extra_bytes {
+        let n = tools.len();
+        let spec = ToolSpec {
+            name: format!("offered_{n}"),
+            description: format!(
+                "Tool {n}, offered to the model and never called in the bench. {}",
+                "It stands for the long description a real agent's tool has. ".repeat(16)
+            ),
+            input_schema: cairn_ledger::JsonText::parse(
+                r#"{"type":"object","properties":{"path":{"type":"string","description":"A path in the working directory."}},"required":["path"]}"#,
+            )
+            .unwrap_or_else(|_| unreachable!("a constant schema")),
+        };
+        added += serde_json::to_vec(&spec).map_or(0, |json| json.len() + 1);
+        tools.push(spec);
+    }
+    tools.into()
+}
+
 /// The scripted turn: `tools` parallel calculator calls, then an answer. With two, the turn
 /// is the one every figure so far was measured on, byte for byte.
 fn script(latency_ms: u64, tools: usize) -> String {
@@ -375,7 +404,7 @@ async fn closed_loop(
     if clients.is_empty() {
         bail!("no client to run the bench turns on");
     }
-    let tools = ToolRegistry::builtin(".").specs();
+    let tools = bench_tools(config.tool_spec_bytes);
     let warmup = Duration::from_secs_f64(config.seconds / 10.0);
     let measured = Duration::from_secs_f64(config.seconds);
     let started = Instant::now();
@@ -761,5 +790,19 @@ mod tests {
             let refused = write_script(dir.path(), 0, tools).expect_err("out of range");
             assert!(refused.to_string().contains("1 to 64"), "{refused}");
         }
+    }
+
+    #[test]
+    fn offered_tools_add_the_bytes_asked_for() {
+        let json_len = |tools: &[ToolSpec]| serde_json::to_vec(tools).expect("json").len();
+        let builtin = bench_tools(0);
+        assert_eq!(builtin.len(), ToolRegistry::builtin(".").specs().len());
+        let offered = bench_tools(20_000);
+        let added = json_len(&offered) - json_len(&builtin);
+        assert!((20_000..22_000).contains(&added), "{added} bytes added");
+        let names: std::collections::BTreeSet<&str> =
+            offered.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names.len(), offered.len(), "names repeat");
+        assert!(offered.iter().any(|t| t.name == "calculator"));
     }
 }

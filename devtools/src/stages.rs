@@ -24,6 +24,7 @@ pub async fn measure(seconds: f64, engine: StorageEngine) -> anyhow::Result<Benc
         model_latency_ms: 0,
         worker_concurrency: 16,
         parallel_tools: bench::DEFAULT_PARALLEL_TOOLS,
+        tool_spec_bytes: 0,
         stages: true,
     };
     bench::embedded(&config, engine).await

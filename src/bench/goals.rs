@@ -69,6 +69,7 @@ async fn measure(
         model_latency_ms: 0,
         worker_concurrency: 16,
         parallel_tools: cairn_devtools::bench::DEFAULT_PARALLEL_TOOLS,
+        tool_spec_bytes: 0,
         stages: false,
     };
 

@@ -393,6 +393,16 @@ pub(crate) enum Command {
             conflicts_with_all = ["footprint", "goals", "parked", "stages"]
         )]
         parallel_tools: usize,
+        /// Offer the model further tools, never called, whose specs add about this many bytes
+        /// of JSON to the built-in ones (each with a description of about a kilobyte, as a
+        /// coding agent's tools have): what a model task carries grows with them.
+        #[arg(
+            long,
+            value_name = "BYTES",
+            default_value_t = 0,
+            conflicts_with_all = ["footprint", "goals", "parked", "stages"]
+        )]
+        tool_spec_bytes: usize,
         /// Storage engines of the embedded stores, each measured: fjall, sled (default: both).
         #[arg(long, value_delimiter = ',', value_parser = parse_engine)]
         engine: Vec<StorageEngine>,
