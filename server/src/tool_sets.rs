@@ -17,8 +17,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use utoipa::IntoParams;
 
-/// The digests remembered at most; past it the memo starts afresh.
+/// The sets remembered by address at most; past it that memo starts afresh.
 const MEMO_ENTRIES: usize = 1024;
+/// The distinct sets remembered by content at most, the oldest let go first.
+const RECENT_SETS: usize = 16;
 
 /// The header, as the OpenAPI document describes it.
 #[derive(Debug, IntoParams)]
@@ -75,14 +77,22 @@ impl KnownToolSets {
 /// The digests of the tool sets of sessions this server handed tasks of, by the set's
 /// address: a session's model tasks share its set ([`ActivityInput::Model`]'s `tools`), so
 /// its digest is computed once while the set is remembered. Each entry holds its set, so
-/// no other set can take its address while it is here. Cheap to clone.
+/// no other set can take its address while it is here. The last distinct sets are also
+/// remembered by content: the sessions of one application offer the same tools, each in
+/// a set of its own, and comparing a new session's set with them costs far less than
+/// writing it as JSON and hashing it. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct ToolSetDigests {
     memo: Arc<Mutex<Memo>>,
 }
 
-/// Each set remembered, by its address, with its digest.
-type Memo = HashMap<usize, (Arc<[ToolSpec]>, Arc<str>)>;
+#[derive(Default)]
+struct Memo {
+    /// Each set remembered, by its address, with its digest.
+    by_address: HashMap<usize, (Arc<[ToolSpec]>, Arc<str>)>,
+    /// The last distinct sets with their digests, the newest last.
+    recent: Vec<(Arc<[ToolSpec]>, Arc<str>)>,
+}
 
 impl ToolSetDigests {
     /// Gives the model tasks of `tasks` their tools' digest, and leaves out the tools of each
@@ -113,19 +123,43 @@ impl ToolSetDigests {
         }
     }
 
-    /// The digest of `tools`, remembered by the set's address.
+    /// The digest of `tools`: remembered by the set's address, or by its content, or
+    /// computed.
     fn digest(&self, tools: &Arc<[ToolSpec]>) -> Arc<str> {
         let address = Arc::as_ptr(tools).cast::<ToolSpec>() as usize;
-        if let Some((_, digest)) = self.lock().get(&address) {
-            return Arc::clone(digest);
-        }
-        let digest: Arc<str> = tool_set_digest(tools).into();
+        let known = {
+            let memo = self.lock();
+            if let Some((_, digest)) = memo.by_address.get(&address) {
+                return Arc::clone(digest);
+            }
+            memo.recent
+                .iter()
+                .rev()
+                .find(|(set, _)| **set == **tools)
+                .map(|(_, digest)| Arc::clone(digest))
+        };
+        let digest: Arc<str> = known.unwrap_or_else(|| {
+            let digest: Arc<str> = tool_set_digest(tools).into();
+            let mut memo = self.lock();
+            if memo.recent.len() >= RECENT_SETS {
+                memo.recent.remove(0);
+            }
+            memo.recent.push((Arc::clone(tools), Arc::clone(&digest)));
+            digest
+        });
         let mut memo = self.lock();
-        if memo.len() >= MEMO_ENTRIES {
-            memo.clear();
+        if memo.by_address.len() >= MEMO_ENTRIES {
+            memo.by_address.clear();
         }
-        memo.insert(address, (Arc::clone(tools), Arc::clone(&digest)));
+        memo.by_address
+            .insert(address, (Arc::clone(tools), Arc::clone(&digest)));
         digest
+    }
+
+    /// How many distinct sets are remembered by content.
+    #[cfg(test)]
+    fn recent_sets(&self) -> usize {
+        self.lock().recent.len()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Memo> {
@@ -182,6 +216,27 @@ mod tests {
         // The digest of the JSON `[]`: the form is SHA-256's, so a worker's digests from one
         // server version hold for the next.
         assert_eq!(tool_set_digest(&[]), "4f53cda18c2baa0c0354bb5f9a3ecbe5");
+    }
+
+    #[test]
+    fn a_set_equal_to_one_seen_gets_its_digest_without_a_new_entry() {
+        let digests = ToolSetDigests::default();
+        let first = specs(&["read", "write"]);
+        let same = specs(&["read", "write"]);
+        assert!(!Arc::ptr_eq(&first, &same));
+        let digest = digests.digest(&first);
+        assert_eq!(&*digest, tool_set_digest(&first));
+        assert_eq!(digests.digest(&same), digest);
+        assert_eq!(digests.digest(&first), digest);
+        assert_eq!(digests.recent_sets(), 1, "one distinct set");
+        let other = specs(&["read"]);
+        assert_eq!(&*digests.digest(&other), tool_set_digest(&other));
+        assert_eq!(digests.recent_sets(), 2);
+        for n in 0..RECENT_SETS * 2 {
+            digests.digest(&specs(&[&format!("t{n}")]));
+        }
+        assert_eq!(digests.recent_sets(), RECENT_SETS, "bounded");
+        assert_eq!(digests.digest(&specs(&["read", "write"])), digest);
     }
 
     #[test]
