@@ -79,6 +79,14 @@ async fn worker_post(
     .await
 }
 
+/// The first task a lease request listing `tool_sets` gets, waiting for it.
+async fn lease_listing(http: &reqwest::Client, server: &Server, tool_sets: &str) -> Value {
+    let body = json!({"max": 1, "wait_ms": 30000, "lease_ms": 30000});
+    let leased = worker_post(http, server, "/v1/worker/lease", Some(tool_sets), body).await;
+    assert_eq!(leased.status, StatusCode::OK, "{}", leased.body);
+    leased.body["tasks"][0].clone()
+}
+
 fn model_input(task: &Value) -> &Value {
     let input = &task["input"]["model"];
     assert!(input.is_object(), "a model task: {task}");
@@ -93,13 +101,11 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
     let calculator = serde_json::to_value(Calculator.spec()).unwrap();
     let tools = json!([calculator, serde_json::to_value(long_spec("read")).unwrap()]);
     start_turn(&http, &server, "kept", &tools).await;
-    let lease = json!({"max": 1, "wait_ms": 30000, "lease_ms": 30000});
+    let lease_body = json!({"max": 1, "wait_ms": 30000, "lease_ms": 30000});
     let next = json!({"max": 1, "lease_ms": 30000});
 
     // A worker that keeps sets and holds none yet: the tools whole, with their digest.
-    let leased = worker_post(&http, &server, "/v1/worker/lease", Some(""), lease.clone()).await;
-    assert_eq!(leased.status, StatusCode::OK, "{}", leased.body);
-    let first = &leased.body["tasks"][0];
+    let first = &lease_listing(&http, &server, "").await;
     let input = model_input(first);
     assert_eq!(input["tools"], tools, "{first}");
     assert!(input.get("tools_omitted").is_none(), "{first}");
@@ -182,15 +188,7 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
     // Another session with the same tools: the same digest, so a worker holding it is
     // not sent them; a worker that does not send the header gets them whole, as before.
     start_turn(&http, &server, "same-tools", &tools).await;
-    let leased = worker_post(
-        &http,
-        &server,
-        "/v1/worker/lease",
-        Some(&digest),
-        lease.clone(),
-    )
-    .await;
-    let task = &leased.body["tasks"][0];
+    let task = &lease_listing(&http, &server, &digest).await;
     assert_eq!(model_input(task)["tools"], json!([]), "{task}");
     assert_eq!(model_input(task)["tools_digest"], digest.as_str(), "{task}");
     let relapsed = worker_post(
@@ -219,15 +217,7 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
 
     // A session with other tools: another digest.
     start_turn(&http, &server, "other-tools", &json!([calculator])).await;
-    let leased = worker_post(
-        &http,
-        &server,
-        "/v1/worker/lease",
-        Some(&digest),
-        lease.clone(),
-    )
-    .await;
-    let task = &leased.body["tasks"][0];
+    let task = &lease_listing(&http, &server, &digest).await;
     assert_eq!(model_input(task)["tools"], json!([calculator]), "{task}");
     let other_digest = model_input(task)["tools_digest"].as_str().expect("digest");
     assert_ne!(other_digest, digest);
@@ -238,8 +228,14 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
         &format!("{digest},"),
         &digest.to_uppercase(),
     ] {
-        let refused =
-            worker_post(&http, &server, "/v1/worker/lease", Some(bad), lease.clone()).await;
+        let refused = worker_post(
+            &http,
+            &server,
+            "/v1/worker/lease",
+            Some(bad),
+            lease_body.clone(),
+        )
+        .await;
         assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
         assert_eq!(refused.code(), "invalid_request", "{}", refused.body);
         let message = refused.body["error"]["message"].as_str().unwrap();

@@ -8,7 +8,7 @@
 
 use cairn_ledger::ToolSpec;
 use cairn_runtime::wire::{is_tool_set_digest, MAX_TOOL_SETS_LISTED};
-use cairn_runtime::{ActivityInput, LeasedTask};
+use cairn_runtime::LeasedTask;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
@@ -60,24 +60,18 @@ impl ToolSetCache {
         let mut missing = Vec::new();
         let mut kept = None;
         for (i, task) in tasks.iter_mut().enumerate() {
-            let ActivityInput::Model {
-                tools,
-                tools_digest,
-                tools_omitted,
-                ..
-            } = &mut task.input
-            else {
+            let Some(set) = task.input.tool_set_mut() else {
                 continue;
             };
-            if !*tools_omitted && tools_digest.is_none() {
+            if !*set.omitted && set.digest.is_none() {
                 continue;
             }
             let kept = kept.get_or_insert_with(|| self.lock());
-            match (tools_digest.as_deref(), *tools_omitted) {
+            match (set.digest.as_deref(), *set.omitted) {
                 (Some(digest), true) => match kept.sets.get(digest) {
-                    Some(set) => {
-                        *tools = Arc::clone(set);
-                        *tools_omitted = false;
+                    Some(tools) => {
+                        *set.tools = Arc::clone(tools);
+                        *set.omitted = false;
                     }
                     None => missing.push(i),
                 },
@@ -85,7 +79,7 @@ impl ToolSetCache {
                 (None, true) => missing.push(i),
                 (Some(digest), false) => {
                     if is_tool_set_digest(digest) && !kept.sets.contains_key(digest) {
-                        kept.keep(digest.to_owned(), Arc::clone(tools));
+                        kept.keep(digest.to_owned(), Arc::clone(set.tools));
                     }
                 }
                 (None, false) => {}

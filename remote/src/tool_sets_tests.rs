@@ -4,7 +4,7 @@
 use super::*;
 use cairn_ledger::{JsonText, ModelSpec};
 use cairn_runtime::wire::parse_tool_sets;
-use cairn_runtime::{ActivityRef, ActivityTimeouts, Lease, TaskId, TaskKind};
+use cairn_runtime::{ActivityInput, ActivityRef, ActivityTimeouts, Lease, TaskId, TaskKind};
 
 fn set(name: &str) -> Arc<[ToolSpec]> {
     Arc::new([ToolSpec {

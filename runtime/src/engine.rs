@@ -109,7 +109,7 @@ pub enum ActivityInput {
         /// Tools offered, shared with the session's state (not copied per call). Empty on
         /// the wire when `tools_omitted` says the worker keeps them.
         tools: Arc<[ToolSpec]>,
-        /// The tools' digest ([`crate::wire::tool_set_digest`]), which a worker that keeps
+        /// The tools' digest (the first 128 bits of the SHA-256 of their JSON), which a worker that keeps
         /// tool sets keeps them under: set only by a server answering such a worker
         /// ([`crate::wire::TOOL_SETS_HEADER`]), for a non-empty set.
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -147,6 +147,37 @@ pub enum ActivityInput {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         file_versions: Vec<cairn_ledger::file_versions::FileVersion>,
     },
+}
+
+/// A model task's tool set as the wire carries it ([`ActivityInput::Model`]'s `tools`,
+/// `tools_digest` and `tools_omitted`), to change in place: a server leaves out a set a
+/// worker keeps, the worker fills it in.
+pub struct ToolSetFields<'a> {
+    /// The tools, empty when left out.
+    pub tools: &'a mut Arc<[ToolSpec]>,
+    /// The set's digest, when a server named it.
+    pub digest: &'a mut Option<String>,
+    /// Whether the tools were left out.
+    pub omitted: &'a mut bool,
+}
+
+impl ActivityInput {
+    /// A model task's tool set fields; `None` for a tool task.
+    pub fn tool_set_mut(&mut self) -> Option<ToolSetFields<'_>> {
+        match self {
+            ActivityInput::Model {
+                tools,
+                tools_digest,
+                tools_omitted,
+                ..
+            } => Some(ToolSetFields {
+                tools,
+                digest: tools_digest,
+                omitted: tools_omitted,
+            }),
+            ActivityInput::Tool { .. } => None,
+        }
+    }
 }
 
 /// What a worker reports for a leased task.

@@ -11,7 +11,7 @@ use crate::errors::ApiError;
 use axum::http::HeaderMap;
 use cairn_ledger::ToolSpec;
 use cairn_runtime::wire::{parse_tool_sets, TOOL_SETS_HEADER};
-use cairn_runtime::{ActivityInput, LeasedTask};
+use cairn_runtime::LeasedTask;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -75,7 +75,7 @@ impl KnownToolSets {
 }
 
 /// The digests of the tool sets of sessions this server handed tasks of, by the set's
-/// address: a session's model tasks share its set ([`ActivityInput::Model`]'s `tools`), so
+/// address: a session's model tasks share its set ([`cairn_runtime::ActivityInput::Model`]'s `tools`), so
 /// its digest is computed once while the set is remembered. Each entry holds its set, so
 /// no other set can take its address while it is here. The last distinct sets are also
 /// remembered by content: the sessions of one application offer the same tools, each in
@@ -102,24 +102,18 @@ impl ToolSetDigests {
             return;
         }
         for task in tasks {
-            let ActivityInput::Model {
-                tools,
-                tools_digest,
-                tools_omitted,
-                ..
-            } = &mut task.input
-            else {
+            let Some(set) = task.input.tool_set_mut() else {
                 continue;
             };
-            if tools.is_empty() || *tools_omitted {
+            if set.tools.is_empty() || *set.omitted {
                 continue;
             }
-            let digest = self.digest(tools);
+            let digest = self.digest(set.tools);
             if known.digests.iter().any(|d| **d == *digest) {
-                *tools = Arc::new([]);
-                *tools_omitted = true;
+                *set.tools = Arc::new([]);
+                *set.omitted = true;
             }
-            *tools_digest = Some(digest.to_string());
+            *set.digest = Some(digest.to_string());
         }
     }
 
