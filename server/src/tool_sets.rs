@@ -14,7 +14,7 @@ use cairn_runtime::wire::{parse_tool_sets, TOOL_SETS_HEADER};
 use cairn_runtime::LeasedTask;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use utoipa::IntoParams;
 
 /// The sets remembered by address at most; past it that memo starts afresh.
@@ -76,8 +76,9 @@ impl KnownToolSets {
 
 /// The digests of the tool sets of sessions this server handed tasks of, by the set's
 /// address: a session's model tasks share its set ([`cairn_runtime::ActivityInput::Model`]'s `tools`), so
-/// its digest is computed once while the set is remembered. Each entry holds its set, so
-/// no other set can take its address while it is here. The last distinct sets are also
+/// its digest is computed once while the set is remembered. Each entry holds a weak
+/// reference to its set: the set's specs go with its last session, but its allocation stays
+/// while the entry does, so no other set can take its address. The last distinct sets are also
 /// remembered by content: the sessions of one application offer the same tools, each in
 /// a set of its own, and comparing a new session's set with them costs far less than
 /// writing it as JSON and hashing it. Cheap to clone.
@@ -89,7 +90,7 @@ pub struct ToolSetDigests {
 #[derive(Default)]
 struct Memo {
     /// Each set remembered, by its address, with its digest.
-    by_address: HashMap<usize, (Arc<[ToolSpec]>, Arc<str>)>,
+    by_address: HashMap<usize, (Weak<[ToolSpec]>, Arc<str>)>,
     /// The last distinct sets with their digests, the newest last.
     recent: Vec<(Arc<[ToolSpec]>, Arc<str>)>,
 }
@@ -146,7 +147,7 @@ impl ToolSetDigests {
             memo.by_address.clear();
         }
         memo.by_address
-            .insert(address, (Arc::clone(tools), Arc::clone(&digest)));
+            .insert(address, (Arc::downgrade(tools), Arc::clone(&digest)));
         digest
     }
 
@@ -231,6 +232,27 @@ mod tests {
         }
         assert_eq!(digests.recent_sets(), RECENT_SETS, "bounded");
         assert_eq!(digests.digest(&specs(&["read", "write"])), digest);
+    }
+
+    #[test]
+    fn a_set_no_session_holds_is_not_kept_alive_by_the_memo() {
+        let digests = ToolSetDigests::default();
+        let set = specs(&["long"]);
+        let address = Arc::as_ptr(&set).cast::<ToolSpec>() as usize;
+        let digest = digests.digest(&set);
+        // Pushed out of the sets remembered by content by newer ones.
+        for n in 0..RECENT_SETS {
+            digests.digest(&specs(&[&format!("t{n}")]));
+        }
+        drop(set);
+        let memo = digests.lock();
+        let (weak, remembered) = memo.by_address.get(&address).expect("remembered");
+        assert_eq!(*remembered, digest);
+        assert_eq!(
+            weak.strong_count(),
+            0,
+            "its specs are gone with its last holder"
+        );
     }
 
     #[test]
