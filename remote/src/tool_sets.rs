@@ -2,12 +2,18 @@
 //! brought, by the digest the server named them with; the header that lists them on the lease
 //! and report requests; and a model task's tools, left out by the server, filled in again.
 //!
-//! The sets kept are bounded ([`MAX_TOOL_SETS_LISTED`], the oldest going first): a set the
-//! worker let go between listing it and the answer leaves its task to be fetched whole again
-//! (`POST /v1/worker/input`, which the caller does).
+//! The sets kept are bounded: the header lists the [`MAX_TOOL_SETS_LISTED`] used last, and
+//! twice as many are kept, the one used longest ago let go first. A set listed in a request
+//! is then let go before its answer comes only if more new sets came meanwhile than the
+//! header lists; its task is then fetched whole again (`POST /v1/worker/input`, which the
+//! caller does).
 
 use cairn_ledger::ToolSpec;
 use cairn_runtime::wire::{is_tool_set_digest, MAX_TOOL_SETS_LISTED};
+
+/// The sets kept at most: twice those listed, so that a set listed in a request is still
+/// kept when its answer comes.
+const KEPT_SETS: usize = 2 * MAX_TOOL_SETS_LISTED;
 use cairn_runtime::LeasedTask;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -19,9 +25,10 @@ pub(crate) struct ToolSetCache {
 
 struct Kept {
     sets: HashMap<String, Arc<[ToolSpec]>>,
-    /// The digests in the order their sets came, the oldest first.
+    /// The digests in the order their sets were last used (came or filled a task in), the
+    /// longest ago first.
     order: VecDeque<String>,
-    /// The header's value listing them, made again when they change.
+    /// The header's value listing those used last, made again when they change.
     header: Arc<str>,
 }
 
@@ -72,6 +79,7 @@ impl ToolSetCache {
                     Some(tools) => {
                         *set.tools = Arc::clone(tools);
                         *set.omitted = false;
+                        kept.used(digest);
                     }
                     None => missing.push(i),
                 },
@@ -91,16 +99,36 @@ impl ToolSetCache {
 
 impl Kept {
     fn keep(&mut self, digest: String, set: Arc<[ToolSpec]>) {
-        while self.order.len() >= MAX_TOOL_SETS_LISTED {
+        while self.order.len() >= KEPT_SETS {
             if let Some(oldest) = self.order.pop_front() {
                 self.sets.remove(&oldest);
             }
         }
         self.order.push_back(digest.clone());
         self.sets.insert(digest, set);
+        self.list();
+    }
+
+    /// `digest`'s set was used: it goes last in the order (unless it is there already).
+    fn used(&mut self, digest: &str) {
+        if self.order.back().is_some_and(|last| last == digest) {
+            return;
+        }
+        if let Some(at) = self.order.iter().position(|d| d == digest) {
+            if let Some(moved) = self.order.remove(at) {
+                self.order.push_back(moved);
+                self.list();
+            }
+        }
+    }
+
+    /// Makes the header again: the sets used last.
+    fn list(&mut self) {
+        let skip = self.order.len().saturating_sub(MAX_TOOL_SETS_LISTED);
         self.header = Arc::from(
             self.order
                 .iter()
+                .skip(skip)
                 .map(String::as_str)
                 .collect::<Vec<_>>()
                 .join(","),

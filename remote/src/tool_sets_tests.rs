@@ -87,22 +87,25 @@ fn a_set_sent_whole_is_kept_and_fills_the_tasks_that_leave_it_out() {
 }
 
 #[test]
-fn a_set_not_kept_is_reported_missing_and_the_oldest_go_first() {
+fn a_set_not_kept_is_reported_missing_and_the_one_used_longest_ago_goes_first() {
     let cache = ToolSetCache::default();
-    let mut tasks: Vec<LeasedTask> = (0..MAX_TOOL_SETS_LISTED + 2)
+    let kept = 2 * MAX_TOOL_SETS_LISTED;
+    let mut tasks: Vec<LeasedTask> = (0..kept + 2)
         .map(|n| model_task(set(&format!("t{n}")), Some(digest(n)), false))
         .collect();
     // A task without a digest (a server that does not name sets) is left as it came.
     tasks.push(model_task(set("plain"), None, false));
     assert!(cache.fill(&mut tasks).is_empty());
-    assert_eq!(cache.len(), MAX_TOOL_SETS_LISTED);
+    assert_eq!(cache.len(), kept, "the two oldest went");
     let header = cache.header();
     let listed = parse_tool_sets(&header).expect("a header the server takes");
-    assert_eq!(listed.len(), MAX_TOOL_SETS_LISTED);
-    assert_eq!(listed[0], digest(2), "the two oldest went first");
+    assert_eq!(listed.len(), MAX_TOOL_SETS_LISTED, "the sets used last");
+    assert_eq!(listed[0], digest(kept + 2 - MAX_TOOL_SETS_LISTED));
+    assert_eq!(*listed.last().unwrap(), digest(kept + 1));
 
     let mut asked = vec![
         model_task(Arc::new([]), Some(digest(0)), true),
+        // Kept though no longer listed: filled in, and used last now.
         model_task(Arc::new([]), Some(digest(5)), true),
         // Left out without a digest (a server's mistake): fetched whole too, never run
         // without its tools.
@@ -111,6 +114,22 @@ fn a_set_not_kept_is_reported_missing_and_the_oldest_go_first() {
     assert_eq!(cache.fill(&mut asked), vec![0, 2]);
     assert!(tools_of(&asked[0]).1, "still to be fetched");
     assert_eq!(tools_of(&asked[1]).0[0].name, "t5");
+    let header = cache.header();
+    let listed = parse_tool_sets(&header).unwrap();
+    assert_eq!(*listed.last().unwrap(), digest(5), "{header}");
+    assert_eq!(listed.len(), MAX_TOOL_SETS_LISTED);
+
+    // Every set a request listed is still kept after as many new sets as it listed came.
+    let listed: Vec<String> = listed.into_iter().map(str::to_owned).collect();
+    let mut newer: Vec<LeasedTask> = (0..MAX_TOOL_SETS_LISTED)
+        .map(|n| model_task(set("new"), Some(digest(1000 + n)), false))
+        .collect();
+    assert!(cache.fill(&mut newer).is_empty());
+    let mut answered: Vec<LeasedTask> = listed
+        .iter()
+        .map(|d| model_task(Arc::new([]), Some(d.clone()), true))
+        .collect();
+    assert!(cache.fill(&mut answered).is_empty());
 }
 
 #[test]
