@@ -194,12 +194,12 @@ impl HttpTaskSource {
                 }
             }
         }
-        let mut i = 0;
-        tasks.retain(|_| {
-            i += 1;
-            !lost.contains(&(i - 1))
-        });
         tasks
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| !lost.contains(i))
+            .map(|(_, task)| task)
+            .collect()
     }
 
     /// How many leases this source keeps an expiry of.

@@ -10,13 +10,13 @@
 
 use cairn_ledger::ToolSpec;
 use cairn_runtime::wire::{is_tool_set_digest, MAX_TOOL_SETS_LISTED};
+use cairn_runtime::LeasedTask;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 
 /// The sets kept at most: twice those listed, so that a set listed in a request is still
 /// kept when its answer comes.
 const KEPT_SETS: usize = 2 * MAX_TOOL_SETS_LISTED;
-use cairn_runtime::LeasedTask;
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
 
 /// The tool sets this worker keeps.
 pub(crate) struct ToolSetCache {
@@ -49,7 +49,7 @@ impl ToolSetCache {
         self.kept.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The value of the header: the digests of the sets kept, comma-separated.
+    /// The value of the header: the digests of the sets used last, comma-separated.
     pub(crate) fn header(&self) -> Arc<str> {
         Arc::clone(&self.lock().header)
     }

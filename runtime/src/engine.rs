@@ -109,9 +109,9 @@ pub enum ActivityInput {
         /// Tools offered, shared with the session's state (not copied per call). Empty on
         /// the wire when `tools_omitted` says the worker keeps them.
         tools: Arc<[ToolSpec]>,
-        /// The tools' digest (the first 128 bits of the SHA-256 of their JSON), which a worker that keeps
-        /// tool sets keeps them under: set only by a server answering such a worker
-        /// ([`crate::wire::TOOL_SETS_HEADER`]), for a non-empty set.
+        /// The tools' digest (the first 128 bits of the SHA-256 of their JSON), which a
+        /// worker that keeps tool sets keeps them under: set only by a server answering such
+        /// a worker ([`crate::wire::TOOL_SETS_HEADER`]), for a non-empty set.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         tools_digest: Option<String>,
         /// `tools` were left out (sent empty): they are the set `tools_digest` names, which

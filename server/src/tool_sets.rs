@@ -75,13 +75,14 @@ impl KnownToolSets {
 }
 
 /// The digests of the tool sets of sessions this server handed tasks of, by the set's
-/// address: a session's model tasks share its set ([`cairn_runtime::ActivityInput::Model`]'s `tools`), so
-/// its digest is computed once while the set is remembered. Each entry holds a weak
-/// reference to its set: the set's specs go with its last session, but its allocation stays
-/// while the entry does, so no other set can take its address. The last distinct sets are also
-/// remembered by content: the sessions of one application offer the same tools, each in
-/// a set of its own, and comparing a new session's set with them costs far less than
-/// writing it as JSON and hashing it. Cheap to clone.
+/// address: a session's model tasks share its set
+/// ([`cairn_runtime::ActivityInput::Model`]'s `tools`), so its digest is computed once while
+/// the set is remembered. Each entry holds a weak reference to its set: the set's specs go
+/// with its last session, but its allocation stays while the entry does, so no other set
+/// can take its address. The last distinct sets are also remembered by content: the
+/// sessions of one application offer the same tools, each in a set of its own, and
+/// comparing a new session's set with them costs far less than writing it as JSON and
+/// hashing it. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct ToolSetDigests {
     memo: Arc<Mutex<Memo>>,
