@@ -371,6 +371,10 @@ impl Store for PgStore {
         tasks::list(&self.pool).await
     }
 
+    async fn task(&self, id: &TaskId) -> Result<Option<Task>> {
+        tasks::get(&self.pool, id).await
+    }
+
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
         tasks::release(&self.pool, now_ms).await
     }

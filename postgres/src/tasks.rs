@@ -228,6 +228,30 @@ pub(crate) async fn list(pool: &PgPool) -> Result<Vec<Task>> {
     rows.iter().map(rows::task).collect()
 }
 
+/// The task of this id, if it is queued: one row by its primary key. Reads only.
+pub(crate) async fn get(pool: &PgPool, id: &TaskId) -> Result<Option<Task>> {
+    // No task of an id that cannot be a session's, or of a seq PostgreSQL cannot hold, was
+    // ever stored.
+    let Ok(seq) = to_db("scheduled seq", id.scheduled_seq) else {
+        return Ok(None);
+    };
+    if check_session_id(&id.session_id).is_err() {
+        return Ok(None);
+    }
+    let row = retrying("reading a task", || async {
+        Ok(sqlx::query(&format!(
+            "SELECT {TASK_COLUMNS} FROM cairn_tasks \
+             WHERE session_id = $1 AND scheduled_seq = $2"
+        ))
+        .bind(&id.session_id)
+        .bind(seq)
+        .fetch_optional(pool)
+        .await?)
+    })
+    .await?;
+    row.as_ref().map(rows::task).transpose()
+}
+
 /// Releases every leased task, current or lapsed (the memory store's `released_visibility`):
 /// no longer held, visible at the earlier of its expiry and now, its lease attempt kept.
 pub(crate) async fn release(pool: &PgPool, now_ms: u64) -> Result<usize> {

@@ -38,6 +38,7 @@ each_check!(
     complete_after_expiry_is_lost,
     complete_several_tasks_in_one_append,
     cancel_removes_tasks,
+    a_task_is_looked_up_by_id,
     extend_lease,
     release_leases_keeps_attempts,
     lease_filters_by_queue_target_session_and_namespace,

@@ -118,6 +118,9 @@ impl Store for GatedStore {
         self.after_listing.run_once().await;
         Ok(tasks)
     }
+    async fn task(&self, id: &TaskId) -> Result<Option<Task>> {
+        self.inner.task(id).await
+    }
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
         self.inner.release_leases(now_ms).await
     }

@@ -135,24 +135,22 @@ async fn wait_for_leases(engine: &Engine, limit: Duration) {
     loop {
         let now = engine.now_ms();
         let here: std::collections::BTreeSet<_> = engine.leases_held_here().into_iter().collect();
-        let held = if here.is_empty() {
-            0
-        } else {
-            match engine.store().list_tasks().await {
-                Ok(tasks) => tasks
-                    .iter()
-                    .filter(|t| {
-                        t.held
-                            && t.visible_at_ms > now
-                            && here.contains(&(t.id.clone(), t.lease_attempt))
-                    })
-                    .count(),
+        let mut held = 0;
+        for (id, lease_attempt) in &here {
+            match engine.store().task(id).await {
+                Ok(Some(t))
+                    if t.held && t.visible_at_ms > now && t.lease_attempt == *lease_attempt =>
+                {
+                    held += 1;
+                }
+                Ok(_) => {}
                 Err(e) => {
-                    warn!(error = %e, "cannot list the held leases while draining");
-                    0
+                    warn!(error = %e, "cannot read the held leases while draining");
+                    held = 0;
+                    break;
                 }
             }
-        };
+        }
         if held == 0 {
             return;
         }

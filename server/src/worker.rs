@@ -233,20 +233,16 @@ pub async fn input(
         )
     };
     // The store answers for a lease only through a heartbeat, which would renew it; so look
-    // the task up (this route is for recovery, not for every task).
+    // the task up by its key (a worker's fallback when it no longer holds a task's tool set).
     let now = state.engine.now_ms();
-    let tasks = state
+    let task = state
         .engine
         .store()
-        .list_tasks()
+        .task(&lease.id)
         .await
         .map_err(ApiError::from_store)?;
-    let current = tasks.iter().any(|t| {
-        t.id == lease.id
-            && t.lease_attempt == lease.lease_attempt
-            && t.held
-            && t.visible_at_ms > now
-    });
+    let current = task
+        .is_some_and(|t| t.lease_attempt == lease.lease_attempt && t.held && t.visible_at_ms > now);
     if !current {
         return Err(lost(
             "it is not current (lapsed, superseded, completed or cancelled)",

@@ -72,6 +72,7 @@ pub async fn run_all<S: Store>(
     complete_after_expiry_is_lost(&fresh()).await;
     complete_several_tasks_in_one_append(&fresh()).await;
     cancel_removes_tasks(&fresh()).await;
+    a_task_is_looked_up_by_id(&fresh()).await;
     extend_lease(&fresh()).await;
     release_leases_keeps_attempts(&fresh()).await;
     lease_filters_by_queue_target_session_and_namespace(&fresh()).await;
@@ -223,11 +224,29 @@ async fn sessions(store: &dyn Store) -> Vec<SessionInfo> {
         .unwrap_or_else(|e| panic!("list_sessions must succeed, got {e:?}"))
 }
 
+/// Every queued task, as `list_tasks` lists it; checks on the way that `task` looks up each
+/// of them as listed, so that every check's states test the lookup too.
 async fn tasks(store: &dyn Store) -> Vec<Task> {
-    store
+    let listed = store
         .list_tasks()
         .await
-        .unwrap_or_else(|e| panic!("list_tasks must succeed, got {e:?}"))
+        .unwrap_or_else(|e| panic!("list_tasks must succeed, got {e:?}"));
+    for task in &listed {
+        assert_eq!(
+            looked_up(store, &task.id).await.as_ref(),
+            Some(task),
+            "task({}) must give the task as list_tasks lists it",
+            task.id
+        );
+    }
+    listed
+}
+
+async fn looked_up(store: &dyn Store, id: &TaskId) -> Option<Task> {
+    store
+        .task(id)
+        .await
+        .unwrap_or_else(|e| panic!("task({id}) must succeed, got {e:?}"))
 }
 
 async fn lease(store: &dyn Store, now_ms: u64, lease_ms: u64, max: usize) -> Vec<Lease> {
@@ -904,6 +923,93 @@ pub async fn complete_with_current_lease(store: &dyn Store) {
         sessions(store).await,
         vec![session(s, SessionStatus::Idle, 2, 70)]
     );
+}
+
+/// `task` looks one task up by id as `list_tasks` lists it, through its lease, heartbeat and
+/// release, and answers `None` for a task never queued, one of another session or seq, an id
+/// no session can have, and a task once completed or cancelled.
+pub async fn a_task_is_looked_up_by_id(store: &dyn Store) {
+    let s = "lookup";
+    let (t1, t2) = (task_id(s, 1), task_id(s, 2));
+    assert_eq!(looked_up(store, &t1).await, None, "nothing queued yet");
+    let mut request = append_request(s, 1, vec![message(s, 1, "a")], 0);
+    request.enqueue = vec![
+        new_task(&t1, TaskKind::Model, 0),
+        new_task(&t2, TaskKind::Tool, 5_000),
+    ];
+    must_append(store, request, "enqueue two tasks").await;
+    assert_eq!(
+        looked_up(store, &t1).await,
+        Some(Task {
+            id: t1.clone(),
+            kind: TaskKind::Model,
+            ..unleased()
+        }),
+        "a queued task, never leased"
+    );
+    for absent in [
+        task_id(s, 3),
+        task_id("lookup-other", 1),
+        task_id("not a session id", 1),
+        task_id(s, u64::MAX),
+    ] {
+        assert_eq!(
+            looked_up(store, &absent).await,
+            None,
+            "{absent} was never queued"
+        );
+    }
+    assert_eq!(
+        lease_ids(&lease(store, 10, 100, 10).await),
+        vec![(t1.clone(), 1, 110)]
+    );
+    store
+        .extend_lease(&t1, 1, 20, 100, Some(json(r#"{"step":1}"#)))
+        .await
+        .unwrap_or_else(|e| panic!("the heartbeat of a current lease must succeed, got {e:?}"));
+    assert_eq!(
+        looked_up(store, &t1).await,
+        Some(Task {
+            id: t1.clone(),
+            kind: TaskKind::Model,
+            visible_at_ms: 120,
+            lease_attempt: 1,
+            held: true,
+            heartbeat_details: Some(json(r#"{"step":1}"#)),
+            ..unleased()
+        }),
+        "a leased task: its expiry, attempt, holder and heartbeat"
+    );
+    assert_eq!(store.release_leases(30).await.ok(), Some(1));
+    let released = looked_up(store, &t1)
+        .await
+        .expect("a released task stays queued");
+    assert_eq!(
+        (
+            released.lease_attempt,
+            released.held,
+            released.visible_at_ms
+        ),
+        (1, false, 30),
+        "released: the attempt kept, no longer held, visible now"
+    );
+    let leased = lease(store, 40, 100, 1).await;
+    assert_eq!(lease_ids(&leased), vec![(t1.clone(), 2, 140)]);
+    let mut request = append_request(s, 2, vec![message(s, 2, "result")], 50);
+    request.complete = vec![(t1.clone(), 2)];
+    request.cancel = vec![t2.clone()];
+    must_append(store, request, "complete one task, cancel the other").await;
+    assert_eq!(
+        looked_up(store, &t1).await,
+        None,
+        "a completed task is gone"
+    );
+    assert_eq!(
+        looked_up(store, &t2).await,
+        None,
+        "a cancelled task is gone"
+    );
+    assert_eq!(tasks(store).await, vec![]);
 }
 
 /// Completing with a stale lease attempt (or an unknown task) is `LeaseLost` and writes
@@ -2243,6 +2349,7 @@ mod tests {
         complete_after_expiry_is_lost,
         complete_several_tasks_in_one_append,
         cancel_removes_tasks,
+        a_task_is_looked_up_by_id,
         extend_lease,
         release_leases_keeps_attempts,
         lease_filters_by_queue_target_session_and_namespace,

@@ -34,7 +34,7 @@ struct Faults {
     sessions: BTreeSet<String>,
     /// Appends matching the filter fail, this many more times.
     matching: Option<(u64, AppendFilter)>,
-    /// Reads (`read_history`, `list_sessions`, `list_tasks`) fail.
+    /// Reads (`read_history`, `list_sessions`, `list_tasks`, `task`) fail.
     reads: bool,
     /// Lease writes (`lease_tasks`, `extend_lease`, `release_leases`) fail.
     leases: bool,
@@ -102,7 +102,7 @@ impl<S: Store> FaultyStore<S> {
         self.faults().matching = Some((times, Arc::new(filter)));
     }
 
-    /// Reads (`read_history`, `list_sessions`, `list_tasks`) fail with an `Error::Store`.
+    /// Reads (`read_history`, `list_sessions`, `list_tasks`, `task`) fail with an `Error::Store`.
     pub fn fail_reads(&self) {
         self.faults().reads = true;
     }
@@ -298,6 +298,11 @@ impl<S: Store> Store for FaultyStore<S> {
     async fn list_tasks(&self) -> Result<Vec<Task>> {
         self.read_fault()?;
         self.inner.list_tasks().await
+    }
+
+    async fn task(&self, id: &TaskId) -> Result<Option<Task>> {
+        self.read_fault()?;
+        self.inner.task(id).await
     }
 
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {

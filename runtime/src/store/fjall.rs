@@ -1719,6 +1719,18 @@ impl Store for FjallStore {
         Ok(out)
     }
 
+    async fn task(&self, id: &TaskId) -> Result<Option<Task>> {
+        let h = self.handles()?;
+        match h
+            .tasks
+            .get(task_key(id))
+            .map_err(|e| fjall_error(&self.path, "reading the tasks keyspace", &e))?
+        {
+            Some(bytes) => decode_task(id, &bytes, SPACE).map(Some),
+            None => Ok(None),
+        }
+    }
+
     async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
         self.writes.delete(session_id, now_ms).await
     }

@@ -550,6 +550,10 @@ impl Store for MarkedStore {
         self.inner.list_tasks().await
     }
 
+    async fn task(&self, id: &TaskId) -> Result<Option<Task>> {
+        self.inner.task(id).await
+    }
+
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
         self.inner.release_leases(now_ms).await
     }

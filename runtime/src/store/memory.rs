@@ -307,6 +307,10 @@ impl Store for MemoryStore {
         Ok(self.lock()?.tasks.values().cloned().collect())
     }
 
+    async fn task(&self, id: &TaskId) -> Result<Option<Task>> {
+        Ok(self.lock()?.tasks.get(id).cloned())
+    }
+
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
         let mut inner = self.lock()?;
         let Inner { tasks, queue, .. } = &mut *inner;

@@ -635,6 +635,14 @@ pub trait Store: Send + Sync + 'static {
     /// Every queued task (leased or not), ordered by id.
     async fn list_tasks(&self) -> Result<Vec<Task>>;
 
+    /// The queued task of this id (leased or not), as [`Store::list_tasks`] would list it;
+    /// `None` when there is none (never queued, completed or cancelled). Reads only: how a
+    /// server checks one lease is current without listing every task. The default lists
+    /// them; a store should answer with a lookup of the key.
+    async fn task(&self, id: &TaskId) -> Result<Option<Task>> {
+        Ok(self.list_tasks().await?.into_iter().find(|t| &t.id == id))
+    }
+
     /// Makes every currently leased task (`lease_attempt > 0` and `visible_at_ms > now_ms`)
     /// leasable at `now_ms` again and no longer held, without changing its lease attempt or
     /// counting a failed attempt (its worker died with the process, through no fault of the
