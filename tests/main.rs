@@ -33,6 +33,7 @@ mod service;
 mod store_crash;
 mod support;
 mod tool_sets;
+mod transcripts;
 mod ui;
 mod versions;
 mod wire;

@@ -308,7 +308,7 @@ impl ModelResolver for Resolver {
 
 /// A TCP proxy on loopback in front of `target` (`host:port`), keeping every byte the
 /// target sent back: what the worker behind it was sent. Its address as a URL.
-async fn recording_proxy(target: String) -> (String, Arc<Mutex<Vec<u8>>>) {
+pub(crate) async fn recording_proxy(target: String) -> (String, Arc<Mutex<Vec<u8>>>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let received = Arc::new(Mutex::new(Vec::new()));

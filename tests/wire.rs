@@ -58,6 +58,8 @@ fn worker_protocol_messages_round_trip_byte_exact() {
         round: 1,
         model: ModelSpec::parse("scripted:demo.json").expect("spec"),
         transcript,
+        transcript_lineage: Some(7),
+        transcript_left_out: 3,
         tools: Vec::new().into(),
         tools_digest: None,
         tools_omitted: false,

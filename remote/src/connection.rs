@@ -3,7 +3,7 @@
 //! error answers, streams — is shared, so the two cannot behave differently.
 
 use bytes::Bytes;
-use cairn_runtime::wire::{ErrorBody, ErrorCode, TOOL_SETS_HEADER};
+use cairn_runtime::wire::{ErrorBody, ErrorCode, TOOL_SETS_HEADER, TRANSCRIPTS_HEADER};
 use cairn_runtime::{Error, Result};
 use futures_util::stream::{self, BoxStream, StreamExt};
 use http_body_util::{BodyExt, Full};
@@ -54,6 +54,8 @@ pub(crate) struct Request {
     pub idempotency_key: Option<String>,
     /// `Cairn-Tool-Sets` of a worker's request: the tool sets it keeps.
     pub tool_sets: Option<Arc<str>>,
+    /// `Cairn-Transcripts` of a worker's request: the transcripts it keeps.
+    pub transcripts: Option<Arc<str>>,
 }
 
 impl Request {
@@ -67,6 +69,7 @@ impl Request {
             event_stream: false,
             idempotency_key: None,
             tool_sets: None,
+            transcripts: None,
         }
     }
 
@@ -89,6 +92,7 @@ impl Request {
             event_stream: false,
             idempotency_key: None,
             tool_sets: None,
+            transcripts: None,
         }
     }
 }
@@ -241,6 +245,9 @@ impl Connection {
         }
         if let Some(tool_sets) = &request.tool_sets {
             headers.push((TOOL_SETS_HEADER, tool_sets.to_string()));
+        }
+        if let Some(transcripts) = &request.transcripts {
+            headers.push((TRANSCRIPTS_HEADER, transcripts.to_string()));
         }
         headers
     }

@@ -12,6 +12,7 @@ mod report_batch;
 mod source;
 mod sse;
 mod tool_sets;
+mod transcripts;
 mod transport;
 
 #[cfg(any(test, feature = "test-server"))]

@@ -14,6 +14,7 @@
 
 use crate::connection::{Connection, Request};
 use crate::tool_sets::ToolSetCache;
+use crate::transcripts::TranscriptCache;
 use cairn_runtime::wire::{ReportBatchAnswer, ReportRequest, MAX_REPORTS_PER_BATCH};
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -58,6 +59,8 @@ pub(crate) struct ReportBatcher {
     connection: Arc<Connection>,
     /// The tool sets the worker keeps, which every report request lists.
     tool_sets: Arc<ToolSetCache>,
+    /// The transcripts the worker keeps, listed on each batch.
+    transcripts: Arc<TranscriptCache>,
     state: Mutex<State>,
     /// The server has no batch route (it predates it): every report goes by itself.
     refused: AtomicBool,
@@ -92,10 +95,15 @@ struct BatchBody<'a> {
 }
 
 impl ReportBatcher {
-    pub(crate) fn new(connection: Arc<Connection>, tool_sets: Arc<ToolSetCache>) -> Arc<Self> {
+    pub(crate) fn new(
+        connection: Arc<Connection>,
+        tool_sets: Arc<ToolSetCache>,
+        transcripts: Arc<TranscriptCache>,
+    ) -> Arc<Self> {
         Arc::new(ReportBatcher {
             connection,
             tool_sets,
+            transcripts,
             state: Mutex::default(),
             refused: AtomicBool::new(false),
         })
@@ -178,6 +186,7 @@ impl ReportBatcher {
         };
         let mut request = Request::post("/v1/worker/reports", &body);
         request.tool_sets = Some(self.tool_sets.header());
+        request.transcripts = Some(self.transcripts.header());
         let outcomes = match self.connection.exchange(request, timeout).await {
             Ok((200, body)) => match crate::connection::from_json::<ReportBatchAnswer>(&body) {
                 Ok(answer) if answer.answers.len() == batch.len() => answer

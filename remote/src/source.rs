@@ -14,6 +14,7 @@
 use crate::connection::{Connection, Request, Subject, REQUEST_TIMEOUT};
 use crate::report_batch::{BatchOutcome, Entry, ReportBatcher};
 use crate::tool_sets::ToolSetCache;
+use crate::transcripts::TranscriptCache;
 use crate::transport::{new_idempotency_key, retryable};
 use async_trait::async_trait;
 use cairn_ledger::JsonText;
@@ -64,6 +65,9 @@ pub struct HttpTaskSource {
     batcher: Arc<ReportBatcher>,
     /// The tool sets its model tasks brought, which the server then leaves out of them.
     tool_sets: Arc<ToolSetCache>,
+    /// The transcripts its model tasks brought, whose messages the server then leaves out of
+    /// the session's later ones.
+    transcripts: Arc<TranscriptCache>,
     /// The delta batcher's queue, started by the first delta.
     deltas: OnceLock<mpsc::Sender<Batched>>,
     /// The latest expiry known of each lease this source handed out: a retry stops there.
@@ -112,9 +116,15 @@ impl HttpTaskSource {
         let (contact, _) = watch::channel(Contact::Waiting);
         let connection = Arc::new(Connection::new(url, token)?);
         let tool_sets = Arc::new(ToolSetCache::default());
+        let transcripts = Arc::new(TranscriptCache::default());
         Ok(HttpTaskSource {
-            batcher: ReportBatcher::new(Arc::clone(&connection), Arc::clone(&tool_sets)),
+            batcher: ReportBatcher::new(
+                Arc::clone(&connection),
+                Arc::clone(&tool_sets),
+                Arc::clone(&transcripts),
+            ),
             tool_sets,
+            transcripts,
             connection,
             deltas: OnceLock::new(),
             expiries: Mutex::default(),
@@ -158,23 +168,29 @@ impl HttpTaskSource {
         }
     }
 
-    /// A POST of `body` to the worker route `path`, listing the tool sets this worker keeps
-    /// ([`cairn_runtime::wire::TOOL_SETS_HEADER`]).
+    /// A POST of `body` to the worker route `path`, listing the tool sets and the transcripts
+    /// this worker keeps ([`cairn_runtime::wire::TOOL_SETS_HEADER`],
+    /// [`cairn_runtime::wire::TRANSCRIPTS_HEADER`]).
     fn worker_request(&self, path: &str, body: &impl Serialize) -> Request {
         let mut request = Request::post(path, body);
         request.tool_sets = Some(self.tool_sets.header());
+        request.transcripts = Some(self.transcripts.header());
         request
     }
 
-    /// `tasks` with the tools the server left out of their model tasks filled in, from the
-    /// sets this worker keeps or, for a set it let go meanwhile, by fetching the task's input
-    /// whole again. A task whose input cannot be fetched is left out: its lease lapses and the
-    /// attempt is retried under its policy, as for any task lost on the way.
-    async fn with_tools(&self, mut tasks: Vec<LeasedTask>) -> Vec<LeasedTask> {
-        let missing = self.tool_sets.fill(&mut tasks);
+    /// `tasks` made whole: the tools and the transcript's first messages the server left out
+    /// of their model tasks filled in, from what this worker keeps or, for what it let go
+    /// meanwhile, by fetching the task's input whole again. A task whose input cannot be
+    /// fetched is left out: its lease lapses and the attempt is retried under its policy, as
+    /// for any task lost on the way.
+    async fn made_whole(&self, mut tasks: Vec<LeasedTask>) -> Vec<LeasedTask> {
+        let mut missing = self.tool_sets.fill(&mut tasks);
+        missing.extend(self.transcripts.fill(&mut tasks));
         if missing.is_empty() {
             return tasks;
         }
+        missing.sort_unstable();
+        missing.dedup();
         let mut lost = Vec::new();
         for i in missing {
             let lease = &tasks[i].lease;
@@ -187,7 +203,13 @@ impl HttpTaskSource {
                 )
                 .await;
             match fetched {
-                Ok(input) => tasks[i].input = input,
+                Ok(input) => {
+                    // Whole: kept for the session's next tasks.
+                    tasks[i].input = input;
+                    let fetched = std::slice::from_mut(&mut tasks[i]);
+                    self.tool_sets.fill(fetched);
+                    self.transcripts.fill(fetched);
+                }
                 Err(e) => {
                     warn!(task = %lease.id, error = %e, "a task's tools are not kept here and its input could not be fetched again; it is retried once its lease lapses");
                     lost.push(i);
@@ -200,6 +222,12 @@ impl HttpTaskSource {
             .filter(|(i, _)| !lost.contains(i))
             .map(|(_, task)| task)
             .collect()
+    }
+
+    /// The value of the header listing the transcripts it keeps.
+    #[cfg(test)]
+    pub(crate) fn transcripts_header(&self) -> Arc<str> {
+        self.transcripts.header()
     }
 
     /// How many leases this source keeps an expiry of.
@@ -482,7 +510,7 @@ impl TaskSource for HttpTaskSource {
                     *c = Contact::Reached;
                     first
                 });
-                let tasks = self.with_tools(answer.tasks).await;
+                let tasks = self.made_whole(answer.tasks).await;
                 let mut expiries = self.lock_expiries();
                 for task in &tasks {
                     let lease = &task.lease;
@@ -654,7 +682,7 @@ impl TaskSource for HttpTaskSource {
             .connection
             .decode::<ReportResponse>("POST /v1/worker/report", &answer)
         {
-            Ok(answer) => self.with_tools(answer.tasks).await,
+            Ok(answer) => self.made_whole(answer.tasks).await,
             Err(e) => {
                 tracing::warn!(error = %e, "the tasks leased with a report are lost until their leases lapse");
                 return Ok(Vec::new());

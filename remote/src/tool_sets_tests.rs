@@ -35,6 +35,8 @@ fn model_task(tools: Arc<[ToolSpec]>, digest: Option<String>, omitted: bool) -> 
             round: 1,
             model: ModelSpec::parse("scripted:x.json").expect("model"),
             transcript: Default::default(),
+            transcript_lineage: None,
+            transcript_left_out: 0,
             tools,
             tools_digest: digest,
             tools_omitted: omitted,

@@ -105,7 +105,21 @@ pub enum ActivityInput {
         /// The model.
         model: ModelSpec,
         /// The transcript to send, shared with the session's state (not copied per call).
+        /// Only its messages after the first `transcript_left_out` on the wire when the
+        /// worker keeps the rest.
         transcript: Arc<Transcript>,
+        /// Which of its session's transcripts this is, for a worker that keeps them
+        /// ([`crate::wire::TRANSCRIPTS_HEADER`]): the seq of the event that last rebuilt the
+        /// transcript (a compaction), 0 while it was only ever added to. Between two model
+        /// calls of a session with the same lineage the transcript only grew at its end.
+        /// `None` for a call on a transcript of its own (a compaction's summary).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        transcript_lineage: Option<u64>,
+        /// The transcript's first messages left out (0: none): `transcript` holds those after
+        /// them. The worker said it keeps this session's transcript of this lineage with as
+        /// many messages, and fills them in.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        transcript_left_out: u32,
         /// Tools offered, shared with the session's state (not copied per call). Empty on
         /// the wire when `tools_omitted` says the worker keeps them.
         tools: Arc<[ToolSpec]>,
@@ -161,7 +175,44 @@ pub struct ToolSetFields<'a> {
     pub omitted: &'a mut bool,
 }
 
+/// A model task's transcript as the wire carries it ([`ActivityInput::Model`]'s
+/// `transcript`, `transcript_lineage` and `transcript_left_out`), to change in place: a
+/// server leaves out the messages a worker keeps, the worker fills them in.
+pub struct TranscriptFields<'a> {
+    /// The session whose transcript it is.
+    pub session_id: &'a str,
+    /// The transcript, or its messages after those left out.
+    pub transcript: &'a mut Arc<Transcript>,
+    /// Which of the session's transcripts it is, if it is the session's.
+    pub lineage: &'a mut Option<u64>,
+    /// How many of its first messages were left out.
+    pub left_out: &'a mut u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
 impl ActivityInput {
+    /// A model task's transcript fields; `None` for a tool task.
+    pub fn transcript_mut(&mut self) -> Option<TranscriptFields<'_>> {
+        match self {
+            ActivityInput::Model {
+                origin,
+                transcript,
+                transcript_lineage,
+                transcript_left_out,
+                ..
+            } => Some(TranscriptFields {
+                session_id: &origin.session_id,
+                transcript,
+                lineage: transcript_lineage,
+                left_out: transcript_left_out,
+            }),
+            ActivityInput::Tool { .. } => None,
+        }
+    }
+
     /// A model task's tool set fields; `None` for a tool task.
     pub fn tool_set_mut(&mut self) -> Option<ToolSetFields<'_>> {
         match self {

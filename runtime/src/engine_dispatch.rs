@@ -339,6 +339,8 @@ fn activity_input(state: &SessionState, lease: &Lease) -> Option<ActivityInput> 
             round,
             model,
             transcript: state.transcript.clone(),
+            transcript_lineage: Some(state.transcript_lineage),
+            transcript_left_out: 0,
             tools: started.tools.clone(),
             tools_digest: None,
             tools_omitted: false,
@@ -366,6 +368,8 @@ fn activity_input(state: &SessionState, lease: &Lease) -> Option<ActivityInput> 
                 &state.transcript,
                 keep_last_turns,
             )),
+            transcript_lineage: None,
+            transcript_left_out: 0,
             // Older turns may hold tool blocks, which providers accept only with tools.
             tools: started.tools.clone(),
             tools_digest: None,

@@ -64,7 +64,8 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use compaction::{CompactionPolicy, CompactionTrigger};
 pub use engine::{
     ActivityInput, ActivityRef, ActivityReport, ActivityTimeouts, AppendedEvents, DeltaEvent,
-    Engine, LeasedTask, ResumeReport, ToolSetFields, UnresumableSession, WatchGuard,
+    Engine, LeasedTask, ResumeReport, ToolSetFields, TranscriptFields, UnresumableSession,
+    WatchGuard,
 };
 pub use error::{Error, Result};
 pub use event::{

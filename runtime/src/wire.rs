@@ -34,7 +34,9 @@
 //! | POST | `/v1/worker/deltas` | [`DeltaBatch`] → 204 |
 //!
 //! A worker that keeps tool sets says so with [`TOOL_SETS_HEADER`] on the lease and report
-//! routes, and its model tasks then carry their session's tools once.
+//! routes, and its model tasks then carry their session's tools once; one that keeps
+//! transcripts says so with [`TRANSCRIPTS_HEADER`], and its model tasks then carry only the
+//! messages it lacks.
 //!
 //! Either role: `GET /v1/health` → [`Health`]; `GET /v1/openapi.json`, the OpenAPI document.
 //!
@@ -618,6 +620,86 @@ pub fn is_tool_set_digest(digest: &str) -> bool {
         && digest
             .bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The request header by which a worker says it keeps its sessions' transcripts, and which
+/// it keeps: `SESSION=LINEAGE.MESSAGES` for each, comma-separated (empty when it holds none
+/// yet), where `LINEAGE` is the transcript's
+/// [`transcript_lineage`](crate::engine::ActivityInput::Model) and `MESSAGES` how many
+/// messages it holds. On `POST /v1/worker/lease`, `/report` and `/reports`, a server answers
+/// such a worker's model tasks with their `transcript_lineage`, and when the worker listed
+/// the task's session with that lineage and at most as many messages as the transcript has,
+/// leaves those messages out (`transcript_left_out`): a session's transcript, which grows
+/// at its end from call to call, crosses once per worker rather than whole with every call.
+/// A server from before the header ignores it and sends the transcript whole; a worker that
+/// does not send it gets it whole every time.
+pub const TRANSCRIPTS_HEADER: &str = "cairn-transcripts";
+
+/// The most transcripts [`TRANSCRIPTS_HEADER`] lists.
+pub const MAX_TRANSCRIPTS_LISTED: usize = 64;
+
+/// A transcript a worker keeps, as [`TRANSCRIPTS_HEADER`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptTranscript {
+    /// Its session, as the worker routes name it.
+    pub session_id: String,
+    /// Its lineage ([`ActivityInput::Model`](crate::engine::ActivityInput::Model)'s
+    /// `transcript_lineage`).
+    pub lineage: u64,
+    /// How many messages the worker holds of it.
+    pub messages: u32,
+}
+
+impl std::fmt::Display for KeptTranscript {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}.{}", self.session_id, self.lineage, self.messages)
+    }
+}
+
+/// The transcripts a [`TRANSCRIPTS_HEADER`] value lists, or what is wrong with it: at most
+/// [`MAX_TRANSCRIPTS_LISTED`] items `SESSION=LINEAGE.MESSAGES` (a session id, then two
+/// decimal numbers), separated by commas (spaces around them allowed); an empty value lists
+/// none.
+pub fn parse_transcripts(value: &str) -> std::result::Result<Vec<KeptTranscript>, String> {
+    let value = value.trim();
+    if value.is_empty() {
+        return Ok(Vec::new());
+    }
+    let items: Vec<&str> = value.split(',').map(str::trim).collect();
+    if items.len() > MAX_TRANSCRIPTS_LISTED {
+        return Err(format!(
+            "lists {} transcripts, more than the {MAX_TRANSCRIPTS_LISTED} allowed",
+            items.len()
+        ));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            parse_kept_transcript(item).ok_or_else(|| {
+                format!(
+                    "item {i} ({:?}) is not SESSION=LINEAGE.MESSAGES (a session id, then two \
+                     decimal numbers)",
+                    item.chars().take(60).collect::<String>()
+                )
+            })
+        })
+        .collect()
+}
+
+fn parse_kept_transcript(item: &str) -> Option<KeptTranscript> {
+    let (session_id, numbers) = item.split_once('=')?;
+    let (lineage, messages) = numbers.split_once('.')?;
+    let decimal = |n: &str| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
+    if !decimal(lineage) || !decimal(messages) {
+        return None;
+    }
+    crate::store::check_session_id(session_id).ok()?;
+    Some(KeptTranscript {
+        session_id: session_id.to_owned(),
+        lineage: lineage.parse().ok()?,
+        messages: messages.parse().ok()?,
+    })
 }
 
 /// The most reports one [`ReportBatch`] holds.

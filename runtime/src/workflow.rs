@@ -529,6 +529,13 @@ pub struct SessionState {
     /// it stands (an `Arc` clone, not a copy); a change copies it only while one still holds
     /// it.
     pub transcript: Arc<Transcript>,
+    /// The seq of the event that last rebuilt the transcript (a compaction); 0 while it was
+    /// only ever added to. Between two reads of one lineage the transcript only grew at its
+    /// end (`Transcript`'s `push_*`), so a worker that keeps an earlier one is sent only the
+    /// messages after it ([`ActivityInput::Model`](crate::ActivityInput::Model)'s
+    /// `transcript_lineage`). It depends on the history alone, so every engine folding it
+    /// agrees.
+    pub transcript_lineage: u64,
     /// Turns started so far.
     pub turns_started: u32,
     /// The turn in progress.
@@ -560,6 +567,7 @@ impl SessionState {
             next_seq: 1,
             started: None,
             transcript: Arc::default(),
+            transcript_lineage: 0,
             turns_started: 0,
             active: None,
             last_outcome: None,
@@ -868,7 +876,7 @@ impl SessionState {
         self.expected.pop_front();
         if let Event::TranscriptCompacted { .. } = event {
             // May run between turns (on request), so before the active-turn check.
-            self.apply_compaction(event);
+            self.apply_compaction(seq, event);
             return Ok(());
         }
         if let Event::SummaryCallScheduled { .. } = event {

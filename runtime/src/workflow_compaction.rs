@@ -445,8 +445,9 @@ impl SessionState {
     }
 
     /// Applies a recorded `transcript_compacted` (already checked against the decided
-    /// command): the ledger's `compact` over the current transcript with its parameters.
-    pub(super) fn apply_compaction(&mut self, event: &Event) {
+    /// command) at `seq`: the ledger's `compact` over the current transcript with its
+    /// parameters, a new lineage of the transcript.
+    pub(super) fn apply_compaction(&mut self, seq: u64, event: &Event) {
         if let Event::TranscriptCompacted {
             strategies,
             keep_last_turns,
@@ -461,6 +462,7 @@ impl SessionState {
                 rules: self.compaction_rules(),
             };
             self.transcript = Arc::new(compact(&self.transcript, &plan).transcript);
+            self.transcript_lineage = seq;
         }
     }
 }

@@ -101,6 +101,7 @@ fn over_the_threshold_a_compaction_goes_before_the_model_call() {
     let all = CompactionPolicy::default().strategies;
     let mut live = Live::new(with_policy(Some(policy(Some(1), all, 4))));
     run_turn(&mut live, 1);
+    assert_eq!(live.state.transcript_lineage, 0, "only added to so far");
     let before = Transcript::clone(&live.state.transcript);
     let c = live.input(user(2, "question 2"));
     let with_user = {
@@ -145,8 +146,16 @@ fn over_the_threshold_a_compaction_goes_before_the_model_call() {
             },
         ]
     );
-    // The model call goes out over the compacted transcript.
+    // The model call goes out over the compacted transcript, a new lineage: the seq of the
+    // compaction's event.
     assert_eq!(*live.state.transcript, expected.transcript);
+    let compacted_at = live
+        .events
+        .iter()
+        .find(|e| matches!(e.event, Event::TranscriptCompacted { .. }))
+        .map(|e| e.seq)
+        .expect("the compaction recorded");
+    assert_eq!(live.state.transcript_lineage, compacted_at);
     assert_eq!(reasoning_count(&live.state.transcript.messages), 0);
     let note = live.state.transcript.messages[3].parts[0].clone();
     assert!(
@@ -170,6 +179,10 @@ fn over_the_threshold_a_compaction_goes_before_the_model_call() {
         })
         .sum::<usize>();
     assert_eq!(recorded_thinking, 4);
+    assert_eq!(
+        live.state.transcript_lineage, compacted_at,
+        "added to since"
+    );
     live.check_replay();
 }
 

@@ -2,8 +2,8 @@
 //! random field values, recorded commands, stray command events, wrong seqs) never make
 //! `SessionState::apply` panic; every rejection is `InvalidEvent`, `StaleReport` or
 //! `Nondeterminism` and leaves the state exactly as it was; every accepted event leaves a
-//! transcript a model call may be sent (the workers check only the current turn's); and the
-//! accepted events replay to the same state.
+//! transcript a model call may be sent (the workers check only the current turn's), which
+//! within one lineage only grew at its end; and the accepted events replay to the same state.
 
 use crate::error::Error;
 use crate::event::{
@@ -388,6 +388,18 @@ fn apply_checked(
         Ok(commands) => {
             decided.extend(commands);
             assert_sendable(state, envelope)?;
+            // What a worker that keeps transcripts relies on: within a lineage the transcript
+            // only grows at its end.
+            if state.transcript_lineage == before.transcript_lineage {
+                let kept = &before.transcript.messages;
+                prop_assert!(
+                    state.transcript.messages.starts_with(kept),
+                    "after {:?} the transcript of lineage {} no longer starts with the \
+                     messages it had",
+                    envelope,
+                    state.transcript_lineage
+                );
+            }
             Ok(true)
         }
         Err(

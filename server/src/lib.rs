@@ -22,6 +22,7 @@ mod openapi;
 mod serve;
 mod sessions;
 mod tool_sets;
+mod transcripts;
 mod ui;
 mod worker;
 

@@ -9,6 +9,7 @@ use crate::auth::{Caller, WorkerCaller};
 use crate::errors::{ApiError, JsonBody};
 use crate::idempotency_key::{idempotency_key, LeaseIdempotencyKey};
 use crate::tool_sets::{KnownToolSets, ToolSetsHeader};
+use crate::transcripts::{KeptTranscripts, TranscriptsHeader};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -108,7 +109,7 @@ fn bounded(max: u32, lease_ms: u64) -> (usize, u64) {
     post,
     path = "/v1/worker/lease",
     tag = "worker",
-    params(LeaseIdempotencyKey, ToolSetsHeader),
+    params(LeaseIdempotencyKey, ToolSetsHeader, TranscriptsHeader),
     request_body = LeaseRequest,
     responses(
         (status = 200, description = "Leased tasks, possibly none after `wait_ms`", body = LeaseResponse),
@@ -129,8 +130,10 @@ pub async fn lease(
 ) -> Result<Json<LeaseResponse>, ApiError> {
     let key = idempotency_key(&headers)?;
     let known = KnownToolSets::of(&headers)?;
+    let kept = KeptTranscripts::of(&headers)?;
     let answer = |mut tasks: Vec<LeasedTask>| {
         state.tool_set_digests.shorten(&mut tasks, &known);
+        kept.shorten(&mut tasks);
         Json(LeaseResponse { tasks })
     };
     let filter = worker_filter(&caller, request.queues, request.tools, request.providers);
@@ -350,7 +353,7 @@ pub async fn progress(
     post,
     path = "/v1/worker/report",
     tag = "worker",
-    params(ToolSetsHeader),
+    params(ToolSetsHeader, TranscriptsHeader),
     request_body = ReportRequest,
     responses(
         (status = 200, description = "Recorded, with the tasks leased with it (a request with `next`)", body = ReportResponse),
@@ -373,9 +376,11 @@ pub async fn report(
     JsonBody(request): JsonBody<ReportRequest>,
 ) -> Result<Response, ApiError> {
     let known = KnownToolSets::of(&headers)?;
+    let kept = KeptTranscripts::of(&headers)?;
     Ok(match record_report(&state, &caller, request).await? {
         Some(mut answer) => {
             state.tool_set_digests.shorten(&mut answer.tasks, &known);
+            kept.shorten(&mut answer.tasks);
             Json(answer).into_response()
         }
         None => StatusCode::NO_CONTENT.into_response(),
@@ -391,7 +396,7 @@ pub async fn report(
     post,
     path = "/v1/worker/reports",
     tag = "worker",
-    params(ToolSetsHeader),
+    params(ToolSetsHeader, TranscriptsHeader),
     request_body = ReportBatch,
     responses(
         (status = 200, description = "Each report recorded or refused, answered in order", body = ReportBatchAnswer),
@@ -410,6 +415,7 @@ pub async fn reports(
     JsonBody(batch): JsonBody<ReportBatch>,
 ) -> Result<Json<ReportBatchAnswer>, ApiError> {
     let known = KnownToolSets::of(&headers)?;
+    let kept = KeptTranscripts::of(&headers)?;
     if batch.reports.is_empty() || batch.reports.len() > MAX_REPORTS_PER_BATCH {
         return Err(ApiError::invalid(format!(
             "a batch holds from 1 to {MAX_REPORTS_PER_BATCH} reports, not {}",
@@ -434,6 +440,7 @@ pub async fn reports(
             let (status, body) = match answer {
                 Ok(Some(mut leased)) => {
                     state.tool_set_digests.shorten(&mut leased.tasks, &known);
+                    kept.shorten(&mut leased.tasks);
                     (StatusCode::OK, serde_json::value::to_raw_value(&leased))
                 }
                 Ok(None) => {

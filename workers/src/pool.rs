@@ -1123,6 +1123,8 @@ mod tests {
             model: cairn_ledger::ModelSpec::parse(&format!("scripted:{}", script.display()))
                 .unwrap(),
             transcript: Arc::new(transcript),
+            transcript_lineage: None,
+            transcript_left_out: 0,
             tools: Vec::new().into(),
             tools_digest: None,
             tools_omitted: false,

@@ -1,0 +1,377 @@
+//! Transcripts sent as what a worker lacks, against `cairn server` as a real process on
+//! loopback: the protocol by hand (a worker that lists the transcripts it keeps is sent only
+//! the messages after them, on the lease and both report routes; a lineage or a count that
+//! does not fit, or no header, gets the transcript whole; a bad header is refused), and a
+//! remote worker pool whose model sees every call's transcript whole while a long message
+//! crosses the wire once.
+
+use crate::server::{history, kinds, send, send_with_headers, wait_turn, Server};
+use async_trait::async_trait;
+use cairn_activities::{
+    ActivityContext, Calculator, DeltaSink, Error as ActivityError, ModelProvider, ModelRequest,
+    Tool, ToolRegistry,
+};
+use cairn_ledger::{
+    ModelResponse, ModelSpec, Part, StopReason, ToolSpec, ToolUse, Transcript, Usage,
+};
+use cairn_remote::HttpTaskSource;
+use cairn_runtime::{SessionOptions, TurnOutcome};
+use cairn_workers::{Activities, ModelResolver, WorkerConfig, WorkerPool};
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+use std::sync::{Arc, Mutex};
+
+const HEADER: &str = "cairn-transcripts";
+
+/// A user message long enough for a worker to keep its transcript.
+fn long_text() -> String {
+    "a long message that a worker keeps; ".repeat(400)
+}
+
+fn tool_use_report() -> Value {
+    json!({"model_completed": {
+        "provider": "scripted", "model": "by-hand",
+        "parts": [{"tool_use": {"id": "toolu_1", "name": "calculator",
+                                "arguments": "{\"expression\":\"1+2\"}"}}],
+        "stop_reason_raw": "tool_use", "stop_reason": "tool_use",
+        "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
+                  "cache_write_tokens": 0, "reasoning_tokens": 0}
+    }})
+}
+
+fn answer_report() -> Value {
+    json!({"model_completed": {
+        "provider": "scripted", "model": "by-hand",
+        "parts": [{"text": {"text": "3"}}],
+        "stop_reason_raw": "end_turn", "stop_reason": "end_turn",
+        "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
+                  "cache_write_tokens": 0, "reasoning_tokens": 0}
+    }})
+}
+
+async fn start_turn(http: &reqwest::Client, server: &Server, id: &str, text: &str) {
+    let model = json!({"provider": "scripted", "model": "unused.json"});
+    let tools = json!([serde_json::to_value(Calculator.spec()).unwrap()]);
+    let created = send(
+        http,
+        Method::POST,
+        server.url("/v1/sessions"),
+        None,
+        Some(json!({"session_id": id, "model": model, "tools": tools,
+                    "message": {"text": text}})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+}
+
+/// `POST path` with `body`, listing `transcripts` (none: no header).
+async fn worker_post(
+    http: &reqwest::Client,
+    server: &Server,
+    path: &str,
+    transcripts: Option<&str>,
+    body: Value,
+) -> crate::server::Answer {
+    let headers: Vec<(&str, &str)> = transcripts.map(|v| (HEADER, v)).into_iter().collect();
+    send_with_headers(
+        http,
+        Method::POST,
+        server.url(path),
+        None,
+        &headers,
+        Some(body),
+    )
+    .await
+}
+
+/// The first task a lease request listing `transcripts` gets, waiting for it.
+async fn lease_listing(
+    http: &reqwest::Client,
+    server: &Server,
+    transcripts: Option<&str>,
+) -> Value {
+    let body = json!({"max": 1, "wait_ms": 30000, "lease_ms": 30000});
+    let leased = worker_post(http, server, "/v1/worker/lease", transcripts, body).await;
+    assert_eq!(leased.status, StatusCode::OK, "{}", leased.body);
+    leased.body["tasks"][0].clone()
+}
+
+fn model_input(task: &Value) -> &Value {
+    let input = &task["input"]["model"];
+    assert!(input.is_object(), "a model task: {task}");
+    input
+}
+
+fn messages(input: &Value) -> &Vec<Value> {
+    input["transcript"]["messages"]
+        .as_array()
+        .unwrap_or_else(|| panic!("a transcript: {input}"))
+}
+
+#[tokio::test]
+async fn a_worker_that_keeps_transcripts_is_sent_only_the_messages_it_lacks() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let http = reqwest::Client::new();
+    let long = long_text();
+    start_turn(&http, &server, "kept", &long).await;
+    let next = json!({"max": 1, "lease_ms": 30000});
+
+    // A worker that keeps transcripts and holds none: the transcript whole, with its
+    // lineage (no compaction yet: 0).
+    let first = lease_listing(&http, &server, Some("")).await;
+    let input = model_input(&first);
+    assert_eq!(input["transcript_lineage"], 0, "{first}");
+    assert!(input.get("transcript_left_out").is_none(), "{first}");
+    let held = messages(input).len();
+    assert!(input["transcript"].to_string().contains(&long));
+
+    // Its report, listing the transcript, leases the tool task.
+    let listed = format!("kept=0.{held}");
+    let reported = worker_post(
+        &http,
+        &server,
+        "/v1/worker/report",
+        Some(&listed),
+        json!({"lease": first["lease"], "report": tool_use_report(), "next": next}),
+    )
+    .await;
+    assert_eq!(reported.status, StatusCode::OK, "{}", reported.body);
+    let tool_task = reported.body["tasks"][0].clone();
+    assert_eq!(tool_task["lease"]["kind"], "tool", "{tool_task}");
+
+    // The tool's result in a batch, listing it among others: the next model task carries
+    // only the two messages after those held.
+    let result = json!({"tool_completed": {"content": {"text": "3"}, "is_error": false}});
+    let batch = worker_post(
+        &http,
+        &server,
+        "/v1/worker/reports",
+        Some(&format!("other=0.1, {listed}")),
+        json!({"reports": [{"lease": tool_task["lease"], "report": result, "next": next}]}),
+    )
+    .await;
+    assert_eq!(batch.status, StatusCode::OK, "{}", batch.body);
+    assert_eq!(batch.body["answers"][0]["status"], 200, "{}", batch.body);
+    let second = batch.body["answers"][0]["body"]["tasks"][0].clone();
+    let input = model_input(&second);
+    assert_eq!(input["transcript_left_out"], held, "{second}");
+    assert_eq!(input["transcript_lineage"], 0, "{second}");
+    let came = messages(input);
+    assert_eq!(came.len(), 2, "{second}");
+    assert_eq!(came[0]["role"], "assistant", "{second}");
+    assert!(came[0].to_string().contains("toolu_1"), "{second}");
+    assert!(came[1].to_string().contains("tool_result"), "{second}");
+    assert!(!input.to_string().contains(&long), "{second}");
+
+    // What the lease runs, fetched again (a worker that let the transcript go): whole.
+    let again = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/input"),
+        None,
+        Some(second["lease"].clone()),
+    )
+    .await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
+    let whole = &again.body["model"];
+    assert_eq!(messages(whole).len(), held + 2, "{whole}");
+    assert!(whole.get("transcript_left_out").is_none(), "{whole}");
+    assert_eq!(
+        &messages(whole)[held..],
+        &came[..],
+        "the left-out ones are the first"
+    );
+    assert!(whole["transcript"].to_string().contains(&long));
+
+    // The answer lands as without the header.
+    let done = worker_post(
+        &http,
+        &server,
+        "/v1/worker/report",
+        Some(&format!("kept=0.{}", held + 2)),
+        json!({"lease": second["lease"], "report": answer_report()}),
+    )
+    .await;
+    assert_eq!(done.status, StatusCode::NO_CONTENT, "{}", done.body);
+    let outcome = wait_turn(&http, &server, None, "kept", 1).await;
+    assert_eq!(outcome["answer"], "3", "{outcome}");
+    assert_eq!(
+        kinds(&history(&http, &server, None, "kept").await).len(),
+        9,
+        "the turn ran as without the header"
+    );
+
+    // The next turn's first task, by a lease listing the transcript as it was: the new
+    // messages only.
+    let again = send(
+        &http,
+        Method::POST,
+        server.url("/v1/sessions/kept/messages"),
+        None,
+        Some(json!({"text": "again"})),
+    )
+    .await;
+    assert!(again.status.is_success(), "{}", again.body);
+    let third = lease_listing(&http, &server, Some(&format!("kept=0.{}", held + 2))).await;
+    let input = model_input(&third);
+    assert_eq!(input["transcript_left_out"], held + 2, "{third}");
+    let came = messages(input);
+    assert_eq!(came.len(), 2, "the answer and the new message: {third}");
+    assert!(came[1].to_string().contains("again"), "{third}");
+
+    // Whole when the lineage differs, when more are listed than the transcript has, and
+    // without the header (the lineage still named).
+    for (id, header) in [
+        ("lineage", Some("lineage=4.1")),
+        ("more", Some("more=0.9")),
+        ("plain", None),
+    ] {
+        start_turn(&http, &server, id, &long).await;
+        let task = lease_listing(&http, &server, header).await;
+        let input = model_input(&task);
+        assert_eq!(input["transcript_lineage"], 0, "{id}: {task}");
+        assert!(input.get("transcript_left_out").is_none(), "{id}: {task}");
+        assert!(input["transcript"].to_string().contains(&long), "{id}");
+    }
+
+    // A header that is not a list of kept transcripts is refused, naming it, and leases
+    // nothing.
+    start_turn(&http, &server, "waiting", "1+2?").await;
+    for bad in ["kept", "kept=0", "kept=0.1,", "bad id=0.1", "kept=x.1"] {
+        let refused = worker_post(
+            &http,
+            &server,
+            "/v1/worker/lease",
+            Some(bad),
+            json!({"max": 8, "wait_ms": 0, "lease_ms": 30000}),
+        )
+        .await;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+        assert_eq!(refused.code(), "invalid_request", "{}", refused.body);
+        let message = refused.body["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with("Cairn-Transcripts: "), "{message}");
+    }
+    let waiting = lease_listing(&http, &server, Some("")).await;
+    assert_eq!(waiting["lease"]["id"]["session_id"], "waiting", "{waiting}");
+    assert_eq!(
+        waiting["lease"]["lease_attempt"], 1,
+        "not leased before: {waiting}"
+    );
+}
+
+/// A model that records the transcript of every call: it calls the calculator, then
+/// answers once the tool's result is the last message.
+#[derive(Default)]
+struct TranscriptsSeen {
+    calls: Mutex<Vec<Transcript>>,
+}
+
+#[async_trait]
+impl ModelProvider for TranscriptsSeen {
+    fn provider(&self) -> &str {
+        "seen"
+    }
+
+    async fn call(
+        &self,
+        request: &ModelRequest,
+        _deltas: &dyn DeltaSink,
+        _context: &ActivityContext,
+    ) -> Result<ModelResponse, ActivityError> {
+        // A copy: holding the call's own would make the worker copy its next one.
+        self.calls
+            .lock()
+            .unwrap()
+            .push((*request.transcript).clone());
+        let answered = request
+            .transcript
+            .messages
+            .last()
+            .is_some_and(|m| matches!(m.parts.first(), Some(Part::ToolResult(_))));
+        let parts = if answered {
+            vec![Part::text("3")]
+        } else {
+            vec![Part::ToolUse(ToolUse {
+                id: format!("toolu_{}", request.transcript.messages.len()),
+                name: "calculator".into(),
+                arguments: r#"{"expression":"1+2"}"#.into(),
+                signature: None,
+            })]
+        };
+        Ok(ModelResponse {
+            provider: "seen".into(),
+            model: "test".into(),
+            parts,
+            stop_reason_raw: "x".into(),
+            stop_reason: if answered {
+                StopReason::EndTurn
+            } else {
+                StopReason::ToolUse
+            },
+            usage: Usage::default(),
+        })
+    }
+}
+
+struct Resolver(Arc<TranscriptsSeen>);
+
+impl ModelResolver for Resolver {
+    fn resolve(&self, _spec: &ModelSpec) -> Result<Arc<dyn ModelProvider>, ActivityError> {
+        Ok(self.0.clone())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_workers_model_sees_every_transcript_whole_while_a_long_message_crosses_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let base = server.url("");
+    let (proxied, received) =
+        crate::tool_sets::recording_proxy(base.trim_start_matches("http://").to_owned()).await;
+    let seen = Arc::new(TranscriptsSeen::default());
+    let source = Arc::new(HttpTaskSource::new(&proxied, None).unwrap());
+    let pool = WorkerPool::start_with(
+        source,
+        Activities {
+            models: Arc::new(Resolver(seen.clone())),
+            tools: Arc::new(ToolRegistry::builtin(dir.path())),
+        },
+        WorkerConfig::default(),
+    );
+    let client = cairn_remote::connect(&base, None).unwrap();
+    let tools: Arc<[ToolSpec]> = vec![Calculator.spec()].into();
+    let model = ModelSpec::parse("scripted:unused.json").unwrap();
+    let id = client
+        .start_session(SessionOptions::new(model, tools))
+        .await
+        .unwrap();
+    let long = long_text();
+    for text in [long.as_str(), "again", "and again"] {
+        let outcome = client.run_turn(&id, text).await.unwrap();
+        assert!(
+            matches!(&outcome, TurnOutcome::Completed { answer, .. } if answer == "3"),
+            "{outcome:?}"
+        );
+    }
+    pool.shutdown().await;
+    let calls = seen.calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 6, "two model calls a turn");
+    // Each call saw the session's transcript as it stood: the first messages of the last.
+    let transcript = client.transcript(&id).await.unwrap();
+    for (i, call) in calls.iter().enumerate() {
+        let len = call.messages.len();
+        assert_eq!(
+            call.messages[..],
+            transcript.messages[..len],
+            "call {i} saw the transcript whole"
+        );
+    }
+    let lengths: Vec<usize> = calls.iter().map(|c| c.messages.len()).collect();
+    assert_eq!(lengths, [1, 3, 5, 7, 9, 11]);
+    // The long message crossed to the worker once: with the first model task; the five
+    // other calls were sent the messages after those the worker kept.
+    let received = String::from_utf8_lossy(&received.lock().unwrap()).into_owned();
+    assert_eq!(received.matches(&long).count(), 1);
+    assert!(received.contains("\"transcript_left_out\":"));
+}
