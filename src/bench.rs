@@ -41,6 +41,10 @@ pub struct BenchArgs {
     pub parallel_tools: usize,
     /// Bytes of JSON of further tool specs offered, never called.
     pub tool_spec_bytes: usize,
+    /// Turns each client runs on one session before a fresh one.
+    pub turns_per_session: usize,
+    /// About this many bytes of text in each turn's user message (0: `go`).
+    pub message_bytes: usize,
     /// Instead of the throughput rows: park this many sessions per engine and report the RSS.
     pub parked: Option<usize>,
 }
@@ -87,7 +91,12 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
     };
     let runtime_workers = tokio::runtime::Handle::current().metrics().num_workers();
     outln!(
-        "durable turns (fresh session, model → {} parallel tool{} → model{}), closed loop, {} s each after {} s of warm-up, model latency {} ms; embedded on a new {engines} store, closed and opened again as a restarted server finds it, with the default worker pool, in this process on {} tokio worker thread{} (TOKIO_WORKER_THREADS sets them; with one, every write goes through the store's writer thread); {through}. CPU per turn: user and system CPU time of the serving processes (this one embedded; the servers and workers through servers) in the row's measured time, per completed turn; p50 fdatasync: 8 KiB overwrites on the store's filesystem for 0.5 s just before and 0.5 s just after each row, the median of both; p50 store sync: the store's own syncs (flush and fdatasync of its journal; fjall writes a lone append's journal record out, and starts the disk's write of it, at its commit, before the sync is timed) in the row; durable commits: the store's, per completed turn (in series at 1 session); the last column: turns/s over N × those of 1 worker process with the same servers",
+        "durable turns ({}, model → {} parallel tool{} → model{}{}), closed loop, {} s each after {} s of warm-up, model latency {} ms; embedded on a new {engines} store, closed and opened again as a restarted server finds it, with the default worker pool, in this process on {} tokio worker thread{} (TOKIO_WORKER_THREADS sets them; with one, every write goes through the store's writer thread); {through}. CPU per turn: user and system CPU time of the serving processes (this one embedded; the servers and workers through servers) in the row's measured time, per completed turn; p50 fdatasync: 8 KiB overwrites on the store's filesystem for 0.5 s just before and 0.5 s just after each row, the median of both; p50 store sync: the store's own syncs (flush and fdatasync of its journal; fjall writes a lone append's journal record out, and starts the disk's write of it, at its commit, before the sync is timed) in the row; durable commits: the store's, per completed turn (in series at 1 session); the last column: turns/s over N × those of 1 worker process with the same servers",
+        if args.turns_per_session == 1 {
+            "fresh session".to_owned()
+        } else {
+            format!("a session of {} turns", args.turns_per_session)
+        },
         args.parallel_tools,
         if args.parallel_tools == 1 { "" } else { "s" },
         if args.tool_spec_bytes == 0 {
@@ -96,6 +105,11 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
             let specs = bench::bench_tools(args.tool_spec_bytes);
             let bytes = serde_json::to_vec(&specs).map_or(0, |json| json.len());
             format!(", {} tools offered in {bytes} bytes of specs", specs.len())
+        },
+        if args.message_bytes == 0 {
+            String::new()
+        } else {
+            format!(", user messages of {} bytes", args.message_bytes)
         },
         args.seconds,
         args.seconds / 10.0,
@@ -113,6 +127,8 @@ pub async fn run(args: BenchArgs, exe: &Path) -> anyhow::Result<ExitCode> {
             worker_concurrency: args.worker_concurrency,
             parallel_tools: args.parallel_tools,
             tool_spec_bytes: args.tool_spec_bytes,
+            turns_per_session: args.turns_per_session,
+            message_bytes: args.message_bytes,
             stages: false,
         };
         if !args.no_embedded {

@@ -1191,6 +1191,50 @@ fn bench_tool_spec_bytes_offer_more_tools_and_say_so() {
     );
 }
 
+/// `cairn bench --turns-per-session --message-bytes` runs sessions of several turns with long
+/// messages, embedded and through a server, and says so; every turn completes (a script too
+/// short for a session's turns would fail one).
+#[test]
+fn bench_long_sessions_run_their_turns_and_say_so() {
+    let out = cairn(&[
+        "bench",
+        "--sessions",
+        "2",
+        "--seconds",
+        "0.6",
+        "--engine",
+        "fjall",
+        "--workers",
+        "1",
+        "--turns-per-session",
+        "5",
+        "--message-bytes",
+        "3000",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(
+        stdout.contains(
+            "(a session of 5 turns, model → 2 parallel tools → model, user messages of 3000 bytes)"
+        ),
+        "{stdout}"
+    );
+    for row in [
+        "| embedded, fjall | 2 |",
+        "| server over fjall, 1 worker process | 2 |",
+    ] {
+        let row = bench_table_line(&stdout, row);
+        assert!(row.iter().any(|cell| cell.ends_with("turns/s")), "{stdout}");
+    }
+    let refused = cairn(&["bench", "--goals", "--turns-per-session", "5"]);
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused.stderr).contains("cannot be used with"),
+        "{}",
+        text(&refused.stderr)
+    );
+}
+
 /// `cairn bench --stages` times one session's turns step by step on each engine: the store's
 /// syncs (five a turn, as its commits), the encoding and the writer before each, the
 /// activities (four a turn), each step's share and the marks covering about a turn's time;

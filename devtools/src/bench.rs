@@ -67,6 +67,13 @@ pub struct BenchConfig {
     /// called), beside the built-in ones: a coding agent's tool list is tens of kilobytes,
     /// which a model task through a server carries ([`bench_tools`]).
     pub tool_spec_bytes: usize,
+    /// Turns each client runs on one session before it starts a fresh one (1: a fresh
+    /// session per turn, the README's workload). A long session's transcript grows from
+    /// turn to turn, and through a server every model task carries it.
+    pub turns_per_session: usize,
+    /// About this many bytes of text in each turn's user message (0: the word `go`), so
+    /// that a long session's transcript grows as an agent's does.
+    pub message_bytes: usize,
     /// Record the marks on the turns' path ([`cairn_runtime::stages`]) in the measured
     /// window, embedded only; [`BenchResult::stages`] then holds their steps.
     pub stages: bool,
@@ -256,42 +263,65 @@ pub fn bench_tools(extra_bytes: usize) -> Arc<[ToolSpec]> {
     tools.into()
 }
 
-/// The scripted turn: `tools` parallel calculator calls, then an answer. With two, the turn
-/// is the one every figure so far was measured on, byte for byte.
-fn script(latency_ms: u64, tools: usize) -> String {
-    let calls = (1..=tools)
-        .map(|i| {
-            let expression = match i {
-                1 => "1+2".to_owned(),
-                2 => "3*4".to_owned(),
-                i => format!("{i}*{i}"),
-            };
-            format!(
-                r#"    {{"type": "tool_use", "id": "t{i}", "name": "calculator", "input": {{"expression": "{expression}"}}}}"#
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(",\n");
-    format!(
-        r#"{{"responses": [
-  {{"delay_ms": {latency_ms}, "parts": [
+/// The scripted session of `turns` turns, each `tools` parallel calculator calls, then an
+/// answer. With two tools and one turn, the turn is the one every figure so far was measured
+/// on, byte for byte; later turns' tool-use ids carry their turn, as a session's must differ.
+fn script(latency_ms: u64, tools: usize, turns: usize) -> String {
+    let turn = |turn: usize| {
+        let calls = (1..=tools)
+            .map(|i| {
+                let expression = match i {
+                    1 => "1+2".to_owned(),
+                    2 => "3*4".to_owned(),
+                    i => format!("{i}*{i}"),
+                };
+                let id = if turn == 1 {
+                    format!("t{i}")
+                } else {
+                    format!("t{turn}_{i}")
+                };
+                format!(
+                    r#"    {{"type": "tool_use", "id": "{id}", "name": "calculator", "input": {{"expression": "{expression}"}}}}"#
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(",\n");
+        format!(
+            r#"  {{"delay_ms": {latency_ms}, "parts": [
 {calls}]}},
-  {{"delay_ms": {latency_ms}, "parts": [{{"type": "text", "text": "3 and 12"}}]}}
-]}}"#
-    )
+  {{"delay_ms": {latency_ms}, "parts": [{{"type": "text", "text": "3 and 12"}}]}}"#
+        )
+    };
+    let turns: Vec<String> = (1..=turns.max(1)).map(turn).collect();
+    format!("{{\"responses\": [\n{}\n]}}", turns.join(",\n"))
 }
 
-/// Writes the script of a turn with `tools` parallel tool calls into `dir` and returns the
-/// model spec that reads it.
-pub(crate) fn write_script(dir: &Path, latency_ms: u64, tools: usize) -> anyhow::Result<ModelSpec> {
+/// Writes the script of a session of `turns` turns with `tools` parallel tool calls each
+/// into `dir` and returns the model spec that reads it.
+pub(crate) fn write_script(
+    dir: &Path,
+    latency_ms: u64,
+    tools: usize,
+    turns: usize,
+) -> anyhow::Result<ModelSpec> {
     if !(1..=MAX_PARALLEL_TOOLS).contains(&tools) {
         anyhow::bail!(
             "{tools} parallel tool calls: the bench's turn asks for 1 to {MAX_PARALLEL_TOOLS}"
         );
     }
     let path = dir.join("bench-turn.json");
-    std::fs::write(&path, script(latency_ms, tools)).context("writing the bench script")?;
+    std::fs::write(&path, script(latency_ms, tools, turns)).context("writing the bench script")?;
     ModelSpec::parse(&format!("scripted:{}", path.display())).context("the bench model spec")
+}
+
+/// The user message of a bench turn: `go`, or about `bytes` bytes of words (a fresh text
+/// for each turn of a session, `turn` from 1).
+pub fn bench_message(bytes: usize, turn: usize) -> String {
+    if bytes == 0 {
+        "go".to_owned()
+    } else {
+        crate::footprint::text(turn as u64 * 7 + 1, bytes)
+    }
 }
 
 /// How long [`fdatasync_probe`] runs before each measurement.
@@ -456,18 +486,40 @@ async fn closed_loop(
         let client = clients[client_no % clients.len()].clone();
         let model = model.clone();
         let tools = tools.clone();
+        let (turns_per_session, message_bytes) =
+            (config.turns_per_session.max(1), config.message_bytes);
         runners.push(tokio::spawn(async move {
             let mut latencies = Vec::new();
             let mut n = 0u64;
+            let mut session: Option<(String, usize)> = None;
             loop {
                 let begin = Instant::now();
                 if begin >= measure_until {
                     return Ok::<_, anyhow::Error>(latencies);
                 }
-                n += 1;
-                let mut options = SessionOptions::new(model.clone(), tools.clone());
-                options.session_id = Some(format!("bench-{client_no}-{n}"));
-                let (_, outcome) = client.start_session_and_run(options, "go").await?;
+                let outcome = match session.take() {
+                    Some((id, turn)) => {
+                        let outcome = client
+                            .run_turn(&id, &bench_message(message_bytes, turn))
+                            .await?;
+                        if turn < turns_per_session {
+                            session = Some((id, turn + 1));
+                        }
+                        outcome
+                    }
+                    None => {
+                        n += 1;
+                        let mut options = SessionOptions::new(model.clone(), tools.clone());
+                        options.session_id = Some(format!("bench-{client_no}-{n}"));
+                        let (id, outcome) = client
+                            .start_session_and_run(options, &bench_message(message_bytes, 1))
+                            .await?;
+                        if turns_per_session > 1 {
+                            session = Some((id, 2));
+                        }
+                        outcome
+                    }
+                };
                 if !matches!(outcome, TurnOutcome::Completed { .. }) {
                     bail!("a bench turn did not complete: {outcome:?}");
                 }
@@ -531,7 +583,12 @@ pub async fn open_restarted(
 /// pool with default settings in this process.
 pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Result<BenchResult> {
     let dir = tempfile::tempdir().context("a temporary directory")?;
-    let model = write_script(dir.path(), config.model_latency_ms, config.parallel_tools)?;
+    let model = write_script(
+        dir.path(),
+        config.model_latency_ms,
+        config.parallel_tools,
+        config.turns_per_session,
+    )?;
     let probed_before = probe_in(dir.path()).await?;
     let setup = format!("embedded, {engine}");
     let opened = open_restarted(&dir.path().join("store"), engine).await?;
@@ -599,7 +656,12 @@ async fn run_deployment(
         bail!("no server to measure through");
     }
     let dir = tempfile::tempdir().context("a temporary directory")?;
-    let model = write_script(dir.path(), config.model_latency_ms, config.parallel_tools)?;
+    let model = write_script(
+        dir.path(),
+        config.model_latency_ms,
+        config.parallel_tools,
+        config.turns_per_session,
+    )?;
     let probed_before = probe_in(dir.path()).await?;
     let store_args: Vec<String> = match (&deployment.store, database_url) {
         (ServerStore::Embedded(engine), _) => {
@@ -760,7 +822,7 @@ mod tests {
     fn the_script_asks_for_as_many_parallel_calls_as_given() {
         for tools in [1, 2, 5, MAX_PARALLEL_TOOLS] {
             let script: serde_json::Value =
-                serde_json::from_str(&script(7, tools)).expect("the script is JSON");
+                serde_json::from_str(&script(7, tools, 1)).expect("the script is JSON");
             let responses = script["responses"].as_array().expect("responses");
             assert_eq!(responses.len(), 2);
             assert_eq!(responses[0]["delay_ms"], 7);
@@ -777,7 +839,7 @@ mod tests {
             assert_eq!(ids.len(), tools, "ids repeat: {ids:?}");
             assert_eq!(responses[1]["parts"][0]["text"], "3 and 12");
         }
-        let two: serde_json::Value = serde_json::from_str(&script(0, 2)).expect("JSON");
+        let two: serde_json::Value = serde_json::from_str(&script(0, 2, 1)).expect("JSON");
         assert_eq!(
             two["responses"][0]["parts"],
             serde_json::json!([
@@ -787,9 +849,34 @@ mod tests {
         );
         let dir = tempfile::tempdir().expect("tempdir");
         for tools in [0, MAX_PARALLEL_TOOLS + 1] {
-            let refused = write_script(dir.path(), 0, tools).expect_err("out of range");
+            let refused = write_script(dir.path(), 0, tools, 1).expect_err("out of range");
             assert!(refused.to_string().contains("1 to 64"), "{refused}");
         }
+    }
+
+    /// A session of several turns: each turn the same calls and answer, the tool-use ids
+    /// distinct across the session; a message of the bytes asked for, another each turn.
+    #[test]
+    fn a_long_session_s_script_and_messages() {
+        let script: serde_json::Value =
+            serde_json::from_str(&script(0, 2, 3)).expect("the script is JSON");
+        let responses = script["responses"].as_array().expect("responses");
+        assert_eq!(responses.len(), 6);
+        let ids: std::collections::BTreeSet<&str> = responses
+            .iter()
+            .step_by(2)
+            .flat_map(|r| r["parts"].as_array().expect("parts"))
+            .map(|p| p["id"].as_str().expect("an id"))
+            .collect();
+        assert_eq!(ids.len(), 6, "{ids:?}");
+        assert!(ids.contains("t1") && ids.contains("t3_2"), "{ids:?}");
+        for answer in responses.iter().skip(1).step_by(2) {
+            assert_eq!(answer["parts"][0]["text"], "3 and 12");
+        }
+        assert_eq!(bench_message(0, 5), "go");
+        let message = bench_message(2_000, 2);
+        assert!((2_000..2_100).contains(&message.len()), "{}", message.len());
+        assert_ne!(message, bench_message(2_000, 3));
     }
 
     #[test]

@@ -190,7 +190,7 @@ const WORDS: &[&str] = &[
 
 /// A deterministic text of about `len` bytes: words of [`WORDS`] picked by a xorshift from
 /// `seed`, with a full stop every few words.
-fn text(seed: u64, len: usize) -> String {
+pub(crate) fn text(seed: u64, len: usize) -> String {
     let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut next = || {
         state ^= state << 13;

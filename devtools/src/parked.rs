@@ -101,7 +101,7 @@ pub async fn parked(
     settle: Duration,
 ) -> anyhow::Result<ParkedResult> {
     let dir = tempfile::tempdir().context("a temporary directory")?;
-    let model = write_script(dir.path(), 0, crate::bench::DEFAULT_PARALLEL_TOOLS)?;
+    let model = write_script(dir.path(), 0, crate::bench::DEFAULT_PARALLEL_TOOLS, 1)?;
     let tools = ToolRegistry::builtin(dir.path()).specs();
     let rss_before = rss_now()?;
     let opened = embedded::open(&dir.path().join("store"), OpenMode::Create, Some(engine)).await?;

@@ -25,6 +25,8 @@ pub async fn measure(seconds: f64, engine: StorageEngine) -> anyhow::Result<Benc
         worker_concurrency: 16,
         parallel_tools: bench::DEFAULT_PARALLEL_TOOLS,
         tool_spec_bytes: 0,
+        turns_per_session: 1,
+        message_bytes: 0,
         stages: true,
     };
     bench::embedded(&config, engine).await

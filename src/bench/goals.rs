@@ -70,6 +70,8 @@ async fn measure(
         worker_concurrency: 16,
         parallel_tools: cairn_devtools::bench::DEFAULT_PARALLEL_TOOLS,
         tool_spec_bytes: 0,
+        turns_per_session: 1,
+        message_bytes: 0,
         stages: false,
     };
 

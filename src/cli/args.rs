@@ -403,6 +403,27 @@ pub(crate) enum Command {
             conflicts_with_all = ["footprint", "goals", "parked", "stages"]
         )]
         tool_spec_bytes: usize,
+        /// Turns each client runs on one session before it starts a fresh one (the README's
+        /// workload: 1, a fresh session per turn). A long session's transcript grows from turn
+        /// to turn, and through a server every model task carries it.
+        #[arg(
+            long,
+            value_name = "N",
+            default_value_t = 1,
+            value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100_000),
+            conflicts_with_all = ["footprint", "goals", "parked", "stages"]
+        )]
+        turns_per_session: usize,
+        /// About this many bytes of text in each turn's user message (default: the word
+        /// `go`), so that a long session's transcript grows as an agent's does.
+        #[arg(
+            long,
+            value_name = "BYTES",
+            default_value_t = 0,
+            value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1_000_000),
+            conflicts_with_all = ["footprint", "goals", "parked", "stages"]
+        )]
+        message_bytes: usize,
         /// Storage engines of the embedded stores, each measured: fjall, sled (default: both).
         #[arg(long, value_delimiter = ',', value_parser = parse_engine)]
         engine: Vec<StorageEngine>,
