@@ -74,6 +74,8 @@ struct State {
 
 struct Queued {
     report: Box<RawValue>,
+    /// The session of its lease: its transcript is the one the answer may leave out.
+    session_id: String,
     /// The time its first try is given ([`crate::source`]'s per-lease bound).
     timeout: Duration,
     reply: oneshot::Sender<BatchOutcome>,
@@ -115,6 +117,7 @@ impl ReportBatcher {
 
     /// How the first try of `report`, given `timeout`, goes.
     pub(crate) fn enter(self: &Arc<Self>, report: &ReportRequest, timeout: Duration) -> Entry {
+        let report_of = report;
         if self.refused.load(Ordering::Relaxed) {
             return Entry::Alone(None);
         }
@@ -137,6 +140,7 @@ impl ReportBatcher {
         }
         state.queued.push(Queued {
             report,
+            session_id: report_session(report_of),
             timeout,
             reply,
         });
@@ -186,7 +190,8 @@ impl ReportBatcher {
         };
         let mut request = Request::post("/v1/worker/reports", &body);
         request.tool_sets = Some(self.tool_sets.header());
-        request.transcripts = Some(self.transcripts.header());
+        let sessions: Vec<&str> = batch.iter().map(|q| q.session_id.as_str()).collect();
+        request.transcripts = Some(self.transcripts.header_for(&sessions));
         let outcomes = match self.connection.exchange(request, timeout).await {
             Ok((200, body)) => match crate::connection::from_json::<ReportBatchAnswer>(&body) {
                 Ok(answer) if answer.answers.len() == batch.len() => answer
@@ -250,3 +255,8 @@ fn lost(batch: &[Queued], reason: String) -> Vec<BatchOutcome> {
 #[cfg(test)]
 #[path = "report_batch_tests.rs"]
 mod tests;
+
+/// The session of a report's lease.
+fn report_session(report: &ReportRequest) -> String {
+    report.lease.id.session_id.clone()
+}

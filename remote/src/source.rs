@@ -178,6 +178,16 @@ impl HttpTaskSource {
         request
     }
 
+    /// A report of `lease`'s attempt as [`HttpTaskSource::worker_request`] makes it, but
+    /// listing the transcript of the lease's session first: what a report leases (eager
+    /// dispatch) is first of all that session's next task.
+    fn report_request(&self, lease: &Lease, body: &impl Serialize) -> Request {
+        let mut request = Request::post("/v1/worker/report", body);
+        request.tool_sets = Some(self.tool_sets.header());
+        request.transcripts = Some(self.transcripts.header_for(&[&lease.id.session_id]));
+        request
+    }
+
     /// `tasks` made whole: the tools and the transcript's first messages the server left out
     /// of their model tasks filled in, from what this worker keeps or, for what it let go
     /// meanwhile, by fetching the task's input whole again. A task whose input cannot be
@@ -350,9 +360,9 @@ impl HttpTaskSource {
             let result = self
                 .with_retries(lease, first_try, || {
                     if tried.swap(true, Ordering::Relaxed) && !body.deltas.is_empty() {
-                        self.worker_request("/v1/worker/report", &ResentReport::of(&body))
+                        self.report_request(lease, &ResentReport::of(&body))
                     } else {
-                        self.worker_request("/v1/worker/report", &body)
+                        self.report_request(lease, &body)
                     }
                 })
                 .await;
@@ -423,11 +433,7 @@ impl HttpTaskSource {
             Entry::Alone(in_flight) => {
                 let answer = self
                     .connection
-                    .call(
-                        self.worker_request("/v1/worker/report", body),
-                        subject_of(lease),
-                        timeout,
-                    )
+                    .call(self.report_request(lease, body), subject_of(lease), timeout)
                     .await;
                 drop(in_flight);
                 Some(answer)

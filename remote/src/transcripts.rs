@@ -4,10 +4,12 @@
 //! server, made whole again.
 //!
 //! Only transcripts of at least [`MIN_KEPT_BYTES`] are kept, so a worker of short sessions
-//! lists nothing. The kept are bounded, in number (twice the [`MAX_TRANSCRIPTS_LISTED`] the
-//! header lists, the used last) and in bytes ([`KEPT_BYTES`]), the one used longest ago let
-//! go first. A transcript listed in a request and let go before its answer comes costs its
-//! task a fetch of the input whole (`POST /v1/worker/input`, which the caller does).
+//! lists nothing. The kept are bounded, in number ([`KEPT_TRANSCRIPTS`]) and in bytes
+//! ([`KEPT_BYTES`]), the one used longest ago let go first. A request lists the
+//! [`MAX_TRANSCRIPTS_LISTED`] used last; a report lists its own session's first, since what it
+//! leases is first of all that session's next task. A transcript listed in a request and let go before
+//! its answer comes costs its task a fetch of the input whole (`POST /v1/worker/input`,
+//! which the caller does).
 //!
 //! A transcript is made whole in place when this worker holds the one it kept alone (its
 //! last call of the session has ended): the messages that came are pushed onto it, and its
@@ -16,7 +18,7 @@
 use cairn_ledger::{Message, Transcript};
 use cairn_runtime::wire::{KeptTranscript, MAX_TRANSCRIPTS_LISTED};
 use cairn_runtime::LeasedTask;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 /// The smallest transcript kept (`Transcript::heap_bytes`): a smaller one costs its header
@@ -24,9 +26,10 @@ use std::sync::{Arc, Mutex};
 pub(crate) const MIN_KEPT_BYTES: usize = 8 * 1024;
 /// The bytes of the transcripts kept at most (`Transcript::heap_bytes`).
 pub(crate) const KEPT_BYTES: usize = 64 * 1024 * 1024;
-/// The transcripts kept at most: twice those listed, so that one listed in a request is
-/// still kept when its answer comes.
-const KEPT_TRANSCRIPTS: usize = 2 * MAX_TRANSCRIPTS_LISTED;
+/// The transcripts kept at most. Far more than a lease request lists, so that one listed is
+/// still kept when its answer comes, and so that a report, which lists its own session's,
+/// finds it kept with as many sessions in flight.
+const KEPT_TRANSCRIPTS: usize = 16 * MAX_TRANSCRIPTS_LISTED;
 
 /// The transcripts this worker keeps.
 #[derive(Default)]
@@ -37,18 +40,26 @@ pub(crate) struct TranscriptCache {
 #[derive(Default)]
 struct Kept {
     by_session: HashMap<String, Held>,
-    /// The sessions in the order their transcripts were last used, the longest ago first.
-    order: VecDeque<String>,
+    /// The sessions by when their transcripts were last used (a count of uses), the longest
+    /// ago first.
+    order: BTreeMap<u64, String>,
+    /// Uses so far.
+    uses: u64,
     /// The bytes of those kept.
     bytes: usize,
-    /// The header's value listing those used last, made again when they change.
-    header: Arc<str>,
+    /// The header's value listing those used last, made again when asked for after they
+    /// changed (`None`).
+    header: Option<Arc<str>>,
+    /// The oldest use the header lists: a transcript last used since is listed.
+    listed_from: u64,
 }
 
 struct Held {
     lineage: u64,
     transcript: Arc<Transcript>,
     bytes: usize,
+    /// When it was last used: its key in `order`.
+    used: u64,
 }
 
 impl TranscriptCache {
@@ -58,7 +69,50 @@ impl TranscriptCache {
 
     /// The value of the header: the transcripts used last, comma-separated.
     pub(crate) fn header(&self) -> Arc<str> {
-        Arc::clone(&self.lock().header)
+        let mut kept = self.lock();
+        kept.header()
+    }
+
+    /// The value of the header for a report request: the transcripts kept of `sessions`
+    /// (those of the reports' leases), then the used last. What a report leases is its own
+    /// session's next task first, whose transcript, with more sessions in flight than the
+    /// header lists, may not be among the used last; but a store may lease other sessions'
+    /// due tasks with it too.
+    pub(crate) fn header_for(&self, sessions: &[&str]) -> Arc<str> {
+        let mut kept = self.lock();
+        let last = kept.header();
+        let mut own: Vec<String> = Vec::new();
+        for session_id in sessions {
+            let Some(held) = kept.by_session.get(*session_id) else {
+                continue;
+            };
+            if held.used >= kept.listed_from {
+                continue; // listed already
+            }
+            if let Some(item) = kept.item(session_id).map(|item| item.to_string()) {
+                if !own.contains(&item) {
+                    own.push(item);
+                }
+            }
+        }
+        if own.is_empty() {
+            return last;
+        }
+        own.truncate(MAX_TRANSCRIPTS_LISTED);
+        let listed = if last.is_empty() {
+            0
+        } else {
+            last.split(',').count()
+        };
+        // The oldest of the used last give way, so that at most as many are listed as allowed.
+        let skip = (listed + own.len()).saturating_sub(MAX_TRANSCRIPTS_LISTED);
+        own.extend(
+            last.split(',')
+                .filter(|item| !item.is_empty())
+                .skip(skip)
+                .map(str::to_owned),
+        );
+        Arc::from(own.join(","))
     }
 
     /// How many transcripts are kept, and their bytes.
@@ -132,70 +186,78 @@ impl Kept {
         if held.lineage != lineage || held.transcript.messages.len() < left_out {
             return None;
         }
-        let held = self.by_session.remove(session_id)?;
-        self.bytes -= held.bytes;
+        let held = self.remove(session_id)?;
         Some((held.transcript, held.bytes))
+    }
+
+    fn remove(&mut self, session_id: &str) -> Option<Held> {
+        let held = self.by_session.remove(session_id)?;
+        self.order.remove(&held.used);
+        self.bytes -= held.bytes;
+        self.header = None;
+        Some(held)
     }
 
     /// Keeps `transcript` (of `bytes`) as `session_id`'s, in place of any before, if it is
     /// large enough; lets go of those used longest ago past the bounds.
     fn keep(&mut self, session_id: &str, lineage: u64, transcript: Arc<Transcript>, bytes: usize) {
-        let large = (MIN_KEPT_BYTES..=KEPT_BYTES).contains(&bytes);
-        if let Some(old) = self.by_session.remove(session_id) {
-            self.bytes -= old.bytes;
+        self.remove(session_id);
+        if !(MIN_KEPT_BYTES..=KEPT_BYTES).contains(&bytes) {
+            return;
         }
-        // Still in the order when `take` took it out.
-        match self.order.iter().position(|s| s == session_id) {
-            Some(at) => {
-                self.order.remove(at);
-            }
-            // Nothing kept of it before, nothing now: the header stands.
-            None if !large => return,
-            None => {}
+        while self.by_session.len() >= KEPT_TRANSCRIPTS || self.bytes + bytes > KEPT_BYTES {
+            let Some((_, oldest)) = self.order.pop_first() else {
+                break;
+            };
+            self.remove(&oldest);
         }
-        if large {
-            while self.order.len() >= KEPT_TRANSCRIPTS || self.bytes + bytes > KEPT_BYTES {
-                let Some(oldest) = self.order.pop_front() else {
-                    break;
-                };
-                if let Some(gone) = self.by_session.remove(&oldest) {
-                    self.bytes -= gone.bytes;
-                }
-            }
-            self.order.push_back(session_id.to_owned());
-            self.by_session.insert(
-                session_id.to_owned(),
-                Held {
-                    lineage,
-                    transcript,
-                    bytes,
-                },
-            );
-            self.bytes += bytes;
-        }
-        self.list();
+        self.uses += 1;
+        self.order.insert(self.uses, session_id.to_owned());
+        self.by_session.insert(
+            session_id.to_owned(),
+            Held {
+                lineage,
+                transcript,
+                bytes,
+                used: self.uses,
+            },
+        );
+        self.bytes += bytes;
+        self.header = None;
     }
 
-    /// Makes the header again: the transcripts used last.
-    fn list(&mut self) {
-        let skip = self.order.len().saturating_sub(MAX_TRANSCRIPTS_LISTED);
-        let items: Vec<String> = self
+    /// The header's item for `session_id`'s transcript, if one is kept.
+    fn item(&self, session_id: &str) -> Option<KeptTranscript> {
+        let held = self.by_session.get(session_id)?;
+        Some(KeptTranscript {
+            session_id: session_id.to_owned(),
+            lineage: held.lineage,
+            messages: u32::try_from(held.transcript.messages.len()).ok()?,
+        })
+    }
+
+    /// The header's value listing the transcripts used last, the one used last at the end,
+    /// made again if they changed since.
+    fn header(&mut self) -> Arc<str> {
+        if let Some(header) = &self.header {
+            return Arc::clone(header);
+        }
+        let listed: Vec<(u64, &String)> = self
             .order
             .iter()
-            .skip(skip)
-            .filter_map(|session_id| {
-                let held = self.by_session.get(session_id)?;
-                Some(
-                    KeptTranscript {
-                        session_id: session_id.clone(),
-                        lineage: held.lineage,
-                        messages: u32::try_from(held.transcript.messages.len()).ok()?,
-                    }
-                    .to_string(),
-                )
-            })
+            .rev()
+            .take(MAX_TRANSCRIPTS_LISTED)
+            .map(|(used, session_id)| (*used, session_id))
             .collect();
-        self.header = Arc::from(items.join(","));
+        self.listed_from = listed.last().map_or(u64::MAX, |(used, _)| *used);
+        let items: Vec<String> = listed
+            .iter()
+            .rev()
+            .filter_map(|(_, session_id)| Some(self.item(session_id)?.to_string()))
+            .collect();
+        let header: Arc<str> = Arc::from(items.join(","));
+        self.header = Some(Arc::clone(&header));
+        header
     }
 }
 

@@ -184,7 +184,7 @@ fn small_transcripts_are_not_kept_and_a_summary_is_left_alone() {
 #[test]
 fn the_kept_are_bounded_the_one_used_longest_ago_going_first() {
     let cache = TranscriptCache::default();
-    let kept = 2 * MAX_TRANSCRIPTS_LISTED;
+    let kept = KEPT_TRANSCRIPTS;
     let mut tasks: Vec<LeasedTask> = (0..kept + 2)
         .map(|n| {
             model_task(
@@ -215,6 +215,28 @@ fn the_kept_are_bounded_the_one_used_longest_ago_going_first() {
     let listed = parse_transcripts(&header).unwrap();
     assert_eq!(listed.last().unwrap().to_string(), "s5=0.2");
 
+    // A report's header lists its own sessions' first, those kept and not among the used
+    // last, once each; then the used last, as many as fit.
+    assert_eq!(
+        cache.header_for(&["s5", "gone", "s0"]),
+        header,
+        "listed already"
+    );
+    let for_report = cache.header_for(&["s10", "s5", "s10", "s11"]);
+    let listed = parse_transcripts(&for_report).expect("a header the server takes");
+    assert_eq!(listed.len(), MAX_TRANSCRIPTS_LISTED);
+    let names: Vec<&str> = listed.iter().map(|k| k.session_id.as_str()).collect();
+    assert_eq!(
+        &names[..3],
+        [
+            "s10",
+            "s11",
+            &format!("s{}", kept + 5 - MAX_TRANSCRIPTS_LISTED)
+        ]
+    );
+    assert_eq!(*names.last().unwrap(), "s5");
+    assert_eq!(cache.header_for(&[]), header);
+
     // Bounded in bytes: one transcript of nearly all of them pushes the others out.
     let huge = KEPT_BYTES - MIN_KEPT_BYTES;
     let mut tasks = vec![model_task("huge", 2, messages(0, 1, huge), Some(0), 0)];
@@ -229,7 +251,7 @@ fn the_kept_are_bounded_the_one_used_longest_ago_going_first() {
 #[derive(Default)]
 struct Seen {
     headers: std::sync::Mutex<Vec<Option<String>>>,
-    answers: std::sync::Mutex<VecDeque<Vec<LeasedTask>>>,
+    answers: std::sync::Mutex<std::collections::VecDeque<Vec<LeasedTask>>>,
 }
 
 /// A server answering lease requests with `answers` in turn, and `POST /v1/worker/input`
