@@ -37,3 +37,4 @@ mod transcripts;
 mod ui;
 mod versions;
 mod wire;
+mod worker_support;

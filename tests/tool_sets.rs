@@ -4,18 +4,18 @@
 //! header is refused), and a remote worker pool whose model sees every call's tools whole
 //! while the server leaves them out.
 
-use crate::server::{history, kinds, send, send_with_headers, wait_turn, Server};
+use crate::server::{history, kinds, send, wait_turn, Server};
+use crate::worker_support::{
+    self, answer_report, calculator_turn, lease_one, model_input, start_turn, tool_use_report,
+    ProxiedPool,
+};
 use async_trait::async_trait;
 use cairn_activities::{
     ActivityContext, Calculator, DeltaSink, Error as ActivityError, ModelProvider, ModelRequest,
-    Tool, ToolRegistry,
+    Tool,
 };
-use cairn_ledger::{
-    JsonText, ModelResponse, ModelSpec, Part, StopReason, ToolSpec, ToolUse, Usage,
-};
-use cairn_remote::HttpTaskSource;
+use cairn_ledger::{JsonText, ModelResponse, ModelSpec, ToolSpec};
 use cairn_runtime::{SessionOptions, TurnOutcome};
-use cairn_workers::{Activities, ModelResolver, WorkerConfig, WorkerPool};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
@@ -34,31 +34,6 @@ fn long_spec(name: &str) -> ToolSpec {
     }
 }
 
-fn tool_use_report() -> Value {
-    json!({"model_completed": {
-        "provider": "scripted", "model": "by-hand",
-        "parts": [{"tool_use": {"id": "toolu_1", "name": "calculator",
-                                "arguments": "{\"expression\":\"1+2\"}"}}],
-        "stop_reason_raw": "tool_use", "stop_reason": "tool_use",
-        "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
-                  "cache_write_tokens": 0, "reasoning_tokens": 0}
-    }})
-}
-
-async fn start_turn(http: &reqwest::Client, server: &Server, id: &str, tools: &Value) {
-    let model = json!({"provider": "scripted", "model": "unused.json"});
-    let created = send(
-        http,
-        Method::POST,
-        server.url("/v1/sessions"),
-        None,
-        Some(json!({"session_id": id, "model": model, "tools": tools,
-                    "message": {"text": "1+2?"}})),
-    )
-    .await;
-    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
-}
-
 /// `POST path` with `body`, listing `tool_sets` (none: no header).
 async fn worker_post(
     http: &reqwest::Client,
@@ -67,30 +42,12 @@ async fn worker_post(
     tool_sets: Option<&str>,
     body: Value,
 ) -> crate::server::Answer {
-    let headers: Vec<(&str, &str)> = tool_sets.map(|v| (HEADER, v)).into_iter().collect();
-    send_with_headers(
-        http,
-        Method::POST,
-        server.url(path),
-        None,
-        &headers,
-        Some(body),
-    )
-    .await
+    worker_support::worker_post(http, server, path, tool_sets.map(|v| (HEADER, v)), body).await
 }
 
 /// The first task a lease request listing `tool_sets` gets, waiting for it.
 async fn lease_listing(http: &reqwest::Client, server: &Server, tool_sets: &str) -> Value {
-    let body = json!({"max": 1, "wait_ms": 30000, "lease_ms": 30000});
-    let leased = worker_post(http, server, "/v1/worker/lease", Some(tool_sets), body).await;
-    assert_eq!(leased.status, StatusCode::OK, "{}", leased.body);
-    leased.body["tasks"][0].clone()
-}
-
-fn model_input(task: &Value) -> &Value {
-    let input = &task["input"]["model"];
-    assert!(input.is_object(), "a model task: {task}");
-    input
+    lease_one(http, server, Some((HEADER, tool_sets))).await
 }
 
 #[tokio::test]
@@ -100,7 +57,7 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
     let http = reqwest::Client::new();
     let calculator = serde_json::to_value(Calculator.spec()).unwrap();
     let tools = json!([calculator, serde_json::to_value(long_spec("read")).unwrap()]);
-    start_turn(&http, &server, "kept", &tools).await;
+    start_turn(&http, &server, "kept", &tools, "1+2?").await;
     let lease_body = json!({"max": 1, "wait_ms": 30000, "lease_ms": 30000});
     let next = json!({"max": 1, "lease_ms": 30000});
 
@@ -166,14 +123,7 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
         Method::POST,
         server.url("/v1/worker/report"),
         None,
-        Some(
-            json!({"lease": second["lease"], "report": {"model_completed": {
-            "provider": "scripted", "model": "by-hand",
-            "parts": [{"text": {"text": "3"}}],
-            "stop_reason_raw": "end_turn", "stop_reason": "end_turn",
-            "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
-                      "cache_write_tokens": 0, "reasoning_tokens": 0}}}}),
-        ),
+        Some(json!({"lease": second["lease"], "report": answer_report()})),
     )
     .await;
     assert_eq!(done.status, StatusCode::NO_CONTENT, "{}", done.body);
@@ -187,7 +137,7 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
 
     // Another session with the same tools: the same digest, so a worker holding it is
     // not sent them; a worker that does not send the header gets them whole, as before.
-    start_turn(&http, &server, "same-tools", &tools).await;
+    start_turn(&http, &server, "same-tools", &tools, "1+2?").await;
     let task = &lease_listing(&http, &server, &digest).await;
     assert_eq!(model_input(task)["tools"], json!([]), "{task}");
     assert_eq!(model_input(task)["tools_digest"], digest.as_str(), "{task}");
@@ -216,7 +166,7 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
     assert!(model_input(task).get("tools_omitted").is_none(), "{task}");
 
     // A session with other tools: another digest.
-    start_turn(&http, &server, "other-tools", &json!([calculator])).await;
+    start_turn(&http, &server, "other-tools", &json!([calculator]), "1+2?").await;
     let task = &lease_listing(&http, &server, &digest).await;
     assert_eq!(model_input(task)["tools"], json!([calculator]), "{task}");
     let other_digest = model_input(task)["tools_digest"].as_str().expect("digest");
@@ -273,85 +223,16 @@ impl ModelProvider for ToolsSeen {
     ) -> Result<ModelResponse, ActivityError> {
         self.calls.lock().unwrap().push(request.tools.to_vec());
         let answered = request.transcript.messages.len() > 2;
-        let parts = if answered {
-            vec![Part::text("3")]
-        } else {
-            vec![Part::ToolUse(ToolUse {
-                id: "toolu_1".into(),
-                name: "calculator".into(),
-                arguments: r#"{"expression":"1+2"}"#.into(),
-                signature: None,
-            })]
-        };
-        Ok(ModelResponse {
-            provider: "seen".into(),
-            model: "test".into(),
-            parts,
-            stop_reason_raw: "x".into(),
-            stop_reason: if answered {
-                StopReason::EndTurn
-            } else {
-                StopReason::ToolUse
-            },
-            usage: Usage::default(),
-        })
+        Ok(calculator_turn(answered, "toolu_1".into()))
     }
-}
-
-struct Resolver(Arc<ToolsSeen>);
-
-impl ModelResolver for Resolver {
-    fn resolve(&self, _spec: &ModelSpec) -> Result<Arc<dyn ModelProvider>, ActivityError> {
-        Ok(self.0.clone())
-    }
-}
-
-/// A TCP proxy on loopback in front of `target` (`host:port`), keeping every byte the
-/// target sent back: what the worker behind it was sent. Its address as a URL.
-pub(crate) async fn recording_proxy(target: String) -> (String, Arc<Mutex<Vec<u8>>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let received = Arc::new(Mutex::new(Vec::new()));
-    let kept = received.clone();
-    tokio::spawn(async move {
-        while let Ok((inbound, _)) = listener.accept().await {
-            let outbound = tokio::net::TcpStream::connect(&target).await.unwrap();
-            let (mut in_read, mut in_write) = inbound.into_split();
-            let (mut out_read, mut out_write) = outbound.into_split();
-            tokio::spawn(async move { tokio::io::copy(&mut in_read, &mut out_write).await });
-            let kept = kept.clone();
-            tokio::spawn(async move {
-                use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                let mut buffer = vec![0; 64 * 1024];
-                while let Ok(n) = out_read.read(&mut buffer).await {
-                    if n == 0 || in_write.write_all(&buffer[..n]).await.is_err() {
-                        break;
-                    }
-                    kept.lock().unwrap().extend_from_slice(&buffer[..n]);
-                }
-            });
-        }
-    });
-    (url, received)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remote_workers_model_sees_every_calls_tools_whole_while_each_set_crosses_once() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&dir.path().join("store"), &[]);
-    let base = server.url("");
-    let (proxied, received) = recording_proxy(base.trim_start_matches("http://").to_owned()).await;
     let seen = Arc::new(ToolsSeen::default());
-    let source = Arc::new(HttpTaskSource::new(&proxied, None).unwrap());
-    let pool = WorkerPool::start_with(
-        source,
-        Activities {
-            models: Arc::new(Resolver(seen.clone())),
-            tools: Arc::new(ToolRegistry::builtin(dir.path())),
-        },
-        WorkerConfig::default(),
-    );
-    let client = cairn_remote::connect(&base, None).unwrap();
+    let mut proxied = ProxiedPool::start(dir.path(), seen.clone()).await;
+    let client = proxied.client.clone();
     let tools: Arc<[ToolSpec]> = vec![Calculator.spec(), long_spec("read")].into();
     let model = ModelSpec::parse("scripted:unused.json").unwrap();
     for session in 0..3 {
@@ -371,7 +252,7 @@ async fn a_remote_workers_model_sees_every_calls_tools_whole_while_each_set_cros
             "{outcome:?}"
         );
     }
-    pool.shutdown().await;
+    proxied.stop().await;
     let calls = seen.calls.lock().unwrap().clone();
     assert_eq!(calls.len(), 6, "two model calls a turn");
     for (i, call) in calls.iter().enumerate() {
@@ -384,7 +265,7 @@ async fn a_remote_workers_model_sees_every_calls_tools_whole_while_each_set_cros
     }
     // The long tool's description crossed once: with the first model task; the three other
     // calls with that set were sent its digest.
-    let received = String::from_utf8_lossy(&received.lock().unwrap()).into_owned();
+    let received = proxied.received();
     let marker = long_spec("read").description;
     assert_eq!(received.matches(&marker).count(), 1, "{received}");
 }

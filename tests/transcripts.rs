@@ -5,18 +5,18 @@
 //! remote worker pool whose model sees every call's transcript whole while a long message
 //! crosses the wire once.
 
-use crate::server::{history, kinds, send, send_with_headers, wait_turn, Server};
+use crate::server::{history, kinds, send, wait_turn, Server};
+use crate::worker_support::{
+    self, answer_report, calculator_turn, lease_one, model_input, start_turn, tool_use_report,
+    ProxiedPool,
+};
 use async_trait::async_trait;
 use cairn_activities::{
     ActivityContext, Calculator, DeltaSink, Error as ActivityError, ModelProvider, ModelRequest,
-    Tool, ToolRegistry,
+    Tool,
 };
-use cairn_ledger::{
-    ModelResponse, ModelSpec, Part, StopReason, ToolSpec, ToolUse, Transcript, Usage,
-};
-use cairn_remote::HttpTaskSource;
+use cairn_ledger::{ModelResponse, ModelSpec, Part, ToolSpec, Transcript};
 use cairn_runtime::{SessionOptions, TurnOutcome};
-use cairn_workers::{Activities, ModelResolver, WorkerConfig, WorkerPool};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
@@ -28,40 +28,10 @@ fn long_text() -> String {
     "a long message that a worker keeps; ".repeat(400)
 }
 
-fn tool_use_report() -> Value {
-    json!({"model_completed": {
-        "provider": "scripted", "model": "by-hand",
-        "parts": [{"tool_use": {"id": "toolu_1", "name": "calculator",
-                                "arguments": "{\"expression\":\"1+2\"}"}}],
-        "stop_reason_raw": "tool_use", "stop_reason": "tool_use",
-        "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
-                  "cache_write_tokens": 0, "reasoning_tokens": 0}
-    }})
-}
-
-fn answer_report() -> Value {
-    json!({"model_completed": {
-        "provider": "scripted", "model": "by-hand",
-        "parts": [{"text": {"text": "3"}}],
-        "stop_reason_raw": "end_turn", "stop_reason": "end_turn",
-        "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
-                  "cache_write_tokens": 0, "reasoning_tokens": 0}
-    }})
-}
-
-async fn start_turn(http: &reqwest::Client, server: &Server, id: &str, text: &str) {
-    let model = json!({"provider": "scripted", "model": "unused.json"});
+/// A session offering the calculator, its first turn asking `text`.
+async fn start(http: &reqwest::Client, server: &Server, id: &str, text: &str) {
     let tools = json!([serde_json::to_value(Calculator.spec()).unwrap()]);
-    let created = send(
-        http,
-        Method::POST,
-        server.url("/v1/sessions"),
-        None,
-        Some(json!({"session_id": id, "model": model, "tools": tools,
-                    "message": {"text": text}})),
-    )
-    .await;
-    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    start_turn(http, server, id, &tools, text).await;
 }
 
 /// `POST path` with `body`, listing `transcripts` (none: no header).
@@ -72,16 +42,7 @@ async fn worker_post(
     transcripts: Option<&str>,
     body: Value,
 ) -> crate::server::Answer {
-    let headers: Vec<(&str, &str)> = transcripts.map(|v| (HEADER, v)).into_iter().collect();
-    send_with_headers(
-        http,
-        Method::POST,
-        server.url(path),
-        None,
-        &headers,
-        Some(body),
-    )
-    .await
+    worker_support::worker_post(http, server, path, transcripts.map(|v| (HEADER, v)), body).await
 }
 
 /// The first task a lease request listing `transcripts` gets, waiting for it.
@@ -90,16 +51,7 @@ async fn lease_listing(
     server: &Server,
     transcripts: Option<&str>,
 ) -> Value {
-    let body = json!({"max": 1, "wait_ms": 30000, "lease_ms": 30000});
-    let leased = worker_post(http, server, "/v1/worker/lease", transcripts, body).await;
-    assert_eq!(leased.status, StatusCode::OK, "{}", leased.body);
-    leased.body["tasks"][0].clone()
-}
-
-fn model_input(task: &Value) -> &Value {
-    let input = &task["input"]["model"];
-    assert!(input.is_object(), "a model task: {task}");
-    input
+    lease_one(http, server, transcripts.map(|v| (HEADER, v))).await
 }
 
 fn messages(input: &Value) -> &Vec<Value> {
@@ -114,7 +66,7 @@ async fn a_worker_that_keeps_transcripts_is_sent_only_the_messages_it_lacks() {
     let server = Server::start(&dir.path().join("store"), &[]);
     let http = reqwest::Client::new();
     let long = long_text();
-    start_turn(&http, &server, "kept", &long).await;
+    start(&http, &server, "kept", &long).await;
     let next = json!({"max": 1, "lease_ms": 30000});
 
     // A worker that keeps transcripts and holds none: the transcript whole, with its
@@ -227,7 +179,7 @@ async fn a_worker_that_keeps_transcripts_is_sent_only_the_messages_it_lacks() {
         ("more", Some("more=0.9")),
         ("plain", None),
     ] {
-        start_turn(&http, &server, id, &long).await;
+        start(&http, &server, id, &long).await;
         let task = lease_listing(&http, &server, header).await;
         let input = model_input(&task);
         assert_eq!(input["transcript_lineage"], 0, "{id}: {task}");
@@ -237,7 +189,7 @@ async fn a_worker_that_keeps_transcripts_is_sent_only_the_messages_it_lacks() {
 
     // A header that is not a list of kept transcripts is refused, naming it, and leases
     // nothing.
-    start_turn(&http, &server, "waiting", "1+2?").await;
+    start(&http, &server, "waiting", "1+2?").await;
     for bad in ["kept", "kept=0", "kept=0.1,", "bad id=0.1", "kept=x.1"] {
         let refused = worker_post(
             &http,
@@ -289,57 +241,17 @@ impl ModelProvider for TranscriptsSeen {
             .messages
             .last()
             .is_some_and(|m| matches!(m.parts.first(), Some(Part::ToolResult(_))));
-        let parts = if answered {
-            vec![Part::text("3")]
-        } else {
-            vec![Part::ToolUse(ToolUse {
-                id: format!("toolu_{}", request.transcript.messages.len()),
-                name: "calculator".into(),
-                arguments: r#"{"expression":"1+2"}"#.into(),
-                signature: None,
-            })]
-        };
-        Ok(ModelResponse {
-            provider: "seen".into(),
-            model: "test".into(),
-            parts,
-            stop_reason_raw: "x".into(),
-            stop_reason: if answered {
-                StopReason::EndTurn
-            } else {
-                StopReason::ToolUse
-            },
-            usage: Usage::default(),
-        })
-    }
-}
-
-struct Resolver(Arc<TranscriptsSeen>);
-
-impl ModelResolver for Resolver {
-    fn resolve(&self, _spec: &ModelSpec) -> Result<Arc<dyn ModelProvider>, ActivityError> {
-        Ok(self.0.clone())
+        let id = format!("toolu_{}", request.transcript.messages.len());
+        Ok(calculator_turn(answered, id))
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remote_workers_model_sees_every_transcript_whole_while_a_long_message_crosses_once() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&dir.path().join("store"), &[]);
-    let base = server.url("");
-    let (proxied, received) =
-        crate::tool_sets::recording_proxy(base.trim_start_matches("http://").to_owned()).await;
     let seen = Arc::new(TranscriptsSeen::default());
-    let source = Arc::new(HttpTaskSource::new(&proxied, None).unwrap());
-    let pool = WorkerPool::start_with(
-        source,
-        Activities {
-            models: Arc::new(Resolver(seen.clone())),
-            tools: Arc::new(ToolRegistry::builtin(dir.path())),
-        },
-        WorkerConfig::default(),
-    );
-    let client = cairn_remote::connect(&base, None).unwrap();
+    let mut proxied = ProxiedPool::start(dir.path(), seen.clone()).await;
+    let client = proxied.client.clone();
     let tools: Arc<[ToolSpec]> = vec![Calculator.spec()].into();
     let model = ModelSpec::parse("scripted:unused.json").unwrap();
     let id = client
@@ -354,7 +266,7 @@ async fn a_remote_workers_model_sees_every_transcript_whole_while_a_long_message
             "{outcome:?}"
         );
     }
-    pool.shutdown().await;
+    proxied.stop().await;
     let calls = seen.calls.lock().unwrap().clone();
     assert_eq!(calls.len(), 6, "two model calls a turn");
     // Each call saw the session's transcript as it stood: the first messages of the last.
@@ -371,7 +283,7 @@ async fn a_remote_workers_model_sees_every_transcript_whole_while_a_long_message
     assert_eq!(lengths, [1, 3, 5, 7, 9, 11]);
     // The long message crossed to the worker once: with the first model task; the five
     // other calls were sent the messages after those the worker kept.
-    let received = String::from_utf8_lossy(&received.lock().unwrap()).into_owned();
+    let received = proxied.received();
     assert_eq!(received.matches(&long).count(), 1);
     assert!(received.contains("\"transcript_left_out\":"));
 }

@@ -18,6 +18,8 @@ mod transport;
 #[cfg(any(test, feature = "test-server"))]
 pub mod fake_server;
 #[cfg(test)]
+mod kept_test_server;
+#[cfg(test)]
 mod tests;
 
 pub use source::HttpTaskSource;

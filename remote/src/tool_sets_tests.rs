@@ -147,57 +147,18 @@ fn a_digest_not_of_the_form_is_not_kept() {
     assert_eq!(&*cache.header(), "");
 }
 
-/// What the test server below saw: the header of each lease request.
-#[derive(Default)]
-struct Seen {
-    headers: std::sync::Mutex<Vec<Option<String>>>,
-    answers: std::sync::Mutex<VecDeque<Vec<LeasedTask>>>,
-}
-
 /// A server answering lease requests with `answers` in turn, and `POST /v1/worker/input`
 /// with the model task whole for seq 1 and `lease_lost` for any other.
-async fn server(answers: Vec<Vec<LeasedTask>>) -> (crate::fake_server::Served, Arc<Seen>) {
-    use axum::extract::State;
-    use axum::http::{HeaderMap, StatusCode};
-    use axum::response::IntoResponse;
-    use axum::routing::post;
-    use axum::Json;
-    use cairn_runtime::wire::{ErrorBody, ErrorCode, ErrorDetail, LeaseResponse, TOOL_SETS_HEADER};
-
-    let seen = Arc::new(Seen::default());
-    *seen.answers.lock().unwrap() = answers.into();
-    let router = axum::Router::new()
-        .route(
-            "/v1/worker/lease",
-            post(
-                |State(seen): State<Arc<Seen>>, headers: HeaderMap| async move {
-                    let header = headers
-                        .get(TOOL_SETS_HEADER)
-                        .map(|v| v.to_str().unwrap().to_owned());
-                    seen.headers.lock().unwrap().push(header);
-                    let tasks = seen.answers.lock().unwrap().pop_front().unwrap_or_default();
-                    Json(LeaseResponse { tasks })
-                },
-            ),
-        )
-        .route(
-            "/v1/worker/input",
-            post(|Json(lease): Json<Lease>| async move {
-                if lease.id.scheduled_seq == 1 {
-                    Json(model_task(set("whole"), None, false).input).into_response()
-                } else {
-                    let body = ErrorBody {
-                        error: ErrorDetail {
-                            code: ErrorCode::LeaseLost,
-                            message: "not current".to_owned(),
-                        },
-                    };
-                    (StatusCode::CONFLICT, Json(body)).into_response()
-                }
-            }),
-        )
-        .with_state(Arc::clone(&seen));
-    (crate::fake_server::serve_tcp(router).await.unwrap(), seen)
+async fn server(
+    answers: Vec<Vec<LeasedTask>>,
+) -> (
+    crate::fake_server::Served,
+    Arc<crate::kept_test_server::Seen>,
+) {
+    crate::kept_test_server::serve(cairn_runtime::wire::TOOL_SETS_HEADER, answers, |lease| {
+        (lease.id.scheduled_seq == 1).then(|| model_task(set("whole"), None, false).input)
+    })
+    .await
 }
 
 fn at_seq(mut task: LeasedTask, seq: u64) -> LeasedTask {

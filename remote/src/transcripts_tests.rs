@@ -247,61 +247,20 @@ fn the_kept_are_bounded_the_one_used_longest_ago_going_first() {
     assert!(cache.header().ends_with("huge=0.1"));
 }
 
-/// What the test server below saw: the header of each lease request.
-#[derive(Default)]
-struct Seen {
-    headers: std::sync::Mutex<Vec<Option<String>>>,
-    answers: std::sync::Mutex<std::collections::VecDeque<Vec<LeasedTask>>>,
-}
-
 /// A server answering lease requests with `answers` in turn, and `POST /v1/worker/input`
 /// with session `s`'s model task whole (messages 0 to 6) for seq 5 and `lease_lost` for any
 /// other.
-async fn server(answers: Vec<Vec<LeasedTask>>) -> (crate::fake_server::Served, Arc<Seen>) {
-    use axum::extract::State;
-    use axum::http::{HeaderMap, StatusCode};
-    use axum::response::IntoResponse;
-    use axum::routing::post;
-    use axum::Json;
-    use cairn_runtime::wire::{
-        ErrorBody, ErrorCode, ErrorDetail, LeaseResponse, TRANSCRIPTS_HEADER,
-    };
-
-    let seen = Arc::new(Seen::default());
-    *seen.answers.lock().unwrap() = answers.into();
-    let router = axum::Router::new()
-        .route(
-            "/v1/worker/lease",
-            post(
-                |State(seen): State<Arc<Seen>>, headers: HeaderMap| async move {
-                    let header = headers
-                        .get(TRANSCRIPTS_HEADER)
-                        .map(|v| v.to_str().unwrap().to_owned());
-                    seen.headers.lock().unwrap().push(header);
-                    let tasks = seen.answers.lock().unwrap().pop_front().unwrap_or_default();
-                    Json(LeaseResponse { tasks })
-                },
-            ),
-        )
-        .route(
-            "/v1/worker/input",
-            post(|Json(lease): Json<Lease>| async move {
-                if lease.id.scheduled_seq == 5 {
-                    let task = model_task("s", 5, messages(0, 6, 4096), Some(3), 0);
-                    Json(task.input).into_response()
-                } else {
-                    let body = ErrorBody {
-                        error: ErrorDetail {
-                            code: ErrorCode::LeaseLost,
-                            message: "not current".to_owned(),
-                        },
-                    };
-                    (StatusCode::CONFLICT, Json(body)).into_response()
-                }
-            }),
-        )
-        .with_state(Arc::clone(&seen));
-    (crate::fake_server::serve_tcp(router).await.unwrap(), seen)
+async fn server(
+    answers: Vec<Vec<LeasedTask>>,
+) -> (
+    crate::fake_server::Served,
+    Arc<crate::kept_test_server::Seen>,
+) {
+    crate::kept_test_server::serve(cairn_runtime::wire::TRANSCRIPTS_HEADER, answers, |lease| {
+        (lease.id.scheduled_seq == 5)
+            .then(|| model_task("s", 5, messages(0, 6, 4096), Some(3), 0).input)
+    })
+    .await
 }
 
 #[tokio::test]
