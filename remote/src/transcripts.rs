@@ -6,10 +6,10 @@
 //! Only transcripts of at least [`MIN_KEPT_BYTES`] are kept, so a worker of short sessions
 //! lists nothing. The kept are bounded, in number ([`KEPT_TRANSCRIPTS`]) and in bytes
 //! ([`KEPT_BYTES`]), the one used longest ago let go first. A request lists the
-//! [`MAX_TRANSCRIPTS_LISTED`] used last; a report lists its own session's first, since what it
-//! leases is first of all that session's next task. A transcript listed in a request and let go before
-//! its answer comes costs its task a fetch of the input whole (`POST /v1/worker/input`,
-//! which the caller does).
+//! [`MAX_TRANSCRIPTS_LISTED`] used last; a report lists its own session's first, since what
+//! it leases is first of all that session's next task. A transcript listed in a request and
+//! let go before its answer comes costs its task a fetch of the input whole (`POST
+//! /v1/worker/input`, which the caller does).
 //!
 //! A transcript is made whole in place when this worker holds the one it kept alone (its
 //! last call of the session has ended): the messages that came are pushed onto it, and its
