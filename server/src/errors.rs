@@ -266,6 +266,30 @@ where
     }
 }
 
+/// The value of the request's header `name` (written `shown` in errors) as text, `None`
+/// when absent: one sent more than once is 400 naming it, and so is one that is not visible
+/// ASCII, with `use_instead` saying what to write.
+pub fn single_header<'a>(
+    headers: &'a axum::http::HeaderMap,
+    name: &str,
+    shown: &str,
+    use_instead: &str,
+) -> Result<Option<&'a str>, ApiError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(ApiError::invalid(format!(
+            "{shown}: the header is sent more than once"
+        )));
+    }
+    value
+        .to_str()
+        .map(Some)
+        .map_err(|_| ApiError::invalid(format!("{shown}: {use_instead}")))
+}
+
 /// Whether the request says its body is JSON (`application/json`, or `application/*+json`).
 fn is_json(headers: &axum::http::HeaderMap) -> bool {
     let Some(value) = headers

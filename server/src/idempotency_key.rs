@@ -2,7 +2,7 @@
 //! lease request: read and checked, and the session id a create without one is given, derived
 //! from its key so that a resend finds the session the first request started.
 
-use crate::errors::ApiError;
+use crate::errors::{single_header, ApiError};
 use axum::http::HeaderMap;
 use cairn_runtime::idempotency::idempotency_key_problem;
 use utoipa::IntoParams;
@@ -39,18 +39,15 @@ pub struct LeaseIdempotencyKey {
 
 /// The request's `Idempotency-Key`, checked: 1-255 visible ASCII characters.
 pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
-    let Some(value) = values.next() else {
+    let Some(key) = single_header(
+        headers,
+        IDEMPOTENCY_KEY,
+        "Idempotency-Key",
+        "use visible ASCII characters (! to ~)",
+    )?
+    else {
         return Ok(None);
     };
-    if values.next().is_some() {
-        return Err(ApiError::invalid(
-            "Idempotency-Key: the header is sent more than once",
-        ));
-    }
-    let key = value
-        .to_str()
-        .map_err(|_| ApiError::invalid("Idempotency-Key: use visible ASCII characters (! to ~)"))?;
     match idempotency_key_problem(key) {
         None => Ok(Some(key.to_owned())),
         Some(problem) => Err(ApiError::invalid(format!("Idempotency-Key: {problem}"))),

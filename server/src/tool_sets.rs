@@ -7,7 +7,7 @@
 //! every answer, the worker parses them from it. A worker that keeps them is sent each set
 //! once, as a sticky worker keeps what it was sent.
 
-use crate::errors::ApiError;
+use crate::errors::{single_header, ApiError};
 use axum::http::HeaderMap;
 use cairn_ledger::ToolSpec;
 use cairn_runtime::wire::{parse_tool_sets, TOOL_SETS_HEADER};
@@ -53,18 +53,15 @@ impl KnownToolSets {
     /// What `headers` say: nothing without [`TOOL_SETS_HEADER`]; a header that is not a list
     /// of digests is refused (400 naming it).
     pub fn of(headers: &HeaderMap) -> Result<Self, ApiError> {
-        let mut values = headers.get_all(TOOL_SETS_HEADER).iter();
-        let Some(value) = values.next() else {
+        let Some(value) = single_header(
+            headers,
+            TOOL_SETS_HEADER,
+            "Cairn-Tool-Sets",
+            "use digests of lowercase hex digits and commas",
+        )?
+        else {
             return Ok(KnownToolSets::default());
         };
-        if values.next().is_some() {
-            return Err(ApiError::invalid(
-                "Cairn-Tool-Sets: the header is sent more than once",
-            ));
-        }
-        let value = value.to_str().map_err(|_| {
-            ApiError::invalid("Cairn-Tool-Sets: use digests of lowercase hex digits and commas")
-        })?;
         let digests = parse_tool_sets(value)
             .map_err(|problem| ApiError::invalid(format!("Cairn-Tool-Sets: {problem}")))?;
         Ok(KnownToolSets {

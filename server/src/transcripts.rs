@@ -10,7 +10,7 @@
 //! worker puts them back. The server keeps nothing: the worker's header says what it holds,
 //! request by request.
 
-use crate::errors::ApiError;
+use crate::errors::{single_header, ApiError};
 use axum::http::HeaderMap;
 use cairn_ledger::Transcript;
 use cairn_runtime::wire::{parse_transcripts, KeptTranscript, TRANSCRIPTS_HEADER};
@@ -47,18 +47,15 @@ impl KeptTranscripts {
     /// What `headers` say: nothing without [`TRANSCRIPTS_HEADER`]; a header that is not a
     /// list of kept transcripts is refused (400 naming it).
     pub fn of(headers: &HeaderMap) -> Result<Self, ApiError> {
-        let mut values = headers.get_all(TRANSCRIPTS_HEADER).iter();
-        let Some(value) = values.next() else {
+        let Some(value) = single_header(
+            headers,
+            TRANSCRIPTS_HEADER,
+            "Cairn-Transcripts",
+            "use session ids, digits, '=', '.' and commas",
+        )?
+        else {
             return Ok(KeptTranscripts::default());
         };
-        if values.next().is_some() {
-            return Err(ApiError::invalid(
-                "Cairn-Transcripts: the header is sent more than once",
-            ));
-        }
-        let value = value.to_str().map_err(|_| {
-            ApiError::invalid("Cairn-Transcripts: use session ids, digits, '=', '.' and commas")
-        })?;
         let listed = parse_transcripts(value)
             .map_err(|problem| ApiError::invalid(format!("Cairn-Transcripts: {problem}")))?;
         Ok(KeptTranscripts { listed })
