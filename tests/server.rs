@@ -1000,14 +1000,7 @@ async fn a_report_with_next_hands_the_worker_the_task_it_queued_again_if_sent_ag
     assert_eq!(sent.status, StatusCode::ACCEPTED, "{}", sent.body);
 
     let model_task = lease_one(&http, &server, None, 30_000).await;
-    let call = json!({"model_completed": {
-        "provider": "scripted", "model": "by-hand",
-        "parts": [{"tool_use": {"id": "toolu_1", "name": "calculator",
-                                "arguments": "{\"expression\":\"1+2\"}"}}],
-        "stop_reason_raw": "tool_use", "stop_reason": "tool_use",
-        "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
-                  "cache_write_tokens": 0, "reasoning_tokens": 0}
-    }});
+    let call = crate::worker_support::tool_use_report();
     let next = json!({"max": 1, "lease_ms": 30000});
     let reported = send(
         &http,

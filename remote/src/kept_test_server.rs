@@ -1,6 +1,6 @@
-//! A test server for what a worker keeps (tool sets, transcripts): it answers lease requests
-//! with tasks given in turn, recording one header of each, and `POST /v1/worker/input` as a
-//! test says, `lease_lost` otherwise.
+//! For the tests of what a worker keeps (tool sets, transcripts): a model task to shape, and
+//! a test server that answers lease requests with tasks given in turn, recording one header
+//! of each, and `POST /v1/worker/input` as a test says, `lease_lost` otherwise.
 
 use crate::fake_server::{serve_tcp, Served};
 use axum::extract::State;
@@ -8,10 +8,53 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Json;
+use cairn_ledger::ModelSpec;
 use cairn_runtime::wire::{ErrorBody, ErrorCode, ErrorDetail, LeaseResponse};
-use cairn_runtime::{ActivityInput, Lease, LeasedTask};
+use cairn_runtime::{
+    ActivityInput, ActivityRef, ActivityTimeouts, Lease, LeasedTask, TaskId, TaskKind,
+};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
+
+/// A leased model task of `session` at `seq`, over an empty transcript, offering no tools,
+/// nothing left out: each test shapes its fields.
+pub(crate) fn model_task(session: &str, seq: u64) -> LeasedTask {
+    LeasedTask {
+        lease: Lease {
+            id: TaskId {
+                session_id: session.to_owned(),
+                scheduled_seq: seq,
+            },
+            kind: TaskKind::Model,
+            lease_attempt: 1,
+            expires_at_ms: 0,
+        },
+        input: ActivityInput::Model {
+            origin: ActivityRef {
+                session_id: session.to_owned(),
+                turn: 1,
+                activity: "model:0".to_owned(),
+                attempt: 1,
+            },
+            round: 0,
+            model: ModelSpec::parse("scripted:x.json").expect("model"),
+            transcript: Arc::default(),
+            transcript_lineage: None,
+            transcript_left_out: 0,
+            tools: Arc::new([]),
+            tools_digest: None,
+            tools_omitted: false,
+            timeouts: ActivityTimeouts {
+                due_at_ms: 0,
+                schedule_to_start_ms: None,
+                start_to_close_ms: 1,
+                heartbeat_ms: None,
+            },
+            heartbeat_details: None,
+            options: Default::default(),
+        },
+    }
+}
 
 /// What the server saw: the header of each lease request.
 #[derive(Default)]

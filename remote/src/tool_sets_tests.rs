@@ -2,9 +2,9 @@
 //! from a server.
 
 use super::*;
-use cairn_ledger::{JsonText, ModelSpec};
+use cairn_ledger::JsonText;
 use cairn_runtime::wire::parse_tool_sets;
-use cairn_runtime::{ActivityInput, ActivityRef, ActivityTimeouts, Lease, TaskId, TaskKind};
+use cairn_runtime::ActivityInput;
 
 fn set(name: &str) -> Arc<[ToolSpec]> {
     Arc::new([ToolSpec {
@@ -15,41 +15,12 @@ fn set(name: &str) -> Arc<[ToolSpec]> {
 }
 
 fn model_task(tools: Arc<[ToolSpec]>, digest: Option<String>, omitted: bool) -> LeasedTask {
-    LeasedTask {
-        lease: Lease {
-            id: TaskId {
-                session_id: "s".to_owned(),
-                scheduled_seq: 1,
-            },
-            kind: TaskKind::Model,
-            lease_attempt: 1,
-            expires_at_ms: 0,
-        },
-        input: ActivityInput::Model {
-            origin: ActivityRef {
-                session_id: "s".to_owned(),
-                turn: 1,
-                activity: "model:1".to_owned(),
-                attempt: 1,
-            },
-            round: 1,
-            model: ModelSpec::parse("scripted:x.json").expect("model"),
-            transcript: Default::default(),
-            transcript_lineage: None,
-            transcript_left_out: 0,
-            tools,
-            tools_digest: digest,
-            tools_omitted: omitted,
-            timeouts: ActivityTimeouts {
-                due_at_ms: 0,
-                schedule_to_start_ms: None,
-                start_to_close_ms: 1,
-                heartbeat_ms: None,
-            },
-            heartbeat_details: None,
-            options: Default::default(),
-        },
-    }
+    let mut task = crate::kept_test_server::model_task("s", 1);
+    let set = task.input.tool_set_mut().expect("a model task");
+    *set.tools = tools;
+    *set.digest = digest;
+    *set.omitted = omitted;
+    task
 }
 
 fn tools_of(task: &LeasedTask) -> (Arc<[ToolSpec]>, bool) {

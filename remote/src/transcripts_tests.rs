@@ -2,9 +2,8 @@
 //! one let go fetched whole again from a server.
 
 use super::*;
-use cairn_ledger::{ModelSpec, Part, Role};
+use cairn_ledger::{Part, Role};
 use cairn_runtime::wire::parse_transcripts;
-use cairn_runtime::{ActivityInput, ActivityRef, ActivityTimeouts, Lease, TaskId, TaskKind};
 
 /// A message of about `bytes` bytes of text, "m{n}" first.
 fn message(n: usize, bytes: usize) -> Message {
@@ -31,41 +30,12 @@ fn model_task(
     lineage: Option<u64>,
     left_out: u32,
 ) -> LeasedTask {
-    LeasedTask {
-        lease: Lease {
-            id: TaskId {
-                session_id: session.to_owned(),
-                scheduled_seq: seq,
-            },
-            kind: TaskKind::Model,
-            lease_attempt: 1,
-            expires_at_ms: 0,
-        },
-        input: ActivityInput::Model {
-            origin: ActivityRef {
-                session_id: session.to_owned(),
-                turn: 1,
-                activity: "model:0".to_owned(),
-                attempt: 1,
-            },
-            round: 0,
-            model: ModelSpec::parse("scripted:x.json").expect("model"),
-            transcript: Arc::new(Transcript { messages }),
-            transcript_lineage: lineage,
-            transcript_left_out: left_out,
-            tools: Arc::new([]),
-            tools_digest: None,
-            tools_omitted: false,
-            timeouts: ActivityTimeouts {
-                due_at_ms: 0,
-                schedule_to_start_ms: None,
-                start_to_close_ms: 1,
-                heartbeat_ms: None,
-            },
-            heartbeat_details: None,
-            options: Default::default(),
-        },
-    }
+    let mut task = crate::kept_test_server::model_task(session, seq);
+    let fields = task.input.transcript_mut().expect("a model task");
+    *fields.transcript = Arc::new(Transcript { messages });
+    *fields.lineage = lineage;
+    *fields.left_out = left_out;
+    task
 }
 
 /// The transcript of a model task, and how many of its messages are left out.
