@@ -1027,6 +1027,17 @@ fn assert_machine_line(stdout: &str) {
 
 /// The cells of the first line of `cairn bench`'s table that starts with `start` (the header
 /// starts with `| setup |`), trimmed.
+/// `cairn ARGS` fails, its error saying `says`.
+fn assert_refused(args: &[&str], says: &str) {
+    let refused = cairn(args);
+    assert!(!refused.status.success(), "{args:?} must be refused");
+    assert!(
+        text(&refused.stderr).contains(says),
+        "{}",
+        text(&refused.stderr)
+    );
+}
+
 fn bench_table_line<'a>(stdout: &'a str, start: &str) -> Vec<&'a str> {
     stdout
         .lines()
@@ -1146,13 +1157,7 @@ fn bench_parallel_tools_set_the_tool_calls_of_a_turn() {
     let (four, cut, stdout) = commits_per_turn("4");
     assert!((3.8 - cut..=7.2 + cut).contains(&four), "{stdout}");
 
-    let refused = cairn(&["bench", "--parallel-tools", "0"]);
-    assert!(!refused.status.success());
-    assert!(
-        text(&refused.stderr).contains("0 is not in 1..=64"),
-        "{}",
-        text(&refused.stderr)
-    );
+    assert_refused(&["bench", "--parallel-tools", "0"], "0 is not in 1..=64");
 }
 
 /// `cairn bench --tool-spec-bytes` offers the bench sessions' model more tools, whose specs
@@ -1182,12 +1187,9 @@ fn bench_tool_spec_bytes_offer_more_tools_and_say_so() {
     let row = bench_table_line(&stdout, "| embedded, fjall | 1 |");
     assert!(row.iter().any(|cell| cell.ends_with("turns/s")), "{stdout}");
 
-    let refused = cairn(&["bench", "--goals", "--tool-spec-bytes", "1000"]);
-    assert!(!refused.status.success());
-    assert!(
-        text(&refused.stderr).contains("cannot be used with"),
-        "{}",
-        text(&refused.stderr)
+    assert_refused(
+        &["bench", "--goals", "--tool-spec-bytes", "1000"],
+        "cannot be used with",
     );
 }
 
@@ -1226,12 +1228,9 @@ fn bench_long_sessions_run_their_turns_and_say_so() {
         let row = bench_table_line(&stdout, row);
         assert!(row.iter().any(|cell| cell.ends_with("turns/s")), "{stdout}");
     }
-    let refused = cairn(&["bench", "--goals", "--turns-per-session", "5"]);
-    assert!(!refused.status.success());
-    assert!(
-        text(&refused.stderr).contains("cannot be used with"),
-        "{}",
-        text(&refused.stderr)
+    assert_refused(
+        &["bench", "--goals", "--turns-per-session", "5"],
+        "cannot be used with",
     );
 }
 
@@ -1517,12 +1516,9 @@ fn bench_goals_reports_one_row_per_goal() {
     assert!(rows[7][3].ends_with("for 20"), "{stdout}");
     assert_eq!(rows[7][4], "no", "{stdout}");
 
-    let refused = cairn(&["bench", "--turns", "3"]);
-    assert!(!refused.status.success());
-    assert!(
-        text(&refused.stderr).contains("--turns goes with --footprint or --goals"),
-        "{}",
-        text(&refused.stderr)
+    assert_refused(
+        &["bench", "--turns", "3"],
+        "--turns goes with --footprint or --goals",
     );
 }
 
