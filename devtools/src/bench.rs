@@ -579,9 +579,16 @@ pub async fn open_restarted(
     Ok(embedded::open(path, OpenMode::Existing, Some(engine)).await?)
 }
 
-/// Embedded: a new store of `engine`, reopened ([`open_restarted`]), the engine and a worker
-/// pool with default settings in this process.
-pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Result<BenchResult> {
+/// A measurement's scratch directory, with the bench's script written into it and the
+/// fdatasync probe's run there just before the measurement.
+struct Prepared {
+    dir: tempfile::TempDir,
+    model: ModelSpec,
+    probed_before: Vec<Duration>,
+}
+
+/// Makes a measurement's scratch directory for `config`: its script, then the probe.
+async fn prepare(config: &BenchConfig) -> anyhow::Result<Prepared> {
     let dir = tempfile::tempdir().context("a temporary directory")?;
     let model = write_script(
         dir.path(),
@@ -590,6 +597,21 @@ pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Re
         config.turns_per_session,
     )?;
     let probed_before = probe_in(dir.path()).await?;
+    Ok(Prepared {
+        dir,
+        model,
+        probed_before,
+    })
+}
+
+/// Embedded: a new store of `engine`, reopened ([`open_restarted`]), the engine and a worker
+/// pool with default settings in this process.
+pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Result<BenchResult> {
+    let Prepared {
+        dir,
+        model,
+        probed_before,
+    } = prepare(config).await?;
     let setup = format!("embedded, {engine}");
     let opened = open_restarted(&dir.path().join("store"), engine).await?;
     let engine = Engine::new(opened.store.clone(), Arc::new(SystemClock));
@@ -655,14 +677,11 @@ async fn run_deployment(
     if deployment.servers == 0 {
         bail!("no server to measure through");
     }
-    let dir = tempfile::tempdir().context("a temporary directory")?;
-    let model = write_script(
-        dir.path(),
-        config.model_latency_ms,
-        config.parallel_tools,
-        config.turns_per_session,
-    )?;
-    let probed_before = probe_in(dir.path()).await?;
+    let Prepared {
+        dir,
+        model,
+        probed_before,
+    } = prepare(config).await?;
     let store_args: Vec<String> = match (&deployment.store, database_url) {
         (ServerStore::Embedded(engine), _) => {
             if deployment.servers != 1 {
