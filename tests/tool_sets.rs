@@ -6,8 +6,9 @@
 
 use crate::server::{history, kinds, send, wait_turn, Server};
 use crate::worker_support::{
-    self, answer_report, calculator_turn, lease_one, model_input, start_turn, tool_use_report,
-    ProxiedPool,
+    self, answer_report, calculator_turn, input_again, lease_one, model_input,
+    report_and_take_next, report_in_batch_and_take_next, start_turn, tool_result_report,
+    tool_use_report, ProxiedPool,
 };
 use async_trait::async_trait;
 use cairn_activities::{
@@ -59,7 +60,6 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
     let tools = json!([calculator, serde_json::to_value(long_spec("read")).unwrap()]);
     start_turn(&http, &server, "kept", &tools, "1+2?").await;
     let lease_body = json!({"max": 1, "wait_ms": 30000, "lease_ms": 30000});
-    let next = json!({"max": 1, "lease_ms": 30000});
 
     // A worker that keeps sets and holds none yet: the tools whole, with their digest.
     let first = &lease_listing(&http, &server, "").await;
@@ -70,34 +70,22 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
     assert!(cairn_runtime::wire::is_tool_set_digest(&digest), "{digest}");
 
     // Its report, listing the set, leases the tool task: no tool set there.
-    let reported = worker_post(
-        &http,
-        &server,
-        "/v1/worker/report",
-        Some(&digest),
-        json!({"lease": first["lease"], "report": tool_use_report(), "next": next}),
-    )
-    .await;
-    assert_eq!(reported.status, StatusCode::OK, "{}", reported.body);
-    let tool_task = reported.body["tasks"][0].clone();
+    let header = Some((HEADER, digest.as_str()));
+    let tool_task = report_and_take_next(&http, &server, header, first, tool_use_report()).await;
     assert_eq!(tool_task["lease"]["kind"], "tool", "{tool_task}");
     assert!(tool_task["input"]["tool"].get("tools_digest").is_none());
 
     // The tool's result in a batch, listing the set among others: the next model task
     // leaves the tools out and names them.
-    let other = "0".repeat(32);
-    let result = json!({"tool_completed": {"content": {"text": "3"}, "is_error": false}});
-    let batch = worker_post(
+    let among_others = format!("{}, {digest}", "0".repeat(32));
+    let second = report_in_batch_and_take_next(
         &http,
         &server,
-        "/v1/worker/reports",
-        Some(&format!("{other}, {digest}")),
-        json!({"reports": [{"lease": tool_task["lease"], "report": result, "next": next}]}),
+        Some((HEADER, &among_others)),
+        &tool_task,
+        tool_result_report(),
     )
     .await;
-    assert_eq!(batch.status, StatusCode::OK, "{}", batch.body);
-    assert_eq!(batch.body["answers"][0]["status"], 200, "{}", batch.body);
-    let second = batch.body["answers"][0]["body"]["tasks"][0].clone();
     let input = model_input(&second);
     assert_eq!(input["tools"], json!([]), "{second}");
     assert_eq!(input["tools_omitted"], true, "{second}");
@@ -107,17 +95,9 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
         "the transcript still goes whole: {second}"
     );
     // What the lease runs, fetched again (a worker that let the set go): whole.
-    let again = send(
-        &http,
-        Method::POST,
-        server.url("/v1/worker/input"),
-        None,
-        Some(second["lease"].clone()),
-    )
-    .await;
-    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
-    assert_eq!(again.body["model"]["tools"], tools, "{}", again.body);
-    assert!(again.body["model"].get("tools_digest").is_none());
+    let again = input_again(&http, &server, &second).await;
+    assert_eq!(again["model"]["tools"], tools, "{again}");
+    assert!(again["model"].get("tools_digest").is_none());
     let done = send(
         &http,
         Method::POST,
@@ -141,26 +121,8 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
     let task = &lease_listing(&http, &server, &digest).await;
     assert_eq!(model_input(task)["tools"], json!([]), "{task}");
     assert_eq!(model_input(task)["tools_digest"], digest.as_str(), "{task}");
-    let relapsed = worker_post(
-        &http,
-        &server,
-        "/v1/worker/report",
-        None,
-        json!({"lease": task["lease"], "report": tool_use_report(), "next": next}),
-    )
-    .await;
-    assert_eq!(relapsed.status, StatusCode::OK, "{}", relapsed.body);
-    let tool_task = relapsed.body["tasks"][0].clone();
-    let result = json!({"tool_completed": {"content": {"text": "3"}, "is_error": false}});
-    let plain = worker_post(
-        &http,
-        &server,
-        "/v1/worker/report",
-        None,
-        json!({"lease": tool_task["lease"], "report": result, "next": next}),
-    )
-    .await;
-    let task = &plain.body["tasks"][0];
+    let tool_task = report_and_take_next(&http, &server, None, task, tool_use_report()).await;
+    let task = &report_and_take_next(&http, &server, None, &tool_task, tool_result_report()).await;
     assert_eq!(model_input(task)["tools"], tools, "{task}");
     assert!(model_input(task).get("tools_digest").is_none(), "{task}");
     assert!(model_input(task).get("tools_omitted").is_none(), "{task}");

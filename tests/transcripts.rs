@@ -7,8 +7,9 @@
 
 use crate::server::{history, kinds, send, wait_turn, Server};
 use crate::worker_support::{
-    self, answer_report, calculator_turn, lease_one, model_input, start_turn, tool_use_report,
-    ProxiedPool,
+    self, answer_report, calculator_turn, input_again, lease_one, model_input,
+    report_and_take_next, report_in_batch_and_take_next, start_turn, tool_result_report,
+    tool_use_report, ProxiedPool,
 };
 use async_trait::async_trait;
 use cairn_activities::{
@@ -67,7 +68,6 @@ async fn a_worker_that_keeps_transcripts_is_sent_only_the_messages_it_lacks() {
     let http = reqwest::Client::new();
     let long = long_text();
     start(&http, &server, "kept", &long).await;
-    let next = json!({"max": 1, "lease_ms": 30000});
 
     // A worker that keeps transcripts and holds none: the transcript whole, with its
     // lineage (no compaction yet: 0).
@@ -80,32 +80,21 @@ async fn a_worker_that_keeps_transcripts_is_sent_only_the_messages_it_lacks() {
 
     // Its report, listing the transcript, leases the tool task.
     let listed = format!("kept=0.{held}");
-    let reported = worker_post(
-        &http,
-        &server,
-        "/v1/worker/report",
-        Some(&listed),
-        json!({"lease": first["lease"], "report": tool_use_report(), "next": next}),
-    )
-    .await;
-    assert_eq!(reported.status, StatusCode::OK, "{}", reported.body);
-    let tool_task = reported.body["tasks"][0].clone();
+    let header = Some((HEADER, listed.as_str()));
+    let tool_task = report_and_take_next(&http, &server, header, &first, tool_use_report()).await;
     assert_eq!(tool_task["lease"]["kind"], "tool", "{tool_task}");
 
     // The tool's result in a batch, listing it among others: the next model task carries
     // only the two messages after those held.
-    let result = json!({"tool_completed": {"content": {"text": "3"}, "is_error": false}});
-    let batch = worker_post(
+    let among_others = format!("other=0.1, {listed}");
+    let second = report_in_batch_and_take_next(
         &http,
         &server,
-        "/v1/worker/reports",
-        Some(&format!("other=0.1, {listed}")),
-        json!({"reports": [{"lease": tool_task["lease"], "report": result, "next": next}]}),
+        Some((HEADER, &among_others)),
+        &tool_task,
+        tool_result_report(),
     )
     .await;
-    assert_eq!(batch.status, StatusCode::OK, "{}", batch.body);
-    assert_eq!(batch.body["answers"][0]["status"], 200, "{}", batch.body);
-    let second = batch.body["answers"][0]["body"]["tasks"][0].clone();
     let input = model_input(&second);
     assert_eq!(input["transcript_left_out"], held, "{second}");
     assert_eq!(input["transcript_lineage"], 0, "{second}");
@@ -117,16 +106,8 @@ async fn a_worker_that_keeps_transcripts_is_sent_only_the_messages_it_lacks() {
     assert!(!input.to_string().contains(&long), "{second}");
 
     // What the lease runs, fetched again (a worker that let the transcript go): whole.
-    let again = send(
-        &http,
-        Method::POST,
-        server.url("/v1/worker/input"),
-        None,
-        Some(second["lease"].clone()),
-    )
-    .await;
-    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
-    let whole = &again.body["model"];
+    let again = input_again(&http, &server, &second).await;
+    let whole = &again["model"];
     assert_eq!(messages(whole).len(), held + 2, "{whole}");
     assert!(whole.get("transcript_left_out").is_none(), "{whole}");
     assert_eq!(

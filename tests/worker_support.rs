@@ -36,6 +36,62 @@ pub(crate) fn answer_report() -> Value {
     }})
 }
 
+/// A tool task's report: the calculator's result, "3".
+pub(crate) fn tool_result_report() -> Value {
+    json!({"tool_completed": {"content": {"text": "3"}, "is_error": false}})
+}
+
+/// What a worker's report asks to lease with it: one task.
+fn next_one() -> Value {
+    json!({"max": 1, "lease_ms": 30000})
+}
+
+/// Reports `report` for `task`'s lease through `POST /v1/worker/report` with `header`,
+/// leasing one task with it: the task it hands.
+pub(crate) async fn report_and_take_next(
+    http: &reqwest::Client,
+    server: &Server,
+    header: Option<(&str, &str)>,
+    task: &Value,
+    report: Value,
+) -> Value {
+    let body = json!({"lease": task["lease"], "report": report, "next": next_one()});
+    let reported = worker_post(http, server, "/v1/worker/report", header, body).await;
+    assert_eq!(reported.status, StatusCode::OK, "{}", reported.body);
+    reported.body["tasks"][0].clone()
+}
+
+/// Reports `report` for `task`'s lease in a batch of one through `POST /v1/worker/reports`
+/// with `header`, leasing one task with it: the task its answer hands.
+pub(crate) async fn report_in_batch_and_take_next(
+    http: &reqwest::Client,
+    server: &Server,
+    header: Option<(&str, &str)>,
+    task: &Value,
+    report: Value,
+) -> Value {
+    let body = json!({"reports": [{"lease": task["lease"], "report": report, "next": next_one()}]});
+    let batch = worker_post(http, server, "/v1/worker/reports", header, body).await;
+    assert_eq!(batch.status, StatusCode::OK, "{}", batch.body);
+    assert_eq!(batch.body["answers"][0]["status"], 200, "{}", batch.body);
+    batch.body["answers"][0]["body"]["tasks"][0].clone()
+}
+
+/// What `task`'s lease runs, fetched again through `POST /v1/worker/input` (as a worker
+/// that let go of what it kept does): the input whole.
+pub(crate) async fn input_again(http: &reqwest::Client, server: &Server, task: &Value) -> Value {
+    let again = send(
+        http,
+        Method::POST,
+        server.url("/v1/worker/input"),
+        None,
+        Some(task["lease"].clone()),
+    )
+    .await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
+    again.body
+}
+
 /// Creates session `id` offering `tools`, its first turn asking `text`.
 pub(crate) async fn start_turn(
     http: &reqwest::Client,
