@@ -425,16 +425,8 @@ async fn a_session_runs_through_the_client_routes_with_a_worker_driven_by_hand()
         transcript[1]["parts"][0]["text"]["text"], "What is 6 * 7?",
         "{task}"
     );
-    let input = send(
-        &http,
-        Method::POST,
-        server.url("/v1/worker/input"),
-        None,
-        Some(task["lease"].clone()),
-    )
-    .await;
-    assert_eq!(input.status, StatusCode::OK, "{}", input.body);
-    assert_eq!(input.body, task["input"]);
+    let input = crate::worker_support::input_again(&http, &server, &task).await;
+    assert_eq!(input, task["input"]);
     let renewed = send(
         &http,
         Method::POST,
