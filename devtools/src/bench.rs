@@ -580,7 +580,7 @@ pub async fn open_restarted(
 }
 
 /// A measurement's scratch directory, with the bench's script written into it and the
-/// fdatasync probe's run there just before the measurement.
+/// fdatasync probe run there just before the measurement.
 struct Prepared {
     dir: tempfile::TempDir,
     model: ModelSpec,
