@@ -6,9 +6,9 @@
 
 use crate::server::{history, kinds, send, wait_turn, Server};
 use crate::worker_support::{
-    self, answer_report, calculator_turn, input_again, lease_one, model_input,
-    report_and_take_next, report_in_batch_and_take_next, start_turn, tool_result_report,
-    tool_use_report, ProxiedPool,
+    self, answer_report, assert_lease_refused, assert_turn_answers_3, calculator_turn, input_again,
+    lease_one, model_input, report_and_take_next, report_in_batch_and_take_next, start_turn,
+    tool_result_report, tool_use_report, ProxiedPool,
 };
 use async_trait::async_trait;
 use cairn_activities::{
@@ -16,7 +16,7 @@ use cairn_activities::{
     Tool,
 };
 use cairn_ledger::{JsonText, ModelResponse, ModelSpec, ToolSpec};
-use cairn_runtime::{SessionOptions, TurnOutcome};
+use cairn_runtime::SessionOptions;
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
@@ -59,7 +59,6 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
     let calculator = serde_json::to_value(Calculator.spec()).unwrap();
     let tools = json!([calculator, serde_json::to_value(long_spec("read")).unwrap()]);
     start_turn(&http, &server, "kept", &tools, "1+2?").await;
-    let lease_body = json!({"max": 1, "wait_ms": 30000, "lease_ms": 30000});
 
     // A worker that keeps sets and holds none yet: the tools whole, with their digest.
     let first = &lease_listing(&http, &server, "").await;
@@ -140,18 +139,7 @@ async fn a_worker_that_keeps_tool_sets_is_sent_each_set_once_and_others_every_ti
         &format!("{digest},"),
         &digest.to_uppercase(),
     ] {
-        let refused = worker_post(
-            &http,
-            &server,
-            "/v1/worker/lease",
-            Some(bad),
-            lease_body.clone(),
-        )
-        .await;
-        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
-        assert_eq!(refused.code(), "invalid_request", "{}", refused.body);
-        let message = refused.body["error"]["message"].as_str().unwrap();
-        assert!(message.starts_with("Cairn-Tool-Sets: "), "{message}");
+        assert_lease_refused(&http, &server, (HEADER, bad), "Cairn-Tool-Sets").await;
     }
     let idle = worker_post(
         &http,
@@ -208,11 +196,7 @@ async fn a_remote_workers_model_sees_every_calls_tools_whole_while_each_set_cros
             .start_session(SessionOptions::new(model.clone(), tools))
             .await
             .unwrap();
-        let outcome = client.run_turn(&id, "1+2?").await.unwrap();
-        assert!(
-            matches!(&outcome, TurnOutcome::Completed { answer, .. } if answer == "3"),
-            "{outcome:?}"
-        );
+        assert_turn_answers_3(&client, &id, "1+2?").await;
     }
     proxied.stop().await;
     let calls = seen.calls.lock().unwrap().clone();

@@ -7,9 +7,9 @@
 
 use crate::server::{history, kinds, send, wait_turn, Server};
 use crate::worker_support::{
-    self, answer_report, calculator_turn, input_again, lease_one, model_input,
-    report_and_take_next, report_in_batch_and_take_next, start_turn, tool_result_report,
-    tool_use_report, ProxiedPool,
+    self, answer_report, assert_lease_refused, assert_turn_answers_3, calculator_turn, input_again,
+    lease_one, model_input, report_and_take_next, report_in_batch_and_take_next, start_turn,
+    tool_result_report, tool_use_report, ProxiedPool,
 };
 use async_trait::async_trait;
 use cairn_activities::{
@@ -17,7 +17,7 @@ use cairn_activities::{
     Tool,
 };
 use cairn_ledger::{ModelResponse, ModelSpec, Part, ToolSpec, Transcript};
-use cairn_runtime::{SessionOptions, TurnOutcome};
+use cairn_runtime::SessionOptions;
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
@@ -172,18 +172,7 @@ async fn a_worker_that_keeps_transcripts_is_sent_only_the_messages_it_lacks() {
     // nothing.
     start(&http, &server, "waiting", "1+2?").await;
     for bad in ["kept", "kept=0", "kept=0.1,", "bad id=0.1", "kept=x.1"] {
-        let refused = worker_post(
-            &http,
-            &server,
-            "/v1/worker/lease",
-            Some(bad),
-            json!({"max": 8, "wait_ms": 0, "lease_ms": 30000}),
-        )
-        .await;
-        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
-        assert_eq!(refused.code(), "invalid_request", "{}", refused.body);
-        let message = refused.body["error"]["message"].as_str().unwrap();
-        assert!(message.starts_with("Cairn-Transcripts: "), "{message}");
+        assert_lease_refused(&http, &server, (HEADER, bad), "Cairn-Transcripts").await;
     }
     let waiting = lease_listing(&http, &server, Some("")).await;
     assert_eq!(waiting["lease"]["id"]["session_id"], "waiting", "{waiting}");
@@ -241,11 +230,7 @@ async fn a_remote_workers_model_sees_every_transcript_whole_while_a_long_message
         .unwrap();
     let long = long_text();
     for text in [long.as_str(), "again", "and again"] {
-        let outcome = client.run_turn(&id, text).await.unwrap();
-        assert!(
-            matches!(&outcome, TurnOutcome::Completed { answer, .. } if answer == "3"),
-            "{outcome:?}"
-        );
+        assert_turn_answers_3(&client, &id, text).await;
     }
     proxied.stop().await;
     let calls = seen.calls.lock().unwrap().clone();

@@ -6,7 +6,7 @@ use crate::server::{send, send_with_headers, Answer, Server};
 use cairn_activities::{Error as ActivityError, ModelProvider, ToolRegistry};
 use cairn_ledger::{ModelResponse, ModelSpec, Part, StopReason, ToolUse, Usage};
 use cairn_remote::HttpTaskSource;
-use cairn_runtime::Client;
+use cairn_runtime::{Client, TurnOutcome};
 use cairn_workers::{Activities, ModelResolver, WorkerConfig, WorkerPool};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
@@ -90,6 +90,35 @@ pub(crate) async fn input_again(http: &reqwest::Client, server: &Server, task: &
     .await;
     assert_eq!(again.status, StatusCode::OK, "{}", again.body);
     again.body
+}
+
+/// Asserts that a lease request with `header` (name, value), a value that does not parse, is
+/// refused: 400 `invalid_request`, its message naming the header as `display_name`.
+pub(crate) async fn assert_lease_refused(
+    http: &reqwest::Client,
+    server: &Server,
+    header: (&str, &str),
+    display_name: &str,
+) {
+    let body = json!({"max": 8, "wait_ms": 0, "lease_ms": 30000});
+    let refused = worker_post(http, server, "/v1/worker/lease", Some(header), body).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.body);
+    assert_eq!(refused.code(), "invalid_request", "{}", refused.body);
+    let message = refused.body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(&format!("{display_name}: ")),
+        "{message}"
+    );
+}
+
+/// Runs a turn of session `id` asking `text` and asserts that the calculator's turn answered
+/// it: "3".
+pub(crate) async fn assert_turn_answers_3(client: &Client, id: &str, text: &str) {
+    let outcome = client.run_turn(id, text).await.unwrap();
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { answer, .. } if answer == "3"),
+        "{outcome:?}"
+    );
 }
 
 /// Creates session `id` offering `tools`, its first turn asking `text`.
