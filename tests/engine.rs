@@ -844,6 +844,8 @@ struct CountingSource {
     leases_with_tasks: std::sync::atomic::AtomicUsize,
     /// Per report: the `max` it asked for and the tasks it was handed.
     reports: std::sync::Mutex<Vec<(usize, usize)>>,
+    /// Per report of several attempts at once, how many.
+    together: std::sync::Mutex<Vec<usize>>,
     /// Tasks appends gave the pool's receiver while its lease waited.
     received: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -941,6 +943,20 @@ impl cairn_workers::TaskSource for CountingSource {
         Ok(handed)
     }
 
+    async fn report_all_and_lease(
+        &self,
+        reports: Vec<(Lease, ActivityReport)>,
+        next: &LeaseRequest,
+    ) -> Vec<Result<Vec<LeasedTask>>> {
+        self.together.lock().unwrap().push(reports.len());
+        let answers = self.inner.report_all_and_lease(reports, next).await;
+        let handed = answers
+            .first()
+            .map_or(0, |a| a.as_ref().map_or(0, Vec::len));
+        self.reports.lock().unwrap().push((next.max, handed));
+        answers
+    }
+
     fn publish_delta(&self, delta: DeltaEvent) {
         self.inner.publish_delta(delta)
     }
@@ -971,6 +987,8 @@ struct PoolAsks {
     largest_ask: usize,
     /// Per report: the `max` it asked for and the tasks it was handed.
     reports: Vec<(usize, usize)>,
+    /// Per report of several attempts at once, how many.
+    together: Vec<usize>,
     /// Tasks appends gave the pool's receiver.
     received: usize,
 }
@@ -991,6 +1009,7 @@ async fn two_tools_turn_on(store: Arc<dyn Store>, concurrency: usize) -> PoolAsk
         lease_asks: Default::default(),
         leases_with_tasks: Default::default(),
         reports: Default::default(),
+        together: Default::default(),
         received: Default::default(),
     });
     let tools = Arc::new(cairn_activities::ToolRegistry::builtin(&files.workdir));
@@ -1064,7 +1083,9 @@ async fn two_tools_turn_on(store: Arc<dyn Store>, concurrency: usize) -> PoolAsk
     );
     let largest_ask = source.lease_asks.lock().unwrap().iter().copied().max();
     let reports = source.reports.lock().unwrap().clone();
+    let together = source.together.lock().unwrap().clone();
     PoolAsks {
+        together,
         leases: source
             .leases_with_tasks
             .load(std::sync::atomic::Ordering::SeqCst),
@@ -1086,8 +1107,10 @@ fn first_report_of_eight_slots() -> (usize, usize) {
 
 /// Eager dispatch of parallel tool calls: the client's message gives the first model call
 /// to a free slot of the waiting pool (its receiver), and that call's report, asking for
-/// two tools, hands both to the pool, one to the slot that reported and one to a free slot,
-/// so the turn has no lease request that returns a task. The lease loop leaves
+/// two tools, hands both to the pool, one to the slot that reported and one with a free
+/// slot, so the turn has no lease request that returns a task. The calculator answers at
+/// once, so the slot that reported runs the second call too, before its own slot would
+/// have started it, and reports both results together. The lease loop leaves
 /// `MAX_EXTRA_HANDED` slots free for such tasks while it waits, so a task it leases always
 /// has a slot. With one slot, none is free: the lease loop is handed the first model call,
 /// the report asks for one task, and the second tool call is handed on by the first one's
@@ -1114,9 +1137,15 @@ async fn a_model_calls_report_hands_both_its_parallel_tool_calls_to_free_slots()
         first_report_of_eight_slots(),
         "the model call's report asks for its slot's next task and the slots still free, and is handed both tool calls"
     );
-    // One tool's report hands the next model call on (whichever reports last); the model
-    // call's report at the end hands nothing.
-    assert_eq!(asks.reports.len(), 4, "{:?}", asks.reports);
+    // The tools' one report hands the next model call on; the model call's report at the
+    // end hands nothing.
+    assert_eq!(
+        asks.together,
+        [2],
+        "both calls' results in one report: {:?}",
+        asks.reports
+    );
+    assert_eq!(asks.reports.len(), 3, "{:?}", asks.reports);
     assert_eq!(
         asks.reports.iter().map(|(_, handed)| handed).sum::<usize>(),
         3
@@ -1135,6 +1164,7 @@ async fn a_model_calls_report_hands_both_its_parallel_tool_calls_to_free_slots()
         "with no slot free the report asks for one task: {:?}",
         asks.reports
     );
+    assert!(asks.together.is_empty(), "each result in its own report");
     assert_eq!(
         asks.reports.iter().map(|(_, handed)| handed).sum::<usize>(),
         3
@@ -1161,7 +1191,98 @@ async fn an_idle_pool_starts_a_clients_first_task_given_with_the_append_on_fjall
         first_report_of_eight_slots(),
         "both tool calls handed on"
     );
-    assert_eq!(asks.reports.len(), 4, "{:?}", asks.reports);
+    assert_eq!(asks.together, [2], "both results in one report");
+    assert_eq!(asks.reports.len(), 3, "{:?}", asks.reports);
+}
+
+/// A tool whose calls wait for one another: each returns only once `barrier`'s count of
+/// calls are running at the same time.
+struct Rendezvous {
+    barrier: Arc<tokio::sync::Barrier>,
+}
+
+#[async_trait::async_trait]
+impl cairn_activities::Tool for Rendezvous {
+    fn spec(&self) -> cairn_ledger::ToolSpec {
+        cairn_ledger::ToolSpec {
+            name: "rendezvous".into(),
+            description: "answers once its sibling calls run too".into(),
+            input_schema: cairn_ledger::JsonText::parse(r#"{"type":"object"}"#).unwrap(),
+        }
+    }
+
+    async fn call(
+        &self,
+        call: &cairn_activities::ToolCall,
+        _context: &cairn_activities::ActivityContext,
+    ) -> cairn_activities::Result<cairn_activities::ToolOutput> {
+        self.barrier.wait().await;
+        Ok(cairn_activities::ToolOutput::text(format!(
+            "met {}",
+            call.tool_use_id
+        )))
+    }
+}
+
+/// Parallel calls that wait run side by side: a slot runs the calls handed beside its own
+/// in turn only while each answers at once, and gives them slots of their own as soon as
+/// one waits. Two calls that each wait for the other would never finish in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallel_calls_that_wait_run_side_by_side() {
+    let files = demo_files(
+        r#"{
+  "responses": [
+    {"parts": [{"type": "tool_use", "id": "r1", "name": "rendezvous", "input": {}},
+               {"type": "tool_use", "id": "r2", "name": "rendezvous", "input": {}}]},
+    {"parts": [{"type": "text", "text": "both met"}]}
+  ]
+}"#,
+    );
+    let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
+    let tools = Arc::new(cairn_activities::ToolRegistry::new().with(Rendezvous {
+        barrier: Arc::new(tokio::sync::Barrier::new(2)),
+    }));
+    let pool = cairn_workers::WorkerPool::start(
+        engine.clone(),
+        cairn_workers::Activities {
+            models: Arc::new(cairn_workers::StandardModels::new()),
+            tools: tools.clone(),
+        },
+        WorkerConfig {
+            // Longer than the wait below: a call left unrun is not run again after its
+            // lease lapses, which would hide that it was never started.
+            lease_ms: 120_000,
+            ..fast_workers()
+        },
+    );
+    let client = Client::new(engine);
+    let model =
+        cairn_ledger::ModelSpec::parse(&format!("scripted:{}", files.script.display())).unwrap();
+    let mut options = SessionOptions::new(model, tools.specs());
+    options.session_id = Some("side-by-side".to_owned());
+    let (session, turn) = client.start_session_and_send(options, "go").await.unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(30), client.wait_turn(&session, turn))
+        .await
+        .expect("the two calls met: they ran side by side")
+        .unwrap();
+    assert!(
+        matches!(&outcome, TurnOutcome::Completed { answer, .. } if answer == "both met"),
+        "{outcome:?}"
+    );
+    pool.shutdown().await;
+    let history = assert_replays(&client, &session).await;
+    let results: Vec<_> = history
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ToolCallCompleted { tool_use_id, .. } => Some(tool_use_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(results.len(), 2, "{:?}", kinds(&history));
+    assert!(
+        results.contains(&"r1") && results.contains(&"r2"),
+        "{results:?}"
+    );
 }
 
 /// The default pool is not what caps a process's concurrency: 150 sessions whose model call

@@ -1,7 +1,7 @@
 //! Reports of one session recorded together: those that come while an append of the session
 //! is in flight share the next append, a report holds its session a moment for the reports
-//! of the parallel calls still running beside it, and one the store refuses does not take the
-//! others down with it.
+//! of the parallel calls still running beside it, reports a worker sends together share one
+//! append at once, and one the store refuses does not take the others down with it.
 
 use crate::client::{Client, SessionOptions};
 use crate::engine::{ActivityReport, LeasedTask};
@@ -424,4 +424,109 @@ async fn the_task_a_shared_append_queues_goes_to_the_first_report_that_asked() {
         "the model call is leased once"
     );
     answer_and_replay(&store, &engine, &client, &handed[0].lease).await;
+}
+
+/// A request for the next task, as a worker slot of this process asks.
+fn next_task() -> crate::store::LeaseRequest {
+    crate::store::LeaseRequest {
+        filter: Arc::new(TaskFilter::any()),
+        max: 1,
+        lease_ms: 60_000,
+        holder: crate::store::LeaseHolder::InProcess,
+    }
+}
+
+/// Reports a worker sends together (a slot that ran the parallel calls in turn) are recorded
+/// in one append at once, with no hold for one another: the paused clock never moves. The
+/// task the append queues goes to the first; each is answered.
+#[tokio::test(start_paused = true)]
+#[allow(clippy::disallowed_methods)] // the paused clock says whether the reports waited
+async fn reports_sent_together_share_one_append_at_once() {
+    let (store, engine, client, tools) = fanned_out(3).await;
+    let started = tokio::time::Instant::now();
+    let reports = tools
+        .iter()
+        .enumerate()
+        .map(|(i, tool)| (tool.lease.clone(), tool_result(&format!("result {i}"))))
+        .collect();
+    let answers = engine.report_all_and_lease(reports, &next_task()).await;
+    assert_eq!(started.elapsed(), std::time::Duration::ZERO, "no hold");
+    assert_eq!(
+        *store.completions.lock().expect("log"),
+        vec![(task_ids(&tools, &[0, 1, 2]), true)],
+        "the three results in one append"
+    );
+    let handed: Vec<usize> = answers
+        .iter()
+        .map(|answer| answer.as_ref().expect("recorded").len())
+        .collect();
+    assert_eq!(handed, [1, 0, 0], "the model call goes to the first report");
+    assert_eq!(
+        recorded_results(&store).await,
+        vec!["call-0", "call-1", "call-2"]
+    );
+    let model = answers[0].as_ref().expect("recorded")[0].lease.clone();
+    answer_and_replay(&store, &engine, &client, &model).await;
+}
+
+/// Reports sent together still hold their session for a sibling running on a slot of its
+/// own in this process, as a lone report does: all three results share one append.
+#[tokio::test(start_paused = true)]
+async fn reports_sent_together_hold_for_a_sibling_running_beside_them() {
+    let (store, engine, client, tools) = fanned_out(3).await;
+    let together = {
+        let engine = engine.clone();
+        let reports = vec![
+            (tools[0].lease.clone(), tool_result("first")),
+            (tools[1].lease.clone(), tool_result("second")),
+        ];
+        tokio::spawn(async move { engine.report_all_and_lease(reports, &next_task()).await })
+    };
+    let third = spawn_report(&engine, &tools[2].lease, tool_result("third"));
+    let answers = together.await.expect("joined");
+    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+    third.await.expect("joined").expect("the third is recorded");
+    assert_eq!(
+        *store.completions.lock().expect("log"),
+        vec![(task_ids(&tools, &[0, 1, 2]), true)],
+        "the three results in one append"
+    );
+    let model = answers[0].as_ref().expect("recorded");
+    assert_eq!(model.len(), 1, "the first report gets the model call");
+    answer_and_replay(&store, &engine, &client, &model[0].lease).await;
+}
+
+/// A report the store refuses among those sent together (a lease attempt that is not
+/// current) is refused alone, and the others are recorded.
+#[tokio::test]
+async fn a_refused_report_among_those_sent_together_is_refused_alone() {
+    let (store, engine, client, tools) = fanned_out(2).await;
+    let mut not_current = tools[1].lease.clone();
+    not_current.lease_attempt += 1;
+    let answers = engine
+        .report_all_and_lease(
+            vec![
+                (tools[0].lease.clone(), tool_result("first")),
+                (not_current, tool_result("not current")),
+            ],
+            &next_task(),
+        )
+        .await;
+    assert!(answers[0].is_ok(), "{:?}", answers[0]);
+    match &answers[1] {
+        Err(Error::LeaseLost { task, .. }) => assert_eq!(*task, tools[1].lease.id.to_string()),
+        other => panic!("a report of a lease attempt not current must be LeaseLost, got {other:?}"),
+    }
+    let ids = |of: &[usize]| task_ids(&tools, of);
+    assert_eq!(
+        *store.completions.lock().expect("log"),
+        vec![(ids(&[0, 1]), false), (ids(&[0]), true), (ids(&[1]), false)],
+        "refused together, then each alone"
+    );
+    assert_eq!(recorded_results(&store).await, vec!["call-0"]);
+    engine
+        .report(&tools[1].lease, tool_result("second"))
+        .await
+        .expect("the current lease's report is recorded");
+    finish_and_replay(&store, &engine, &client).await;
 }

@@ -60,6 +60,111 @@ impl Engine {
         Ok(handed)
     }
 
+    /// Reports several attempts at once, like [`Engine::report_and_lease`] for each: those of
+    /// the first one's session in one append (a model's parallel tool calls that one worker
+    /// slot ran in turn), with no hold for the siblings among them, and the tasks leased with
+    /// it going to the first report. A report of another session is recorded alone after
+    /// them. Answers each report, in order.
+    pub async fn report_all_and_lease(
+        &self,
+        reports: Vec<(Lease, ActivityReport)>,
+        next: &LeaseRequest,
+    ) -> Vec<Result<Vec<LeasedTask>>> {
+        crate::stages::mark("report.start");
+        let Some(session_id) = reports
+            .first()
+            .map(|(lease, _)| lease.id.session_id.clone())
+        else {
+            return Vec::new();
+        };
+        let mut answers: Vec<Option<Result<Vec<Lease>>>> = Vec::with_capacity(reports.len());
+        let mut together = Vec::with_capacity(reports.len());
+        let mut alone = Vec::new();
+        for (at, (lease, report)) in reports.into_iter().enumerate() {
+            answers.push(None);
+            match lease.id.session_id == session_id {
+                true => together.push((at, lease, report)),
+                false => alone.push((at, lease, report)),
+            }
+        }
+        for (at, answer) in self.report_together(&session_id, together, next).await {
+            answers[at] = Some(answer);
+        }
+        for (at, lease, report) in alone {
+            answers[at] = Some(self.report_with(&lease, report, None).await);
+        }
+        let mut handed = Vec::with_capacity(answers.len());
+        for answer in answers {
+            handed.push(match answer {
+                Some(Ok(leases)) => Ok(self.with_activities(leases).await),
+                Some(Err(e)) => Err(e),
+                // Every report was put in one of the two lists above and answered there.
+                None => Ok(Vec::new()),
+            });
+        }
+        crate::stages::mark("report.handed");
+        handed
+    }
+
+    /// Records the reports of one session's tasks (`(index, lease, report)`, the first of
+    /// them leasing with `next`) in one append with any others of the session waiting, after
+    /// holding it for their siblings still running here; answers each by its index.
+    async fn report_together(
+        &self,
+        session_id: &str,
+        reports: Vec<(usize, Lease, ActivityReport)>,
+        next: &LeaseRequest,
+    ) -> Vec<(usize, Result<Vec<Lease>>)> {
+        let Some(first) = reports.first().map(|(_, lease, _)| lease.clone()) else {
+            return Vec::new();
+        };
+        {
+            let mut here = lock(&self.inner.leased_here);
+            for (_, lease, _) in &reports {
+                if here
+                    .get(&lease.id)
+                    .is_some_and(|(attempt, _)| *attempt == lease.lease_attempt)
+                {
+                    here.remove(&lease.id);
+                }
+            }
+        }
+        let span = info_span!("session", session_id = %session_id);
+        async move {
+            let slot = self.slot(session_id);
+            let mut queued = Vec::with_capacity(reports.len());
+            for (n, (at, lease, report)) in reports.into_iter().enumerate() {
+                let wants = (n == 0).then(|| next.clone());
+                let (ticket, answer) = slot.reports().push(&lease, report, wants);
+                queued.push((at, lease, ticket, answer));
+            }
+            let stale = {
+                let mut guard = slot.lock().await;
+                // Siblings none of these reports holds are running elsewhere in this process
+                // (a slot of their own): held for as a lone report is.
+                let siblings = self.running_siblings(guard.as_ref(), &first);
+                if !siblings.is_empty() {
+                    wait_for_siblings(slot.reports(), &siblings).await;
+                }
+                let waiting = slot.reports().take();
+                self.record_reports(session_id, &mut guard, waiting).await
+            };
+            let mut answers = Vec::with_capacity(queued.len());
+            let mut waits = Vec::with_capacity(queued.len());
+            for (at, lease, ticket, answer) in queued {
+                drop(ticket);
+                waits.push((at, lease, answer));
+            }
+            self.refuse_stale(stale).await;
+            for (at, lease, answer) in waits {
+                answers.push((at, answer.await.unwrap_or_else(|_| Err(in_doubt(&lease)))));
+            }
+            answers
+        }
+        .instrument(span)
+        .await
+    }
+
     /// Records `report` with every other report of its session that is waiting when this
     /// one gets the session: reports that come while an append of the session is in flight
     /// share the next append (see `report_queue`). Each caller gets its own report's answer.
@@ -120,15 +225,7 @@ impl Engine {
             };
             drop(ticket);
             self.refuse_stale(stale).await;
-            answer.await.unwrap_or_else(|_| {
-                Err(Error::Store {
-                    reason: format!(
-                        "the report of task {} is in doubt: the call recording it with other \
-                         reports of its session was dropped before the store answered",
-                        lease.id
-                    ),
-                })
-            })
+            answer.await.unwrap_or_else(|_| Err(in_doubt(lease)))
         }
         .instrument(span)
         .await
@@ -355,6 +452,17 @@ impl Engine {
 /// report was recorded all the same.
 fn answer_report(queued: QueuedReport, answer: Result<Vec<Lease>>) {
     let _ = queued.reply.send(answer);
+}
+
+/// The answer to a report whose recording was dropped before the store answered.
+fn in_doubt(lease: &Lease) -> Error {
+    Error::Store {
+        reason: format!(
+            "the report of task {} is in doubt: the call recording it with other reports of \
+             its session was dropped before the store answered",
+            lease.id
+        ),
+    }
 }
 
 /// Whether no two of `reports` report the same task (two lease attempts of one task: one of

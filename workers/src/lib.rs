@@ -4,6 +4,7 @@
 // Workers are the impure edge: they wait on timers (poll intervals, heartbeats, timeouts).
 #![allow(clippy::disallowed_methods)]
 
+mod first_wait;
 mod models;
 pub mod policy;
 mod pool;

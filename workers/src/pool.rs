@@ -285,29 +285,73 @@ impl Slots {
         self.tracker.spawn_on(
             async move {
                 let mut task = Some(task);
+                let mut siblings = Vec::new();
                 while let Some(this) = task.take() {
                     let eager = (!*slots.stop.borrow()).then_some(EagerDispatch {
                         request: &slots.next,
                         permits: &slots.permits,
                     });
-                    let handed = run_task(
-                        slots.source.as_ref(),
-                        &slots.activities,
-                        &slots.registry,
-                        this,
-                        slots.timing,
-                        eager,
-                    )
-                    .await;
+                    let handed = slots.run_tasks(this, siblings, eager).await;
                     task = handed.next;
-                    for (more, permit) in handed.more {
-                        slots.spawn(more, permit);
-                    }
+                    siblings = handed.more;
+                }
+                // A report hands its slot's next task first: with none, there are no others.
+                for (more, permit) in siblings {
+                    slots.spawn(more, permit);
                 }
                 drop(permit);
             },
             &runtime,
         );
+    }
+
+    /// Runs `task`, then each of `siblings` of its session in turn while none has had to
+    /// wait, and reports those it ran together; returns what their reports handed.
+    ///
+    /// The siblings are tasks the same report handed (a model's parallel tool calls), each
+    /// with a slot of its own. As long as every run so far finished without waiting (tools
+    /// that answer at once), running the next here costs less than starting it on its own
+    /// slot: no task spawned and no other thread woken, and one report with all the results
+    /// instead of one each, which the engine would otherwise hold for one another. As soon
+    /// as a run has to wait, every sibling left gets its own slot and runs beside it.
+    async fn run_tasks(
+        self: &Arc<Self>,
+        task: LeasedTask,
+        siblings: Vec<(LeasedTask, OwnedSemaphorePermit)>,
+        eager: Option<EagerDispatch<'_>>,
+    ) -> Handed {
+        let session_id = task.lease.id.session_id.clone();
+        let mut siblings: std::collections::VecDeque<_> = siblings.into();
+        let mut attempted = Vec::new();
+        let mut current = Some(task);
+        while let Some(task) = current.take() {
+            let run = attempt(
+                self.source.as_ref(),
+                &self.activities,
+                &self.registry,
+                task,
+                self.timing,
+            );
+            let done = crate::first_wait::on_first_wait(run, || {
+                for (more, permit) in siblings.drain(..) {
+                    self.spawn(more, permit);
+                }
+            })
+            .await;
+            attempted.extend(done);
+            while let Some((more, permit)) = siblings.pop_front() {
+                if more.lease.id.session_id == session_id {
+                    // Its slot is not needed: this one runs it.
+                    drop(permit);
+                    current = Some(more);
+                    break;
+                }
+                self.spawn(more, permit);
+            }
+        }
+        let handed = finish_all(self.source.as_ref(), attempted, eager).await;
+        cairn_runtime::stages::mark("activity.reported");
+        handed
     }
 }
 
@@ -422,14 +466,25 @@ struct Timing {
 /// How long a cancelled activity may take to stop by itself before it is abandoned.
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
-async fn run_task(
+/// An attempt that ran to its report, with the lease it ran under and the span it ran in.
+struct Attempted {
+    lease: Lease,
+    /// The lease's expiry as far as the slot knows (renewals included).
+    lease_expires_at_ms: u64,
+    report: ActivityReport,
+    span: tracing::Span,
+}
+
+/// Runs `task`'s attempt under its lease: renews the lease, records streamed output,
+/// enforces the heartbeat timeout; returns the report to send, or none when the lease was
+/// lost.
+async fn attempt(
     engine: &dyn TaskSource,
     activities: &Activities,
     registry: &RunningRegistry,
     task: LeasedTask,
     timing: Timing,
-    next: Option<EagerDispatch<'_>>,
-) -> Handed {
+) -> Option<Attempted> {
     let Timing {
         lease_ms,
         renew_ms,
@@ -618,6 +673,7 @@ async fn run_task(
         if let Some(progress) = progress.take() {
             recording = progress.await;
         }
+        drop(progress);
         drop(renewal);
         lock(registry).by_id.remove(&id);
         if let Some(report) = report {
@@ -627,11 +683,14 @@ async fn run_task(
                 record_pending(engine, &lease, lease_expires_at_ms, pending, context.reported_usage()).await;
             }
             cairn_runtime::stages::mark("activity.end");
-            let handed = finish(engine, &lease, lease_expires_at_ms, report, next).await;
-            cairn_runtime::stages::mark("activity.reported");
-            return handed;
+            return Some(Attempted {
+                lease,
+                lease_expires_at_ms,
+                report,
+                span: tracing::Span::current(),
+            });
         }
-        Handed::default()
+        None
     }
     .instrument(span)
     .await
@@ -705,6 +764,22 @@ impl EagerDispatch<'_> {
         let wanted = u32::try_from(wanted).ok().filter(|n| *n > 0)?;
         self.permits.clone().try_acquire_many_owned(wanted).ok()
     }
+
+    /// The free slots taken for more tasks, and the lease request asking for them beside
+    /// this slot's next one.
+    fn request_for_more(&self) -> (Option<OwnedSemaphorePermit>, Cow<'_, LeaseRequest>) {
+        let extra = self.extra_slots();
+        let more = extra.as_ref().map_or(0, OwnedSemaphorePermit::num_permits);
+        // The request as it is when only this slot's next task is wanted (its `max` is 1).
+        let request = match more {
+            0 => Cow::Borrowed(self.request),
+            more => Cow::Owned(LeaseRequest {
+                max: 1 + more,
+                ..self.request.clone()
+            }),
+        };
+        (extra, request)
+    }
 }
 
 /// What a report handed a slot: its next task, and tasks beyond it with the slot each runs on.
@@ -734,6 +809,81 @@ impl Handed {
         }
         Handed { next, more }
     }
+}
+
+/// Reports the attempts' results, in one report when there are several and the source is
+/// up; with `next`, takes tasks with them (eager dispatch): one for this slot and, when the
+/// pool has slots free, a few more for them.
+async fn finish_all(
+    engine: &dyn TaskSource,
+    attempted: Vec<Attempted>,
+    next: Option<EagerDispatch<'_>>,
+) -> Handed {
+    let mut attempted = attempted.into_iter();
+    let Some(first) = attempted.next() else {
+        return Handed::default();
+    };
+    let others: Vec<Attempted> = attempted.collect();
+    if others.is_empty() {
+        let span = first.span.clone();
+        return finish(
+            engine,
+            &first.lease,
+            first.lease_expires_at_ms,
+            first.report,
+            next,
+        )
+        .instrument(span)
+        .await;
+    }
+    let Some(eager) = next.filter(|_| !engine.fails_for_now()) else {
+        // Each on its own, side by side: a source that may fail for now has each one sent
+        // again while its own lease holds.
+        let span = first.span.clone();
+        let own = finish(
+            engine,
+            &first.lease,
+            first.lease_expires_at_ms,
+            first.report,
+            next,
+        )
+        .instrument(span);
+        let rest = futures_util::future::join_all(others.into_iter().map(|a| {
+            let span = a.span.clone();
+            async move {
+                finish(engine, &a.lease, a.lease_expires_at_ms, a.report, None)
+                    .instrument(span)
+                    .await
+            }
+        }));
+        return tokio::join!(own, rest).0;
+    };
+    let (extra, request) = eager.request_for_more();
+    let span = first.span.clone();
+    let leases: Vec<Lease> = std::iter::once(&first)
+        .chain(&others)
+        .map(|a| a.lease.clone())
+        .collect();
+    let reports = std::iter::once(first)
+        .chain(others)
+        .map(|a| (a.lease, a.report))
+        .collect();
+    let answers = engine
+        .report_all_and_lease(reports, &request)
+        .instrument(span)
+        .await;
+    let mut handed = Handed::default();
+    let mut extra = Some(extra);
+    for (at, (answer, lease)) in answers.into_iter().zip(&leases).enumerate() {
+        match answer {
+            Ok(tasks) if at == 0 => handed = Handed::of(tasks, extra.take().flatten()),
+            Ok(_) => {}
+            Err(e) => {
+                dropped(lease, e);
+            }
+        }
+    }
+    handed
 }
 
 /// Reports the attempt's result; with `next`, takes tasks with it (eager dispatch): one for
@@ -788,16 +938,7 @@ async fn send_report(
 ) -> Result<Handed, Error> {
     match next {
         Some(eager) => {
-            let extra = eager.extra_slots();
-            let more = extra.as_ref().map_or(0, OwnedSemaphorePermit::num_permits);
-            // The request as it is when only this slot's next task is wanted (its `max` is 1).
-            let request = match more {
-                0 => Cow::Borrowed(eager.request),
-                more => Cow::Owned(LeaseRequest {
-                    max: 1 + more,
-                    ..eager.request.clone()
-                }),
-            };
+            let (extra, request) = eager.request_for_more();
             engine
                 .report_and_lease(lease, report, &request)
                 .await

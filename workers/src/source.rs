@@ -90,6 +90,28 @@ pub trait TaskSource: Send + Sync + 'static {
         Ok(Vec::new())
     }
 
+    /// Reports several attempts at once (a model's parallel tool calls that one slot ran in
+    /// turn), like [`TaskSource::report_and_lease`] for the first and [`TaskSource::report`]
+    /// for the others; answers each, in order, the first with the tasks taken. A source that
+    /// can records them together, in one append; by default they are sent side by side, so
+    /// that a source holding a report for its siblings' gets them all at once.
+    async fn report_all_and_lease(
+        &self,
+        reports: Vec<(Lease, ActivityReport)>,
+        next: &LeaseRequest,
+    ) -> Vec<Result<Vec<LeasedTask>>> {
+        let sends = reports
+            .into_iter()
+            .enumerate()
+            .map(|(at, (lease, report))| async move {
+                match at {
+                    0 => self.report_and_lease(&lease, report, next).await,
+                    _ => self.report(&lease, report).await.map(|()| Vec::new()),
+                }
+            });
+        futures_util::future::join_all(sends).await
+    }
+
     /// Passes a model delta on to the session's followers (presentation only: may be lost).
     fn publish_delta(&self, delta: DeltaEvent);
 
@@ -203,6 +225,14 @@ impl TaskSource for EngineSource {
         next: &LeaseRequest,
     ) -> Result<Vec<LeasedTask>> {
         self.engine.report_and_lease(lease, report, next).await
+    }
+
+    async fn report_all_and_lease(
+        &self,
+        reports: Vec<(Lease, ActivityReport)>,
+        next: &LeaseRequest,
+    ) -> Vec<Result<Vec<LeasedTask>>> {
+        self.engine.report_all_and_lease(reports, next).await
     }
 
     fn publish_delta(&self, delta: DeltaEvent) {
