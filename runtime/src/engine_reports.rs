@@ -118,17 +118,7 @@ impl Engine {
         let Some(first) = reports.first().map(|(_, lease, _)| lease.clone()) else {
             return Vec::new();
         };
-        {
-            let mut here = lock(&self.inner.leased_here);
-            for (_, lease, _) in &reports {
-                if here
-                    .get(&lease.id)
-                    .is_some_and(|(attempt, _)| *attempt == lease.lease_attempt)
-                {
-                    here.remove(&lease.id);
-                }
-            }
-        }
+        self.no_longer_running_here(reports.iter().map(|(_, lease, _)| lease));
         let span = info_span!("session", session_id = %session_id);
         async move {
             let slot = self.slot(session_id);
@@ -175,15 +165,7 @@ impl Engine {
         next: Option<&LeaseRequest>,
     ) -> Result<Vec<Lease>> {
         let session_id = &lease.id.session_id;
-        {
-            let mut here = lock(&self.inner.leased_here);
-            if here
-                .get(&lease.id)
-                .is_some_and(|(attempt, _)| *attempt == lease.lease_attempt)
-            {
-                here.remove(&lease.id);
-            }
-        }
+        self.no_longer_running_here(std::iter::once(lease));
         let span = info_span!("session", session_id = %session_id);
         async move {
             let slot = self.slot(session_id);
@@ -229,6 +211,20 @@ impl Engine {
         }
         .instrument(span)
         .await
+    }
+
+    /// Takes the tasks of `leases` out of those a worker of this engine holds, as their
+    /// reports come (a newer lease attempt of one stays: its worker still runs it).
+    fn no_longer_running_here<'a>(&self, leases: impl Iterator<Item = &'a Lease>) {
+        let mut here = lock(&self.inner.leased_here);
+        for lease in leases {
+            if here
+                .get(&lease.id)
+                .is_some_and(|(attempt, _)| *attempt == lease.lease_attempt)
+            {
+                here.remove(&lease.id);
+            }
+        }
     }
 
     /// The tasks of the calls the session's active step runs beside `lease`'s (a model's
