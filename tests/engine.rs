@@ -1238,15 +1238,14 @@ async fn parallel_calls_that_wait_run_side_by_side() {
   ]
 }"#,
     );
-    let engine = Engine::new(Arc::new(MemoryStore::new()), Arc::new(SystemClock));
-    let tools = Arc::new(cairn_activities::ToolRegistry::new().with(Rendezvous {
-        barrier: Arc::new(tokio::sync::Barrier::new(2)),
-    }));
-    let pool = cairn_workers::WorkerPool::start(
-        engine.clone(),
+    let host = TestHost::start_with_activities(
+        Arc::new(MemoryStore::new()),
+        Arc::new(SystemClock),
         cairn_workers::Activities {
             models: Arc::new(cairn_workers::StandardModels::new()),
-            tools: tools.clone(),
+            tools: Arc::new(cairn_activities::ToolRegistry::new().with(Rendezvous {
+                barrier: Arc::new(tokio::sync::Barrier::new(2)),
+            })),
         },
         WorkerConfig {
             // Longer than the wait below: a call left unrun is not run again after its
@@ -1255,22 +1254,25 @@ async fn parallel_calls_that_wait_run_side_by_side() {
             ..fast_workers()
         },
     );
-    let client = Client::new(engine);
-    let model =
-        cairn_ledger::ModelSpec::parse(&format!("scripted:{}", files.script.display())).unwrap();
-    let mut options = SessionOptions::new(model, tools.specs());
-    options.session_id = Some("side-by-side".to_owned());
-    let (session, turn) = client.start_session_and_send(options, "go").await.unwrap();
-    let outcome = tokio::time::timeout(Duration::from_secs(30), client.wait_turn(&session, turn))
+    let options = host.session_options(&files.script, "side-by-side");
+    let (session, turn) = host
+        .client
+        .start_session_and_send(options, "go")
         .await
-        .expect("the two calls met: they ran side by side")
         .unwrap();
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(30),
+        host.client.wait_turn(&session, turn),
+    )
+    .await
+    .expect("the two calls met: they ran side by side")
+    .unwrap();
     assert!(
         matches!(&outcome, TurnOutcome::Completed { answer, .. } if answer == "both met"),
         "{outcome:?}"
     );
-    pool.shutdown().await;
-    let history = assert_replays(&client, &session).await;
+    let history = assert_replays(&host.client, &session).await;
+    host.shutdown().await;
     let results: Vec<_> = history
         .iter()
         .filter_map(|e| match &e.event {
