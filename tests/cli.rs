@@ -1195,7 +1195,8 @@ fn bench_tool_spec_bytes_offer_more_tools_and_say_so() {
 
 /// `cairn bench --turns-per-session --message-bytes` runs sessions of several turns with long
 /// messages, embedded and through a server, and says so; every turn completes (a script too
-/// short for a session's turns would fail one).
+/// short for a session's turns would fail one), and the server's row counts its store's
+/// commits, as the embedded row does.
 #[test]
 fn bench_long_sessions_run_their_turns_and_say_so() {
     let out = cairn(&[
@@ -1221,12 +1222,20 @@ fn bench_long_sessions_run_their_turns_and_say_so() {
         ),
         "{stdout}"
     );
+    let header = bench_table_line(&stdout, "| setup |");
+    let commits = bench_column(&header, "durable commits per turn", &stdout);
     for row in [
         "| embedded, fjall | 2 |",
         "| server over fjall, 1 worker process | 2 |",
     ] {
         let row = bench_table_line(&stdout, row);
         assert!(row.iter().any(|cell| cell.ends_with("turns/s")), "{stdout}");
+        // Through the server too, as its `/v1/health` counts them: a turn is at least its
+        // start and its two model results, fewer when turns in flight share commits.
+        let per_turn: f64 = row[commits]
+            .parse()
+            .unwrap_or_else(|_| panic!("no commits per turn in {row:?}: {stdout}"));
+        assert!(per_turn > 0.5 && per_turn < 8.0, "{stdout}");
     }
     assert_refused(
         &["bench", "--goals", "--turns-per-session", "5"],

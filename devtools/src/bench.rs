@@ -225,6 +225,9 @@ struct Served {
     worker_processes: Option<usize>,
     /// The store, when it is in this process: its commits and syncs are counted.
     store: Option<Arc<dyn Store>>,
+    /// The servers, through servers: the commits of their stores are counted, as their
+    /// `/v1/health` reports them.
+    servers: Vec<cairn_remote::HttpTransport>,
     /// The processes whose CPU time is counted.
     serving: Vec<u32>,
     /// Where the probe runs: beside the store.
@@ -427,6 +430,7 @@ async fn closed_loop(
         setup,
         worker_processes,
         store,
+        servers,
         serving,
         probe_dir,
         probed_before,
@@ -450,6 +454,7 @@ async fn closed_loop(
         let first = store
             .as_ref()
             .map(|store| (store.durable_commits(), store.sync_times()));
+        let first_served = servers_commits(&servers).await;
         tokio::time::sleep_until(measure_until.into()).await;
         let steps = recording.map_or_else(
             || (Vec::new(), None),
@@ -469,7 +474,10 @@ async fn closed_loop(
             }
         };
         let Some((store, (first, first_times))) = store.zip(first) else {
-            return (None, None, cpu, steps);
+            let commits = first_served
+                .zip(servers_commits(&servers).await)
+                .map(|(first, last)| last - first);
+            return (commits, None, cpu, steps);
         };
         let commits = store
             .durable_commits()
@@ -567,6 +575,21 @@ async fn closed_loop(
     })
 }
 
+/// The durable commits of the servers' stores so far, summed, as their `/v1/health`
+/// reports them; `None` when a server does not report them (a database store) or cannot be
+/// asked, or there are none.
+async fn servers_commits(servers: &[cairn_remote::HttpTransport]) -> Option<u64> {
+    if servers.is_empty() {
+        return None;
+    }
+    let mut commits = 0;
+    for server in servers {
+        let health = server.health().await.ok()?;
+        commits += health.store_syncs?.durable_commits;
+    }
+    Some(commits)
+}
+
 /// Opens a new `engine` store at `path` as a restarted process finds it: created, closed and
 /// opened again. A server spends most of its life on a store it reopened, and a reopened
 /// store may sync dearer than a new one (fjall's recovered journal did, until cairn patched
@@ -627,6 +650,7 @@ pub async fn embedded(config: &BenchConfig, engine: StorageEngine) -> anyhow::Re
         setup,
         worker_processes: None,
         store: Some(opened.store.clone()),
+        servers: Vec::new(),
         serving: vec![std::process::id()],
         probe_dir: dir.path().to_path_buf(),
         probed_before,
@@ -747,6 +771,10 @@ async fn run_deployment(
         setup: deployment.label(),
         worker_processes: Some(deployment.workers),
         store: None,
+        servers: urls
+            .iter()
+            .map(|url| cairn_remote::HttpTransport::new(url, None))
+            .collect::<Result<_, _>>()?,
         serving,
         probe_dir: dir.path().to_path_buf(),
         probed_before,
