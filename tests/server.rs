@@ -1126,32 +1126,25 @@ async fn a_report_with_next_hands_the_worker_the_task_it_queued_again_if_sent_ag
     );
 }
 
-/// Reports sent together (`POST /v1/worker/reports`) are each recorded as if sent alone and
-/// answered in order with what `POST /v1/worker/report` would have answered each: 200 with
-/// the tasks leased with it, 204 without `next`, an error for one that is refused, which
-/// leaves the others recorded. A batch of none, or of more than the server takes, is refused
-/// whole.
-#[tokio::test]
-async fn reports_sent_together_are_each_recorded_and_answered_as_if_alone() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&dir.path().join("store"), &[]);
-    let http = reqwest::Client::new();
+/// A session `session_id` whose model asked for two calculator calls, their tasks leased
+/// with the model's report (through `POST /v1/worker/report`, by hand).
+async fn two_tool_tasks(http: &reqwest::Client, server: &Server, session_id: &str) -> Vec<Value> {
     let model = json!({"provider": "scripted", "model": "unused.json"});
     let calculator =
         serde_json::to_value(cairn_activities::Tool::spec(&cairn_activities::Calculator)).unwrap();
     let created = send(
-        &http,
+        http,
         Method::POST,
         server.url("/v1/sessions"),
         None,
         Some(
-            json!({"session_id": "batched", "model": model, "tools": [calculator],
+            json!({"session_id": session_id, "model": model, "tools": [calculator],
                     "message": {"text": "1+2 and 3*4?"}}),
         ),
     )
     .await;
     assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
-    let model_task = lease_one(&http, &server, None, 30_000).await;
+    let model_task = lease_one(http, server, None, 30_000).await;
     let usage = json!({"input_tokens": 3, "output_tokens": 2, "cache_read_tokens": 0,
                        "cache_write_tokens": 0, "reasoning_tokens": 0});
     let calls = json!({"model_completed": {
@@ -1163,7 +1156,7 @@ async fn reports_sent_together_are_each_recorded_and_answered_as_if_alone() {
         "stop_reason_raw": "tool_use", "stop_reason": "tool_use", "usage": usage
     }});
     let reported = send(
-        &http,
+        http,
         Method::POST,
         server.url("/v1/worker/report"),
         None,
@@ -1174,7 +1167,20 @@ async fn reports_sent_together_are_each_recorded_and_answered_as_if_alone() {
     assert_eq!(reported.status, StatusCode::OK, "{}", reported.body);
     let tool_tasks = reported.body["tasks"].as_array().expect("tasks").clone();
     assert_eq!(tool_tasks.len(), 2, "{}", reported.body);
+    tool_tasks
+}
 
+/// Reports sent together (`POST /v1/worker/reports`) are each recorded as if sent alone and
+/// answered in order with what `POST /v1/worker/report` would have answered each: 200 with
+/// the tasks leased with it, 204 without `next`, an error for one that is refused, which
+/// leaves the others recorded. A batch of none, or of more than the server takes, is refused
+/// whole.
+#[tokio::test]
+async fn reports_sent_together_are_each_recorded_and_answered_as_if_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let http = reqwest::Client::new();
+    let tool_tasks = two_tool_tasks(&http, &server, "batched").await;
     let result =
         |text: &str| json!({"tool_completed": {"content": {"text": text}, "is_error": false}});
     let unknown = json!({"id": {"session_id": "nobody", "scheduled_seq": 3}, "kind": "tool",
@@ -1285,6 +1291,100 @@ async fn reports_sent_together_are_each_recorded_and_answered_as_if_alone() {
         .as_str()
         .unwrap_or_default();
     assert!(message.starts_with("reports[1]: media"), "{message}");
+}
+
+/// The store's durable commits so far, as `/v1/health` reports them.
+async fn durable_commits(http: &reqwest::Client, server: &Server) -> u64 {
+    let health = send(http, Method::GET, server.url("/v1/health"), None, None).await;
+    health.body["store_syncs"]["durable_commits"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no durable commits in {}", health.body))
+}
+
+/// Reports of one session next to each other in a batch (a model's parallel calls that one
+/// worker slot ran in turn) are recorded in one append, which leases the model's next call to
+/// the first of them; a report sent twice in one batch is recorded once, and the batch is
+/// answered.
+#[tokio::test]
+async fn reports_of_one_session_next_to_each_other_in_a_batch_share_one_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("store"), &[]);
+    let http = reqwest::Client::new();
+    let result =
+        |text: &str| json!({"tool_completed": {"content": {"text": text}, "is_error": false}});
+    // Several sessions: two reports sent at once may also happen to share a commit.
+    let mut next_call = Value::Null;
+    for session in 0..6 {
+        let tool_tasks = two_tool_tasks(&http, &server, &format!("together-{session}")).await;
+        let before = durable_commits(&http, &server).await;
+        let batch = send(
+            &http,
+            Method::POST,
+            server.url("/v1/worker/reports"),
+            None,
+            Some(json!({"reports": [
+                {"lease": tool_tasks[0]["lease"], "report": result("3"),
+                 "next": {"max": 1, "lease_ms": 30000}},
+                {"lease": tool_tasks[1]["lease"], "report": result("12")},
+            ]})),
+        )
+        .await;
+        assert_eq!(batch.status, StatusCode::OK, "{}", batch.body);
+        let answers = batch.body["answers"].as_array().expect("answers");
+        assert_eq!(answers.len(), 2, "{}", batch.body);
+        assert_eq!(answers[0]["status"], 200, "{}", batch.body);
+        assert_eq!(answers[1]["status"], 204, "{}", batch.body);
+        assert_eq!(
+            durable_commits(&http, &server).await,
+            before + 1,
+            "session {session}: both results and the lease of the call they queued in one commit"
+        );
+        let handed = answers[0]["body"]["tasks"].as_array().expect("tasks");
+        assert_eq!(handed.len(), 1, "the model's next call: {}", batch.body);
+        next_call = handed[0].clone();
+        assert_eq!(next_call["lease"]["kind"], "model", "{next_call}");
+        let transcript = next_call["input"]["model"]["transcript"].to_string();
+        assert!(
+            transcript.contains("toolu_1") && transcript.contains("toolu_2"),
+            "{transcript}"
+        );
+    }
+    // The model's answer sent twice in one batch: recorded once; the second is answered as
+    // a try sent again (204) or finds it recorded (409), as it would by itself.
+    let twice = json!({"lease": next_call["lease"], "report": answer("3 and 12")});
+    let batch = send(
+        &http,
+        Method::POST,
+        server.url("/v1/worker/reports"),
+        None,
+        Some(json!({"reports": [twice, twice]})),
+    )
+    .await;
+    assert_eq!(batch.status, StatusCode::OK, "{}", batch.body);
+    let statuses: Vec<u64> = batch.body["answers"]
+        .as_array()
+        .expect("answers")
+        .iter()
+        .map(|a| a["status"].as_u64().expect("status"))
+        .collect();
+    assert!(
+        statuses.contains(&204) && statuses.iter().all(|s| [204, 409].contains(s)),
+        "{}",
+        batch.body
+    );
+    let outcome = wait_turn(&http, &server, None, "together-5", 1).await;
+    assert_eq!(outcome["answer"], "3 and 12", "{outcome}");
+    let history = history(&http, &server, None, "together-5").await;
+    let kinds = kinds(&history);
+    assert_eq!(
+        kinds
+            .iter()
+            .filter(|k| **k == "model_call_completed")
+            .count(),
+        2,
+        "{kinds:?}"
+    );
+    assert_eq!(kinds.last().copied(), Some("turn_completed"), "{kinds:?}");
 }
 
 /// A lease request sent again under its `Idempotency-Key` (as after an answer lost on the

@@ -449,7 +449,9 @@ async fn reports_sent_together_share_one_append_at_once() {
         .enumerate()
         .map(|(i, tool)| (tool.lease.clone(), tool_result(&format!("result {i}"))))
         .collect();
-    let answers = engine.report_all_and_lease(reports, &next_task()).await;
+    let answers = engine
+        .report_all_and_lease(reports, Some(&next_task()))
+        .await;
     assert_eq!(started.elapsed(), std::time::Duration::ZERO, "no hold");
     assert_eq!(
         *store.completions.lock().expect("log"),
@@ -480,7 +482,11 @@ async fn reports_sent_together_hold_for_a_sibling_running_beside_them() {
             (tools[0].lease.clone(), tool_result("first")),
             (tools[1].lease.clone(), tool_result("second")),
         ];
-        tokio::spawn(async move { engine.report_all_and_lease(reports, &next_task()).await })
+        tokio::spawn(async move {
+            engine
+                .report_all_and_lease(reports, Some(&next_task()))
+                .await
+        })
     };
     let third = spawn_report(&engine, &tools[2].lease, tool_result("third"));
     let answers = together.await.expect("joined");
@@ -509,7 +515,7 @@ async fn a_refused_report_among_those_sent_together_is_refused_alone() {
                 (tools[0].lease.clone(), tool_result("first")),
                 (not_current, tool_result("not current")),
             ],
-            &next_task(),
+            Some(&next_task()),
         )
         .await;
     assert!(answers[0].is_ok(), "{:?}", answers[0]);

@@ -63,12 +63,12 @@ impl Engine {
     /// Reports several attempts at once, like [`Engine::report_and_lease`] for each: those of
     /// the first one's session in one append (a model's parallel tool calls that one worker
     /// slot ran in turn), with no hold for the siblings among them, and the tasks leased with
-    /// it going to the first report. A report of another session is recorded alone after
-    /// them. Answers each report, in order.
+    /// it, when `next` asks for some, going to the first report. A report of another session
+    /// is recorded alone after them. Answers each report, in order.
     pub async fn report_all_and_lease(
         &self,
         reports: Vec<(Lease, ActivityReport)>,
-        next: &LeaseRequest,
+        next: Option<&LeaseRequest>,
     ) -> Vec<Result<Vec<LeasedTask>>> {
         crate::stages::mark("report.start");
         let Some(session_id) = reports
@@ -107,13 +107,13 @@ impl Engine {
     }
 
     /// Records the reports of one session's tasks (`(index, lease, report)`, the first of
-    /// them leasing with `next`) in one append with any others of the session waiting, after
+    /// them leasing with `next`, if any) in one append with any others of the session waiting, after
     /// holding it for their siblings still running here; answers each by its index.
     async fn report_together(
         &self,
         session_id: &str,
         reports: Vec<(usize, Lease, ActivityReport)>,
-        next: &LeaseRequest,
+        next: Option<&LeaseRequest>,
     ) -> Vec<(usize, Result<Vec<Lease>>)> {
         let Some(first) = reports.first().map(|(_, lease, _)| lease.clone()) else {
             return Vec::new();
@@ -124,7 +124,7 @@ impl Engine {
             let slot = self.slot(session_id);
             let mut queued = Vec::with_capacity(reports.len());
             for (n, (at, lease, report)) in reports.into_iter().enumerate() {
-                let wants = (n == 0).then(|| next.clone());
+                let wants = next.filter(|_| n == 0).cloned();
                 let (ticket, answer) = slot.reports().push(&lease, report, wants);
                 queued.push((at, lease, ticket, answer));
             }

@@ -6,7 +6,9 @@ use crate::answered_again::AnsweredAgain;
 use crate::auth::AnyCaller;
 use crate::errors::{json_errors, ApiError};
 use crate::tool_sets::ToolSetDigests;
-use crate::{compact, delete, events, inspect, openapi, sessions, ui, worker, ServerConfig};
+use crate::{
+    compact, delete, events, inspect, openapi, sessions, ui, worker, worker_reports, ServerConfig,
+};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{Request, StatusCode};
 use axum::routing::{get, post};
@@ -110,8 +112,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/worker/input", post(worker::input))
         .route("/v1/worker/heartbeat", post(worker::heartbeat))
         .route("/v1/worker/progress", post(worker::progress))
-        .route("/v1/worker/report", post(worker::report))
-        .route("/v1/worker/reports", post(worker::reports))
+        .route("/v1/worker/report", post(worker_reports::report))
+        .route("/v1/worker/reports", post(worker_reports::reports))
         .route("/v1/worker/deltas", post(worker::deltas))
         .route("/v1/health", get(health))
         .route("/v1/openapi.json", get(openapi::document))

@@ -25,6 +25,7 @@ mod tool_sets;
 mod transcripts;
 mod ui;
 mod worker;
+mod worker_reports;
 
 pub use auth::{Caller, Role, Tokens};
 pub use errors::ApiError;

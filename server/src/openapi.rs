@@ -2,7 +2,7 @@
 //! wire types' schemas (never written by hand), and its route.
 
 use crate::auth::AnyCaller;
-use crate::{app, compact, delete, events, inspect, sessions, worker};
+use crate::{app, compact, delete, events, inspect, sessions, worker, worker_reports};
 use axum::http::header;
 use axum::response::IntoResponse;
 use cairn_runtime::wire::ErrorBody;
@@ -38,8 +38,8 @@ use utoipa::{Modify, OpenApi};
         worker::input,
         worker::heartbeat,
         worker::progress,
-        worker::report,
-        worker::reports,
+        worker_reports::report,
+        worker_reports::reports,
         worker::deltas,
         app::health,
         document,

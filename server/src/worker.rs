@@ -1,7 +1,8 @@
-//! The worker routes: lease tasks (a long poll), fetch a lease's input again, heartbeat,
-//! record streamed progress, report a result (or several at once), pass on model deltas. Leases name sessions as
-//! stored (`N:ID` in namespace `N`), so idempotency keys stay unique across namespaces; a
-//! worker token of namespace `N` leases only `N`'s tasks and may touch no other lease (404).
+//! The worker routes but the reports (`worker_reports`): lease tasks (a long poll), fetch a
+//! lease's input again, heartbeat, record streamed progress, pass on model deltas. Leases name
+//! sessions as stored (`N:ID` in namespace `N`), so idempotency keys stay unique across
+//! namespaces; a worker token of namespace `N` leases only `N`'s tasks and may touch no other
+//! lease (404).
 
 use crate::answered_again::Joined;
 use crate::app::AppState;
@@ -12,20 +13,13 @@ use crate::tool_sets::{KnownToolSets, ToolSetsHeader};
 use crate::transcripts::{KeptTranscripts, TranscriptsHeader};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
 use axum::Json;
-use cairn_ledger::{Media, Part, ToolResultBlock, ToolResultContent};
 use cairn_runtime::wire::{
     schema, split_session_id, DeltaBatch, ErrorBody, ErrorCode, HeartbeatRequest,
-    HeartbeatResponse, LeaseRequest, LeaseResponse, ProgressRequest, ReportAnswer, ReportBatch,
-    ReportBatchAnswer, ReportRequest, ReportResponse, DEFAULT_NAMESPACE, MAX_REPORTS_PER_BATCH,
+    HeartbeatResponse, LeaseRequest, LeaseResponse, ProgressRequest, DEFAULT_NAMESPACE,
 };
-use cairn_runtime::{
-    ActivityInput, ActivityReport, Lease, LeaseHolder, LeaseRequest as StoreLeaseRequest,
-    LeasedTask, TaskFilter,
-};
+use cairn_runtime::{ActivityInput, Lease, LeaseHolder, LeasedTask, TaskFilter};
 use std::collections::BTreeSet;
-use std::sync::Arc;
 use tracing::Instrument;
 
 /// A lease asks for at most this many tasks...
@@ -36,11 +30,11 @@ const MAX_LEASE_MS: u64 = 3_600_000;
 
 /// Checks the lease is of the caller's namespace (404 otherwise: other namespaces' sessions
 /// do not exist for it).
-fn check_lease(caller: &Caller, lease: &Lease) -> Result<(), ApiError> {
+pub(crate) fn check_lease(caller: &Caller, lease: &Lease) -> Result<(), ApiError> {
     check_session(caller, &lease.id.session_id)
 }
 
-fn check_session(caller: &Caller, stored: &str) -> Result<(), ApiError> {
+pub(crate) fn check_session(caller: &Caller, stored: &str) -> Result<(), ApiError> {
     if split_session_id(stored).0 == caller.namespace {
         Ok(())
     } else {
@@ -51,7 +45,7 @@ fn check_session(caller: &Caller, stored: &str) -> Result<(), ApiError> {
     }
 }
 
-fn lease_span(lease: &Lease) -> tracing::Span {
+pub(crate) fn lease_span(lease: &Lease) -> tracing::Span {
     tracing::info_span!("session", session_id = %lease.id.session_id, task = %lease.id)
 }
 
@@ -64,7 +58,7 @@ fn unavailable() -> ApiError {
 
 /// The tasks a worker of `caller`'s namespace may lease, of the queues, tools and providers it
 /// names.
-fn worker_filter(
+pub(crate) fn worker_filter(
     caller: &Caller,
     queues: Option<BTreeSet<String>>,
     tools: Option<BTreeSet<String>>,
@@ -85,7 +79,7 @@ fn worker_filter(
 }
 
 /// A request's task count and lease length, within the server's bounds.
-fn bounded(max: u32, lease_ms: u64) -> (usize, u64) {
+pub(crate) fn bounded(max: u32, lease_ms: u64) -> (usize, u64) {
     (
         usize::try_from(max).unwrap_or(MAX_TASKS).min(MAX_TASKS),
         lease_ms.min(MAX_LEASE_MS),
@@ -340,259 +334,9 @@ pub async fn progress(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Reports an attempt's result, fenced by its lease attempt; with `next`, leases this worker's
-/// next tasks with it (eager dispatch), answered once the report and the leases are durable.
-/// The report is carried to its end even if the worker hangs up. A try sent again for the
-/// same lease (its answer was lost) while the first is recorded waits for it and is answered
-/// as the first was; a report that leased tasks is remembered after, and a try sent again
-/// gets the same tasks while their leases last (fetched again), until the worker reports one
-/// of them. A try that finds nothing remembered — a report that leased nothing, recorded
-/// before; another server's; this one's before a restart — finds the report recorded
-/// (`stale_report`), and tasks leased with it are retried once their leases lapse.
-#[utoipa::path(
-    post,
-    path = "/v1/worker/report",
-    tag = "worker",
-    params(ToolSetsHeader, TranscriptsHeader),
-    request_body = ReportRequest,
-    responses(
-        (status = 200, description = "Recorded, with the tasks leased with it (a request with `next`)", body = ReportResponse),
-        (status = 204, description = "Recorded (a request without `next`)"),
-        (status = 400, description = "Malformed request", body = ErrorBody),
-        (status = 401, description = "No token, or an unknown one", body = ErrorBody),
-        (status = 403, description = "Not a worker token", body = ErrorBody),
-        (status = 404, description = "No such session in this namespace", body = ErrorBody),
-        (status = 409, description = "Stale (`stale_report`, `lease_lost`): nothing changed; or a report that does not fit its task (`conflict`)", body = ErrorBody),
-        (status = 413, description = "The body is too large", body = ErrorBody),
-        (status = 415, description = "The body is not JSON", body = ErrorBody),
-        (status = 500, description = "The server failed", body = ErrorBody),
-        (status = 503, description = "The store is unavailable for now (a database restarting or busy); retry", body = ErrorBody),
-    )
-)]
-pub async fn report(
-    State(state): State<AppState>,
-    WorkerCaller(caller): WorkerCaller,
-    headers: HeaderMap,
-    JsonBody(request): JsonBody<ReportRequest>,
-) -> Result<Response, ApiError> {
-    let known = KnownToolSets::of(&headers)?;
-    let kept = KeptTranscripts::of(&headers)?;
-    Ok(match record_report(&state, &caller, request).await? {
-        Some(mut answer) => {
-            state.tool_set_digests.shorten(&mut answer.tasks, &known);
-            kept.shorten(&mut answer.tasks);
-            Json(answer).into_response()
-        }
-        None => StatusCode::NO_CONTENT.into_response(),
-    })
-}
-
-/// Records several reports in one request, each as `POST /v1/worker/report` would, at once
-/// (so they share the store's commits), and answers each with what that route would have
-/// answered it: its status and its body. A worker whose activities finish together sends one
-/// request instead of one each. The items stand alone: one refused (stale, of another
-/// namespace) leaves the others recorded.
-#[utoipa::path(
-    post,
-    path = "/v1/worker/reports",
-    tag = "worker",
-    params(ToolSetsHeader, TranscriptsHeader),
-    request_body = ReportBatch,
-    responses(
-        (status = 200, description = "Each report recorded or refused, answered in order", body = ReportBatchAnswer),
-        (status = 400, description = "Malformed request: no reports, more than the server takes at once, or a report whose media break their rules", body = ErrorBody),
-        (status = 401, description = "No token, or an unknown one", body = ErrorBody),
-        (status = 403, description = "Not a worker token", body = ErrorBody),
-        (status = 413, description = "The body is too large", body = ErrorBody),
-        (status = 415, description = "The body is not JSON", body = ErrorBody),
-        (status = 500, description = "The server failed", body = ErrorBody),
-    )
-)]
-pub async fn reports(
-    State(state): State<AppState>,
-    WorkerCaller(caller): WorkerCaller,
-    headers: HeaderMap,
-    JsonBody(batch): JsonBody<ReportBatch>,
-) -> Result<Json<ReportBatchAnswer>, ApiError> {
-    let known = KnownToolSets::of(&headers)?;
-    let kept = KeptTranscripts::of(&headers)?;
-    if batch.reports.is_empty() || batch.reports.len() > MAX_REPORTS_PER_BATCH {
-        return Err(ApiError::invalid(format!(
-            "a batch holds from 1 to {MAX_REPORTS_PER_BATCH} reports, not {}",
-            batch.reports.len()
-        )));
-    }
-    // Refused whole, as a malformed request, before anything is recorded: media a report
-    // could only fail on later, item by item, break the document's patterns.
-    for (i, request) in batch.reports.iter().enumerate() {
-        media_problem(&request.report).map_or(Ok(()), |problem| {
-            Err(ApiError::invalid(format!("reports[{i}]: {problem}")))
-        })?;
-    }
-    let recorded = batch
-        .reports
-        .into_iter()
-        .map(|request| record_report(&state, &caller, request));
-    let answers = futures_util::future::join_all(recorded)
-        .await
-        .into_iter()
-        .map(|answer| {
-            let (status, body) = match answer {
-                Ok(Some(mut leased)) => {
-                    state.tool_set_digests.shorten(&mut leased.tasks, &known);
-                    kept.shorten(&mut leased.tasks);
-                    (StatusCode::OK, serde_json::value::to_raw_value(&leased))
-                }
-                Ok(None) => {
-                    return Ok(ReportAnswer {
-                        status: 204,
-                        body: None,
-                    })
-                }
-                Err(e) => (e.status(), serde_json::value::to_raw_value(&e.body())),
-            };
-            Ok(ReportAnswer {
-                status: status.as_u16(),
-                body: Some(body.map_err(|e| ApiError::internal(&e))?),
-            })
-        })
-        .collect::<Result<Vec<_>, ApiError>>()?;
-    Ok(Json(ReportBatchAnswer { answers }))
-}
-
-/// What is wrong with the first media of `report` that breaks its rules (the document's
-/// patterns: media type, canonical base64, an http(s) URL), if any. Only the media: the
-/// ledger's other rules for a tool result (`check_result_blocks`: no empty list of blocks,
-/// say) are not the document's, so a batch breaking them is well-formed, and the report's own
-/// answer says what is wrong with it.
-fn media_problem(report: &ActivityReport) -> Option<String> {
-    let media: Vec<&Media> = match report {
-        ActivityReport::ToolCompleted { content, .. } => media_of(content),
-        ActivityReport::ModelCompleted(response) => response
-            .parts
-            .iter()
-            .flat_map(|part| match part {
-                Part::Media(media) => vec![media],
-                Part::ToolResult(result) => media_of(&result.content),
-                _ => Vec::new(),
-            })
-            .collect(),
-        _ => Vec::new(),
-    };
-    media
-        .into_iter()
-        .find_map(|media| media.check().err())
-        .map(|violation| format!("media: {violation}"))
-}
-
-/// The media blocks of a tool result.
-fn media_of(content: &ToolResultContent) -> Vec<&Media> {
-    match content {
-        ToolResultContent::Blocks(blocks) => blocks
-            .iter()
-            .filter_map(|block| match block {
-                ToolResultBlock::Media(media) => Some(media),
-                ToolResultBlock::Text { .. } => None,
-            })
-            .collect(),
-        ToolResultContent::Json(_) | ToolResultContent::Text(_) => Vec::new(),
-    }
-}
-
-/// Records one report ([`report`]): the tasks leased with it for a request with `next`,
-/// `None` for one without.
-async fn record_report(
-    state: &AppState,
-    caller: &Caller,
-    request: ReportRequest,
-) -> Result<Option<ReportResponse>, ApiError> {
-    check_lease(caller, &request.lease)?;
-    for delta in &request.deltas {
-        check_session(caller, &delta.origin.session_id)?;
-    }
-    let ReportRequest {
-        lease,
-        report,
-        next,
-        deltas,
-    } = request;
-    // Before the report's events, as the deltas route would have passed them on.
-    for delta in deltas {
-        state.engine.publish_delta(delta);
-    }
-    let wants_tasks = next.is_some();
-    // A draining server records the report but hands out nothing more.
-    let next = next.map(|next| {
-        let (max, lease_ms) = bounded(next.max, next.lease_ms);
-        StoreLeaseRequest {
-            filter: Arc::new(worker_filter(
-                caller,
-                next.queues,
-                next.tools,
-                next.providers,
-            )),
-            max: if state.is_draining() { 0 } else { max },
-            lease_ms,
-            holder: LeaseHolder::Remote,
-        }
-    });
-    let first = loop {
-        match state
-            .answered_again
-            .join_report(&lease, state.engine.now_ms())
-        {
-            Joined::First(first) => break first,
-            Joined::Again(earlier) => match earlier.outcome().await {
-                Some(leases) => return Ok(answered_again(state, leases, wants_tasks).await),
-                // The first try failed: this one records the report.
-                None => continue,
-            },
-        }
-    };
-    let engine = state.engine.clone();
-    let reported = lease.clone();
-    // In a task of its own: a worker that hangs up (its try timed out) cuts nothing short,
-    // and its next try is answered with what this one recorded.
-    let recording = tokio::spawn(
-        async move {
-            let result = match next {
-                Some(next) if next.max > 0 => {
-                    engine.report_and_lease(&reported, report, &next).await
-                }
-                _ => engine.report(&reported, report).await.map(|()| Vec::new()),
-            };
-            if let Ok(tasks) = &result {
-                first.recorded(tasks.iter().map(|t| t.lease.clone()).collect());
-            }
-            result
-        }
-        .instrument(lease_span(&lease)),
-    );
-    let tasks = recording
-        .await
-        .map_err(|e| ApiError::internal(&e))?
-        .map_err(|e| ApiError::from_runtime(e, &lease.id.session_id))?;
-    Ok(wants_tasks.then_some(ReportResponse { tasks }))
-}
-
-/// The answer to a try of a report the first try recorded: the same tasks, fetched again,
-/// those whose leases still last and that the workflow still wants.
-async fn answered_again(
-    state: &AppState,
-    leases: Vec<Lease>,
-    wants_tasks: bool,
-) -> Option<ReportResponse> {
-    if !wants_tasks {
-        return None;
-    }
-    Some(ReportResponse {
-        tasks: fetched_again(state, leases).await,
-    })
-}
-
 /// The tasks of `leases` handed out by a first try, fetched again for a try sent again:
 /// those whose leases still last and that the workflow still wants.
-async fn fetched_again(state: &AppState, leases: Vec<Lease>) -> Vec<LeasedTask> {
+pub(crate) async fn fetched_again(state: &AppState, leases: Vec<Lease>) -> Vec<LeasedTask> {
     let now = state.engine.now_ms();
     let mut tasks = Vec::with_capacity(leases.len());
     for lease in leases {

@@ -232,7 +232,7 @@ impl TaskSource for EngineSource {
         reports: Vec<(Lease, ActivityReport)>,
         next: &LeaseRequest,
     ) -> Vec<Result<Vec<LeasedTask>>> {
-        self.engine.report_all_and_lease(reports, next).await
+        self.engine.report_all_and_lease(reports, Some(next)).await
     }
 
     fn publish_delta(&self, delta: DeltaEvent) {
