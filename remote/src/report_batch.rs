@@ -4,7 +4,9 @@
 //! together as soon as one of those requests is answered. A report that finds fewer in flight
 //! goes at once, by itself, so a lone report never waits. Each request's fixed cost (a
 //! connection's turn, the HTTP exchange, a task on each side) is then paid once for many
-//! reports, which the server records at once, in the same commits.
+//! reports, which the server records at once, in the same commits. Reports that a slot ran in
+//! turn (a model's parallel calls that each answered at once) go together from the start: one
+//! batch, sent at once while fewer than [`MAX_IN_FLIGHT`] requests are on their way.
 //!
 //! Only a first try is batched. A batch that did not reach the server, or that the server took
 //! none of (a server from before the route, a body too large for it), lets each report go by
@@ -18,6 +20,7 @@ use crate::transcripts::TranscriptCache;
 use cairn_runtime::wire::{ReportBatchAnswer, ReportRequest, MAX_REPORTS_PER_BATCH};
 use serde::Serialize;
 use serde_json::value::RawValue;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -145,6 +148,65 @@ impl ReportBatcher {
             reply,
         });
         Entry::Queued(outcome)
+    }
+
+    /// How the first tries of reports that finished together go (a slot's parallel calls,
+    /// run in turn): in one batch, which the returned future sends when it is awaited if
+    /// fewer than [`MAX_IN_FLIGHT`] report requests are on their way, else queued whole with
+    /// the reports that gather meanwhile. Each entry's outcome comes when the batch is
+    /// answered, so the future must be awaited beside them. Reports that could not go in one
+    /// batch (more than it holds, or a server without the route) go as [`Self::enter`] says.
+    pub(crate) fn enter_together(
+        self: &Arc<Self>,
+        reports: &[&ReportRequest],
+        timeout: Duration,
+    ) -> (
+        Vec<Entry>,
+        Option<impl Future<Output = ()> + Send + 'static>,
+    ) {
+        let one_by_one = |batcher: &Arc<Self>| {
+            let entries = reports.iter().map(|r| batcher.enter(r, timeout)).collect();
+            (entries, None)
+        };
+        if reports.len() < 2
+            || reports.len() > MAX_REPORTS_PER_BATCH
+            || self.refused.load(Ordering::Relaxed)
+        {
+            return one_by_one(self);
+        }
+        let mut batch = Vec::with_capacity(reports.len());
+        let mut entries = Vec::with_capacity(reports.len());
+        let mut bytes = 0;
+        for report in reports {
+            let Ok(raw) = serde_json::value::to_raw_value(report) else {
+                return one_by_one(self);
+            };
+            bytes += raw.get().len();
+            let (reply, outcome) = oneshot::channel();
+            batch.push(Queued {
+                report: raw,
+                session_id: report_session(report),
+                timeout,
+                reply,
+            });
+            entries.push(Entry::Queued(outcome));
+        }
+        if bytes > MAX_BATCH_BYTES {
+            return one_by_one(self);
+        }
+        let mut state = self.lock();
+        if state.in_flight >= MAX_IN_FLIGHT {
+            state.queued.extend(batch);
+            return (entries, None);
+        }
+        state.in_flight += 1;
+        drop(state);
+        let guard = InFlight(Arc::clone(self));
+        let send = async move {
+            guard.0.send(batch).await;
+            drop(guard);
+        };
+        (entries, Some(send))
     }
 
     /// A request was answered: the reports that gathered go, as one batch.

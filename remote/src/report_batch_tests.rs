@@ -15,8 +15,8 @@ use cairn_runtime::wire::{
     ErrorBody, ErrorCode, ErrorDetail, ReportAnswer, ReportBatch, ReportBatchAnswer, ReportRequest,
 };
 use cairn_runtime::{
-    ActivityFailure, ActivityRef, ActivityReport, DeltaEvent, Error, ErrorClass, Lease, TaskId,
-    TaskKind,
+    ActivityFailure, ActivityRef, ActivityReport, DeltaEvent, Error, ErrorClass, Lease,
+    LeaseHolder, LeaseRequest, TaskFilter, TaskId, TaskKind,
 };
 use cairn_workers::TaskSource;
 use std::future::Future;
@@ -45,6 +45,8 @@ struct Seen {
     /// Each batch that came (also refused ones): its reports' sessions, and whether each
     /// carried deltas.
     batches: Vec<Vec<(String, bool)>>,
+    /// Each batch's reports that asked for tasks with them (`next`), by their place in it.
+    asked_for_tasks: Vec<Vec<usize>>,
 }
 
 struct Recorder {
@@ -88,13 +90,21 @@ async fn reports(
     State(recorder): State<Arc<Recorder>>,
     Json(batch): Json<ReportBatch>,
 ) -> Response {
-    recorder.seen.lock().unwrap().batches.push(
-        batch
-            .reports
-            .iter()
-            .map(|r| (r.lease.id.session_id.clone(), !r.deltas.is_empty()))
-            .collect(),
-    );
+    {
+        let mut seen = recorder.seen.lock().unwrap();
+        seen.batches.push(
+            batch
+                .reports
+                .iter()
+                .map(|r| (r.lease.id.session_id.clone(), !r.deltas.is_empty()))
+                .collect(),
+        );
+        seen.asked_for_tasks.push(
+            (0..batch.reports.len())
+                .filter(|&i| batch.reports[i].next.is_some())
+                .collect(),
+        );
+    }
     match recorder.route {
         BatchRoute::Missing => return StatusCode::NOT_FOUND.into_response(),
         BatchRoute::Fails => return StatusCode::SERVICE_UNAVAILABLE.into_response(),
@@ -283,4 +293,115 @@ async fn a_batch_whose_answer_is_lost_sends_each_report_again_without_its_deltas
         ],
         "the batch may have passed c's deltas on, so its try sent again did not carry them"
     );
+}
+
+/// What a pool asks for with its reports: one task more.
+fn one_more() -> LeaseRequest {
+    LeaseRequest {
+        filter: Arc::new(TaskFilter::default()),
+        max: 1,
+        lease_ms: 60_000,
+        holder: LeaseHolder::Remote,
+    }
+}
+
+/// Reports `sessions` as calls one slot ran in turn; returns each one's result, in order.
+async fn report_together(
+    source: &HttpTaskSource,
+    sessions: &[&str],
+) -> Vec<cairn_runtime::Result<Vec<cairn_runtime::LeasedTask>>> {
+    let reports = sessions.iter().map(|s| (lease_of(s), failure())).collect();
+    guarded(
+        "the answers to reports sent together",
+        source.report_all_and_lease(reports, &one_more()),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn reports_run_together_go_at_once_in_one_batch_the_first_asking_for_tasks() {
+    let (recorder, _served, source) = recorded(BatchRoute::Served).await;
+    let results = report_together(&source, &["a", "stale-a", "b"]).await;
+    assert!(
+        matches!(&results[0], Ok(tasks) if tasks.is_empty()),
+        "{results:?}"
+    );
+    assert!(
+        matches!(&results[1], Err(Error::StaleReport { .. })),
+        "each gets its own answer: {results:?}"
+    );
+    assert!(
+        matches!(&results[2], Ok(tasks) if tasks.is_empty()),
+        "{results:?}"
+    );
+    let seen = recorder.seen.lock().unwrap();
+    assert!(
+        seen.alone.is_empty(),
+        "none went by itself: {:?}",
+        seen.alone
+    );
+    let batched: Vec<Vec<&str>> = seen
+        .batches
+        .iter()
+        .map(|batch| batch.iter().map(|(s, _)| s.as_str()).collect())
+        .collect();
+    assert_eq!(batched, [["a", "stale-a", "b"]], "one batch, in order");
+    assert_eq!(
+        seen.asked_for_tasks,
+        [[0]],
+        "only the first asked for tasks"
+    );
+}
+
+#[tokio::test]
+async fn reports_run_together_wait_whole_behind_two_on_their_way() {
+    let (recorder, _served, source) = recorded(BatchRoute::Served).await;
+    let first: Vec<_> = ["a", "b"]
+        .into_iter()
+        .map(|session| {
+            let source = Arc::clone(&source);
+            tokio::spawn(async move { source.report(&lease_of(session), failure()).await })
+        })
+        .collect();
+    guarded("the first two reports reaching the server", async {
+        while recorder.seen.lock().unwrap().alone.len() < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let results = report_together(&source, &["c", "d"]).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    for report in first {
+        let result = guarded("a report's answer", report).await.unwrap();
+        assert!(result.is_ok(), "{result:?}");
+    }
+    let seen = recorder.seen.lock().unwrap();
+    let alone: Vec<&str> = seen.alone.iter().map(|(s, _)| s.as_str()).collect();
+    assert_eq!(alone.len(), 2, "only the first two went alone: {alone:?}");
+    assert_eq!(seen.batches.len(), 1, "{:?}", seen.batches);
+    let batched: Vec<&str> = seen.batches[0].iter().map(|(s, _)| s.as_str()).collect();
+    assert_eq!(
+        batched,
+        ["c", "d"],
+        "the two went together once one was answered"
+    );
+}
+
+#[tokio::test]
+async fn reports_run_together_go_alone_to_a_server_without_the_batch_route() {
+    let (recorder, _served, source) = recorded(BatchRoute::Missing).await;
+    let results = report_together(&source, &["a", "b"]).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    {
+        let seen = recorder.seen.lock().unwrap();
+        assert_eq!(seen.batches.len(), 1, "one batch was tried");
+        let mut alone: Vec<&str> = seen.alone.iter().map(|(s, _)| s.as_str()).collect();
+        alone.sort();
+        assert_eq!(alone, ["a", "b"], "each recorded by itself, once");
+    }
+    let results = report_together(&source, &["c", "d"]).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let seen = recorder.seen.lock().unwrap();
+    assert_eq!(seen.batches.len(), 1, "no batch was tried again");
+    assert_eq!(seen.alone.len(), 4);
 }

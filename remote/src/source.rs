@@ -336,6 +336,60 @@ impl HttpTaskSource {
         }
     }
 
+    /// What a report asks the server to lease with it, when it can: a server leases the
+    /// tasks of the token's namespace only, and one from before eager dispatch refuses the
+    /// field (the report then goes alone).
+    fn next_tasks(&self, next: &StoreLeaseRequest) -> Option<NextTasks> {
+        if next.max == 0
+            || next.filter.sessions.is_some()
+            || next.filter.namespace.is_some()
+            || self.eager_refused.load(Ordering::Relaxed)
+        {
+            return None;
+        }
+        Some(NextTasks {
+            max: u32::try_from(next.max).unwrap_or(u32::MAX),
+            lease_ms: next.lease_ms,
+            queues: next.filter.queues.clone(),
+            tools: next.filter.tools.clone(),
+            providers: next.filter.providers.clone(),
+        })
+    }
+
+    /// The tasks leased with a report whose request ended with `result`; the report's lease
+    /// is forgotten either way.
+    async fn leased_with_report(
+        &self,
+        lease: &Lease,
+        result: Result<Vec<u8>>,
+    ) -> Result<Vec<LeasedTask>> {
+        self.lock_expiries()
+            .remove(&(lease.id.clone(), lease.lease_attempt));
+        let answer = result?;
+        // The report is recorded; what came with it is a bonus. An answer without a body
+        // (204) leased nothing, and tasks in an answer that does not decode are recorded as
+        // timed out when their leases lapse, and retried under their policies.
+        if answer.is_empty() {
+            return Ok(Vec::new());
+        }
+        let tasks = match self
+            .connection
+            .decode::<ReportResponse>("POST /v1/worker/report", &answer)
+        {
+            Ok(answer) => self.made_whole(answer.tasks).await,
+            Err(e) => {
+                tracing::warn!(error = %e, "the tasks leased with a report are lost until their leases lapse");
+                return Ok(Vec::new());
+            }
+        };
+        let mut expiries = self.lock_expiries();
+        for task in &tasks {
+            let lease = &task.lease;
+            expiries.insert((lease.id.clone(), lease.lease_attempt), lease.expires_at_ms);
+        }
+        Ok(tasks)
+    }
+
     /// Posts a report. A server from before a field the report carries refuses it as unknown
     /// (400): without `next` the report goes again and leases nothing; without `deltas` they
     /// go by themselves first, then the report without them; and later reports leave the
@@ -351,9 +405,20 @@ impl HttpTaskSource {
     /// and lost the answer, and they must not see the same text twice. A later try goes
     /// without them ([`ResentReport`]); should the first have got nowhere, they are missed,
     /// as deltas may be.
-    async fn post_report(&self, lease: &Lease, mut body: ReportRequest) -> Result<Vec<u8>> {
+    async fn post_report(&self, lease: &Lease, body: ReportRequest) -> Result<Vec<u8>> {
+        let entry = self.batcher.enter(&body, self.try_timeout(lease));
+        self.post_entered_report(lease, body, entry).await
+    }
+
+    /// [`Self::post_report`], its first try gone as `entry` says.
+    async fn post_entered_report(
+        &self,
+        lease: &Lease,
+        mut body: ReportRequest,
+        entry: Entry,
+    ) -> Result<Vec<u8>> {
         // `None` when it did not reach the server: the next try goes as a first.
-        let mut first_try = self.first_report_try(lease, &body).await;
+        let mut first_try = self.first_report_try(lease, &body, entry).await;
         loop {
             let first_try = first_try.take();
             let tried = AtomicBool::new(first_try.is_some());
@@ -419,21 +484,25 @@ impl HttpTaskSource {
         }
     }
 
-    /// The first try of a report: by itself when fewer than two report requests are on
-    /// their way, else in a batch with the reports that finish meanwhile
-    /// ([`crate::report_batch`]). `None`: it did not reach the server (the next try is a first
-    /// try again, deltas and all).
+    /// The first try of a report, as the batcher's `entry` says: by itself when fewer than
+    /// two report requests are on their way, else in a batch with the reports that finish
+    /// meanwhile ([`crate::report_batch`]). `None`: it did not reach the server (the next try
+    /// is a first try again, deltas and all).
     async fn first_report_try(
         &self,
         lease: &Lease,
         body: &ReportRequest,
+        entry: Entry,
     ) -> Option<Result<Vec<u8>>> {
-        let timeout = self.try_timeout(lease);
-        match self.batcher.enter(body, timeout) {
+        match entry {
             Entry::Alone(in_flight) => {
                 let answer = self
                     .connection
-                    .call(self.report_request(lease, body), subject_of(lease), timeout)
+                    .call(
+                        self.report_request(lease, body),
+                        subject_of(lease),
+                        self.try_timeout(lease),
+                    )
                     .await;
                 drop(in_flight);
                 Some(answer)
@@ -652,54 +721,68 @@ impl TaskSource for HttpTaskSource {
         report: ActivityReport,
         next: &StoreLeaseRequest,
     ) -> Result<Vec<LeasedTask>> {
-        // The server leases the tasks of the token's namespace, and a server from before
-        // eager dispatch refuses the field: report alone then.
-        if next.max == 0
-            || next.filter.sessions.is_some()
-            || next.filter.namespace.is_some()
-            || self.eager_refused.load(Ordering::Relaxed)
-        {
+        let Some(next) = self.next_tasks(next) else {
             self.report(lease, report).await?;
             return Ok(Vec::new());
-        }
+        };
         let body = ReportRequest {
             lease: lease.clone(),
             report,
-            next: Some(NextTasks {
-                max: u32::try_from(next.max).unwrap_or(u32::MAX),
-                lease_ms: next.lease_ms,
-                queues: next.filter.queues.clone(),
-                tools: next.filter.tools.clone(),
-                providers: next.filter.providers.clone(),
-            }),
+            next: Some(next),
             deltas: self.deltas_for_report(lease).await,
         };
         let result = self.post_report(lease, body).await;
-        self.lock_expiries()
-            .remove(&(lease.id.clone(), lease.lease_attempt));
-        let answer = result?;
-        // The report is recorded; what came with it is a bonus. An answer without a body
-        // (204) leased nothing, and tasks in an answer that does not decode are recorded as
-        // timed out when their leases lapse, and retried under their policies.
-        if answer.is_empty() {
-            return Ok(Vec::new());
+        self.leased_with_report(lease, result).await
+    }
+
+    /// The reports of calls a slot ran in turn go in one batch request, sent at once
+    /// ([`crate::report_batch`]), where the trait's default would send one request each; the
+    /// server records them at once, in one commit. Each goes on by itself from there, as any
+    /// report does when its batch fails.
+    async fn report_all_and_lease(
+        &self,
+        reports: Vec<(Lease, ActivityReport)>,
+        next: &StoreLeaseRequest,
+    ) -> Vec<Result<Vec<LeasedTask>>> {
+        let mut next = self.next_tasks(next);
+        let deltas = futures_util::future::join_all(
+            reports
+                .iter()
+                .map(|(lease, _)| self.deltas_for_report(lease)),
+        )
+        .await;
+        let bodies: Vec<ReportRequest> = reports
+            .into_iter()
+            .zip(deltas)
+            .map(|((lease, report), deltas)| ReportRequest {
+                lease,
+                report,
+                // The first asks for the tasks, as the trait says.
+                next: next.take(),
+                deltas,
+            })
+            .collect();
+        let timeout = bodies
+            .iter()
+            .map(|body| self.try_timeout(&body.lease))
+            .min()
+            .unwrap_or(MIN_TRY_TIMEOUT);
+        let (entries, send_now) = self
+            .batcher
+            .enter_together(&bodies.iter().collect::<Vec<_>>(), timeout);
+        let posts = bodies
+            .into_iter()
+            .zip(entries)
+            .map(|(body, entry)| async move {
+                let lease = body.lease.clone();
+                let result = self.post_entered_report(&lease, body, entry).await;
+                self.leased_with_report(&lease, result).await
+            });
+        let posted = futures_util::future::join_all(posts);
+        match send_now {
+            Some(send) => futures_util::future::join(send, posted).await.1,
+            None => posted.await,
         }
-        let tasks = match self
-            .connection
-            .decode::<ReportResponse>("POST /v1/worker/report", &answer)
-        {
-            Ok(answer) => self.made_whole(answer.tasks).await,
-            Err(e) => {
-                tracing::warn!(error = %e, "the tasks leased with a report are lost until their leases lapse");
-                return Ok(Vec::new());
-            }
-        };
-        let mut expiries = self.lock_expiries();
-        for task in &tasks {
-            let lease = &task.lease;
-            expiries.insert((lease.id.clone(), lease.lease_attempt), lease.expires_at_ms);
-        }
-        Ok(tasks)
     }
 
     fn publish_delta(&self, delta: DeltaEvent) {
