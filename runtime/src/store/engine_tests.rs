@@ -190,6 +190,46 @@ pub(super) async fn an_in_process_lease_takes_no_sync<S: EmbeddedStore>() {
     assert_eq!(commits() - before, 1, "a durable lease is one sync");
 }
 
+/// An append that leases for a worker elsewhere (through a server) leases the task it queued
+/// with it, in its one sync, where a lease round of its own would cost a second; the
+/// remote lease is what a reopen finds.
+pub(super) async fn a_remote_eager_lease_shares_the_appends_sync<S: EmbeddedStore>() {
+    use crate::store::{LeaseHolder, LeaseRequest};
+    let root = temp();
+    let store = S::open(root.path()).expect("open");
+    let mut request = append_request("s", 1, vec![message("s", 1, "go")], 1);
+    request.enqueue = vec![tool_task("s", 1)];
+    let next = LeaseRequest {
+        filter: std::sync::Arc::new(TaskFilter::any()),
+        max: 1,
+        lease_ms: 1_000,
+        holder: LeaseHolder::Remote,
+    };
+    let before = store
+        .durable_commits()
+        .expect("an embedded store counts its syncs");
+    let leased = store
+        .append_and_lease(request, &next)
+        .await
+        .expect("append and lease");
+    assert_eq!(leased.len(), 1, "the queued task, leased with the append");
+    assert_eq!(
+        store.durable_commits().expect("counted") - before,
+        1,
+        "the append and its lease in one sync"
+    );
+    drop(store);
+    let store = S::open(root.path()).expect("reopen");
+    let again = store
+        .lease_tasks(10, 1_000, 1, &TaskFilter::any())
+        .await
+        .expect("lease after the reopen");
+    assert!(
+        again.is_empty(),
+        "the task is held by the remote lease: {again:?}"
+    );
+}
+
 /// A lone write whose sync fails is answered with the failure (its text contains `failure`),
 /// and the store refuses the writes after it, uncommitted, until it is reopened. Gives back
 /// whether the failed write ran on its caller's thread.

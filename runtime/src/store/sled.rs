@@ -111,8 +111,8 @@ use super::write_queue::{
     Engine, LoneWrites, Pending, PreparedAppend, ProcessBatch, Shared, Write, WriteQueue,
 };
 use super::{
-    check_deletable, check_session_id, unknown_session, AppendRequest, Lease, LeaseRequest,
-    SessionInfo, Store, SyncTimes, Task, TaskFence, TaskFilter, TaskId,
+    check_deletable, check_session_id, unknown_session, AppendRequest, Lease, LeaseHolder,
+    LeaseRequest, SessionInfo, Store, SyncTimes, Task, TaskFence, TaskFilter, TaskId,
 };
 use crate::error::{Error, Result};
 use crate::event::EventEnvelope;
@@ -1185,17 +1185,27 @@ impl Store for SledStore {
         self.writes.lease(now_ms, lease_ms, max, filter, true).await
     }
 
-    /// Appends only, and leases nothing: eager dispatch did not pay on sled. Each eager lease
-    /// is a sled transaction of its own, where a worker's lease round takes several tasks in
-    /// one; at 128 sessions in flight sled ran 0.6–0.75× the turns/s with it (fjall, whose
-    /// leases are cheap, ran faster). The tasks go to the workers that lease them.
+    /// For a worker of this process, appends only, and leases nothing: eager dispatch did not
+    /// pay there. Each eager lease is a sled transaction of its own, where a worker's lease
+    /// round takes several tasks in one, and an in-process lease costs no sync either way; at
+    /// 128 sessions in flight sled ran 0.6–0.75× the turns/s with it (fjall, whose leases are
+    /// cheap, ran faster). The tasks go to the workers that lease them.
+    ///
+    /// For a worker elsewhere (through a server), leases with the append: a remote lease is
+    /// durable, so a lease round of its own costs a sync of its own, in series on the turn's
+    /// path, where leased with the append it shares the append's.
     async fn append_and_lease(
         &self,
         request: AppendRequest,
-        _lease: &LeaseRequest,
+        lease: &LeaseRequest,
     ) -> Result<Vec<Lease>> {
-        self.writes.append(request).await?;
-        Ok(Vec::new())
+        match lease.holder {
+            LeaseHolder::Remote => self.writes.append_and_lease(request, lease).await,
+            LeaseHolder::InProcess => {
+                self.writes.append(request).await?;
+                Ok(Vec::new())
+            }
+        }
     }
 
     async fn lease_tasks_in_process(

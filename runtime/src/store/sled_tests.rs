@@ -30,6 +30,11 @@ async fn an_in_process_lease_takes_no_sync() {
 }
 
 #[tokio::test]
+async fn a_remote_eager_lease_shares_the_appends_sync() {
+    engine_tests::a_remote_eager_lease_shares_the_appends_sync::<SledStore>().await;
+}
+
+#[tokio::test]
 async fn an_in_process_lease_behind_an_append_waits_for_its_sync() {
     engine_tests::an_in_process_lease_behind_an_append_waits_for_its_sync::<SledStore>().await;
 }

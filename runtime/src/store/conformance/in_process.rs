@@ -130,8 +130,8 @@ pub async fn an_in_process_lease_is_durable_after_the_next_write<S: Store>(
 
 /// An append with a lease ([`Store::append_and_lease`]) leases, at the append's time and
 /// after it, at most `max` tasks the filter accepts, oldest first, the ones it queued among
-/// them (a store may lease none: sled does, where it did not pay); what it does not lease
-/// stays queued for any worker. An append that fails leases nothing and changes nothing.
+/// them (a store may lease none: sled does for a worker of this process, where it did not
+/// pay); what it does not lease stays queued for any worker. An append that fails leases nothing and changes nothing.
 pub async fn append_and_lease_takes_what_the_append_queued(store: &dyn Store) {
     use crate::store::{LeaseRequest, SessionStatus};
     let s = "eager";
