@@ -1301,6 +1301,30 @@ async fn durable_commits(http: &reqwest::Client, server: &Server) -> u64 {
         .unwrap_or_else(|| panic!("no durable commits in {}", health.body))
 }
 
+/// Sends `reports` in one `POST /v1/worker/reports`, which must be answered 200; the
+/// answers' statuses, and the first answer's body.
+async fn reports_at_once(
+    http: &reqwest::Client,
+    server: &Server,
+    reports: Value,
+) -> (Vec<u64>, Value) {
+    let batch = send(
+        http,
+        Method::POST,
+        server.url("/v1/worker/reports"),
+        None,
+        Some(json!({ "reports": reports })),
+    )
+    .await;
+    assert_eq!(batch.status, StatusCode::OK, "{}", batch.body);
+    let answers = batch.body["answers"].as_array().expect("answers");
+    let statuses = answers
+        .iter()
+        .map(|a| a["status"].as_u64().expect("status"))
+        .collect();
+    (statuses, answers[0]["body"].clone())
+}
+
 /// Reports of one session next to each other in a batch (a model's parallel calls that one
 /// worker slot ran in turn) are recorded in one append, which leases the model's next call to
 /// the first of them; a report sent twice in one batch is recorded once, and the batch is
@@ -1317,30 +1341,24 @@ async fn reports_of_one_session_next_to_each_other_in_a_batch_share_one_commit()
     for session in 0..6 {
         let tool_tasks = two_tool_tasks(&http, &server, &format!("together-{session}")).await;
         let before = durable_commits(&http, &server).await;
-        let batch = send(
+        let (statuses, first) = reports_at_once(
             &http,
-            Method::POST,
-            server.url("/v1/worker/reports"),
-            None,
-            Some(json!({"reports": [
+            &server,
+            json!([
                 {"lease": tool_tasks[0]["lease"], "report": result("3"),
                  "next": {"max": 1, "lease_ms": 30000}},
                 {"lease": tool_tasks[1]["lease"], "report": result("12")},
-            ]})),
+            ]),
         )
         .await;
-        assert_eq!(batch.status, StatusCode::OK, "{}", batch.body);
-        let answers = batch.body["answers"].as_array().expect("answers");
-        assert_eq!(answers.len(), 2, "{}", batch.body);
-        assert_eq!(answers[0]["status"], 200, "{}", batch.body);
-        assert_eq!(answers[1]["status"], 204, "{}", batch.body);
+        assert_eq!(statuses, [200, 204], "{first}");
         assert_eq!(
             durable_commits(&http, &server).await,
             before + 1,
             "session {session}: both results and the lease of the call they queued in one commit"
         );
-        let handed = answers[0]["body"]["tasks"].as_array().expect("tasks");
-        assert_eq!(handed.len(), 1, "the model's next call: {}", batch.body);
+        let handed = first["tasks"].as_array().expect("tasks");
+        assert_eq!(handed.len(), 1, "the model's next call: {first}");
         next_call = handed[0].clone();
         assert_eq!(next_call["lease"]["kind"], "model", "{next_call}");
         let transcript = next_call["input"]["model"]["transcript"].to_string();
@@ -1352,25 +1370,10 @@ async fn reports_of_one_session_next_to_each_other_in_a_batch_share_one_commit()
     // The model's answer sent twice in one batch: recorded once; the second is answered as
     // a try sent again (204) or finds it recorded (409), as it would by itself.
     let twice = json!({"lease": next_call["lease"], "report": answer("3 and 12")});
-    let batch = send(
-        &http,
-        Method::POST,
-        server.url("/v1/worker/reports"),
-        None,
-        Some(json!({"reports": [twice, twice]})),
-    )
-    .await;
-    assert_eq!(batch.status, StatusCode::OK, "{}", batch.body);
-    let statuses: Vec<u64> = batch.body["answers"]
-        .as_array()
-        .expect("answers")
-        .iter()
-        .map(|a| a["status"].as_u64().expect("status"))
-        .collect();
+    let (statuses, _) = reports_at_once(&http, &server, json!([twice, twice])).await;
     assert!(
         statuses.contains(&204) && statuses.iter().all(|s| [204, 409].contains(s)),
-        "{}",
-        batch.body
+        "{statuses:?}"
     );
     let outcome = wait_turn(&http, &server, None, "together-5", 1).await;
     assert_eq!(outcome["answer"], "3 and 12", "{outcome}");
