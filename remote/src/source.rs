@@ -735,10 +735,10 @@ impl TaskSource for HttpTaskSource {
         self.leased_with_report(lease, result).await
     }
 
-    /// The reports of calls a slot ran in turn go in one batch request, sent at once
-    /// ([`crate::report_batch`]), where the trait's default would send one request each; the
-    /// server records them at once, in one commit. Each goes on by itself from there, as any
-    /// report does when its batch fails.
+    /// The reports of calls a slot ran in turn go in one batch request (`POST
+    /// /v1/worker/reports`), sent at once, where the trait's default would send one request
+    /// each; the server records them at once, in one commit. Each goes on by itself from
+    /// there, as any report does when its batch fails.
     async fn report_all_and_lease(
         &self,
         reports: Vec<(Lease, ActivityReport)>,
