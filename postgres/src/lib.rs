@@ -68,6 +68,7 @@
 
 mod append;
 mod changes;
+mod commits;
 mod delete;
 mod failure;
 mod rows;

@@ -3,6 +3,7 @@
 
 use crate::append;
 use crate::changes::Hints;
+use crate::commits::Commits;
 use crate::failure::{classify, retrying};
 use crate::rows::{self, count_to_db};
 use crate::tasks;
@@ -12,8 +13,8 @@ use cairn_ledger::JsonText;
 use cairn_runtime::codec;
 use cairn_runtime::event::EventEnvelope;
 use cairn_runtime::store::{
-    check_session_id, AppendRequest, Lease, LeaseRequest, SessionInfo, Store, StoreChange, Task,
-    TaskFilter, TaskId,
+    check_session_id, AppendRequest, Lease, LeaseRequest, SessionInfo, Store, StoreChange,
+    SyncTimes, Task, TaskFilter, TaskId,
 };
 use cairn_runtime::{Error, Result};
 use sqlx::migrate::MigrateError;
@@ -60,6 +61,8 @@ pub struct PgStore {
     hints: Hints,
     /// The URL without its password, for errors.
     shown_url: String,
+    /// The writes this handle committed, timed.
+    commits: Commits,
 }
 
 /// How many times connecting runs the migrations when they fail: two processes starting on a
@@ -134,6 +137,7 @@ impl PgStore {
             pool,
             hints,
             shown_url,
+            commits: Commits::default(),
         })
     }
 
@@ -199,7 +203,9 @@ impl PgStore {
             Some(lease) => prepared.lease_queued(lease)?,
             None => Vec::new(),
         };
-        append::append(&self.pool, &prepared).await?;
+        self.commits
+            .timed(append::append(&self.pool, &prepared), |_| true)
+            .await?;
         self.hints.notify(StoreChange {
             session_id: request.session_id.clone(),
             last_seq: request.events.last().map_or(0, |event| event.seq),
@@ -217,6 +223,18 @@ impl Store for PgStore {
 
     fn subscribe_changes(&self) -> Option<broadcast::Receiver<StoreChange>> {
         Some(self.hints.subscribe())
+    }
+
+    /// The writes this handle committed: appends, leases that leased something, heartbeats,
+    /// releases that released something, deletions. Each is a transaction PostgreSQL makes
+    /// durable before it answers; another server's are its own to count.
+    fn durable_commits(&self) -> Option<u64> {
+        Some(self.commits.times().count())
+    }
+
+    /// How long those writes took, each a whole round trip (`commits`).
+    fn sync_times(&self) -> Option<SyncTimes> {
+        Some(self.commits.times())
     }
 
     async fn append(&self, request: AppendRequest) -> Result<()> {
@@ -322,7 +340,12 @@ impl Store for PgStore {
     }
 
     async fn record_deleted(&self, session_id: &str, now_ms: u64) -> Result<bool> {
-        crate::delete::record_deleted(&self.pool, session_id, now_ms).await
+        self.commits
+            .timed(
+                crate::delete::record_deleted(&self.pool, session_id, now_ms),
+                |recorded| *recorded,
+            )
+            .await
     }
 
     async fn sessions_named(&self, session_ids: &[String]) -> Result<Vec<SessionInfo>> {
@@ -349,7 +372,12 @@ impl Store for PgStore {
         max: usize,
         filter: &TaskFilter,
     ) -> Result<Vec<Lease>> {
-        tasks::lease(&self.pool, now_ms, lease_ms, max, filter).await
+        self.commits
+            .timed(
+                tasks::lease(&self.pool, now_ms, lease_ms, max, filter),
+                |leases| !leases.is_empty(),
+            )
+            .await
     }
 
     async fn extend_lease(
@@ -360,7 +388,12 @@ impl Store for PgStore {
         lease_ms: u64,
         details: Option<JsonText>,
     ) -> Result<u64> {
-        tasks::extend(&self.pool, id, lease_attempt, now_ms, lease_ms, details).await
+        self.commits
+            .timed(
+                tasks::extend(&self.pool, id, lease_attempt, now_ms, lease_ms, details),
+                |_| true,
+            )
+            .await
     }
 
     async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
@@ -376,10 +409,17 @@ impl Store for PgStore {
     }
 
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
-        tasks::release(&self.pool, now_ms).await
+        self.commits
+            .timed(tasks::release(&self.pool, now_ms), |released| *released > 0)
+            .await
     }
 
     async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
-        crate::delete::delete(&self.pool, session_id, now_ms).await
+        self.commits
+            .timed(
+                crate::delete::delete(&self.pool, session_id, now_ms),
+                |_| true,
+            )
+            .await
     }
 }

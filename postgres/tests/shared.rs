@@ -531,3 +531,42 @@ async fn hints_reach_the_other_store() {
         "a store without NOTIFY hears no hint"
     );
 }
+
+/// A store counts the writes it committed, for `/v1/health` and `cairn bench`: an append, and
+/// a lease that leased something, each count once, with a time; a lease that found nothing
+/// wrote nothing and does not count; another handle's writes are its own.
+#[tokio::test]
+async fn a_store_counts_the_writes_it_committed() {
+    let (a, b, _url) = two_stores().await;
+    assert_eq!(a.durable_commits(), Some(0));
+    enqueue(a.as_ref(), "counted", 2).await;
+    assert_eq!(a.durable_commits(), Some(1), "the append");
+    let nothing = a
+        .lease_tasks(
+            0,
+            1_000,
+            1,
+            &TaskFilter {
+                queues: Some(["elsewhere".to_owned()].into()),
+                ..TaskFilter::any()
+            },
+        )
+        .await
+        .expect("a lease of no due task");
+    assert!(nothing.is_empty(), "{nothing:?}");
+    assert_eq!(a.durable_commits(), Some(1), "a lease that leased nothing");
+    let leased = a
+        .lease_tasks(0, 1_000, 1, &TaskFilter::any())
+        .await
+        .expect("lease");
+    assert_eq!(leased.len(), 1);
+    assert_eq!(a.durable_commits(), Some(2), "the lease");
+    let times = a.sync_times().expect("times");
+    assert_eq!(times.count(), 2);
+    assert!(times.quantile_us(1.0).is_some_and(|us| us > 0));
+    assert_eq!(
+        b.durable_commits(),
+        Some(0),
+        "the other handle wrote nothing"
+    );
+}

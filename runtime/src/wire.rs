@@ -757,8 +757,7 @@ pub struct Health {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_cache: Option<StateCacheStats>,
     /// The store's durable commits and how long their syncs took, since it opened; absent
-    /// for a store that does not time them (PostgreSQL's) and from servers before it was
-    /// reported.
+    /// for a store that does not time them and from servers before it was reported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub store_syncs: Option<StoreSyncStats>,
     /// The event streams open now, and how many the server allows at once (absent from
@@ -779,10 +778,12 @@ pub struct EventStreamStats {
     pub max: u64,
 }
 
-/// What an embedded store made durable since it opened ([`Store::durable_commits`] and
+/// What the store made durable since it opened ([`Store::durable_commits`] and
 /// [`Store::sync_times`](crate::Store::sync_times)): its commits, each a batch of writes made
 /// durable by one sync, and how long those syncs took, in microseconds (to two significant
 /// digits). A p50 well above the disk's own fdatasync says the disk, not the server, is slow.
+/// On PostgreSQL, the writes this server committed (each a transaction the database makes
+/// durable before it answers), each timed as its whole round trip.
 ///
 /// [`Store::durable_commits`]: crate::Store::durable_commits
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
