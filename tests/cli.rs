@@ -1243,6 +1243,35 @@ fn bench_long_sessions_run_their_turns_and_say_so() {
     );
 }
 
+/// `cairn bench --store` measures through servers on a PostgreSQL database (a scratch one,
+/// dropped after), and counts the writes its servers committed: a turn of one session is at
+/// least its start and its two model results, each an append the database made durable.
+#[test]
+fn bench_through_postgres_counts_the_servers_commits() {
+    let server = cairn_postgres::testing::server_url();
+    let out = cairn(&[
+        "bench",
+        "--store",
+        &server,
+        "--no-embedded",
+        "--workers",
+        "1",
+        "--sessions",
+        "1",
+        "--seconds",
+        "0.6",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let header = bench_table_line(&stdout, "| setup |");
+    let commits = bench_column(&header, "durable commits per turn", &stdout);
+    let row = bench_table_line(&stdout, "| postgres, 1 server, 1 worker process | 1 |");
+    let per_turn: f64 = row[commits]
+        .parse()
+        .unwrap_or_else(|_| panic!("no commits per turn in {row:?}: {stdout}"));
+    assert!((3.0..8.0).contains(&per_turn), "{stdout}");
+}
+
 /// `cairn bench --stages` times one session's turns step by step on each engine: the store's
 /// syncs (five a turn, as its commits), the encoding and the writer before each, the
 /// activities (four a turn), each step's share and the marks covering about a turn's time;

@@ -226,7 +226,7 @@ struct Served {
     /// The store, when it is in this process: its commits and syncs are counted.
     store: Option<Arc<dyn Store>>,
     /// The servers, through servers: the commits of their stores are counted, as their
-    /// `/v1/health` reports them.
+    /// `/v1/health` reports them, and added up.
     servers: Vec<cairn_remote::HttpTransport>,
     /// The processes whose CPU time is counted.
     serving: Vec<u32>,
@@ -576,8 +576,8 @@ async fn closed_loop(
 }
 
 /// The durable commits of the servers' stores so far, summed, as their `/v1/health`
-/// reports them; `None` when a server does not report them (a database store) or cannot be
-/// asked, or there are none.
+/// reports them (on PostgreSQL each server counts the writes it committed); `None` when a
+/// server does not report them or cannot be asked, or there are none.
 async fn servers_commits(servers: &[cairn_remote::HttpTransport]) -> Option<u64> {
     if servers.is_empty() {
         return None;
