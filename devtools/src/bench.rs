@@ -146,12 +146,13 @@ pub struct BenchResult {
     /// One fdatasync on the store's filesystem, probed just before and just after the
     /// measurement: the median of both runs, and of each apart.
     pub fdatasync: ProbedFdatasync,
-    /// The store's durable commits in the measured time per completed turn; `None` when the
-    /// store does not count them (through servers). At one session in flight these are the
+    /// The store's durable commits in the measured time per completed turn (through servers,
+    /// as their `/v1/health` counts them, summed); `None` when the store does not count them. At one session in flight these are the
     /// commits a turn waits for in series.
     pub commits_per_turn: Option<f64>,
     /// Median of the store's own syncs in the measured time ([`Store::sync_times`]), beside
-    /// the probe's; `None` when the store does not time them (through servers).
+    /// the probe's; through servers, the highest of the servers' medians over their lives
+    /// (`/v1/health`); `None` when the store does not time them.
     pub store_sync_p50_ms: Option<f64>,
     /// The CPU time (user and system) the processes that serve the turns used in the measured
     /// time, per completed turn, ms: this process embedded (store, engine, workers and the
@@ -474,20 +475,23 @@ async fn closed_loop(
             }
         };
         let Some((store, (first, first_times))) = store.zip(first) else {
+            let last_served = servers_commits(&servers).await;
             let commits = first_served
-                .zip(servers_commits(&servers).await)
-                .map(|(first, last)| last - first);
-            return (commits, None, cpu, steps);
+                .zip(last_served.as_ref())
+                .map(|(first, last)| last.commits - first.commits);
+            let sync_p50_ms = last_served.map(|last| last.slowest_sync_p50_ms);
+            return (commits, sync_p50_ms, cpu, steps);
         };
         let commits = store
             .durable_commits()
             .zip(first)
             .map(|(last, first)| last - first);
-        let times = store
+        let sync_p50_ms = store
             .sync_times()
             .zip(first_times)
-            .and_then(|(last, first)| last.since(&first));
-        (commits, times, cpu, steps)
+            .and_then(|(last, first)| last.since(&first))
+            .and_then(|times| times.quantile_ms(0.5));
+        (commits, sync_p50_ms, cpu, steps)
     });
     let mut runners = Vec::new();
     for client_no in 0..config.sessions {
@@ -549,7 +553,7 @@ async fn closed_loop(
             .map(|d| d.as_secs_f64() * 1e3)
             .unwrap_or(f64::NAN)
     };
-    let (commits, sync_times, cpu_seconds, (stages, slow_turns)) =
+    let (commits, store_sync_p50_ms, cpu_seconds, (stages, slow_turns)) =
         counters.await.context("the commit counter panicked")?;
     // While the store (or its servers) is still up, as before the measurement.
     let fdatasync = ProbedFdatasync::of(&probed_before, &probe_in(&probe_dir).await?);
@@ -566,7 +570,7 @@ async fn closed_loop(
         commits_per_turn: commits
             .filter(|_| !latencies.is_empty())
             .map(|n| n as f64 / latencies.len() as f64),
-        store_sync_p50_ms: sync_times.and_then(|times| times.quantile_ms(0.5)),
+        store_sync_p50_ms,
         cpu_ms_per_turn: cpu_seconds
             .filter(|_| !latencies.is_empty())
             .map(|seconds| seconds * 1e3 / latencies.len() as f64),
@@ -575,19 +579,34 @@ async fn closed_loop(
     })
 }
 
-/// The durable commits of the servers' stores so far, summed, as their `/v1/health`
-/// reports them (on PostgreSQL each server counts the writes it committed); `None` when a
-/// server does not report them or cannot be asked, or there are none.
-async fn servers_commits(servers: &[cairn_remote::HttpTransport]) -> Option<u64> {
+/// What the servers' stores report of their commits so far.
+struct ServedCommits {
+    /// Their durable commits, summed.
+    commits: u64,
+    /// The highest of their median syncs over their lives (on PostgreSQL, a commit's whole
+    /// round trip), in milliseconds.
+    slowest_sync_p50_ms: f64,
+}
+
+/// The durable commits of the servers' stores so far, summed, and their median syncs, as
+/// their `/v1/health` reports them (on PostgreSQL each server counts and times the writes it
+/// committed); `None` when a server does not report them or cannot be asked.
+async fn servers_commits(servers: &[cairn_remote::HttpTransport]) -> Option<ServedCommits> {
     if servers.is_empty() {
         return None;
     }
-    let mut commits = 0;
+    let mut served = ServedCommits {
+        commits: 0,
+        slowest_sync_p50_ms: 0.0,
+    };
     for server in servers {
-        let health = server.health().await.ok()?;
-        commits += health.store_syncs?.durable_commits;
+        let syncs = server.health().await.ok()?.store_syncs?;
+        served.commits += syncs.durable_commits;
+        served.slowest_sync_p50_ms = served
+            .slowest_sync_p50_ms
+            .max(syncs.sync_p50_us as f64 / 1e3);
     }
-    Some(commits)
+    Some(served)
 }
 
 /// Opens a new `engine` store at `path` as a restarted process finds it: created, closed and
