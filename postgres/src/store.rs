@@ -19,7 +19,7 @@ use cairn_runtime::store::{
 use cairn_runtime::{Error, Result};
 use sqlx::migrate::MigrateError;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::Row;
+use sqlx::{Connection, Row};
 use std::str::FromStr;
 use std::time::Duration;
 use tokio::sync::broadcast;
@@ -64,6 +64,15 @@ pub struct PgStore {
     /// The writes this handle committed, timed.
     commits: Commits,
 }
+
+/// How long a pooled connection may sit idle and still be handed out without a ping. sqlx pings
+/// every connection it hands out by default: a round trip, and a wake of the backend, in front
+/// of every statement on the operation's path (sqlx pings again as a connection goes back to
+/// the pool, off the path). A connection in steady use is not pinged; one idle longer is, so
+/// that connections a restarted database dropped are found and replaced before use. One that
+/// died within this window fails its statement as any connection lost mid-statement does
+/// ([`Error::StoreUnavailable`], which callers retry).
+const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 
 /// How many times connecting runs the migrations when they fail: two processes starting on a
 /// new database create the tables at once, and the loser finds them on its next run.
@@ -112,6 +121,15 @@ impl PgStore {
         let pool = PgPoolOptions::new()
             .max_connections(options.max_connections)
             .acquire_timeout(options.acquire_timeout)
+            .test_before_acquire(false)
+            .before_acquire(|connection, meta| {
+                Box::pin(async move {
+                    if meta.idle_for >= PING_AFTER_IDLE {
+                        connection.ping().await?;
+                    }
+                    Ok(true)
+                })
+            })
             .connect_with(connect_options.clone())
             .await
             .map_err(|e| failed("connecting", &e))?;
