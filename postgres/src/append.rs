@@ -277,13 +277,16 @@ impl Prepared<'_> {
 /// the last SELECT says what the checks found. The session row is written before the events
 /// that reference it: foreign keys are checked at the end of the statement, when a new
 /// session's row is there.
-const APPEND: &str = "\
+pub(crate) const APPEND: &str = "\
 WITH s AS MATERIALIZED ( \
     SELECT last_seq, status FROM cairn_sessions WHERE session_id = $1 FOR UPDATE \
 ), l AS MATERIALIZED ( \
-    SELECT session_id, scheduled_seq, lease_attempt, visible_at_ms FROM cairn_tasks \
-    WHERE (session_id, scheduled_seq) IN (SELECT * FROM UNNEST($9::TEXT[], $10::BIGINT[])) \
-    FOR UPDATE \
+    SELECT t.session_id, t.scheduled_seq, t.lease_attempt, t.visible_at_ms \
+    FROM (SELECT DISTINCT * FROM UNNEST($9::TEXT[], $10::BIGINT[])) AS c (session_id, seq), \
+    LATERAL ( \
+        SELECT session_id, scheduled_seq, lease_attempt, visible_at_ms FROM cairn_tasks \
+        WHERE session_id = c.session_id AND scheduled_seq = c.seq FOR UPDATE \
+    ) AS t \
 ), f AS MATERIALIZED ( \
     SELECT lease_attempt, visible_at_ms, held FROM cairn_tasks \
     WHERE $23 AND session_id = $24 AND scheduled_seq = $25 FOR UPDATE \
@@ -313,7 +316,8 @@ WITH s AS MATERIALIZED ( \
     RETURNING 1 \
 ), tasks_removed AS ( \
     DELETE FROM cairn_tasks \
-    WHERE (session_id, scheduled_seq) IN (SELECT * FROM UNNEST($12::TEXT[], $13::BIGINT[])) \
+    WHERE session_id = ANY($12::TEXT[]) AND scheduled_seq = ANY($13::BIGINT[]) \
+      AND (session_id, scheduled_seq) IN (SELECT * FROM UNNEST($12::TEXT[], $13::BIGINT[])) \
       AND (SELECT passed FROM ok) \
     RETURNING 1 \
 ), tasks_enqueued AS ( \

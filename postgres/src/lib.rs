@@ -37,8 +37,8 @@
 //! # Statements
 //!
 //! - Append: one transaction (`append` module): lock the session row (`FOR UPDATE`), check the
-//!   next seq (`Conflict`) and the completed tasks' leases on their locked rows (`LeaseLost`,
-//!   nothing written), insert or update the session row, insert the events with one
+//!   next seq (`Conflict`) and the completed tasks' leases on their locked rows, found by key
+//!   (`LATERAL`), never by a scan of the queue (`LeaseLost`, nothing written), insert or update the session row, insert the events with one
 //!   `INSERT ... SELECT FROM UNNEST`, delete completed and cancelled tasks, upsert enqueued
 //!   ones (a re-enqueue resets the task to never leased), commit. Two first appends of a new
 //!   session race on its row's insert; the loser gets `Conflict`.
@@ -71,6 +71,8 @@ mod changes;
 mod commits;
 mod delete;
 mod failure;
+#[cfg(test)]
+mod plan_tests;
 mod rows;
 mod store;
 mod tasks;

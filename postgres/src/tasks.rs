@@ -9,6 +9,35 @@ use cairn_runtime::{Error, Result};
 use sqlx::postgres::PgPool;
 use std::collections::BTreeSet;
 
+/// The lease statement ([`lease`]): `$1` now, `$2` the leases' expiry, `$3` the most tasks,
+/// `$4`..`$8` the filter's queues, tools, providers, sessions and namespace (NULL: any).
+pub(crate) const LEASE: &str = "WITH picked AS ( \
+     SELECT session_id, scheduled_seq, visible_at_ms AS was_visible_at_ms \
+     FROM cairn_tasks \
+     WHERE visible_at_ms <= $1 \
+       AND NOT held \
+       AND (lease_attempt > 0 OR start_by_ms IS NULL OR start_by_ms > $1) \
+       AND ($4::TEXT[] IS NULL OR queue = ANY($4::TEXT[])) \
+       AND (target = '' \
+            OR (kind = 'tool' AND ($5::TEXT[] IS NULL OR target = ANY($5::TEXT[]))) \
+            OR (kind = 'model' AND ($6::TEXT[] IS NULL OR target = ANY($6::TEXT[])))) \
+       AND ($7::TEXT[] IS NULL OR session_id = ANY($7::TEXT[])) \
+       AND ($8::TEXT IS NULL \
+            OR ($8::TEXT = '' AND strpos(session_id, ':') = 0) \
+            OR ($8::TEXT <> '' \
+                AND substr(session_id, 1, char_length($8::TEXT) + 1) = ($8::TEXT || ':'))) \
+     ORDER BY visible_at_ms, session_id COLLATE \"C\", scheduled_seq \
+     LIMIT $3 \
+     FOR UPDATE SKIP LOCKED \
+ ) \
+ UPDATE cairn_tasks AS t \
+ SET lease_attempt = t.lease_attempt + 1, visible_at_ms = $2, held = TRUE, \
+     heartbeat_details = NULL \
+ FROM picked \
+ WHERE t.session_id = picked.session_id AND t.scheduled_seq = picked.scheduled_seq \
+ RETURNING t.session_id, t.scheduled_seq, t.kind, t.lease_attempt, \
+     picked.was_visible_at_ms";
+
 /// Leases due tasks that `filter` accepts and that are not overdue, oldest first.
 ///
 /// The subquery picks the tasks in queue order and locks them with `FOR UPDATE SKIP LOCKED`:
@@ -60,44 +89,17 @@ pub(crate) async fn lease(
     let expires = time_to_db(expires_at_ms);
     let max = count_to_db(max);
     let rows = retrying("leasing tasks", || async {
-        Ok(sqlx::query(
-            "WITH picked AS ( \
-                 SELECT session_id, scheduled_seq, visible_at_ms AS was_visible_at_ms \
-                 FROM cairn_tasks \
-                 WHERE visible_at_ms <= $1 \
-                   AND NOT held \
-                   AND (lease_attempt > 0 OR start_by_ms IS NULL OR start_by_ms > $1) \
-                   AND ($4::TEXT[] IS NULL OR queue = ANY($4::TEXT[])) \
-                   AND (target = '' \
-                        OR (kind = 'tool' AND ($5::TEXT[] IS NULL OR target = ANY($5::TEXT[]))) \
-                        OR (kind = 'model' AND ($6::TEXT[] IS NULL OR target = ANY($6::TEXT[])))) \
-                   AND ($7::TEXT[] IS NULL OR session_id = ANY($7::TEXT[])) \
-                   AND ($8::TEXT IS NULL \
-                        OR ($8::TEXT = '' AND strpos(session_id, ':') = 0) \
-                        OR ($8::TEXT <> '' \
-                            AND substr(session_id, 1, char_length($8::TEXT) + 1) = ($8::TEXT || ':'))) \
-                 ORDER BY visible_at_ms, session_id COLLATE \"C\", scheduled_seq \
-                 LIMIT $3 \
-                 FOR UPDATE SKIP LOCKED \
-             ) \
-             UPDATE cairn_tasks AS t \
-             SET lease_attempt = t.lease_attempt + 1, visible_at_ms = $2, held = TRUE, \
-                 heartbeat_details = NULL \
-             FROM picked \
-             WHERE t.session_id = picked.session_id AND t.scheduled_seq = picked.scheduled_seq \
-             RETURNING t.session_id, t.scheduled_seq, t.kind, t.lease_attempt, \
-                 picked.was_visible_at_ms",
-        )
-        .bind(now)
-        .bind(expires)
-        .bind(max)
-        .bind(&queues)
-        .bind(&tools)
-        .bind(&providers)
-        .bind(&sessions)
-        .bind(namespace)
-        .fetch_all(pool)
-        .await?)
+        Ok(sqlx::query(LEASE)
+            .bind(now)
+            .bind(expires)
+            .bind(max)
+            .bind(&queues)
+            .bind(&tools)
+            .bind(&providers)
+            .bind(&sessions)
+            .bind(namespace)
+            .fetch_all(pool)
+            .await?)
     })
     .await?;
     // RETURNING has no order: put the leases in queue order (as they stood before the lease).
