@@ -256,6 +256,11 @@ impl Prepared<'_> {
         Ok(leases)
     }
 
+    /// How many queued tasks the append deletes, if they are there: each leaves a dead row.
+    pub(crate) fn removes(&self) -> u64 {
+        self.removed.seqs.len() as u64
+    }
+
     /// Whether the append queues a task no lease took with it.
     pub(crate) fn queues_unleased(&self) -> bool {
         self.enqueued.held.iter().any(|held| !held)

@@ -51,6 +51,12 @@
 //! - Heartbeat: a conditional `UPDATE` (current attempt, not expired); timers, listings and
 //!   releases: one statement each.
 //!
+//! The queue turns over: every task done leaves dead rows in `cairn_tasks` until VACUUM, and
+//! a lease steps over them. Each store handle vacuums it (`VACUUM (SKIP_LOCKED)`) once its
+//! own writes have left a few thousand, rather than waiting for autovacuum's next look
+//! (`upkeep` module). Pooled connections are pinged only after a second idle, not before
+//! each statement.
+//!
 //! Serialization failures and deadlocks (`40001`, `40P01`) run the statement or transaction
 //! again, a few times, before they become [`Error::StoreUnavailable`](cairn_runtime::Error::StoreUnavailable); an IO error during
 //! COMMIT is answered as `StoreUnavailable` at once (the append may or may not have
@@ -78,6 +84,7 @@ mod store;
 mod tasks;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+mod upkeep;
 mod url;
 
 pub use store::{PgOptions, PgStore};

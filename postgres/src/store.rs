@@ -7,6 +7,7 @@ use crate::commits::Commits;
 use crate::failure::{classify, retrying};
 use crate::rows::{self, count_to_db};
 use crate::tasks;
+use crate::upkeep::QueueUpkeep;
 use crate::url::redact;
 use async_trait::async_trait;
 use cairn_ledger::JsonText;
@@ -63,6 +64,8 @@ pub struct PgStore {
     shown_url: String,
     /// The writes this handle committed, timed.
     commits: Commits,
+    /// The dead queue rows this handle's writes left, and the task that vacuums them.
+    upkeep: QueueUpkeep,
 }
 
 /// How long a pooled connection may sit idle and still be handed out without a ping. sqlx pings
@@ -148,14 +151,16 @@ impl PgStore {
                 .idle_timeout(None)
                 .max_lifetime(None)
                 .connect_lazy_with(connect_options);
-            (pool, runtime)
+            (pool, runtime.clone())
         });
         let hints = Hints::new(&pool, source, options.acquire_timeout);
+        let upkeep = QueueUpkeep::start(&pool, &runtime);
         Ok(PgStore {
             pool,
             hints,
             shown_url,
             commits: Commits::default(),
+            upkeep,
         })
     }
 
@@ -168,6 +173,7 @@ impl PgStore {
     /// then on. Waits for the connections in use to come back.
     pub async fn close(&self) {
         self.hints.stop();
+        self.upkeep.stop();
         self.pool.close().await;
     }
 }
@@ -205,6 +211,7 @@ impl std::fmt::Debug for PgStore {
 impl Drop for PgStore {
     fn drop(&mut self) {
         self.hints.stop();
+        self.upkeep.stop();
     }
 }
 
@@ -224,6 +231,7 @@ impl PgStore {
         self.commits
             .timed(append::append(&self.pool, &prepared), |_| true)
             .await?;
+        self.upkeep.left_dead(prepared.removes());
         self.hints.notify(StoreChange {
             session_id: request.session_id.clone(),
             last_seq: request.events.last().map_or(0, |event| event.seq),
@@ -390,12 +398,15 @@ impl Store for PgStore {
         max: usize,
         filter: &TaskFilter,
     ) -> Result<Vec<Lease>> {
-        self.commits
+        let leases = self
+            .commits
             .timed(
                 tasks::lease(&self.pool, now_ms, lease_ms, max, filter),
                 |leases| !leases.is_empty(),
             )
-            .await
+            .await?;
+        self.upkeep.left_dead(leases.len() as u64);
+        Ok(leases)
     }
 
     async fn extend_lease(
@@ -406,12 +417,15 @@ impl Store for PgStore {
         lease_ms: u64,
         details: Option<JsonText>,
     ) -> Result<u64> {
-        self.commits
+        let expiry = self
+            .commits
             .timed(
                 tasks::extend(&self.pool, id, lease_attempt, now_ms, lease_ms, details),
                 |_| true,
             )
-            .await
+            .await?;
+        self.upkeep.left_dead(1);
+        Ok(expiry)
     }
 
     async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
@@ -427,9 +441,12 @@ impl Store for PgStore {
     }
 
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
-        self.commits
+        let released = self
+            .commits
             .timed(tasks::release(&self.pool, now_ms), |released| *released > 0)
-            .await
+            .await?;
+        self.upkeep.left_dead(released as u64);
+        Ok(released)
     }
 
     async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {

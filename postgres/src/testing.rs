@@ -7,6 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 static DATABASES: AtomicU64 = AtomicU64::new(0);
 
+/// Dead queue rows a store handle leaves before it vacuums the queue (`upkeep`).
+pub const QUEUE_VACUUM_AFTER: u64 = crate::upkeep::VACUUM_AFTER;
+
 /// The server to create test databases on: `DATABASE_URL`. Panics when it is not set, since a
 /// test that cannot reach PostgreSQL must fail, not skip.
 pub fn server_url() -> String {

@@ -570,3 +570,63 @@ async fn a_store_counts_the_writes_it_committed() {
         "the other handle wrote nothing"
     );
 }
+
+/// The manual vacuums of `cairn_tasks` so far (autovacuum's are counted apart).
+async fn queue_vacuums(url: &str) -> i64 {
+    let mut conn = raw(url).await;
+    sqlx::query("SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = 'cairn_tasks'")
+        .fetch_one(&mut conn)
+        .await
+        .and_then(|row| row.try_get("vacuum_count"))
+        .unwrap_or_else(|e| panic!("reading the queue's vacuum count: {e}"))
+}
+
+/// Queues `tasks` tasks on a new session, then cancels them all: `tasks` dead rows.
+async fn turn_over(store: &dyn Store, session_id: &str, tasks: u64) {
+    enqueue(store, session_id, tasks).await;
+    let mut request = append_request(session_id, 2, vec![message(session_id, 2, "done")], 0);
+    request.cancel = (1..=tasks).map(|seq| task_id(session_id, seq)).collect();
+    if let Err(e) = store.append(request).await {
+        panic!("cancelling {tasks} tasks on {session_id} failed: {e}");
+    }
+}
+
+/// A queue leaves a dead row behind each task done, which every lease steps over until
+/// VACUUM: a store vacuums the queue itself once its writes have left
+/// `QUEUE_VACUUM_AFTER` dead rows, not before, and not on each write.
+#[tokio::test]
+async fn a_store_vacuums_the_queue_its_tasks_turned_over() {
+    use cairn_postgres::testing::QUEUE_VACUUM_AFTER;
+    let (store, url) = fresh_store().await;
+    let half = QUEUE_VACUUM_AFTER / 2;
+    turn_over(&store, "first-half", half).await;
+    // VACUUM reports to the statistics as it ends; give a wrongly started one time to.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(
+        queue_vacuums(&url).await,
+        0,
+        "vacuumed with {half} dead rows, fewer than {QUEUE_VACUUM_AFTER}"
+    );
+    turn_over(&store, "second-half", QUEUE_VACUUM_AFTER - half).await;
+    let mut waited = Duration::ZERO;
+    while queue_vacuums(&url).await == 0 {
+        assert!(
+            waited < Duration::from_secs(20),
+            "no vacuum of the queue 20 s after {QUEUE_VACUUM_AFTER} dead rows"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        waited += Duration::from_millis(100);
+    }
+    let mut conn = raw(&url).await;
+    let dead: i64 =
+        sqlx::query("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'cairn_tasks'")
+            .fetch_one(&mut conn)
+            .await
+            .and_then(|row| row.try_get("n_dead_tup"))
+            .unwrap_or_else(|e| panic!("reading the queue's dead rows: {e}"));
+    assert!(
+        dead < QUEUE_VACUUM_AFTER as i64,
+        "{dead} dead rows left after the vacuum"
+    );
+    store.close().await;
+}
