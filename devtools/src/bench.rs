@@ -147,8 +147,8 @@ pub struct BenchResult {
     /// measurement: the median of both runs, and of each apart.
     pub fdatasync: ProbedFdatasync,
     /// The store's durable commits in the measured time per completed turn (through servers,
-    /// as their `/v1/health` counts them, summed); `None` when the store does not count them. At one session in flight these are the
-    /// commits a turn waits for in series.
+    /// as their `/v1/health` counts them, summed); `None` when the store does not count them.
+    /// At one session in flight these are the commits a turn waits for in series.
     pub commits_per_turn: Option<f64>,
     /// Median of the store's own syncs in the measured time ([`Store::sync_times`]), beside
     /// the probe's; through servers, the highest of the servers' medians over their lives

@@ -41,8 +41,8 @@
 //!   (`LATERAL`), never by a scan of the queue (`LeaseLost`, nothing written), insert or
 //!   update the session row, insert the events with one `INSERT ... SELECT FROM UNNEST`,
 //!   delete completed and cancelled tasks (by key too), upsert enqueued ones (a re-enqueue
-//!   resets the task to never leased), commit. Two first appends of a new
-//!   session race on its row's insert; the loser gets `Conflict`.
+//!   resets the task to never leased), commit. Two first appends of a new session race on
+//!   its row's insert; the loser gets `Conflict`.
 //! - Lease: one `UPDATE ... FROM (SELECT ... ORDER BY visible_at_ms, session_id COLLATE "C",
 //!   scheduled_seq LIMIT n FOR UPDATE SKIP LOCKED)`, with the routing filter and the overdue rule in SQL; no
 //!   task is handed out twice, from any number of processes (`tasks` module).
@@ -55,8 +55,8 @@
 //! The queue turns over: every task done leaves dead rows in `cairn_tasks` until VACUUM, and
 //! a lease steps over them. Each store handle vacuums it (`VACUUM (SKIP_LOCKED, TRUNCATE
 //! false)`) once its own writes have left a few thousand, rather than waiting for
-//! autovacuum's next look (`upkeep` module). Pooled connections are pinged only after a second idle, not before
-//! each statement.
+//! autovacuum's next look (`upkeep` module). Pooled connections are pinged only after a
+//! second idle, not before each statement.
 //!
 //! Serialization failures and deadlocks (`40001`, `40P01`) run the statement or transaction
 //! again, a few times, before they become [`Error::StoreUnavailable`](cairn_runtime::Error::StoreUnavailable); an IO error during
