@@ -28,6 +28,29 @@ const MAX_TASKS: usize = 256;
 /// that vanished holds nothing for long.
 const MAX_LEASE_MS: u64 = 3_600_000;
 
+/// What a worker says it keeps (`KnownToolSets`, `KeptTranscripts`, from its request's
+/// headers): the tasks answered to it leave those out.
+pub(crate) struct WorkerKeeps {
+    tool_sets: KnownToolSets,
+    transcripts: KeptTranscripts,
+}
+
+impl WorkerKeeps {
+    /// Reads both headers; a malformed one is a 400.
+    pub(crate) fn of(headers: &HeaderMap) -> Result<Self, ApiError> {
+        Ok(WorkerKeeps {
+            tool_sets: KnownToolSets::of(headers)?,
+            transcripts: KeptTranscripts::of(headers)?,
+        })
+    }
+
+    /// Leaves out of `tasks` the tool sets and the transcripts' messages the worker keeps.
+    pub(crate) fn shorten(&self, state: &AppState, tasks: &mut [LeasedTask]) {
+        state.tool_set_digests.shorten(tasks, &self.tool_sets);
+        self.transcripts.shorten(tasks);
+    }
+}
+
 /// Checks the lease is of the caller's namespace (404 otherwise: other namespaces' sessions
 /// do not exist for it).
 pub(crate) fn check_lease(caller: &Caller, lease: &Lease) -> Result<(), ApiError> {
@@ -123,11 +146,9 @@ pub async fn lease(
     JsonBody(request): JsonBody<LeaseRequest>,
 ) -> Result<Json<LeaseResponse>, ApiError> {
     let key = idempotency_key(&headers)?;
-    let known = KnownToolSets::of(&headers)?;
-    let kept = KeptTranscripts::of(&headers)?;
+    let keeps = WorkerKeeps::of(&headers)?;
     let answer = |mut tasks: Vec<LeasedTask>| {
-        state.tool_set_digests.shorten(&mut tasks, &known);
-        kept.shorten(&mut tasks);
+        keeps.shorten(&state, &mut tasks);
         Json(LeaseResponse { tasks })
     };
     let filter = worker_filter(&caller, request.queues, request.tools, request.providers);

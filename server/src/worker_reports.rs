@@ -7,10 +7,10 @@ use crate::answered_again::{First, Joined};
 use crate::app::AppState;
 use crate::auth::{Caller, WorkerCaller};
 use crate::errors::{ApiError, JsonBody};
-use crate::tool_sets::{KnownToolSets, ToolSetsHeader};
-use crate::transcripts::{KeptTranscripts, TranscriptsHeader};
+use crate::tool_sets::ToolSetsHeader;
+use crate::transcripts::TranscriptsHeader;
 use crate::worker::{
-    bounded, check_lease, check_session, fetched_again, lease_span, worker_filter,
+    bounded, check_lease, check_session, fetched_again, lease_span, worker_filter, WorkerKeeps,
 };
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -60,12 +60,10 @@ pub async fn report(
     headers: HeaderMap,
     JsonBody(request): JsonBody<ReportRequest>,
 ) -> Result<Response, ApiError> {
-    let known = KnownToolSets::of(&headers)?;
-    let kept = KeptTranscripts::of(&headers)?;
+    let keeps = WorkerKeeps::of(&headers)?;
     Ok(match record_report(&state, &caller, request).await? {
         Some(mut answer) => {
-            state.tool_set_digests.shorten(&mut answer.tasks, &known);
-            kept.shorten(&mut answer.tasks);
+            keeps.shorten(&state, &mut answer.tasks);
             Json(answer).into_response()
         }
         None => StatusCode::NO_CONTENT.into_response(),
@@ -101,8 +99,7 @@ pub async fn reports(
     headers: HeaderMap,
     JsonBody(batch): JsonBody<ReportBatch>,
 ) -> Result<Json<ReportBatchAnswer>, ApiError> {
-    let known = KnownToolSets::of(&headers)?;
-    let kept = KeptTranscripts::of(&headers)?;
+    let keeps = WorkerKeeps::of(&headers)?;
     if batch.reports.is_empty() || batch.reports.len() > MAX_REPORTS_PER_BATCH {
         return Err(ApiError::invalid(format!(
             "a batch holds from 1 to {MAX_REPORTS_PER_BATCH} reports, not {}",
@@ -126,8 +123,7 @@ pub async fn reports(
         .map(|answer| {
             let (status, body) = match answer {
                 Ok(Some(mut leased)) => {
-                    state.tool_set_digests.shorten(&mut leased.tasks, &known);
-                    kept.shorten(&mut leased.tasks);
+                    keeps.shorten(&state, &mut leased.tasks);
                     (StatusCode::OK, serde_json::value::to_raw_value(&leased))
                 }
                 Ok(None) => {
