@@ -571,14 +571,32 @@ async fn a_store_counts_the_writes_it_committed() {
     );
 }
 
-/// The manual vacuums of `cairn_tasks` so far (autovacuum's are counted apart).
-async fn queue_vacuums(url: &str) -> i64 {
+/// What PostgreSQL's statistics say of `cairn_tasks`.
+struct QueueStats {
+    /// Manual vacuums so far (autovacuum's are counted apart).
+    vacuums: i64,
+    autovacuums: i64,
+    dead_rows: i64,
+    bytes: i64,
+}
+
+async fn queue_stats(url: &str) -> QueueStats {
     let mut conn = raw(url).await;
-    sqlx::query("SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = 'cairn_tasks'")
-        .fetch_one(&mut conn)
-        .await
-        .and_then(|row| row.try_get("vacuum_count"))
-        .unwrap_or_else(|e| panic!("reading the queue's vacuum count: {e}"))
+    sqlx::query(
+        "SELECT vacuum_count, autovacuum_count, n_dead_tup, pg_relation_size(relid) AS bytes \
+         FROM pg_stat_user_tables WHERE relname = 'cairn_tasks'",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .and_then(|row| {
+        Ok(QueueStats {
+            vacuums: row.try_get("vacuum_count")?,
+            autovacuums: row.try_get("autovacuum_count")?,
+            dead_rows: row.try_get("n_dead_tup")?,
+            bytes: row.try_get("bytes")?,
+        })
+    })
+    .unwrap_or_else(|e| panic!("reading the queue's statistics: {e}"))
 }
 
 /// Queues `tasks` tasks on a new session, then cancels them all: `tasks` dead rows.
@@ -603,44 +621,32 @@ async fn a_store_vacuums_the_queue_its_tasks_turned_over() {
     // VACUUM reports to the statistics as it ends; give a wrongly started one time to.
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     assert_eq!(
-        queue_vacuums(&url).await,
+        queue_stats(&url).await.vacuums,
         0,
         "vacuumed with {half} dead rows, fewer than {QUEUE_VACUUM_AFTER}"
     );
     turn_over(&store, "second-half", QUEUE_VACUUM_AFTER - half).await;
     let mut waited = Duration::ZERO;
-    while queue_vacuums(&url).await == 0 {
+    let mut stats = queue_stats(&url).await;
+    while stats.vacuums == 0 {
         assert!(
             waited < Duration::from_secs(20),
             "no vacuum of the queue 20 s after {QUEUE_VACUUM_AFTER} dead rows"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
         waited += Duration::from_millis(100);
+        stats = queue_stats(&url).await;
     }
-    let mut conn = raw(&url).await;
-    let dead: i64 =
-        sqlx::query("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'cairn_tasks'")
-            .fetch_one(&mut conn)
-            .await
-            .and_then(|row| row.try_get("n_dead_tup"))
-            .unwrap_or_else(|e| panic!("reading the queue's dead rows: {e}"));
     assert!(
-        dead < QUEUE_VACUUM_AFTER as i64,
-        "{dead} dead rows left after the vacuum"
+        stats.dead_rows < QUEUE_VACUUM_AFTER as i64,
+        "{} dead rows left after the vacuum",
+        stats.dead_rows
     );
     // Every task is gone, so a truncating VACUUM would give every page back, under the
     // table's exclusive lock that appends and leases wait for; the store's keeps them.
     // (Autovacuum truncates, so the pages only say something when it has not run here.)
-    let (bytes, autovacuums): (i64, i64) = sqlx::query(
-        "SELECT pg_relation_size('cairn_tasks') AS bytes, autovacuum_count \
-         FROM pg_stat_user_tables WHERE relname = 'cairn_tasks'",
-    )
-    .fetch_one(&mut conn)
-    .await
-    .and_then(|row| Ok((row.try_get("bytes")?, row.try_get("autovacuum_count")?)))
-    .unwrap_or_else(|e| panic!("reading the queue's size: {e}"));
-    if autovacuums == 0 {
-        assert!(bytes > 0, "the vacuum truncated the queue");
+    if stats.autovacuums == 0 {
+        assert!(stats.bytes > 0, "the vacuum truncated the queue");
     }
     store.close().await;
 }
