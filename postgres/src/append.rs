@@ -31,6 +31,7 @@
 //! lock reads (READ COMMITTED reads the newest version of a row it locks), so the fence sees
 //! it and refuses the append.
 
+use crate::connections::{Connections, Held};
 use crate::failure::{retrying, sqlstate, Failure};
 use crate::rows::{attempt_from_db, from_db, kind_name, storable, time_to_db, to_db};
 use cairn_runtime::codec;
@@ -38,7 +39,7 @@ use cairn_runtime::store::{
     check_session_id, AppendRequest, Lease, LeaseRequest, Task, TaskFence, TaskId,
 };
 use cairn_runtime::{Error, Result};
-use sqlx::postgres::{PgConnection, PgPool, PgRow};
+use sqlx::postgres::PgRow;
 use sqlx::Row;
 use std::collections::BTreeMap;
 
@@ -352,9 +353,9 @@ SELECT (SELECT passed FROM ok) AS passed, (SELECT last_seq FROM s) AS last_seq, 
     (SELECT visible_at_ms FROM f) AS fenced_visible_at_ms, (SELECT held FROM f) AS fenced_held";
 
 /// Runs the append statement, again while it loses races.
-pub(crate) async fn append(pool: &PgPool, prepared: &Prepared<'_>) -> Result<()> {
+pub(crate) async fn append(connections: &Connections, prepared: &Prepared<'_>) -> Result<()> {
     retrying("appending", || async {
-        let mut conn = pool.acquire().await?;
+        let mut conn = connections.get().await?;
         statement(&mut conn, prepared).await
     })
     .await
@@ -363,10 +364,12 @@ pub(crate) async fn append(pool: &PgPool, prepared: &Prepared<'_>) -> Result<()>
 /// The failure of a first append whose session row another append inserted after this one
 /// found none: `Conflict` with the store's next seq as it is now, unless the session turns
 /// out not to exist (then the violation was something else, and is answered as it is).
-async fn lost_first_append(conn: &mut PgConnection, p: &Prepared<'_>, e: sqlx::Error) -> Failure {
-    let row = sqlx::query("SELECT last_seq FROM cairn_sessions WHERE session_id = $1")
-        .bind(p.session_id)
-        .fetch_optional(&mut *conn)
+async fn lost_first_append(conn: &mut Held, p: &Prepared<'_>, e: sqlx::Error) -> Failure {
+    let row = conn
+        .fetch_optional(
+            sqlx::query("SELECT last_seq FROM cairn_sessions WHERE session_id = $1")
+                .bind(p.session_id),
+        )
         .await;
     let last_seq: i64 = match row {
         Ok(Some(row)) => match row.try_get("last_seq") {
@@ -386,7 +389,7 @@ async fn lost_first_append(conn: &mut PgConnection, p: &Prepared<'_>, e: sqlx::E
     }
 }
 
-async fn statement(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Failure> {
+async fn statement(conn: &mut Held, p: &Prepared<'_>) -> Result<(), Failure> {
     let expected_last = to_db(
         "expected next seq",
         p.request.expected_next_seq.saturating_sub(1),
@@ -397,7 +400,7 @@ async fn statement(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Fail
         None => (None, None),
     };
     let e = &p.enqueued;
-    let row = sqlx::query(APPEND)
+    let statement = sqlx::query(APPEND)
         .bind(p.session_id)
         .bind(expected_last)
         .bind(p.status)
@@ -425,10 +428,8 @@ async fn statement(conn: &mut PgConnection, p: &Prepared<'_>) -> Result<(), Fail
         .bind(fenced_seq)
         .bind(p.fenced.as_ref().map(|f| f.lease_attempt))
         .bind(p.fenced.as_ref().map(|f| f.visible_at_ms))
-        .bind(p.fenced.as_ref().map(|f| f.held))
-        .fetch_one(&mut *conn)
-        .await;
-    let row = match row {
+        .bind(p.fenced.as_ref().map(|f| f.held));
+    let row = match conn.fetch_one(statement).await {
         Ok(row) => row,
         // Two first appends of a session met on its row (or on its first event).
         Err(e) if p.request.expected_next_seq == 1 && sqlstate(&e).as_deref() == Some("23505") => {

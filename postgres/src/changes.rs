@@ -15,6 +15,7 @@
 //! listener reconnects after any error (hints sent while it was away are lost; engines poll a
 //! shared store anyway). A database without LISTEN/NOTIFY (CockroachDB) has no hints.
 
+use crate::connections::Connections;
 use cairn_runtime::store::{check_session_id, StoreChange};
 use sqlx::postgres::{PgListener, PgPool};
 use std::collections::BTreeMap;
@@ -121,17 +122,17 @@ pub(crate) struct Hints {
 }
 
 impl Hints {
-    /// Hints for a store whose appends run on `pool`; `source` is where to listen from, and
-    /// `None` turns NOTIFY off.
+    /// Hints for a store whose appends run on `connections`; `source` is where to listen
+    /// from, and `None` turns NOTIFY off.
     pub(crate) fn new(
-        pool: &PgPool,
+        connections: &Connections,
         source: Option<(PgPool, tokio::runtime::Handle)>,
         send_timeout: Duration,
     ) -> Self {
         let origin = Origin::random();
         let sender_task = source.as_ref().map(|(_, runtime)| {
             let (queue, unsent) = mpsc::channel(UNSENT_MAX);
-            let task = runtime.spawn(send(pool.clone(), origin, unsent, send_timeout));
+            let task = runtime.spawn(send(connections.clone(), origin, unsent, send_timeout));
             (queue, task)
         });
         Hints {
@@ -205,7 +206,7 @@ impl Drop for Hints {
 /// hints had them). A failed or slow send loses its hints, which hints allow.
 #[allow(clippy::disallowed_methods)] // a send that does not answer is given up on, in real time
 async fn send(
-    pool: PgPool,
+    connections: Connections,
     origin: Origin,
     mut unsent: mpsc::Receiver<StoreChange>,
     send_timeout: Duration,
@@ -213,10 +214,12 @@ async fn send(
     let mut batch = Vec::with_capacity(BATCH_MAX);
     while unsent.recv_many(&mut batch, BATCH_MAX).await > 0 {
         let payloads = merged(origin, batch.drain(..));
-        let sent = sqlx::query("SELECT pg_notify($1, p) FROM UNNEST($2::TEXT[]) AS p")
-            .bind(CHANNEL)
-            .bind(&payloads)
-            .execute(&pool);
+        let sent = async {
+            let statement = sqlx::query("SELECT pg_notify($1, p) FROM UNNEST($2::TEXT[]) AS p")
+                .bind(CHANNEL)
+                .bind(&payloads);
+            connections.get().await?.execute(statement).await
+        };
         match tokio::time::timeout(send_timeout, sent).await {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {

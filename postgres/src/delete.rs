@@ -3,14 +3,19 @@
 //! tombstone (status `deleted`), which appends find under the same lock: the id is never used
 //! again.
 
+use crate::connections::Connections;
 use crate::failure::{retrying, Failure};
 use crate::rows::{self, time_to_db, DELETED};
 use cairn_runtime::store::{check_deletable, check_session_id, SessionInfo};
 use cairn_runtime::{Error, Result};
-use sqlx::postgres::PgPool;
+use sqlx::Connection;
 
 /// [`Store::delete_session`](cairn_runtime::store::Store::delete_session) on PostgreSQL.
-pub(crate) async fn delete(pool: &PgPool, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
+pub(crate) async fn delete(
+    connections: &Connections,
+    session_id: &str,
+    now_ms: u64,
+) -> Result<SessionInfo> {
     let unknown = || Error::UnknownSession {
         session_id: session_id.to_owned(),
     };
@@ -20,7 +25,8 @@ pub(crate) async fn delete(pool: &PgPool, session_id: &str, now_ms: u64) -> Resu
     }
     let now = time_to_db(now_ms);
     retrying("deleting a session", || async {
-        let mut tx = pool.begin().await?;
+        let mut held = connections.get().await?;
+        let mut tx = held.raw().begin().await?;
         let row = sqlx::query(
             "SELECT session_id, status, last_seq, updated_at_ms FROM cairn_sessions \
              WHERE session_id = $1 FOR UPDATE",
@@ -66,11 +72,16 @@ pub(crate) async fn delete(pool: &PgPool, session_id: &str, now_ms: u64) -> Resu
 /// Records a tombstone for an id with no row here (a session deleted in the store a copy
 /// comes from): a row with the status `deleted` and no events, as a delete leaves. Already
 /// deleted here: nothing to do. A live session of the id: `InvalidEvent`, nothing written.
-pub(crate) async fn record_deleted(pool: &PgPool, session_id: &str, now_ms: u64) -> Result<bool> {
+pub(crate) async fn record_deleted(
+    connections: &Connections,
+    session_id: &str,
+    now_ms: u64,
+) -> Result<bool> {
     check_session_id(session_id)?;
     let now = time_to_db(now_ms);
     retrying("recording a deleted session", || async {
-        let mut tx = pool.begin().await?;
+        let mut held = connections.get().await?;
+        let mut tx = held.raw().begin().await?;
         sqlx::query(
             "INSERT INTO cairn_sessions (session_id, status, last_seq, updated_at_ms) \
              VALUES ($1, $2, 1, $3) ON CONFLICT (session_id) DO NOTHING",

@@ -1,7 +1,8 @@
 //! `cairn-postgres`: the runtime's [`Store`](cairn_runtime::store::Store) on PostgreSQL, so
 //! that several cairn servers share one database of histories and one task queue.
 //!
-//! [`PgStore::connect`] opens a pool (sqlx), runs the embedded migrations
+//! [`PgStore::connect`] opens a pool of sqlx connections (deadpool: `connections`, which
+//! returns a connection to the pool without sqlx's ping), runs the embedded migrations
 //! (`postgres/migrations/`) and returns a store that passes the runtime's conformance suite,
 //! with the memory store's semantics. The SQL is a subset that CockroachDB and YugabyteDB also
 //! run: plain tables and indexes, no PL/pgSQL, no triggers, no advisory locks (the migrator
@@ -76,6 +77,9 @@
 mod append;
 mod changes;
 mod commits;
+mod connections;
+#[cfg(test)]
+mod connections_tests;
 mod delete;
 mod failure;
 #[cfg(test)]

@@ -4,6 +4,7 @@
 use crate::append;
 use crate::changes::Hints;
 use crate::commits::Commits;
+use crate::connections::Connections;
 use crate::failure::{classify, retrying};
 use crate::rows::{self, count_to_db};
 use crate::tasks;
@@ -19,8 +20,8 @@ use cairn_runtime::store::{
 };
 use cairn_runtime::{Error, Result};
 use sqlx::migrate::MigrateError;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Connection, Row};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
+use sqlx::Row;
 use std::str::FromStr;
 use std::time::Duration;
 use tokio::sync::broadcast;
@@ -58,7 +59,7 @@ impl Default for PgOptions {
 /// The store on a PostgreSQL database, which several processes may share (see the crate
 /// documentation for the schema and the statements).
 pub struct PgStore {
-    pool: PgPool,
+    connections: Connections,
     hints: Hints,
     /// The URL without its password, for errors.
     shown_url: String,
@@ -67,15 +68,6 @@ pub struct PgStore {
     /// The dead queue rows this handle's writes left, and the task that vacuums them.
     upkeep: QueueUpkeep,
 }
-
-/// How long a pooled connection may sit idle and still be handed out without a ping. sqlx pings
-/// every connection it hands out by default: a round trip, and a wake of the backend, in front
-/// of every statement on the operation's path (sqlx pings again as a connection goes back to
-/// the pool, off the path). A connection in steady use is not pinged; one idle longer is, so
-/// that connections a restarted database dropped are found and replaced before use. One that
-/// died within this window fails its statement as any connection lost mid-statement does
-/// ([`Error::StoreUnavailable`], which callers retry).
-const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 
 /// How many times connecting runs the migrations when they fail: two processes starting on a
 /// new database create the tables at once, and the loser finds them on its next run.
@@ -121,27 +113,25 @@ impl PgStore {
             },
             _ => open_error(format!("{what}: {e}")),
         };
-        let pool = PgPoolOptions::new()
-            .max_connections(options.max_connections)
-            .acquire_timeout(options.acquire_timeout)
-            .test_before_acquire(false)
-            .before_acquire(|connection, meta| {
-                Box::pin(async move {
-                    if meta.idle_for >= PING_AFTER_IDLE {
-                        connection.ping().await?;
-                    }
-                    Ok(true)
-                })
-            })
-            .connect_with(connect_options.clone())
+        let connections = Connections::new(
+            connect_options.clone(),
+            options.max_connections,
+            options.acquire_timeout,
+        )
+        .map_err(open_error)?;
+        // The first connection now, so that an unreachable server or refused credentials are
+        // this call's error; the migrations run on it.
+        let mut first = connections
+            .get()
             .await
             .map_err(|e| failed("connecting", &e))?;
-        migrate(&pool).await.map_err(|e| match e {
+        migrate(first.raw()).await.map_err(|e| match e {
             MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _) => {
                 failed("creating cairn's tables", &e)
             }
             e => open_error(format!("creating cairn's tables: {e}")),
         })?;
+        drop(first);
         let source = options.notify.then(|| {
             // One connection, kept for good (no idle or age limit): a LISTEN lives as long as
             // its connection.
@@ -153,10 +143,10 @@ impl PgStore {
                 .connect_lazy_with(connect_options);
             (pool, runtime.clone())
         });
-        let hints = Hints::new(&pool, source, options.acquire_timeout);
-        let upkeep = QueueUpkeep::start(&pool, &runtime);
+        let hints = Hints::new(&connections, source, options.acquire_timeout);
+        let upkeep = QueueUpkeep::start(&connections, &runtime);
         Ok(PgStore {
-            pool,
+            connections,
             hints,
             shown_url,
             commits: Commits::default(),
@@ -174,7 +164,7 @@ impl PgStore {
     pub async fn close(&self) {
         self.hints.stop();
         self.upkeep.stop();
-        self.pool.close().await;
+        self.connections.close().await;
     }
 }
 
@@ -182,13 +172,13 @@ impl PgStore {
 /// CockroachDB does not have: every statement of a migration tolerates a concurrent creator,
 /// and a migration that lost such a race runs again and finds its work done.
 #[allow(clippy::disallowed_methods)] // the pause between tries is real time, by design
-async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
+async fn migrate(connection: &mut PgConnection) -> Result<(), MigrateError> {
     let mut migrator = sqlx::migrate!("./migrations");
     migrator.set_locking(false);
     let mut tries = 0;
     loop {
         tries += 1;
-        match migrator.run(pool).await {
+        match migrator.run_direct(connection).await {
             Err(MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _))
                 if tries < MIGRATION_TRIES =>
             {
@@ -229,7 +219,7 @@ impl PgStore {
             None => Vec::new(),
         };
         self.commits
-            .timed(append::append(&self.pool, &prepared), |_| true)
+            .timed(append::append(&self.connections, &prepared), |_| true)
             .await?;
         self.upkeep.left_dead(prepared.removes());
         self.hints.notify(StoreChange {
@@ -297,7 +287,7 @@ impl Store for PgStore {
         // One statement, so one snapshot: the session row says whether the session exists
         // (it has events), the lateral join brings the range, possibly empty.
         let rows = retrying("reading a history", || async {
-            Ok(sqlx::query(
+            let statement = sqlx::query(
                 "SELECT e.seq, e.record FROM cairn_sessions AS s \
                  LEFT JOIN LATERAL ( \
                      SELECT seq, record FROM cairn_events \
@@ -309,9 +299,8 @@ impl Store for PgStore {
             )
             .bind(session_id)
             .bind(from)
-            .bind(limit)
-            .fetch_all(&self.pool)
-            .await?)
+            .bind(limit);
+            Ok(self.connections.get().await?.fetch_all(statement).await?)
         })
         .await?;
         if rows.is_empty() {
@@ -334,12 +323,11 @@ impl Store for PgStore {
 
     async fn list_sessions(&self) -> Result<Vec<SessionInfo>> {
         let rows = retrying("listing sessions", || async {
-            Ok(sqlx::query(
+            let statement = sqlx::query(
                 "SELECT session_id, status, last_seq, updated_at_ms FROM cairn_sessions \
                  WHERE status <> 'deleted' ORDER BY session_id COLLATE \"C\"",
-            )
-            .fetch_all(&self.pool)
-            .await?)
+            );
+            Ok(self.connections.get().await?.fetch_all(statement).await?)
         })
         .await?;
         rows.iter().map(rows::session).collect()
@@ -347,12 +335,11 @@ impl Store for PgStore {
 
     async fn deleted_sessions(&self) -> Result<Vec<String>> {
         let rows = retrying("listing deleted sessions", || async {
-            Ok(sqlx::query(
+            let statement = sqlx::query(
                 "SELECT session_id FROM cairn_sessions WHERE status = 'deleted' \
                  ORDER BY session_id COLLATE \"C\"",
-            )
-            .fetch_all(&self.pool)
-            .await?)
+            );
+            Ok(self.connections.get().await?.fetch_all(statement).await?)
         })
         .await?;
         rows.iter()
@@ -368,7 +355,7 @@ impl Store for PgStore {
     async fn record_deleted(&self, session_id: &str, now_ms: u64) -> Result<bool> {
         self.commits
             .timed(
-                crate::delete::record_deleted(&self.pool, session_id, now_ms),
+                crate::delete::record_deleted(&self.connections, session_id, now_ms),
                 |recorded| *recorded,
             )
             .await
@@ -379,13 +366,12 @@ impl Store for PgStore {
             return Ok(Vec::new());
         }
         let rows = retrying("reading session records", || async {
-            Ok(sqlx::query(
+            let statement = sqlx::query(
                 "SELECT session_id, status, last_seq, updated_at_ms FROM cairn_sessions \
                  WHERE session_id = ANY($1) AND status <> 'deleted'",
             )
-            .bind(session_ids)
-            .fetch_all(&self.pool)
-            .await?)
+            .bind(session_ids);
+            Ok(self.connections.get().await?.fetch_all(statement).await?)
         })
         .await?;
         rows.iter().map(rows::session).collect()
@@ -401,7 +387,7 @@ impl Store for PgStore {
         let leases = self
             .commits
             .timed(
-                tasks::lease(&self.pool, now_ms, lease_ms, max, filter),
+                tasks::lease(&self.connections, now_ms, lease_ms, max, filter),
                 |leases| !leases.is_empty(),
             )
             .await?;
@@ -420,7 +406,14 @@ impl Store for PgStore {
         let expiry = self
             .commits
             .timed(
-                tasks::extend(&self.pool, id, lease_attempt, now_ms, lease_ms, details),
+                tasks::extend(
+                    &self.connections,
+                    id,
+                    lease_attempt,
+                    now_ms,
+                    lease_ms,
+                    details,
+                ),
                 |_| true,
             )
             .await?;
@@ -429,21 +422,23 @@ impl Store for PgStore {
     }
 
     async fn overdue_tasks(&self, now_ms: u64, max: usize) -> Result<Vec<Task>> {
-        tasks::overdue(&self.pool, now_ms, max).await
+        tasks::overdue(&self.connections, now_ms, max).await
     }
 
     async fn list_tasks(&self) -> Result<Vec<Task>> {
-        tasks::list(&self.pool).await
+        tasks::list(&self.connections).await
     }
 
     async fn task(&self, id: &TaskId) -> Result<Option<Task>> {
-        tasks::get(&self.pool, id).await
+        tasks::get(&self.connections, id).await
     }
 
     async fn release_leases(&self, now_ms: u64) -> Result<usize> {
         let released = self
             .commits
-            .timed(tasks::release(&self.pool, now_ms), |released| *released > 0)
+            .timed(tasks::release(&self.connections, now_ms), |released| {
+                *released > 0
+            })
             .await?;
         self.upkeep.left_dead(released as u64);
         Ok(released)
@@ -452,7 +447,7 @@ impl Store for PgStore {
     async fn delete_session(&self, session_id: &str, now_ms: u64) -> Result<SessionInfo> {
         self.commits
             .timed(
-                crate::delete::delete(&self.pool, session_id, now_ms),
+                crate::delete::delete(&self.connections, session_id, now_ms),
                 |_| true,
             )
             .await

@@ -1,12 +1,12 @@
 //! The task queue's statements: leasing, heartbeats, timers, listing and releasing, each one
 //! statement (atomic on its own) with the memory store's semantics in its WHERE clause.
 
+use crate::connections::Connections;
 use crate::failure::{retrying, Failure};
 use crate::rows::{self, count_to_db, storable, time_to_db, to_db, TASK_COLUMNS};
 use cairn_ledger::JsonText;
 use cairn_runtime::store::{check_session_id, Lease, Task, TaskFilter, TaskId};
 use cairn_runtime::{Error, Result};
-use sqlx::postgres::PgPool;
 use std::collections::BTreeSet;
 
 /// The lease statement ([`lease`]): `$1` now, `$2` the leases' expiry, `$3` the most tasks,
@@ -55,7 +55,7 @@ pub(crate) const LEASE: &str = "WITH picked AS ( \
 /// - its session among the worker's sessions, when it names sessions;
 /// - in the worker's namespace: for `""`, an id without `:`; for `ns`, an id starting `ns:`.
 pub(crate) async fn lease(
-    pool: &PgPool,
+    connections: &Connections,
     now_ms: u64,
     lease_ms: u64,
     max: usize,
@@ -89,7 +89,7 @@ pub(crate) async fn lease(
     let expires = time_to_db(expires_at_ms);
     let max = count_to_db(max);
     let rows = retrying("leasing tasks", || async {
-        Ok(sqlx::query(LEASE)
+        let statement = sqlx::query(LEASE)
             .bind(now)
             .bind(expires)
             .bind(max)
@@ -97,9 +97,8 @@ pub(crate) async fn lease(
             .bind(&tools)
             .bind(&providers)
             .bind(&sessions)
-            .bind(namespace)
-            .fetch_all(pool)
-            .await?)
+            .bind(namespace);
+        Ok(connections.get().await?.fetch_all(statement).await?)
     })
     .await?;
     // RETURNING has no order: put the leases in queue order (as they stood before the lease).
@@ -121,7 +120,7 @@ pub(crate) async fn lease(
 /// Extends a current lease, storing `details` when given: one conditional UPDATE, and when it
 /// changes nothing, a read of the task to say why the lease is not current.
 pub(crate) async fn extend(
-    pool: &PgPool,
+    connections: &Connections,
     id: &TaskId,
     lease_attempt: u32,
     now_ms: u64,
@@ -143,7 +142,7 @@ pub(crate) async fn extend(
     let expires = time_to_db(expires_at_ms);
     let details = details.as_ref().map(JsonText::as_str);
     let extended = retrying("extending a lease", || async {
-        let done = sqlx::query(
+        let statement = sqlx::query(
             "UPDATE cairn_tasks \
              SET visible_at_ms = $5, heartbeat_details = COALESCE($6, heartbeat_details) \
              WHERE session_id = $1 AND scheduled_seq = $2 AND lease_attempt = $3 \
@@ -154,9 +153,8 @@ pub(crate) async fn extend(
         .bind(i64::from(lease_attempt))
         .bind(now)
         .bind(expires)
-        .bind(details)
-        .execute(pool)
-        .await?;
+        .bind(details);
+        let done = connections.get().await?.execute(statement).await?;
         Ok::<_, Failure>(done.rows_affected() == 1)
     })
     .await?;
@@ -164,14 +162,13 @@ pub(crate) async fn extend(
         return Ok(expires_at_ms);
     }
     let row = retrying("reading a task whose lease was not extended", || async {
-        Ok(sqlx::query(
+        let statement = sqlx::query(
             "SELECT lease_attempt, visible_at_ms FROM cairn_tasks \
              WHERE session_id = $1 AND scheduled_seq = $2",
         )
         .bind(&id.session_id)
-        .bind(seq)
-        .fetch_optional(pool)
-        .await?)
+        .bind(seq);
+        Ok(connections.get().await?.fetch_optional(statement).await?)
     })
     .await?;
     let Some(row) = row else {
@@ -194,44 +191,46 @@ pub(crate) async fn extend(
 
 /// Up to `max` overdue tasks, oldest first: visible, and held (a lapsed lease) or never leased
 /// and past its start deadline. Reads only.
-pub(crate) async fn overdue(pool: &PgPool, now_ms: u64, max: usize) -> Result<Vec<Task>> {
+pub(crate) async fn overdue(
+    connections: &Connections,
+    now_ms: u64,
+    max: usize,
+) -> Result<Vec<Task>> {
     if max == 0 {
         return Ok(Vec::new());
     }
     let now = time_to_db(now_ms);
     let rows = retrying("listing overdue tasks", || async {
-        Ok(sqlx::query(&format!(
+        let sql = format!(
             "SELECT {TASK_COLUMNS} FROM cairn_tasks \
              WHERE visible_at_ms <= $1 \
                AND (held OR (lease_attempt = 0 AND start_by_ms IS NOT NULL AND start_by_ms <= $1)) \
              ORDER BY visible_at_ms, session_id COLLATE \"C\", scheduled_seq \
              LIMIT $2"
-        ))
-        .bind(now)
-        .bind(count_to_db(max))
-        .fetch_all(pool)
-        .await?)
+        );
+        let statement = sqlx::query(&sql).bind(now).bind(count_to_db(max));
+        Ok(connections.get().await?.fetch_all(statement).await?)
     })
     .await?;
     rows.iter().map(rows::task).collect()
 }
 
 /// Every queued task, ordered by id.
-pub(crate) async fn list(pool: &PgPool) -> Result<Vec<Task>> {
+pub(crate) async fn list(connections: &Connections) -> Result<Vec<Task>> {
     let rows = retrying("listing tasks", || async {
-        Ok(sqlx::query(&format!(
+        let sql = format!(
             "SELECT {TASK_COLUMNS} FROM cairn_tasks \
              ORDER BY session_id COLLATE \"C\", scheduled_seq"
-        ))
-        .fetch_all(pool)
-        .await?)
+        );
+        let statement = sqlx::query(&sql);
+        Ok(connections.get().await?.fetch_all(statement).await?)
     })
     .await?;
     rows.iter().map(rows::task).collect()
 }
 
 /// The task of this id, if it is queued: one row by its primary key. Reads only.
-pub(crate) async fn get(pool: &PgPool, id: &TaskId) -> Result<Option<Task>> {
+pub(crate) async fn get(connections: &Connections, id: &TaskId) -> Result<Option<Task>> {
     // No task of an id that cannot be a session's, or of a seq PostgreSQL cannot hold, was
     // ever stored.
     let Ok(seq) = to_db("scheduled seq", id.scheduled_seq) else {
@@ -241,14 +240,12 @@ pub(crate) async fn get(pool: &PgPool, id: &TaskId) -> Result<Option<Task>> {
         return Ok(None);
     }
     let row = retrying("reading a task", || async {
-        Ok(sqlx::query(&format!(
+        let sql = format!(
             "SELECT {TASK_COLUMNS} FROM cairn_tasks \
              WHERE session_id = $1 AND scheduled_seq = $2"
-        ))
-        .bind(&id.session_id)
-        .bind(seq)
-        .fetch_optional(pool)
-        .await?)
+        );
+        let statement = sqlx::query(&sql).bind(&id.session_id).bind(seq);
+        Ok(connections.get().await?.fetch_optional(statement).await?)
     })
     .await?;
     row.as_ref().map(rows::task).transpose()
@@ -256,17 +253,20 @@ pub(crate) async fn get(pool: &PgPool, id: &TaskId) -> Result<Option<Task>> {
 
 /// Releases every leased task, current or lapsed (the memory store's `released_visibility`):
 /// no longer held, visible at the earlier of its expiry and now, its lease attempt kept.
-pub(crate) async fn release(pool: &PgPool, now_ms: u64) -> Result<usize> {
+pub(crate) async fn release(connections: &Connections, now_ms: u64) -> Result<usize> {
     let now = time_to_db(now_ms);
     let released = retrying("releasing leases", || async {
-        Ok(sqlx::query(
+        let statement = sqlx::query(
             "UPDATE cairn_tasks SET visible_at_ms = LEAST(visible_at_ms, $1), held = FALSE \
              WHERE lease_attempt > 0 AND (held OR visible_at_ms > $1)",
         )
-        .bind(now)
-        .execute(pool)
-        .await?
-        .rows_affected())
+        .bind(now);
+        Ok(connections
+            .get()
+            .await?
+            .execute(statement)
+            .await?
+            .rows_affected())
     })
     .await?;
     usize::try_from(released).map_err(|_| Error::Store {

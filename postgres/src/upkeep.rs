@@ -20,8 +20,8 @@
 //! autovacuum, after a failure that will not pass (a database without VACUUM, such as
 //! CockroachDB, which collects its garbage itself) for good.
 
+use crate::connections::Connections;
 use crate::failure::{classify, sqlstate};
-use sqlx::postgres::PgPool;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,10 +45,14 @@ pub(crate) struct QueueUpkeep {
 
 impl QueueUpkeep {
     /// Starts the upkeep task of a store whose statements run on `pool`.
-    pub(crate) fn start(pool: &PgPool, runtime: &tokio::runtime::Handle) -> Self {
+    pub(crate) fn start(connections: &Connections, runtime: &tokio::runtime::Handle) -> Self {
         let dead = Arc::new(AtomicU64::new(0));
         let due = Arc::new(Notify::new());
-        let task = runtime.spawn(vacuum_when_due(pool.clone(), dead.clone(), due.clone()));
+        let task = runtime.spawn(vacuum_when_due(
+            connections.clone(),
+            dead.clone(),
+            due.clone(),
+        ));
         QueueUpkeep { dead, due, task }
     }
 
@@ -73,17 +77,21 @@ impl QueueUpkeep {
 /// Vacuums the queue each time its dead versions reach [`VACUUM_AFTER`], at most once per
 /// [`VACUUM_GAP`], until a failure that will not pass.
 #[allow(clippy::disallowed_methods)] // the gap between vacuums is real time, by design
-async fn vacuum_when_due(pool: PgPool, dead: Arc<AtomicU64>, due: Arc<Notify>) {
+async fn vacuum_when_due(connections: Connections, dead: Arc<AtomicU64>, due: Arc<Notify>) {
     loop {
         due.notified().await;
         if dead.load(Ordering::Relaxed) < VACUUM_AFTER {
             continue;
         }
         dead.store(0, Ordering::Relaxed);
-        match sqlx::raw_sql("VACUUM (SKIP_LOCKED, TRUNCATE false) cairn_tasks")
-            .execute(&pool)
-            .await
-        {
+        let vacuumed = match connections.get().await {
+            Ok(mut conn) => {
+                conn.execute_unprepared("VACUUM (SKIP_LOCKED, TRUNCATE false) cairn_tasks")
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        match vacuumed {
             Ok(_) => tracing::debug!("vacuumed the task queue"),
             Err(e) => {
                 let error = classify("vacuuming the task queue", &e);
