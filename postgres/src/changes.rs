@@ -10,6 +10,15 @@
 //! Under load many appends share one statement, and no append waits for a round trip it does
 //! not need.
 //!
+//! Hints go unsent while no other store handle is connected to the database: nobody would
+//! hear them but this handle's own listener, which drops its echo. Every connection of a
+//! handle names it (`application_name` is `cairn ORIGIN`, [`application_name`]), and the
+//! sender looks for another `cairn` connection in `pg_stat_activity` at most every
+//! [`RECHECK_OTHERS`]. A server that starts is found within that time; until then it misses
+//! this handle's hints, which its polls of the store make up for (hints only wake; polls make
+//! sure). With a single server, this saves a statement and a backend's wake per batch of
+//! appends, and a wake of the listener and its backend for each echo.
+//!
 //! Hints are never the truth, so nothing here is allowed to fail an operation: a NOTIFY that
 //! fails is logged at debug and dropped, a payload that does not parse is ignored, and the
 //! listener reconnects after any error (hints sent while it was away are lost; engines poll a
@@ -37,6 +46,17 @@ const UNSENT_MAX: usize = 4096;
 
 /// The most hints one NOTIFY statement carries.
 const BATCH_MAX: usize = 512;
+
+/// How often the sender looks again for another store handle on the database.
+const RECHECK_OTHERS: Duration = Duration::from_millis(500);
+
+/// Whether another cairn store handle (another process, or another handle in this one) has a
+/// connection to the current database: the connections of every handle since this version
+/// are named `cairn ORIGIN`, and earlier versions' `cairn`.
+const OTHERS_CONNECTED: &str = "SELECT EXISTS (SELECT 1 FROM pg_stat_activity \
+     WHERE datname = current_database() \
+       AND (application_name = 'cairn' OR application_name LIKE 'cairn %') \
+       AND application_name <> $1) AS others";
 
 /// The first pause before the listener reconnects, doubled after each failure up to
 /// [`PAUSE_MAX`], so that a database without LISTEN is not asked many times a second.
@@ -73,6 +93,12 @@ impl std::fmt::Display for Origin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{:016x}", self.0)
     }
+}
+
+/// The `application_name` of every connection of the store handle of `origin`: how other
+/// handles see that it is there ([`OTHERS_CONNECTED`]).
+pub(crate) fn application_name(origin: Origin) -> String {
+    format!("cairn {origin}")
 }
 
 /// The hint of a NOTIFY payload, with its origin when it names one, or `None` when it is not
@@ -122,14 +148,14 @@ pub(crate) struct Hints {
 }
 
 impl Hints {
-    /// Hints for a store whose appends run on `connections`; `source` is where to listen
-    /// from, and `None` turns NOTIFY off.
+    /// Hints for the store handle of `origin`, whose appends run on `connections`; `source`
+    /// is where to listen from, and `None` turns NOTIFY off.
     pub(crate) fn new(
+        origin: Origin,
         connections: &Connections,
         source: Option<(PgPool, tokio::runtime::Handle)>,
         send_timeout: Duration,
     ) -> Self {
-        let origin = Origin::random();
         let sender_task = source.as_ref().map(|(_, runtime)| {
             let (queue, unsent) = mpsc::channel(UNSENT_MAX);
             let task = runtime.spawn(send(connections.clone(), origin, unsent, send_timeout));
@@ -203,7 +229,8 @@ impl Drop for Hints {
 
 /// Sends the queued hints until the queue closes: whatever gathered while the last statement
 /// ran goes in the next, one hint per session (the highest seq, queued tasks if any of its
-/// hints had them). A failed or slow send loses its hints, which hints allow.
+/// hints had them), while another store handle is connected. A failed or slow send loses its
+/// hints, which hints allow.
 #[allow(clippy::disallowed_methods)] // a send that does not answer is given up on, in real time
 async fn send(
     connections: Connections,
@@ -212,7 +239,17 @@ async fn send(
     send_timeout: Duration,
 ) {
     let mut batch = Vec::with_capacity(BATCH_MAX);
+    let mut others: Option<(bool, tokio::time::Instant)> = None;
     while unsent.recv_many(&mut batch, BATCH_MAX).await > 0 {
+        let stale = others.is_none_or(|(_, at)| at.elapsed() >= RECHECK_OTHERS);
+        if stale {
+            let found = others_connected(&connections, origin, send_timeout).await;
+            others = Some((found, tokio::time::Instant::now()));
+        }
+        if others.is_some_and(|(found, _)| !found) {
+            batch.clear();
+            continue;
+        }
         let payloads = merged(origin, batch.drain(..));
         let sent = async {
             let statement = sqlx::query("SELECT pg_notify($1, p) FROM UNNEST($2::TEXT[]) AS p")
@@ -227,6 +264,25 @@ async fn send(
             }
             Err(_) => tracing::debug!(hints = payloads.len(), "sending change hints timed out"),
         }
+    }
+}
+
+/// Whether another store handle is connected to the database ([`OTHERS_CONNECTED`]); yes
+/// when that cannot be read, since hints sent for nobody cost less than hints missed.
+#[allow(clippy::disallowed_methods)] // a look that does not answer is given up on, in real time
+async fn others_connected(connections: &Connections, origin: Origin, within: Duration) -> bool {
+    let looked = async {
+        let statement = sqlx::query(OTHERS_CONNECTED).bind(application_name(origin));
+        let row = connections.get().await?.fetch_one(statement).await?;
+        sqlx::Row::try_get::<bool, _>(&row, "others")
+    };
+    match tokio::time::timeout(within, looked).await {
+        Ok(Ok(others)) => others,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "cannot tell whether another store handle is connected");
+            true
+        }
+        Err(_) => true,
     }
 }
 

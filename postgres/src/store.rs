@@ -2,7 +2,7 @@
 //! or one transaction (the queue's in `tasks`, the append's in `append`).
 
 use crate::append;
-use crate::changes::Hints;
+use crate::changes::{application_name, Hints, Origin};
 use crate::commits::Commits;
 use crate::connections::Connections;
 use crate::failure::{classify, retrying};
@@ -93,9 +93,11 @@ impl PgStore {
                 "not a PostgreSQL URL (postgres://user:password@host:port/database)".to_owned(),
             ));
         }
+        let origin = Origin::random();
         let connect_options = PgConnectOptions::from_str(url)
             .map_err(|e| open_error(format!("not a PostgreSQL URL: {e}")))?
-            .application_name("cairn")
+            // Named for this handle, so that the others see it is there (`changes`).
+            .application_name(&application_name(origin))
             // An `Ok` from an append must mean durable, whatever the server's or the role's
             // default: session-start options override both.
             .options([
@@ -143,7 +145,7 @@ impl PgStore {
                 .connect_lazy_with(connect_options);
             (pool, runtime.clone())
         });
-        let hints = Hints::new(&connections, source, options.acquire_timeout);
+        let hints = Hints::new(origin, &connections, source, options.acquire_timeout);
         let upkeep = QueueUpkeep::start(&connections, &runtime);
         Ok(PgStore {
             connections,

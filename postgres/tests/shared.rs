@@ -532,6 +532,63 @@ async fn hints_reach_the_other_store() {
     );
 }
 
+/// Whether `observer` hears a notification within `within`.
+async fn notified(observer: &mut sqlx::postgres::PgListener, within: Duration) -> bool {
+    matches!(
+        tokio::time::timeout(within, observer.recv()).await,
+        Ok(Ok(_))
+    )
+}
+
+/// A store alone on its database sends no hints (only its own listener would hear them, and
+/// it drops their echo); once another store handle is connected, it sends them again within
+/// the sender's recheck. Heard by a plain LISTEN that is not a cairn connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_store_sends_no_hints_until_another_connects() {
+    let url = fresh_database().await;
+    let mut observer = sqlx::postgres::PgListener::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("an observer: {e}"));
+    observer
+        .listen("cairn_changes")
+        .await
+        .unwrap_or_else(|e| panic!("LISTEN: {e}"));
+    let a = connect(&url, PgOptions::default()).await;
+    for seq in 1..=3 {
+        a.append(append_request(
+            "lone",
+            seq,
+            vec![message("lone", seq, "x")],
+            seq,
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("append {seq}: {e}"));
+    }
+    assert!(
+        !notified(&mut observer, Duration::from_millis(700)).await,
+        "a store alone on its database sent a hint"
+    );
+    let _b = connect(&url, PgOptions::default()).await;
+    let mut seq = 4;
+    let mut sent = false;
+    while !sent && seq <= 40 {
+        a.append(append_request(
+            "lone",
+            seq,
+            vec![message("lone", seq, "y")],
+            seq,
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("append {seq}: {e}"));
+        sent = notified(&mut observer, Duration::from_millis(100)).await;
+        seq += 1;
+    }
+    assert!(
+        sent,
+        "no hint in 4 s of appends after another store handle connected"
+    );
+}
+
 /// A store counts the writes it committed, for `/v1/health` and `cairn bench`: an append, and
 /// a lease that leased something, each count once, with a time; a lease that found nothing
 /// wrote nothing and does not count; another handle's writes are its own.
