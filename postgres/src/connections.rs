@@ -167,24 +167,23 @@ impl Held {
         self.settled(outcome)
     }
 
+    /// Runs `statement` and returns its first row, if any (the statements that use it return
+    /// one row at most, so reading them all costs nothing more).
+    pub(crate) async fn fetch_optional(
+        &mut self,
+        statement: Statement<'_>,
+    ) -> Result<Option<PgRow>, sqlx::Error> {
+        Ok(self.fetch_all(statement).await?.into_iter().next())
+    }
+
     /// Runs `statement` and returns its one row (`RowNotFound` without one).
     pub(crate) async fn fetch_one(
         &mut self,
         statement: Statement<'_>,
     ) -> Result<PgRow, sqlx::Error> {
-        self.unsettled = true;
-        let outcome = statement.fetch_one(self.connection()).await;
-        self.settled(outcome)
-    }
-
-    /// Runs `statement` and returns its first row, if any.
-    pub(crate) async fn fetch_optional(
-        &mut self,
-        statement: Statement<'_>,
-    ) -> Result<Option<PgRow>, sqlx::Error> {
-        self.unsettled = true;
-        let outcome = statement.fetch_optional(self.connection()).await;
-        self.settled(outcome)
+        self.fetch_optional(statement)
+            .await?
+            .ok_or(sqlx::Error::RowNotFound)
     }
 
     /// Runs `statement` and says how many rows it changed.
