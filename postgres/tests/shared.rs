@@ -404,6 +404,32 @@ async fn exhausted_pool_fails_after_the_acquire_timeout() {
     );
 }
 
+/// Appends one event at a time to `session_id` through `store`, at each of `seqs`, until
+/// `heard` says that the append's hint arrived; the seq of the append that was heard, if one
+/// was.
+async fn append_until_heard(
+    store: &PgStore,
+    session_id: &str,
+    seqs: std::ops::RangeInclusive<u64>,
+    mut heard: impl AsyncFnMut(u64) -> bool,
+) -> Option<u64> {
+    for seq in seqs {
+        store
+            .append(append_request(
+                session_id,
+                seq,
+                vec![message(session_id, seq, "y")],
+                seq,
+            ))
+            .await
+            .unwrap_or_else(|e| panic!("append {seq} to {session_id}: {e}"));
+        if heard(seq).await {
+            return Some(seq);
+        }
+    }
+    None
+}
+
 /// Waits up to `within` for a hint about `session_id` at `last_seq`.
 async fn hint_arrives(
     hints: &mut tokio::sync::broadcast::Receiver<StoreChange>,
@@ -450,29 +476,19 @@ async fn hints_reach_the_other_store() {
 
     // The listener starts with the first subscription: append through the other store until
     // a hint of it arrives (hints sent before the listener listens are lost, as hints may be).
-    let mut seq = 1;
-    let mut heard = false;
-    while !heard && seq <= 50 {
-        b.append(append_request(
-            "elsewhere",
-            seq,
-            vec![message("elsewhere", seq, "y")],
-            seq,
-        ))
-        .await
-        .unwrap_or_else(|e| panic!("append through the other store: {e}"));
+    let heard = append_until_heard(&b, "elsewhere", 1..=50, async |seq| {
         let want = StoreChange {
             session_id: "elsewhere".to_owned(),
             last_seq: seq,
             enqueued: false,
         };
-        heard = hint_arrives(&mut hints, &want, Duration::from_millis(200)).await;
-        seq += 1;
-    }
-    assert!(
-        heard,
-        "no hint of the other store's appends arrived in 10 s"
-    );
+        hint_arrives(&mut hints, &want, Duration::from_millis(200)).await
+    })
+    .await;
+    let Some(heard) = heard else {
+        panic!("no hint of the other store's appends arrived in 10 s");
+    };
+    let seq = heard + 1;
     // Hints arrive in the order they were sent: an echo of the own append, had it not been
     // dropped, would be here by now. Another own append, then the other store's: only the
     // latter is heard.
@@ -569,22 +585,12 @@ async fn a_lone_store_sends_no_hints_until_another_connects() {
         "a store alone on its database sent a hint"
     );
     let _b = connect(&url, PgOptions::default()).await;
-    let mut seq = 4;
-    let mut sent = false;
-    while !sent && seq <= 40 {
-        a.append(append_request(
-            "lone",
-            seq,
-            vec![message("lone", seq, "y")],
-            seq,
-        ))
-        .await
-        .unwrap_or_else(|e| panic!("append {seq}: {e}"));
-        sent = notified(&mut observer, Duration::from_millis(100)).await;
-        seq += 1;
-    }
+    let sent = append_until_heard(&a, "lone", 4..=40, async |_| {
+        notified(&mut observer, Duration::from_millis(100)).await
+    })
+    .await;
     assert!(
-        sent,
+        sent.is_some(),
         "no hint in 4 s of appends after another store handle connected"
     );
 }
