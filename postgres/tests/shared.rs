@@ -404,6 +404,19 @@ async fn exhausted_pool_fails_after_the_acquire_timeout() {
     );
 }
 
+/// Appends a message of `text` to `session_id` at `seq` (its clock at `seq` too).
+async fn append_one(store: &PgStore, session_id: &str, seq: u64, text: &str) {
+    store
+        .append(append_request(
+            session_id,
+            seq,
+            vec![message(session_id, seq, text)],
+            seq,
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("append {seq} to {session_id}: {e}"));
+}
+
 /// Appends one event at a time to `session_id` through `store`, at each of `seqs`, until
 /// `heard` says that the append's hint arrived; the seq of the append that was heard, if one
 /// was.
@@ -414,15 +427,7 @@ async fn append_until_heard(
     mut heard: impl AsyncFnMut(u64) -> bool,
 ) -> Option<u64> {
     for seq in seqs {
-        store
-            .append(append_request(
-                session_id,
-                seq,
-                vec![message(session_id, seq, "y")],
-                seq,
-            ))
-            .await
-            .unwrap_or_else(|e| panic!("append {seq} to {session_id}: {e}"));
+        append_one(store, session_id, seq, "y").await;
         if heard(seq).await {
             return Some(seq);
         }
@@ -495,14 +500,7 @@ async fn hints_reach_the_other_store() {
     a.append(append_request("own", 2, vec![message("own", 2, "z")], 2))
         .await
         .unwrap_or_else(|e| panic!("own append: {e}"));
-    b.append(append_request(
-        "elsewhere",
-        seq,
-        vec![message("elsewhere", seq, "w")],
-        seq,
-    ))
-    .await
-    .unwrap_or_else(|e| panic!("append through the other store: {e}"));
+    append_one(&b, "elsewhere", seq, "w").await;
     let next = tokio::time::timeout(Duration::from_secs(10), hints.recv())
         .await
         .unwrap_or_else(|_| panic!("no hint of the other store's append in 10 s"))
@@ -571,14 +569,7 @@ async fn a_lone_store_sends_no_hints_until_another_connects() {
         .unwrap_or_else(|e| panic!("LISTEN: {e}"));
     let a = connect(&url, PgOptions::default()).await;
     for seq in 1..=3 {
-        a.append(append_request(
-            "lone",
-            seq,
-            vec![message("lone", seq, "x")],
-            seq,
-        ))
-        .await
-        .unwrap_or_else(|e| panic!("append {seq}: {e}"));
+        append_one(&a, "lone", seq, "x").await;
     }
     assert!(
         !notified(&mut observer, Duration::from_millis(700)).await,
